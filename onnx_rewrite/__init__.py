@@ -1,0 +1,10 @@
+"""ONNX frontend of lnfold: classify ONNX ops into the stream view, apply fold plans, emit RMSNorms."""
+from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
+
+from .api import analyze_model, check_equivalent, fold_model
+from .io import load, save
+
+__all__ = [
+    "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
+    "analyze_model", "check_equivalent", "fold_model", "load", "save",
+]

@@ -1,0 +1,137 @@
+"""The ONNX frontend's public API: `analyze_model` and `fold_model`."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Optional
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import version_converter
+
+from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from passes.plan import Plan, first_kept_reason
+
+from . import io, verify
+from .classify import GraphInfo, build_view
+from .emit import TARGETS, Emitter
+from .shapes import infer_shapes
+
+gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
+Progress = Optional[Callable[[str], None]]
+_RMS_OPSET = 23  # RMSNormalization
+
+
+def _stage(progress: Progress, msg: str) -> None:
+    if progress is not None:
+        progress(msg)
+
+
+def stderr_progress(msg: str) -> None:
+    print(f"lnfold: {msg}", file=sys.stderr, flush=True)
+
+
+def _import(model: onnx.ModelProto) -> gs.Graph:
+    graph = gs.import_onnx(model)
+    seen: set[str] = set()
+    for k, node in enumerate(graph.nodes):  # the analysis names nodes: they must be unique
+        if not node.name or node.name in seen:
+            node.name = f"{node.op}_{k}" if not node.name else f"{node.name}_{k}"
+        seen.add(node.name)
+    return graph
+
+
+def _analyze(model: onnx.ModelProto, mode: str):
+    opset = io.check_opset(model)
+    shapes = infer_shapes(model)
+    graph = _import(model)
+    info = GraphInfo(graph, shapes)
+    view, matches = build_view(info, opset)
+    plan = make_plan(view, mode)
+    return graph, info, opset, matches, plan
+
+
+def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
+    """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
+    return _analyze(model, mode)[-1].report
+
+
+def _check_plan(plan: Plan) -> None:
+    if not plan.report.norms:
+        raise NothingToFold("no LayerNorm found in the model: nothing to fold")
+    if plan.empty:
+        raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
+
+
+def fold_model(
+    model: onnx.ModelProto,
+    *,
+    mode: str = "rms",
+    target: str = "ort",
+    verify_outputs: bool = True,
+    progress: Progress = None,
+) -> FoldResult:
+    """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
+
+    Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
+    model's outputs differ from the original's (on random inputs, in onnxruntime). Models over
+    2 GB are verified by the CLI from files (`verify_outputs` is ignored for them here).
+    """
+    if target not in TARGETS:
+        raise LnfoldError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
+    if mode not in ("rms", "crms"):
+        raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    work = model  # read, never written: graphsurgeon builds a new proto on export
+    if target == "onnx" and io.check_opset(work) < _RMS_OPSET:
+        _stage(progress, f"converting to opset {_RMS_OPSET} for RMSNormalization")
+        try:
+            work = version_converter.convert_version(work, _RMS_OPSET)
+        except Exception as e:  # the converter raises bare RuntimeErrors
+            raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
+
+    _stage(progress, "analyzing")
+    graph, info, opset, matches, plan = _analyze(work, mode)
+    _check_plan(plan)
+    timings["analysis"] = time.perf_counter() - t0
+
+    _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
+    t1 = time.perf_counter()
+    emitter = Emitter(graph, info, opset, target)
+    emitter.apply(plan, matches)
+    out = _export(graph, work, uses_ms=target == "ort")
+    timings["editing"] = time.perf_counter() - t1
+
+    result = FoldResult(report=plan.report, model=out, timings=timings)
+    if verify_outputs and not io.is_large(out):
+        _stage(progress, "verifying")
+        t2 = time.perf_counter()
+        result.max_rel_err = check_equivalent(model, out)
+        timings["verification"] = time.perf_counter() - t2
+    return result
+
+
+def check_equivalent(original, folded) -> float:
+    """Worst relative output difference; raises VerificationError above the dtype's tolerance."""
+    err, tol = verify.compare(original, folded)
+    if not err <= tol:
+        raise VerificationError(f"verification failed: outputs differ by {err:.3g} (relative), above {tol:g}")
+    return err
+
+
+def _export(graph: gs.Graph, like: onnx.ModelProto, uses_ms: bool) -> onnx.ModelProto:
+    out = gs.export_onnx(graph, do_type_check=False)
+    out.ir_version = like.ir_version
+    del out.opset_import[:]
+    out.opset_import.extend(like.opset_import)
+    if uses_ms and not any(o.domain == "com.microsoft" for o in out.opset_import):
+        out.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(out, field, getattr(like, field))
+    del out.metadata_props[:]
+    out.metadata_props.extend(like.metadata_props)
+    out.metadata_props.append(onnx.StringStringEntryProto(key="lnfold", value="folded LayerNorms into RMSNorms"))
+    del out.functions[:]
+    out.functions.extend(like.functions)
+    return out

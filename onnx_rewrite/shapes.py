@@ -1,0 +1,72 @@
+"""Shape inference that stays cheap on big models, and the feature-axis maps that need shapes."""
+from __future__ import annotations
+
+from math import prod
+from typing import Optional
+
+import onnx
+from onnx import helper
+
+# Initializers above this many elements are replaced by typed graph inputs before inference:
+# inference needs their shapes, not their data, and a >2 GB proto cannot be serialized.
+_SKELETON_ELEMS = 4096
+
+Shape = Optional[tuple]  # per dim: int, str (symbolic) or None; None: rank unknown
+
+
+def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
+    """name -> shape of every value onnx can infer (inputs, outputs, initializers, internals)."""
+    g = model.graph
+    small, fake_inputs = [], []
+    for init in g.initializer:
+        if prod(init.dims) > _SKELETON_ELEMS:
+            fake_inputs.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+        else:
+            small.append(init)
+    skel_graph = helper.make_graph(
+        list(g.node), g.name or "g", list(g.input) + fake_inputs, list(g.output), small,
+        value_info=list(g.value_info),
+    )
+    skel_graph.sparse_initializer.extend(g.sparse_initializer)
+    skel = helper.make_model(skel_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    skel.functions.extend(model.functions)
+    try:
+        skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
+    except Exception:  # inference is best effort: unknown shapes only make the analysis careful
+        pass
+    shapes: dict[str, Shape] = {}
+    for vi in list(skel.graph.value_info) + list(skel.graph.input) + list(skel.graph.output):
+        t = vi.type.tensor_type
+        if not t.HasField("shape"):
+            continue
+        shapes[vi.name] = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
+        )
+    for init in g.initializer:
+        shapes[init.name] = tuple(init.dims)
+    return shapes
+
+
+def _static(dims) -> bool:
+    return all(isinstance(d, int) for d in dims)
+
+
+def reshape_axis(src: Shape, dst: Shape, axis: int) -> Optional[int]:
+    """The axis of `dst` that holds `src`'s axis whole after a reshape, or None.
+
+    The feature axis survives a reshape when the dims after it keep their product and it keeps
+    its size (GPT-2's [B,T,D] -> [B*T,D]; ViT's [B,D,h,w] -> [B,D,h*w]).
+    """
+    if src is None or dst is None or not 0 <= axis < len(src):
+        return None
+    size = src[axis]
+    tail = src[axis + 1:]
+    if not isinstance(size, int) or not _static(tail):
+        return None
+    tail_prod = prod(tail)
+    # Same size and same product of the dims after it: in row-major order the axis holds the
+    # same elements, whatever happens to the dims before it.
+    for j in range(len(dst) - 1, -1, -1):
+        if dst[j] == size and _static(dst[j + 1:]) and prod(dst[j + 1:]) == tail_prod:
+            return j
+    return None

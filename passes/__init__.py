@@ -1,0 +1,16 @@
+"""IR-neutral core of lnfold: the stream view, the foldability analysis, the plan, weight math.
+
+Nothing here imports torch.fx or onnx (DESIGN §2).
+"""
+from .analysis import Component, analyze
+from .errors import LnfoldError, NothingToFold, VerificationError
+from .plan import Plan, compute_constants, make_plan
+from .report import NormVerdict, Report
+from .result import FoldResult
+from .view import ChannelScale, ConstRef, Node, NormSpec, Value, View
+
+__all__ = [
+    "ChannelScale", "Component", "ConstRef", "FoldResult", "LnfoldError", "Node", "NormSpec",
+    "NormVerdict", "NothingToFold", "Plan", "Report", "Value", "VerificationError", "View",
+    "analyze", "compute_constants", "make_plan",
+]

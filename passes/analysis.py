@@ -1,0 +1,225 @@
+"""Foldability analysis: stream components, their sources and sinks, and a verdict per LayerNorm.
+
+Pure function of a `View`: `analyze(view)` returns the components found, and `make_plan`
+(passes/plan.py) turns them into edits. DESIGN.md §1 is the specification.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .view import ChannelScale, ConstRef, Node, View
+
+# Recenter only where the swaps it enables outnumber the recenters by this factor (DESIGN §1).
+RECENTER_PAYOFF = 2
+
+
+@dataclass
+class CenteredSource:
+    """A source made zero-mean by centering constants (after folding `scales` into them)."""
+
+    node: Optional[str]  # None for a constant added straight into the stream
+    refs: list[ConstRef]
+    scales: list[ConstRef] = field(default_factory=list)  # LayerScale vectors folded into refs
+
+
+@dataclass
+class OpaqueStart:
+    """A stream tensor nothing can center but an explicit Recenter."""
+
+    value: str
+    axis: int
+    what: str  # e.g. "Tanh `/h.0/mlp/act`", "graph input `x`"
+
+
+@dataclass
+class Component:
+    """One connected set of stream tensors, with the feature axis of each."""
+
+    axes: dict[str, int] = field(default_factory=dict)
+    norms: list[str] = field(default_factory=list)
+    sources: list[CenteredSource] = field(default_factory=list)
+    opaque: list[OpaqueStart] = field(default_factory=list)
+    blockers: list[str] = field(default_factory=list)
+
+    @property
+    def foldable(self) -> bool:
+        return not self.blockers and self.recenter_pays
+
+    @property
+    def recenter_pays(self) -> bool:
+        return len(self.norms) >= RECENTER_PAYOFF * len(self.opaque)
+
+    def reason(self) -> str:
+        if self.blockers:
+            more = f" (and {len(self.blockers) - 1} more)" if len(self.blockers) > 1 else ""
+            return self.blockers[0] + more
+        if not self.recenter_pays:
+            starts = ", ".join(o.what for o in self.opaque[:3])
+            return (
+                f"stream is started by {starts}, which no constant edit can center; "
+                f"{len(self.opaque)} recenter(s) would buy only {len(self.norms)} swap(s)"
+            )
+        return ""
+
+
+def _fmt_value(name: str) -> str:
+    return f"`{name}`"
+
+
+class _ComponentBuilder:
+    def __init__(self, view: View) -> None:
+        self.view = view
+        self.comp = Component()
+        self.queue: deque[str] = deque()
+        self._seen_sources: set[tuple] = set()
+
+    def block(self, msg: str) -> None:
+        if msg not in self.comp.blockers:
+            self.comp.blockers.append(msg)
+
+    def visit(self, value: str, axis: int) -> None:
+        have = self.comp.axes.get(value)
+        if have is None:
+            self.comp.axes[value] = axis
+            self.queue.append(value)
+        elif have != axis:
+            self.block(
+                f"stream tensor {_fmt_value(value)} is reached with feature axis {have} "
+                f"and {axis} (a reshape or transpose mixes the feature axis)"
+            )
+
+    def run(self, start: str, axis: int) -> Component:
+        self.visit(start, axis)
+        while self.queue:
+            value = self.queue.popleft()
+            axis = self.comp.axes[value]
+            self._producer_side(value, axis)
+            self._consumer_side(value, axis)
+        return self.comp
+
+    # -- how a stream tensor comes to be -------------------------------------------------------
+    def _producer_side(self, value: str, axis: int) -> None:
+        v = self.view.values[value]
+        if v.producer is None:
+            if v.is_const:
+                # Reached only as the output of nothing: a constant used directly as stream
+                # (rare: e.g. a graph whose stream starts at a constant). Not an edit we make.
+                self._add_opaque(value, axis, f"constant {_fmt_value(value)}")
+            else:
+                self._add_opaque(value, axis, f"graph input {_fmt_value(value)}")
+            return
+        node = self.view.nodes[v.producer]
+        o = node.outputs.index(value)
+
+        ins = node.backward(o, axis)
+        if ins is not None:
+            for i, in_axis in ins:
+                self._stream_input(node, i, in_axis)
+            # Sibling outputs (a Split's) join when the inputs' readers are visited.
+            return
+
+        scale = node.channel_scale(o, axis)
+        if scale is not None:
+            src = self._scaled_source(node, scale)
+            if src is not None:
+                self._add_source(src)
+                return
+
+        refs = node.centering(o, axis)
+        if refs is not None:
+            self._add_source(CenteredSource(node.name, list(refs)))
+            return
+        self._add_opaque(value, axis, node.describe())
+
+    def _stream_input(self, node: Node, i: int, axis: int) -> None:
+        name = node.inputs[i]
+        if self.view.values[name].is_const:
+            self._add_source(CenteredSource(None, [ConstRef(name, axis, node.name, i)]))
+        else:
+            self.visit(name, axis)
+
+    def _scaled_source(self, node: Node, scale: ChannelScale) -> Optional[CenteredSource]:
+        """LayerScale: fold a per-channel constant into the centerable sources feeding it.
+
+        Every tensor between the scale and those sources must feed only this path, since the
+        scaled weights are seen by all of their readers.
+        """
+        refs: list[ConstRef] = []
+        stack = [(node.inputs[scale.input], scale.input_axis)]
+        while stack:
+            name, axis = stack.pop()
+            v = self.view.values[name]
+            if v.is_const:
+                return None  # a constant scaled in place is fine, but rare; keep it simple
+            if v.producer is None or len(v.consumers) != 1 or v.is_graph_output:
+                return None
+            p = self.view.nodes[v.producer]
+            if len(p.outputs) != 1:
+                return None
+            ins = p.backward(0, axis)
+            if ins is not None:
+                for i, in_axis in ins:
+                    if self.view.values[p.inputs[i]].is_const:
+                        refs.append(ConstRef(p.inputs[i], in_axis, p.name, i))
+                    else:
+                        stack.append((p.inputs[i], in_axis))
+                continue
+            got = p.centering(0, axis)
+            if got is None:
+                return None
+            refs.extend(got)
+        return CenteredSource(node.name, refs, scales=[scale.scale]) if refs else None
+
+    def _add_source(self, src: CenteredSource) -> None:
+        key = (src.node, tuple(src.refs))
+        if key not in self._seen_sources:
+            self._seen_sources.add(key)
+            self.comp.sources.append(src)
+
+    def _add_opaque(self, value: str, axis: int, what: str) -> None:
+        if all(o.value != value for o in self.comp.opaque):
+            self.comp.opaque.append(OpaqueStart(value, axis, what))
+
+    # -- who reads a stream tensor -------------------------------------------------------------
+    def _consumer_side(self, value: str, axis: int) -> None:
+        v = self.view.values[value]
+        if v.is_graph_output:
+            self.block(f"stream tensor {_fmt_value(value)} is a graph output (its mean is observable)")
+        for cname, i in v.consumers:
+            c = self.view.nodes[cname]
+            outs = c.transfer(i, axis)
+            if outs is not None:
+                for o, oaxis in outs:
+                    if c.outputs[o]:
+                        self.visit(c.outputs[o], oaxis)
+                continue
+            if c.norm is not None and c.norm.input == i:
+                if c.norm.axis == axis:
+                    if cname not in self.comp.norms:
+                        self.comp.norms.append(cname)
+                else:
+                    self.block(
+                        f"stream tensor {_fmt_value(value)} is read by {c.describe()} over axis "
+                        f"{c.norm.axis}, but its feature axis is {axis}"
+                    )
+                continue
+            if c.invariant(i, axis):
+                continue
+            self.block(f"stream tensor {_fmt_value(value)} is read by {c.describe()} (not shift-invariant)")
+
+
+def analyze(view: View) -> list[Component]:
+    """The stream components of `view`, one per connected set of LayerNorm inputs."""
+    components: list[Component] = []
+    placed: set[str] = set()
+    for node in view.norms():
+        if node.norm is None or node.name in placed:
+            continue
+        comp = _ComponentBuilder(view).run(node.inputs[node.norm.input], node.norm.axis)
+        if node.name not in comp.norms:  # defensive: the start must reach its own norm
+            comp.norms.insert(0, node.name)
+        placed.update(comp.norms)
+        components.append(comp)
+    return components

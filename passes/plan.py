@@ -1,0 +1,153 @@
+"""The fold plan: what to edit, derived from the analysis, and the weight math to do it.
+
+A plan is data. A frontend applies it: it computes new constants with `compute_constants`
+(which asks the frontend for the original arrays), writes them, rewires the readers of cloned
+constants, inserts recenters and swaps norms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from . import weights
+from .analysis import Component, analyze
+from .report import NormVerdict, Report
+from .view import View
+
+
+@dataclass(frozen=True)
+class Center:
+    axis: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Multiply along `axis` by the vector that constant `by` holds along its axis `by_axis`."""
+
+    by: str
+    by_axis: int
+    axis: int
+
+
+@dataclass(frozen=True)
+class Ones:
+    """The LayerScale vector once folded into its sources: becomes all ones."""
+
+
+Op = Union[Center, Scale, Ones]
+
+
+@dataclass
+class ConstEdit:
+    value: str
+    ops: tuple  # of Op, applied left to right to the original array
+    users: list[tuple[str, int]]  # (node, input index) that must read the edited tensor
+    clone: bool  # other readers exist: write a new constant and rewire `users` to it
+    new_name: str = ""  # the name of the clone (or of the edited constant when not cloned)
+
+
+@dataclass
+class Recenter:
+    value: str
+    axis: int
+
+
+@dataclass
+class Plan:
+    mode: str
+    const_edits: list[ConstEdit] = field(default_factory=list)
+    recenters: list[Recenter] = field(default_factory=list)
+    swaps: list[str] = field(default_factory=list)  # LayerNorm nodes to replace by RMSNorm
+    components: list[Component] = field(default_factory=list)
+    report: Report = field(default_factory=Report)
+
+    @property
+    def empty(self) -> bool:
+        return not self.swaps
+
+
+def make_plan(view: View, mode: str = "rms") -> Plan:
+    if mode not in ("rms", "crms"):
+        raise ValueError(f"unknown mode {mode!r} (expected 'rms' or 'crms')")
+    components = analyze(view)
+    plan = Plan(mode=mode, components=components, report=Report(mode=mode))
+
+    verdicts: dict[str, NormVerdict] = {}
+    wanted: dict[tuple, list[tuple[str, int]]] = {}
+    for comp in components:
+        if not comp.foldable:
+            for n in comp.norms:
+                verdicts[n] = NormVerdict(n, "keep", comp.reason())
+            continue
+        for n in comp.norms:
+            verdicts[n] = NormVerdict(n, "fold", recentered=bool(comp.opaque))
+        plan.swaps.extend(comp.norms)
+        plan.recenters.extend(Recenter(o.value, o.axis) for o in comp.opaque)
+        for src in comp.sources:
+            scale_ops: tuple = ()
+            for s in src.scales:
+                wanted.setdefault((s.value, (Ones(),)), []).append((s.user, s.user_input))
+            for ref in src.refs:
+                scale_ops = tuple(Scale(s.value, s.axis, ref.axis) for s in src.scales)
+                key = (ref.value, scale_ops + (Center(ref.axis),))
+                wanted.setdefault(key, []).append((ref.user, ref.user_input))
+
+    for (value, ops), users in wanted.items():
+        readers = set(view.values[value].consumers)
+        users = sorted(set(users))
+        clone = readers != set(users)
+        plan.const_edits.append(ConstEdit(value, ops, users, clone))
+
+    for node in view.norms():
+        if node.name not in verdicts:
+            verdicts[node.name] = NormVerdict(node.name, "keep", node.norm_rejection or "not analyzed")
+    plan.report.norms = [verdicts[n.name] for n in view.norms()]
+    plan.report.recentered = len(plan.recenters)
+    if mode == "crms" and plan.swaps:
+        plan.report.notes.append(
+            "CRMSNorm compression (d -> d-1) is not emitted yet; folded norms use RMSNorm, "
+            "which computes the same values"
+        )
+    return plan
+
+
+def compute_constants(
+    plan: Plan, get_array: Callable[[str], np.ndarray]
+) -> list[tuple[ConstEdit, np.ndarray]]:
+    """The new value of every edited constant, computed from the originals in float64."""
+    cache: dict[str, np.ndarray] = {}
+
+    def original(name: str) -> np.ndarray:
+        if name not in cache:
+            cache[name] = np.asarray(get_array(name))
+        return cache[name]
+
+    out = []
+    for edit in plan.const_edits:
+        a = original(edit.value)
+        for op in edit.ops:
+            if isinstance(op, Center):
+                a = weights.center(a, op.axis)
+            elif isinstance(op, Scale):
+                vec = weights.vector_along(original(op.by), op.by_axis)
+                a = weights.scale(a, vec, op.axis)
+            elif isinstance(op, Ones):
+                a = np.ones_like(a)
+            else:  # pragma: no cover - Op is closed
+                raise TypeError(op)
+        out.append((edit, a))
+    return out
+
+
+def describe_const_edit(edit: ConstEdit) -> str:
+    names = {Center: "center", Scale: "scale", Ones: "ones"}
+    return f"{edit.value}: {'+'.join(names[type(o)] for o in edit.ops)}{' (cloned)' if edit.clone else ''}"
+
+
+def first_kept_reason(report: Report) -> Optional[str]:
+    for n in report.norms:
+        if n.verdict == "keep":
+            return f"{n.name}: {n.reason}"
+    return None

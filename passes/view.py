@@ -1,0 +1,141 @@
+"""The stream view: an IR-neutral picture of a graph, as the foldability analysis sees it.
+
+A frontend (ONNX, torch.fx) builds one `View` from its IR. Each node carries the answers the
+analysis needs, as small callables the frontend fills in from its op classification table:
+
+- `transfer(i, axis)`: is the node shift-transparent through input `i` when that input's
+  feature axis is `axis`? If so, which outputs carry the shift and on which axis.
+- `backward(o, axis)`: the same question asked from output `o`: which inputs carry the stream
+  into it, on which axes. Inputs it leaves out are parameters (a scalar factor, a shape); an
+  input whose share of the output cannot be placed must make it answer None.
+- `centering(o, axis)`: can output `o` be made zero-mean along `axis` by editing constants?
+  If so, which constants along which of their axes (Lemma 3.1 of the paper).
+- `channel_scale(o, axis)`: is output `o` a per-channel constant scale of input `i` (LayerScale),
+  which can be folded into the source(s) upstream before centering?
+- `invariant(i, axis)`: is the node's output unchanged by a per-row shift of input `i` along 1?
+- `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
+
+Axes are non-negative ints; every value carries its rank. Nothing here imports a framework.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+# (output index, feature axis of that output)
+AxisMap = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ConstRef:
+    """A constant tensor to edit along `axis`, reached by `user` through its input `user_input`.
+
+    The edit rewires `user.inputs[user_input]` when the constant must be cloned (because other
+    nodes read it too), so shared and tied weights are never changed for their other readers.
+    """
+
+    value: str
+    axis: int
+    user: str
+    user_input: int
+
+
+@dataclass
+class NormSpec:
+    """A LayerNorm over exactly one axis of its input."""
+
+    input: int  # index of the normalized input among the node's inputs
+    axis: int  # the normalized (feature) axis of that input
+    gamma: Optional[str] = None  # value names, None when absent
+    beta: Optional[str] = None
+    epsilon: float = 1e-5
+
+
+@dataclass
+class ChannelScale:
+    """Output = input[`input`] * constant that varies along the feature axis (LayerScale)."""
+
+    input: int
+    input_axis: int
+    scale: ConstRef
+
+
+def _never_transfer(i: int, axis: int) -> Optional[AxisMap]:
+    return None
+
+
+def _never_backward(o: int, axis: int) -> Optional[list[tuple[int, int]]]:
+    return None
+
+
+def _never_center(o: int, axis: int) -> Optional[list[ConstRef]]:
+    return None
+
+
+def _no_scale(o: int, axis: int) -> Optional[ChannelScale]:
+    return None
+
+
+def _not_invariant(i: int, axis: int) -> bool:
+    return False
+
+
+@dataclass
+class Node:
+    name: str
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    transfer: Callable[[int, int], Optional[AxisMap]] = _never_transfer
+    backward: Callable[[int, int], Optional[list[tuple[int, int]]]] = _never_backward
+    centering: Callable[[int, int], Optional[list[ConstRef]]] = _never_center
+    channel_scale: Callable[[int, int], Optional[ChannelScale]] = _no_scale
+    invariant: Callable[[int, int], bool] = _not_invariant
+    norm: Optional[NormSpec] = None
+    # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes).
+    # Set by the frontend on LayerNorms that get no NormSpec, so the report can say why.
+    norm_rejection: Optional[str] = None
+
+    def describe(self) -> str:
+        return f"{self.op} `{self.name}`"
+
+
+@dataclass
+class Value:
+    name: str
+    rank: Optional[int] = None  # None: unknown
+    shape: Optional[tuple] = None  # ints, strings (symbolic) or None per dim
+    is_const: bool = False
+    is_graph_input: bool = False
+    is_graph_output: bool = False
+    producer: Optional[str] = None  # node name
+    consumers: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index)
+
+
+class View:
+    """Nodes and values of one graph, linked both ways."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, Node] = {}
+        self.values: dict[str, Value] = {}
+
+    def value(self, name: str) -> Value:
+        if name not in self.values:
+            self.values[name] = Value(name)
+        return self.values[name]
+
+    def add_node(self, node: Node) -> Node:
+        if node.name in self.nodes:
+            raise ValueError(f"duplicate node name {node.name!r}")
+        self.nodes[node.name] = node
+        for i, v in enumerate(node.inputs):
+            if v:
+                self.value(v).consumers.append((node.name, i))
+        for v in node.outputs:
+            if v:
+                self.value(v).producer = node.name
+        return node
+
+    def norms(self) -> list[Node]:
+        """Every node that is a LayerNorm, foldable in principle or not, in graph order."""
+        return [n for n in self.nodes.values() if n.norm is not None or n.norm_rejection]

@@ -1,0 +1,68 @@
+"""Weight math of the fold, in float64, cast back to each tensor's dtype (DESIGN §4).
+
+Frontends hand over numpy arrays (bf16 as float32 or ml_dtypes) and write the results back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _f64(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+def center(a: np.ndarray, axis: int) -> np.ndarray:
+    """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1."""
+    x = _f64(a)
+    return (x - x.mean(axis=axis, keepdims=True)).astype(a.dtype)
+
+
+def vector_along(a: np.ndarray, axis: int) -> np.ndarray:
+    """The 1-D profile of a tensor that varies only along `axis` (a LayerScale vector)."""
+    x = _f64(a)
+    moved = np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis])
+    return moved[0]
+
+
+def scale(a: np.ndarray, vec: np.ndarray, axis: int) -> np.ndarray:
+    """`a` multiplied along `axis` by `vec` (broadcast when `a` has size 1 there)."""
+    x = _f64(a)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    v = _f64(vec).reshape(shape)
+    if x.shape[axis] == 1 and v.shape[axis] != 1:
+        raise ValueError("cannot fold a per-channel scale into a tensor constant along channels")
+    return (x * v).astype(a.dtype)
+
+
+def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out_dtype) -> np.ndarray:
+    """`W β + b` for a linear layer whose weight has its input features on `in_axis`.
+
+    Used to fold a norm's β into the biases of the linear layers that read the norm, since
+    RMSNorm ops take no bias: `W(γ⊙n + β) + b = W(γ⊙n) + (Wβ + b)`.
+    """
+    w = np.moveaxis(_f64(weight), in_axis, 0)
+    out = np.tensordot(_f64(beta).reshape(-1), w, axes=([0], [0]))
+    if bias is not None:
+        out = out + _f64(bias).reshape(out.shape)
+    return out.astype(out_dtype)
+
+
+def max_rel_err(ref: np.ndarray, got: np.ndarray) -> float:
+    """max |ref - got| / max |ref|: the equivalence measure of every verification."""
+    r = _f64(ref)
+    g = _f64(got)
+    if r.shape != g.shape:
+        return float("inf")
+    if r.size == 0:
+        return 0.0
+    both_nan = np.isnan(r) & np.isnan(g)
+    diff = np.where(both_nan, 0.0, np.abs(r - g))
+    if np.isnan(diff).any():
+        return float("inf")
+    finite = np.isfinite(r)
+    if not np.array_equal(np.isinf(r), np.isinf(g)) or not np.array_equal(r[~finite & ~both_nan], g[~finite & ~both_nan]):
+        return float("inf")
+    denom = float(np.abs(r[finite]).max()) if finite.any() else 0.0
+    d = float(diff[finite].max()) if finite.any() else 0.0
+    return d / denom if denom > 0 else d
