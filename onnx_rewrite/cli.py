@@ -1,0 +1,141 @@
+"""The `lnfold` command: fold, report, demo.
+
+Exit codes: 0 done; 1 the folded model failed verification (nothing written); 2 bad input or
+nothing to fold (one line on stderr, input untouched, nothing written); 3 an internal error
+(a bug: one line, and the traceback with LNFOLD_DEBUG=1); 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from passes import LnfoldError, VerificationError
+
+# Above this size the command reports its stages on stderr.
+PROGRESS_BYTES = 300 * 2**20
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lnfold", description="Fold the LayerNorms of a model into RMSNorms, exactly.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    f = sub.add_parser("fold", help="fold an ONNX model and write the result")
+    f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
+    f.add_argument("-o", "--output", required=True, help="where to write the folded model")
+    f.add_argument("--mode", choices=("rms", "crms"), default="rms")
+    f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort",
+                   help="ort: onnxruntime's fused RMSNorm ops (default); onnx: RMSNormalization (opset 23); "
+                        "portable: primitive ops")
+    f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
+
+    r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
+    r.add_argument("input")
+    r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
+    r.add_argument("--mode", choices=("rms", "crms"), default="rms")
+
+    d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
+    d.add_argument("--layers", type=int, default=4)
+    d.add_argument("--hidden", type=int, default=256)
+    d.add_argument("--keep", metavar="DIR", help="write the original and folded models into DIR")
+    return p
+
+
+def _progress_for(path: Path):
+    from .api import stderr_progress
+
+    try:
+        big = path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(path.name + "*.data"))
+    except OSError:
+        big = 0
+    return stderr_progress if big > PROGRESS_BYTES else None
+
+
+def cmd_fold(args) -> int:
+    from . import io
+    from .api import fold_model
+    from .verify import compare, index_bounds
+
+    src, dst = Path(args.input), Path(args.output)
+    if dst.exists() and dst.is_dir():
+        raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
+    if src.resolve() == dst.resolve() or (src.exists() and dst.exists() and os.path.samefile(src, dst)):
+        raise LnfoldError(f"{dst}: output would overwrite the input; choose another path")
+    if not (dst.parent if str(dst.parent) else Path(".")).is_dir():
+        raise LnfoldError(f"{dst.parent}: output directory does not exist")
+    progress = _progress_for(src)
+    t0 = time.perf_counter()
+    if progress:
+        progress(f"loading {src}")
+    model = io.load(src)
+    bounds = index_bounds(model)
+    result = fold_model(model, mode=args.mode, target=args.target, verify_outputs=False, progress=progress)
+    del model  # the folded model shares nothing we still need; free the original's weights
+
+    def check(tmp: Path) -> None:
+        if args.no_verify:
+            return
+        if progress:
+            progress("verifying in onnxruntime")
+        err, tol = compare(src, tmp, bounds=bounds)
+        if not err <= tol:
+            raise VerificationError(f"verification failed: outputs differ by {err:.3g} (relative), above {tol:g}")
+        result.max_rel_err = err
+
+    if progress:
+        progress(f"saving {dst}")
+    io.save(result.model, dst, check=check)
+    rep = result.report
+    print(f"lnfold: {rep.summary()}")
+    for n in rep.norms:
+        if n.verdict == "keep":
+            print(f"  kept {n.name}: {n.reason}")
+    for note in rep.notes:
+        print(f"  note: {note}")
+    ver = "skipped (--no-verify)" if args.no_verify else f"max relative output difference {result.max_rel_err:.2e}"
+    print(f"lnfold: verification: {ver}")
+    print(f"lnfold: wrote {dst} (target {args.target}) in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from . import io
+    from .api import analyze_model
+
+    report = analyze_model(io.load(args.input), mode=args.mode)
+    if not report.norms:
+        raise LnfoldError("no LayerNorm found in the model")
+    print(report.to_json(indent=2) if args.json else report.table())
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "fold":
+            return cmd_fold(args)
+        if args.cmd == "report":
+            return cmd_report(args)
+        from .demo import run_demo
+
+        return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep)
+    except LnfoldError as e:
+        print(f"lnfold: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("lnfold: interrupted; nothing written", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug of ours: say so in one line, details on request
+        if os.environ.get("LNFOLD_DEBUG"):
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"lnfold: internal error: {type(e).__name__}: {first} (set LNFOLD_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
