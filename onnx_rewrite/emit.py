@@ -92,7 +92,7 @@ class Emitter:
         if data is None or out in self.graph.outputs or self.info.shape(data) != self.info.shape(out):
             return
         for reader in list(out.outputs):
-            reader.inputs[:] = [data if t is out else t for t in reader.inputs]
+            _replace_input(reader, out, data)
         mul.outputs.clear()
 
     def _reduce_mean(self, x, axes: list[int], out) -> gs.Node:
@@ -109,7 +109,7 @@ class Emitter:
         self._reduce_mean(x, [axis], mean)
         self.node("Sub", [x, mean], [centered])
         for r in readers:
-            r.inputs[:] = [centered if t is x else t for t in r.inputs]
+            _replace_input(r, x, centered)
 
     # --- norms -------------------------------------------------------------------------------
     def _swap(self, m: NormMatch) -> None:
@@ -280,14 +280,9 @@ class Emitter:
         return (r, w, in_axis, (r, None))
 
     def _matmul_reader(self, r: gs.Node):
-        ref = self.info.const_ref(r, 1, None)
-        if ref is None or np.ndim(const_values(self.info_tensor(ref.value))) != 2:
-            return None
-        w = const_values(self.info_tensor(ref.value))
-        if ref.user != r.name:  # reached through a Transpose: the input axis moved with it
-            w = np.asarray(w).T
+        w = _weight_2d(r.inputs[1])
         out = r.outputs[0]
-        if len(out.outputs) != 1 or out in self.graph.outputs or out.outputs[0].op != "Add":
+        if w is None or len(out.outputs) != 1 or out in self.graph.outputs or out.outputs[0].op != "Add":
             return None
         add = out.outputs[0]
         slot = 1 if add.inputs[0] is out else 0
@@ -295,6 +290,26 @@ class Emitter:
         if b is None or np.size(b) != np.shape(w)[1]:
             return None
         return (r, w, 0, (add, slot))
+
+
+def _weight_2d(t: gs.Tensor) -> Optional[np.ndarray]:
+    """A constant [in, out] matrix, possibly behind a Transpose (a tied lm_head)."""
+    if is_constant(t):
+        w = const_values(t)
+        return w if np.ndim(w) == 2 else None
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    if p is not None and p.op == "Transpose" and is_constant(p.inputs[0]):
+        w = const_values(p.inputs[0])
+        if np.ndim(w) == 2 and list(p.attrs.get("perm", [1, 0])) == [1, 0]:
+            return np.asarray(w).T
+    return None
+
+
+def _replace_input(node: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
+    # graphsurgeon's input lists keep tensor.outputs in sync only through item assignment
+    for i, t in enumerate(node.inputs):
+        if t is old:
+            node.inputs[i] = new
 
 
 def _np(dtype):

@@ -1,0 +1,261 @@
+"""The ONNX path end to end: real architectures, hand-written graphs, the CLI, and a planted bug."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_rewrite
+from onnx_rewrite import NothingToFold, VerificationError, fold_model
+from onnx_rewrite.verify import compare
+from passes import plan as plan_mod
+
+RTOL = 1e-5
+
+
+def _ops(model):
+    return [n.op_type for n in model.graph.node]
+
+
+# --- real architectures ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["ort", "onnx", "portable"])
+def test_gpt2_every_layernorm_folds(zoo_onnx, target):
+    _, _, model = zoo_onnx("gpt2")
+    res = fold_model(model, target=target)
+    layers = 2
+    assert res.report.folded == 2 * layers + 1 and res.report.kept == 0
+    assert res.max_rel_err < RTOL
+    assert "LayerNormalization" not in _ops(res.model)
+    expected = {"ort": "SkipSimplifiedLayerNormalization", "onnx": "RMSNormalization", "portable": "Sqrt"}[target]
+    assert expected in _ops(res.model)
+
+
+def test_gpt2_ort_target_fuses_residual_adds(zoo_onnx):
+    _, _, model = zoo_onnx("gpt2")
+    ops = _ops(fold_model(model).model)
+    # every norm but the first (fed by the embeddings sum of token + position) reads a residual Add
+    assert ops.count("SkipSimplifiedLayerNormalization") >= 4
+    assert ops.count("SimplifiedLayerNormalization") + ops.count("SkipSimplifiedLayerNormalization") == 5
+
+
+def test_vit_every_layernorm_folds(zoo_onnx):
+    _, _, model = zoo_onnx("vit")
+    res = fold_model(model)
+    assert (res.report.folded, res.report.kept) == (5, 0)
+    assert res.max_rel_err < RTOL
+
+
+def test_bert_only_embeddings_layernorm_folds(zoo_onnx):
+    _, _, model = zoo_onnx("bert")
+    res = fold_model(model)
+    verdicts = [n.verdict for n in res.report.norms]
+    assert verdicts == ["fold"] + ["keep"] * 4
+    for n in res.report.norms[1:]:
+        assert "is read by MatMul" in n.reason and "not shift-invariant" in n.reason
+    assert res.max_rel_err < RTOL
+
+
+def test_opset23_export_folds_too(zoo_onnx):
+    _, _, model = zoo_onnx("gpt2", opset=23)
+    res = fold_model(model)
+    assert res.report.folded == 5 and res.max_rel_err < RTOL
+
+
+def test_input_model_is_not_modified(zoo_onnx):
+    _, _, model = zoo_onnx("vit")
+    before = model.SerializeToString()
+    fold_model(model)
+    assert model.SerializeToString() == before
+
+
+# --- the tests can fail -------------------------------------------------------------------------
+
+def test_planted_bug_skipped_centering_fails_verification(zoo_onnx, monkeypatch):
+    """Drop one centering edit from the plan: the equivalence check must catch it."""
+    _, _, model = zoo_onnx("gpt2")
+    real = onnx_rewrite.api.make_plan
+
+    def sabotaged(view, mode="rms"):
+        plan = real(view, mode)
+        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], plan_mod.Center)]
+        plan.const_edits.remove(centers[len(centers) // 2])
+        return plan
+
+    monkeypatch.setattr(onnx_rewrite.api, "make_plan", sabotaged)
+    with pytest.raises(VerificationError):
+        fold_model(model)
+
+
+def test_swap_without_centering_is_not_equivalent(zoo_onnx):
+    """The adversarial weights make an unfolded LayerNorm -> RMSNorm swap visibly wrong."""
+    _, _, model = zoo_onnx("gpt2")
+    swapped = onnx.ModelProto()
+    swapped.CopyFrom(model)
+    for n in swapped.graph.node:
+        if n.op_type == "LayerNormalization":
+            n.op_type = "SimplifiedLayerNormalization"
+            del n.input[2:]
+    err, _ = compare(model, swapped)
+    assert err > 1e-2
+
+
+# --- hand-written graphs -----------------------------------------------------------------------
+
+D, T = 16, 5
+
+
+def _const(name, arr):
+    return numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name)
+
+
+def _model(nodes, inits, inputs, outputs, opset=18):
+    g = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def _ln(i, x, out, rng, inits):
+    inits += [_const(f"g{i}", 1 + 0.5 * rng.standard_normal(D)), _const(f"b{i}", 0.5 * rng.standard_normal(D))]
+    return helper.make_node("LayerNormalization", [x, f"g{i}", f"b{i}"], [out], name=f"ln{i}", axis=-1, epsilon=1e-5)
+
+
+def _block(i, h, rng, nodes, inits):
+    """h + W_i · LN_i(h) + b_i  (a Pre-LN residual block with a large-mean writer)."""
+    nodes.append(_ln(i, h, f"n{i}", rng, inits))
+    inits += [_const(f"W{i}", rng.standard_normal((D, D)) + 3.0), _const(f"c{i}", rng.standard_normal(D) + 5.0)]
+    nodes += [
+        helper.make_node("MatMul", [f"n{i}", f"W{i}"], [f"m{i}"], name=f"mm{i}"),
+        helper.make_node("Add", [f"m{i}", f"c{i}"], [f"o{i}"], name=f"bias{i}"),
+        helper.make_node("Add", [h, f"o{i}"], [f"h{i}"], name=f"res{i}"),
+    ]
+    return f"h{i}"
+
+
+def _nonlinear_start_model(blocks: int):
+    """A stream started by a Tanh (opaque: only a Recenter can center it), read by LayerNorms."""
+    rng = np.random.default_rng(1)
+    nodes, inits = [helper.make_node("Tanh", ["x"], ["t"], name="act")], []
+    inits.append(_const("shift", np.full(D, 2.0)))
+    nodes.append(helper.make_node("Add", ["t", "shift"], ["h"], name="shift_add"))
+    h = "h"
+    for i in range(blocks):
+        h = _block(i, h, rng, nodes, inits)
+    nodes.append(_ln(99, h, "y", rng, inits))
+    return _model(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", T, D])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+
+
+def test_nonlinear_stream_start_folds_with_one_recenter():
+    model = _nonlinear_start_model(blocks=2)  # 3 norms for 1 recenter: pays
+    res = fold_model(model)
+    assert (res.report.folded, res.report.kept, res.report.recentered) == (3, 0, 1)
+    assert all(n.recentered for n in res.report.norms)
+    assert res.max_rel_err < RTOL
+    assert _ops(res.model).count("ReduceMean") == 1
+
+
+def test_lone_norm_behind_nonlinearity_is_not_worth_a_recenter():
+    model = _nonlinear_start_model(blocks=0)  # 1 norm for 1 recenter: does not pay
+    report = onnx_rewrite.analyze_model(model)
+    assert report.kept == 1 and report.recentered == 0
+    assert "Tanh `act`" in report.norms[0].reason and "recenter" in report.norms[0].reason
+    with pytest.raises(NothingToFold):
+        fold_model(model)
+
+
+def test_stream_as_graph_output_blocks_with_reason():
+    rng = np.random.default_rng(2)
+    nodes, inits = [], [_const("E", rng.standard_normal((11, D)) + 4.0)]
+    nodes.append(helper.make_node("Gather", ["E", "ids"], ["h"], name="embed"))
+    h = _block(0, "h", rng, nodes, inits)
+    nodes.append(_ln(1, h, "y", rng, inits))
+    model = _model(nodes, inits, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", T])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                    helper.make_tensor_value_info(h, TensorProto.FLOAT, None)])
+    report = onnx_rewrite.analyze_model(model)
+    assert report.kept == 2
+    assert f"stream tensor `{h}` is a graph output" in report.norms[0].reason
+
+
+def test_tied_embedding_is_cloned_not_edited():
+    """Embedding table shared with a transposed lm_head: the head must still read the original."""
+    rng = np.random.default_rng(3)
+    V = 13
+    nodes, inits = [], [_const("E", rng.standard_normal((V, D)) + 4.0), _const("P", rng.standard_normal((T, D)) + 2.0)]
+    nodes += [helper.make_node("Gather", ["E", "ids"], ["tok"], name="embed"),
+              helper.make_node("Add", ["tok", "P"], ["h"], name="add_pos")]
+    h = _block(0, "h", rng, nodes, inits)
+    nodes.append(_ln(1, h, "f", rng, inits))
+    nodes += [helper.make_node("Transpose", ["E"], ["Et"], name="tie", perm=[1, 0]),
+              helper.make_node("MatMul", ["f", "Et"], ["logits"], name="lm_head")]
+    model = _model(nodes, inits, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", T])],
+                   [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)])
+    res = fold_model(model)
+    assert res.report.folded == 2 and res.max_rel_err < RTOL
+    by_name = {i.name: numpy_helper.to_array(i) for i in res.model.graph.initializer}
+    np.testing.assert_array_equal(by_name["E"], numpy_helper.to_array(inits[0]))  # the head's copy is untouched
+    centered = [v for k, v in by_name.items() if k.startswith("E/")]
+    assert len(centered) == 1 and np.abs(centered[0].mean(axis=1)).max() < 1e-5
+
+
+def test_layerscale_is_folded_into_its_source():
+    """h + γ_ls ⊙ (W·LN(h) + b): the per-channel scale goes into W and b before centering."""
+    rng = np.random.default_rng(4)
+    nodes, inits = [], [_const("E", rng.standard_normal((11, D)) + 4.0)]
+    nodes.append(helper.make_node("Gather", ["E", "ids"], ["h"], name="embed"))
+    nodes.append(_ln(0, "h", "n0", rng, inits))
+    inits += [_const("W", rng.standard_normal((D, D)) + 3.0), _const("c", rng.standard_normal(D) + 5.0),
+              _const("ls", 0.1 + rng.random(D))]
+    nodes += [helper.make_node("MatMul", ["n0", "W"], ["m"], name="mm"),
+              helper.make_node("Add", ["m", "c"], ["o"], name="bias"),
+              helper.make_node("Mul", ["o", "ls"], ["s"], name="layerscale"),
+              helper.make_node("Add", ["h", "s"], ["h1"], name="res")]
+    nodes.append(_ln(1, "h1", "y", rng, inits))
+    model = _model(nodes, inits, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["B", T])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    res = fold_model(model)
+    assert res.report.folded == 2 and res.max_rel_err < RTOL
+    assert "layerscale" not in [n.name for n in res.model.graph.node]  # Mul by ones dropped
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+def _lnfold(*args):
+    return subprocess.run([sys.executable, "-m", "onnx_rewrite.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_fold_and_report(zoo_onnx, tmp_path):
+    _, _, model = zoo_onnx("bert")
+    src, dst = tmp_path / "bert.onnx", tmp_path / "out" / "bert.folded.onnx"
+    dst.parent.mkdir()
+    onnx.save(model, src)
+    r = _lnfold("fold", str(src), "-o", str(dst))
+    assert r.returncode == 0, r.stderr
+    assert "5 LayerNorm(s): 1 folded, 4 kept, 0 recenter(s)" in r.stdout
+    assert "max relative output difference" in r.stdout
+    err, _ = compare(src, dst)
+    assert err < RTOL
+
+    r = _lnfold("report", str(src), "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert (data["folded"], data["kept"], data["recentered"]) == (1, 4, 0)
+    assert [n["verdict"] for n in data["norms"]] == ["fold"] + ["keep"] * 4
+    assert all(n["reason"] for n in data["norms"] if n["verdict"] == "keep")
+
+    r = _lnfold("report", str(src))
+    assert r.returncode == 0 and "keep" in r.stdout and "not shift-invariant" in r.stdout
+
+
+def test_cli_refuses_model_with_nothing_to_fold(tmp_path):
+    model = _nonlinear_start_model(blocks=0)
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(model, src)
+    r = _lnfold("fold", str(src), "-o", str(dst))
+    assert r.returncode == 2 and not dst.exists()
+    assert r.stderr.count("\n") == 1 and "no LayerNorm can be folded" in r.stderr
