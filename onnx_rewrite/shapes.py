@@ -30,21 +30,46 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     skel_graph.sparse_initializer.extend(g.sparse_initializer)
     skel = helper.make_model(skel_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     skel.functions.extend(model.functions)
-    try:
-        skel = onnx.shape_inference.infer_shapes(skel, strict_mode=False, data_prop=True)
-    except Exception:  # inference is best effort: unknown shapes only make the analysis careful
-        pass
     shapes: dict[str, Shape] = {}
-    for vi in list(skel.graph.value_info) + list(skel.graph.input) + list(skel.graph.output):
-        t = vi.type.tensor_type
-        if not t.HasField("shape"):
+    # onnx's inference first; onnxruntime's symbolic inference then fills what it could not
+    # (shapes computed at run time from Shape/Concat, as older exporters emit for flatten).
+    for infer in (_onnx_inference, _symbolic_inference):
+        try:
+            inferred = infer(skel)
+        except Exception:  # inference is best effort: unknown shapes only make the analysis careful
             continue
-        shapes[vi.name] = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
-        )
+        for name, shape in _read_shapes(inferred).items():
+            if _known(shape) > _known(shapes.get(name)):
+                shapes[name] = shape
     for init in g.initializer:
         shapes[init.name] = tuple(init.dims)
     return shapes
+
+
+def _onnx_inference(m: onnx.ModelProto) -> onnx.ModelProto:
+    return onnx.shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
+
+
+def _symbolic_inference(m: onnx.ModelProto) -> onnx.ModelProto:
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    return SymbolicShapeInference.infer_shapes(m, auto_merge=True, guess_output_rank=False)
+
+
+def _read_shapes(m: onnx.ModelProto) -> dict[str, Shape]:
+    out = {}
+    for vi in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output):
+        t = vi.type.tensor_type
+        if t.HasField("shape"):
+            out[vi.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
+            )
+    return out
+
+
+def _known(shape: Shape) -> int:
+    """How much a shape tells: -1 nothing, else 1 + the number of static dims."""
+    return -1 if shape is None else 1 + sum(isinstance(d, int) for d in shape)
 
 
 def _static(dims) -> bool:

@@ -259,3 +259,19 @@ def test_cli_refuses_model_with_nothing_to_fold(tmp_path):
     r = _lnfold("fold", str(src), "-o", str(dst))
     assert r.returncode == 2 and not dst.exists()
     assert r.stderr.count("\n") == 1 and "no LayerNorm can be folded" in r.stderr
+
+
+@pytest.mark.parametrize("name,folded", [("vit", 5), ("bert", 1)])
+def test_legacy_exporter_decomposed_layernorms(name, folded):
+    """torch's TorchScript exporter at opset 14 emits LayerNorm as ReduceMean/Sub/Pow/.../Add."""
+    from fx_rewrite import zoo
+
+    from .conftest import export_quiet
+
+    module, args = zoo.MODELS[name]()
+    model = export_quiet(module, args, zoo.INPUT_NAMES[name], opset=14, dynamo=False)
+    assert "LayerNormalization" not in _ops(model)
+    res = fold_model(model)
+    assert len(res.report.norms) == 5 and res.report.folded == folded
+    assert res.max_rel_err < RTOL
+    assert _ops(res.model).count("ReduceMean") == 2 * (5 - folded)  # kept norms keep their two
