@@ -1,0 +1,36 @@
+"""Feature-axis maps that both frontends need: where an axis lands after a reshape.
+
+Shapes are tuples with, per dim, an int, a string (a symbolic size) or None (unknown); a shape
+of None means the rank is unknown too.
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Optional
+
+Shape = Optional[tuple]
+
+
+def _static(dims) -> bool:
+    return all(isinstance(d, int) for d in dims)
+
+
+def reshape_axis(src: Shape, dst: Shape, axis: int) -> Optional[int]:
+    """The axis of `dst` that holds `src`'s axis whole after a reshape, or None.
+
+    The feature axis survives a reshape when the dims after it keep their product and it keeps
+    its size (GPT-2's [B,T,D] -> [B*T,D]; ViT's [B,D,h,w] -> [B,D,h*w]).
+    """
+    if src is None or dst is None or not 0 <= axis < len(src):
+        return None
+    size = src[axis]
+    tail = src[axis + 1:]
+    if not isinstance(size, int) or not _static(tail):
+        return None
+    tail_prod = prod(tail)
+    # Same size and same product of the dims after it: in row-major order the axis holds the
+    # same elements, whatever happens to the dims before it.
+    for j in range(len(dst) - 1, -1, -1):
+        if dst[j] == size and _static(dst[j + 1:]) and prod(dst[j + 1:]) == tail_prod:
+            return j
+    return None
