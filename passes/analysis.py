@@ -170,6 +170,8 @@ class _ComponentBuilder:
             if got is None:
                 return None
             refs.extend(got)
+        if any(r.axis is None for r in refs):  # a per-row constant has no channels to scale
+            return None
         return CenteredSource(node.name, refs, scales=[scale.scale]) if refs else None
 
     def _add_source(self, src: CenteredSource) -> None:

@@ -11,8 +11,14 @@ def _f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def center(a: np.ndarray, axis: int) -> np.ndarray:
-    """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1."""
+def center(a: np.ndarray, axis) -> np.ndarray:
+    """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1.
+
+    `axis=None` is a tensor that lacks the feature axis (a scalar, or a table broadcast along the
+    features): it is uniform along them, so centering leaves nothing.
+    """
+    if axis is None:
+        return np.zeros_like(a)
     x = _f64(a)
     return (x - x.mean(axis=axis, keepdims=True)).astype(a.dtype)
 
