@@ -137,7 +137,7 @@ def run(batches=(1, 8), seq: int = 128, rounds: int = 30) -> list[dict]:
                     r()
 
             fns[v] = many
-            prof = profile_kernel_time(lambda prefix, m=m: ort_session(m, profile=prefix), feeds, runs=20)
+            prof = profile_kernel_time(lambda prefix, m=m: ort_session(m, profile=prefix), feeds, runs=60)
             meta[v] = {"ops_run": kernel_ops(m), "kernel_s": sum(prof.values()), "kernel_by_op": prof}
         log(f"ops: timing {len(fns)} single-op graphs at {shape}")
         stats = interleaved(fns, rounds=rounds, warmup=3)

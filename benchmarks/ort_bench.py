@@ -61,7 +61,21 @@ def build_variants(spec: M.Spec, opset: int, *, lnfold_targets=("ort", "onnx")) 
     return paths, notes
 
 
-def time_paths(paths: dict, feeds: dict, *, rounds: int, device: str = "cpu") -> dict:
+def time_paths(paths: dict, feeds: dict, *, rounds: int, device: str = "cpu", max_sessions: int = 0) -> dict:
+    """Interleaved timing of every path; with max_sessions, in chunks that each include the first
+    path (the anchor: "plain"), so big models never hold more than max_sessions sessions."""
+    names = list(paths)
+    if max_sessions and len(names) > max_sessions:
+        anchor, rest = names[0], names[1:]
+        step = max_sessions - 1
+        out = {}
+        for i in range(0, len(rest), step):
+            chunk = {anchor: paths[anchor], **{k: paths[k] for k in rest[i:i + step]}}
+            got = time_paths(chunk, feeds, rounds=rounds, device=device)
+            if anchor in out:  # keep the anchor's first measurement; note the chunk's own anchor
+                got = {k: {**v, "anchor_median": got[anchor]["median"]} for k, v in got.items() if k != anchor}
+            out.update(got)
+        return out
     sessions = {}
     for name, p in paths.items():
         sessions[name] = _session(p, device)
@@ -95,7 +109,7 @@ def profile(path, feeds: dict, runs: int = 5) -> dict:
 
 
 def run_case(case: M.Case, *, opsets=(18, 23), rounds: int = 10, headline_rounds: int = 20,
-             device: str = "cpu", do_profile: bool = False) -> dict:
+             device: str = "cpu", do_profile: bool = False, max_sessions: int = 0) -> dict:
     spec = case.spec
     f = M.feeds(spec, case.batch, seq=case.seq, past=case.seq - 1)
     result = {"case": case.label, "model": spec.name, "kind": spec.kind, "batch": case.batch, "seq": case.seq,
@@ -111,7 +125,7 @@ def run_case(case: M.Case, *, opsets=(18, 23), rounds: int = 10, headline_rounds
         for k, v in notes.items():
             result["notes"][f"{k} op{opset}"] = v
         log(f"{case.label}: timing {len(paths)} variants of the opset-{opset} export, {rounds} interleaved rounds")
-        stats = time_paths(paths, f, rounds=rounds, device=device)
+        stats = time_paths(paths, f, rounds=rounds, device=device, max_sessions=max_sessions)
         for k, s in stats.items():
             result["rows"][f"{k} op{opset}"] = s
             all_paths[f"{k} op{opset}"] = paths[k]
@@ -130,7 +144,7 @@ def run_case(case: M.Case, *, opsets=(18, 23), rounds: int = 10, headline_rounds
     if headline_rounds and len(set(picks.values())) > 1:
         uniq = {v: all_paths[v] for v in dict.fromkeys(picks.values())}
         log(f"{case.label}: headline run {list(uniq)}, {headline_rounds} interleaved rounds")
-        result["headline"] = time_paths(uniq, f, rounds=headline_rounds, device=device)
+        result["headline"] = time_paths(uniq, f, rounds=headline_rounds, device=device, max_sessions=max_sessions)
     if do_profile:
         result["profile"] = {}
         for k in dict.fromkeys(list(picks.values()) + [k for k in rows if k.startswith(("plain", "lnfold-ort "))]):

@@ -1,0 +1,161 @@
+"""python -m benchmarks run [--quick] [--device cpu|cuda] [--only ops,ort,torch,foldcost,demo]
+
+Writes benchmarks/RESULTS.md and benchmarks/results.json (or the paths given with --out/--json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+
+from . import models as M
+from .common import HERE, THREADS, gpu, log, machine, now, versions
+
+
+def cases(quick: bool, device: str):
+    """(ORT cases, torch cases, ORT options by case label)."""
+    if device == "cuda":
+        batches = (1, 8, 64)
+        ort = [M.Case(s, b) for s in (M.GPT2_SMALL, M.GPT2_MEDIUM, M.VIT_S16, M.VIT_B16) for b in batches]
+        ort += [M.Case(M.decode(s), b) for s in (M.GPT2_SMALL, M.GPT2_MEDIUM) for b in batches]
+        tc = [c for c in ort]
+        if quick:
+            ort = [M.Case(M.GPT2_SMALL, 8), M.Case(M.VIT_B16, 8), M.Case(M.decode(M.GPT2_SMALL), 8)]
+            tc = list(ort)
+        return ort, tc
+    if quick:
+        ort = [M.Case(M.GPT2_SMALL, 1), M.Case(M.decode(M.GPT2_SMALL), 1), M.Case(M.VIT_S16, 1)]
+        tc = [M.Case(M.VIT_S16, 1)]
+        return ort, tc
+    ort = [M.Case(s, b) for s in (M.GPT2_SMALL, M.GPT2_MEDIUM, M.VIT_S16, M.VIT_B16) for b in (1, 8)]
+    ort += [M.Case(M.decode(s), b) for s in (M.GPT2_SMALL, M.GPT2_MEDIUM) for b in (1, 8)]
+    tc = [M.Case(M.GPT2_SMALL, 1), M.Case(M.GPT2_SMALL, 8), M.Case(M.decode(M.GPT2_SMALL), 1),
+          M.Case(M.VIT_S16, 1), M.Case(M.VIT_S16, 8), M.Case(M.VIT_B16, 1), M.Case(M.VIT_B16, 8),
+          M.Case(M.GPT2_MEDIUM, 1)]
+    return ort, tc
+
+
+DEMO = M.Spec("demo GPT-2 (4 layers, width 256, vocab 1000)", "gpt2", 4, 256, 4, vocab=1000, positions=128)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the benchmarks and write RESULTS.md / results.json")
+    r.add_argument("--quick", action="store_true", help="fewer, smaller cases (a few minutes on 2 cores)")
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    r.add_argument("--only", default="ops,demo,ort,torch,foldcost",
+                   help="comma-separated sections: ops, demo, ort, torch, foldcost")
+    r.add_argument("--no-big", action="store_true", help="foldcost: skip the 1.5 B-parameter model")
+    r.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    r.add_argument("--json", default=str(HERE / "results.json"))
+    r.add_argument("--rounds", type=int, default=0, help="interleaved rounds per variant (default by mode)")
+    rp = sub.add_parser("report", help="rewrite RESULTS.md from a results.json")
+    rp.add_argument("--json", default=str(HERE / "results.json"))
+    rp.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    args = p.parse_args(argv)
+
+    from .report import write_markdown
+
+    if args.cmd == "report":
+        res = json.load(open(args.json))
+        write_markdown(res, args.out)
+        return 0
+
+    only = set(args.only.split(","))
+    quick, device = args.quick, args.device
+    if device == "cuda" and not gpu():
+        print("benchmarks: --device cuda asked but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    rounds = args.rounds or (8 if quick else 12)
+    res: dict = {
+        "date": now(), "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "mode": "quick" if quick else "full", "device": device, "machine": machine(), "gpu": gpu(),
+        "versions": versions(), "threads": {"onnxruntime intra_op_num_threads": THREADS,
+                                            "onnxruntime inter_op_num_threads": 1,
+                                            "onnxruntime allow_spinning": 0, "torch.set_num_threads": THREADS},
+        "rounds": rounds, "sections": {}, "errors": {}, "timing_s": {},
+    }
+    json_path, md_path = args.json, args.out
+
+    def save():
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        write_markdown(res, md_path)
+
+    def section(name, fn):
+        if name not in only:
+            return
+        t0 = time.perf_counter()
+        log(f"=== {name} ===")
+        try:
+            fn()
+        except Exception as e:  # keep going: one broken section must not lose the others
+            res["errors"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        res["timing_s"][name] = time.perf_counter() - t0
+        save()
+
+    def ops():
+        from . import ops as O
+
+        res["sections"]["ops"] = O.run(rounds=15 if quick else 30)
+
+    def demo():
+        from . import ort_bench as OB
+
+        res["sections"]["demo"] = OB.run_case(M.Case(DEMO, 1), rounds=20 if quick else 40,
+                                              headline_rounds=30 if quick else 60, do_profile=True)
+
+    def ort_rows():
+        from . import ort_bench as OB
+
+        out = res["sections"].setdefault("ort", [])
+        ort_cases, _ = cases(quick, device)
+        for c in ort_cases:
+            big = c.spec.hidden >= 1024
+            try:
+                out.append(OB.run_case(c, rounds=rounds, headline_rounds=2 * rounds, device=device,
+                                       do_profile=(device == "cpu" and c.batch == 1 and not big),
+                                       max_sessions=5 if big else 0))
+            except Exception as e:
+                out.append({"case": c.label, "error": f"{type(e).__name__}: {e}"})
+                traceback.print_exc()
+            save()
+
+    def torch_rows():
+        from . import torch_bench as TB
+
+        out = res["sections"].setdefault("torch", [])
+        _, tcases = cases(quick, device)
+        dtypes = ("float16", "bfloat16") if device == "cuda" else ("float32",)
+        for c in tcases:
+            for dt in dtypes:
+                try:
+                    out.append(TB.run_case(c, rounds=rounds, device=device, dtype_name=dt))
+                except Exception as e:
+                    out.append({"case": c.label, "dtype": dt, "error": f"{type(e).__name__}: {e}"})
+                    traceback.print_exc()
+                save()
+
+    def foldcost():
+        from . import foldcost as FC
+
+        res["sections"]["foldcost"] = FC.run(quick=quick, big=not (quick or args.no_big))
+
+    section("ops", ops)
+    section("demo", demo)
+    section("ort", ort_rows)
+    section("torch", torch_rows)
+    section("foldcost", foldcost)
+    save()
+    log(f"wrote {md_path} and {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
