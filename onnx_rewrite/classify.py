@@ -366,8 +366,8 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
     "ArgMax": _softmax,
     "ArgMin": _softmax,
     # Shape/Size read no values: nothing about the stream's mean can reach their outputs.
-    "Shape": lambda info, n, _: dict(invariant=lambda i, b: True),
-    "Size": lambda info, n, _: dict(invariant=lambda i, b: True),
+    "Shape": lambda info, n, _: dict(invariant=lambda i, b: True, shape_only=True),
+    "Size": lambda info, n, _: dict(invariant=lambda i, b: True, shape_only=True),
     "MatMul": lambda info, n, _: _matmul(info, n),
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Conv": lambda info, n, _: _conv(info, n),

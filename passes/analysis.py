@@ -153,7 +153,8 @@ class _ComponentBuilder:
             v = self.view.values[name]
             if v.is_const:
                 return None  # a constant scaled in place is fine, but rare; keep it simple
-            if v.producer is None or len(v.consumers) != 1 or v.is_graph_output:
+            readers = [c for c in v.consumers if not self.view.nodes[c[0]].shape_only]
+            if v.producer is None or len(readers) != 1 or v.is_graph_output:
                 return None
             p = self.view.nodes[v.producer]
             if len(p.outputs) != 1:

@@ -95,6 +95,8 @@ class Node:
     # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes).
     # Set by the frontend on LayerNorms that get no NormSpec, so the report can say why.
     norm_rejection: Optional[str] = None
+    # Reads only the shapes of its inputs (ONNX Shape/Size): no weight edit can reach its output.
+    shape_only: bool = False
 
     def describe(self) -> str:
         return f"{self.op} `{self.name}`"
