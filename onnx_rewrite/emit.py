@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from passes import Plan, compute_constants
@@ -115,7 +116,7 @@ class Emitter:
     def _swap(self, m: NormMatch) -> None:
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
-        dtype = _dtype_of(m.x, m.gamma)
+        dtype = _dtype_of(m.x, m.gamma, m.nodes)
         gamma = self._gamma(m, width, dtype)
         for n in m.nodes:  # detach the LayerNorm; its output tensor gets a new producer
             n.outputs.clear()
@@ -316,8 +317,12 @@ def _np(dtype):
     return np.dtype(dtype) if dtype is not None else np.float32
 
 
-def _dtype_of(x, gamma):
+def _dtype_of(x, gamma, nodes=()):
     if x.dtype is not None:
         return _np(x.dtype)
     v = const_values(gamma) if gamma is not None else None
-    return np.asarray(v).dtype if v is not None else np.float32
+    if v is not None:
+        return np.asarray(v).dtype
+    if nodes and nodes[-1].op == "Cast":  # a decomposed fp16 norm casts its fp32 result back
+        return onnx.helper.tensor_dtype_to_np_dtype(int(nodes[-1].attrs["to"]))
+    return np.float32

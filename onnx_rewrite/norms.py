@@ -157,6 +157,12 @@ def match_decomposed(mean1: gs.Node, shapes: dict[str, Shape]) -> Optional[NormM
     if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean1.outputs[0]:
         return None
     d = sub.outputs[0]
+    # fp16/bf16 exports compute the statistics in fp32: Sub -> Cast -> Pow/Div ... Div -> Cast.
+    up = _single(d, "Cast")
+    if up is not None and up.attrs.get("to") not in (1, 10, 11, 16):
+        return None
+    if up is not None:
+        d = up.outputs[0]
     readers = {n.op: n for n in d.outputs}
     if len(d.outputs) != 2 or set(readers) != {"Pow", "Div"}:
         return None
@@ -166,7 +172,7 @@ def match_decomposed(mean1: gs.Node, shapes: dict[str, Shape]) -> Optional[NormM
     mean2 = _single(pow_.outputs[0], "ReduceMean")
     if mean2 is None or reduce_axes(mean2) != axes or int(mean2.attrs.get("keepdims", 1)) != 1:
         return None
-    nodes = [mean1, sub, pow_, mean2]
+    nodes = [mean1, sub] + ([up] if up is not None else []) + [pow_, mean2]
     t = mean2.outputs[0]
     eps = 0.0
     add_eps = _single(t, "Add")
@@ -181,6 +187,10 @@ def match_decomposed(mean1: gs.Node, shapes: dict[str, Shape]) -> Optional[NormM
         return None
     nodes += [sqrt, div]
     out = div.outputs[0]
+    down = _single(out, "Cast") if up is not None else None
+    if down is not None:
+        nodes.append(down)
+        out = down.outputs[0]
     gamma = beta = None
     mul = _single(out, "Mul")
     if mul is not None and const_values(_other(mul, out)) is not None:
