@@ -331,6 +331,65 @@ def _cast(info: GraphInfo, node: gs.Node) -> dict:
     return _unary(info, node) if node.attrs.get("to") in _FLOAT_TYPES else {}
 
 
+def _pad(info: GraphInfo, node: gs.Node, opset: int) -> dict:
+    """Pad on non-feature axes: zero rows (constant 0) or copied rows (edge/reflect/wrap)."""
+    rank = info.rank(node.inputs[0])
+    mode = node.attrs.get("mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    ins = list(node.inputs) + [None] * 4
+    if rank is None:
+        return {}
+    if "pads" in node.attrs:  # opset < 11
+        pads, value, axes = node.attrs["pads"], node.attrs.get("value", 0.0), None
+    else:
+        pads = _computed_const(ins[1], opset)
+        value = _computed_const(ins[2], opset) if ins[2] is not None and ins[2].name else 0.0
+        axes = _computed_const(ins[3], opset) if ins[3] is not None and ins[3].name else None
+    if pads is None or value is None or (ins[3] is not None and ins[3].name and axes is None):
+        return {}
+    if mode == "constant" and np.any(np.asarray(value) != 0):
+        return {}  # rows of a nonzero constant: not zero-mean
+    pads = [int(p) for p in np.asarray(pads).reshape(-1)]
+    axes = list(range(rank)) if axes is None else [_norm_axis(int(a), rank) for a in np.asarray(axes).reshape(-1)]
+    if len(pads) != 2 * len(axes):
+        return {}
+    padded = {a for k, a in enumerate(axes) if pads[k] or pads[k + len(axes)]}
+    return _same_axis_unless(info, node, padded, [0], [0])
+
+
+def _computed_const(t, opset: int, limit: int = 24) -> Optional[np.ndarray]:
+    """The value of `t` when it is a constant or a few nodes compute it from constants alone
+    (the TorchScript exporter computes Pad's pads at run time: ConstantOfShape, Concat, ...)."""
+    if t is None:
+        return None
+    v = const_values(t)
+    if v is not None:
+        return np.asarray(v)
+    nodes: list[gs.Node] = []
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, gs.Constant):
+            continue
+        if len(x.inputs) != 1:
+            return None  # a graph input: not constant
+        n = x.inputs[0]
+        if any(n is m for m in nodes):
+            continue
+        if len(nodes) >= limit or n.op in ("Shape", "Size") or any(isinstance(a, gs.Graph) for a in n.attrs.values()):
+            return None
+        nodes.append(n)
+        stack.extend(i for i in n.inputs if i is not None and i.name)
+    try:
+        from onnx.reference import ReferenceEvaluator
+
+        sub = gs.Graph(nodes=list(reversed(nodes)), inputs=[], outputs=[t], opset=opset)
+        sub.toposort()
+        return np.asarray(ReferenceEvaluator(gs.export_onnx(sub, do_type_check=False)).run(None, {})[0])
+    except Exception:  # best effort: an unknown value only keeps the Pad opaque
+        return None
+
+
 def _concat_axis(info, node):
     r = info.rank(node.outputs[0])
     return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
@@ -368,6 +427,7 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
     # Shape/Size read no values: nothing about the stream's mean can reach their outputs.
     "Shape": lambda info, n, _: dict(invariant=lambda i, b: True, shape_only=True),
     "Size": lambda info, n, _: dict(invariant=lambda i, b: True, shape_only=True),
+    "Pad": _pad,
     "MatMul": lambda info, n, _: _matmul(info, n),
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Conv": lambda info, n, _: _conv(info, n),
