@@ -54,6 +54,11 @@ def main(argv=None) -> int:
     r.add_argument("--out", default=str(HERE / "RESULTS.md"))
     r.add_argument("--json", default=str(HERE / "results.json"))
     r.add_argument("--rounds", type=int, default=0, help="interleaved rounds per variant (default by mode)")
+    r.add_argument("--cases", default="",
+                   help="only the inference cases whose label contains one of these comma-separated strings "
+                        "(e.g. 'GPT-2 small b8,ViT-B/16 b8')")
+    r.add_argument("--merge", action="store_true",
+                   help="keep the other sections of an existing results.json (each section records its own command)")
     rp = sub.add_parser("report", help="rewrite RESULTS.md from a results.json")
     rp.add_argument("--json", default=str(HERE / "results.json"))
     rp.add_argument("--out", default=str(HERE / "RESULTS.md"))
@@ -68,6 +73,10 @@ def main(argv=None) -> int:
 
     only = set(args.only.split(","))
     quick, device = args.quick, args.device
+    wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
+
+    def pick(cs):
+        return [c for c in cs if not wanted or any(w in c.label for w in wanted)]
     if device == "cuda" and not gpu():
         print("benchmarks: --device cuda asked but torch sees no CUDA device", file=sys.stderr)
         return 2
@@ -81,6 +90,13 @@ def main(argv=None) -> int:
         "rounds": rounds, "sections": {}, "errors": {}, "timing_s": {},
     }
     json_path, md_path = args.json, args.out
+    if args.merge and os.path.exists(json_path):
+        old = json.load(open(json_path))
+        # sections run now replace the old ones, except that --cases keeps the other cases' rows
+        res["sections"] = {k: v for k, v in old.get("sections", {}).items() if k not in only or (wanted and k in ("ort", "torch"))}
+        res["section_meta"] = {k: v for k, v in old.get("section_meta", {}).items() if k not in only}
+        res["errors"] = {k: v for k, v in old.get("errors", {}).items() if k not in only}
+    res.setdefault("section_meta", {})
 
     def save():
         with open(json_path, "w") as f:
@@ -91,6 +107,7 @@ def main(argv=None) -> int:
         if name not in only:
             return
         t0 = time.perf_counter()
+        res["section_meta"][name] = {"command": res["command"], "date": now(), "mode": res["mode"], "rounds": rounds}
         log(f"=== {name} ===")
         try:
             fn()
@@ -114,9 +131,10 @@ def main(argv=None) -> int:
     def ort_rows():
         from . import ort_bench as OB
 
-        out = res["sections"].setdefault("ort", [])
+        out = [r for r in res["sections"].get("ort", []) if r.get("case") not in {c.label for c in pick(cases(quick, device)[0])}]
+        res["sections"]["ort"] = out
         ort_cases, _ = cases(quick, device)
-        for c in ort_cases:
+        for c in pick(ort_cases):
             big = c.spec.hidden >= 1024
             try:
                 out.append(OB.run_case(c, rounds=rounds, headline_rounds=2 * rounds, device=device,
@@ -125,21 +143,24 @@ def main(argv=None) -> int:
             except Exception as e:
                 out.append({"case": c.label, "error": f"{type(e).__name__}: {e}"})
                 traceback.print_exc()
+            out[-1]["run"] = {"mode": res["mode"], "rounds": rounds, "date": now()}
             save()
 
     def torch_rows():
         from . import torch_bench as TB
 
-        out = res["sections"].setdefault("torch", [])
+        out = [r for r in res["sections"].get("torch", []) if r.get("case") not in {c.label for c in pick(cases(quick, device)[1])}]
+        res["sections"]["torch"] = out
         _, tcases = cases(quick, device)
         dtypes = ("float16", "bfloat16") if device == "cuda" else ("float32",)
-        for c in tcases:
+        for c in pick(tcases):
             for dt in dtypes:
                 try:
                     out.append(TB.run_case(c, rounds=rounds, device=device, dtype_name=dt))
                 except Exception as e:
                     out.append({"case": c.label, "dtype": dt, "error": f"{type(e).__name__}: {e}"})
                     traceback.print_exc()
+                out[-1]["run"] = {"mode": res["mode"], "rounds": rounds, "date": now()}
                 save()
 
     def foldcost():

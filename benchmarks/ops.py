@@ -18,9 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from passes.timing import interleaved
 
-from .common import bound_runner, log, ort_session
+from .common import bound_runner, log, ort_session, timed
 
 D = 768
 EPS = 1e-5
@@ -140,13 +139,13 @@ def run(batches=(1, 8), seq: int = 128, rounds: int = 30) -> list[dict]:
             prof = profile_kernel_time(lambda prefix, m=m: ort_session(m, profile=prefix), feeds, runs=60)
             meta[v] = {"ops_run": kernel_ops(m), "kernel_s": sum(prof.values()), "kernel_by_op": prof}
         log(f"ops: timing {len(fns)} single-op graphs at {shape}")
-        stats = interleaved(fns, rounds=rounds, warmup=3)
+        stats = timed(fns, rounds=rounds, warmup=3)
         for v in VARIANTS:
             row = {"variant": v, "shape": shape, "desc": VARIANTS[v], **meta.get(v, {})}
             if v in stats:
                 s = stats[v]
                 row.update(median_s=s["median"] / inner, q1_s=s["q1"] / inner, q3_s=s["q3"] / inner, n=s["n"],
-                           inner=inner)
+                           inner=inner, cpu_median_s=s["cpu_median"] / inner)
             rows.append(row)
     return rows
 

@@ -15,10 +15,9 @@ import tempfile
 
 import onnx
 
-from passes.timing import interleaved
 
 from . import models as M
-from .common import bound_runner, log, ort_session
+from .common import bound_runner, log, ort_session, timed
 from .ops import kernel_times
 
 PEERS = ("plain", "ortopt")
@@ -80,7 +79,7 @@ def time_paths(paths: dict, feeds: dict, *, rounds: int, device: str = "cpu", ma
     for name, p in paths.items():
         sessions[name] = _session(p, device)
     fns = {name: bound_runner(s, feeds, device) for name, s in sessions.items()}
-    stats = interleaved(fns, rounds=rounds, warmup=2)
+    stats = timed(fns, rounds=rounds, warmup=2)
     del fns, sessions
     gc.collect()
     return stats
@@ -140,11 +139,14 @@ def run_case(case: M.Case, *, opsets=(18, 23), rounds: int = 10, headline_rounds
     picks = {"best peer": best(PEERS), "lnfold": best(("lnfold-ort", "lnfold-onnx")),
              "lnfold (proposed emission)": best(("lnfold-ort-unfused",)), "ceiling": best(("ceiling",))}
     picks = {k: v for k, v in picks.items() if v}
+    if picks.get("ceiling") and f"no-norm {picks['ceiling'].rsplit(' ', 1)[1]}" in rows:
+        picks["no-norm"] = f"no-norm {picks['ceiling'].rsplit(' ', 1)[1]}"
     result["picks"] = picks
     if headline_rounds and len(set(picks.values())) > 1:
         uniq = {v: all_paths[v] for v in dict.fromkeys(picks.values())}
         log(f"{case.label}: headline run {list(uniq)}, {headline_rounds} interleaved rounds")
-        result["headline"] = time_paths(uniq, f, rounds=headline_rounds, device=device, max_sessions=max_sessions)
+        result["headline"] = time_paths(uniq, f, rounds=headline_rounds, device=device,
+                                        max_sessions=max(max_sessions, len(uniq)) if max_sessions else 0)
     if do_profile:
         result["profile"] = {}
         for k in dict.fromkeys(list(picks.values()) + [k for k in rows if k.startswith(("plain", "lnfold-ort "))]):
@@ -157,20 +159,31 @@ def run_case(case: M.Case, *, opsets=(18, 23), rounds: int = 10, headline_rounds
 
 
 def summarize(result: dict) -> None:
-    """Ratios from the headline run when there is one (same interleaved run), else the screening rows."""
-    src = result.get("headline") or result["rows"]
+    """Ratios within one interleaved run: the headline run when there is one, else the screening
+    rows of one export (never medians of different runs against each other)."""
     picks = result.get("picks", {})
-    med = {role: (src.get(k) or result["rows"][k])["median"] for role, k in picks.items()}
+    src = result.get("headline")
+    if not src:
+        return
     s = {}
-    peer = med.get("best peer")
-    for who in ("lnfold", "lnfold (proposed emission)"):
-        if peer and who in med:
-            s[f"{who} / best peer"] = med[who] / peer
-            if "ceiling" in med and peer - med["ceiling"] > 0:
-                s[f"{who}: share of ceiling gain"] = (peer - med[who]) / (peer - med["ceiling"])
-    if peer and "ceiling" in med:
-        s["ceiling / best peer"] = med["ceiling"] / peer
-    nn = [k for k in result["rows"] if k.startswith("no-norm")]
-    if peer and nn:
-        s["no-norm / best peer"] = min(result["rows"][k]["median"] for k in nn) / peer
+    for key, suffix in (("median", ""), ("cpu_median", " (CPU time)")):
+        med = {role: src[k][key] for role, k in picks.items() if k in src and key in src[k]}
+        peer = med.get("best peer")
+        for who in ("lnfold", "lnfold (proposed emission)"):
+            if peer and who in med:
+                s[f"{who} / best peer{suffix}"] = med[who] / peer
+                if "ceiling" in med and peer - med["ceiling"] > 0:
+                    s[f"{who}: share of ceiling gain{suffix}"] = (peer - med[who]) / (peer - med["ceiling"])
+        for ref in ("ceiling", "no-norm"):
+            if peer and ref in med:
+                s[f"{ref} / best peer{suffix}"] = med[ref] / peer
+    prof = result.get("profile") or {}
+    if picks.get("best peer") in prof and "kernel_s" in prof[picks["best peer"]]:
+        p = prof[picks["best peer"]]
+        norm = sum(v for k, v in p["kernel_s_by_op"].items() if k in NORM_OPS)
+        s["norm ops share of peer's kernel time"] = norm / p["kernel_s"] if p["kernel_s"] else None
     result["summary"] = s
+
+
+NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization",
+            "SkipSimplifiedLayerNormalization", "RMSNormalization")

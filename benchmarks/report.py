@@ -9,6 +9,9 @@ NORM_OPS = ("LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNorm
             "SkipSimplifiedLayerNormalization", "RMSNormalization")
 
 
+NORM_SHARE = "norm ops share of peer's kernel time"
+
+
 def _ms(s):
     return "–" if s is None else (f"{s * 1e3:.2f}" if s < 1 else f"{s * 1e3:.0f}")
 
@@ -52,6 +55,11 @@ def render(res: dict) -> str:
         L.append("- **GPU:** no GPU machine was available for this run, so there are no GPU rows. "
                  "`python -m benchmarks run --device cuda` runs them where one is (torch.compile in float16 "
                  "and bfloat16, onnxruntime's CUDAExecutionProvider when installed; batches 1, 8, 64).")
+    meta = res.get("section_meta") or {}
+    if meta and len({(m.get("command"), m.get("mode")) for m in meta.values()}) > 1:
+        L.append("- **Sections from different runs:** " + "; ".join(
+            f"{k}: `{m.get('command')}` ({m.get('mode')}, {m.get('rounds')} rounds, {m.get('date')})"
+            for k, m in meta.items()))
     if res.get("errors"):
         L += ["", "**Sections that failed:** " + "; ".join(f"{k}: {e}" for k, e in res["errors"].items())]
     S = res.get("sections", {})
@@ -72,18 +80,32 @@ def render(res: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _pair(s, key):
+    w, c = s.get(key), s.get(key + " (CPU time)")
+    if w is None and c is None:
+        return "–"
+    return f"{_r(w)} / {_r(c)}"
+
+
 def _headline(S) -> list[str]:
     L = ["", "## Headline: lnfold against the best peer", "",
          "Best peer = the fastest of what a user has without lnfold (onnxruntime: plain or "
          "transformer-optimized, opset-18 or opset-23 export; torch: torch.compile or eager). lnfold = the faster "
-         "of `--target ort` and `--target onnx` from the same exports, as the emitter is today; "
-         "*proposed emission* = the same fold with each SkipSimplifiedLayerNormalization split back into Add + "
-         "SimplifiedLayerNormalization (see the op table). Ceiling and no-norm are **not equivalent** models: "
-         "they bound the gain. Share of ceiling gain = (peer − lnfold) / (peer − ceiling); it is noise when the "
-         "ceiling's own gain is within the IQR. Ratios come from one interleaved run of the picked variants.", "",
-         "| runtime | case | best peer | ms | lnfold | ms | lnfold / peer | proposed / peer | ceiling / peer "
-         "| no-norm / peer | share of ceiling gain (lnfold, proposed) |",
+         "of `--target ort` and `--target onnx` from the same exports, as the emitter is today; *proposed* = the "
+         "same fold with each SkipSimplifiedLayerNormalization split back into Add + SimplifiedLayerNormalization "
+         "(the emission the op table recommends). Ceiling and no-norm are **not equivalent** models: they bound "
+         "the gain. Every ratio is *wall / CPU time*, both medians of one interleaved run of the picked variants "
+         "(CPU time = this process's CPU seconds per call: it survives other work on the shared cores far "
+         "better than wall time). Share of ceiling gain = (peer − lnfold) / (peer − ceiling), CPU time; it is "
+         "noise when the ceiling's own gain is within the spread.", "",
+         "| runtime | case | best peer | ms (wall) | lnfold | lnfold / peer | proposed / peer | ceiling / peer "
+         "| no-norm / peer | share of ceiling gain: lnfold, proposed | norm ops, share of peer's kernel time |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    from .ort_bench import summarize
+
+    for r in S.get("ort") or []:
+        if r.get("headline"):
+            summarize(r)
     for runtime, rows in (("onnxruntime", S.get("ort") or []), ("torch", S.get("torch") or [])):
         for r in rows:
             if "error" in r or not r.get("picks"):
@@ -91,18 +113,21 @@ def _headline(S) -> list[str]:
                 continue
             src = r.get("headline") or r["rows"]
             picks = r["picks"]
-            get = lambda role: (src.get(picks[role]) or r["rows"].get(picks[role]))["median"] if role in picks else None  # noqa: E731
+            peer = picks["best peer"]
+            peer_ms = (src.get(peer) or r["rows"][peer])["median"]
             s = r.get("summary", {})
             lab = r["case"] + (f" ({r['dtype']})" if r.get("dtype") and r.get("dtype") != "float32" else "")
-            lnf = picks.get("lnfold") or ("compile(backend=lnfold)" if "lnfold" in r["rows"] else None)
-            lnf_ms = get("lnfold") if "lnfold" in picks else (r["rows"]["lnfold"]["median"] if "lnfold" in r["rows"] else None)
-            skipped = r.get("notes", {}).get("lnfold", {}).get("skipped") or r.get("notes", {}).get("lnfold", {}).get("error")
-            L.append(f"| {runtime} | {lab} | {picks['best peer']} | {_ms(get('best peer'))} | "
-                     f"{lnf or ('skipped: ' + skipped if skipped else '–')} | {_ms(lnf_ms)} | "
-                     f"{_r(s.get('lnfold / best peer'))} | {_r(s.get('lnfold (proposed emission) / best peer'))} | "
-                     f"{_r(s.get('ceiling / best peer'))} | {_r(s.get('no-norm / best peer'))} | "
-                     f"{_pct(s.get('lnfold: share of ceiling gain'))}, "
-                     f"{_pct(s.get('lnfold (proposed emission): share of ceiling gain'))} |")
+            note = r.get("notes", {}).get("lnfold", {})
+            lnf = picks.get("lnfold")
+            if runtime == "torch" and lnf:
+                lnf = "compile(backend=lnfold)"
+            if not lnf:
+                lnf = "skipped: " + str(note.get("skipped") or note.get("error") or "?")
+            share = lambda k: _pct(s.get(k + " (CPU time)"))  # noqa: E731
+            L.append(f"| {runtime} | {lab} | {peer} | {_ms(peer_ms)} | {lnf} | {_pair(s, 'lnfold / best peer')} | "
+                     f"{_pair(s, 'lnfold (proposed emission) / best peer')} | {_pair(s, 'ceiling / best peer')} | "
+                     f"{_pair(s, 'no-norm / best peer')} | {share('lnfold: share of ceiling gain')}, "
+                     f"{share('lnfold (proposed emission): share of ceiling gain')} | {_pct(s.get(NORM_SHARE))} |")
     return L
 
 
@@ -111,13 +136,13 @@ def _ops(rows) -> list[str]:
          "One-node graphs (two for Add+X) with all of onnxruntime's graph optimizations on; *ran* = the ops left "
          "after them. Residual variants read x and skip and also write the sum x + skip (a Pre-LN block needs "
          "it for its next residual). µs per call: median [IQR] of interleaved IOBinding runs; kernel = "
-         "onnxruntime profiler's kernel time per call.", ""]
+         "onnxruntime profiler's kernel time per call; CPU = process CPU time per call (both threads).", ""]
     shapes = []
     for r in rows:
         if r["shape"] not in shapes:
             shapes.append(r["shape"])
-    L.append("| variant | " + " | ".join(f"{s} µs [IQR] | kernel µs" for s in shapes) + " | ran |")
-    L.append("|---|" + "---|---|" * len(shapes) + "---|")
+    L.append("| variant | " + " | ".join(f"{s} µs [IQR] | CPU µs | kernel µs" for s in shapes) + " | ran |")
+    L.append("|---|" + "---|---|---|" * len(shapes) + "---|")
     by = {}
     for r in rows:
         by.setdefault(r["variant"], {})[tuple(r["shape"])] = r
@@ -127,9 +152,11 @@ def _ops(rows) -> list[str]:
         for s in shapes:
             r = d.get(tuple(s), {})
             if "median_s" in r:
-                cells.append(f"{r['median_s'] * 1e6:.0f} [{(r['q3_s'] - r['q1_s']) * 1e6:.0f}] | {r.get('kernel_s', 0) * 1e6:.0f}")
+                cpu = r.get("cpu_median_s")
+                cells.append(f"{r['median_s'] * 1e6:.0f} [{(r['q3_s'] - r['q1_s']) * 1e6:.0f}] | "
+                             f"{'–' if cpu is None else f'{cpu * 1e6:.0f}'} | {r.get('kernel_s', 0) * 1e6:.0f}")
             else:
-                cells.append(f"{r.get('error', '–')} | –")
+                cells.append(f"{r.get('error', '–')} | – | –")
             ran = " + ".join(r.get("ops_run", [])) or ran
         L.append(f"| {var} | " + " | ".join(cells) + f" | {ran} |")
     best = {}
@@ -154,9 +181,9 @@ def _demo(r) -> list[str]:
     L = ["", f"## Investigation: the demo model ({r['case']})", "",
          "Why `lnfold demo` showed folded/original = 1.013. Same-run timings, then onnxruntime's profiler "
          "(kernel time per run by op type, and the ops left after onnxruntime's own fusions).", "",
-         "| variant | median ms [IQR] |", "|---|---|"]
+         "| variant | median ms [IQR] | CPU ms |", "|---|---|---|"]
     for k, s in r["rows"].items():
-        L.append(f"| {k} | {_ms(s['median'])} [{_ms(s['q3'] - s['q1'])}] |")
+        L.append(f"| {k} | {_ms(s['median'])} [{_ms(s['q3'] - s['q1'])}] | {_ms(s.get('cpu_median'))} |")
     if r.get("summary"):
         L += ["", "Headline run: " + ", ".join(f"{k} = {_r(v)}" for k, v in r["summary"].items())]
     prof = r.get("profile") or {}
@@ -181,7 +208,9 @@ def _ort_detail(rows) -> list[str]:
         if "error" in r:
             L += [f"**{r['case']}**: {r['error']}", ""]
             continue
-        L += [f"**{r['case']}** ({r['device']})", "", "| variant | median ms | IQR ms | note |", "|---|---|---|---|"]
+        run = r.get("run") or {}
+        L += [f"**{r['case']}** ({r['device']}; {run.get('mode', '?')} mode, {run.get('rounds', '?')} rounds, "
+              f"{run.get('date', '')})", "", "| variant | median ms | IQR ms | CPU ms | note |", "|---|---|---|---|---|"]
         for k, s in sorted(r["rows"].items(), key=lambda kv: kv[1]["median"]):
             note = r.get("notes", {}).get(k, {})
             n = ""
@@ -189,7 +218,7 @@ def _ort_detail(rows) -> list[str]:
                 n = f"{note['folded']} folded, {note['kept']} kept, max rel err {note.get('max_rel_err') or 0:.1e}"
             if "anchor_median" in s:
                 n += f" (chunk's plain: {_ms(s['anchor_median'])})"
-            L.append(f"| {k} | {_ms(s['median'])} | {_ms(s['q3'] - s['q1'])} | {n} |")
+            L.append(f"| {k} | {_ms(s['median'])} | {_ms(s['q3'] - s['q1'])} | {_ms(s.get('cpu_median'))} | {n} |")
         errs = {k: v["error"] for k, v in r.get("notes", {}).items() if isinstance(v, dict) and "error" in v}
         if errs:
             L.append("")
@@ -205,16 +234,16 @@ def _ort_detail(rows) -> list[str]:
 
 def _torch(rows) -> list[str]:
     L = ["", "## torch (torch.compile with inductor unless stated)", "",
-         "| case | dtype | variant | median ms | IQR ms | first call (compile) s |", "|---|---|---|---|---|---|"]
+         "| case | dtype | variant | median ms | IQR ms | CPU ms | first call (compile) s |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             L.append(f"| {r['case']} | {r.get('dtype')} | error: {r['error']} ||||")
             continue
         for k, s in r["rows"].items():
             L.append(f"| {r['case']} | {r['dtype']} | {k} | {_ms(s['median'])} | {_ms(s['q3'] - s['q1'])} | "
-                     f"{_r(r.get('compile_s', {}).get(k), 1)} |")
+                     f"{_ms(s.get('cpu_median'))} | {_r(r.get('compile_s', {}).get(k), 1)} |")
         for k, n in r.get("notes", {}).items():
-            L.append(f"| {r['case']} | {r['dtype']} | {k} | {n.get('skipped') or n.get('error') or n} ||||")
+            L.append(f"| {r['case']} | {r['dtype']} | {k} | {n.get('skipped') or n.get('error') or n} |||||")
     return L
 
 
