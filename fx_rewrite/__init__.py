@@ -1,0 +1,17 @@
+"""Torch frontend of lnfold: `fold_module` on torch.export graphs and the `lnfold` torch.compile backend.
+
+`torch.compile(model, backend="lnfold")` works after `pip install` through the
+`torch_dynamo_backends` entry point; importing this package registers the name too, for
+checkouts that run without being installed.
+"""
+from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
+
+from .api import analyze_module, check_equivalent, fold_module
+from .backend import lnfold_backend, lnfold_backend_with, register
+
+register()
+
+__all__ = [
+    "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
+    "analyze_module", "check_equivalent", "fold_module", "lnfold_backend", "lnfold_backend_with",
+]

@@ -1,0 +1,251 @@
+"""The torch.compile backend `lnfold`: fold the LayerNorms of Dynamo's graph, then run Inductor.
+
+    model = torch.compile(model, backend="lnfold")                      # registered entry point
+    model = torch.compile(model, backend="lnfold", options={"lnfold.mode": "crms"})
+    model = torch.compile(model, backend=fx_rewrite.lnfold_backend_with(mode="rms"))
+
+Dynamo hands over a torch-level graph (`F.layer_norm`, `F.linear`, `operator.add`, `x.view`)
+whose parameters are graph inputs, their real tensors among the example inputs. The backend
+classifies it into the same stream view as the other frontends, applies the plan, swaps every
+folded LayerNorm for `F.rms_norm` (+ β) — the faster of the two exact norms under Inductor — and
+delegates to Inductor (`compile_fx`), or to any `inner` backend.
+
+Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and `options=` to
+a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
+"lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report);
+every other key is an Inductor config patch, as with the default backend.
+
+Inference (grad mode off, or parameters that do not require grad): each centered weight is
+computed once in float64 and cached; the compiled graph reads the cached copies as extra inputs.
+The user's parameters are never written. The cache notices a parameter that changed (another
+tensor, or an in-place update: its version counter moved) and recomputes. Memory: one extra
+copy of every edited tensor (the weights that write into the residual stream: embeddings, the
+output projections of attention and MLP, their biases).
+
+Training (grad mode on and the edited parameters require grad): the graph keeps reading the
+optimizer's parameters and computes `W - mean(W)` itself, so loss and gradients are the original
+model's (DESIGN §1); the cost is one mean and one subtraction per edited weight per step.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+from torch import fx
+
+from passes import Plan, Report, compute_constants, make_plan
+from passes.plan import ConstEdit
+
+from .apply import TORCH, Applier, Constants, GraphConstants, from_numpy, to_numpy
+from .classify import build_view
+
+log = logging.getLogger("lnfold")
+OPTION_PREFIX = "lnfold."
+
+# The reports of the graphs compiled so far in this process, newest last (for people and tests).
+reports: list[Report] = []
+
+
+def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str] = None,
+                   options: Optional[dict] = None, **kwargs) -> Callable:
+    """torch.compile backend "lnfold" (see the module docstring for `mode` and `options`)."""
+    ours, patches = {}, {}
+    for k, v in (options or {}).items():
+        (ours if k.startswith(OPTION_PREFIX) else patches)[k.removeprefix(OPTION_PREFIX)] = v
+    unknown = set(ours) - {"mode", "on_report"}
+    if unknown:
+        raise ValueError(f"unknown lnfold option(s): {', '.join(sorted(OPTION_PREFIX + k for k in unknown))}")
+    inner = functools.partial(_inductor, mode=mode, config_patches=patches)
+    return compile_folded(gm, example_inputs, fold_mode=ours.get("mode", "rms"), inner=inner,
+                          on_report=ours.get("on_report"))
+
+
+def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
+                        on_report: Optional[Callable[[Report], None]] = None, **inductor_options) -> Callable:
+    """A backend callable with options bound: `torch.compile(m, backend=lnfold_backend_with(...))`.
+
+    `inner(gm, example_inputs)` compiles the folded graph (default: Inductor with
+    `inductor_options` as config patches); pass e.g. `inner=lambda gm, _: gm.forward` to run it
+    eagerly, or a function that records `gm` to look at what Inductor gets.
+    """
+    if inner is None:
+        inner = functools.partial(_inductor, mode=None, config_patches=inductor_options)
+
+    def backend(gm, example_inputs, **kwargs):
+        return compile_folded(gm, example_inputs, fold_mode=mode, inner=inner, on_report=on_report)
+
+    return backend
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str], config_patches: dict):
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
+    patches.update(config_patches)
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def constant_inputs(gm: fx.GraphModule, example_inputs: list) -> dict[str, int]:
+    """Placeholders that hold parameters or buffers (name -> position), as Dynamo lifted them."""
+    out = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for k, (node, t) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or _is_module_state(node)):
+            out[node.name] = k
+    return out
+
+
+def _is_module_state(node: fx.Node) -> bool:
+    arg = node.meta.get("grapharg")
+    src = getattr(arg, "source", None)
+    if src is None:
+        return False
+    name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", "")
+    return "._parameters[" in str(name) or "._buffers[" in str(name)
+
+
+def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str = "rms",
+                   inner: Callable, on_report: Optional[Callable] = None) -> Callable:
+    """Fold `gm` in place (when anything folds) and compile it with `inner`."""
+    placeholders = constant_inputs(gm, example_inputs)
+    attrs = {n.name: n.target for n in gm.graph.nodes
+             if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}
+    try:
+        view, info = build_view(gm.graph, set(placeholders) | set(attrs))
+        plan = make_plan(view, fold_mode)
+    except Exception as e:  # an analysis bug must not cost the user their compile
+        log.warning("lnfold: analysis failed, compiling unfolded: %s", e)
+        return inner(gm, example_inputs)
+    reports.append(plan.report)
+    if on_report is not None:
+        on_report(plan.report)
+    log.info("lnfold: %s", plan.report.summary())
+    if plan.empty:
+        return inner(gm, example_inputs)
+
+    def tensor(name: str) -> torch.Tensor:
+        return example_inputs[placeholders[name]] if name in placeholders else _attr(gm, attrs[name])
+
+    gm = working_copy(gm)  # Dynamo still reads its own graph after the backend returns
+    view, info = build_view(gm.graph, set(placeholders) | set(attrs))
+
+    edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in edited)
+    if training:
+        constants: Constants = GraphConstants()
+    else:
+        constants = CachedInputs(gm, plan, placeholders, tensor)
+    Applier(gm, view, info, TORCH, constants, norm="rms_norm").apply(plan)
+    if training or not constants.extra:
+        return inner(gm, example_inputs)
+    compiled = inner(gm, list(example_inputs) + _static_examples(constants(example_inputs)))
+    return _with_extra_inputs(compiled, constants)
+
+
+def _static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The extra inputs as fake tensors of static shape: AOTAutograd would otherwise give the
+    dims of these source-less inputs fresh symbols, and Dynamo cannot guard on those."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode()
+    return [mode.from_tensor(t, static_shapes=True) for t in tensors] if mode is not None else tensors
+
+
+def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph module to edit, with what AOTAutograd reads from the original."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta = dict(gm.meta)
+    for attr in ("_param_name_to_source", "shape_env"):
+        if hasattr(gm, attr):
+            setattr(new, attr, getattr(gm, attr))
+    old_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    new_ph = [n for n in new.graph.nodes if n.op == "placeholder"]
+    for a, b in zip(old_ph, new_ph):
+        if hasattr(a, "_dynamo_source"):
+            b._dynamo_source = a._dynamo_source
+    return new
+
+
+def _sources(edit: ConstEdit) -> list[str]:
+    return Constants().sources(edit)
+
+
+def _attr(gm: torch.nn.Module, target: str) -> Any:
+    owner, _, attr = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, attr, None)
+
+
+class CachedInputs(Constants):
+    """Inference: centered copies of constants, fed to the graph as extra inputs.
+
+    Computed in float64 when first needed and again only when a source parameter changes
+    (another tensor object, storage or version counter). A constant that is a graph attribute
+    rather than an input is centered once. (New attributes are no option: AOTAutograd would
+    lift them as parameters Dynamo does not know.)
+    """
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, placeholders: dict[str, int], tensor: Callable) -> None:
+        self.mode = plan.mode
+        self.placeholders = placeholders
+        self.tensor = tensor
+        self.extra: list[Any] = []  # per extra input: a ConstEdit (recomputed) or a fixed tensor
+        self._key: Any = None
+        self._tensors: list[torch.Tensor] = []
+
+    def node_for(self, applier, edit, k):
+        g = applier.graph
+        last = [n for n in g.nodes if n.op == "placeholder"][-1]
+        with g.inserting_after(last):
+            node = g.placeholder(f"lnfold_{edit.value}")
+        node._dynamo_source = None  # AOTAutograd asks every Dynamo input where it came from
+        if all(n in self.placeholders for n in self.sources(edit)):
+            self.extra.append(edit)
+        else:
+            self.extra.append(self._compute([edit], self.tensor)[0])
+        return node
+
+    def _compute(self, edits: list[ConstEdit], tensor: Callable) -> list[torch.Tensor]:
+        plan = Plan(mode=self.mode, const_edits=edits)
+        return [from_numpy(arr, tensor(e.value)) for e, arr in compute_constants(plan, lambda n: to_numpy(tensor(n)))]
+
+    def __call__(self, args) -> list[torch.Tensor]:
+        edits = [e for e in self.extra if isinstance(e, ConstEdit)]
+        key = tuple(_identity(args[self.placeholders[n]]) for e in edits for n in self.sources(e))
+        if key != self._key:
+            fresh = iter(self._compute(edits, lambda n: args[self.placeholders[n]]))
+            self._tensors = [next(fresh) if isinstance(e, ConstEdit) else e for e in self.extra]
+            self._key = key
+        return self._tensors
+
+
+def _identity(t: torch.Tensor):
+    """Which tensor, and which contents: a changed parameter must not reuse a stale copy."""
+    try:
+        return (id(t), t.data_ptr(), t._version)
+    except RuntimeError:  # inference-mode tensors keep no version counter: assume unchanged
+        return (id(t), t.data_ptr(), -1)
+
+
+def _with_extra_inputs(compiled: Callable, extra: CachedInputs) -> Callable:
+    # Dynamo calls what a backend returns as fn(*args), whatever `_boxed_call` says (AOTAutograd
+    # copies that flag onto a wrapper that is not boxed).
+    def run(*args):
+        return compiled(*args, *extra(args))
+
+    return run
+
+
+def register() -> None:
+    """Make backend="lnfold" resolve to this module, unless torch already knows the name.
+
+    An installed lnfold registers through the `torch_dynamo_backends` entry point, which torch
+    loads itself; registering again here would make that load fail as a duplicate.
+    """
+    from torch._dynamo.backends.registry import list_backends, register_backend
+
+    if "lnfold" not in list_backends(exclude_tags=()):
+        register_backend(lnfold_backend, name="lnfold")

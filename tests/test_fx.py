@@ -1,0 +1,393 @@
+"""The torch frontend: fold_module on torch.export graphs, the `lnfold` torch.compile backend.
+
+Real architectures come from `transformers` config classes with adversarial weights (zoo.py):
+skipping any single centering changes their outputs, and a planted-bug test proves it.
+Tests that run Inductor are marked slow (`-m "not slow"` skips them).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import fx_rewrite
+import onnx_rewrite
+from fx_rewrite import NothingToFold, VerificationError, analyze_module, fold_module, lnfold_backend_with, zoo
+from fx_rewrite import backend as backend_mod
+from passes import plan as plan_mod
+
+RTOL = 1e-5
+COUNTS = {"gpt2": (5, 0), "vit": (5, 0), "bert": (1, 4)}  # (folded, kept) with 2 layers
+
+
+def _digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(module.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return ((ref.double() - got.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _eager(gm, example_inputs):
+    return gm.forward
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = zoo.MODELS[name]()
+        return cache[name]
+
+    return get
+
+
+# --- fold_module on real architectures ----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2", "vit", "bert"])
+def test_fold_module_counts_outputs_and_leaves_module_alone(models, name):
+    module, args = models(name)
+    before = _digest(module)
+    res = fold_module(module, args)
+    assert (res.report.folded, res.report.kept) == COUNTS[name]
+    assert res.max_rel_err < RTOL
+    assert _digest(module) == before
+    with torch.no_grad():
+        assert _rel(module(*args), res.module(*args)) < RTOL
+    mine = {t.data_ptr() for t in module.state_dict().values()}
+    assert not mine & {t.data_ptr() for t in res.module.state_dict().values()}  # no shared storage
+
+
+def test_folded_module_takes_other_sequence_lengths(models):
+    module, _ = models("gpt2")
+    res = fold_module(module, (torch.randint(0, 101, (2, 9)),))
+    x = torch.randint(0, 101, (3, 17))
+    with torch.no_grad():
+        assert _rel(module(x), res.module(x)) < RTOL
+
+
+def test_norm_choice_rms_norm_or_layer_norm(models):
+    module, args = models("gpt2")
+    targets = lambda m: [str(n.target) for n in m.graph.nodes if n.op == "call_function"]  # noqa: E731
+    rms = fold_module(module, args, norm="rms_norm")
+    assert sum("rms_norm" in t for t in targets(rms.module)) == 5
+    assert not any("layer_norm" in t for t in targets(rms.module))
+    kept = fold_module(module, args)  # eager default: the fused LayerNorm on the centered stream
+    assert sum("layer_norm" in t for t in targets(kept.module)) == 5
+    assert rms.max_rel_err < RTOL and kept.max_rel_err < RTOL
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit", "bert"])
+def test_frontends_agree_on_every_verdict(zoo_onnx, name):
+    module, args, proto = zoo_onnx(name)
+    fx_report = analyze_module(module, args)
+    onnx_report = onnx_rewrite.analyze_model(proto)
+    assert [n.verdict for n in fx_report.norms] == [n.verdict for n in onnx_report.norms]
+    assert (fx_report.folded, fx_report.kept) == (onnx_report.folded, onnx_report.kept) == COUNTS[name]
+
+
+def test_bert_keeps_post_ln_norms_with_reasons(models):
+    module, args = models("bert")
+    report = analyze_module(module, args)
+    for n in report.norms[1:]:
+        assert "aten.linear" in n.reason and "not shift-invariant" in n.reason
+
+
+# --- the tests can fail --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", ["auto", "rms_norm"])
+def test_planted_bug_skipped_centering_fails_verification(models, monkeypatch, norm):
+    """Drop one centering from the plan: verification must catch it, even when the eager module
+    keeps LayerNorm (which would hide it), because fold_module also checks the RMSNorm twin."""
+    module, args = models("gpt2")
+    real = fx_rewrite.api.make_plan
+
+    def sabotaged(view, mode="rms"):
+        plan = real(view, mode)
+        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], plan_mod.Center)]
+        plan.const_edits.remove(centers[len(centers) // 2])
+        return plan
+
+    monkeypatch.setattr(fx_rewrite.api, "make_plan", sabotaged)
+    with pytest.raises(VerificationError):
+        fold_module(module, args, norm=norm)
+
+
+def test_swap_without_centering_is_not_equivalent(models):
+    """The adversarial weights make a bare LayerNorm -> RMSNorm swap visibly wrong."""
+    module, args = models("gpt2")
+    res = fold_module(module, args, norm="rms_norm", verify=False)
+    bare = fx_rewrite.api.export(module, args).module()
+    from fx_rewrite.apply import ATEN, rms_probe
+    probe = rms_probe(bare, [n.name for n in bare.graph.nodes if "layer_norm" in str(n.target)], ATEN)
+    with torch.no_grad():
+        assert _rel(module(*args), probe(*args)) > 1e-2
+        assert _rel(module(*args), res.module(*args)) < RTOL
+
+
+# --- small modules: one behaviour each -------------------------------------------------------------
+
+D = 16
+
+
+class PreLN(nn.Module):
+    """Embedding -> L pre-LN blocks (optionally with LayerScale) -> final LN -> tied head."""
+
+    def __init__(self, layers=2, layerscale=False, tied=False):
+        super().__init__()
+        self.emb = nn.Embedding(11, D)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(D), "fc": nn.Linear(D, D)}) for _ in range(layers))
+        self.scale = nn.ParameterList(nn.Parameter(torch.rand(D) + 0.5) for _ in range(layers)) if layerscale else None
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        zoo.adversarial(self)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for k, b in enumerate(self.blocks):
+            y = b["fc"](torch.tanh(b["ln"](h)))
+            h = h + (y * self.scale[k] if self.scale is not None else y)
+        return self.head(self.ln_f(h))
+
+
+IDS = (torch.randint(0, 11, (2, 5)),)
+
+
+def test_tied_embedding_is_cloned_not_edited():
+    m = PreLN(tied=True)
+    res = fold_module(m, IDS, norm="rms_norm")
+    assert res.report.folded == 3 and res.max_rel_err < RTOL
+    assert m.head.weight is m.emb.weight  # the user's tie is intact
+
+
+def test_layerscale_is_folded_into_its_source():
+    m = PreLN(layerscale=True)
+    res = fold_module(m, IDS, norm="rms_norm")
+    assert res.report.folded == 3 and res.max_rel_err < RTOL
+    muls = [n for n in res.module.graph.nodes if "mul" in str(n.target)]
+    assert not muls  # the scale went into fc's weights; the multiplication by ones is gone
+
+
+class FromInput(nn.Module):
+    """A stream that starts at a graph input: only an explicit recenter can center it."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.lns = nn.ModuleList(nn.LayerNorm(D) for _ in range(layers + 1))
+        self.fcs = nn.ModuleList(nn.Linear(D, D) for _ in range(layers))
+        zoo.adversarial(self)
+
+    def forward(self, x):
+        for ln, fc in zip(self.lns, self.fcs):
+            x = x + fc(torch.relu(ln(x)))
+        return self.lns[-1](x).sum(-1)
+
+
+def test_graph_input_stream_folds_with_one_recenter():
+    x = (torch.randn(2, 5, D) + 3.0,)
+    res = fold_module(FromInput(2), x, norm="rms_norm")
+    assert (res.report.folded, res.report.recentered) == (3, 1) and res.max_rel_err < RTOL
+
+
+def test_lone_norm_behind_graph_input_is_not_worth_a_recenter():
+    report = analyze_module(FromInput(0), (torch.randn(2, 5, D),))
+    assert report.kept == 1 and "recenter" in report.norms[0].reason
+    with pytest.raises(NothingToFold):
+        fold_module(FromInput(0), (torch.randn(2, 5, D),))
+
+
+def test_multi_axis_layernorm_is_kept_with_reason():
+    class TwoAxes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+            self.ln = nn.LayerNorm([5, D])
+
+        def forward(self, x):
+            return self.ln(self.fc(x))
+
+    report = analyze_module(TwoAxes(), (torch.randn(2, 5, D),))
+    assert report.kept == 1 and "last 2 axes" in report.norms[0].reason
+
+
+def test_stream_as_output_blocks_with_reason():
+    class Leaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+            self.ln = nn.LayerNorm(D)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.ln(h), h
+
+    report = analyze_module(Leaky(), (torch.randn(2, 5, D),))
+    assert report.kept == 1 and "graph output" in report.norms[0].reason
+
+
+def test_train_mode_dropout_on_the_stream_is_not_transparent():
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+            self.drop = nn.Dropout(0.5)
+            self.ln = nn.LayerNorm(D)
+
+        def forward(self, x):
+            return self.ln(self.drop(self.fc(x)))
+
+    m = Drop()
+    assert analyze_module(m.eval(), (torch.randn(2, D),)).folded == 1
+    assert analyze_module(m.train(), (torch.randn(2, D),)).folded == 0
+
+
+def test_bad_arguments():
+    with pytest.raises(fx_rewrite.LnfoldError):
+        fold_module(PreLN(), IDS, mode="nope")
+    with pytest.raises(fx_rewrite.LnfoldError):
+        fold_module(PreLN(), IDS, norm="nope")
+
+
+# --- the torch.compile backend ---------------------------------------------------------------------
+
+def test_backend_folds_torch_level_graph_eagerly():
+    """Dynamo's torch-level graph (F.layer_norm, F.linear, operator.add): same verdicts, exact."""
+    m = PreLN(tied=True, layerscale=True)
+    graphs = []
+
+    def inner(gm, ex):
+        graphs.append(gm)
+        return gm.forward
+
+    c = torch.compile(m, backend=lnfold_backend_with(inner=inner))
+    with torch.no_grad():
+        assert _rel(m(*IDS), c(*IDS)) < RTOL
+    report = backend_mod.reports[-1]
+    assert (report.folded, report.kept) == (3, 0)
+    names = [getattr(n.target, "__name__", str(n.target)) for n in graphs[-1].graph.nodes]
+    assert "layer_norm" not in names and names.count("rms_norm") == 3
+
+
+def test_backend_options_reach_the_fold(monkeypatch):
+    seen = []
+    monkeypatch.setattr(backend_mod, "_inductor", lambda gm, ex, **kw: gm.forward)
+    torch._dynamo.reset()
+    c = torch.compile(PreLN(), backend="lnfold", options={"lnfold.mode": "crms", "lnfold.on_report": seen.append})
+    with torch.no_grad():
+        c(*IDS)
+    assert seen and seen[-1].mode == "crms" and seen[-1].folded == 3
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown lnfold option"):
+        torch.compile(PreLN(), backend="lnfold", options={"lnfold.nope": 1})(*IDS)
+
+
+def test_backend_cache_notices_changed_parameters():
+    """Inference reads cached centered copies; an in-place update must not leave them stale."""
+    m = PreLN(tied=True)
+    c = torch.compile(m, backend=lnfold_backend_with(inner=_eager))
+    with torch.no_grad():
+        assert _rel(m(*IDS), c(*IDS)) < RTOL
+        before = _digest(m)
+        c(*IDS)
+        assert _digest(m) == before  # the user's parameters are never written
+        m.emb.weight.add_(1.0)
+        m.blocks[0]["fc"].bias.mul_(3.0)
+        assert _rel(m(*IDS), c(*IDS)) < RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_compile_matches_eager_and_inductor_sees_no_layernorm(models, monkeypatch, name):
+    module, args = models(name)
+    handed = []
+    real = backend_mod._inductor
+
+    def recording(gm, example_inputs, **kw):
+        handed.append(gm)
+        return real(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(backend_mod, "_inductor", recording)
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="lnfold")
+    with torch.no_grad():
+        assert _rel(module(*args), compiled(*args)) < RTOL
+    assert handed
+    names = [getattr(n.target, "__name__", str(n.target)) for gm in handed for n in gm.graph.nodes]
+    assert "layer_norm" not in names and names.count("rms_norm") == COUNTS[name][0]
+
+
+@pytest.mark.slow
+def test_training_step_same_loss_and_gradients(models):
+    """Through the backend under autograd: the optimizer's parameters are centered in the graph,
+    so loss and gradients are the original model's. Reference: the same step in float64."""
+    module, (ids,) = models("gpt2")
+
+    def step(model, fn):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        logits = fn(ids)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss.backward()
+        grads = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        return loss.detach(), grads, {k: p.detach().clone() for k, p in model.named_parameters()}
+
+    ref_model = copy.deepcopy(module).double()
+    loss64, grads64, params64 = step(ref_model, ref_model)
+    model = copy.deepcopy(module)
+    torch._dynamo.reset()
+    loss, grads, params = step(model, torch.compile(model, backend="lnfold"))
+    assert backend_mod.reports[-1].folded == 5
+    assert abs(loss.double() - loss64).item() / abs(loss64).item() < RTOL
+    assert grads.keys() == grads64.keys()
+    for k in grads64:
+        assert _rel(grads64[k], grads[k]) < RTOL, k
+        assert _rel(params64[k], params[k]) < RTOL, k
+
+
+@pytest.mark.slow
+def test_entry_point_works_without_importing_lnfold():
+    """After `pip install`, backend="lnfold" resolves through the torch_dynamo_backends entry point."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from torch import nn
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(11, 16)
+                self.ln1, self.ln2 = nn.LayerNorm(16), nn.LayerNorm(16)
+                self.fc = nn.Linear(16, 16)
+            def forward(self, ids):
+                h = self.emb(ids)
+                h = h + self.fc(torch.tanh(self.ln1(h)))
+                return self.ln2(h)
+        m = M().eval()
+        with torch.no_grad():
+            m.emb.weight.add_(3.0 * torch.randn(11, 1))
+        assert "fx_rewrite" not in sys.modules
+        ids = torch.randint(0, 11, (2, 5))
+        with torch.no_grad():
+            got = torch.compile(m, backend="lnfold")(ids)
+            ref = m(ids)
+        from fx_rewrite.backend import reports
+        assert reports and reports[-1].folded == 2, reports
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
