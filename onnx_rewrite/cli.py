@@ -13,14 +13,23 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
+
 from passes import LnfoldError, VerificationError
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (exit code 2), like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"lnfold: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lnfold", description="Fold the LayerNorms of a model into RMSNorms, exactly.")
+    p = _Parser(prog="lnfold", description="Fold the LayerNorms of a model into RMSNorms, exactly.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
@@ -64,13 +73,21 @@ def cmd_fold(args) -> int:
         raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
     if src.resolve() == dst.resolve() or (src.exists() and dst.exists() and os.path.samefile(src, dst)):
         raise LnfoldError(f"{dst}: output would overwrite the input; choose another path")
-    if not (dst.parent if str(dst.parent) else Path(".")).is_dir():
-        raise LnfoldError(f"{dst.parent}: output directory does not exist")
+    out_dir = dst.parent if str(dst.parent) else Path(".")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise LnfoldError(f"{out_dir}: not a directory, cannot write {dst.name} into it")
+    if not out_dir.is_dir():
+        raise LnfoldError(f"{out_dir}: output directory does not exist")
     progress = _progress_for(src)
     t0 = time.perf_counter()
     if progress:
         progress(f"loading {src}")
-    model = io.load(src)
+    inputs = {src.resolve()}
+    model = io.load(src, data_files=inputs)
+    for out in (dst, dst.parent / (dst.name + ".data")):
+        if out.resolve() in inputs:
+            raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
+                              "choose another path")
     bounds = index_bounds(model)
     result = fold_model(model, mode=args.mode, target=args.target, verify_outputs=False, progress=progress)
     del model  # the folded model shares nothing we still need; free the original's weights
@@ -105,9 +122,10 @@ def cmd_report(args) -> int:
     from . import io
     from .api import analyze_model
 
-    report = analyze_model(io.load(args.input), mode=args.mode)
+    model = io.load(args.input)
+    report = analyze_model(model, mode=args.mode)
     if not report.norms:
-        raise LnfoldError("no LayerNorm found in the model")
+        raise LnfoldError(io.no_norm_message(model))
     print(report.to_json(indent=2) if args.json else report.table())
     return 0
 
@@ -115,10 +133,13 @@ def cmd_report(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.cmd == "fold":
-            return cmd_fold(args)
-        if args.cmd == "report":
-            return cmd_report(args)
+        # NaN/Inf weights fold into NaN/Inf weights (verification compares them as equal): no
+        # numpy warnings about them on the command line
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            if args.cmd == "fold":
+                return cmd_fold(args)
+            if args.cmd == "report":
+                return cmd_report(args)
         from .demo import run_demo
 
         return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep)
@@ -128,6 +149,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("lnfold: interrupted; nothing written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `lnfold report m.onnx | head -1`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # the file system said no (permissions, a full disk): the user's to fix
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"lnfold: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except Exception as e:  # a bug of ours: say so in one line, details on request
         if os.environ.get("LNFOLD_DEBUG"):
             traceback.print_exc()
