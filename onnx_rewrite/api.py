@@ -33,6 +33,9 @@ def stderr_progress(msg: str) -> None:
 
 def _import(model: onnx.ModelProto) -> gs.Graph:
     graph = gs.import_onnx(model)
+    # graphsurgeon keeps the model's own opset_import list and appends the domains of new nodes
+    # to it on export: give it a copy, or folding would edit the caller's model
+    graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
     seen: set[str] = set()
     for k, node in enumerate(graph.nodes):  # the analysis names nodes: they must be unique
         if not node.name or node.name in seen:
@@ -41,8 +44,19 @@ def _import(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def _as_model(model) -> onnx.ModelProto:
+    """A ModelProto as given, or one loaded from a path; anything else is a clear error."""
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        return io.load(model)
+    if not isinstance(model, onnx.ModelProto):
+        raise LnfoldError(f"expected an onnx.ModelProto or a path to one, got {type(model).__name__}")
+    return model
+
+
 def _analyze(model: onnx.ModelProto, mode: str):
     opset = io.check_opset(model)
+    io.check_graph(model)
+    io.check_tensors(model)
     shapes = infer_shapes(model)
     graph = _import(model)
     info = GraphInfo(graph, shapes)
@@ -53,12 +67,13 @@ def _analyze(model: onnx.ModelProto, mode: str):
 
 def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
     """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
+    model = _as_model(model)
     return _analyze(model, mode)[-1].report
 
 
-def _check_plan(plan: Plan) -> None:
+def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
     if not plan.report.norms:
-        raise NothingToFold("no LayerNorm found in the model: nothing to fold")
+        raise NothingToFold(io.no_norm_message(model))
     if plan.empty:
         raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
@@ -81,6 +96,7 @@ def fold_model(
         raise LnfoldError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
     if mode not in ("rms", "crms"):
         raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
+    model = _as_model(model)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     work = model  # read, never written: graphsurgeon builds a new proto on export
@@ -93,7 +109,7 @@ def fold_model(
 
     _stage(progress, "analyzing")
     graph, info, opset, matches, plan = _analyze(work, mode)
-    _check_plan(plan)
+    _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 
     _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
