@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Union
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
+from passes import LnfoldError, VerificationError
 from passes.weights import max_rel_err
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
@@ -27,9 +29,13 @@ _NP = {
 }
 
 
+_QUIET = ort.RunOptions()
+_QUIET.log_severity_level = 4
+
+
 def session(model: ModelLike) -> ort.InferenceSession:
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
@@ -83,14 +89,48 @@ def random_inputs(sess: ort.InferenceSession, bounds: dict[str, int], seed: int 
 
 
 def compare(original: ModelLike, folded: ModelLike, *, seed: int = 0, bounds: dict[str, int] | None = None) -> tuple[float, float]:
-    """(worst relative difference over all outputs, the tolerance for the outputs' dtypes)."""
-    a, b = session(original), session(folded)
-    if bounds is None:
-        bounds = index_bounds(original if isinstance(original, onnx.ModelProto) else onnx.load(str(original), load_external_data=False))
-    feeds = random_inputs(a, bounds, seed)
-    ra = a.run(None, feeds)
-    rb = b.run(None, feeds)
+    """(worst relative difference over all outputs, the tolerance for the outputs' dtypes).
+
+    Raises LnfoldError when onnxruntime cannot run the original model on made-up inputs (there
+    is nothing to compare against) and VerificationError when only the folded model fails.
+    """
+    try:
+        a = session(original)
+        if bounds is None:
+            bounds = index_bounds(original if isinstance(original, onnx.ModelProto) else onnx.load(str(original), load_external_data=False))
+        feeds = random_inputs(a, bounds, seed)
+        ra = a.run(None, feeds, _QUIET)
+    except Exception as e:
+        raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs "
+                          f"({_first_line(e)}); use --no-verify (API: verify_outputs=False) to skip it") from None
+    try:
+        b = session(folded)
+        rb = b.run(None, feeds, _QUIET)
+    except Exception as e:
+        raise VerificationError(f"verification failed: onnxruntime cannot run the folded model ({_first_line(e)})") from None
     tol = min(TOLERANCE.get(o.type, 1e-4) for o in a.get_outputs())
     if len(ra) != len(rb):
         return float("inf"), tol
     return max((max_rel_err(x, y) for x, y in zip(ra, rb)), default=0.0), tol
+
+
+def _first_line(e: BaseException) -> str:
+    """onnxruntime's message on one line, without its source locations and C++ signatures."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    m = re.search(r"/?onnxruntime_src/\S+:\d+ ", text)
+    if m:  # "/onnxruntime_src/x.h:46 void ns::f(args...) message": drop the location and signature
+        rest, depth, cut = text[m.end():], 0, 0
+        for k, ch in enumerate(rest):
+            depth += ch == "("
+            if ch == ")":
+                depth -= 1
+                if depth == 0:
+                    cut = k + 1
+                    break
+        text = text[:m.start()] + " " + rest[cut:].strip()
+    if len(text) > 240:
+        sentences = [x for x in re.split(r"(?<=\.) ", text) if x]
+        first, last = sentences[0], sentences[-1]
+        text = f"{first} ... {last}" if len(sentences) > 1 and len(first) + len(last) < 300 else text[:240] + "..."
+    return text
