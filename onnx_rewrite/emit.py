@@ -109,6 +109,7 @@ class Emitter:
         centered = self.var(f"{value}/lnfold_recentered", x.dtype)
         self._reduce_mean(x, [axis], mean)
         self.node("Sub", [x, mean], [centered])
+        self.info.shapes[centered.name] = self.info.shape(x)
         for r in readers:
             _replace_input(r, x, centered)
 
@@ -118,6 +119,12 @@ class Emitter:
         width = self.info.shape(m.x)[m.axis]
         dtype = _dtype_of(m.x, m.gamma, m.nodes)
         gamma = self._gamma(m, width, dtype)
+        # Recenters and constant edits rewired the norm's own inputs: read them live, not as matched.
+        live = list(m.nodes[0].inputs) + [None] * 5
+        m.x = live[0]
+        if m.kind == "SkipLayerNormalization":
+            m.skip = live[1]
+            m.bias = live[4] if live[4] is not None and live[4].name else None
         for n in m.nodes:  # detach the LayerNorm; its output tensor gets a new producer
             n.outputs.clear()
             n.inputs.clear()
@@ -134,6 +141,8 @@ class Emitter:
         last = m.axis == rank - 1
         if m.kind == "SkipLayerNormalization":
             self._skip_rms(m.x, m.skip, gamma, m.bias, m.sum_output, normed, m.epsilon, m.name)
+        elif gamma is None:
+            self._portable_rms(m.x, gamma, normed, m.axis, m.epsilon, m.name)
         elif self.target == "ort" and last and self._fuse_residual(m, gamma, normed):
             pass
         elif self.target == "ort" and last:
@@ -149,7 +158,7 @@ class Emitter:
     def _gamma(self, m: NormMatch, width, dtype) -> gs.Tensor:
         if m.gamma is None:
             if not isinstance(width, int):
-                raise ValueError(f"{m.name}: feature size unknown and no γ to take it from")
+                return None  # feature size unknown: an RMSNorm without γ (portable ops only)
             return self.const(f"{m.name}/lnfold_gamma", np.ones([width], dtype))
         vals = const_values(m.gamma)
         if vals is not None and np.ndim(vals) != 1:
@@ -164,6 +173,9 @@ class Emitter:
         self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, _np(dt)))], [ms_eps])
         self.node("Sqrt", [ms_eps], [rms])
         self.node("Reciprocal", [rms], [inv])
+        if gamma is None:
+            self.node("Mul", [x, inv], [out])
+            return
         self.node("Mul", [x, inv], [n])
         rank = self.info.rank(x)
         g = gamma
@@ -187,6 +199,7 @@ class Emitter:
             self.node("Add", [xs, bias], [s])
         else:
             self.node("Add", [x, skip], [s])
+        self.info.shapes.setdefault(s.name, self.info.shape(x))  # a new tensor: _portable_rms asks its rank
         axis = (self.info.rank(x) or 1) - 1
         if self.target == "onnx":
             self.node("RMSNormalization", [s, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)
