@@ -1,6 +1,8 @@
 """Shape inference that stays cheap on big models, and the feature-axis maps that need shapes."""
 from __future__ import annotations
 
+import os
+import tempfile
 from math import prod
 from typing import Optional
 
@@ -53,7 +55,15 @@ def _onnx_inference(m: onnx.ModelProto) -> onnx.ModelProto:
 def _symbolic_inference(m: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    return SymbolicShapeInference.infer_shapes(m, auto_merge=True, guess_output_rank=False)
+    # When it cannot infer every shape, onnxruntime saves the model as `sym_shape_infer_temp.onnx`
+    # in the current folder before raising: run it from a scratch folder, not the user's.
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix=".lnfold-shapes-") as scratch:
+        os.chdir(scratch)
+        try:
+            return SymbolicShapeInference.infer_shapes(m, auto_merge=True, guess_output_rank=False)
+        finally:
+            os.chdir(cwd)
 
 
 def _read_shapes(m: onnx.ModelProto) -> dict[str, Shape]:
