@@ -191,17 +191,24 @@ def match_decomposed(mean1: gs.Node, shapes: dict[str, Shape]) -> Optional[NormM
     if down is not None:
         nodes.append(down)
         out = down.outputs[0]
+    rank = _rank(x, shapes)
+    axis, rejection = _norm_axis(axes, rank)
+
+    def affine(t) -> bool:  # γ/β vary along the normalized axis only; any other constant
+        # (a position table added to a γ-less norm's output) is the next op, not the norm's
+        return const_values(t) is not None and (rejection is not None or _affine_along(t, None, axis, rank))
+
     gamma = beta = None
     mul = _single(out, "Mul")
-    if mul is not None and const_values(_other(mul, out)) is not None:
+    if mul is not None and affine(_other(mul, out)):
         gamma, out = _other(mul, out), mul.outputs[0]
         nodes.append(mul)
         add = _single(out, "Add")
-        if add is not None and const_values(_other(add, out)) is not None:
+        if add is not None and affine(_other(add, out)):
             beta, out = _other(add, out), add.outputs[0]
             nodes.append(add)
     m = NormMatch(mean1.name, "decomposed", nodes, x, out, gamma=gamma, beta=beta, epsilon=eps)
-    m.axis, m.rejection = _norm_axis(axes, _rank(x, shapes))
+    m.axis, m.rejection = axis, rejection
     if m.rejection is None and not _affine_along(gamma, beta, m.axis, _rank(x, shapes)):
         m.rejection = "its γ/β vary along more than the normalized axis"
     return m
