@@ -27,11 +27,16 @@ def _adversarial(m: nn.Module) -> nn.Module:
     return m.eval()
 
 
-def _assert_ok(case: mg.Case, paths=("onnx",)) -> None:
+def _assert_ok(case: mg.Case) -> None:
+    """The ONNX path (bf16: skipped), then the torch path and agreement where fold_module exists."""
+    paths = (() if case.dtype == torch.bfloat16 else ("onnx",)) + (("fx",) if mg.fx_available() else ())
     outs = mg.check(case, paths)
     for o in outs:
-        assert o.skipped is None or o.path == "fx", o.skipped
+        assert o.skipped is None, o.skipped
     fails = mg.failures(outs)
+    gap = mg.known_fx_gap(case, fails)
+    if gap:
+        pytest.xfail(gap)
     assert not fails, case.describe() + "\n" + "\n".join(fails)
 
 
@@ -129,4 +134,75 @@ def test_nonzero_pad_is_not_transparent(exporter, opset):
     m = _adversarial(PadTokens(value=1.5))
     ids = torch.randint(0, 11, (2, 5), generator=G)
     case = mg.make_case(m, (ids,), {"ln": "keep"}, exporter=exporter, opset=opset)
+    _assert_ok(case)
+
+
+# --- torch frontend: layout ops on token axes -----------------------------------------------------
+class TokenLayout(nn.Module):
+    """roll / flip / pad of the stream on the token axis, between two pre-LN blocks. All three
+    are shift-transparent (DESIGN §1: Roll, zero Pad; flip is a reversed Slice); the ONNX path
+    folds every norm. fx_rewrite has no entry for aten.roll, aten.flip or aten.pad yet: it keeps
+    the norms (sound, incomplete) and disagrees with the ONNX frontend (xfail until it does)."""
+
+    def __init__(self, op: str, d=6, vocab=11):
+        super().__init__()
+        self.op = op
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.fc1(self.ln1(h))
+        if self.op == "roll":
+            h = torch.roll(h, 1, 1)
+        elif self.op == "flip":
+            h = torch.flip(h, [1])
+        else:
+            h = F.pad(h, (0, 0, 1, 0))
+        return self.head(self.ln2(h))
+
+
+@pytest.mark.parametrize("op", ["roll", "flip", "pad"])
+def test_token_layout_ops(op):
+    m = _adversarial(TokenLayout(op))
+    ids = torch.randint(0, 11, (2, 5), generator=G)
+    case = mg.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=17)
+    _assert_ok(case)
+
+
+# --- bug 4: a decomposed LayerNorm followed by a constant Add that is not its β -----------------
+class NormThenTable(nn.Module):
+    """BLOOM-like: an embedding LayerNorm (γ only, or no affine at all) whose output gets a
+    position table [T, D] added. Below opset 17 the LayerNorm is decomposed; lnfold's matcher took
+    the table's Add (a constant) for the norm's β, then rejected the norm because that "β" varies
+    along the tokens, and kept it."""
+
+    def __init__(self, d=6, t=5, vocab=11, affine=True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln_e = nn.LayerNorm(d, bias=False, elementwise_affine=affine)
+        self.pos = nn.Parameter(torch.zeros(t, d))
+        self.scale = nn.Parameter(torch.zeros(t, 1))
+        self.fc = nn.Linear(d, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.ln2 = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        h = self.ln_e(self.emb(ids)) * self.scale + self.pos
+        h = h + self.fc(self.ln1(h))
+        return self.head(self.ln2(h))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("opset", [14, 17])
+def test_decomposed_norm_then_position_table(opset, affine):
+    m = _adversarial(NormThenTable(affine=affine))
+    ids = torch.randint(0, 11, (2, 5), generator=G)
+    # ln_e: its own component (embedding source). ln1, ln2: one opaque start (ln_e's scaled
+    # output), two norms: the recenter pays.
+    case = mg.make_case(m, (ids,), {"ln_e": "fold", "ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset)
     _assert_ok(case)

@@ -69,6 +69,7 @@ FP32_RTOL = 1e-5
 # original's own error, plus a floor of a few units in the last place (a model whose own error is
 # tiny cannot be held to less than rounding).
 LOWP_FACTOR = 2.0
+FP32_FLOOR = 1e-6  # the same rule backs up fp32 where the original's own error passes 1e-5
 LOWP_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
@@ -262,7 +263,8 @@ class Gen:
         self.vocab = ch.pick([13, 7, 29])
         self.blocks: list[tuple] = []  # reusable (D, shape, fn) for ALBERT-style shared blocks
         self.d_linears: dict[int, list[str]] = {}  # D -> linears D->D (for shared heads)
-        self.embs: dict[int, list[str]] = {}  # D -> embeddings (for tied heads)
+        self.embs: dict[int, list[str]] = {}  # D -> embeddings (for tied heads, shared sources)
+        self.start_linears: list[str] = []  # input projections (shared between starts)
         self.donated: list[tuple[str, int]] = []  # (var, D): norm outputs given to a later stream
         self.pending: list[Stream] = []  # streams kept open to merge into a later one
 
@@ -311,6 +313,8 @@ class Gen:
         return n
 
     def output(self, v: str) -> None:
+        if v in self.inputs:  # an input returned as is: the dynamo exporter writes a duplicate name
+            v = self.emit(f"-{v}")
         if v not in self.outputs:
             self.outputs.append(v)
 
@@ -377,7 +381,7 @@ class Gen:
         # more centerable terms of the same shape, and constant tables
         for _ in range(ch.int(0, 2)):
             kind = ch.pick(["emb", "linear", "conv1d", "pos", "rowconst", "opaque"])
-            if len(shape) != 3 and kind not in ("pos", "rowconst"):
+            if (len(shape) != 3 or shape[0] != B) and kind not in ("pos", "rowconst"):
                 continue
             if kind == "opaque":
                 if opaque is not None:
@@ -397,7 +401,7 @@ class Gen:
             h = self.emit(f"{h} * {ch.pick([2.0, 0.125, 8.0])}")
         if ch.bool(0.15) and len(self.shape(h)) == 3:  # cls token: a constant concatenated on tokens
             cls = self.param((1, 1, self.shape(h)[-1]), "table")
-            h = self.emit(f"torch.cat([self.{cls}.expand({B}, 1, {self.shape(h)[-1]}), {h}], 1)")
+            h = self.emit(f"torch.cat([self.{cls}.expand({self.shape(h)[0]}, 1, {self.shape(h)[-1]}), {h}], 1)")
         return Stream(h, cid)
 
     def centerable_term(self, kind: str, T: int, D: int) -> str:
@@ -405,13 +409,25 @@ class Gen:
         if kind == "emb":
             have = [i for i in self.inputs if self.env[i].dtype == torch.int64 and self.env[i].shape == (B, T)]
             ids = have[0] if have and not ch.bool(0.3) else self.new_input("ids", (B, T))
-            mod = self.add("emb", nn.Embedding(self.vocab, D))
-            self.embs.setdefault(D, []).append(mod)
+            if self.embs.get(D) and ch.bool(0.25):  # an embedding shared with another source
+                mod = ch.pick(self.embs[D])
+                # new ids: exporters merge identical calls (CSE), which would join the two streams
+                ids = self.new_input("ids", (B, T))
+            else:
+                mod = self.add("emb", nn.Embedding(self.vocab, D))
+                self.embs.setdefault(D, []).append(mod)
             v = self.emit(f"self.{mod}({ids})")
         elif kind == "linear":
-            din = ch.pick([3, 5, D])
+            shared = [m for m in self.start_linears if getattr(self.m, m).out_features == D]
+            if shared and ch.bool(0.25):  # an input projection shared by two starts
+                mod = ch.pick(shared)
+                din = getattr(self.m, mod).in_features
+            else:
+                din = ch.pick([3, 5, D])
+                mod = self.linear(din, D)
+                self.start_linears.append(mod)
             x = self.new_input("x", (B, T, din))
-            v = self.emit(f"self.{self.linear(din, D)}({x})")
+            v = self.emit(f"self.{mod}({x})")
         elif kind == "conv2d":
             hp = next(d for d in (2, 1) if T % d == 0)
             p = ch.pick([2, 1])
@@ -972,7 +988,13 @@ def make_case(module: nn.Module, inputs: tuple, expected: dict[str, str], *, dty
         for h in hooks:
             h.remove()
     names = [f"in{i}" for i in range(len(inputs))]
-    case = Case(None, [], torch.float32, exporter, opset, module, tuple(inputs), names, why, calls,
+    try:
+        import inspect
+
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        source = why
+    case = Case(None, [], torch.float32, exporter, opset, module, tuple(inputs), names, source, calls,
                 [expected[c.module] for c in calls], [why] * len(calls))
     return case.to(dtype) if dtype != torch.float32 else case
 
@@ -1148,8 +1170,19 @@ def _compare(case: Case, ref_orig: list, ref_fold: list, f64: Optional[list]) ->
         return float("inf"), 0.0, [f"soundness: {len(ref_fold)} outputs, the original has {len(ref_orig)}"]
     if case.dtype == torch.float32:
         err = max((rel_err(a, b) for a, b in zip(ref_orig, ref_fold)), default=0.0)
-        return err, FP32_RTOL, [] if err <= FP32_RTOL else [
-            f"soundness: folded outputs differ from the original by {err:.3g} (relative), above {FP32_RTOL:g}"]
+        if err <= FP32_RTOL:
+            return err, FP32_RTOL, []
+        # Above 1e-5: exact folds cannot beat the original's own rounding, which adversarial
+        # means (a mean 100x a row's spread costs LayerNorm 2 digits) can push past 1e-5. Then
+        # the folded model must be as close to float64 as the original is, output by output.
+        f64 = _float64_reference(case)
+        own = [rel_err(r, a) for r, a in zip(f64, ref_orig)]
+        got = [rel_err(r, b) for r, b in zip(f64, ref_fold)]
+        bad = [(o, g) for o, g in zip(own, got) if g > LOWP_FACTOR * o + FP32_FLOOR]
+        return err, FP32_RTOL, [] if not bad else [
+            f"soundness: folded outputs differ from the original by {err:.3g} (relative), above "
+            f"{FP32_RTOL:g}, and from float64 by {bad[0][1]:.3g}, more than {LOWP_FACTOR:g} x the "
+            f"original's own {bad[0][0]:.3g} + {FP32_FLOOR:g}"]
     own = max((rel_err(r, a) for r, a in zip(f64, ref_orig)), default=0.0)
     got = max((rel_err(r, b) for r, b in zip(f64, ref_fold)), default=0.0)
     bound = LOWP_FACTOR * own + LOWP_FLOOR[case.dtype]
@@ -1261,7 +1294,7 @@ def check_fx(case: Case) -> Outcome:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = fx_rewrite.fold_module(case.module, case.inputs)
+            res = fx_rewrite.fold_module(case.module, case.inputs, **_fx_kwargs("fold_module"))
         report, folded = res.report, res.module
     except NothingToFold as e:
         report = getattr(e, "report", None)
@@ -1294,13 +1327,41 @@ def check_fx(case: Case) -> Outcome:
     return out
 
 
+def _fx_kwargs(fn: str) -> dict:
+    """Options for the torch frontend, where it has them: emit real RMSNorms (an eager fold may
+    keep the LayerNorm kernel on the centered stream, which would hide a missed centering), no
+    verification of its own (the fuzzer checks), static shapes (the example inputs' sizes)."""
+    import inspect
+
+    import fx_rewrite
+
+    params = inspect.signature(getattr(fx_rewrite, fn)).parameters
+    want = {"norm": "rms_norm", "verify": False, "dynamic": False}
+    return {k: v for k, v in want.items() if k in params}
+
+
 def _fx_report_only(case: Case):
     import fx_rewrite
 
-    for fn in ("analyze_module", "report_module"):
-        if hasattr(fx_rewrite, fn):
-            return getattr(fx_rewrite, fn)(case.module, case.inputs)
+    if hasattr(fx_rewrite, "analyze_module"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fx_rewrite.analyze_module(case.module, case.inputs, **_fx_kwargs("analyze_module"))
     raise RuntimeError("NothingToFold carries no report and fx_rewrite has no analyze_module")
+
+
+# Ops the torch frontend does not classify yet (found by this fuzzer; DESIGN §1 makes them
+# shift-transparent on token axes). A model using one may get a conservative verdict from FX:
+# `known_fx_gap` names the gap so tests can xfail instead of failing, as long as the result is
+# only incomplete (never unsound, never a crash). Remove an entry once fx_rewrite handles it.
+FX_GAPS = {"torch.roll(": "aten.roll", "F.pad(": "aten.pad", "torch.flip(": "aten.flip"}
+
+
+def known_fx_gap(case: Case, fails: list[str]) -> Optional[str]:
+    if not fails or any(not f.startswith(("completeness: fx", "agreement:")) for f in fails):
+        return None
+    ops = [op for needle, op in FX_GAPS.items() if needle in case.source]
+    return f"fx_rewrite does not classify {', '.join(ops)} yet (a sound, conservative verdict)" if ops else None
 
 
 def agreement(case: Case, a: Outcome, b: Outcome) -> list[str]:
@@ -1373,6 +1434,7 @@ def run_many(count: int, seed: int, paths, *, dtype=None, exporter=None, log=Non
              "exporters": {}, "dtypes": {}}
     t0 = time.perf_counter()
     for s in range(seed, seed + count):
+        case = None
         try:
             case = from_seed(s, dtype=dtype, exporter=exporter)
         except Exception as e:
@@ -1390,8 +1452,14 @@ def run_many(count: int, seed: int, paths, *, dtype=None, exporter=None, log=Non
         for o in outs:
             if o.skipped:
                 stats["skipped"] += 1
-                key = o.skipped[:80]
+                key = o.skipped[:100]
                 stats["skip_reasons"][key] = stats["skip_reasons"].get(key, 0) + 1
+                stats.setdefault("skipped_seeds", []).append(s)
+            if o.err is not None and o.err > FP32_RTOL and not o.failures and case.dtype == torch.float32:
+                stats["fp32_within_own_rounding"] = stats.get("fp32_within_own_rounding", 0) + 1
+        if fails and case is not None and known_fx_gap(case, fails):
+            stats["fx_known_gap"] = stats.get("fx_known_gap", 0) + 1
+            fails = []
         if fails:
             stats["failed"] += 1
             stats["failing_seeds"].append(s)
@@ -1440,7 +1508,9 @@ def main(argv=None) -> int:
         return 0
     stats = run_many(a.count, a.seed, paths, dtype=dtype, exporter=a.exporter, log=log,
                      stop_after=a.stop_after or (1 if a.shrink else 0))
-    print(json.dumps({k: v for k, v in stats.items() if k != "failing_seeds"}, indent=1))
+    print(json.dumps({k: v for k, v in stats.items() if k not in ("failing_seeds", "skipped_seeds")}, indent=1))
+    if stats.get("skipped_seeds"):
+        print(f"skipped seeds: {stats['skipped_seeds'][:50]}")
     print(f"failing seeds: {stats['failing_seeds'][:50]}{' ...' if len(stats['failing_seeds']) > 50 else ''}")
     if a.json:
         with open(a.json, "w") as f:
