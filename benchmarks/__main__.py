@@ -4,10 +4,15 @@ Writes benchmarks/RESULTS.md and benchmarks/results.json (or the paths given wit
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shlex
+
+# Idle OpenMP threads must sleep, not spin: the cores are shared, and a spinning pool inflates
+# every other variant's time (and this process's CPU time). Set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
 import sys
 import time
 import traceback
@@ -86,7 +91,8 @@ def main(argv=None) -> int:
         "mode": "quick" if quick else "full", "device": device, "machine": machine(), "gpu": gpu(),
         "versions": versions(), "threads": {"onnxruntime intra_op_num_threads": THREADS,
                                             "onnxruntime inter_op_num_threads": 1,
-                                            "onnxruntime allow_spinning": 0, "torch.set_num_threads": THREADS},
+                                            "onnxruntime allow_spinning": 0, "torch.set_num_threads": THREADS,
+                                            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
         "rounds": rounds, "sections": {}, "errors": {}, "timing_s": {},
     }
     json_path, md_path = args.json, args.out

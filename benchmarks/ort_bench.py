@@ -151,7 +151,8 @@ def run_case(case: M.Case, *, opsets=(18, 23), rounds: int = 10, headline_rounds
         result["profile"] = {}
         for k in dict.fromkeys(list(picks.values()) + [k for k in rows if k.startswith(("plain", "lnfold-ort "))]):
             try:
-                result["profile"][k] = profile(all_paths[k], f)
+                runs = max(5, min(30, int(3.0 / max(rows[k]["median"], 1e-3))))  # about 3 s of runs each
+                result["profile"][k] = profile(all_paths[k], f, runs=runs)
             except Exception as e:
                 result["profile"][k] = {"error": str(e)[:200]}
     summarize(result)
