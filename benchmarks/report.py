@@ -249,7 +249,7 @@ def _torch(rows) -> list[str]:
 
 def _foldcost(fc) -> list[str]:
     L = ["", "## The pass itself: fold time and peak memory", "",
-         "Each measurement is a fresh subprocess; peak memory = its ru_maxrss (os.wait4). Models written with "
+         "Each measurement is a fresh subprocess, forked by a small launcher; peak memory = its ru_maxrss. Models written with "
          "onnx.helper in the exporter's GPT-2 structure (benchmarks/foldcost.py), weights as external data, "
          "random with large per-row means. `lnfold fold` as a user runs it; onnxruntime's optimizer = "
          "`optimize_model(model_type='gpt2')` + `save_model_to_file(use_external_data_format=True)`.", "",
@@ -263,8 +263,9 @@ def _foldcost(fc) -> list[str]:
             stages = "; ".join(f"{t}: {s.replace('lnfold: ', '')[:40]}" for t, s in r.get("stages", []))
             if r.get("killed"):
                 stages = f"**{r['killed']}**; " + stages
+            ratio = f"{peak / row['bytes']:.1f}×" if peak else "–"
             L.append(f"| {name} | {row['params'] / 1e6:.0f} M | {_gib(row['bytes'])} | {cmd} | {r['rc']} | "
-                     f"{r['wall_s']:.1f} | {_gib(peak)} | {peak / row['bytes']:.1f}× | {stages} |")
+                     f"{r['wall_s']:.1f} | {_gib(peak)} | {ratio} | {stages} |")
     if fc.get("profile_top") and fc["profile_top"].get("text"):
         txt = fc["profile_top"]["text"]
         lines = [ln for ln in txt.splitlines() if ln.strip()][:40]
