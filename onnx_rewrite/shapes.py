@@ -1,8 +1,6 @@
 """Shape inference that stays cheap on big models, and the feature-axis maps that need shapes."""
 from __future__ import annotations
 
-import os
-import tempfile
 from math import prod
 from typing import Optional
 
@@ -35,7 +33,10 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {}
     # onnx's inference first; onnxruntime's symbolic inference then fills what it could not
     # (shapes computed at run time from Shape/Concat, as older exporters emit for flatten).
+    # The second costs a ~2 s import, so it runs only where the first left gaps.
     for infer in (_onnx_inference, _symbolic_inference):
+        if infer is _symbolic_inference and not _has_gaps(skel, shapes):
+            break
         try:
             inferred = infer(skel)
         except Exception:  # inference is best effort: unknown shapes only make the analysis careful
@@ -55,15 +56,26 @@ def _onnx_inference(m: onnx.ModelProto) -> onnx.ModelProto:
 def _symbolic_inference(m: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    # When it cannot infer every shape, onnxruntime saves the model as `sym_shape_infer_temp.onnx`
-    # in the current folder before raising: run it from a scratch folder, not the user's.
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix=".lnfold-shapes-") as scratch:
-        os.chdir(scratch)
-        try:
-            return SymbolicShapeInference.infer_shapes(m, auto_merge=True, guess_output_rank=False)
-        finally:
-            os.chdir(cwd)
+    # `SymbolicShapeInference.infer_shapes` throws away a partial result (and saves the model
+    # into the current folder) when some shape stays unknown; its own loop keeps what it found.
+    ssi = SymbolicShapeInference(2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    ssi._preprocess(m)
+    while ssi.run_:
+        ssi._infer_impl()
+    ssi._update_output_from_vi()
+    return ssi.out_mp_
+
+
+def _has_gaps(m: onnx.ModelProto, shapes: dict[str, Shape]) -> bool:
+    """Does some node output lack a shape, or have a dim that is neither a number nor one of the
+    graph inputs' named dims (onnx names the dims it cannot place `unk__N`)?"""
+    names = {d for i in m.graph.input for d in (shapes.get(i.name) or ()) if isinstance(d, str)}
+    for node in m.graph.node:
+        for o in node.output:
+            s = shapes.get(o)
+            if o and (s is None or any(not isinstance(d, int) and d not in names for d in s)):
+                return True
+    return False
 
 
 def _read_shapes(m: onnx.ModelProto) -> dict[str, Shape]:
