@@ -170,7 +170,9 @@ class Emitter:
         sq, ms, ms_eps, rms, inv, n = (self.var(f"{name}/lnfold_{k}", dt) for k in ("sq", "ms", "mse", "rms", "inv", "n"))
         self.node("Mul", [x, x], [sq])
         self._reduce_mean(sq, [axis], ms)
-        self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, _np(dt)))], [ms_eps])
+        # x.dtype is None where the exporter wrote no value_info; γ has it
+        eps_dt = _np(dt) if dt is not None else _dtype_of(x, gamma)
+        self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, eps_dt))], [ms_eps])
         self.node("Sqrt", [ms_eps], [rms])
         self.node("Reciprocal", [rms], [inv])
         if gamma is None:
