@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort",
                    help="ort: onnxruntime's fused RMSNorm ops (default); onnx: RMSNormalization (opset 23); "
                         "portable: primitive ops")
+    f.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
+                        "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
 
     r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
@@ -89,7 +92,8 @@ def cmd_fold(args) -> int:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
     bounds = index_bounds(model)
-    result = fold_model(model, mode=args.mode, target=args.target, verify_outputs=False, progress=progress)
+    result = fold_model(model, mode=args.mode, target=args.target, device=args.device, verify_outputs=False,
+                        progress=progress)
     del model  # the folded model shares nothing we still need; free the original's weights
 
     def check(tmp: Path) -> None:

@@ -29,13 +29,17 @@ _RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
 class Emitter:
-    def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: str) -> None:
+    def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: str, device: str = "cpu") -> None:
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
         self.graph = graph
         self.info = info
         self.opset = opset
         self.target = target
+        # onnxruntime's fused residual+norm kernel (SkipSimplifiedLayerNormalization) is ~1.8x
+        # slower on CPU than Add + SimplifiedLayerNormalization (benchmarks/RESULTS.md, op table);
+        # on CUDA one memory-bound kernel is the usual win. Fuse only for CUDA.
+        self.fuse_skip = target == "ort" and device == "cuda"
         self.nodes = {n.name: n for n in graph.nodes}
         self._names = {t for t in graph.tensors()} | set(self.nodes)
         self.beta_folds = 0
@@ -143,7 +147,7 @@ class Emitter:
             self._skip_rms(m.x, m.skip, gamma, m.bias, m.sum_output, normed, m.epsilon, m.name)
         elif gamma is None:
             self._portable_rms(m.x, gamma, normed, m.axis, m.epsilon, m.name)
-        elif self.target == "ort" and last and self._fuse_residual(m, gamma, normed):
+        elif self.fuse_skip and last and self._fuse_residual(m, gamma, normed):
             pass
         elif self.target == "ort" and last:
             self.node("SimplifiedLayerNormalization", [m.x, gamma], [normed], axis=-1,
@@ -191,7 +195,7 @@ class Emitter:
     def _skip_rms(self, x, skip, gamma, bias, summed, out, eps, name) -> None:
         ins = [x, skip, gamma] + ([bias] if bias is not None else [])
         outs = [out, gs.Variable.empty(), gs.Variable.empty()] + ([summed] if summed is not None else [])
-        if self.target == "ort":
+        if self.fuse_skip:
             self.node("SkipSimplifiedLayerNormalization", ins, outs, domain="com.microsoft", epsilon=float(eps))
             return
         s = summed if summed is not None else self.var(f"{name}/lnfold_sum", x.dtype)
@@ -205,6 +209,8 @@ class Emitter:
         axis = (self.info.rank(x) or 1) - 1
         if self.target == "onnx":
             self.node("RMSNormalization", [s, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)
+        elif self.target == "ort":
+            self.node("SimplifiedLayerNormalization", [s, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)
         else:
             self._portable_rms(s, gamma, out, axis, eps, name)
 
