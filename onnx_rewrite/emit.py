@@ -171,18 +171,31 @@ class Emitter:
 
     def _portable_rms(self, x, gamma, out, axis: int, eps: float, name: str) -> None:
         dt = x.dtype
-        sq, ms, ms_eps, rms, inv, n = (self.var(f"{name}/lnfold_{k}", dt) for k in ("sq", "ms", "mse", "rms", "inv", "n"))
-        self.node("Mul", [x, x], [sq])
-        self._reduce_mean(sq, [axis], ms)
         # x.dtype is None where the exporter wrote no value_info; γ has it
-        eps_dt = _np(dt) if dt is not None else _dtype_of(x, gamma)
-        self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, eps_dt))], [ms_eps])
+        x_dt = np.dtype(_np(dt) if dt is not None else _dtype_of(x, gamma))
+        # fp16/bf16: statistics in fp32, as LayerNormalization's stash_type=1 computes them (in
+        # fp16, x*x overflows past 256 and an eps under 6e-8 rounds to 0: a zero row gives NaN)
+        low = x_dt.itemsize < 4
+        xs = x
+        if low:
+            xs = self.var(f"{name}/lnfold_x32", np.float32)
+            self.node("Cast", [x], [xs], to=int(onnx.TensorProto.FLOAT))
+        sd = np.float32 if low else dt
+        sq, ms, ms_eps, rms, inv = (self.var(f"{name}/lnfold_{k}", sd) for k in ("sq", "ms", "mse", "rms", "inv"))
+        n = out if gamma is None else self.var(f"{name}/lnfold_n", dt)
+        self.node("Mul", [xs, xs], [sq])
+        self._reduce_mean(sq, [axis], ms)
+        self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, np.float32 if low else x_dt))], [ms_eps])
         self.node("Sqrt", [ms_eps], [rms])
         self.node("Reciprocal", [rms], [inv])
+        if low:
+            n32 = self.var(f"{name}/lnfold_n32", np.float32)
+            self.node("Mul", [xs, inv], [n32])
+            self.node("Cast", [n32], [n], to=int(onnx.helper.np_dtype_to_tensor_dtype(x_dt)))
+        else:
+            self.node("Mul", [x, inv], [n])
         if gamma is None:
-            self.node("Mul", [x, inv], [out])
             return
-        self.node("Mul", [x, inv], [n])
         rank = self.info.rank(x)
         g = gamma
         if axis != rank - 1:  # γ broadcasts along the last axis; put it on the feature axis
