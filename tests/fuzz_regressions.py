@@ -206,3 +206,49 @@ def test_decomposed_norm_then_position_table(opset, affine):
     # output), two norms: the recenter pays.
     case = mg.make_case(m, (ids,), {"ln_e": "fold", "ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset)
     _assert_ok(case)
+
+
+# --- bug 5: fp16 RMSNorm written out in primitive ops (target portable) ----------------------------
+@pytest.mark.parametrize("opset", [14, 17])
+def test_fp16_portable_target(opset):
+    """`--target portable` writes RMSNorm as Mul/ReduceMean/Add(eps)/Sqrt/... and made the eps
+    constant float32 whenever the exporter left the norm input's dtype unrecorded (no value_info),
+    so onnxruntime refused an fp16 model (Add bound to float16 and float)."""
+    m = _adversarial(EmbedBlock())
+    ids = torch.randint(0, 11, (2, 5), generator=G)
+    case = mg.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset,
+                        dtype=torch.float16)
+    case.target = "portable"
+    _assert_ok(case)
+
+
+# --- bug 6: fp16 portable RMSNorm computed its statistics in fp16 ----------------------------------
+class MaskedRows(nn.Module):
+    """Padding tokens masked to exactly zero rows, and ViT's eps=1e-12. The portable RMSNorm
+    computed x*x, the mean and eps in fp16: eps=1e-12 rounds to 0 in fp16, a zero row gives
+    0 * 1/sqrt(0) = NaN where LayerNorm (statistics in fp32, stash_type=1) gives β."""
+
+    def __init__(self, d=8, vocab=11, eps=1e-12):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1 = nn.LayerNorm(d, eps=eps)
+        self.fc = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d, eps=eps)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids, mask):
+        h = self.emb(ids) * mask.unsqueeze(-1)
+        h = h + self.fc(self.ln1(h))
+        return self.head(self.ln2(h))
+
+
+@pytest.mark.parametrize("target", ["portable", "ort", "onnx"])
+@pytest.mark.parametrize("opset", [14, 18])
+def test_fp16_zero_rows_tiny_eps(target, opset):
+    m = _adversarial(MaskedRows())
+    ids = torch.randint(0, 11, (2, 5), generator=G)
+    mask = torch.tensor([[1.0, 1, 0, 1, 1], [0, 1, 1, 1, 0]])
+    case = mg.make_case(m, (ids, mask), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset,
+                        dtype=torch.float16)
+    case.target = target
+    _assert_ok(case)

@@ -203,6 +203,7 @@ class Case:
     calls: list[NormCall]
     expected: list[str]  # "fold" / "keep" per call, in forward (= graph) order
     why: list[str]
+    target: str = "ort"  # onnx_rewrite.fold_model's emission target
 
     @property
     def tag(self) -> str:
@@ -210,7 +211,7 @@ class Case:
 
     def describe(self) -> str:
         lines = [f"# {self.tag} dtype={str(self.dtype).replace('torch.', '')} exporter={self.exporter} "
-                 f"opset={self.opset}", self.source.rstrip(), "# ground truth:"]
+                 f"opset={self.opset} target={self.target}", self.source.rstrip(), "# ground truth:"]
         for c, v, w in zip(self.calls, self.expected, self.why):
             lines.append(f"#   {c.module:<6} {v:<4}  {w}")
         return "\n".join(lines)
@@ -222,7 +223,7 @@ class Case:
         m = copy.deepcopy(self.module).to(dtype)
         ins = tuple(a.to(dtype) if a.is_floating_point() else a for a in self.inputs)
         return Case(self.seed, self.draws, dtype, self.exporter, self.opset, m, ins, self.input_names,
-                    self.source, self.calls, self.expected, self.why)
+                    self.source, self.calls, self.expected, self.why, self.target)
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -249,8 +250,9 @@ class Stream:
 class Gen:
     """Builds one model: lines of `forward`, modules, inputs, and the ground truth."""
 
-    def __init__(self, ch: Chooser) -> None:
+    def __init__(self, ch: Chooser, small: bool = False) -> None:
         self.ch = ch
+        self.small = small  # at most 2 streams of at most 3 steps (the long run)
         self.m = GenModel()
         self.lines: list[str] = []
         self.env: dict[str, torch.Tensor] = {}  # example value of every variable (runs as it writes)
@@ -612,7 +614,7 @@ class Gen:
             return y, opaque
 
         plain_identity = kind == "identity" and not any(p.startswith("* self.") for p in post)
-        return branch, kind == "mixer", plain_identity
+        return branch, kind in ("mixer", "dwconv"), plain_identity
 
     # -- transparent steps ---------------------------------------------------------------------
     def layout(self, st: Stream) -> Stream:
@@ -854,11 +856,11 @@ class Gen:
         ch = self.ch
         T = ch.pick([4, 2, 6, 3, 8])
         D = ch.pick([4, 8, 6, 2])
-        n_streams = ch.int(1, 3)
+        n_streams = ch.int(1, 2 if self.small else 3)
         for si in range(n_streams):
             last = si == n_streams - 1
             st = self.start(T, D)
-            for _ in range(ch.int(1, 5) if not ch.bool(0.1) else 0):
+            for _ in range(ch.int(1, 3 if self.small else 5) if not ch.bool(0.1) else 0):
                 step = ch.pick(["block", "block", "block", "layout", "layout", "side_trap", "side_inv",
                                 "restart", "opaque_add", "merge"])
                 if step == "block":
@@ -939,13 +941,15 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def generate(ch: Chooser, *, seed: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-             exporter: Optional[str] = None, opset: Optional[int] = None) -> Case:
+             exporter: Optional[str] = None, opset: Optional[int] = None, target: Optional[str] = None,
+             small: bool = False) -> Case:
     """One model from the choices of `ch`. Unforced dtype/exporter/opset are drawn too."""
     wseed = ch.int(0, 2**31 - 1)
     d_draw = ch.pick(["fp32", "fp32", "fp32", "fp32", "fp16"])
     e_draw = ch.pick(["torchscript", "torchscript", "torchscript", "dynamo"])
     o_draw = ch.pick([17, 18, 14])
-    gen = Gen(ch)
+    t_draw = ch.pick(["ort", "ort", "ort", "portable", "onnx"])
+    gen = Gen(ch, small)
     torch.manual_seed(wseed)
     gen.build()
     adversarial(gen.m, gen.roles, wseed)
@@ -967,7 +971,7 @@ def generate(ch: Chooser, *, seed: Optional[int] = None, dtype: Optional[torch.d
         expected.append(v)
         why.append(w)
     case = Case(seed, list(ch.trace), torch.float32, exporter, opset, model, inputs, list(gen.inputs),
-                source, gen.calls, expected, why)
+                source, gen.calls, expected, why, target or t_draw)
     return case.to(dtype) if dtype != torch.float32 else case
 
 
@@ -1199,7 +1203,7 @@ def check_onnx(case: Case) -> Outcome:
     from passes.errors import NothingToFold
 
     t0 = time.perf_counter()
-    path = f"onnx[{case.exporter}/{case.opset}]"
+    path = f"onnx[{case.exporter}/{case.opset}/{case.target}]"
     out = Outcome(path)
     if case.dtype == torch.bfloat16:
         out.skipped = "bf16: onnxruntime's CPU provider has no bf16 kernels for these ops (checked through FX)"
@@ -1216,7 +1220,8 @@ def check_onnx(case: Case) -> Outcome:
 
     def run(p):
         sess = ort.InferenceSession(p.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        return sess.run(None, _np_inputs(case))
+        feeds = _np_inputs(case)  # exporters drop inputs the model never reads
+        return sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})
 
     try:
         orig = run(proto)
@@ -1226,7 +1231,7 @@ def check_onnx(case: Case) -> Outcome:
 
     folded = None
     try:
-        res = fold_model(proto, verify_outputs=False)
+        res = fold_model(proto, verify_outputs=False, target=case.target)
         report, folded = res.report, res.model
     except NothingToFold:
         try:
@@ -1427,16 +1432,20 @@ def _kinds(fails: list[str]) -> set[str]:
     return {f.split(":", 1)[0] for f in fails}
 
 
-def run_many(count: int, seed: int, paths, *, dtype=None, exporter=None, log=None, stop_after: int = 0,
-             progress_every: int = 100) -> dict:
-    stats = {"models": 0, "norms": 0, "expected_folds": 0, "failed": 0, "skipped": 0, "by_kind": {},
-             "failing_seeds": [], "skip_reasons": {}, "seconds": 0.0, "paths": list(paths),
-             "exporters": {}, "dtypes": {}}
+def run_many(count: int, seed: int, paths, *, gen_kw: Optional[dict] = None, log=None, stop_after: int = 0,
+             progress_every: int = 100, time_limit: float = 0.0, json_path: Optional[str] = None) -> dict:
+    """The properties over seeds `seed .. seed+count-1`; stops early after `stop_after` failing
+    models or `time_limit` seconds (the summary says how many ran). Writes `json_path` as it goes."""
+    gen_kw = gen_kw or {}
+    stats = {"models": 0, "first_seed": seed, "requested": count, "norms": 0, "expected_folds": 0,
+             "failed": 0, "skipped": 0, "by_kind": {}, "failing_seeds": [], "skip_reasons": {}, "seconds": 0.0,
+             "paths": list(paths), "generator": {k: str(v) for k, v in gen_kw.items()},
+             "exporters": {}, "dtypes": {}, "targets": {}, "stopped": "done"}
     t0 = time.perf_counter()
     for s in range(seed, seed + count):
         case = None
         try:
-            case = from_seed(s, dtype=dtype, exporter=exporter)
+            case = from_seed(s, **gen_kw)
         except Exception as e:
             fails = [f"generator: {type(e).__name__}: {e}"]
             outs = []
@@ -1448,6 +1457,7 @@ def run_many(count: int, seed: int, paths, *, dtype=None, exporter=None, log=Non
             stats["exporters"][case.exporter] = stats["exporters"].get(case.exporter, 0) + 1
             d = str(case.dtype).replace("torch.", "")
             stats["dtypes"][d] = stats["dtypes"].get(d, 0) + 1
+            stats["targets"][case.target] = stats["targets"].get(case.target, 0) + 1
         stats["models"] += 1
         for o in outs:
             if o.skipped:
@@ -1469,18 +1479,40 @@ def run_many(count: int, seed: int, paths, *, dtype=None, exporter=None, log=Non
                 log(f"FAIL seed={s}: " + "\n    ".join(fails))
             if stop_after and stats["failed"] >= stop_after:
                 break
-        if log and progress_every and stats["models"] % progress_every == 0:
-            log(f"... {stats['models']} models, {stats['failed']} failing, "
-                f"{time.perf_counter() - t0:.0f}s")
+        stats["seconds"] = round(time.perf_counter() - t0, 1)
+        if progress_every and stats["models"] % progress_every == 0:
+            if log:
+                log(f"... {stats['models']} models, {stats['failed']} failing, {stats['seconds']:.0f}s")
+            if json_path:
+                _write_json(json_path, stats)
+        if time_limit and time.perf_counter() - t0 > time_limit:
+            stats["stopped"] = f"time limit ({time_limit:.0f}s)"
+            break
+    if stop_after and stats["failed"] >= stop_after:
+        stats["stopped"] = f"after {stop_after} failing model(s)"
     stats["seconds"] = round(time.perf_counter() - t0, 1)
+    if json_path:
+        _write_json(json_path, stats)
     return stats
+
+
+def _write_json(path: str, stats: dict) -> None:
+    import os
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(stats, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.modelgen", description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--long", action="store_true", help="10,000 models (ONNX path)")
+    ap.add_argument("--long", action="store_true",
+                    help="10,000 small models through the ONNX path (TorchScript exporter unless --exporter)")
+    ap.add_argument("--small", action="store_true", help="smaller models (at most 2 streams of 3 steps)")
+    ap.add_argument("--time-limit", type=float, default=0.0, help="stop after this many seconds")
     ap.add_argument("--paths", default="onnx", help="comma-separated: onnx, fx")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="force a dtype (default: drawn)")
     ap.add_argument("--exporter", choices=["torchscript", "dynamo"], help="force an exporter (default: drawn)")
@@ -1493,33 +1525,33 @@ def main(argv=None) -> int:
     paths = tuple(p.strip() for p in a.paths.split(",") if p.strip())
     dtype = DTYPES[a.dtype] if a.dtype else None
     if a.long:
-        a.count = 10_000
+        a.count = 10_000 if a.count == 100 else a.count
+        a.small = True
+        a.exporter = a.exporter or "torchscript"
+    gen_kw = {k: v for k, v in dict(dtype=dtype, exporter=a.exporter, small=a.small).items() if v}
 
     def log(msg):
         print(msg, flush=True)
 
     if a.show is not None:
-        case = from_seed(a.show, dtype=dtype, exporter=a.exporter)
+        case = from_seed(a.show, **gen_kw)
         print(case.describe())
         for o in check(case, paths):
             print(f"{o.path}: verdicts={o.verdicts} err={o.err} skipped={o.skipped}")
             for f in o.failures:
                 print("  " + f)
         return 0
-    stats = run_many(a.count, a.seed, paths, dtype=dtype, exporter=a.exporter, log=log,
-                     stop_after=a.stop_after or (1 if a.shrink else 0))
+    stats = run_many(a.count, a.seed, paths, gen_kw=gen_kw, log=log, time_limit=a.time_limit,
+                     stop_after=a.stop_after or (1 if a.shrink else 0), json_path=a.json)
     print(json.dumps({k: v for k, v in stats.items() if k not in ("failing_seeds", "skipped_seeds")}, indent=1))
     if stats.get("skipped_seeds"):
         print(f"skipped seeds: {stats['skipped_seeds'][:50]}")
     print(f"failing seeds: {stats['failing_seeds'][:50]}{' ...' if len(stats['failing_seeds']) > 50 else ''}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(stats, f, indent=1)
     if a.shrink and stats["failing_seeds"]:
         s = stats["failing_seeds"][0]
-        case = from_seed(s, dtype=dtype, exporter=a.exporter)
+        case = from_seed(s, **gen_kw)
         kinds = _kinds(failures(check(case, paths)))
-        kw = dict(dtype=case.dtype, exporter=case.exporter, opset=case.opset)
+        kw = dict(dtype=case.dtype, exporter=case.exporter, opset=case.opset, target=case.target, small=a.small)
 
         def still(d):
             try:
@@ -1531,7 +1563,7 @@ def main(argv=None) -> int:
         small = shrink(case.draws, still)
         c = from_draws(small, **kw)
         print(f"\nshrunk seed {s} from {len(case.draws)} to {len(small)} draws; replay with "
-              f"modelgen.from_draws({small}, dtype={kw['dtype']}, exporter={kw['exporter']!r}, opset={kw['opset']})")
+              f"modelgen.from_draws({small}, dtype={kw['dtype']}, exporter={kw['exporter']!r}, opset={kw['opset']}, target={kw['target']!r})")
         print(c.describe())
         for f in failures(check(c, paths)):
             print("  " + f)
