@@ -5,9 +5,11 @@ import sys
 import time
 from typing import Callable, Optional
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import version_converter
+from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
 from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
 from passes.plan import Plan, first_kept_reason
@@ -18,6 +20,11 @@ from .emit import TARGETS, Emitter
 from .shapes import infer_shapes
 
 gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
+# New constants at least this big are exported without a second copy (see _export).
+_HOLD_BYTES = 2**16
+_PLAIN_DTYPES = {np.dtype(d): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(d)) for d in (
+    np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+    np.uint64, np.bool_)}
 Progress = Optional[Callable[[str], None]]
 _RMS_OPSET = 23  # RMSNormalization
 
@@ -144,7 +151,29 @@ def check_equivalent(original, folded) -> float:
 
 def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     uses_ms = any(n.domain == "com.microsoft" for n in graph.nodes)
+    # The fold's new weights (centered matrices, biases) would be copied twice on export (into
+    # a TensorProto, then into the graph's): export them as empty placeholders and fill each in
+    # after, dropping its array, so a big model's edited weights are held once.
+    held: dict[str, np.ndarray] = {}
+    arr = None
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Constant) and isinstance(t._values, np.ndarray) and t._export_dtype is None:
+            arr = t._values
+            dtype = _PLAIN_DTYPES.get(arr.dtype)
+            if arr.nbytes >= _HOLD_BYTES and dtype is not None:
+                held[t.name] = arr
+                t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=dtype, dims=arr.shape))
+    del arr
     out = gs.export_onnx(graph, do_type_check=False)
+    if held:
+        for tp in _all_tensors(out):
+            arr = held.pop(tp.name, None)
+            if arr is not None and not tp.HasField("raw_data"):
+                tp.CopyFrom(onnx.helper.make_tensor(tp.name, tp.data_type, arr.shape, np.ascontiguousarray(arr).tobytes(),
+                                                    raw=True))
+                del arr
+        if held:  # pragma: no cover - every held constant is an initializer of the graph
+            raise RuntimeError(f"lost constants on export: {sorted(held)[:3]}")
     out.ir_version = like.ir_version
     del out.opset_import[:]
     out.opset_import.extend(like.opset_import)

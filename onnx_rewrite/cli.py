@@ -86,7 +86,8 @@ def cmd_fold(args) -> int:
     if progress:
         progress(f"loading {src}")
     inputs = {src.resolve()}
-    model = io.load(src, data_files=inputs)
+    # big weights stay in the input's data file: read where the fold edits them, copied on save
+    model = io.load(src, data_files=inputs, lazy=True)
     for out in (dst, dst.parent / (dst.name + ".data")):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
@@ -126,7 +127,7 @@ def cmd_report(args) -> int:
     from . import io
     from .api import analyze_model
 
-    model = io.load(args.input)
+    model = io.load(args.input, lazy=True)
     report = analyze_model(model, mode=args.mode)
     if not report.norms:
         raise LnfoldError(io.no_norm_message(model))

@@ -3,18 +3,31 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
+from onnx.external_data_helper import _get_all_tensors, _open_external_data_fd, uses_external_data
 
 from passes import LnfoldError
 
 # Protobuf cannot serialize a message over 2 GiB: such models keep their weights beside them.
 _PROTO_LIMIT = 2**31 - 2**20
 MIN_OPSET = 9
+# A lazy load (`load(..., lazy=True)`) reads external tensors below this size (γ/β, shape
+# constants, axes: what the analysis reads) and leaves bigger weights in the input's data file,
+# read one at a time where the fold edits them (`read_external`) and copied by `save`.
+_EAGER_BYTES = 2**20
+# Written into a lazily loaded tensor's external_data: the input's folder, where its location is
+# resolved. Any `basepath` the input itself carries is dropped (a model may not point us elsewhere).
+_BASEPATH = "basepath"
+# onnx's external-data threshold (`save_model(size_threshold=1024)`): smaller tensors stay inline.
+_EXTERNAL_THRESHOLD = 1024
+_COPY_CHUNK = 16 * 2**20
 
 
 def default_opset(model: onnx.ModelProto) -> int:
@@ -32,10 +45,14 @@ def check_opset(model: onnx.ModelProto) -> int:
     return opset
 
 
-def load(path: str | os.PathLike, *, data_files: set | None = None) -> onnx.ModelProto:
+def load(path: str | os.PathLike, *, data_files: set | None = None, lazy: bool = False) -> onnx.ModelProto:
     """Read an ONNX model (and its external data), or raise LnfoldError saying what is wrong.
 
     `data_files`, when given, receives the resolved paths of the external-data files read.
+    `lazy` leaves the main graph's big external weights (over `_EAGER_BYTES`) in their file:
+    the model then refers to the input's folder, is read through `read_external` and is meant
+    for `save` (which copies those weights from the input); onnx and onnxruntime cannot use it
+    as it is.
     """
     p = Path(path)
     if not p.exists():
@@ -59,11 +76,92 @@ def load(path: str | os.PathLike, *, data_files: set | None = None) -> onnx.Mode
     if data_files is not None:
         data_files |= external_files(p, model)
     try:
-        onnx.external_data_helper.load_external_data_for_model(model, str(p.parent))
+        if lazy:
+            _keep_big_on_disk(model, p.parent)
+        for t in _get_all_tensors(model):
+            if uses_external_data(t) and not is_lazy(t):
+                onnx.external_data_helper.load_external_data_for_tensor(t, str(p.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as e:
         # onnx raises ValidationError for a missing data file or a location outside the folder
         raise LnfoldError(f"{p}: cannot read its external data: {_first_line(e)}") from None
     return model
+
+
+# Types whose external bytes are the array itself (little-endian, as ONNX stores raw data).
+_PLAIN_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+                onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
+                onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
+                onnx.TensorProto.BOOL}
+
+
+def _ext_info(t: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def is_lazy(t: onnx.TensorProto) -> bool:
+    return t.data_location == onnx.TensorProto.EXTERNAL and any(e.key == _BASEPATH for e in t.external_data)
+
+
+def _keep_big_on_disk(model: onnx.ModelProto, folder: Path) -> None:
+    """Mark the main graph's big external initializers to stay on disk: their location, offset
+    and length are checked now (as a full load would), their bytes are read only when used."""
+    base = str(folder.resolve())
+    for t in _get_all_tensors(model):  # a basepath of the input's own is not ours to follow
+        if t.data_location == onnx.TensorProto.EXTERNAL and any(e.key == _BASEPATH for e in t.external_data):
+            keep = [e for e in t.external_data if e.key != _BASEPATH]
+            del t.external_data[:]
+            t.external_data.extend(keep)
+    if sys.byteorder != "little":
+        return
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in _PLAIN_TYPES:
+            continue
+        n = 1
+        for d in t.dims:
+            if d < 0:
+                raise LnfoldError(f"initializer `{t.name}` has a negative dimension {list(t.dims)}")
+            n *= d
+        need = n * _ITEM_BYTES[t.data_type]
+        if need < _EAGER_BYTES:
+            continue
+        info = onnx.external_data_helper.ExternalDataInfo(t)
+        fd = _open_external_data_fd(base, info.location, t.name, True)  # onnx's own path checks
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        offset = info.offset or 0
+        if offset > size:
+            raise ValueError(f"External data offset ({offset}) exceeds file size ({size}) for tensor {t.name!r}")
+        length = size - offset if info.length is None else info.length
+        if length > size - offset:
+            raise ValueError(f"External data length ({length}) exceeds available data ({size - offset} bytes "
+                             f"from offset {offset}) for tensor {t.name!r}")
+        if length != need:
+            raise LnfoldError(f"initializer `{t.name}` holds {length} bytes, but its shape {list(t.dims)} "
+                              f"needs {need} (truncated or corrupt weights)")
+        t.external_data.add(key=_BASEPATH, value=base)
+
+
+def _source(t: onnx.TensorProto) -> tuple[int, int, int]:
+    """(an open fd, offset, length) of a lazily loaded tensor's bytes in the input's data file."""
+    info = _ext_info(t)
+    fd = _open_external_data_fd(info[_BASEPATH], info["location"], t.name, True)
+    offset = int(info.get("offset", 0))
+    length = int(info["length"]) if "length" in info else os.fstat(fd).st_size - offset
+    return fd, offset, length
+
+
+def read_external(t: onnx.TensorProto) -> np.ndarray:
+    """The array of a tensor a lazy load left on disk, read now (the tensor is not changed)."""
+    fd, offset, length = _source(t)
+    dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
+    with os.fdopen(fd, "rb") as f:
+        f.seek(offset)
+        a = np.fromfile(f, dtype=dtype, count=length // dtype.itemsize)
+    if a.nbytes != length:
+        raise LnfoldError(f"initializer `{t.name}`: its external data changed while folding (short read)")
+    return a.reshape(tuple(t.dims))
 
 
 def external_files(path: str | os.PathLike, model: onnx.ModelProto) -> set[Path]:
@@ -176,14 +274,40 @@ def subgraph_norms(model: onnx.ModelProto) -> int:
     return count(model.graph, True)
 
 
+def has_lazy_tensors(model: onnx.ModelProto) -> bool:
+    return any(is_lazy(t) for t in model.graph.initializer)
+
+
+def tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of tensor data in `model`: inline (raw or typed fields) and in external files."""
+    total = 0
+    for t in _get_all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = _ext_info(t)
+            total += int(info.get("length", 0) or 0)
+        elif t.HasField("raw_data"):
+            total += len(t.raw_data)
+        else:
+            total += 8 * (len(t.float_data) + len(t.int32_data) + len(t.int64_data) + len(t.double_data)
+                          + len(t.uint64_data)) + sum(len(b) for b in t.string_data)
+    return total
+
+
 def is_large(model: onnx.ModelProto) -> bool:
-    return model.ByteSize() > _PROTO_LIMIT if _cheap_size_ok(model) else True
+    """Would `model`, with every tensor inline, pass protobuf's 2 GiB limit?
 
-
-def _cheap_size_ok(model: onnx.ModelProto) -> bool:
-    # ByteSize() on a >2 GiB message works, but summing raw data first avoids the walk when huge.
-    total = sum(len(t.raw_data) for t in model.graph.initializer)
-    return total < _PROTO_LIMIT
+    Decided from the tensors' byte counts alone; only in the band where the rest of the proto
+    (nodes, names) could matter is the serialized size computed, once (protobuf's ByteSize
+    serializes the whole message, weights included).
+    """
+    data = tensor_bytes(model)
+    if data >= _PROTO_LIMIT:
+        return True
+    if data < _PROTO_LIMIT // 2:
+        return False
+    external = sum(int(_ext_info(t).get("length", 0) or 0) for t in _get_all_tensors(model)
+                   if t.data_location == onnx.TensorProto.EXTERNAL)
+    return model.ByteSize() + external > _PROTO_LIMIT
 
 
 def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None,
@@ -193,7 +317,9 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | No
     Everything is written into a temporary folder beside the target, handed to `check` (which
     may raise to refuse it) and only then renamed into place, so an error, a failed check or an
     interrupt never leaves a half-written model. Saving with external data empties `model`'s
-    in-memory weights (onnx moves them out).
+    in-memory weights (they move to the data file, one tensor at a time). Weights a lazy load
+    left in the input's data file are copied from there, in chunks, or read in when the output
+    holds its weights inline.
     """
     p = Path(path)
     out_dir = p.parent if str(p.parent) else Path(".")
@@ -207,20 +333,97 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | No
         raise LnfoldError(f"{p}: cannot write into {out_dir}: {_first_line(e)}") from None
     try:
         target = tmp / p.name
+        location = p.name + ".data"
+        wrote_data = False
         if external:
-            location = p.name + ".data"
-            onnx.save_model(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=location, size_threshold=1024)
+            wrote_data = _write_external(model, tmp / location, location)
         else:
-            onnx.save_model(model, str(target))
+            _inline_lazy(model)
+        onnx.save_model(model, str(target))
         if check is not None:
             check(target)
         # (below onnx's size threshold every tensor stays inside the model: no weights file)
-        _publish(tmp, target, p, out_dir / location if external and (tmp / location).exists() else None)
+        _publish(tmp, target, p, out_dir / location if wrote_data else None)
     except OSError as e:
         raise LnfoldError(f"{p}: cannot write: {_first_line(e)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _inline_lazy(model: onnx.ModelProto) -> None:
+    for t in model.graph.initializer:
+        if is_lazy(t):
+            fd, offset, length = _source(t)
+            with os.fdopen(fd, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            if len(data) != length:
+                raise LnfoldError(f"initializer `{t.name}`: its external data changed while folding (short read)")
+            t.raw_data = data
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+
+
+def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> bool:
+    """Stream every tensor of `model` worth it into `data_path`, one at a time: inline ones
+    (≥ 1 KiB of raw data) are written and dropped from the proto, lazily loaded ones copied from
+    the input's data file; each gets external_data pointing at its new place. Returns whether
+    a data file was written (not when every tensor is small)."""
+    f = None
+    offset = 0
+    try:
+        for t in _get_all_tensors(model):
+            lazy = is_lazy(t)
+            if not lazy and not (t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_THRESHOLD):
+                continue
+            if f is None:
+                f = open(data_path, "wb")
+            pad = (-offset) % 64  # aligned, as onnxruntime may map the file
+            if pad:
+                f.write(b"\0" * pad)
+                offset += pad
+            if lazy:
+                src, src_off, length = _source(t)
+                try:
+                    f.flush()
+                    _copy_range(src, f.fileno(), src_off, offset, length, t.name)
+                finally:
+                    os.close(src)
+                f.seek(offset + length)
+            else:
+                data = t.raw_data
+                length = len(data)
+                f.write(data)
+                del data
+                t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                t.external_data.add(key=k, value=v)
+            offset += length
+    finally:
+        if f is not None:
+            f.close()
+    return f is not None
+
+
+def _copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, name: str) -> None:
+    done = 0
+    use_cfr = hasattr(os, "copy_file_range")
+    while done < length:
+        n = min(_COPY_CHUNK * 4, length - done)
+        k = 0
+        if use_cfr:
+            try:
+                k = os.copy_file_range(src, dst, n, src_off + done, dst_off + done)
+            except OSError:
+                use_cfr = False  # (another file system, an old kernel): plain reads and writes
+        if not use_cfr:
+            chunk = os.pread(src, min(n, _COPY_CHUNK), src_off + done)
+            k = os.pwrite(dst, chunk, dst_off + done) if chunk else 0
+        if k == 0:
+            raise LnfoldError(f"initializer `{name}`: its external data changed while folding (short read)")
+        done += k
 
 
 def _publish(tmp: Path, model_file: Path, dst: Path, data_dst: Path | None) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from .shapes import Shape
@@ -56,13 +57,21 @@ def constant_shape(t) -> Optional[tuple]:
 
 
 def const_values(t) -> Optional[np.ndarray]:
-    if isinstance(t, gs.Constant):
-        return t.values
-    if t is not None and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
-        attrs = t.inputs[0].attrs
-        if "value" in attrs:
-            return attrs["value"].values
-    return None
+    """The value of a constant tensor (an initializer or a Constant node's output), else None.
+
+    Read afresh each time and not kept in the graph: a big model's weights are read one at a
+    time where the fold uses them (from the input's data file, when loaded lazily) and dropped
+    after, and graphsurgeon exports the untouched ones from their original TensorProto.
+    """
+    c = t if isinstance(t, gs.Constant) else _constant_node_value(t)
+    if not isinstance(c, gs.Constant):
+        return None
+    v = c._values
+    if type(v) is gs.ir.tensor.LazyValues:  # (not SparseValues: their values are computed)
+        from .io import is_lazy, read_external
+
+        return read_external(v.tensor) if is_lazy(v.tensor) else v.load()
+    return c.values
 
 
 def reduce_axes(node: gs.Node) -> Optional[list[int]]:

@@ -278,3 +278,50 @@ def test_legacy_exporter_decomposed_layernorms(name, folded):
     assert len(res.report.norms) == 5 and res.report.folded == folded
     assert res.max_rel_err < RTOL
     assert _ops(res.model).count("ReduceMean") == 2 * (5 - folded)  # kept norms keep their two
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+@pytest.mark.parametrize("large", [True, False], ids=["data-file-out", "inline-out"])
+def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, large):
+    """An external-data model is folded with its big weights left in the input's data file:
+    read only where the fold edits them, copied (not loaded) into the output. Thresholds are
+    lowered so that a small model takes the path a multi-GB one does."""
+    import hashlib
+
+    from onnx_rewrite import io as lnio
+    from onnx_rewrite.cli import main as cli_main
+    from tests import onnx_graphs as G
+
+    src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    G.save_model(G.pre_ln(d=64), src, external=True)
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(lnio, "_EAGER_BYTES", 4096)  # the 64x256 matrices stay on disk
+    if large:
+        monkeypatch.setattr(lnio, "_PROTO_LIMIT", 2**16)  # the output gets a data file
+    lazy = lnio.load(src, lazy=True)
+    assert any(lnio.is_lazy(t) for t in lazy.graph.initializer)
+    assert all(t.HasField("raw_data") for t in lazy.graph.initializer if not lnio.is_lazy(t))
+
+    assert cli_main(["fold", str(src), "-o", str(dst), "--target", target]) == 0
+    assert "max relative output difference" in capsys.readouterr().out
+    data = tmp_path / "out.onnx.data"
+    assert data.is_file() == large
+    skeleton = onnx.load(str(dst), load_external_data=False)
+    for t in skeleton.graph.initializer:  # every reference is to the output's own file
+        locs = {e.value for e in t.external_data if e.key == "location"}
+        assert locs <= {"out.onnx.data"} and not any(e.key == "basepath" for e in t.external_data)
+    if large:
+        assert any(t.data_location == TensorProto.EXTERNAL for t in skeleton.graph.initializer)
+    err, tol = compare(src, dst)
+    assert err <= tol and err < RTOL
+    # the same values as a fold of the fully loaded model
+    ref = fold_model(onnx.load(str(src)), target=target, verify_outputs=False).model
+    got = onnx.load(str(dst))
+    want = {t.name: numpy_helper.to_array(t) for t in ref.graph.initializer}
+    have = {t.name: numpy_helper.to_array(t) for t in got.graph.initializer}
+    assert want.keys() == have.keys()
+    for k in want:
+        assert want[k].dtype == have[k].dtype and np.array_equal(want[k], have[k]), k
+    # the input's files are untouched
+    for name, h in digest.items():
+        assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == h, name
