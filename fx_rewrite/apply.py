@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -103,9 +103,6 @@ class Constants:
     def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
         raise NotImplementedError
 
-    def finish(self, applier: "Applier") -> None:
-        pass
-
 
 class AttrConstants(Constants):
     """fold_module: centered tensors computed once (float64) and stored as new attributes."""
@@ -115,8 +112,11 @@ class AttrConstants(Constants):
         self.tensor_of = tensor_of  # view value name -> its tensor
         self.arrays: dict[int, np.ndarray] = {}
 
-    def prepare(self, plan: Plan) -> None:
-        for k, (edit, arr) in enumerate(compute_constants(plan, lambda n: to_numpy(self.tensor_of(n)))):
+    def prepare(self, plan: Plan, info: GraphInfo) -> None:
+        """Compute every edited tensor (Python numbers in the stream are the Applier's)."""
+        ks = [k for k, e in enumerate(plan.const_edits) if e.value not in info.scalars]
+        sub = Plan(mode=plan.mode, const_edits=[plan.const_edits[k] for k in ks])
+        for k, (_, arr) in zip(ks, compute_constants(sub, lambda n: to_numpy(self.tensor_of(n)))):
             self.arrays[k] = arr
 
     def node_for(self, applier, edit, k):
@@ -138,7 +138,7 @@ class GraphConstants(Constants):
 
     def node_for(self, applier, edit, k):
         g = applier.graph
-        src = applier.fx(edit.value)
+        src = applier.node_named(edit.value)
         with g.inserting_before(applier.first_user(edit)):
             x = src
             rank = len(meta_val(src).shape)
@@ -148,7 +148,7 @@ class GraphConstants(Constants):
                 elif isinstance(op, Center):
                     x = applier.dialect.sub(g, x, applier.dialect.mean(g, x, op.axis))
                 elif isinstance(op, Scale):
-                    vec = g.call_function(profile, (applier.fx(op.by), op.by_axis, rank, op.axis))
+                    vec = g.call_function(profile, (applier.node_named(op.by), op.by_axis, rank, op.axis))
                     x = applier.dialect.mul(g, x, vec)
                 elif isinstance(op, Ones):
                     x = applier.dialect.ones_like(g, x)
@@ -171,7 +171,7 @@ class Applier:
         self.norm = norm
         self.nodes = {n.name: n for n in self.graph.nodes}
 
-    def fx(self, name: str) -> fx.Node:
+    def node_named(self, name: str) -> fx.Node:
         return self.nodes[name]
 
     def first_user(self, edit: ConstEdit) -> fx.Node:
@@ -186,7 +186,6 @@ class Applier:
             self._recenter(rc.value, rc.axis)
         for name in plan.swaps:
             self._swap(self.nodes[name])
-        self.constants.finish(self)
         self.graph.lint()
         self.gm.recompile()
 

@@ -12,8 +12,10 @@ delegates to Inductor (`compile_fx`), or to any `inner` backend.
 
 Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and `options=` to
 a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
-"lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report);
-every other key is an Inductor config patch, as with the default backend.
+"lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
+"lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
+time and raise VerificationError if they differ); every other key is an Inductor config patch,
+as with the default backend.
 
 Inference (grad mode off, or parameters that do not require grad): each centered weight is
 computed once in float64 and cached; the compiled graph reads the cached copies as extra inputs.
@@ -31,12 +33,13 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import time
 from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 
-from passes import Plan, Report, compute_constants, make_plan
+from passes import Plan, Report, VerificationError, compute_constants, make_plan
 from passes.plan import ConstEdit
 
 from .apply import TORCH, Applier, Constants, GraphConstants, from_numpy, to_numpy
@@ -45,8 +48,10 @@ from .classify import build_view
 log = logging.getLogger("lnfold")
 OPTION_PREFIX = "lnfold."
 
-# The reports of the graphs compiled so far in this process, newest last (for people and tests).
+# The reports of the graphs compiled so far in this process, newest last (for people and tests),
+# and for each folded graph the seconds spent in each stage.
 reports: list[Report] = []
+timings: list[dict[str, float]] = []
 
 
 def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str] = None,
@@ -55,16 +60,17 @@ def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[s
     ours, patches = {}, {}
     for k, v in (options or {}).items():
         (ours if k.startswith(OPTION_PREFIX) else patches)[k.removeprefix(OPTION_PREFIX)] = v
-    unknown = set(ours) - {"mode", "on_report"}
+    unknown = set(ours) - {"mode", "on_report", "verify"}
     if unknown:
         raise ValueError(f"unknown lnfold option(s): {', '.join(sorted(OPTION_PREFIX + k for k in unknown))}")
     inner = functools.partial(_inductor, mode=mode, config_patches=patches)
     return compile_folded(gm, example_inputs, fold_mode=ours.get("mode", "rms"), inner=inner,
-                          on_report=ours.get("on_report"))
+                          on_report=ours.get("on_report"), verify=bool(ours.get("verify", False)))
 
 
 def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
-                        on_report: Optional[Callable[[Report], None]] = None, **inductor_options) -> Callable:
+                        on_report: Optional[Callable[[Report], None]] = None, verify: bool = False,
+                        **inductor_options) -> Callable:
     """A backend callable with options bound: `torch.compile(m, backend=lnfold_backend_with(...))`.
 
     `inner(gm, example_inputs)` compiles the folded graph (default: Inductor with
@@ -75,7 +81,7 @@ def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
         inner = functools.partial(_inductor, mode=None, config_patches=inductor_options)
 
     def backend(gm, example_inputs, **kwargs):
-        return compile_folded(gm, example_inputs, fold_mode=mode, inner=inner, on_report=on_report)
+        return compile_folded(gm, example_inputs, fold_mode=mode, inner=inner, on_report=on_report, verify=verify)
 
     return backend
 
@@ -109,15 +115,22 @@ def _is_module_state(node: fx.Node) -> bool:
 
 
 def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str = "rms",
-                   inner: Callable, on_report: Optional[Callable] = None) -> Callable:
-    """Fold `gm` in place (when anything folds) and compile it with `inner`."""
+                   inner: Callable, on_report: Optional[Callable] = None, verify: bool = False) -> Callable:
+    """Fold a copy of `gm` (Dynamo reads its own graph after the backend returns), compile it.
+
+    A failure of the fold itself never costs the user their compile: it is logged and the
+    unfolded graph compiled. `verify` runs both graphs eagerly on the example inputs first and
+    raises VerificationError when they differ.
+    """
+    t0 = time.perf_counter()
     placeholders = constant_inputs(gm, example_inputs)
-    attrs = {n.name: n.target for n in gm.graph.nodes
-             if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}
+    work = working_copy(gm)
+    attrs = {n.name: n.target for n in work.graph.nodes
+             if n.op == "get_attr" and isinstance(_attr(work, n.target), torch.Tensor)}
     try:
-        view, info = build_view(gm.graph, set(placeholders) | set(attrs))
+        view, info = build_view(work.graph, set(placeholders) | set(attrs))
         plan = make_plan(view, fold_mode)
-    except Exception as e:  # an analysis bug must not cost the user their compile
+    except Exception as e:
         log.warning("lnfold: analysis failed, compiling unfolded: %s", e)
         return inner(gm, example_inputs)
     reports.append(plan.report)
@@ -126,24 +139,45 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     log.info("lnfold: %s", plan.report.summary())
     if plan.empty:
         return inner(gm, example_inputs)
+    t1 = time.perf_counter()
 
     def tensor(name: str) -> torch.Tensor:
-        return example_inputs[placeholders[name]] if name in placeholders else _attr(gm, attrs[name])
+        return example_inputs[placeholders[name]] if name in placeholders else _attr(work, attrs[name])
 
-    gm = working_copy(gm)  # Dynamo still reads its own graph after the backend returns
-    view, info = build_view(gm.graph, set(placeholders) | set(attrs))
-
-    edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in edited)
-    if training:
-        constants: Constants = GraphConstants()
-    else:
-        constants = CachedInputs(gm, plan, placeholders, tensor)
-    Applier(gm, view, info, TORCH, constants, norm="rms_norm").apply(plan)
-    if training or not constants.extra:
+    try:
+        edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in edited)
+        constants = GraphConstants() if training else CachedInputs(work, plan, placeholders, tensor)
+        Applier(work, view, info, TORCH, constants, norm="rms_norm").apply(plan)
+        t2 = time.perf_counter()
+        extra = [] if training else constants(example_inputs)  # float64 centering, once
+    except Exception as e:
+        log.warning("lnfold: editing the graph failed, compiling unfolded: %s", e)
+        plan.report.notes.append(f"the fold failed ({e}); this graph was compiled unfolded")
         return inner(gm, example_inputs)
-    compiled = inner(gm, list(example_inputs) + _static_examples(constants(example_inputs)))
-    return _with_extra_inputs(compiled, constants)
+    t3 = time.perf_counter()
+    if verify:
+        _verify(gm, work, example_inputs, extra)
+    compiled = inner(work, list(example_inputs) + _static_examples(extra))
+    timings.append({"analysis": t1 - t0, "editing": t2 - t1, "centering": t3 - t2,
+                    "inner": time.perf_counter() - t3})
+    return _with_extra_inputs(compiled, constants) if extra else compiled
+
+
+def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
+    from torch.utils import _pytree as pytree
+
+    from passes.weights import max_rel_err
+
+    with torch.no_grad():
+        ref = pytree.tree_leaves(original(*example_inputs))
+        got = pytree.tree_leaves(folded(*example_inputs, *extra))
+    for r, g in zip(ref, got):
+        if isinstance(r, torch.Tensor) and r.dtype.is_floating_point:
+            err = max_rel_err(to_numpy(r), to_numpy(g))
+            tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(r.dtype, 1e-1)
+            if not err <= tol:
+                raise VerificationError(f"lnfold: folded graph differs by {err:.3g} (relative), above {tol:g}")
 
 
 def _static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -580,7 +580,12 @@ def _embedding(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     q = g.rank(idx)
     if q is None or g.rank(table) != 2:
         return {}
-    return dict(centering=lambda o, a: [r] if a == q and (r := g.const_ref(node, table, 1)) is not None else None)
+
+    def centering(o, a):
+        ref = g.const_ref(node, table, 1) if a == q else None  # center each row of the table
+        return None if ref is None else [ref]
+
+    return dict(centering=centering)
 
 
 def _conv(g: GraphInfo, node: fx.Node, call: Call) -> dict:

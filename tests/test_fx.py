@@ -391,3 +391,83 @@ def test_entry_point_works_without_importing_lnfold():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+class Pooled(nn.Module):
+    """Token selection, slicing and mean pooling on the stream before the last norms."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, D)
+        self.ln1, self.fc = nn.LayerNorm(D), nn.Linear(D, D)
+        self.ln_cls, self.ln_mean, self.ln_tail = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
+        zoo.adversarial(self)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.fc(torch.tanh(self.ln1(h)))
+        return self.ln_cls(h[:, 0]) + self.ln_mean(h.mean(1)) + self.ln_tail(h[:, 1:]).sum(1)
+
+
+def test_token_select_slice_and_mean_pool_are_transparent():
+    m = Pooled()
+    res = fold_module(m, IDS, norm="rms_norm")
+    assert (res.report.folded, res.report.kept) == (4, 0) and res.max_rel_err < RTOL
+    c = torch.compile(m, backend=lnfold_backend_with(inner=_eager))
+    with torch.no_grad():
+        assert _rel(m(*IDS), c(*IDS)) < RTOL
+    assert backend_mod.reports[-1].folded == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_fold_is_as_accurate_as_the_original(models, dtype):
+    """16-bit: centering runs in float64 and is cast back; the folded model's error against a
+    float64 run is checked against the original model's own (DESIGN §4)."""
+    module, args = models("gpt2")
+    half = copy.deepcopy(module).to(dtype)
+    res = fold_module(half, args, norm="rms_norm")
+    assert res.report.folded == 5
+    assert all(p.dtype == dtype for p in res.module.parameters())
+
+
+def test_number_added_to_the_stream_is_zeroed():
+    """`h * 2 + 0.5`: the scale is transparent, the 0.5 is a per-row constant the plan zeroes."""
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.ln = nn.Embedding(11, D), nn.LayerNorm(D)
+            self.fc, self.ln2 = nn.Linear(D, D), nn.LayerNorm(D)
+
+        def forward(self, ids):
+            h = self.emb(ids) * 2.0 + 0.5
+            h = h - self.fc(torch.relu(self.ln(h)))
+            return self.ln2(h)
+
+    m = Shifted()
+    res = fold_module(m, IDS, norm="rms_norm")
+    assert res.report.folded == 2 and res.max_rel_err < RTOL
+    c = torch.compile(m, backend=lnfold_backend_with(inner=_eager))
+    with torch.no_grad():
+        assert _rel(m(*IDS), c(*IDS)) < RTOL
+
+
+def test_backend_planted_bug_is_caught_by_verify(monkeypatch):
+    """The backend's own check (`verify=True` / options={"lnfold.verify": True}) catches a
+    skipped centering at compile time."""
+    real = backend_mod.make_plan
+
+    def sabotaged(view, mode="rms"):
+        plan = real(view, mode)
+        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], plan_mod.Center)]
+        plan.const_edits.remove(centers[0])
+        return plan
+
+    m = PreLN()
+    ok = torch.compile(m, backend=lnfold_backend_with(inner=_eager, verify=True))
+    with torch.no_grad():
+        ok(*IDS)
+    monkeypatch.setattr(backend_mod, "make_plan", sabotaged)
+    torch._dynamo.reset()
+    bad = torch.compile(m, backend=lnfold_backend_with(inner=_eager, verify=True))
+    with torch.no_grad(), pytest.raises(Exception, match="folded graph differs"):
+        bad(*IDS)
