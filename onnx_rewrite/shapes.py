@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from math import prod
+from pathlib import Path
 from typing import Optional
 
 import onnx
@@ -53,8 +54,33 @@ def _onnx_inference(m: onnx.ModelProto) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
 
 
+def _symbolic_module():
+    """onnxruntime's symbolic_shape_infer, loaded from its file: importing it the usual way runs
+    `onnxruntime/tools/__init__.py`, which imports torch (~2 s) for helpers this does not use."""
+    global _SYMBOLIC
+    if _SYMBOLIC is None:
+        import importlib.util
+        import sys
+
+        try:
+            spec = importlib.util.find_spec("onnxruntime")
+            path = Path(next(iter(spec.submodule_search_locations))) / "tools" / "symbolic_shape_infer.py"
+            mod_spec = importlib.util.spec_from_file_location("_lnfold_symbolic_shape_infer", path)
+            mod = importlib.util.module_from_spec(mod_spec)
+            sys.modules[mod_spec.name] = mod  # (its dataclasses and logging look themselves up)
+            mod_spec.loader.exec_module(mod)
+        except Exception:  # another layout: the ordinary import
+            sys.modules.pop("_lnfold_symbolic_shape_infer", None)
+            from onnxruntime.tools import symbolic_shape_infer as mod
+        _SYMBOLIC = mod
+    return _SYMBOLIC
+
+
+_SYMBOLIC = None
+
+
 def _symbolic_inference(m: onnx.ModelProto) -> onnx.ModelProto:
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    SymbolicShapeInference = _symbolic_module().SymbolicShapeInference
 
     # `SymbolicShapeInference.infer_shapes` throws away a partial result (and saves the model
     # into the current folder) when some shape stays unknown; its own loop keeps what it found.
