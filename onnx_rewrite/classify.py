@@ -11,6 +11,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes import ConstRef, Node, NormSpec, View
+from passes.axes import broadcast_rules
 from passes.view import ChannelScale
 
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
@@ -72,32 +73,8 @@ def _unary(info: GraphInfo, node: gs.Node) -> dict:
 
 def _add(info: GraphInfo, node: gs.Node, data: list[int]) -> dict:
     """Add/Sub with numpy broadcasting: every input in `data` carries the stream."""
-    return _broadcast([info.rank(t) for t in node.inputs], info.rank(node.outputs[0]),
+    return broadcast_rules([info.rank(t) for t in node.inputs], info.rank(node.outputs[0]),
                       [info.is_const(t) for t in node.inputs], data)
-
-
-def _broadcast(ranks: list, R: Optional[int], const: list[bool], data: list[int]) -> dict:
-    def transfer(i, b):
-        if R is None or i not in data or ranks[i] is None:
-            return None
-        return [(0, b + R - ranks[i])]
-
-    def backward(o, a):
-        if o != 0 or R is None:
-            return None
-        got = []
-        for i in data:
-            if ranks[i] is None:
-                return None
-            b = a - (R - ranks[i])
-            if b < 0:  # broadcast along the feature axis: a per-row shift, zero once centered
-                if not const[i]:
-                    return None
-                b = None
-            got.append((i, b))
-        return got
-
-    return dict(transfer=transfer, backward=backward)
 
 
 def _mul(info: GraphInfo, node: gs.Node) -> dict:
@@ -502,7 +479,7 @@ def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
         ranks = [info.rank(t) if t is not None else None for t in (m.x, m.skip, None, None, m.bias)]
         const = [t is not None and info.is_const(t) for t in (m.x, m.skip, None, None, m.bias)]
         data = [0, 1] + ([4] if m.bias is not None else [])
-        kwargs = _broadcast(ranks, info.rank(m.x), const, data)
+        kwargs = broadcast_rules(ranks, info.rank(m.x), const, data)
         view.add_node(Node(f"{m.name}#add", "SkipLayerNormalization(add)", inputs, [summed], **kwargs))
         x = summed
     view.add_node(Node(m.name, m.kind, [x] + names([m.gamma, m.beta]), [m.output.name],

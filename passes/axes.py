@@ -34,3 +34,30 @@ def reshape_axis(src: Shape, dst: Shape, axis: int) -> Optional[int]:
         if dst[j] == size and _static(dst[j + 1:]) and prod(dst[j + 1:]) == tail_prod:
             return j
     return None
+
+
+def broadcast_rules(ranks: list, out_rank: Optional[int], const: list[bool], data: list[int]) -> dict:
+    """`transfer`/`backward` for an elementwise op with numpy broadcasting (Add, Sub, Expand)
+    where every input listed in `data` carries the stream (`ranks[i]` None: rank unknown)."""
+
+    def transfer(i, b):
+        if out_rank is None or i not in data or ranks[i] is None:
+            return None
+        return [(0, b + out_rank - ranks[i])]
+
+    def backward(o, a):
+        if o != 0 or out_rank is None:
+            return None
+        got = []
+        for i in data:
+            if ranks[i] is None:
+                return None
+            b = a - (out_rank - ranks[i])
+            if b < 0:  # broadcast along the feature axis: a per-row shift, zero once centered
+                if not const[i]:
+                    return None
+                b = None
+            got.append((i, b))
+        return got
+
+    return dict(transfer=transfer, backward=backward)
