@@ -252,3 +252,21 @@ def test_fp16_zero_rows_tiny_eps(target, opset):
                         dtype=torch.float16)
     case.target = target
     _assert_ok(case)
+
+
+# --- finding 7 (open): fp16 residual mean amplified by a consumer with large row means ------------
+def test_fp16_residual_mean_finding():
+    """Generated model (seed 8270): an fp16 stream with two recentered opaque starts, read at the
+    end by a tied LM head whose embedding rows have large means. The fold is exact (its fp32 twin
+    agrees to 1e-5), but in fp16 the folded model's error against float64 is ~4x the original's
+    (median over inputs; up to ~30x on some): LayerNorm subtracts the mean of the fp16-rounded
+    stream, RMSNorm on the centered stream keeps the rounding's component along 1, and the head
+    amplifies that direction by its rows' means. Recorded as a precision finding in
+    benchmarks/FUZZ.md; this test pins that the fp32 fold stays exact and fp16 stays bounded."""
+    case = mg.from_seed(8270)
+    if case.dtype != torch.float16 or "F.linear(" not in case.source:
+        pytest.skip("the generator changed: seed 8270 is no longer the recorded model")
+    fails = mg.failures([mg.check_onnx(case)])
+    assert all(f.startswith("precision:") for f in fails), fails
+    out = mg.check_onnx(case)
+    assert out.err is not None and out.err < 20 * out.bound
