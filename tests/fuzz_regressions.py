@@ -141,8 +141,8 @@ def test_nonzero_pad_is_not_transparent(exporter, opset):
 class TokenLayout(nn.Module):
     """roll / flip / pad of the stream on the token axis, between two pre-LN blocks. All three
     are shift-transparent (DESIGN §1: Roll, zero Pad; flip is a reversed Slice); the ONNX path
-    folds every norm. fx_rewrite has no entry for aten.roll, aten.flip or aten.pad yet: it keeps
-    the norms (sound, incomplete) and disagrees with the ONNX frontend (xfail until it does)."""
+    folds every norm. fx_rewrite first had no entry for aten.roll, aten.flip or aten.pad: it kept
+    the norms (sound, incomplete) and disagreed with the ONNX frontend; it classifies them now."""
 
     def __init__(self, op: str, d=6, vocab=11):
         super().__init__()
