@@ -368,10 +368,23 @@ def _slice(g: GraphInfo, node: fx.Node, call: Call) -> dict:
 
 
 def _pad(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    # Zero rows (tokens) added to the stream are zero-mean; any other fill value is not.
-    if call.get("value", 0) not in (0, 0.0, None):
+    """Pad on token axes: zero rows are zero-mean, copied rows (reflect/replicate/circular) carry
+    their source rows' shift; rows of any other constant are neither."""
+    if call.get("mode", "constant") == "constant" and call.get("value", 0) not in (0, 0.0, None):
         return {}
     return _slice(g, node, call)
+
+
+def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+    """roll/flip: rows move along the axes named; every axis stays where it is."""
+    x = call.node("input")
+    i, rank = g.index(node, x), g.rank(x)
+    dims = call.get("dims")
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    axes = {_norm_axis(d, rank) for d in dims}
+    if i is None or not dims or None in axes:  # roll without dims: the flattened tensor moves
+        return {}
+    return _keep_axes(g, node, [i], [0], axes)
 
 
 def _drop_axis(i: Optional[int], dim: Optional[int], outs: list[int]) -> dict:
@@ -645,6 +658,7 @@ KINDS: dict[str, Builder] = {
     "t": _permute,
     "slice": _slice,
     "pad": _pad,
+    "reorder": _reorder,
     "select": _select,
     "unbind": _unbind,
     "index": _index,

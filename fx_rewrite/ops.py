@@ -76,7 +76,8 @@ _aten("matmul", "mm", "matmul", "bmm")
 _aten("embedding", "embedding")
 _aten("conv", "convolution", "conv1d", "conv2d", "conv3d", "_convolution")
 _aten("conv_transpose", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
-_aten("pad", "constant_pad_nd")
+_aten("pad", "constant_pad_nd", "pad")
+_aten("reorder", "roll", "flip")
 # Reads only a tensor's metadata (shape, dtype): unchanged by any shift.
 _aten("metadata", "_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
       "_assert_scalar", "_assert_async")
@@ -139,6 +140,10 @@ _TORCH: dict[Any, tuple[str, tuple]] = {
     F.conv_transpose1d: ("conv_transpose", _f("input", "weight", "bias", "stride", "padding", "output_padding", "groups")),
     F.conv_transpose2d: ("conv_transpose", _f("input", "weight", "bias", "stride", "padding", "output_padding", "groups")),
     F.conv_transpose3d: ("conv_transpose", _f("input", "weight", "bias", "stride", "padding", "output_padding", "groups")),
+    F.pad: ("pad", _f("input", "pad", "mode", "value")),
+    torch._C._nn.pad: ("pad", _f("input", "pad", "mode", "value")),
+    torch.roll: ("reorder", _f("input", "shifts", "dims")),
+    torch.flip: ("reorder", _f("input", "dims")),
     torch._assert: ("metadata", _f("input")),
 }
 
@@ -175,6 +180,7 @@ _METHODS: dict[str, tuple[str, tuple]] = {
     "mean": ("reduce", _f("input", "dim", "keepdim")), "sum": ("reduce", _f("input", "dim", "keepdim")),
     "softmax": ("softmax", _f("input", "dim")), "log_softmax": ("softmax", _f("input", "dim")),
     "argmax": ("softmax", _f("input", "dim")), "argmin": ("softmax", _f("input", "dim")),
+    "roll": ("reorder", _f("input", "shifts", "dims")), "flip": ("reorder", _f("input", "*dims")),
     "size": ("metadata", _f("input")), "dim": ("metadata", _f("input")), "numel": ("metadata", _f("input")),
     "stride": ("metadata", _f("input")),
 }
