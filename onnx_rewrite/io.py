@@ -75,6 +75,7 @@ def load(path: str | os.PathLike, *, data_files: set | None = None, lazy: bool =
         raise LnfoldError(f"{p}: not an ONNX model (no graph or no opset)")
     if data_files is not None:
         data_files |= external_files(p, model)
+    _drop_basepaths(model)
     try:
         if lazy:
             _keep_big_on_disk(model, p.parent)
@@ -102,15 +103,21 @@ def is_lazy(t: onnx.TensorProto) -> bool:
     return t.data_location == onnx.TensorProto.EXTERNAL and any(e.key == _BASEPATH for e in t.external_data)
 
 
+def _drop_basepaths(model: onnx.ModelProto) -> None:
+    """External data is read relative to the model's folder, as onnxruntime reads it: a
+    `basepath` the input carries (onnx's loader would follow it anywhere) is dropped."""
+    for t in _get_all_tensors(model):
+        if any(e.key == _BASEPATH for e in t.external_data):
+            keep = [(e.key, e.value) for e in t.external_data if e.key != _BASEPATH]
+            del t.external_data[:]
+            for k, v in keep:
+                t.external_data.add(key=k, value=v)
+
+
 def _keep_big_on_disk(model: onnx.ModelProto, folder: Path) -> None:
     """Mark the main graph's big external initializers to stay on disk: their location, offset
     and length are checked now (as a full load would), their bytes are read only when used."""
     base = str(folder.resolve())
-    for t in _get_all_tensors(model):  # a basepath of the input's own is not ours to follow
-        if t.data_location == onnx.TensorProto.EXTERNAL and any(e.key == _BASEPATH for e in t.external_data):
-            keep = [e for e in t.external_data if e.key != _BASEPATH]
-            del t.external_data[:]
-            t.external_data.extend(keep)
     if sys.byteorder != "little":
         return
     for t in model.graph.initializer:
@@ -153,14 +160,20 @@ def _source(t: onnx.TensorProto) -> tuple[int, int, int]:
 
 
 def read_external(t: onnx.TensorProto) -> np.ndarray:
-    """The array of a tensor a lazy load left on disk, read now (the tensor is not changed)."""
+    """The array of a tensor a lazy load left on disk (the tensor is not changed).
+
+    A read-only map of the input's data file: its pages are read by whatever uses the array
+    (the fold converts weights to float64 anyway), with no anonymous copy, and released with it.
+    """
     fd, offset, length = _source(t)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
-    with os.fdopen(fd, "rb") as f:
-        f.seek(offset)
-        a = np.fromfile(f, dtype=dtype, count=length // dtype.itemsize)
-    if a.nbytes != length:
-        raise LnfoldError(f"initializer `{t.name}`: its external data changed while folding (short read)")
+    try:
+        if length == 0:
+            return np.zeros(tuple(t.dims), dtype)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            a = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=(length // dtype.itemsize,))
+    finally:
+        os.close(fd)
     return a.reshape(tuple(t.dims))
 
 

@@ -325,3 +325,30 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
     # the input's files are untouched
     for name, h in digest.items():
         assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == h, name
+
+
+def test_lazy_load_ignores_a_basepath_in_the_input(tmp_path, monkeypatch):
+    """`basepath` is how a lazy load remembers the input's folder; one written in the input
+    itself (onnx's loader would follow it) must not send the reads elsewhere."""
+    from onnx_rewrite import io as lnio
+    from onnx_rewrite.cli import main as cli_main
+    from tests import onnx_graphs as G
+
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    G.save_model(G.pre_ln(d=64), clean / "m.onnx", external=True)
+    src = tmp_path / "m.onnx"
+    G.save_model(G.pre_ln(d=64), src, external=True)
+    m = onnx.load(str(src), load_external_data=False)
+    for t in m.graph.initializer:
+        t.external_data.add(key="basepath", value="/nonexistent")
+    onnx.save(m, str(src))
+    monkeypatch.setattr(lnio, "_EAGER_BYTES", 4096)
+    lazy = lnio.load(src, lazy=True)
+    for t in lazy.graph.initializer:
+        bases = [e.value for e in t.external_data if e.key == "basepath"]
+        assert bases in ([], [str(tmp_path.resolve())])
+    assert fold_model(lnio.load(src), verify_outputs=False).report.folded == 3
+    dst = tmp_path / "out.onnx"  # (onnxruntime refuses the input's unknown key: no verification)
+    assert cli_main(["fold", str(src), "-o", str(dst), "--no-verify"]) == 0
+    assert compare(clean / "m.onnx", dst)[0] < RTOL
