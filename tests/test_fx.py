@@ -533,3 +533,25 @@ def test_backend_on_generated_models_inference_and_gradients(seed):
     for k, g in g1.items():
         other = g2.get(k, torch.zeros_like(g))
         assert (g - other).abs().max().item() <= 1e-6 * scale, k
+
+
+def test_keyword_arguments_dict_outputs_and_per_token_mask():
+    """kwargs reach the export, dict outputs come back, a per-token mask is a transparent scale."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(11, D), nn.Linear(D, D)
+            self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+            zoo.adversarial(self)
+
+        def forward(self, ids, mask=None):
+            h = self.emb(ids) * mask[..., None]
+            h = h + self.fc(torch.relu(self.ln1(h)))
+            return {"out": self.ln2(h), "ids": ids}
+
+    m = Masked()
+    res = fold_module(m, IDS, {"mask": torch.ones(2, 5)}, norm="rms_norm")
+    assert res.report.folded == 2 and res.max_rel_err < RTOL
+    ids, mask = torch.randint(0, 11, (3, 7)), torch.rand(3, 7)
+    with torch.no_grad():
+        assert _rel(m(ids, mask=mask)["out"], res.module(ids, mask=mask)["out"]) < RTOL
