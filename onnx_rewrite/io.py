@@ -350,9 +350,9 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | No
         wrote_data = False
         if external:
             wrote_data = _write_external(model, tmp / location, location)
+            onnx.save_model(model, str(target))
         else:
-            _inline_lazy(model)
-        onnx.save_model(model, str(target))
+            _write_inline(model, target)
         if check is not None:
             check(target)
         # (below onnx's size threshold every tensor stays inside the model: no weights file)
@@ -363,18 +363,86 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | No
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _inline_lazy(model: onnx.ModelProto) -> None:
-    for t in model.graph.initializer:
-        if is_lazy(t):
-            fd, offset, length = _source(t)
-            with os.fdopen(fd, "rb") as f:
-                f.seek(offset)
-                data = f.read(length)
-            if len(data) != length:
-                raise LnfoldError(f"initializer `{t.name}`: its external data changed while folding (short read)")
-            t.raw_data = data
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+# Initializers at least this big are streamed by _write_inline rather than serialized with the rest.
+_STREAM_BYTES = 2**16
+_RAW_DATA_FIELD = 9  # TensorProto.raw_data
+_INITIALIZER_FIELD = 5  # GraphProto.initializer
+_GRAPH_FIELD = 7  # ModelProto.graph
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _copy_fields(src, dst, skip: set[str]) -> None:
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def _write_inline(model: onnx.ModelProto, target: Path) -> None:
+    """Write `model` as one file without building its serialized bytes (or loading the weights
+    a lazy load left on disk) in memory: everything but the big initializers is serialized,
+    then each big initializer is appended as a field `graph { initializer { ... } }` of its own,
+    its raw data streamed. Protobuf parsers merge repeated occurrences of an embedded message
+    (onnx, onnxruntime: the same model); the big initializers come last in the list."""
+    g = model.graph
+    streamed = {i for i, t in enumerate(g.initializer)
+                if is_lazy(t) or (t.HasField("raw_data") and len(t.raw_data) >= _STREAM_BYTES)}
+    if not streamed:
+        onnx.save_model(model, str(target))
+        return
+    big = [g.initializer[i] for i in sorted(streamed)]
+    head = onnx.ModelProto()
+    _copy_fields(model, head, {"graph"})
+    _copy_fields(g, head.graph, {"initializer"})
+    head.graph.initializer.extend(t for i, t in enumerate(g.initializer) if i not in streamed)
+    with open(target, "wb") as f:
+        f.write(head.SerializeToString())
+        del head
+        for t in big:
+            meta = onnx.TensorProto()
+            _copy_fields(t, meta, {"raw_data", "external_data", "data_location"})
+            meta_bytes = meta.SerializeToString()
+            if is_lazy(t):
+                src, src_off, length = _source(t)
+                data = None
+            else:
+                src, data = None, t.raw_data
+                length = len(data)
+            tensor_len = len(meta_bytes) + len(_len_field(_RAW_DATA_FIELD, length)) + length
+            init = _len_field(_INITIALIZER_FIELD, tensor_len)
+            f.write(_len_field(_GRAPH_FIELD, len(init) + tensor_len) + init + meta_bytes
+                    + _len_field(_RAW_DATA_FIELD, length))
+            if data is not None:
+                f.write(data)
+                del data
+            else:
+                try:
+                    f.flush()
+                    pos = f.tell()
+                    _copy_range(src, f.fileno(), src_off, pos, length, t.name)
+                finally:
+                    os.close(src)
+                f.seek(pos + length)
 
 
 def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> bool:

@@ -319,7 +319,7 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
     got = onnx.load(str(dst))
     want = {t.name: numpy_helper.to_array(t) for t in ref.graph.initializer}
     have = {t.name: numpy_helper.to_array(t) for t in got.graph.initializer}
-    assert want.keys() == have.keys()
+    assert want.keys() == have.keys() and len(got.graph.initializer) == len(ref.graph.initializer)
     for k in want:
         assert want[k].dtype == have[k].dtype and np.array_equal(want[k], have[k]), k
     # the input's files are untouched
