@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from passes import ConstRef, Node, NormSpec, View
-from passes.axes import reshape_axis
+from passes.axes import broadcast_rules, reshape_axis
 from passes.view import ChannelScale
 
 from .ops import Call, canonical, op_name
@@ -179,31 +179,6 @@ def _dropout(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     return _identity(g, node, call)
 
 
-def _broadcast(ranks: list, R: Optional[int], const: list[bool], data: list[int]) -> dict:
-    """Elementwise ops with numpy broadcasting where every input in `data` carries the stream."""
-    def transfer(i, b):
-        if R is None or i not in data or ranks[i] is None:
-            return None
-        return [(0, b + R - ranks[i])]
-
-    def backward(o, a):
-        if o != 0 or R is None:
-            return None
-        got = []
-        for i in data:
-            if ranks[i] is None:
-                return None
-            b = a - (R - ranks[i])
-            if b < 0:  # broadcast along the feature axis: a per-row shift, zero once centered
-                if not const[i]:
-                    return None
-                b = None
-            got.append((i, b))
-        return got
-
-    return dict(transfer=transfer, backward=backward)
-
-
 def _add(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     """Add/Sub (also `rsub`): both operands carry the stream; a number is a constant operand."""
     data = []
@@ -226,7 +201,7 @@ def _add(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     ins = g.inputs[node.name]
     ranks = [g.rank(_lookup(g, n)) for n in ins]
     const = [n in g.scalars or g.is_const(g.nodes.get(n)) for n in ins]
-    return _broadcast(ranks, g.rank(node), const, data)
+    return broadcast_rules(ranks, g.rank(node), const, data)
 
 
 def _lookup(g: GraphInfo, name: str) -> Any:
@@ -253,7 +228,7 @@ def _expand(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     ins = g.inputs[node.name]
     ranks = [g.rank(g.nodes.get(n)) for n in ins]
     const = [g.is_const(g.nodes.get(n)) for n in ins]
-    return _broadcast(ranks, g.rank(node), const, [i])
+    return broadcast_rules(ranks, g.rank(node), const, [i])
 
 
 def _mul(g: GraphInfo, node: fx.Node, call: Call) -> dict:
