@@ -116,7 +116,12 @@ def make_plan(view: View, mode: str = "rms") -> Plan:
 def compute_constants(
     plan: Plan, get_array: Callable[[str], np.ndarray]
 ) -> list[tuple[ConstEdit, np.ndarray]]:
-    """The new value of every edited constant, computed from the originals in float64."""
+    """The new value of every edited constant, computed from the originals in float64 and cast
+    back once (a LayerScale fold and its centering round together, not one after the other)."""
+    last_use: dict[str, int] = {}  # originals are dropped after their last reader: big models
+    for k, edit in enumerate(plan.const_edits):
+        for name in [edit.value] + [op.by for op in edit.ops if isinstance(op, Scale)]:
+            last_use[name] = k
     cache: dict[str, np.ndarray] = {}
 
     def original(name: str) -> np.ndarray:
@@ -125,19 +130,21 @@ def compute_constants(
         return cache[name]
 
     out = []
-    for edit in plan.const_edits:
-        a = original(edit.value)
+    for k, edit in enumerate(plan.const_edits):
+        src = original(edit.value)
+        a = src.astype(np.float64)
         for op in edit.ops:
             if isinstance(op, Center):
                 a = weights.center(a, op.axis)
             elif isinstance(op, Scale):
-                vec = weights.vector_along(original(op.by), op.by_axis)
-                a = weights.scale(a, vec, op.axis)
+                a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
             elif isinstance(op, Ones):
                 a = np.ones_like(a)
             else:  # pragma: no cover - Op is closed
                 raise TypeError(op)
-        out.append((edit, a))
+        out.append((edit, a.astype(src.dtype)))
+        for name in [n for n, last in last_use.items() if last == k]:
+            cache.pop(name, None)
     return out
 
 

@@ -19,8 +19,8 @@ def center(a: np.ndarray, axis) -> np.ndarray:
     """
     if axis is None:
         return np.zeros_like(a)
-    x = _f64(a)
-    return (x - x.mean(axis=axis, keepdims=True)).astype(a.dtype)
+    # the mean in float64 without a float64 copy of `a`; the subtraction upcasts element-wise
+    return (a - a.mean(axis=axis, dtype=np.float64, keepdims=True)).astype(a.dtype)
 
 
 def vector_along(a: np.ndarray, axis: int) -> np.ndarray:
