@@ -255,18 +255,42 @@ def test_fp16_zero_rows_tiny_eps(target, opset):
 
 
 # --- finding 7 (open): fp16 residual mean amplified by a consumer with large row means ------------
-def test_fp16_residual_mean_finding():
-    """Generated model (seed 8270): an fp16 stream with two recentered opaque starts, read at the
-    end by a tied LM head whose embedding rows have large means. The fold is exact (its fp32 twin
-    agrees to 1e-5), but in fp16 the folded model's error against float64 is ~4x the original's
-    (median over inputs; up to ~30x on some): LayerNorm subtracts the mean of the fp16-rounded
-    stream, RMSNorm on the centered stream keeps the rounding's component along 1, and the head
-    amplifies that direction by its rows' means. Recorded as a precision finding in
-    benchmarks/FUZZ.md; this test pins that the fp32 fold stays exact and fp16 stays bounded."""
-    case = mg.from_seed(8270)
-    if case.dtype != torch.float16 or "F.linear(" not in case.source:
-        pytest.skip("the generator changed: seed 8270 is no longer the recorded model")
-    fails = mg.failures([mg.check_onnx(case)])
-    assert all(f.startswith("precision:") for f in fails), fails
-    out = mg.check_onnx(case)
-    assert out.err is not None and out.err < 20 * out.bound
+class ReluEmbedTiedHead(nn.Module):
+    """Shrunk from the long run (seed 102527 of `--long`): a conv stem plus relu(embedding) (an
+    opaque start, recentered), a tanh branch with LayerScale, a final LayerNorm read by a tied
+    LM head. The fold is exact (fp32 agrees to 1e-5), but in fp16 the folded model's error
+    against float64 can be several times the original's: a LayerNorm subtracts the mean of its
+    fp16-rounded input, an RMSNorm on the centered stream keeps the rounding's component along
+    1, and the head, whose embedding rows have large means, amplifies exactly that direction.
+    Neither sum-preserving rounding of the centered weights nor a second recenter pass removes
+    it (the residual is below one ulp of the stream's elements). Recorded in benchmarks/FUZZ.md;
+    this test pins that no fold here is wrong (only `precision:` findings) and that the fp16 error
+    stays within 20x the bound."""
+
+    def __init__(self, d=5, vocab=29):
+        super().__init__()
+        self.conv = nn.Conv2d(3, d, 2, stride=2)
+        self.emb = nn.Embedding(vocab, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(d, 2 * d), nn.Linear(2 * d, 2 * d), nn.Linear(2 * d, d)
+        self.ls = nn.Parameter(torch.ones(d))
+        self.ln2 = nn.LayerNorm(d)
+
+    def forward(self, img, ids):
+        h = self.conv(img).flatten(2).transpose(1, 2) + torch.relu(self.emb(ids))
+        y = self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(self.ln1(h)))))) * self.ls
+        h = y + h
+        return F.linear(self.ln2(h), self.emb.weight)
+
+
+@pytest.mark.parametrize("target", ["ort", "portable"])
+def test_fp16_residual_mean_finding(target):
+    m = _adversarial(ReluEmbedTiedHead())
+    img, ids = _rand(2, 3, 4, 4), torch.randint(0, 29, (2, 4), generator=G)
+    for dtype in (torch.float32, torch.float16):
+        case = mg.make_case(m, (img, ids), {"ln1": "fold", "ln2": "fold"}, opset=14, dtype=dtype)
+        case.target = target
+        out = mg.check_onnx(case)
+        assert all(f.startswith("precision:") for f in out.failures), out.failures
+        assert dtype == torch.float16 or not out.failures
+        assert out.err is not None and out.err < 20 * out.bound
