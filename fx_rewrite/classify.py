@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from passes import ConstRef, Node, NormSpec, View
-from passes.axes import broadcast_rules, reshape_axis
+from passes.axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
 from passes.view import ChannelScale
 
 from .ops import Call, canonical, op_name
@@ -309,22 +309,7 @@ def _permute(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     perm = _perm_of(g, node, call)
     if i is None or perm is None:
         return {}
-    return dict(transfer=lambda j, b: [(0, perm.index(b))] if j == i and b in perm else None,
-                backward=lambda o, a: [(i, perm[a])] if o == 0 and a < len(perm) else None)
-
-
-def _keep_axes(g: GraphInfo, node: fx.Node, data: list[int], outs: list[int], excluded: Optional[set]) -> dict:
-    """Ops that keep every axis in place and act only along `excluded` (slice, cat, split, pad)."""
-    if excluded is None or not data:
-        return {}
-
-    def transfer(i, b):
-        return [(o, b) for o in outs] if i in data and b not in excluded else None
-
-    def backward(o, a):
-        return [(i, a) for i in data] if o in outs and a not in excluded else None
-
-    return dict(transfer=transfer, backward=backward)
+    return permute_rules(perm, i)
 
 
 def _changed_axes(src: Shape, dst: Shape) -> Optional[set]:
@@ -339,7 +324,7 @@ def _slice(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     i = g.index(node, x)
     if i is None:
         return {}
-    return _keep_axes(g, node, [i], [0], _changed_axes(g.shape(x), g.shape(node)))
+    return same_axes_rules([i], [0], _changed_axes(g.shape(x), g.shape(node)))
 
 
 def _pad(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -359,7 +344,7 @@ def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     axes = {_norm_axis(d, rank) for d in dims}
     if i is None or not dims or None in axes:  # roll without dims: the flattened tensor moves
         return {}
-    return _keep_axes(g, node, [i], [0], axes)
+    return same_axes_rules([i], [0], axes)
 
 
 def _drop_axis(i: Optional[int], dim: Optional[int], outs: list[int]) -> dict:
@@ -393,7 +378,7 @@ def _index_select(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     x = call.node("input")
     i = g.index(node, x)
     dim = _norm_axis(call.get("dim"), g.rank(x))
-    return _keep_axes(g, node, [i] if i is not None else [], [0], None if dim is None else {dim})
+    return same_axes_rules([i] if i is not None else [], [0], None if dim is None else {dim})
 
 
 def _index(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -458,7 +443,7 @@ def _cat(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     if not data or any(d is None for d in data):
         return {}
     dim = _norm_axis(call.get("dim", 0), g.rank(node))
-    return _keep_axes(g, node, sorted(set(data)), [0], None if dim is None else {dim})
+    return same_axes_rules(sorted(set(data)), [0], None if dim is None else {dim})
 
 
 def _split(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -466,7 +451,7 @@ def _split(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     i = g.index(node, x)
     n = len(meta_val(node) or ())
     dim = _norm_axis(call.get("dim", 0), g.rank(x))
-    return _keep_axes(g, node, [i] if i is not None else [], list(range(n)), None if dim is None else {dim})
+    return same_axes_rules([i] if i is not None else [], list(range(n)), None if dim is None else {dim})
 
 
 def _reduce(g: GraphInfo, node: fx.Node, call: Call) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from passes import ConstRef, Node, NormSpec, View
-from passes.axes import broadcast_rules
+from passes.axes import broadcast_rules, permute_rules, same_axes_rules
 from passes.view import ChannelScale
 
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
@@ -146,25 +146,7 @@ def _transpose(info: GraphInfo, node: gs.Node) -> dict:
         perm = list(reversed(range(rank)))
     if perm is None:
         return {}
-    perm = [int(p) for p in perm]
-    return dict(
-        transfer=lambda i, b: [(0, perm.index(b))] if i == 0 and b in perm else None,
-        backward=lambda o, a: [(0, perm[a])] if o == 0 and a < len(perm) else None,
-    )
-
-
-def _same_axis_unless(info: GraphInfo, node: gs.Node, excluded: Optional[set[int]], data: list[int], outs: list[int]) -> dict:
-    """Ops that keep every axis in place and act only along `excluded` (Slice, Concat, Split)."""
-    if excluded is None:
-        return {}
-
-    def transfer(i, b):
-        return [(o, b) for o in outs] if i in data and b not in excluded else None
-
-    def backward(o, a):
-        return [(i, a) for i in data] if o in outs and a not in excluded else None
-
-    return dict(transfer=transfer, backward=backward)
+    return permute_rules([int(p) for p in perm])
 
 
 def _slice_axes(info: GraphInfo, node: gs.Node) -> Optional[set[int]]:
@@ -331,7 +313,7 @@ def _pad(info: GraphInfo, node: gs.Node, opset: int) -> dict:
     if len(pads) != 2 * len(axes):
         return {}
     padded = {a for k, a in enumerate(axes) if pads[k] or pads[k + len(axes)]}
-    return _same_axis_unless(info, node, padded, [0], [0])
+    return same_axes_rules([0], [0], padded)
 
 
 def _computed_const(t, opset: int, limit: int = 24) -> Optional[np.ndarray]:
@@ -367,6 +349,11 @@ def _computed_const(t, opset: int, limit: int = 24) -> Optional[np.ndarray]:
         return None
 
 
+def _split_axis(info, node):
+    r = info.rank(node.inputs[0])
+    return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
+
+
 def _concat_axis(info, node):
     r = info.rank(node.outputs[0])
     return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
@@ -387,12 +374,9 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
     "Squeeze": lambda info, n, _: _reshape(info, n),
     "Unsqueeze": lambda info, n, _: _reshape(info, n),
     "Transpose": lambda info, n, _: _transpose(info, n),
-    "Slice": lambda info, n, _: _same_axis_unless(info, n, _slice_axes(info, n), [0], [0]),
-    "Concat": lambda info, n, _: _same_axis_unless(info, n, _concat_axis(info, n), list(range(len(n.inputs))), [0]),
-    "Split": lambda info, n, _: _same_axis_unless(
-        info, n,
-        None if info.rank(n.inputs[0]) is None else {_norm_axis(int(n.attrs.get("axis", 0)), info.rank(n.inputs[0]))},
-        [0], list(range(len(n.outputs)))),
+    "Slice": lambda info, n, _: same_axes_rules([0], [0], _slice_axes(info, n)),
+    "Concat": lambda info, n, _: same_axes_rules(list(range(len(n.inputs))), [0], _concat_axis(info, n)),
+    "Split": lambda info, n, _: same_axes_rules([0], list(range(len(n.outputs))), _split_axis(info, n)),
     "Gather": lambda info, n, _: _gather(info, n),
     "Expand": lambda info, n, _: _expand(info, n),
     "ReduceMean": lambda info, n, _: _reduce(info, n),

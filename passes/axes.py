@@ -61,3 +61,24 @@ def broadcast_rules(ranks: list, out_rank: Optional[int], const: list[bool], dat
         return got
 
     return dict(transfer=transfer, backward=backward)
+
+
+def permute_rules(perm: list[int], data: int = 0) -> dict:
+    """`transfer`/`backward` for a transpose/permute of input `data` by `perm`."""
+    return dict(transfer=lambda i, b: [(0, perm.index(b))] if i == data and b in perm else None,
+                backward=lambda o, a: [(data, perm[a])] if o == 0 and a < len(perm) else None)
+
+
+def same_axes_rules(data: list[int], outs: list[int], excluded: Optional[set]) -> dict:
+    """Ops that keep every axis in place and act only along `excluded` (slice, concat, split,
+    pad): transparent for any feature axis outside it."""
+    if excluded is None or not data:
+        return {}
+
+    def transfer(i, b):
+        return [(o, b) for o in outs] if i in data and b not in excluded else None
+
+    def backward(o, a):
+        return [(i, a) for i in data] if o in outs and a not in excluded else None
+
+    return dict(transfer=transfer, backward=backward)
