@@ -62,8 +62,6 @@ def adversarial(model: nn.Module, seed: int = 0) -> nn.Module:
             w.add_(SOURCE_MEAN * w.std() * rnd(*shape))
             if mod.bias is not None:
                 mod.bias.copy_(0.2 * rnd(*mod.bias.shape) + SOURCE_MEAN * 0.1)
-        elif isinstance(mod, nn.Parameter):  # pragma: no cover
-            pass
     # Constant tables added to the stream (cls token, position tables held as parameters).
     for name, p in model.named_parameters():
         if any(k in name for k in ("cls_token", "position_embeddings", "mask_token")) and p.ndim >= 2:
