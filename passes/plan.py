@@ -148,11 +148,6 @@ def compute_constants(
     return out
 
 
-def describe_const_edit(edit: ConstEdit) -> str:
-    names = {Center: "center", Scale: "scale", Ones: "ones"}
-    return f"{edit.value}: {'+'.join(names[type(o)] for o in edit.ops)}{' (cloned)' if edit.clone else ''}"
-
-
 def first_kept_reason(report: Report) -> Optional[str]:
     for n in report.norms:
         if n.verdict == "keep":
