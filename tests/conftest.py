@@ -27,3 +27,17 @@ def zoo_onnx():
         return cache[key]
 
     return get
+
+
+def missing_one_centering(make_plan, index=None):
+    """`make_plan` with a planted bug: one centering edit (the middle one, or `index`) is dropped
+    from every plan, so the tests can prove that verification catches a skipped centering."""
+    from passes.plan import Center
+
+    def sabotaged(view, mode="rms"):
+        plan = make_plan(view, mode)
+        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], Center)]
+        plan.const_edits.remove(centers[len(centers) // 2 if index is None else index])
+        return plan
+
+    return sabotaged

@@ -21,7 +21,8 @@ import fx_rewrite
 import onnx_rewrite
 from fx_rewrite import NothingToFold, VerificationError, analyze_module, fold_module, lnfold_backend_with, zoo
 from fx_rewrite import backend as backend_mod
-from passes import plan as plan_mod
+
+from .conftest import missing_one_centering
 
 RTOL = 1e-5
 COUNTS = {"gpt2": (5, 0), "vit": (5, 0), "bert": (1, 4)}  # (folded, kept) with 2 layers
@@ -113,13 +114,7 @@ def test_planted_bug_skipped_centering_fails_verification(models, monkeypatch, n
     """Drop one centering from the plan: verification must catch it, even when the eager module
     keeps LayerNorm (which would hide it), because fold_module also checks the RMSNorm twin."""
     module, args = models("gpt2")
-    real = fx_rewrite.api.make_plan
-
-    def sabotaged(view, mode="rms"):
-        plan = real(view, mode)
-        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], plan_mod.Center)]
-        plan.const_edits.remove(centers[len(centers) // 2])
-        return plan
+    sabotaged = missing_one_centering(fx_rewrite.api.make_plan)
 
     monkeypatch.setattr(fx_rewrite.api, "make_plan", sabotaged)
     with pytest.raises(VerificationError):
@@ -454,13 +449,7 @@ def test_number_added_to_the_stream_is_zeroed():
 def test_backend_planted_bug_is_caught_by_verify(monkeypatch):
     """The backend's own check (`verify=True` / options={"lnfold.verify": True}) catches a
     skipped centering at compile time."""
-    real = backend_mod.make_plan
-
-    def sabotaged(view, mode="rms"):
-        plan = real(view, mode)
-        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], plan_mod.Center)]
-        plan.const_edits.remove(centers[0])
-        return plan
+    sabotaged = missing_one_centering(backend_mod.make_plan, index=0)
 
     m = PreLN()
     ok = torch.compile(m, backend=lnfold_backend_with(inner=_eager, verify=True))

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_rewrite
 from onnx_rewrite import NothingToFold, VerificationError, fold_model
 from onnx_rewrite.verify import compare
-from passes import plan as plan_mod
+
+from .conftest import missing_one_centering
 
 RTOL = 1e-5
 
@@ -82,13 +83,7 @@ def test_input_model_is_not_modified(zoo_onnx):
 def test_planted_bug_skipped_centering_fails_verification(zoo_onnx, monkeypatch):
     """Drop one centering edit from the plan: the equivalence check must catch it."""
     _, _, model = zoo_onnx("gpt2")
-    real = onnx_rewrite.api.make_plan
-
-    def sabotaged(view, mode="rms"):
-        plan = real(view, mode)
-        centers = [e for e in plan.const_edits if isinstance(e.ops[-1], plan_mod.Center)]
-        plan.const_edits.remove(centers[len(centers) // 2])
-        return plan
+    sabotaged = missing_one_centering(onnx_rewrite.api.make_plan)
 
     monkeypatch.setattr(onnx_rewrite.api, "make_plan", sabotaged)
     with pytest.raises(VerificationError):
