@@ -146,7 +146,7 @@ def timed(fns: dict, *, rounds: int, warmup: int = 2) -> dict:
     import statistics
     import time
 
-    from passes.timing import interleaved
+    from lnfold.passes.timing import interleaved
 
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     counting = [False]

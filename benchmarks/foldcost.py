@@ -251,7 +251,7 @@ print(f"save {time.perf_counter() - t1:.2f} s", file=sys.stderr, flush=True)
 
 PROFILE_SNIPPET = """
 import cProfile, pstats, sys, io
-from onnx_rewrite.cli import main
+from lnfold.onnx_rewrite.cli import main
 pr = cProfile.Profile()
 pr.enable()
 rc = main(sys.argv[2:])
@@ -264,7 +264,7 @@ sys.exit(rc)
 
 
 def lnfold_cmd(src: Path, dst: Path, *, verify: bool, target: str = "ort") -> list[str]:
-    return [sys.executable, "-m", "onnx_rewrite.cli", "fold", str(src), "-o", str(dst), "--target", target] + (
+    return [sys.executable, "-m", "lnfold", "fold", str(src), "-o", str(dst), "--target", target] + (
         [] if verify else ["--no-verify"])
 
 

@@ -56,7 +56,7 @@ def decode(spec: Spec) -> Spec:
 # --- torch modules --------------------------------------------------------------------------------
 def torch_module(spec: Spec):
     """(module, example args, input names) with adversarial weights, eval mode, float32."""
-    from fx_rewrite import zoo
+    from lnfold import zoo
 
     if spec.kind == "vit":
         m, args = zoo.vit(layers=spec.layers, hidden=spec.hidden, heads=spec.heads, image=spec.image, patch=spec.patch)
@@ -121,7 +121,7 @@ def export(spec: Spec, opset: int) -> Path:
         return path
     import torch
 
-    from fx_rewrite import zoo
+    from lnfold import zoo
 
     log(f"exporting {spec.name} ({spec.kind}) at opset {opset}")
     m, args, names = torch_module(spec)
@@ -140,7 +140,7 @@ def _export_decode(m, args, names, opset):
 
     import torch
 
-    from fx_rewrite.zoo import _quiet_onnx_logs
+    from lnfold.zoo import _quiet_onnx_logs
 
     dyn = {"input_ids": {0: "batch"}, "past": {1: "batch", 3: "past"}}
     outs = ["logits", "present"]
@@ -154,13 +154,13 @@ def _export_decode(m, args, names, opset):
 
 
 def save(model: onnx.ModelProto, path: Path) -> None:
-    from onnx_rewrite import io
+    from lnfold.onnx_rewrite import io
 
     io.save(model, path)
 
 
 def load(path: Path) -> onnx.ModelProto:
-    from onnx_rewrite import io
+    from lnfold.onnx_rewrite import io
 
     return io.load(path)
 
@@ -190,7 +190,7 @@ def lnfold(src: Path, target: str) -> tuple[Path, dict]:
     meta = out.with_suffix(".json")
     if out.exists() and meta.exists():
         return out, json.loads(meta.read_text())
-    from onnx_rewrite import fold_model
+    from lnfold.onnx_rewrite import fold_model
 
     res = fold_model(load(src), target=target)
     save(res.model, out)

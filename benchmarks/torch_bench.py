@@ -20,7 +20,7 @@ def lnfold_backend_status() -> str | None:
     try:
         import torch._dynamo
 
-        import fx_rewrite  # noqa: F401  (registers the backend, once it exists)
+        import lnfold.fx_rewrite  # noqa: F401  (registers the backend, once it exists)
 
         if "lnfold" not in torch._dynamo.list_backends(exclude_tags=()):
             return "torch.compile backend 'lnfold' is not registered yet (fx_rewrite has no backend)"

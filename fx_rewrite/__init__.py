@@ -4,7 +4,7 @@
 `torch_dynamo_backends` entry point; importing this package registers the name too, for
 checkouts that run without being installed.
 """
-from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
 
 from .api import analyze_module, check_equivalent, fold_module
 from .backend import lnfold_backend, lnfold_backend_with, register

@@ -22,9 +22,9 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
-from passes.plan import Plan, first_kept_reason
-from passes.weights import max_rel_err
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes.plan import Plan, first_kept_reason
+from ..passes.weights import max_rel_err
 
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .classify import build_view

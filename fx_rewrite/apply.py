@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from passes import Plan, View, compute_constants
-from passes.plan import Center, ConstEdit, Ones, Scale
+from ..passes import Plan, View, compute_constants
+from ..passes.plan import Center, ConstEdit, Ones, Scale
 
 from .classify import GraphInfo, is_tuple_getitem, meta_val
 from .ops import _ALIASES, canonical

@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from passes import Plan, Report, VerificationError, compute_constants, make_plan
-from passes.plan import ConstEdit
+from ..passes import Plan, Report, VerificationError, compute_constants, make_plan
+from ..passes.plan import ConstEdit
 
 from .apply import TORCH, Applier, Constants, GraphConstants, from_numpy, to_numpy
 from .classify import build_view
@@ -167,7 +167,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
     from torch.utils import _pytree as pytree
 
-    from passes.weights import max_rel_err
+    from ..passes.weights import max_rel_err
 
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))

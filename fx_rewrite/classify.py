@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from passes import ConstRef, Node, NormSpec, View
-from passes.axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
-from passes.view import ChannelScale
+from ..passes import ConstRef, Node, NormSpec, View
+from ..passes.axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
+from ..passes.view import ChannelScale
 
 from .ops import Call, canonical, op_name
 

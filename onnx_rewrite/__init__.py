@@ -1,5 +1,5 @@
 """ONNX frontend of lnfold: classify ONNX ops into the stream view, apply fold plans, emit RMSNorms."""
-from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
 
 from .api import analyze_model, check_equivalent, fold_model
 from .io import load, save

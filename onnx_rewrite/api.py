@@ -11,8 +11,8 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
-from passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
-from passes.plan import Plan, first_kept_reason
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes.plan import Plan, first_kept_reason
 
 from . import io, verify
 from .classify import GraphInfo, build_view

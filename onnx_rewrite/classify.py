@@ -10,9 +10,9 @@ from typing import Callable, Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from passes import ConstRef, Node, NormSpec, View
-from passes.axes import broadcast_rules, permute_rules, same_axes_rules
-from passes.view import ChannelScale
+from ..passes import ConstRef, Node, NormSpec, View
+from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
+from ..passes.view import ChannelScale
 
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
 from .shapes import Shape, reshape_axis

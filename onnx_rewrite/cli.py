@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from passes import LnfoldError, VerificationError
+from ..passes import LnfoldError, VerificationError
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20

@@ -11,8 +11,8 @@ import numpy as np
 
 
 def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None) -> int:
-    from fx_rewrite import zoo
-    from passes.timing import interleaved
+    from .. import zoo
+    from ..passes.timing import interleaved
 
     from . import io
     from .api import analyze_model, fold_model

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from passes import Plan, compute_constants
-from passes import weights
-from passes.plan import Ones
+from ..passes import Plan, compute_constants
+from ..passes import weights
+from ..passes.plan import Ones
 
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant

@@ -13,7 +13,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx.external_data_helper import _get_all_tensors, _open_external_data_fd, uses_external_data
 
-from passes import LnfoldError
+from ..passes import LnfoldError
 
 # Protobuf cannot serialize a message over 2 GiB: such models keep their weights beside them.
 _PROTO_LIMIT = 2**31 - 2**20

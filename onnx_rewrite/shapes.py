@@ -121,4 +121,4 @@ def _known(shape: Shape) -> int:
 
 
 # Moved to passes/axes.py so both frontends map axes the same way; re-exported here.
-from passes.axes import reshape_axis  # noqa: E402,F401
+from ..passes.axes import reshape_axis  # noqa: E402,F401

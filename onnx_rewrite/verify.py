@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from passes import LnfoldError, VerificationError
-from passes.weights import max_rel_err
+from ..passes import LnfoldError, VerificationError
+from ..passes.weights import max_rel_err
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 

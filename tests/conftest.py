@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from fx_rewrite import zoo
+from lnfold import zoo
 
 
 def export_quiet(module, args, names, **kw):
@@ -32,7 +32,7 @@ def zoo_onnx():
 def missing_one_centering(make_plan, index=None):
     """`make_plan` with a planted bug: one centering edit (the middle one, or `index`) is dropped
     from every plan, so the tests can prove that verification catches a skipped centering."""
-    from passes.plan import Center
+    from lnfold.passes.plan import Center
 
     def sabotaged(view, mode="rms"):
         plan = make_plan(view, mode)

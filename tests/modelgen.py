@@ -1210,8 +1210,8 @@ def check_onnx(case: Case) -> Outcome:
     """Soundness and completeness of the ONNX path (onnx_rewrite.fold_model) on one case."""
     import onnxruntime as ort
 
-    from onnx_rewrite import analyze_model, fold_model
-    from passes.errors import NothingToFold
+    from lnfold.onnx_rewrite import analyze_model, fold_model
+    from lnfold.passes.errors import NothingToFold
 
     t0 = time.perf_counter()
     path = f"onnx[{case.exporter}/{case.opset}/{case.target}]"
@@ -1296,7 +1296,7 @@ def _completeness(case: Case, verdicts: list[str], reasons: list[str], path: str
 
 def fx_available() -> bool:
     try:
-        import fx_rewrite
+        from lnfold import fx_rewrite
     except Exception:
         return False
     return hasattr(fx_rewrite, "fold_module")
@@ -1307,14 +1307,14 @@ FX_MISSING = "fx_rewrite.fold_module does not exist yet (the torch frontend is b
 
 def check_fx(case: Case) -> Outcome:
     """Soundness and completeness of the torch path (fx_rewrite.fold_module) on one case."""
-    from passes.errors import NothingToFold
+    from lnfold.passes.errors import NothingToFold
 
     t0 = time.perf_counter()
     out = Outcome("fx")
     if not fx_available():
         out.skipped = FX_MISSING
         return out
-    import fx_rewrite
+    from lnfold import fx_rewrite
 
     with torch.no_grad():
         orig = [t.detach().numpy() if t.dtype != torch.bfloat16 else t.float().numpy() for t in _flat(case.module(*case.inputs))]
@@ -1361,7 +1361,7 @@ def _fx_kwargs(fn: str) -> dict:
     verification of its own (the fuzzer checks), static shapes (the example inputs' sizes)."""
     import inspect
 
-    import fx_rewrite
+    from lnfold import fx_rewrite
 
     params = inspect.signature(getattr(fx_rewrite, fn)).parameters
     want = {"norm": "rms_norm", "verify": False, "dynamic": False}
@@ -1369,7 +1369,7 @@ def _fx_kwargs(fn: str) -> dict:
 
 
 def _fx_report_only(case: Case):
-    import fx_rewrite
+    from lnfold import fx_rewrite
 
     if hasattr(fx_rewrite, "analyze_module"):
         with warnings.catch_warnings():

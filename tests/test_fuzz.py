@@ -159,7 +159,7 @@ def test_every_centering_matters():
     first eight fixed-set models with a constant edit."""
     import onnxruntime as ort
 
-    from onnx_rewrite import fold_model
+    from lnfold.onnx_rewrite import fold_model
 
     checked = 0
     for seed in range(60):

@@ -17,10 +17,11 @@ import pytest
 import torch
 from torch import nn
 
-import fx_rewrite
-import onnx_rewrite
-from fx_rewrite import NothingToFold, VerificationError, analyze_module, fold_module, lnfold_backend_with, zoo
-from fx_rewrite import backend as backend_mod
+from lnfold import fx_rewrite
+from lnfold import onnx_rewrite
+from lnfold import zoo
+from lnfold.fx_rewrite import NothingToFold, VerificationError, analyze_module, fold_module, lnfold_backend_with
+from lnfold.fx_rewrite import backend as backend_mod
 
 from .conftest import missing_one_centering
 
@@ -126,7 +127,7 @@ def test_swap_without_centering_is_not_equivalent(models):
     module, args = models("gpt2")
     res = fold_module(module, args, norm="rms_norm", verify=False)
     bare = fx_rewrite.api.export(module, args).module()
-    from fx_rewrite.apply import ATEN, rms_probe
+    from lnfold.fx_rewrite.apply import ATEN, rms_probe
     probe = rms_probe(bare, [n.name for n in bare.graph.nodes if "layer_norm" in str(n.target)], ATEN)
     with torch.no_grad():
         assert _rel(module(*args), probe(*args)) > 1e-2
@@ -373,12 +374,12 @@ def test_entry_point_works_without_importing_lnfold():
         m = M().eval()
         with torch.no_grad():
             m.emb.weight.add_(3.0 * torch.randn(11, 1))
-        assert "fx_rewrite" not in sys.modules
+        assert "lnfold.fx_rewrite" not in sys.modules
         ids = torch.randint(0, 11, (2, 5))
         with torch.no_grad():
             got = torch.compile(m, backend="lnfold")(ids)
             ref = m(ids)
-        from fx_rewrite.backend import reports
+        from lnfold.fx_rewrite.backend import reports
         assert reports and reports[-1].folded == 2, reports
         assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
         print("ok")

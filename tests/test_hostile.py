@@ -27,13 +27,13 @@ import onnx
 import pytest
 
 from tests import onnx_graphs as G
-import onnx_rewrite
-import onnx_rewrite.api  # noqa: F401  (imported before any fork: see as_nobody)
-import onnx_rewrite.verify  # noqa: F401
-from onnx_rewrite import LnfoldError, NothingToFold, VerificationError, analyze_model, fold_model
-from onnx_rewrite import io as lnio
-from onnx_rewrite.cli import main as cli_main
-from onnx_rewrite.verify import compare
+from lnfold import onnx_rewrite
+import lnfold.onnx_rewrite.api  # noqa: F401  (imported before any fork: see as_nobody)
+import lnfold.onnx_rewrite.verify  # noqa: F401
+from lnfold.onnx_rewrite import LnfoldError, NothingToFold, VerificationError, analyze_model, fold_model
+from lnfold.onnx_rewrite import io as lnio
+from lnfold.onnx_rewrite.cli import main as cli_main
+from lnfold.onnx_rewrite.verify import compare
 
 try:  # shape inference may import it lazily; a forked child running as nobody could not
     import onnxruntime.tools.symbolic_shape_infer  # noqa: F401
@@ -56,7 +56,7 @@ class Run:
 def _subprocess_cli(args, cwd) -> Run:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("LNFOLD_DEBUG", None)
-    r = subprocess.run([sys.executable, "-m", "onnx_rewrite.cli", *map(str, args)], cwd=cwd, env=env,
+    r = subprocess.run([sys.executable, "-m", "lnfold", *map(str, args)], cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=180)
     return Run(r.returncode, r.stdout, r.stderr)
 
@@ -674,9 +674,9 @@ def test_fp16_model(cli, work):
 
 def _skip_every_centering(monkeypatch):
     """The planted bug of DESIGN §5: leave the sources' means in place."""
-    import passes.weights
+    from lnfold.passes import weights as _weights
 
-    monkeypatch.setattr(passes.weights, "center", lambda a, axis: np.array(a, copy=True))
+    monkeypatch.setattr(_weights, "center", lambda a, axis: np.array(a, copy=True))
 
 
 def test_failed_verification_writes_nothing(work, capfd, monkeypatch):
@@ -760,7 +760,7 @@ def test_regression_closed_pipe(tmp_path):
     """Bug: `lnfold report m.onnx | head -0` raised BrokenPipeError: 'internal error', exit 3."""
     G.save_model(G.pre_ln(layers=1), tmp_path / "model.onnx")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "onnx_rewrite.cli", "report", "model.onnx"], cwd=tmp_path,
+    p = subprocess.Popen([sys.executable, "-m", "lnfold", "report", "model.onnx"], cwd=tmp_path,
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     p.stdout.close()  # the reader leaves before the command prints
     err = p.stderr.read().decode()

@@ -10,9 +10,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import onnx_rewrite
-from onnx_rewrite import NothingToFold, VerificationError, fold_model
-from onnx_rewrite.verify import compare
+from lnfold import onnx_rewrite
+from lnfold.onnx_rewrite import NothingToFold, VerificationError, fold_model
+from lnfold.onnx_rewrite.verify import compare
 
 from .conftest import missing_one_centering
 
@@ -224,7 +224,7 @@ def test_layerscale_is_folded_into_its_source():
 # --- the command line ---------------------------------------------------------------------------
 
 def _lnfold(*args):
-    return subprocess.run([sys.executable, "-m", "onnx_rewrite.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "lnfold", *args], capture_output=True, text=True)
 
 
 def test_cli_fold_and_report(zoo_onnx, tmp_path):
@@ -262,7 +262,7 @@ def test_cli_refuses_model_with_nothing_to_fold(tmp_path):
 @pytest.mark.parametrize("name,folded", [("vit", 5), ("bert", 1)])
 def test_legacy_exporter_decomposed_layernorms(name, folded):
     """torch's TorchScript exporter at opset 14 emits LayerNorm as ReduceMean/Sub/Pow/.../Add."""
-    from fx_rewrite import zoo
+    from lnfold import zoo
 
     from .conftest import export_quiet
 
@@ -283,8 +283,8 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
     lowered so that a small model takes the path a multi-GB one does."""
     import hashlib
 
-    from onnx_rewrite import io as lnio
-    from onnx_rewrite.cli import main as cli_main
+    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite.cli import main as cli_main
     from tests import onnx_graphs as G
 
     src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
@@ -325,8 +325,8 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
 def test_lazy_load_ignores_a_basepath_in_the_input(tmp_path, monkeypatch):
     """`basepath` is how a lazy load remembers the input's folder; one written in the input
     itself (onnx's loader would follow it) must not send the reads elsewhere."""
-    from onnx_rewrite import io as lnio
-    from onnx_rewrite.cli import main as cli_main
+    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite.cli import main as cli_main
     from tests import onnx_graphs as G
 
     clean = tmp_path / "clean"

@@ -1,12 +1,12 @@
 """Compile-time overhead of backend="lnfold" against plain torch.compile (Inductor).
 
-    python -m fx_rewrite.compile_overhead [--layers 12 --width 768 --heads 12 --vocab 50257] [--rounds 3]
+    python -m benchmarks.compile_overhead [--layers 12 --width 768 --heads 12 --vocab 50257] [--rounds 3]
 
 Each measurement runs in a fresh process with Inductor's caches off (a cold compile): the time of
 the first call (Dynamo + backend + first run; wall clock and the process's CPU time, which other
 load on a shared machine disturbs less), then the median of later calls. Backends alternate
 A B A B so machine drift hits both alike. The lnfold stages (analysis, graph edits, float64
-centering, Inductor) come from fx_rewrite.backend.timings.
+centering, Inductor) come from lnfold.fx_rewrite.backend.timings.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 
 _CHILD = """
 import json, sys, time, torch
-from fx_rewrite import zoo
+from lnfold import zoo
 cfg = json.loads(sys.argv[1])
 torch.set_num_threads(cfg["threads"]) if cfg["threads"] else None
 m, (ids,) = zoo.gpt2(n_layer=cfg["layers"], n_embd=cfg["width"], n_head=cfg["heads"], vocab=cfg["vocab"],
@@ -35,7 +35,7 @@ with torch.no_grad():
         t = time.perf_counter(); c(ids); runs.append(time.perf_counter() - t)
 stages = {}
 if cfg["backend"] == "lnfold":
-    from fx_rewrite.backend import timings
+    from lnfold.fx_rewrite.backend import timings
     stages = {k: sum(d[k] for d in timings) for k in timings[0]} if timings else {}
 print(json.dumps({"first": first, "first_cpu": first_cpu, "steady": sorted(runs)[len(runs) // 2], "stages": stages}))
 """

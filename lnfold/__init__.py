@@ -1,0 +1,54 @@
+"""lnfold: fold the LayerNorms of Pre-LN models into RMSNorms, without changing what they compute.
+
+ONNX (the plain install; torch is not needed and not imported)::
+
+    import lnfold
+    model = lnfold.load_onnx("model.onnx")
+    print(lnfold.analyze_onnx(model).table())            # every LayerNorm, its verdict, why
+    result = lnfold.fold_onnx(model)                     # folds, verifies, never edits `model`
+    lnfold.save_onnx(result.model, "model.folded.onnx")
+
+PyTorch (``pip install 'lnfold[torch]'``)::
+
+    result = lnfold.fold_module(module, args)            # torch.export, fold, verify
+    compiled = torch.compile(module, backend="lnfold")
+
+Both frontends return the same `FoldResult` and `Report`; user errors are `LnfoldError`s
+(`NothingToFold`, `VerificationError`) with a one-line message.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .onnx_rewrite import analyze_model as analyze_onnx
+from .onnx_rewrite import fold_model as fold_onnx
+from .onnx_rewrite import load as load_onnx
+from .onnx_rewrite import save as save_onnx
+from .passes import FoldResult, LnfoldError, NormVerdict, NothingToFold, Report, VerificationError
+
+if TYPE_CHECKING:  # the torch frontend is imported on first use: `import lnfold` never loads torch
+    from .fx_rewrite import analyze_module, fold_module, lnfold_backend, lnfold_backend_with
+
+__version__ = "0.2.0"
+
+_TORCH_NAMES = ("analyze_module", "fold_module", "lnfold_backend", "lnfold_backend_with")
+
+__all__ = [
+    "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
+    "analyze_module", "analyze_onnx", "fold_module", "fold_onnx", "lnfold_backend", "lnfold_backend_with",
+    "load_onnx", "save_onnx",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_NAMES:
+        try:
+            from . import fx_rewrite
+        except ImportError as e:
+            raise ImportError(f"lnfold.{name} needs the torch frontend: pip install 'lnfold[torch]' ({e})") from e
+        return getattr(fx_rewrite, name)
+    raise AttributeError(f"module 'lnfold' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
