@@ -138,35 +138,11 @@ def log(msg: str) -> None:
 
 
 def timed(fns: dict, *, rounds: int, warmup: int = 2) -> dict:
-    """passes.timing.interleaved, plus each call's process CPU time (all threads of this process).
+    """passes.timing.interleaved: wall and process CPU time (all threads of this process) per call.
 
     On a machine shared with other work, wall time also counts the time other processes hold the
     cores; CPU time counts only our own work, so its ratios survive contention much better.
     """
-    import statistics
-    import time
-
     from lnfold.passes.timing import interleaved
 
-    cpu: dict[str, list[float]] = {k: [] for k in fns}
-    counting = [False]
-
-    def wrap(name, f):
-        def g():
-            t = time.process_time()
-            out = f()
-            if counting[0]:
-                cpu[name].append(time.process_time() - t)
-            return out
-        return g
-
-    wrapped = {k: wrap(k, f) for k, f in fns.items()}
-    for _ in range(warmup):
-        for f in wrapped.values():
-            f()
-    counting[0] = True
-    stats = interleaved(wrapped, rounds=rounds, warmup=0)
-    for k, xs in cpu.items():
-        q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
-        stats[k].update(cpu_median=statistics.median(xs), cpu_q1=q[0], cpu_q3=q[2])
-    return stats
+    return interleaved(fns, rounds=rounds, warmup=warmup)

@@ -7,6 +7,7 @@ nothing to fold (one line on stderr, input untouched, nothing written); 3 an int
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -19,6 +20,10 @@ from ..passes import LnfoldError, VerificationError
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20
+
+
+_MODE_HELP = ("rms (default): each folded LayerNorm becomes an RMSNorm over the same d features; "
+              "crms: CRMSNorm, the zero-mean stream carried in d-1 features (see the README)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
     f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
     f.add_argument("-o", "--output", required=True, help="where to write the folded model")
-    f.add_argument("--mode", choices=("rms", "crms"), default="rms")
+    f.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
     f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort",
                    help="ort: onnxruntime's fused RMSNorm ops (default); onnx: RMSNormalization (opset 23); "
                         "portable: primitive ops")
@@ -43,11 +48,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
+    f.add_argument("--json", action="store_true",
+                   help="print one JSON object (report, verification, output, timings) instead of the table")
 
     r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
     r.add_argument("input")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
-    r.add_argument("--mode", choices=("rms", "crms"), default="rms")
+    r.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4)
@@ -110,16 +117,16 @@ def cmd_fold(args) -> int:
     if progress:
         progress(f"saving {dst}")
     io.save(result.model, dst, check=check)
-    rep = result.report
-    print(f"lnfold: {rep.summary()}")
-    for n in rep.norms:
-        if n.verdict == "keep":
-            print(f"  kept {n.name}: {n.reason}")
-    for note in rep.notes:
-        print(f"  note: {note}")
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"output": str(dst), "target": args.target, "report": result.report.to_dict(),
+                          "verified": not args.no_verify, "max_rel_err": result.max_rel_err,
+                          "seconds": round(elapsed, 3), "timings": result.timings}, indent=2))
+        return 0
+    print(result.report.table())
     ver = "skipped (--no-verify)" if args.no_verify else f"max relative output difference {result.max_rel_err:.2e}"
-    print(f"lnfold: verification: {ver}")
-    print(f"lnfold: wrote {dst} (target {args.target}) in {time.perf_counter() - t0:.2f} s")
+    print(f"\nlnfold: verification: {ver}")
+    print(f"lnfold: wrote {dst} (target {args.target}) in {elapsed:.2f} s")
     return 0
 
 

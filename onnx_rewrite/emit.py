@@ -69,8 +69,9 @@ class Emitter:
         self._const_edits(plan)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
+        verdicts = {v.name: v for v in plan.report.norms}
         for name in plan.swaps:
-            self._swap(matches[name])
+            verdicts[name].beta = self._swap(matches[name])
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
 
     def _const_edits(self, plan: Plan) -> None:
@@ -118,7 +119,8 @@ class Emitter:
             _replace_input(r, x, centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, m: NormMatch) -> None:
+    def _swap(self, m: NormMatch) -> str:
+        """Replace one LayerNorm by an RMSNorm; says where its β went (for the report)."""
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
         dtype = _dtype_of(m.x, m.gamma, m.nodes)
@@ -133,13 +135,15 @@ class Emitter:
             n.outputs.clear()
             n.inputs.clear()
 
-        beta = m.beta
+        beta, where = m.beta, ""
         bvals = const_values(beta) if beta is not None else None
         if bvals is not None and not np.any(np.asarray(bvals)):
-            beta = None
-        elif bvals is not None and self._fold_beta(m.output, np.asarray(bvals).reshape(-1)):
+            beta, where = None, "is zero"
+        elif bvals is not None and (into := self._fold_beta(m.output, np.asarray(bvals).reshape(-1))):
             self.beta_folds += 1
-            beta = None
+            beta, where = None, "into the bias of " + ", ".join(into)
+        elif beta is not None:
+            where = "kept as an Add (not every reader is a linear layer with a bias to absorb it)"
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)
 
         last = m.axis == rank - 1
@@ -158,6 +162,7 @@ class Emitter:
             self._portable_rms(m.x, gamma, normed, m.axis, m.epsilon, m.name)
         if beta is not None:
             self.node("Add", [normed, beta], [m.output])
+        return where
 
     def _gamma(self, m: NormMatch, width, dtype) -> gs.Tensor:
         if m.gamma is None:
@@ -249,13 +254,14 @@ class Emitter:
         return True
 
     # --- β into the readers' biases ------------------------------------------------------------
-    def _fold_beta(self, y: gs.Tensor, beta: np.ndarray) -> bool:
-        """Fold β into the biases of every reader of `y`, if all are linear layers with biases."""
+    def _fold_beta(self, y: gs.Tensor, beta: np.ndarray) -> list[str]:
+        """Fold β into the biases of every reader of `y`, if all are linear layers with biases;
+        the readers folded into ([] when β must stay an Add)."""
         if y in self.graph.outputs:
-            return False
+            return []
         readers = self._linear_readers(y, self.info.rank(y))
         if readers is None or not readers:
-            return False
+            return []
         new_biases = []
         for node, w, in_axis, bias_slot in readers:
             b = const_values(bias_slot[0].inputs[bias_slot[1]]) if bias_slot[1] is not None else None
@@ -270,7 +276,7 @@ class Emitter:
                 bias_node.inputs.append(c)
             else:
                 bias_node.inputs[slot] = c
-        return True
+        return [f"{node.op} `{node.name}`" for node, *_ in readers]
 
     def _linear_readers(self, t: gs.Tensor, rank: Optional[int]):
         """[(node, weight array, weight's input-feature axis, (bias node, bias slot))] or None."""

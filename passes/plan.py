@@ -13,7 +13,7 @@ import numpy as np
 
 from . import weights
 from .analysis import Component, analyze
-from .report import NormVerdict, Report
+from .report import NormVerdict, Report, StreamEdits
 from .view import View
 
 
@@ -75,14 +75,19 @@ def make_plan(view: View, mode: str = "rms") -> Plan:
     plan = Plan(mode=mode, components=components, report=Report(mode=mode))
 
     verdicts: dict[str, NormVerdict] = {}
+    stream_readers: list[set[str]] = []  # per reported stream: the nodes reading its edited constants
     wanted: dict[tuple, list[tuple[str, int]]] = {}
     for comp in components:
         if not comp.foldable:
             for n in comp.norms:
                 verdicts[n] = NormVerdict(n, "keep", comp.reason())
             continue
+        k = len(plan.report.streams)
+        edits, readers = _stream_edits(view, comp)
+        plan.report.streams.append(edits)
+        stream_readers.append(readers)
         for n in comp.norms:
-            verdicts[n] = NormVerdict(n, "fold", recentered=bool(comp.opaque))
+            verdicts[n] = NormVerdict(n, "fold", recentered=bool(comp.opaque), stream=k)
         plan.swaps.extend(comp.norms)
         plan.recenters.extend(Recenter(o.value, o.axis) for o in comp.opaque)
         for src in comp.sources:
@@ -99,6 +104,14 @@ def make_plan(view: View, mode: str = "rms") -> Plan:
         users = sorted(set(users))
         clone = readers != set(users)
         plan.const_edits.append(ConstEdit(value, ops, users, clone))
+        if clone:
+            others = sorted(readers - set(users))
+            note = (f"`{value}`: also read by {view.nodes[others[0][0]].describe()}"
+                    + (f" and {len(others) - 1} more, which keep" if len(others) > 1 else ", which keeps")
+                    + " the original")
+            for s, readers_of_s in zip(plan.report.streams, stream_readers):
+                if any(u[0] in readers_of_s for u in users) and note not in s.cloned:
+                    s.cloned.append(note)
 
     for node in view.norms():
         if node.name not in verdicts:
@@ -111,6 +124,25 @@ def make_plan(view: View, mode: str = "rms") -> Plan:
             "which computes the same values"
         )
     return plan
+
+
+def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
+    """The report's account of one foldable component (what gets centered, scaled, recentered),
+    and the nodes that read its edited constants (to tell which clones it needed)."""
+    edits, readers = StreamEdits(norms=list(comp.norms)), set()
+    for src in comp.sources:
+        for ref in src.refs:
+            via = (view.nodes[src.node].describe() if src.node is not None
+                   else f"added to the stream by {view.nodes[ref.user].describe()}")
+            item = f"`{ref.value}` ({via})"
+            if item not in edits.centered:
+                edits.centered.append(item)
+            readers.add(ref.user)
+        for s in src.scales:
+            edits.scaled.append(f"`{s.value}` ({view.nodes[s.user].describe()})")
+            readers.add(s.user)
+    edits.recentered = [o.what for o in comp.opaque]
+    return edits, readers
 
 
 def compute_constants(

@@ -1,8 +1,11 @@
-"""The report both frontends return: one verdict per LayerNorm, with the reason for each kept one."""
+"""The report both frontends return: one verdict per LayerNorm, the reason for each kept one, and
+for each folded stream what was edited to make it zero-mean."""
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -11,6 +14,19 @@ class NormVerdict:
     verdict: str  # "fold" or "keep"
     reason: str = ""
     recentered: bool = False  # folded thanks to an explicit recenter of its stream
+    stream: Optional[int] = None  # index into Report.streams for folded norms
+    beta: str = ""  # where β went, once a frontend emitted the fold (e.g. "into the bias of MatMul `fc`")
+
+
+@dataclass
+class StreamEdits:
+    """What made one stream component zero-mean: the edits its folded norms rely on."""
+
+    norms: list[str] = field(default_factory=list)
+    centered: list[str] = field(default_factory=list)  # "`wte.weight` (Gather `/wte/Gather`)"
+    cloned: list[str] = field(default_factory=list)  # constants copied before centering, and why
+    scaled: list[str] = field(default_factory=list)  # LayerScale vectors folded into their sources
+    recentered: list[str] = field(default_factory=list)  # stream starts given an explicit x - mean(x)
 
 
 @dataclass
@@ -19,6 +35,7 @@ class Report:
     recentered: int = 0  # Recenter ops inserted
     mode: str = "rms"
     notes: list[str] = field(default_factory=list)  # e.g. why CRMSNorm fell back to RMSNorm
+    streams: list[StreamEdits] = field(default_factory=list)
 
     @property
     def folded(self) -> int:
@@ -38,6 +55,7 @@ class Report:
             "recentered": self.recentered,
             "mode": self.mode,
             "norms": [asdict(n) for n in self.norms],
+            "streams": [asdict(s) for s in self.streams],
             "notes": list(self.notes),
         }
 
@@ -50,15 +68,38 @@ class Report:
             f"{self.recentered} recenter(s) inserted"
         )
 
-    def table(self) -> str:
-        """A fixed-width table for people: name, verdict, reason."""
+    def table(self, width: int = 100) -> str:
+        """For people: one row per norm (verdict, and why it was kept or how it was folded), then
+        one block per folded stream listing the edited sources."""
         if not self.norms:
             return "no LayerNorm found"
-        w = min(max(len(n.name) for n in self.norms), 60)
-        lines = [f"{'norm':<{w}}  verdict  reason", f"{'-' * w}  -------  ------"]
+        w = min(max(len("norm"), *(len(n.name) for n in self.norms)), 48)
+        lines = [f"{'norm':<{w}}  verdict  reason / how", f"{'-' * w}  -------  {'-' * 12}"]
         for n in self.norms:
-            reason = n.reason or ("folded with a recenter of its stream" if n.recentered else "")
-            lines.append(f"{n.name:<{w}}  {n.verdict:<7}  {reason}")
+            lines.append(f"{_clip(n.name, w):<{w}}  {n.verdict:<7}  {_clip(_how(n), width)}")
+        lines.append("")
         lines.append(self.summary())
+        for k, s in enumerate(self.streams):
+            lines.append(f"stream {k + 1}: {len(s.norms)} norm(s) folded")
+            for label, items in (("centered", s.centered), ("cloned", s.cloned), ("LayerScale folded", s.scaled),
+                                 ("recentered", s.recentered)):
+                if items:
+                    lines.extend(textwrap.wrap(f"{label} ({len(items)}): " + "; ".join(items), width,
+                                               initial_indent="  ", subsequent_indent="      "))
         lines.extend(f"note: {t}" for t in self.notes)
         return "\n".join(lines)
+
+
+def _how(n: NormVerdict) -> str:
+    if n.verdict == "keep":
+        return n.reason
+    parts = [f"stream {n.stream + 1}" if n.stream is not None else "folded"]
+    if n.recentered:
+        parts.append("with a recenter")
+    if n.beta:
+        parts.append(f"β {n.beta}")
+    return ", ".join(parts)
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
