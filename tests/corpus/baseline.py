@@ -107,6 +107,19 @@ def write_table(d: Path, man, base):
         rows.append(f"| `{e['file']}` | {prod} | {e['model']} | {e['dtype']} | {e['layernorms']} | "
                     f"{e['expected_folded']} ({e['expected_recentered']}) | {got} | {b.get('fold_rc', '')} | "
                     f"{err} | {verdict(e, b)} |")
+    # producer x model summary: expected folded/total (and what lnfold reports today)
+    fam = lambda f: f.split("_")[0] + ("_fp16" if f.startswith("ortopt_fp16") else "")
+    models = sorted({e["model"] for e in man["files"]})
+    fams = sorted({fam(e["file"]) for e in man["files"]})
+    cell = {}
+    for e in man["files"]:
+        b = base.get(e["file"], {})
+        got = b.get("report_folded") if b.get("report_rc") == 0 else "err"
+        cell.setdefault((e["model"], fam(e["file"])), []).append(
+            f"{e['expected_folded']}/{e['layernorms']}" + ("" if got == e["expected_folded"] else f" (now {got})"))
+    rows = ["| model \\ producer | " + " | ".join(fams) + " |", "| --- |" + " --- |" * len(fams)] + [
+        f"| {m} | " + " | ".join(", ".join(cell.get((m, f), [])) for f in fams) + " |" for m in models] + [
+        "", "Per file:", ""] + rows
     readme = d / "README.md"
     text = readme.read_text() if readme.exists() else "<!-- BASELINE -->\n<!-- /BASELINE -->\n"
     head, rest = text.split("<!-- BASELINE -->", 1)
