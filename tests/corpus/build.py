@@ -847,8 +847,9 @@ def main():
         for name in ["gpt2", "opt"]:
             do_merged(name)
         opt_files["bert"] = do_optimum("bert", "feature-extraction", {"model.onnx": ("bert", [])})
-        opt_files["vit"] = do_optimum("vit", "feature-extraction", {"model.onnx": ("vit", [])})
-        opt_files["clip"] = do_optimum("clip_vision", "feature-extraction", {"model.onnx": ("clip_vision_lhs", [])})
+        img = ["--dim num_channels=3 height=32 width=32 (pixel_values is [batch_size, num_channels, height, width])"]
+        opt_files["vit"] = do_optimum("vit", "feature-extraction", {"model.onnx": ("vit", img)})
+        opt_files["clip"] = do_optimum("clip_vision", "feature-extraction", {"model.onnx": ("clip_vision_lhs", img)})
         opt_files["whisper"] = do_optimum("whisper", "automatic-speech-recognition-with-past",
                                           {"encoder_model.onnx": ("whisper_enc", []),
                                            "decoder_model_merged.onnx": ("whisper_dec", past),
