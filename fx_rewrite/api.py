@@ -142,7 +142,7 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
         verifier = Verifier(module, args, kwargs)
         result.max_rel_err = verifier.check(gm)
         if chosen != "rms_norm":
-            result.max_rel_err = max(result.max_rel_err, verifier.check(rms_probe(gm, plan.swaps, ATEN)))
+            result.max_rel_err = max(result.max_rel_err, verifier.check(rms_probe(gm, plan.swaps, ATEN, info.decomposed)))
         timings["verification"] = time.perf_counter() - t2
     return result
 

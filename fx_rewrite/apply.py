@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -231,9 +231,23 @@ class Applier:
 
     # --- norms -------------------------------------------------------------------------------
     def _swap(self, node: fx.Node) -> None:
+        if node.name in self.info.decomposed:  # an RMSNorm once its mean subtraction goes
+            drop_mean(self.graph, node, self.info.decomposed[node.name].centered, self.nodes)
+            return
         if self.norm == "layer_norm":
             return  # the LayerNorm of a zero-mean stream already computes RMSNorm
         swap_norm(self.graph, node, self.dialect)
+
+
+def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> None:
+    """A LayerNorm written out (passes/patterns.py) minus its `x - mean(x)`: an RMSNorm."""
+    for name in subs:
+        sub = nodes[name]
+        (x,) = [n for n in sub.all_input_nodes if n is not mean]
+        sub.replace_all_uses_with(x)
+        graph.erase_node(sub)
+    if not mean.users:
+        graph.erase_node(mean)
 
 
 def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect) -> fx.Node:
@@ -262,7 +276,7 @@ def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect) -> fx.Node:
     return y
 
 
-def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect) -> fx.GraphModule:
+def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed: Optional[dict] = None) -> fx.GraphModule:
     """A twin of `gm` (sharing its tensors) whose folded LayerNorms are RMSNorms.
 
     A LayerNorm is exact whether or not its input was centered, so checking a module that kept
@@ -271,8 +285,13 @@ def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect) -> fx.Grap
     """
     probe = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     nodes = {n.name: n for n in probe.graph.nodes}
+    decomposed = decomposed or {}
     for name in norms:
-        swap_norm(probe.graph, nodes[name], dialect)
+        if name in decomposed:
+            if name in nodes:  # (already an RMSNorm in `gm`)
+                drop_mean(probe.graph, nodes[name], decomposed[name].centered, nodes)
+        else:
+            swap_norm(probe.graph, nodes[name], dialect)
     probe.recompile()
     return probe
 

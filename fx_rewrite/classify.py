@@ -1,10 +1,10 @@
-"""FX nodes -> the stream view of passes/. One builder per op kind; nothing here decides a fold.
-
-Each builder returns the callables a `passes.Node` carries (transfer / backward / centering /
-channel_scale / invariant) for one graph node, reading the shapes torch recorded on the node
-(`meta["val"]` from torch.export, `meta["example_value"]` from Dynamo) to place the feature axis.
-`ops.canonical` has already reduced every spelling of an op (ATen overload, torch function,
-tensor method) to one kind with named arguments.
+"""FX nodes -> the stream view of passes/. One builder per op kind names the op in the vocabulary
+of passes/rules.py, its arguments decoded to view input indices and non-negative axes; nothing
+here decides a fold (what an op means for the stream, and what a multi-op LayerNorm looks like:
+passes/rules.py and passes/patterns.py). Shapes come from what torch recorded on each node
+(`meta["val"]` from torch.export, `meta["example_value"]` from Dynamo). `ops.canonical` has
+already reduced every spelling of an op (ATen overload, torch function, tensor method) to one
+kind with named arguments.
 
 View names are FX node names. A node with a tuple result (split, native_layer_norm) has one view
 output per element, named after the `getitem` node that reads it. A Python number added to the
@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from ..passes import ConstRef, Node, NormSpec, View
-from ..passes.axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
-from ..passes.view import ChannelScale
+from ..passes import Node, View
+from ..passes.patterns import DecomposedNorm, collapse_norms
+from ..passes.rules import Rule, rule
 
 from .ops import Call, canonical, op_name
 
@@ -72,6 +72,7 @@ class GraphInfo:
         self.nodes = {n.name: n for n in graph.nodes}
         self.inputs: dict[str, list[str]] = {}  # view node name -> its input value names
         self.scalars: dict[str, tuple[fx.Node, str]] = {}  # synthetic constant -> (node, argument)
+        self.decomposed: dict[str, DecomposedNorm] = {}  # multi-op LayerNorms, by view name
 
     def shape(self, x: Any) -> Shape:
         if isinstance(x, numbers.Number) and not isinstance(x, bool):
@@ -101,31 +102,6 @@ class GraphInfo:
             ins.append(name)
         return ins.index(name)
 
-    def const_ref(self, node: fx.Node, x: Any, axis: Optional[int]) -> Optional[ConstRef]:
-        """The constant behind `x` (an input of `node`), through layout ops that only it reads.
-
-        `F.linear`'s weight is read directly; an exported `addmm` may read `aten.t(weight)`.
-        """
-        if not isinstance(x, fx.Node):
-            return None
-        i = self.index(node, x)
-        if i is None:
-            return None
-        if self.is_const(x):
-            return ConstRef(x.name, axis, node.name, i)
-        if len(x.users) != 1 or x.name not in self.inputs:
-            return None
-        call = canonical(x)
-        src = call.node("input") if call is not None else None
-        if src is None:
-            return None
-        if call.kind == "identity" and _is_float(src) and _is_float(x):
-            return self.const_ref(x, src, axis)
-        perm = _perm_of(self, x, call)
-        if perm is not None and axis is not None and axis < len(perm):
-            return self.const_ref(x, src, perm[axis])
-        return None
-
 
 def _norm_axis(axis: Any, rank: Optional[int]) -> Optional[int]:
     if not isinstance(axis, int) or rank is None:
@@ -140,6 +116,8 @@ def _perm_of(g: GraphInfo, node: fx.Node, call: Call) -> Optional[list[int]]:
         return None
     if call.kind == "t":
         return list(reversed(range(rank))) if rank <= 2 else None
+    if call.kind == "numpy_T":  # `x.T`: every axis reversed
+        return list(reversed(range(rank)))
     if call.kind == "transpose":
         d0, d1 = _norm_axis(call.get("dim0"), rank), _norm_axis(call.get("dim1"), rank)
         if d0 is None or d1 is None:
@@ -156,160 +134,100 @@ def _perm_of(g: GraphInfo, node: fx.Node, call: Call) -> Optional[list[int]]:
     return None
 
 
-# --- op kinds ------------------------------------------------------------------------------------
-# Each returns a dict of keyword arguments for passes.Node.
+# --- op kinds: each returns the node's Rule, or None (opaque) ----------------------------------
+Built = Optional[Rule]
 
-def _identity(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+
+def _identity(g: GraphInfo, node: fx.Node, call: Call, op: str = "identity") -> Built:
     """Shape- and value-preserving ops (clone, contiguous, float casts)."""
     x = call.node("input")
     i = g.index(node, x)
     if i is None or not (_is_float(x) and _is_float(node)):
-        return {}
-    return dict(transfer=lambda j, b: [(0, b)] if j == i else None,
-                backward=lambda o, a: [(i, a)] if o == 0 else None)
+        return None
+    return rule("elementwise", data=i, op="cast" if call.kind == "identity" and x is not None
+                and meta_val(x).dtype != meta_val(node).dtype else op)
 
 
-def _dropout(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    # Train-mode dropout scales each element by its own random mask: a per-row shift does not
-    # survive it. Eval mode (or p=0) is the identity.
-    training = call.get("training", True)
-    p = call.get("p", 0.5)
-    if training is not False and p != 0:
-        return {}
-    return _identity(g, node, call)
+def _dropout(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    # Train-mode dropout scales each element by its own random mask: eval mode (or p=0) is the
+    # identity, which is all the vocabulary knows.
+    if call.get("training", True) is not False and call.get("p", 0.5) != 0:
+        return None
+    return _identity(g, node, call, "dropout")
 
 
-def _add(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _neg(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    i = g.index(node, call.node("input"))
+    return None if i is None else rule("elementwise", data=i, op="neg")
+
+
+def _add(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     """Add/Sub (also `rsub`): both operands carry the stream; a number is a constant operand."""
-    data = []
+    idx = []
     for arg in ("input", "other"):
         x = call.args.get(arg)
         if isinstance(x, fx.Node):
             if meta_val(x) is not None and not isinstance(meta_val(x), torch.Tensor):
-                return {}  # a symbolic number: not a tensor the plan could edit
+                return None  # a symbolic number: not a tensor the plan could edit
             i = g.index(node, x)
-            if i is None:
-                return {}
         elif isinstance(x, numbers.Number) and not isinstance(x, bool):
             i = g.scalar_input(node, arg)
         else:
-            return {}
-        if i not in data:
-            data.append(i)
-    if not isinstance(call.get("alpha", 1), numbers.Number):
-        return {}
-    ins = g.inputs[node.name]
-    ranks = [g.rank(_lookup(g, n)) for n in ins]
-    const = [n in g.scalars or g.is_const(g.nodes.get(n)) for n in ins]
-    return broadcast_rules(ranks, g.rank(node), const, data)
-
-
-def _lookup(g: GraphInfo, name: str) -> Any:
-    if name in g.scalars:
-        node, arg = g.scalars[name]
-        return canonical(node).args[arg]
-    return g.nodes.get(name)
-
-
-def _neg(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    x = call.node("input")
-    i = g.index(node, x)
-    if i is None:
-        return {}
-    return dict(transfer=lambda j, b: [(0, b)] if j == i else None,
-                backward=lambda o, a: [(i, a)] if o == 0 else None)
-
-
-def _expand(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    x = call.node("input")
-    i = g.index(node, x)
-    if i is None:
-        return {}
-    ins = g.inputs[node.name]
-    ranks = [g.rank(g.nodes.get(n)) for n in ins]
-    const = [g.is_const(g.nodes.get(n)) for n in ins]
-    return broadcast_rules(ranks, g.rank(node), const, [i])
-
-
-def _mul(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    """Mul/Div by a factor constant along the feature axis is transparent; per-channel is LayerScale."""
-    is_div = call.kind == "div"
-    if is_div and call.get("rounding_mode") is not None:
-        return {}
-    R = g.rank(node)
-    operands = [call.args.get("input"), call.args.get("other")]
-
-    def aligned_dim(j, a):
-        s = g.shape(operands[j])
-        if s is None or R is None:
-            return "unknown"
-        k = a - (R - len(s))
-        return 1 if k < 0 else s[k]
-
-    idx = [g.index(node, x) for x in operands]
-
-    def transfer(i, b):
-        if R is None:
             return None
-        for j in ((0,) if is_div else (0, 1)):
-            if idx[j] == i and idx[1 - j] != i:
-                a = b + R - g.rank(operands[j])
-                return [(0, a)] if aligned_dim(1 - j, a) == 1 else None
+        if i is None:
+            return None
+        idx.append(i)
+    alpha = call.get("alpha", 1)
+    if not isinstance(alpha, numbers.Number):
         return None
+    minus = {"add": [], "sub": [idx[1]], "rsub": [idx[0]]}[call.kind]
+    if alpha != 1 or idx[0] == idx[1]:
+        minus = []  # x - 2*y: both carry the stream, but it is no `x - mean` for patterns
+    return rule("broadcast", data=sorted(set(idx)), minus=minus)
 
-    def backward(o, a):
-        cands = [j for j in ((0,) if is_div else (0, 1))
-                 if idx[j] is not None and aligned_dim(1 - j, a) == 1 and idx[1 - j] != idx[j]]
-        if len(cands) != 1:
-            return None
-        j = cands[0]
-        b = a - (R - g.rank(operands[j]))
-        return [(idx[j], b)] if b >= 0 else None
 
-    def channel_scale(o, a):
-        if is_div or R is None:
-            return None
-        for j in (0, 1):
-            x, s = operands[1 - j], operands[j]
-            if not g.is_const(s) or g.is_const(x) or idx[1 - j] is None:
-                continue
-            shape = g.shape(s)
-            k = a - (R - len(shape))
-            if k < 0 or any(d != 1 for n, d in enumerate(shape) if n != k):
-                continue
-            b = a - (R - g.rank(x))
-            if b < 0:
-                continue
-            return ChannelScale(idx[1 - j], b, ConstRef(s.name, k, node.name, idx[j]))
+def _operand(g: GraphInfo, node: fx.Node, x: Any) -> Any:
+    """The view input index of a tensor operand, None for a Python number, False otherwise."""
+    if isinstance(x, numbers.Number) and not isinstance(x, bool):
         return None
-
-    return dict(transfer=transfer, backward=backward, channel_scale=channel_scale)
-
-
-def _reshape(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    x = call.node("input")
+    if not isinstance(x, fx.Node) or not isinstance(meta_val(x), torch.Tensor):
+        return False
     i = g.index(node, x)
-    src, dst = g.shape(x), g.shape(node)
+    return False if i is None else i
+
+
+def _mul(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    if call.kind == "div" and call.get("rounding_mode") is not None:
+        return None
+    ops = [_operand(g, node, call.args.get("input")), _operand(g, node, call.args.get("other"))]
+    if any(o is False for o in ops) or ops == [None, None]:
+        return None
+    return rule("scale", operands=ops, divide=call.kind == "div")
+
+
+def _pow(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    i, e = g.index(node, call.node("input")), call.get("exponent")
     if i is None:
-        return {}
-
-    def transfer(j, b):
-        axis = reshape_axis(src, dst, b) if j == i else None
-        return None if axis is None else [(0, axis)]
-
-    def backward(o, a):
-        axis = reshape_axis(dst, src, a) if o == 0 else None
-        return None if axis is None else [(i, axis)]
-
-    return dict(transfer=transfer, backward=backward)
+        return None
+    return rule("pow", data=i, exponent=float(e) if isinstance(e, numbers.Number) else None)
 
 
-def _permute(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _unary(kind: str):
+    def build(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+        i = g.index(node, call.node("input"))
+        return None if i is None else rule(kind, data=i)
+    return build
+
+
+def _expand(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    i = g.index(node, call.node("input"))
+    return None if i is None else rule("broadcast", data=[i])
+
+
+def _permute(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i = g.index(node, call.node("input"))
     perm = _perm_of(g, node, call)
-    if i is None or perm is None:
-        return {}
-    return permute_rules(perm, i)
+    return None if i is None or perm is None else rule("permute", data=i, perm=perm)
 
 
 def _changed_axes(src: Shape, dst: Shape) -> Optional[set]:
@@ -319,23 +237,20 @@ def _changed_axes(src: Shape, dst: Shape) -> Optional[set]:
     return {k for k, (a, b) in enumerate(zip(src, dst)) if a != b or not isinstance(a, int)}
 
 
-def _slice(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _slice(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i = g.index(node, x)
-    if i is None:
-        return {}
-    return same_axes_rules([i], [0], _changed_axes(g.shape(x), g.shape(node)))
+    return None if i is None else rule("along", data=[i], axes=_changed_axes(g.shape(x), g.shape(node)))
 
 
-def _pad(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    """Pad on token axes: zero rows are zero-mean, copied rows (reflect/replicate/circular) carry
-    their source rows' shift; rows of any other constant are neither."""
-    if call.get("mode", "constant") == "constant" and call.get("value", 0) not in (0, 0.0, None):
-        return {}
-    return _slice(g, node, call)
+def _pad(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    x = call.node("input")
+    i = g.index(node, x)
+    zero = call.get("mode", "constant") != "constant" or call.get("value", 0) in (0, 0.0, None)
+    return None if i is None else rule("pad", data=i, axes=_changed_axes(g.shape(x), g.shape(node)), zero=zero)
 
 
-def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     """roll/flip: rows move along the axes named; every axis stays where it is."""
     x = call.node("input")
     i, rank = g.index(node, x), g.rank(x)
@@ -343,85 +258,64 @@ def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     axes = {_norm_axis(d, rank) for d in dims}
     if i is None or not dims or None in axes:  # roll without dims: the flattened tensor moves
-        return {}
-    return same_axes_rules([i], [0], axes)
+        return None
+    return rule("along", data=[i], axes=axes)
 
 
-def _drop_axis(i: Optional[int], dim: Optional[int], outs: list[int]) -> dict:
-    """select/unbind: axis `dim` disappears, the ones after it move down."""
-    if i is None or dim is None:
-        return {}
-
-    def transfer(j, b):
-        if j != i or b == dim:
-            return None
-        return [(o, b if b < dim else b - 1) for o in outs]
-
-    def backward(o, a):
-        return [(i, a if a < dim else a + 1)] if o in outs else None
-
-    return dict(transfer=transfer, backward=backward)
-
-
-def _select(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _select(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
-    return _drop_axis(g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x)), [0])
+    i, dim = g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x))
+    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0)
 
 
-def _unbind(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _unbind(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
+    i, dim = g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x))
     n = len(meta_val(node) or ())
-    return _drop_axis(g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x)), list(range(n)))
+    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, outs=list(range(n)))
 
 
-def _index_select(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _index_select(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
-    i = g.index(node, x)
-    dim = _norm_axis(call.get("dim"), g.rank(x))
-    return same_axes_rules([i] if i is not None else [], [0], None if dim is None else {dim})
+    i, dim = g.index(node, x), _norm_axis(call.get("dim"), g.rank(x))
+    return None if i is None else rule("along", data=[i], axes=None if dim is None else {dim})
 
 
-def _index(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _gather(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    x, idx = call.node("input"), call.node("index")
+    i, j, dim = g.index(node, x), g.index(node, idx), _norm_axis(call.get("dim"), g.rank(x))
+    return None if None in (i, j, dim) else rule("gather_rows", data=i, index=j, axis=dim)
+
+
+def _index(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     """aten.index: tensors index a contiguous block of axes; the others keep their order."""
     x = call.node("input")
     i, r, R = g.index(node, x), g.rank(x), g.rank(node)
     indices = list(call.get("indices") or [])
     used = [k for k, t in enumerate(indices) if t is not None]
     if i is None or r is None or R is None or not used or used != list(range(used[0], used[-1] + 1)):
-        return {}
+        return None
     s, e = used[0], used[-1] + 1
-    q = R - (r - (e - s))  # rank of the broadcast index block
-
-    def transfer(j, b):
-        if j != i or s <= b < e:
-            return None
-        return [(0, b if b < s else b - (e - s) + q)]
-
-    def backward(o, a):
-        if o != 0 or s <= a < s + q:
-            return None
-        return [(i, a if a < s else a + (e - s) - q)]
-
-    return dict(transfer=transfer, backward=backward)
+    return rule("take", data=i, start=s, stop=e, q=R - (r - (e - s)))
 
 
-def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     """Basic tensor indexing `x[:, 0]`, `x[..., None]` (Dynamo graphs); tensor indices: opaque."""
     x = call.node("input")
     i, src, dst = g.index(node, x), g.shape(x), g.shape(node)
     if i is None or src is None or dst is None:
-        return {}
+        return None
     idx = call.get("index")
     idx = idx if isinstance(idx, tuple) else (idx,)
     if any(not (k is None or k is Ellipsis or isinstance(k, (int, slice))) for k in idx):
-        return {}
+        return None
     fill = len(src) - sum(1 for k in idx if k is not None and k is not Ellipsis)
     expanded: list = []
     for k in idx:
         expanded.extend([slice(None)] * fill if k is Ellipsis else [k])
     if Ellipsis not in idx:
         expanded.extend([slice(None)] * (len(src) - sum(1 for k in idx if k is not None)))
-    mapping: dict[int, int] = {}  # input axis -> output axis, for axes kept whole
+    perm: list = [None] * len(dst)  # output axis -> the input axis it holds whole
     a = b = 0
     for k in expanded:
         if k is None:
@@ -430,168 +324,108 @@ def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> dict:
             a += 1
         else:
             if b < len(dst) and a < len(src) and src[a] == dst[b] and isinstance(src[a], int):
-                mapping[a] = b
+                perm[b] = a
             a, b = a + 1, b + 1
-    back = {v: k for k, v in mapping.items()}
-    return dict(transfer=lambda j, ax: [(0, mapping[ax])] if j == i and ax in mapping else None,
-                backward=lambda o, ax: [(i, back[ax])] if o == 0 and ax in back else None)
+    # A permute whose missing axes are dropped or new: the same transfer on the axes it keeps.
+    return rule("permute", data=i, perm=perm)
 
 
-def _cat(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    tensors = call.get("tensors") or []
-    data = [g.index(node, t) for t in tensors]
+def _cat(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    data = [g.index(node, t) for t in call.get("tensors") or []]
     if not data or any(d is None for d in data):
-        return {}
+        return None
     dim = _norm_axis(call.get("dim", 0), g.rank(node))
-    return same_axes_rules(sorted(set(data)), [0], None if dim is None else {dim})
+    return rule("along", data=sorted(set(data)), axes=None if dim is None else {dim})
 
 
-def _split(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+def _split(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i = g.index(node, x)
     n = len(meta_val(node) or ())
     dim = _norm_axis(call.get("dim", 0), g.rank(x))
-    return same_axes_rules([i] if i is not None else [], list(range(n)), None if dim is None else {dim})
+    return None if i is None else rule("along", data=[i], outs=list(range(n)), axes=None if dim is None else {dim})
 
 
-def _reduce(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    """mean/sum over token axes: the shift survives, the feature axis moves up."""
+def _reduce(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i, rank = g.index(node, x), g.rank(x)
     dims = call.get("dim")
-    if i is None or rank is None or dims is None or dims == [] or dims == ():
-        return {}  # over every axis, the feature axis included
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    axes = {_norm_axis(d, rank) for d in dims}
-    if None in axes:
-        return {}
-    keep = bool(call.get("keepdim", False))
-
-    def transfer(j, b):
-        if j != i or b in axes:
-            return None
-        return [(0, b if keep else b - sum(d < b for d in axes))]
-
-    def backward(o, a):
-        kept = [d for d in range(rank) if keep or d not in axes]
-        if o != 0 or a >= len(kept) or kept[a] in axes:
-            return None
-        return [(i, kept[a])]
-
-    return dict(transfer=transfer, backward=backward)
-
-
-def _softmax(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    x = call.node("input")
-    i = g.index(node, x)
-    dim = _norm_axis(call.get("dim"), g.rank(x))
-    if i is None or dim is None:
-        return {}
-    return dict(invariant=lambda j, b: j == i and b == dim)
-
-
-def _metadata(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    # Reads shape/dtype only (`_assert_tensor_metadata`, `x.size()`): a shift changes nothing.
-    return dict(invariant=lambda j, b: True)
-
-
-def _linear(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    R = g.rank(node)
-
-    def centering(o, a):
-        if R is None or a != R - 1:
-            return None
-        refs = [g.const_ref(node, call.args.get("weight"), 0)]
-        bias = call.args.get("bias")
-        if bias is not None:
-            refs.append(g.const_ref(node, bias, 0 if g.rank(bias) else None))
-        return None if any(r is None for r in refs) else refs
-
-    return dict(centering=centering)
-
-
-def _addmm(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    """addmm(bias, x, W) with W stored [in, out] (GPT-2's Conv1D)."""
-    def centering(o, a):
-        if a != 1:
-            return None
-        bias = call.args.get("input")
-        rb = g.rank(bias)
-        refs = [g.const_ref(node, call.args.get("mat2"), 1),
-                g.const_ref(node, bias, rb - 1 if rb else None)]
-        return None if any(r is None for r in refs) else refs
-
-    return dict(centering=centering)
-
-
-def _matmul(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    R = g.rank(node)
-
-    def centering(o, a):
-        if R is None or R < 2:
-            return None
-        x, w = call.args.get("input"), call.args.get("other", call.args.get("mat2"))
-        r0, r1 = g.rank(x), g.rank(w)
-        if a == R - 1 and r1 is not None and r1 >= 2:
-            ref = g.const_ref(node, w, r1 - 1)
-            if ref is not None:
-                return [ref]
-        if a == R - 2 and r0 is not None and r0 >= 2:  # W @ x: rows of W are output features
-            ref = g.const_ref(node, x, r0 - 2)
-            if ref is not None:
-                return [ref]
+    if i is None or rank is None:
         return None
-
-    return dict(centering=centering)
-
-
-def _embedding(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    # max_norm renormalizes the looked-up rows: centering them first would change that.
-    if call.get("max_norm") is not None:
-        return {}
-    table, idx = call.args.get("weight"), call.args.get("indices")
-    q = g.rank(idx)
-    if q is None or g.rank(table) != 2:
-        return {}
-
-    def centering(o, a):
-        ref = g.const_ref(node, table, 1) if a == q else None  # center each row of the table
-        return None if ref is None else [ref]
-
-    return dict(centering=centering)
+    if dims is None or dims == [] or dims == ():
+        axes = set(range(rank))  # over every axis, the feature axis included
+    else:
+        axes = {_norm_axis(d, rank) for d in ([dims] if isinstance(dims, int) else dims)}
+    if None in axes:
+        return None
+    return rule("reduce", data=i, axes=sorted(axes), keepdims=bool(call.get("keepdim", False)), op=call.kind)
 
 
-def _conv(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    transposed = call.kind == "conv_transpose" or bool(call.get("transposed", False))
+def _softmax(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    x = call.node("input")
+    i, dim = g.index(node, x), _norm_axis(call.get("dim"), g.rank(x))
+    return None if i is None or dim is None else rule("invariant_along", data=i, axis=dim)
 
-    def centering(o, a):
-        if a != 1 or call.get("groups", 1) != 1:
+
+def _metadata(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    return rule("metadata")
+
+
+def _source(g: GraphInfo, node: fx.Node, call: Call, **roles) -> Optional[dict]:
+    """View input indices of the tensor arguments named in `roles` (None stays None)."""
+    out = {}
+    for role, arg in roles.items():
+        x = call.args.get(arg)
+        out[role] = None if x is None else g.index(node, x)
+        if x is not None and out[role] is None:
             return None
-        refs = [g.const_ref(node, call.args.get("weight"), 1 if transposed else 0)]
-        if call.args.get("bias") is not None:
-            refs.append(g.const_ref(node, call.args.get("bias"), 0))
-        return None if any(r is None for r in refs) else refs
-
-    return dict(centering=centering)
+    return out
 
 
-def _layer_norm(g: GraphInfo, node: fx.Node, call: Call) -> dict:
-    """A LayerNorm over exactly the last axis gets a NormSpec; any other is named and rejected."""
+def _linear(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    r = _source(g, node, call, weight="weight", bias="bias")
+    return None if r is None or r["weight"] is None else rule("linear", w_axis=0, out_axis=-1, **r)
+
+
+def _addmm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    """addmm(bias, x, W) with W stored [in, out] (GPT-2's Conv1D)."""
+    r = _source(g, node, call, weight="mat2", bias="input")
+    return None if r is None or None in r.values() else rule("linear", w_axis=1, out_axis=1, **r)
+
+
+def _matmul(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    r = _source(g, node, call, a="input", b="other" if "other" in call.args else "mat2")
+    return None if r is None or None in r.values() else rule("matmul", **r)
+
+
+def _embedding(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    # max_norm renormalizes the looked-up rows: centering them first would change that.
+    table, idx = call.node("weight"), call.args.get("indices")
+    i, q = g.index(node, table), g.rank(idx)
+    if call.get("max_norm") is not None or i is None or q is None or g.rank(table) != 2:
+        return None
+    return rule("embedding", table=i, q=q)
+
+
+def _conv(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    transposed = call.kind == "conv_transpose" or bool(call.get("transposed", False))
+    r = _source(g, node, call, weight="weight", bias="bias")
+    groups = call.get("groups", 1)
+    if r is None or r["weight"] is None:
+        return None
+    return rule("conv", w_axis=1 if transposed else 0, groups=groups if isinstance(groups, int) else 0, **r)
+
+
+def _layer_norm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i, rank = g.index(node, x), g.rank(x)
     shape = call.get("normalized_shape")
+    n = len(shape) if isinstance(shape, (list, tuple)) else 1
     w, b = call.node("weight"), call.node("bias")
     eps = call.get("eps", 1e-5)
-    if i is None or rank is None:
-        return dict(norm_rejection="rank of its input is unknown")
-    n = len(shape) if isinstance(shape, (list, tuple)) else 1
-    if n != 1:
-        return dict(norm_rejection=f"normalizes over the last {n} axes of a rank-{rank} tensor, not one feature axis")
-    if _stats_used(node):
-        return dict(norm_rejection="its mean/rstd outputs are used")
-    if not isinstance(eps, numbers.Number):
-        return dict(norm_rejection="its eps is not a constant")
-    return dict(norm=NormSpec(i, rank - 1, None if w is None else w.name, None if b is None else b.name, float(eps)))
+    return rule("layer_norm", data=0 if i is None else i, axes=list(range(-n, 0)) if rank is not None else [-1],
+                gamma=g.index(node, w) if w is not None else None, beta=g.index(node, b) if b is not None else None,
+                eps=eps if isinstance(eps, numbers.Number) else None, stats_used=_stats_used(node))
 
 
 def _stats_used(node: fx.Node) -> bool:
@@ -599,7 +433,7 @@ def _stats_used(node: fx.Node) -> bool:
     return any(is_tuple_getitem(u) and u.args[1] != 0 and u.users for u in node.users)
 
 
-Builder = Callable[[GraphInfo, fx.Node, Call], dict]
+Builder = Callable[[GraphInfo, fx.Node, Call], Built]
 
 # op kind (see ops.py for the spellings of each) -> builder. Adding an op is one entry here.
 KINDS: dict[str, Builder] = {
@@ -611,11 +445,16 @@ KINDS: dict[str, Builder] = {
     "rsub": _add,
     "mul": _mul,
     "div": _mul,
-    "reshape": _reshape,
+    "pow": _pow,
+    "sqrt": _unary("sqrt"),
+    "rsqrt": _unary("rsqrt"),
+    "reciprocal": _unary("reciprocal"),
+    "reshape": _unary("reshape"),
     "expand": _expand,
     "transpose": _permute,
     "permute": _permute,
     "t": _permute,
+    "numpy_T": _permute,
     "slice": _slice,
     "pad": _pad,
     "reorder": _reorder,
@@ -623,10 +462,12 @@ KINDS: dict[str, Builder] = {
     "unbind": _unbind,
     "index": _index,
     "index_select": _index_select,
+    "gather": _gather,
     "getitem": _getitem,
     "cat": _cat,
     "split": _split,
-    "reduce": _reduce,
+    "mean": _reduce,
+    "sum": _reduce,
     "softmax": _softmax,
     "metadata": _metadata,
     "linear": _linear,
@@ -664,20 +505,20 @@ def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
             continue
         g.inputs[node.name] = [n.name for n in node.all_input_nodes]
         call = canonical(node)
-        kwargs = KINDS[call.kind](g, node, call) if call is not None and call.kind in KINDS else {}
+        r = KINDS[call.kind](g, node, call) if call is not None and call.kind in KINDS else None
         outs, dupes = _outputs(node)
-        view.add_node(Node(node.name, op_name(node), g.inputs[node.name], outs, **kwargs))
+        view.add_node(Node(node.name, op_name(node), g.inputs[node.name], outs, rule=r))
         for d in dupes:  # a second getitem of the same element: an identity of the first
             src = outs[d.args[1]]
             g.inputs[d.name] = [src]
-            view.add_node(Node(d.name, "getitem", [src], [d.name],
-                               transfer=lambda j, b: [(0, b)] if j == 0 else None,
-                               backward=lambda o, a: [(0, a)] if o == 0 else None))
+            view.add_node(Node(d.name, "getitem", [src], [d.name], rule=rule("elementwise", op="identity")))
 
     for name, v in view.values.items():
         fxn = g.nodes.get(name)
         if name in g.scalars:
+            node, arg = g.scalars[name]
             v.shape, v.rank, v.is_const = (), 0, True
+            v.scalar = float(canonical(node).args[arg])
             continue
         v.shape = shape_of(fxn) if fxn is not None else None
         v.rank = None if v.shape is None else len(v.shape)
@@ -688,6 +529,7 @@ def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
             for leaf in _leaves(node.args):
                 if leaf.name in view.values:
                     view.values[leaf.name].is_graph_output = True
+    g.decomposed = collapse_norms(view)
     return view, g
 
 

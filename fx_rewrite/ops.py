@@ -67,7 +67,14 @@ _aten("index_select", "index_select")
 _aten("cat", "cat", "concat", "concatenate")
 _aten("split", "split", "split_with_sizes", "chunk", "tensor_split")
 _aten("unbind", "unbind")
-_aten("reduce", "mean", "sum")
+_aten("mean", "mean")
+_aten("sum", "sum")
+_aten("pow", "pow")
+_aten("sqrt", "sqrt")
+_aten("rsqrt", "rsqrt")
+_aten("reciprocal", "reciprocal")
+_aten("gather", "gather")
+_aten("numpy_T", "numpy_T")
 _aten("softmax", "softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "argmin")
 _aten("layer_norm", "layer_norm", "native_layer_norm")
 _aten("linear", "linear")
@@ -119,7 +126,11 @@ _TORCH: dict[Any, tuple[str, tuple]] = {
     torch.split: ("split", _f("input", "split_size", "dim")),
     torch.chunk: ("split", _f("input", "chunks", "dim")),
     torch.unbind: ("unbind", _f("input", "dim")),
-    torch.mean: ("reduce", _f("input", "dim", "keepdim")), torch.sum: ("reduce", _f("input", "dim", "keepdim")),
+    torch.mean: ("mean", _f("input", "dim", "keepdim")), torch.sum: ("sum", _f("input", "dim", "keepdim")),
+    torch.pow: ("pow", _f("input", "exponent")), operator.pow: ("pow", _f("input", "exponent")),
+    torch.sqrt: ("sqrt", _f("input")), torch.rsqrt: ("rsqrt", _f("input")),
+    torch.reciprocal: ("reciprocal", _f("input")),
+    torch.gather: ("gather", _f("input", "dim", "index")),
     F.softmax: ("softmax", _f("input", "dim")), torch.softmax: ("softmax", _f("input", "dim")),
     F.log_softmax: ("softmax", _f("input", "dim")), torch.log_softmax: ("softmax", _f("input", "dim")),
     torch.argmax: ("softmax", _f("input", "dim")), torch.argmin: ("softmax", _f("input", "dim")),
@@ -177,7 +188,10 @@ _METHODS: dict[str, tuple[str, tuple]] = {
     "split": ("split", _f("input", "split_size", "dim")),
     "chunk": ("split", _f("input", "chunks", "dim")),
     "unbind": ("unbind", _f("input", "dim")),
-    "mean": ("reduce", _f("input", "dim", "keepdim")), "sum": ("reduce", _f("input", "dim", "keepdim")),
+    "mean": ("mean", _f("input", "dim", "keepdim")), "sum": ("sum", _f("input", "dim", "keepdim")),
+    "pow": ("pow", _f("input", "exponent")), "__pow__": ("pow", _f("input", "exponent")),
+    "sqrt": ("sqrt", _f("input")), "rsqrt": ("rsqrt", _f("input")), "reciprocal": ("reciprocal", _f("input")),
+    "gather": ("gather", _f("input", "dim", "index")),
     "softmax": ("softmax", _f("input", "dim")), "log_softmax": ("softmax", _f("input", "dim")),
     "argmax": ("softmax", _f("input", "dim")), "argmin": ("softmax", _f("input", "dim")),
     "roll": ("reorder", _f("input", "shifts", "dims")), "flip": ("reorder", _f("input", "*dims")),

@@ -1,7 +1,6 @@
-"""ONNX ops -> the stream view of passes/. One entry per op family; nothing here decides a fold.
-
-Each builder returns the callables a `passes.Node` carries (transfer / backward / centering /
-channel_scale / invariant) for one graph node, reading inferred shapes to place the feature axis.
+"""ONNX ops -> the stream view of passes/: one table row per op, naming it in the vocabulary of
+passes/rules.py with its attributes decoded. Nothing here decides a fold: what an op means for the
+stream (and what a multi-op LayerNorm looks like: passes/patterns.py) lives in passes/.
 """
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ from typing import Callable, Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..passes import ConstRef, Node, NormSpec, View
-from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
-from ..passes.view import ChannelScale
+from ..passes import Node, View
+from ..passes.patterns import DecomposedNorm, collapse_norms
+from ..passes.rules import Rule, rule
 
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
-from .shapes import Shape, reshape_axis
+from .shapes import Shape
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
 
@@ -41,112 +40,19 @@ class GraphInfo:
     def is_const(self, t) -> bool:
         return t is not None and is_constant(t)
 
-    def const_ref(self, node: gs.Node, i: int, axis: Optional[int]) -> Optional[ConstRef]:
-        """The constant behind input `i` of `node`, through a Transpose/Identity/Cast it alone reads."""
-        t = node.inputs[i]
-        if self.is_const(t):
-            return ConstRef(t.name, axis, node.name, i)
-        p = t.inputs[0] if len(t.inputs) == 1 else None
-        if p is None or len(t.outputs) != 1 or t in self.graph.outputs or not self.is_const(p.inputs[0]):
-            return None
-        if p.op == "Transpose":
-            perm = p.attrs.get("perm") or list(reversed(range(self.rank(p.inputs[0]) or 0)))
-            return ConstRef(p.inputs[0].name, None if axis is None else int(perm[axis]), p.name, 0)
-        if p.op == "Identity" or (p.op == "Cast" and p.attrs.get("to") in _FLOAT_TYPES):
-            return ConstRef(p.inputs[0].name, axis, p.name, 0)
-        return None
-
 
 def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-# --- op families --------------------------------------------------------------------------------
-# Each returns a dict of keyword arguments for passes.Node.
+# --- op families: each returns the node's Rule, or None (opaque) --------------------------------
 
-def _unary(info: GraphInfo, node: gs.Node) -> dict:
-    return dict(
-        transfer=lambda i, b: [(0, b)] if i == 0 else None,
-        backward=lambda o, a: [(0, a)] if o == 0 else None,
-    )
-
-
-def _add(info: GraphInfo, node: gs.Node, data: list[int]) -> dict:
-    """Add/Sub with numpy broadcasting: every input in `data` carries the stream."""
-    return broadcast_rules([info.rank(t) for t in node.inputs], info.rank(node.outputs[0]),
-                      [info.is_const(t) for t in node.inputs], data)
-
-
-def _mul(info: GraphInfo, node: gs.Node) -> dict:
-    """Mul/Div by a factor constant along the feature axis is transparent; per-channel is LayerScale."""
-    R = info.rank(node.outputs[0])
-    is_div = node.op == "Div"
-
-    def aligned_dim(j, a):
-        s = info.shape(node.inputs[j])
-        if s is None or R is None:
-            return "unknown"
-        k = a - (R - len(s))
-        return 1 if k < 0 else s[k]
-
-    def transfer(i, b):
-        if R is None or info.rank(node.inputs[i]) is None or (is_div and i != 0):
-            return None
-        a = b + R - info.rank(node.inputs[i])
-        return [(0, a)] if aligned_dim(1 - i, a) == 1 else None
-
-    def backward(o, a):
-        cands = [i for i in ((0,) if is_div else (0, 1)) if aligned_dim(1 - i, a) == 1]
-        if len(cands) != 1:
-            return None
-        i = cands[0]
-        b = a - (R - info.rank(node.inputs[i]))
-        return [(i, b)] if b >= 0 else None
-
-    def channel_scale(o, a):
-        if is_div or R is None:
-            return None
-        for j in (0, 1):
-            i = 1 - j
-            if not info.is_const(node.inputs[j]) or info.is_const(node.inputs[i]):
-                continue
-            s = info.shape(node.inputs[j])
-            k = a - (R - len(s))
-            if k < 0 or any(d != 1 for n, d in enumerate(s) if n != k):
-                continue
-            b = a - (R - info.rank(node.inputs[i]))
-            if b < 0:
-                continue
-            return ChannelScale(i, b, ConstRef(node.inputs[j].name, k, node.name, j))
-        return None
-
-    return dict(transfer=transfer, backward=backward, channel_scale=channel_scale)
-
-
-def _reshape(info: GraphInfo, node: gs.Node) -> dict:
-    src, dst = node.inputs[0], node.outputs[0]
-    return dict(
-        transfer=lambda i, b: _wrap(reshape_axis(info.shape(src), info.shape(dst), b)) if i == 0 else None,
-        backward=lambda o, a: _wrap_in(reshape_axis(info.shape(dst), info.shape(src), a)) if o == 0 else None,
-    )
-
-
-def _wrap(axis):
-    return None if axis is None else [(0, axis)]
-
-
-def _wrap_in(axis):
-    return None if axis is None else [(0, axis)]
-
-
-def _transpose(info: GraphInfo, node: gs.Node) -> dict:
+def _transpose(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     rank = info.rank(node.inputs[0])
     perm = node.attrs.get("perm")
     if perm is None and rank is not None:
         perm = list(reversed(range(rank)))
-    if perm is None:
-        return {}
-    return permute_rules([int(p) for p in perm])
+    return None if perm is None else rule("permute", perm=[int(p) for p in perm])
 
 
 def _slice_axes(info: GraphInfo, node: gs.Node) -> Optional[set[int]]:
@@ -167,137 +73,76 @@ def _slice_axes(info: GraphInfo, node: gs.Node) -> Optional[set[int]]:
     return {_norm_axis(int(a), rank) for a in np.asarray(axes).reshape(-1)}
 
 
-def _gather(info: GraphInfo, node: gs.Node) -> dict:
+def _gather(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     data, idx = node.inputs[0], node.inputs[1]
     r, q = info.rank(data), info.rank(idx)
     if r is None or q is None:
-        return {}
-    g = _norm_axis(int(node.attrs.get("axis", 0)), r)
-    if info.is_const(data):  # an embedding table: a source, centered row by row
-        if g != 0:
-            return {}
-        return dict(centering=lambda o, a: [ConstRef(data.name, a - q + 1, node.name, 0)] if a >= q else None)
-
-    def transfer(i, b):
-        if i != 0 or b == g:
-            return None
-        return [(0, b if b < g else b - 1 + q)]
-
-    def backward(o, a):
-        if a < g:
-            return [(0, a)]
-        if a >= g + q:
-            return [(0, a - q + 1)]
         return None
-
-    return dict(transfer=transfer, backward=backward)
-
-
-def _expand(info: GraphInfo, node: gs.Node) -> dict:
-    return _add(info, node, data=[0])
+    g = _norm_axis(int(node.attrs.get("axis", 0)), r)
+    if info.is_const(data):  # an embedding table
+        return rule("embedding", table=0, q=q) if g == 0 else None
+    return rule("take", data=0, start=g, stop=g + 1, q=q)
 
 
-def _reduce(info: GraphInfo, node: gs.Node) -> dict:
-    """ReduceMean/ReduceSum over token axes: the shift survives, the feature axis moves up."""
+def _gather_elements(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
+    r = info.rank(node.inputs[0])
+    return None if r is None else rule("gather_rows", data=0, index=1, axis=_norm_axis(int(node.attrs.get("axis", 0)), r))
+
+
+def _reduce(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     rank = info.rank(node.inputs[0])
     axes = reduce_axes(node)
     if rank is None or axes is None:
-        return {}
+        return None
     if not axes:
         if int(node.attrs.get("noop_with_empty_axes", 0)):
-            return _unary(info, node)
+            return rule("elementwise", op="identity")
         axes = list(range(rank))
-    axes = {_norm_axis(a, rank) for a in axes}
-    keep = int(node.attrs.get("keepdims", 1))
-
-    def transfer(i, b):
-        if i != 0 or b in axes:
-            return None
-        return [(0, b if keep else b - sum(x < b for x in axes))]
-
-    def backward(o, a):
-        kept = [d for d in range(rank) if keep or d not in axes]
-        if a >= len(kept) or kept[a] in axes:
-            return None
-        return [(0, kept[a])]
-
-    return dict(transfer=transfer, backward=backward)
+    return rule("reduce", axes=sorted({_norm_axis(a, rank) for a in axes}),
+                keepdims=bool(int(node.attrs.get("keepdims", 1))), op="mean" if node.op == "ReduceMean" else "sum")
 
 
-def _softmax(info: GraphInfo, node: gs.Node, opset: int) -> dict:
+def _softmax(info: GraphInfo, node: gs.Node, opset: int) -> Optional[Rule]:
     rank = info.rank(node.inputs[0])
     if rank is None:
-        return {}
-    default = -1 if opset >= 13 or node.op.startswith("Arg") else 1
-    axis = _norm_axis(int(node.attrs.get("axis", 0 if node.op.startswith("Arg") else default)), rank)
-    if node.op.startswith("Arg"):
-        ok = axis  # ArgMax/ArgMin reduce one axis in every opset
-    else:
-        ok = axis if opset >= 13 or axis == rank - 1 else None  # older: coerced to 2-D from axis
-    return dict(invariant=lambda i, b: i == 0 and b == ok)
-
-
-def _matmul(info: GraphInfo, node: gs.Node) -> dict:
-    R = info.rank(node.outputs[0])
-
-    def centering(o, a):
-        if R is None or R < 2:
-            return None
-        r1, r0 = info.rank(node.inputs[1]), info.rank(node.inputs[0])
-        if a == R - 1 and r1 is not None and r1 >= 2:
-            ref = info.const_ref(node, 1, r1 - 1)
-            if ref is not None:
-                return [ref]
-        if a == R - 2 and r0 is not None and r0 >= 2:  # W @ x: rows of W are output features
-            ref = info.const_ref(node, 0, r0 - 2)
-            if ref is not None:
-                return [ref]
         return None
-
-    return dict(centering=centering)
-
-
-def _gemm(info: GraphInfo, node: gs.Node) -> dict:
-    def centering(o, a):
-        if a != 1:
-            return None
-        trans_b = int(node.attrs.get("transB", 0))
-        refs = [info.const_ref(node, 1, 0 if trans_b else 1)]
-        if len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name:
-            c = node.inputs[2]
-            rc = info.rank(c)
-            refs.append(info.const_ref(node, 2, None if rc == 0 else rc - 1))
-        return None if any(r is None for r in refs) else refs
-
-    return dict(centering=centering)
+    arg = node.op.startswith("Arg")
+    default = -1 if opset >= 13 or arg else 1
+    axis = _norm_axis(int(node.attrs.get("axis", 0 if arg else default)), rank)
+    if not arg and opset < 13 and axis != rank - 1:
+        axis = None  # older Softmax coerces to 2-D from its axis: over several axes
+    return rule("invariant_along", axis=axis)
 
 
-def _conv(info: GraphInfo, node: gs.Node) -> dict:
-    w_axis = 1 if node.op == "ConvTranspose" else 0
-
-    def centering(o, a):
-        if a != 1 or int(node.attrs.get("group", 1)) != 1:
-            return None
-        refs = [info.const_ref(node, 1, w_axis)]
-        if len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name:
-            refs.append(info.const_ref(node, 2, 0))
-        return None if any(r is None for r in refs) else refs
-
-    return dict(centering=centering)
+def _gemm(info: GraphInfo, node: gs.Node) -> Rule:
+    has_c = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
+    return rule("linear", weight=1, w_axis=0 if int(node.attrs.get("transB", 0)) else 1,
+                bias=2 if has_c else None, out_axis=1)
 
 
-def _cast(info: GraphInfo, node: gs.Node) -> dict:
-    return _unary(info, node) if node.attrs.get("to") in _FLOAT_TYPES else {}
+def _conv(info: GraphInfo, node: gs.Node) -> Rule:
+    has_b = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
+    return rule("conv", weight=1, w_axis=1 if node.op == "ConvTranspose" else 0, bias=2 if has_b else None,
+                groups=int(node.attrs.get("group", 1)))
 
 
-def _pad(info: GraphInfo, node: gs.Node, opset: int) -> dict:
+def _cast(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
+    return rule("elementwise", op="cast") if node.attrs.get("to") in _FLOAT_TYPES else None
+
+
+def _pow(info: GraphInfo, node: gs.Node) -> Rule:
+    v = const_values(node.inputs[1]) if len(node.inputs) > 1 else None
+    return rule("pow", exponent=float(np.asarray(v).reshape(-1)[0]) if v is not None and np.size(v) == 1 else None)
+
+
+def _pad(info: GraphInfo, node: gs.Node, opset: int) -> Optional[Rule]:
     """Pad on non-feature axes: zero rows (constant 0) or copied rows (edge/reflect/wrap)."""
     rank = info.rank(node.inputs[0])
     mode = node.attrs.get("mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
     ins = list(node.inputs) + [None] * 4
     if rank is None:
-        return {}
+        return None
     if "pads" in node.attrs:  # opset < 11
         pads, value, axes = node.attrs["pads"], node.attrs.get("value", 0.0), None
     else:
@@ -305,15 +150,13 @@ def _pad(info: GraphInfo, node: gs.Node, opset: int) -> dict:
         value = _computed_const(ins[2], opset) if ins[2] is not None and ins[2].name else 0.0
         axes = _computed_const(ins[3], opset) if ins[3] is not None and ins[3].name else None
     if pads is None or value is None or (ins[3] is not None and ins[3].name and axes is None):
-        return {}
-    if mode == "constant" and np.any(np.asarray(value) != 0):
-        return {}  # rows of a nonzero constant: not zero-mean
+        return None
     pads = [int(p) for p in np.asarray(pads).reshape(-1)]
     axes = list(range(rank)) if axes is None else [_norm_axis(int(a), rank) for a in np.asarray(axes).reshape(-1)]
     if len(pads) != 2 * len(axes):
-        return {}
+        return None
     padded = {a for k, a in enumerate(axes) if pads[k] or pads[k + len(axes)]}
-    return same_axes_rules([0], [0], padded)
+    return rule("pad", axes=padded, zero=mode != "constant" or not np.any(np.asarray(value) != 0))
 
 
 def _computed_const(t, opset: int, limit: int = 24) -> Optional[np.ndarray]:
@@ -359,26 +202,34 @@ def _concat_axis(info, node):
     return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
 
 
-# op type -> builder(info, node, opset) -> Node kwargs. Adding an op is one entry here.
-OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
-    "Identity": lambda info, n, _: _unary(info, n),
-    "Neg": lambda info, n, _: _unary(info, n),
-    "Dropout": lambda info, n, _: _unary(info, n),
+def _unary(kind="elementwise", **params):
+    return lambda info, n, _: rule(kind, **params)
+
+
+# op type -> (info, node, opset) -> Rule or None. Adding an op is one entry here.
+OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
+    "Identity": _unary(op="identity"),
+    "Neg": _unary(op="neg"),
+    "Dropout": _unary(op="dropout"),
     "Cast": lambda info, n, _: _cast(info, n),
-    "Add": lambda info, n, _: _add(info, n, data=[0, 1]),
-    "Sub": lambda info, n, _: _add(info, n, data=[0, 1]),
-    "Mul": lambda info, n, _: _mul(info, n),
-    "Div": lambda info, n, _: _mul(info, n),
-    "Reshape": lambda info, n, _: _reshape(info, n),
-    "Flatten": lambda info, n, _: _reshape(info, n),
-    "Squeeze": lambda info, n, _: _reshape(info, n),
-    "Unsqueeze": lambda info, n, _: _reshape(info, n),
+    "Add": _unary("broadcast", data=[0, 1]),
+    "Sub": _unary("broadcast", data=[0, 1], minus=[1]),
+    "Expand": _unary("broadcast", data=[0]),
+    "Mul": _unary("scale", operands=[0, 1]),
+    "Div": _unary("scale", operands=[0, 1], divide=True),
+    "Pow": lambda info, n, _: _pow(info, n),
+    "Sqrt": _unary("sqrt"),
+    "Reciprocal": _unary("reciprocal"),
+    "Reshape": _unary("reshape"),
+    "Flatten": _unary("reshape"),
+    "Squeeze": _unary("reshape"),
+    "Unsqueeze": _unary("reshape"),
     "Transpose": lambda info, n, _: _transpose(info, n),
-    "Slice": lambda info, n, _: same_axes_rules([0], [0], _slice_axes(info, n)),
-    "Concat": lambda info, n, _: same_axes_rules(list(range(len(n.inputs))), [0], _concat_axis(info, n)),
-    "Split": lambda info, n, _: same_axes_rules([0], list(range(len(n.outputs))), _split_axis(info, n)),
+    "Slice": lambda info, n, _: rule("along", data=[0], axes=_slice_axes(info, n)),
+    "Concat": lambda info, n, _: rule("along", data=list(range(len(n.inputs))), axes=_concat_axis(info, n)),
+    "Split": lambda info, n, _: rule("along", data=[0], outs=list(range(len(n.outputs))), axes=_split_axis(info, n)),
     "Gather": lambda info, n, _: _gather(info, n),
-    "Expand": lambda info, n, _: _expand(info, n),
+    "GatherElements": lambda info, n, _: _gather_elements(info, n),
     "ReduceMean": lambda info, n, _: _reduce(info, n),
     "ReduceSum": lambda info, n, _: _reduce(info, n),
     "Softmax": _softmax,
@@ -386,10 +237,10 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
     "ArgMax": _softmax,
     "ArgMin": _softmax,
     # Shape/Size read no values: nothing about the stream's mean can reach their outputs.
-    "Shape": lambda info, n, _: dict(invariant=lambda i, b: True, shape_only=True),
-    "Size": lambda info, n, _: dict(invariant=lambda i, b: True, shape_only=True),
+    "Shape": _unary("metadata"),
+    "Size": _unary("metadata"),
     "Pad": _pad,
-    "MatMul": lambda info, n, _: _matmul(info, n),
+    "MatMul": _unary("matmul"),
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Conv": lambda info, n, _: _conv(info, n),
     "ConvTranspose": lambda info, n, _: _conv(info, n),
@@ -414,9 +265,7 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
     """The stream view of `info.graph`, and the LayerNorm matches by view-node name."""
     graph, shapes = info.graph, info.shapes
     view = View()
-    matches = find_norms(graph, shapes)
-    covered = {id(n) for m in matches for n in m.nodes}
-    by_first = {id(m.nodes[0]): m for m in matches}
+    by_first = {id(m.nodes[0]): m for m in find_norms(graph, shapes)}
     by_name: dict[str, NormMatch] = {}
 
     for node in graph.nodes:
@@ -425,14 +274,14 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
             by_name[m.name] = m
             _add_norm(view, info, m)
             continue
-        if id(node) in covered or node.op == "Constant":
+        if node.op == "Constant":
             continue
-        kwargs = {}
+        r = None
         if (node.domain or "") in ("", "ai.onnx") and node.op in OPS:
-            kwargs = OPS[node.op](info, node, opset)
+            r = OPS[node.op](info, node, opset)
         inputs = [t.name if t is not None else "" for t in node.inputs]
         inputs += _captured(node)
-        view.add_node(Node(node.name, node.op, inputs, [t.name for t in node.outputs], **kwargs))
+        view.add_node(Node(node.name, node.op, inputs, [t.name for t in node.outputs], rule=r))
 
     for name, v in view.values.items():
         t = info.tensors.get(name)
@@ -440,31 +289,44 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
         v.shape = s
         v.rank = None if s is None else len(s)
         v.is_const = t is not None and info.is_const(t)
+        if v.is_const and s is not None and all(d == 1 for d in s):
+            v.scalar = float(np.asarray(const_values(t)).reshape(-1)[0])
     for t in graph.inputs:
         if t.name in view.values:
             view.values[t.name].is_graph_input = True
     for t in graph.outputs:
         if t.name in view.values:
             view.values[t.name].is_graph_output = True
+
+    nodes = {n.name: n for n in graph.nodes}
+    for name, d in collapse_norms(view).items():
+        by_name[name] = _decomposed_match(info, nodes, d)
+    for m in by_name.values():
+        spec = view.nodes[m.name].norm
+        m.axis, m.rejection = (spec.axis, None) if spec is not None else (None, view.nodes[m.name].norm_rejection)
     return view, by_name
+
+
+def _decomposed_match(info: GraphInfo, nodes: dict, d: DecomposedNorm) -> NormMatch:
+    t = info.tensors
+    return NormMatch(d.name, "decomposed", [nodes[n] for n in d.nodes], t[d.x], t[d.output],
+                     gamma=t[d.gamma] if d.gamma else None, beta=t[d.beta] if d.beta else None,
+                     epsilon=d.epsilon, axis=d.axis, rejection=d.rejection)
 
 
 def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
     names = lambda ts: [t.name if t is not None else "" for t in ts]  # noqa: E731
-    spec = None if m.rejection else NormSpec(0, m.axis, getattr(m.gamma, "name", None),
-                                             getattr(m.beta, "name", None), m.epsilon)
     x = m.x.name
     if m.kind == "SkipLayerNormalization":
         # Seen by the analysis as an Add (input + skip + bias) feeding a LayerNorm.
         summed = m.sum_output.name if m.sum_output is not None else f"{m.name}/input_skip_bias_sum"
-        inputs = names([m.x, m.skip, None, None, m.bias])
         info.shapes.setdefault(summed, info.shape(m.x))
         # Input positions as on the real node (bias is its input 4), so edits find them.
-        ranks = [info.rank(t) if t is not None else None for t in (m.x, m.skip, None, None, m.bias)]
-        const = [t is not None and info.is_const(t) for t in (m.x, m.skip, None, None, m.bias)]
         data = [0, 1] + ([4] if m.bias is not None else [])
-        kwargs = broadcast_rules(ranks, info.rank(m.x), const, data)
-        view.add_node(Node(f"{m.name}#add", "SkipLayerNormalization(add)", inputs, [summed], **kwargs))
+        view.add_node(Node(f"{m.name}#add", "SkipLayerNormalization(add)", names([m.x, m.skip, None, None, m.bias]),
+                           [summed], rule=rule("broadcast", data=data)))
         x = summed
-    view.add_node(Node(m.name, m.kind, [x] + names([m.gamma, m.beta]), [m.output.name],
-                       norm=spec, norm_rejection=m.rejection))
+    ins = [x] + names([m.gamma, m.beta])
+    view.add_node(Node(m.name, m.kind, ins, [m.output.name],
+                       rule=rule("layer_norm", axes=m.axes, gamma=1 if ins[1] else None, beta=2 if ins[2] else None,
+                                 eps=m.epsilon, stats_used=m.stats_used)))

@@ -64,9 +64,10 @@ def broadcast_rules(ranks: list, out_rank: Optional[int], const: list[bool], dat
 
 
 def permute_rules(perm: list[int], data: int = 0) -> dict:
-    """`transfer`/`backward` for a transpose/permute of input `data` by `perm`."""
+    """`transfer`/`backward` for a transpose/permute of input `data` by `perm` (a None entry: an
+    output axis that holds no input axis whole)."""
     return dict(transfer=lambda i, b: [(0, perm.index(b))] if i == data and b in perm else None,
-                backward=lambda o, a: [(data, perm[a])] if o == 0 and a < len(perm) else None)
+                backward=lambda o, a: [(data, perm[a])] if o == 0 and a < len(perm) and perm[a] is not None else None)
 
 
 def same_axes_rules(data: list[int], outs: list[int], excluded: Optional[set]) -> dict:

@@ -15,12 +15,19 @@ analysis needs, as small callables the frontend fills in from its op classificat
 - `invariant(i, axis)`: is the node's output unchanged by a per-row shift of input `i` along 1?
 - `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
 
+A frontend does not write these callables itself: it names each op in the vocabulary of
+passes/rules.py (`Node.rule`, one table row per op) and `rules.attach` derives them, so both IRs
+get the same answers from one rule set (passes/patterns.py finds the multi-op LayerNorms).
+
 Axes are non-negative ints; every value carries its rank. Nothing here imports a framework.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from .rules import Rule
 
 # (output index, feature axis of that output)
 AxisMap = list[tuple[int, int]]
@@ -97,6 +104,8 @@ class Node:
     norm_rejection: Optional[str] = None
     # Reads only the shapes of its inputs (ONNX Shape/Size): no weight edit can reach its output.
     shape_only: bool = False
+    # What the op is, in the vocabulary of passes/rules.py; the callables above derive from it.
+    rule: Optional["Rule"] = None
 
     def describe(self) -> str:
         return f"{self.op} `{self.name}`"
@@ -108,6 +117,7 @@ class Value:
     rank: Optional[int] = None  # None: unknown
     shape: Optional[tuple] = None  # ints, strings (symbolic) or None per dim
     is_const: bool = False
+    scalar: Optional[float] = None  # the value of a one-element constant (eps, an exponent)
     is_graph_input: bool = False
     is_graph_output: bool = False
     producer: Optional[str] = None  # node name
@@ -137,6 +147,16 @@ class View:
             if v:
                 self.value(v).producer = node.name
         return node
+
+    def remove_node(self, name: str) -> None:
+        """Unlink a node: its inputs lose a consumer, its outputs their producer."""
+        node = self.nodes.pop(name)
+        for i, v in enumerate(node.inputs):
+            if v and v in self.values:
+                self.values[v].consumers.remove((name, i))
+        for v in node.outputs:
+            if v and v in self.values and self.values[v].producer == name:
+                self.values[v].producer = None
 
     def norms(self) -> list[Node]:
         """Every node that is a LayerNorm, foldable in principle or not, in graph order."""

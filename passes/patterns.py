@@ -1,0 +1,236 @@
+"""LayerNorms written as several ops, recognized once over the view for every IR.
+
+    u = mean(x, A)            d = x - u            (one or several Subs, each x - u)
+    [d = cast(d)]             v = mean(d², A)      (d² = pow(d, 2) or d * d)
+    [v = v + eps]             n = d / sqrt(v)  or  d * rsqrt(v)  or  d * reciprocal(sqrt(v))
+    [n = cast(n)]             [n = n * γ]          [n = n + β]  (γ, β constants along A)
+
+as exporters and hand-written modules spell it (BERT-family and DeBERTa with fp32 casts,
+ConvNeXt / ViTDet's channels-first LayerNorm over dim 1, Cohere's rsqrt form, torch's ONNX
+exporter dropping an eps it rounds to zero). `collapse_norms` replaces each match in the view by
+one LayerNorm node named after its first op; the frontend keeps the match to apply the swap,
+which for this form is: drop the mean subtraction (each `x - u` reads x), leaving an RMSNorm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .rules import attach, norm_axis
+from .view import Node, NormSpec, View
+
+
+@dataclass
+class DecomposedNorm:
+    name: str  # the first mean: the norm's name in the view and the report
+    nodes: list[str]  # covered view nodes
+    x: str
+    output: str
+    axis: Optional[int]
+    rejection: Optional[str]
+    centered: list[str] = field(default_factory=list)  # the Subs computing x - mean
+    gamma: Optional[str] = None
+    beta: Optional[str] = None
+    epsilon: float = 0.0
+
+
+def _readers(view: View, value: str) -> list[Node]:
+    return [view.nodes[c] for c, _ in view.values[value].consumers]
+
+
+def _only_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
+    v = view.values[value]
+    if v.is_graph_output or len({c for c, _ in v.consumers}) != 1:
+        return None
+    n = view.nodes[v.consumers[0][0]]
+    return n if n.rule is not None and n.rule.kind in kinds else None
+
+
+def _reduce_mean(node: Node) -> Optional[tuple]:
+    r = node.rule
+    if r is None or r.kind != "reduce" or r.params.get("op") != "mean" or not r.params.get("keepdims"):
+        return None
+    axes = r.params.get("axes")
+    return None if axes is None else tuple(sorted(axes))
+
+
+def _is_cast(node: Node) -> bool:
+    return node.rule is not None and node.rule.kind == "elementwise" and node.rule.params.get("op") in ("cast", "identity")
+
+
+def _other(node: Node, i: int) -> Optional[int]:
+    """The index of the other operand of a binary rule whose operand `i` is given."""
+    p = node.rule.params
+    ops = p.get("operands", p.get("data"))
+    if ops is None or len(ops) != 2 or i not in ops:
+        return None
+    return ops[1 - ops.index(i)]
+
+
+def _const_along(view: View, node: Node, i: Optional[int], axis: int, rank: int) -> bool:
+    """Input `i` is a constant varying along `axis` only (a γ or β for that axis)."""
+    if i is None or not node.inputs[i] or not view.values[node.inputs[i]].is_const:
+        return False
+    s = view.values[node.inputs[i]].shape
+    if s is None or len(s) > rank:
+        return False
+    s = (1,) * (rank - len(s)) + tuple(s)
+    return all(d == 1 for k, d in enumerate(s) if k != axis)
+
+
+def _index_of(node: Node, value: str) -> int:
+    return node.inputs.index(value)
+
+
+def match(view: View, mean1: Node) -> Optional[DecomposedNorm]:
+    axes = _reduce_mean(mean1)
+    if axes is None:
+        return None
+    x = mean1.inputs[mean1.rule.params.get("data", 0)]
+    u = mean1.outputs[0]
+    if view.values[u].is_graph_output:
+        return None
+    subs = _readers(view, u)
+    for s in subs:
+        p = s.rule.params if s.rule is not None else {}
+        if s.rule is None or s.rule.kind != "broadcast" or len(p.get("data", ())) != 2 or len(p.get("minus", ())) != 1:
+            return None
+        m = p["minus"][0]
+        keep = [d for d in p["data"] if d != m][0]
+        if s.inputs[m] != u or s.inputs[keep] != x:
+            return None
+    if not subs:
+        return None
+    covered = [mean1] + subs
+    # The centered values, after an optional up-cast each (fp16 models take statistics in fp32).
+    centered: set[str] = set()
+    up_cast = False
+    for s in subs:
+        d = s.outputs[0]
+        c = _only_reader(view, d, "elementwise")
+        if c is not None and _is_cast(c):
+            covered.append(c)
+            d, up_cast = c.outputs[0], True
+        centered.add(d)
+    readers = {n.name: n for d in centered for n in _readers(view, d)}
+    if any(view.values[d].is_graph_output for d in centered) or len(readers) != 2:
+        return None
+    square = [n for n in readers.values() if _is_square(view, n, centered)]
+    if len(square) != 1:
+        return None
+    square = square[0]
+    (final,) = [n for n in readers.values() if n is not square]
+    if final.rule is None or final.rule.kind != "scale":
+        return None
+    mean2 = _only_reader(view, square.outputs[0], "reduce")
+    if mean2 is None or _reduce_mean(mean2) != axes:
+        return None
+    covered += [square, mean2]
+    t = mean2.outputs[0]
+    eps = 0.0
+    add = _only_reader(view, t, "broadcast")
+    if add is not None:
+        o = _other(add, _index_of(add, t))
+        e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
+        if e is None or add.rule.params.get("minus") or len(add.rule.params["data"]) != 2:
+            return None
+        eps, t = e, add.outputs[0]
+        covered.append(add)
+    root = _only_reader(view, t, "sqrt", "rsqrt")
+    if root is None:
+        return None
+    covered.append(root)
+    t = root.outputs[0]
+    if root.rule.kind == "sqrt":
+        if not final.rule.params.get("divide"):
+            inv = _only_reader(view, t, "reciprocal")  # d * (1 / sqrt(v))
+            if inv is None:
+                return None
+            covered.append(inv)
+            t = inv.outputs[0]
+    if not _divides(final, t, centered, divide=root.rule.kind == "sqrt" and final.rule.params.get("divide", False)):
+        return None
+    if len(view.values[t].consumers) != 1 or view.values[t].is_graph_output:
+        return None
+    covered.append(final)
+    out = final.outputs[0]
+    if up_cast:
+        down = _only_reader(view, out, "elementwise")
+        if down is not None and _is_cast(down):
+            covered.append(down)
+            out = down.outputs[0]
+    # Every intermediate value is read inside the pattern only.
+    names = {n.name for n in covered}
+    for n in covered:
+        for v in n.outputs:
+            if v != out and (view.values[v].is_graph_output
+                             or any(c not in names for c, _ in view.values[v].consumers)):
+                return None
+    rank = view.values[x].rank
+    axis, why = norm_axis(list(axes), rank)
+    m = DecomposedNorm(mean1.name, [], x, out, axis, why, [s.name for s in subs], epsilon=eps)
+    if why is None:
+        gm = _only_reader(view, out, "scale")
+        if gm is not None and not gm.rule.params.get("divide") and _const_along(view, gm, _other(gm, _index_of(gm, out)), axis, rank):
+            m.gamma = gm.inputs[_other(gm, _index_of(gm, out))]
+            covered.append(gm)
+            out = gm.outputs[0]
+        bt = _only_reader(view, out, "broadcast") if m.gamma is not None else None
+        if bt is not None and not bt.rule.params.get("minus") and len(bt.rule.params["data"]) == 2 \
+                and _const_along(view, bt, _other(bt, _index_of(bt, out)), axis, rank):
+            m.beta = bt.inputs[_other(bt, _index_of(bt, out))]
+            covered.append(bt)
+            out = bt.outputs[0]
+    m.nodes, m.output = [n.name for n in covered], out
+    return m
+
+
+def _is_square(view: View, n: Node, centered: set[str]) -> bool:
+    if n.rule is None:
+        return False
+    if n.rule.kind == "pow":
+        return n.rule.params.get("exponent") == 2 and n.inputs[n.rule.params.get("data", 0)] in centered
+    if n.rule.kind == "scale" and not n.rule.params.get("divide"):
+        ops = n.rule.params["operands"]
+        return None not in ops and all(n.inputs[i] in centered for i in ops)
+    return False
+
+
+def _divides(final: Node, t: str, centered: set[str], divide: bool) -> bool:
+    """`final` is d / t (divide) or d * t, with d centered."""
+    if final.rule is None or final.rule.kind != "scale" or bool(final.rule.params.get("divide")) != divide:
+        return False
+    ops = final.rule.params["operands"]
+    if None in ops:
+        return False
+    a, b = (final.inputs[i] for i in ops)
+    return (a in centered and b == t) or (not divide and b in centered and a == t)
+
+
+def collapse_norms(view: View) -> dict[str, DecomposedNorm]:
+    """Find every multi-op LayerNorm and put one LayerNorm node in its place; then derive every
+    node's answers from its rule (`rules.attach`)."""
+    found: dict[str, DecomposedNorm] = {}
+    taken: set[str] = set()
+    for node in list(view.nodes.values()):
+        if node.name in taken or node.name not in view.nodes:
+            continue
+        m = match(view, node) if _reduce_mean(node) is not None else None
+        if m is None or taken & set(m.nodes):
+            continue
+        taken.update(m.nodes)
+        found[m.name] = m
+        _replace(view, m)
+    attach(view)
+    return found
+
+
+def _replace(view: View, m: DecomposedNorm) -> None:
+    inner = {v for n in m.nodes for v in view.nodes[n].outputs} - {m.output}
+    for n in m.nodes:
+        view.remove_node(n)
+    for v in inner:
+        view.values.pop(v, None)
+    spec = None if m.rejection else NormSpec(0, m.axis, m.gamma, m.beta, m.epsilon)
+    inputs = [m.x] + [v for v in (m.gamma, m.beta) if v]
+    view.add_node(Node(m.name, "LayerNorm (decomposed)", inputs, [m.output], norm=spec, norm_rejection=m.rejection))
