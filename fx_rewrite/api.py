@@ -94,6 +94,7 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
 def _analyze(module, args, kwargs, mode, dynamic):
     ep = export(module, args, kwargs, dynamic=dynamic)
     gm = ep.module()
+    gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)
     attrs = {n.name: n.target for n in gm.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}
     view, info = build_view(gm.graph, set(attrs))

@@ -45,7 +45,8 @@ def adversarial(model: nn.Module, seed: int = 0) -> nn.Module:
 
     for mod in model.modules():
         kind = type(mod).__name__
-        if isinstance(mod, nn.LayerNorm):
+        hand_norm = "LayerNorm" in kind and isinstance(getattr(mod, "weight", None), nn.Parameter)
+        if isinstance(mod, nn.LayerNorm) or hand_norm:  # hand-written ones too (DeBERTa, Cohere)
             if mod.weight is not None:
                 mod.weight.copy_(1 + 0.5 * rnd(*mod.weight.shape))
             if mod.bias is not None:
@@ -66,6 +67,9 @@ def adversarial(model: nn.Module, seed: int = 0) -> nn.Module:
     for name, p in model.named_parameters():
         if any(k in name for k in ("cls_token", "position_embeddings", "mask_token")) and p.ndim >= 2:
             p.add_(SOURCE_MEAN * (p.std() + 0.02) * rnd(*p.shape[:-1], 1))
+        elif any(k in name for k in ("lambda_1", "lambda_2", "lambda1", "layer_scale", "gamma_1", "gamma_2")) \
+                and p.ndim == 1:  # LayerScale vectors: 1e-5..0.1 at init would hide a missed scale fold
+            p.copy_(1 + 0.5 * rnd(*p.shape))
     return model.eval()
 
 
@@ -104,7 +108,83 @@ def bert(layers=2, hidden=64, heads=4, vocab=101, seed=0):
     return Logits(m, "last_hidden_state").eval(), (ids,)
 
 
-MODELS: dict[str, Callable] = {"gpt2": gpt2, "vit": vit, "bert": bert}
+W, H, V = 64, 4, 101  # width, heads, vocabulary of every architecture below (2 layers each)
+
+
+def _hf(config: str, model: str, inputs: str, field: str = "last_hidden_state", **cfg) -> Callable:
+    """A builder for transformers' `model` class with a tiny `config`, adversarial weights."""
+
+    def build(seed: int = 0):
+        import transformers
+
+        c = getattr(transformers, config)(**cfg)
+        c._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        m = adversarial(getattr(transformers, model)(c), seed)
+        g = torch.Generator().manual_seed(seed)
+        if inputs == "ids":
+            x = torch.randint(0, V, (2, 9), generator=g)
+        else:
+            x = torch.randn(2, 3, 32, 32, generator=g)
+        return Logits(m, field).eval(), (x,)
+
+    return build
+
+
+_TXT = dict(vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_heads=H, intermediate_size=4 * W,
+            max_position_embeddings=64)
+_IMG = dict(hidden_size=W, num_hidden_layers=2, num_attention_heads=H, intermediate_size=4 * W, image_size=32,
+            patch_size=8)
+
+# name -> builder; next to each, the count derived by hand from its modeling file (2 layers):
+# LayerNorms, and how many a correct fold swaps (Pre-LN: all, the stream's sources are linear
+# layers, embeddings and position tables; Post-LN: only the embedding LayerNorm, whose stream
+# has no opaque start, since every later one reads a residual sum that holds the previous
+# LayerNorm's output: one recenter per swap does not pay).
+MODELS: dict[str, Callable] = {
+    "gpt2": gpt2,  # 2 ln_1 + 2 ln_2 + ln_f = 5; Pre-LN: 5 fold
+    "vit": vit,  # 2 layernorm_before + 2 layernorm_after + final layernorm = 5; Pre-LN: 5
+    "bert": bert,  # embeddings LN + 2 x (attention, output) = 5; Post-LN: 1 (embeddings)
+    # hand-written LayerNorm (fp32 casts, eps inside sqrt), Post-LN as BERT: 5 / 1
+    "deberta": _hf("DebertaConfig", "DebertaModel", "ids", **_TXT),
+    "roberta": _hf("RobertaConfig", "RobertaModel", "ids", **_TXT),  # BERT layout: 5 / 1
+    "electra": _hf("ElectraConfig", "ElectraModel", "ids", embedding_size=W, **_TXT),  # 5 / 1
+    "data2vec_text": _hf("Data2VecTextConfig", "Data2VecTextModel", "ids", **_TXT),  # 5 / 1
+    # OPT with do_layer_norm_before: 2 x 2 + final = 5; Pre-LN: 5
+    "opt": _hf("OPTConfig", "OPTModel", "ids", vocab_size=V, hidden_size=W, num_hidden_layers=2,
+               num_attention_heads=H, ffn_dim=4 * W, max_position_embeddings=64, word_embed_proj_dim=W),
+    # BLOOM: word_embeddings_layernorm + 2 x 2 + ln_f = 6; the embedding LN reads a centerable
+    # embedding, its output (opaque) starts the stream of the other 5: 1 recenter buys 5 swaps: 6
+    "bloom": _hf("BloomConfig", "BloomModel", "ids", vocab_size=V, hidden_size=W, n_layer=2, n_head=H),
+    # GPT-NeoX parallel residual: input_layernorm + post_attention_layernorm read the same
+    # stream, 2 x 2 + final = 5; Pre-LN: 5
+    "gpt_neox": _hf("GPTNeoXConfig", "GPTNeoXModel", "ids", vocab_size=V, hidden_size=W, num_hidden_layers=2,
+                    num_attention_heads=H, intermediate_size=4 * W, max_position_embeddings=64),
+    # GPT-J: one ln_1 per layer (parallel attention + MLP) + ln_f = 3; Pre-LN: 3
+    "gptj": _hf("GPTJConfig", "GPTJModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H, rotary_dim=8,
+                n_positions=64),
+    # Falcon (x @ W.T linears), parallel attention: input_layernorm x 2 + ln_f = 3; Pre-LN: 3
+    "falcon": _hf("FalconConfig", "FalconModel", "ids", vocab_size=V, hidden_size=W, num_hidden_layers=2,
+                  num_attention_heads=H, new_decoder_architecture=False, parallel_attn=True, bias=True),
+    "codegen": _hf("CodeGenConfig", "CodeGenModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H,
+                   rotary_dim=8, n_positions=64),  # GPT-J layout: 3 / 3
+    "biogpt": _hf("BioGptConfig", "BioGptModel", "ids", **_TXT),  # 2 x 2 + final = 5; Pre-LN: 5
+    # CLIP text tower: 2 x 2 + final_layer_norm = 5; Pre-LN: 5
+    "clip_text": _hf("CLIPTextConfig", "CLIPTextModel", "ids", vocab_size=V, hidden_size=W, num_hidden_layers=2,
+                     num_attention_heads=H, intermediate_size=4 * W, max_position_embeddings=64),
+    # CLIP vision: pre_layrnorm (reads patch conv + class + position: centerable) + 2 x 2 +
+    # post_layernorm (reads the pooled class token, a Gather: transparent) = 6; the pre-LN's
+    # output starts the stream of the other 5: 1 recenter buys 5: 6
+    "clip_vision": _hf("CLIPVisionConfig", "CLIPVisionModel", "pixels", field="pooler_output", **_IMG),
+    "deit": _hf("DeiTConfig", "DeiTModel", "pixels", **_IMG),  # ViT layout: 5 / 5
+    # BEiT: ViT layout with LayerScale (lambda_1, lambda_2), no final LN with mean pooling: 5 / 5
+    "beit": _hf("BeitConfig", "BeitModel", "pixels", layer_scale_init_value=0.1, use_mean_pooling=False, **_IMG),
+    "data2vec_vision": _hf("Data2VecVisionConfig", "Data2VecVisionModel", "pixels", layer_scale_init_value=0.1,
+                           use_mean_pooling=False, **_IMG),  # BEiT layout: 5 / 5
+    # Dinov2: LayerScale on both branches, 2 x 2 + final = 5; Pre-LN: 5
+    "dinov2": _hf("Dinov2Config", "Dinov2Model", "pixels", hidden_size=W, num_hidden_layers=2, num_attention_heads=H,
+                  mlp_ratio=4, image_size=32, patch_size=8),
+}
 INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"]}
 
 

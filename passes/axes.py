@@ -25,7 +25,14 @@ def reshape_axis(src: Shape, dst: Shape, axis: int) -> Optional[int]:
         return None
     size = src[axis]
     tail = src[axis + 1:]
-    if not isinstance(size, int) or not _static(tail):
+    if not isinstance(size, int):
+        return None
+    # The same dims up to and including the axis (symbols too: a ViT's [B,D,h,w] -> [B,D,h*w]
+    # with h, w dynamic): the dims after it hold the rest of the same elements.
+    head = src[:axis + 1]
+    if len(dst) > axis and all(d is not None for d in head) and tuple(dst[:axis + 1]) == tuple(head):
+        return axis
+    if not _static(tail):
         return None
     tail_prod = prod(tail)
     # Same size and same product of the dims after it: in row-major order the axis holds the

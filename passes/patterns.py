@@ -233,4 +233,4 @@ def _replace(view: View, m: DecomposedNorm) -> None:
         view.values.pop(v, None)
     spec = None if m.rejection else NormSpec(0, m.axis, m.gamma, m.beta, m.epsilon)
     inputs = [m.x] + [v for v in (m.gamma, m.beta) if v]
-    view.add_node(Node(m.name, "LayerNorm (decomposed)", inputs, [m.output], norm=spec, norm_rejection=m.rejection))
+    view.add_node(Node(m.name, "DecomposedLayerNorm", inputs, [m.output], norm=spec, norm_rejection=m.rejection))

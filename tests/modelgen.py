@@ -51,7 +51,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -1032,6 +1032,7 @@ class Outcome:
     err: Optional[float] = None
     bound: Optional[float] = None
     seconds: float = 0.0
+    report: Any = None  # the frontend's Report
 
 
 def rel_err(ref, got) -> float:
@@ -1254,6 +1255,7 @@ def check_onnx(case: Case) -> Outcome:
         out.failures.append(f"crash: fold_model raised {type(e).__name__}: {str(e)[:300]}\n"
                             + "".join(traceback.format_exc(limit=-4)))
         return out
+    out.report = report
     names = [n.name for n in report.norms]
     verdicts = [n.verdict for n in report.norms]
     out.verdicts, fails = map_report(case, names, verdicts, _onnx_norm_modules(proto, names), path)
@@ -1336,6 +1338,7 @@ def check_fx(case: Case) -> Outcome:
         out.failures.append(f"crash: fold_module raised {type(e).__name__}: {str(e)[:300]}\n"
                             + "".join(traceback.format_exc(limit=-4)))
         return out
+    out.report = report
     names = [n.name for n in report.norms]
     out.verdicts, fails = map_report(case, names, [n.verdict for n in report.norms], None, "fx")
     out.failures += fails
@@ -1393,11 +1396,37 @@ def known_fx_gap(case: Case, fails: list[str]) -> Optional[str]:
 
 
 def agreement(case: Case, a: Outcome, b: Outcome) -> list[str]:
-    """The two frontends give the same verdict for every LayerNorm."""
+    """The two frontends give the same verdict for every LayerNorm, the same number of
+    recenters and the same reasons (modulo node names)."""
     if a.verdicts is None or b.verdicts is None:
         return []
-    return [f"agreement: {c.module}: {a.path} says {x}, {b.path} says {y}"
-            for c, x, y in zip(case.calls, a.verdicts, b.verdicts) if x != y]
+    fails = [f"agreement: {c.module}: {a.path} says {x}, {b.path} says {y}"
+             for c, x, y in zip(case.calls, a.verdicts, b.verdicts) if x != y]
+    if a.report is not None and b.report is not None:
+        fails += report_differences(a.report, b.report, a.path, b.path)
+    return fails
+
+
+def normalized_reason(reason: str) -> str:
+    """A reason without the names of nodes and values, which differ between IRs: "read by
+    MatMul `node_linear`" and "read by aten.linear.default `linear`" both say "read by <node>"."""
+    reason = re.sub(r"[\w.:()<>#-]+ `[^`]*`", "<node>", reason)
+    return re.sub(r"`[^`]*`", "<value>", reason)
+
+
+def report_differences(a, b, pa: str = "onnx", pb: str = "fx") -> list[str]:
+    """What differs between two frontends' reports of one model (verdicts in order, recenter
+    counts, reasons modulo names); [] when they agree."""
+    out = []
+    if [n.verdict for n in a.norms] != [n.verdict for n in b.norms]:
+        out.append(f"agreement: verdicts {pa} {[n.verdict for n in a.norms]} vs {pb} {[n.verdict for n in b.norms]}")
+    if a.recentered != b.recentered:
+        out.append(f"agreement: {pa} recenters {a.recentered}, {pb} {b.recentered}")
+    ra = sorted(normalized_reason(n.reason) for n in a.norms)
+    rb = sorted(normalized_reason(n.reason) for n in b.norms)
+    if ra != rb:
+        out.append(f"agreement: reasons differ: {pa} {ra} vs {pb} {rb}")
+    return out
 
 
 def check(case: Case, paths=("onnx",)) -> list[Outcome]:

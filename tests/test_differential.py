@@ -1,0 +1,139 @@
+"""Both frontends on the same model give the same report: verdicts in order, recenter counts and
+reasons (modulo node names), on every zoo architecture and on generated models; each zoo
+architecture's fold count is the one derived by hand from its modeling file (lnfold/zoo.py)."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lnfold import zoo
+from lnfold.fx_rewrite import analyze_module, fold_module
+from lnfold.onnx_rewrite import analyze_model, fold_model
+
+from . import modelgen as mg
+
+# name -> (LayerNorms, folded, recentered), by hand from each modeling file (see lnfold/zoo.py)
+HAND = {
+    "gpt2": (5, 5, 0), "vit": (5, 5, 0), "bert": (5, 1, 0), "deberta": (5, 1, 0), "roberta": (5, 1, 0),
+    "electra": (5, 1, 0), "data2vec_text": (5, 1, 0), "opt": (5, 5, 0), "bloom": (6, 6, 1),
+    "gpt_neox": (5, 5, 0), "gptj": (3, 3, 0), "falcon": (3, 3, 0), "codegen": (3, 3, 0), "biogpt": (5, 5, 0),
+    "clip_text": (5, 5, 0), "clip_vision": (6, 6, 1), "deit": (5, 5, 0), "beit": (5, 5, 0),
+    "data2vec_vision": (5, 5, 0), "dinov2": (5, 5, 0),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _reports(name: str):
+    module, args = zoo.MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx = analyze_module(module, args)
+        onnx = analyze_model(zoo.export_onnx(module, args, ["x"]))
+    return fx, onnx
+
+
+def test_every_zoo_architecture_has_a_hand_count():
+    assert set(HAND) == set(zoo.MODELS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(HAND))
+def test_frontends_agree_with_each_other_and_the_hand_count(name):
+    fx, onnx = _reports(name)
+    assert not mg.report_differences(onnx, fx), mg.report_differences(onnx, fx)
+    assert (len(fx.norms), fx.folded, fx.recentered) == HAND[name]
+
+
+@pytest.mark.parametrize("seed", [1, 4, 7, 12, 19, 23])
+def test_frontends_agree_on_generated_models(seed):
+    case = mg.from_seed(seed)
+    outs = mg.check(case, ("onnx", "fx"))
+    fails = [f for f in mg.failures(outs) if f.startswith("agreement")]
+    assert not fails, f"seed {seed}:\n" + "\n".join(fails)
+
+
+# --- constructs the torch frontend missed, and the feature-expanded gather ----------------------
+
+class HandWritten(nn.Module):
+    """DeBERTa-style LayerNorm (fp32 cast, eps in the sqrt) over a Falcon-style `x @ W.T + b`,
+    and a channels-first one over dim 1 (ConvNeXt / ViTDet) after a conv stem."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w = nn.Parameter(torch.randn(d, 8, generator=g) + 3.0)
+        self.b = nn.Parameter(torch.randn(d, generator=g) + 3.0)
+        self.gamma = nn.Parameter(1 + 0.5 * torch.randn(d, generator=g))
+        self.beta = nn.Parameter(0.5 * torch.randn(d, generator=g))
+        self.conv = nn.Conv2d(3, d, 2, stride=2)
+        with torch.no_grad():
+            self.conv.weight.add_(2.0)
+
+    def ln(self, h, dim):
+        h = h.float()
+        u = h.mean(dim, keepdim=True)
+        s = (h - u).pow(2).mean(dim, keepdim=True)
+        return (h - u) / torch.sqrt(s + 1e-6)
+
+    def forward(self, x, img):
+        y = self.gamma * self.ln(x @ self.w.T + self.b, -1) + self.beta
+        c = self.conv(img)
+        c = self.gamma[:, None, None] * self.ln(c + c, 1) + self.beta[:, None, None]
+        return y.sum(-1), c.sum(1)
+
+
+def test_fold_module_finds_hand_written_layernorms_and_x_at_w_t():
+    m = HandWritten().eval()
+    args = (torch.randn(2, 5, 8), torch.randn(2, 3, 8, 8))
+    res = fold_module(m, args, norm="rms_norm")
+    assert (res.report.folded, res.report.recentered) == (2, 0)
+    # the swap (x - mean dropped) is exact only if both streams were centered
+    for a, b in zip(m(*args), res.module(*args)):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    onnx = analyze_model(zoo.export_onnx(m, args, ["x", "img"]))
+    assert not mg.report_differences(onnx, res.report)
+
+
+class TokenMask(nn.Module):
+    """Random token masking: keep some tokens, `gather(x, 1, idx.unsqueeze(-1).expand(..., d))`."""
+
+    def __init__(self, d=16, vocab=50):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        with torch.no_grad():
+            self.emb.weight.add_(3.0 * torch.randn(vocab, 1))
+        self.ln = nn.LayerNorm(d)
+        with torch.no_grad():
+            self.ln.weight.copy_(1 + 0.5 * torch.randn(d))
+            self.ln.bias.copy_(0.5 * torch.randn(d))
+
+    def forward(self, ids, keep):
+        h = self.emb(ids)
+        h = torch.gather(h, 1, keep.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        return self.ln(h)
+
+
+def test_gather_with_a_feature_expanded_index_is_transparent():
+    m = TokenMask().eval()
+    args = (torch.randint(0, 50, (2, 9)), torch.tensor([[0, 3, 5], [8, 1, 2]]))
+    res = fold_module(m, args, norm="rms_norm", dynamic=False)
+    assert (res.report.folded, res.report.recentered) == (1, 0), res.report.norms
+    torch.testing.assert_close(res.module(*args), m(*args), rtol=1e-4, atol=1e-4)
+    proto = zoo.export_onnx(m, args, ["ids", "keep"])
+    fr = fold_model(proto)
+    assert (fr.report.folded, fr.report.recentered) == (1, 0), fr.report.norms
+
+
+def test_gather_with_a_per_feature_index_is_not():
+    """The same gather where the index differs along the features mixes rows: no fold."""
+    class Mixed(TokenMask):
+        def forward(self, ids, idx):
+            return self.ln(torch.gather(self.emb(ids), 1, idx))
+
+    m = Mixed().eval()
+    args = (torch.randint(0, 50, (2, 9)), torch.randint(0, 9, (2, 3, 16)))
+    assert analyze_module(m, args, dynamic=False).folded == 0
