@@ -165,19 +165,18 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
 
 
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
+    """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
+    the original graph where one can be made)."""
     from torch.utils import _pytree as pytree
 
-    from ..passes.weights import max_rel_err
+    from .api import judge_outputs, ref64
 
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
-    for r, g in zip(ref, got):
-        if isinstance(r, torch.Tensor) and r.dtype.is_floating_point:
-            err = max_rel_err(to_numpy(r), to_numpy(g))
-            tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(r.dtype, 1e-1)
-            if not err <= tol:
-                raise VerificationError(f"lnfold: folded graph differs by {err:.3g} (relative), above {tol:g}")
+    verdict = judge_outputs(ref, got, ref64(original, example_inputs, {}, ref))
+    if not verdict.ok:
+        raise VerificationError(f"lnfold: {verdict.message()}")
 
 
 def _static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
