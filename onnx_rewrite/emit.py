@@ -161,6 +161,10 @@ class Emitter:
         else:
             self._portable_rms(m.x, gamma, normed, m.axis, m.epsilon, m.name)
         if beta is not None:
+            if bvals is not None and m.x.dtype is not None and np.asarray(bvals).dtype != _np(m.x.dtype):
+                # TorchScript's fp16 exports give LayerNormalization fp32 γ/β (a model onnxruntime
+                # refuses): the separate β Add must take the stream's dtype to be a valid op
+                beta = self.const(f"{m.name}/lnfold_beta", np.asarray(bvals).astype(_np(m.x.dtype)))
             self.node("Add", [normed, beta], [m.output])
         return where
 

@@ -255,7 +255,7 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
     norm_inputs = {}
     for (name, axis, _), val in zip(norm_names, extra):
         norm_inputs[name] = np.moveaxis(np.asarray(val), axis, -1)
-    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs))
+    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs), original_is_faithful=runner.sess is not None)
     if runner.sess is None:
         verdict.criterion += f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's reference evaluator)"
     return verdict

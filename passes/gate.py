@@ -8,6 +8,10 @@ often *more* exact than the original — a LayerNorm on a large-mean stream canc
 folded model never has — and a fixed tolerance between folded and original would refuse it; a
 real mistake (a missed centering) is far outside both models' rounding and still fails.
 
+Where the original can only be run in onnx's reference evaluator (onnxruntime refuses to load
+it), its run is no measure of its users' error: the folded model's error against float64 must
+then be within TOLERANCE ("float64, fixed tolerance").
+
 Where no float64 run is possible (an op with no double kernel anywhere, a model too big to copy
 in float64), the gate falls back, and says so in `Verdict.criterion`:
   "tolerance": folded vs original within TOLERANCE (the dtype's fixed tolerance);
@@ -52,7 +56,7 @@ class Output:
 @dataclass
 class Verdict:
     ok: bool
-    criterion: str  # "float64", "tolerance" or "zero-mean norm inputs"
+    criterion: str  # "float64", "float64, fixed tolerance", "tolerance" or "zero-mean norm inputs"
     diff: float  # worst relative difference folded vs original, over all outputs
     folded_err: Optional[float] = None  # worst relative error of the folded model vs float64
     original_err: Optional[float] = None  # the same for the original model
@@ -63,7 +67,7 @@ class Verdict:
 
     def summary(self) -> str:
         """One line for the command's output."""
-        if self.criterion == "float64":
+        if self.criterion.startswith("float64"):
             return (f"error vs float64: folded {self.folded_err:.2e}, original {self.original_err:.2e} "
                     f"(folded vs original {self.diff:.2e})")
         return f"folded vs original {self.diff:.2e} (no float64 run; criterion: {self.criterion})"
@@ -74,12 +78,15 @@ def _floor(dtype: str) -> float:
 
 
 def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]] = None,
-          norm_dtype: str = "float32") -> Verdict:
+          norm_dtype: str = "float32", original_is_faithful: bool = True) -> Verdict:
     """The verdict on a fold. `norm_inputs` (folded norm -> its input in the folded model, feature
-    axis last) is used only by the fallback without float64."""
+    axis last) is used only by the fallback without float64. `original_is_faithful=False`: the
+    original's run is not what its users get (onnx's reference evaluator computes an fp16
+    LayerNorm in fp16, where it overflows), so its error cannot widen the bound: the folded
+    model's error against float64 must then be within TOLERANCE."""
     diff = max((max_rel_err(o.original, o.folded) for o in outputs), default=0.0)
     if len(outputs) and all(o.exact is not None for o in outputs):
-        return _judge_exact(outputs, diff)
+        return _judge_exact(outputs, diff, original_is_faithful)
     worst = max(outputs, key=lambda o: max_rel_err(o.original, o.folded) / TOLERANCE.get(o.dtype, 1.0),
                 default=None)
     if worst is None or all(max_rel_err(o.original, o.folded) <= TOLERANCE.get(o.dtype, 0.0) for o in outputs):
@@ -99,18 +106,19 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     return Verdict(True, "zero-mean norm inputs", diff)
 
 
-def _judge_exact(outputs: Sequence[Output], diff: float) -> Verdict:
+def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verdict:
     folded_worst = original_worst = 0.0
     failure = ""
     for o in outputs:
         own = max_rel_err(o.exact, o.original)
         now = max_rel_err(o.exact, o.folded)
         folded_worst, original_worst = max(folded_worst, now), max(original_worst, own)
-        bound = FACTOR * own + _floor(o.dtype)
+        bound = FACTOR * own + _floor(o.dtype) if faithful else TOLERANCE.get(o.dtype, 0.0)
         if not now <= bound and not failure:
             failure = (f"output {o.name} ({o.dtype}) is {now:.3g} (relative) away from a float64 run, "
                        f"the original model {own:.3g}; allowed {bound:.3g}")
-    return Verdict(not failure, "float64", diff, folded_worst, original_worst, failure)
+    return Verdict(not failure, "float64" if faithful else "float64, fixed tolerance", diff, folded_worst,
+                   original_worst, failure)
 
 
 def _off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:
