@@ -31,6 +31,7 @@ _COMPUTED_INDEX_OPS = {"Range", "CumSum"}
 
 _BATCH = 2
 _SEQ, _PAST = 5, 3  # default sequence and past lengths; past + seq fits a position table of 8
+_BAKED_SIZES = [(7, 7), (1, 1), (16, 16), (8, 8), (16, 1), (7, 1)]  # (sequence, past) tried next
 
 _NP = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.FLOAT16: np.float16,
@@ -214,10 +215,13 @@ def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, se
         past = max(1, f.length_limit // 3) if f.length_limit >= 2 else 0
         seq = max(1, f.length_limit - past)
     tried = set()
-    sides = f.image_sides[:1] + [s for s in f.image_sides[1:]]
-    plans = [(seq, past, sides[0] if sides else None)]
-    plans += [(seq, past, s) for s in sides[1:]]
-    plans += [(1, 1, sides[0] if sides else None)]
+    sides = f.image_sides or [None]
+    plans = [(seq, past, side) for side in sides]
+    # then sizes exporters often bake into a graph traced at them (a Reshape to [7, 1] in a
+    # TorchScript export, `past + 16` in Optimum's), within the tables
+    for s_, p_ in _BAKED_SIZES:
+        if f.length_limit is None or s_ + p_ <= f.length_limit:
+            plans.append((s_, p_, sides[0]))
     for seq_, past_, side in plans:
         key = (seq_, past_, side)
         if key in tried:

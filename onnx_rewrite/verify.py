@@ -201,8 +201,11 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
         except Exception as e:
             first = first or e
     assert first is not None
-    how = "onnx's reference evaluator" if runner.sess is None else "onnxruntime"
-    raise LnfoldError(f"cannot verify: {how} cannot run the input model on made-up inputs: "
+    if runner.sess is None:
+        raise LnfoldError(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), and "
+                          f"onnx's reference evaluator cannot run it either ({_where(runner, skel, first)}: "
+                          f"{_first_line(first)}); use --no-verify (API: verify_outputs=False) to skip it") from None
+    raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs: "
                       f"{_where(runner, skel, first)}: {_first_line(first)}; {_HINT}; or skip it with --no-verify "
                       "(API: verify_outputs=False)") from None
 
