@@ -253,7 +253,8 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
         raise VerificationError(f"verification failed: the folded model has {len(rb_all) - len(norm_names)} outputs, "
                                 f"the original {len(ra)}")
     exact, how = exact_run(original, feeds)
-    outs = [gate.Output(name, _dtype_name(a), a, b, None if exact is None else exact[k])
+    compute = _compute_dtype(_skeleton(original))
+    outs = [gate.Output(name, _narrower(_dtype_name(a), compute), a, b, None if exact is None else exact[k])
             for k, (name, a, b) in enumerate(zip(runner.names, ra, rb))]
     norm_inputs = {}
     for (name, axis, _), val in zip(norm_names, extra):
@@ -262,6 +263,20 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
     if runner.sess is None:
         verdict.criterion += f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's reference evaluator)"
     return verdict
+
+
+def _compute_dtype(model: onnx.ModelProto) -> Optional[str]:
+    """The narrowest float type of the model's weights: an fp16 model with fp32 inputs and
+    outputs (onnxruntime's optimizer, converters' keep_io_types) computes, and rounds, in fp16."""
+    names = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
+    found = {names[t.data_type] for t in model.graph.initializer if t.data_type in names}
+    return max(found, key=lambda d: gate.FLOOR[d]) if found else None
+
+
+def _narrower(dtype: str, compute: Optional[str]) -> str:
+    if compute is None or dtype not in gate.FLOOR:
+        return dtype
+    return max((dtype, compute), key=lambda d: gate.FLOOR[d])
 
 
 def _narrowest(outs: list) -> str:
