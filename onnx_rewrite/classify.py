@@ -14,6 +14,7 @@ from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
 from ..passes.view import ChannelScale
 
+from . import guards
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
 from .shapes import Shape, reshape_axis
 
@@ -392,6 +393,9 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
     "MatMul": lambda info, n, _: _matmul(info, n),
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Conv": lambda info, n, _: _conv(info, n),
+    "Clip": guards.clip_rules,  # HF's fp16 overflow clamp only (guards.py says why that is sound)
+    "IsInf": guards.isinf_rules,
+    "IsNaN": guards.isinf_rules,
     "ConvTranspose": lambda info, n, _: _conv(info, n),
 }
 
