@@ -15,6 +15,7 @@ from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
 from ..passes.view import ChannelScale
 
 from . import guards
+from .computed_shapes import computed_axis_map
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
 from .shapes import Shape, reshape_axis
 
@@ -126,10 +127,25 @@ def _mul(info: GraphInfo, node: gs.Node) -> dict:
 
 def _reshape(info: GraphInfo, node: gs.Node) -> dict:
     src, dst = node.inputs[0], node.outputs[0]
-    return dict(
-        transfer=lambda i, b: _wrap(reshape_axis(info.shape(src), info.shape(dst), b)) if i == 0 else None,
-        backward=lambda o, a: _wrap_in(reshape_axis(info.shape(dst), info.shape(src), a)) if o == 0 else None,
-    )
+    # a target shape computed from the input's own Shape (computed_shapes.py) places axes that
+    # shape inference leaves symbolic
+    computed = computed_axis_map(node, info.shape(src), info.rank) if node.op == "Reshape" else {}
+
+    def transfer(i, b):
+        if i != 0:
+            return None
+        got = reshape_axis(info.shape(src), info.shape(dst), b)
+        return _wrap(computed.get(b) if got is None else got)
+
+    def backward(o, a):
+        if o != 0:
+            return None
+        got = reshape_axis(info.shape(dst), info.shape(src), a)
+        if got is None:
+            got = next((k for k, v in computed.items() if v == a), None)
+        return _wrap_in(got)
+
+    return dict(transfer=transfer, backward=backward)
 
 
 def _wrap(axis):

@@ -62,3 +62,45 @@ def test_clip_that_can_act_blocks(bound):
     report = onnx_rewrite.analyze_model(_clamped_encoder(np.float16, -bound, bound))
     assert report.folded == 0
     assert any("Clip" in n.reason for n in report.norms)
+
+
+# --- a Reshape whose shape is computed at run time (Optimum's CLIP vision embeddings) -------------
+
+def _conv_stem(scramble: bool = False) -> onnx.ModelProto:
+    """pixels [batch, 3, height, width] -> Conv (patches) -> Reshape(x, Concat(Slice(Shape(x), 0, 2), [-1]))
+    -> Transpose -> + bias -> 2 Pre-LN blocks -> LN -> head: TorchScript's `flatten(2)` on symbolic
+    sizes, as in Optimum's CLIP export. `scramble` computes [B, -1, C] instead, which mixes the
+    channels into the token axis (not a feature-preserving reshape)."""
+    b = Builder(22)
+    px = b.input("pixel_values", FLOAT, ["batch", 3, "height", "width"])
+    w = b.weight("patch_w", (D, 3, 2, 2), mean=0.0)
+    conv = b.op("Conv", [px, w, b.weight("patch_b", (D,), mean=3.0)], kernel_shape=[2, 2], strides=[2, 2])
+    shape = b.op("Shape", [conv])
+    starts, ends = b.const("s", np.array([0], np.int64)), b.const("e", np.array([2 if not scramble else 1], np.int64))
+    head = b.op("Slice", [shape, starts, ends])
+    if scramble:
+        chan = b.op("Slice", [shape, b.const("s1", np.array([1], np.int64)), b.const("e1", np.array([2], np.int64))])
+        target = b.op("Concat", [head, b.const("m1", np.array([-1], np.int64)), chan], axis=0)
+        h = b.op("Reshape", [conv, target])
+    else:
+        target = b.op("Concat", [head, b.const("m1", np.array([-1], np.int64))], axis=0)
+        h = b.op("Transpose", [b.op("Reshape", [conv, target])], perm=[0, 2, 1])
+    h = b.op("Add", [h, b.weight("cls_like", (D,), mean=2.0)])
+    for _ in range(2):
+        h = b.block(h)
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 4))]))
+    return b.model(17)
+
+
+def test_reshape_with_computed_shape_keeps_the_feature_axis():
+    res = fold_model(_conv_stem())
+    assert (res.report.folded, res.report.kept, res.report.recentered) == (3, 0, 0)
+    assert res.max_rel_err < RTOL
+
+
+def test_reshape_with_computed_shape_that_moves_channels_is_opaque():
+    """[B, C, h, w] -> [B, -1, C] scrambles channels into tokens: no constant edit centers its
+    output, so the stream gets a recenter instead (3 swaps pay for it)."""
+    res = fold_model(_conv_stem(scramble=True))
+    assert (res.report.folded, res.report.recentered) == (3, 1)
+    assert res.max_rel_err < RTOL
