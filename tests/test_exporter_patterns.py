@@ -104,3 +104,65 @@ def test_reshape_with_computed_shape_that_moves_channels_is_opaque():
     res = fold_model(_conv_stem(scramble=True))
     assert (res.report.folded, res.report.recentered) == (3, 1)
     assert res.max_rel_err < RTOL
+
+
+# --- decomposed LayerNorms of tf2onnx (Keras) and jax2onnx (flax) ---------------------------------
+
+def _keras_ln(b: Builder, x: str, gap: bool, affine: bool) -> str:
+    """tf2onnx's Keras LayerNormalization, node for node (keras 3 `moments` + `rsqrt`)."""
+    def mean(t):
+        return b.op("GlobalAveragePool", [t]) if gap else b.op("ReduceMean", [t], axes=[-1], keepdims=1)
+
+    mu = mean(x)
+    neg = b.op("Neg", [mu])
+    d = b.op("Sub", [x, mu])
+    var = mean(b.op("Mul", [d, d]))
+    inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [var, b.const("eps", np.array(1e-5, np.float32))])])])
+    g, be = b.affine()
+    if affine:
+        inv = b.op("Mul", [inv, b.const("g3", onnx.numpy_helper.to_array(b.inits[-2]).reshape(1, 1, D))])
+    shift = b.op("Mul", [neg, inv])
+    if affine:
+        shift = b.op("Add", [shift, b.const("b3", onnx.numpy_helper.to_array(b.inits[-2]).reshape(1, 1, D))])
+    return b.op("Add", [b.op("Mul", [x, inv]), shift])
+
+
+def _flax_ln(b: Builder, x: str, gap: bool, affine: bool) -> str:
+    """jax2onnx's flax LayerNorm: variance as E[x²] − E[x]², clipped at 0."""
+    mu = b.op("ReduceMean", [x], axes=[2], keepdims=1)
+    centered = b.op("Sub", [x, mu])
+    m2 = b.op("ReduceMean", [b.op("Mul", [x, x])], axes=[2], keepdims=1)
+    var = b.op("Max", [b.op("Sub", [m2, b.op("Mul", [mu, mu])]), b.const("zero", np.array(0.0, np.float32))])
+    n = b.op("Div", [centered, b.op("Sqrt", [b.op("Add", [var, b.const("eps", np.array(1e-6, np.float32))])])])
+    if not affine:
+        return n
+    g, be = b.affine()
+    return b.op("Add", [b.op("Mul", [n, g]), be])
+
+
+def _pre_ln_with(ln, gap: bool = False, affine: bool = True) -> onnx.ModelProto:
+    b = Builder(23)
+    ids = b.input("ids", INT64, [2, T])
+    h = b.embed(ids)
+    for _ in range(2):
+        h = b.op("Add", [h, b.linear(b.op("Relu", [b.linear(ln(b, h, gap, affine), D, 2 * D)]), 2 * D, D)])
+    b.output(b.op("MatMul", [ln(b, h, gap, affine), b.weight("head", (D, 4))]))
+    return b.model(17)
+
+
+@pytest.mark.parametrize("ln,gap,affine", [(_keras_ln, True, True), (_keras_ln, False, False),
+                                           (_flax_ln, False, True), (_flax_ln, False, False)])
+def test_tf2onnx_and_jax2onnx_layernorms_fold(ln, gap, affine):
+    res = fold_model(_pre_ln_with(ln, gap, affine))
+    assert (res.report.folded, res.report.kept) == (3, 0)
+    assert res.max_rel_err < RTOL
+    assert "Neg" not in _ops(res.model) and "Max" not in _ops(res.model)  # the whole pattern is gone
+
+
+def test_keras_layernorm_whose_mean_is_read_elsewhere_is_not_matched():
+    """An inner tensor read outside the pattern: removing the pattern would orphan that reader."""
+    m = _pre_ln_with(_keras_ln)
+    mean = next(n for n in m.graph.node if n.op_type == "ReduceMean" or n.op_type == "GlobalAveragePool")
+    m.graph.output.append(helper.make_tensor_value_info(mean.output[0], FLOAT, None))
+    report = onnx_rewrite.analyze_model(m)
+    assert len(report.norms) == 2  # the first norm is not a match any more
