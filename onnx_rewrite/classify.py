@@ -14,7 +14,7 @@ from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
 from ..passes.view import ChannelScale
 
-from . import guards
+from . import fused, guards
 from .computed_shapes import computed_axis_map
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
 from .shapes import Shape, reshape_axis
@@ -470,6 +470,8 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
 
 
 def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
+    if m.kind == "EmbedLayerNormalization":
+        return fused.add_embed_view(view, info, m)
     names = lambda ts: [t.name if t is not None else "" for t in ts]  # noqa: E731
     spec = None if m.rejection else NormSpec(0, m.axis, getattr(m.gamma, "name", None),
                                              getattr(m.beta, "name", None), m.epsilon)

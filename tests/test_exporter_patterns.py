@@ -166,3 +166,72 @@ def test_keras_layernorm_whose_mean_is_read_elsewhere_is_not_matched():
     m.graph.output.append(helper.make_tensor_value_info(mean.output[0], FLOAT, None))
     report = onnx_rewrite.analyze_model(m)
     assert len(report.norms) == 2  # the first norm is not a match any more
+
+
+# --- onnxruntime's fused ops: EmbedLayerNormalization, Attention, MultiHeadAttention -------------
+
+MS = "com.microsoft"
+INT32 = TensorProto.INT32
+
+
+def _embed_model(reader: str = "Attention", segments: bool = True, mask: bool = True,
+                 position_ids: bool = False) -> onnx.ModelProto:
+    """BERT's embeddings as onnxruntime's optimizer fuses them: EmbedLayerNormalization over word,
+    position and segment tables (each with a large per-row mean), read by `reader`:
+    - "Attention": Attention(normed, W_qkv, b_qkv, mask_index) and a SkipLayerNormalization of
+      its projection with the normed tensor (BERT's Post-LN block: only the embedding norm folds);
+    - "AttentionOnly": Attention alone (β folds into its bias);
+    - "MultiHeadAttention": MHA(normed, normed, normed) (takes projected Q/K/V: not linear)."""
+    b = Builder(24)
+    ids = b.input("input_ids", INT32, [2, T])
+    word = b.weight("word", (13, D), mean=4.0)
+    pos = b.weight("pos", (T + 3, D), mean=-2.0)
+    ins = [ids, b.input("segment_ids", INT32, [2, T]) if segments else "", word, pos,
+           b.weight("seg", (2, D), mean=3.0) if segments else ""]
+    g, be = b.affine()
+    ins += [g, be, b.input("mask", INT32, [2, T]) if mask else ""]
+    if position_ids:
+        ins.append(b.input("position_ids", INT32, [1, T]))
+    normed, mask_index = b.op("EmbedLayerNormalization", ins, n_out=2, domain=MS, epsilon=1e-12)
+    if reader == "MultiHeadAttention":
+        y = b.op("MultiHeadAttention", [normed, normed, normed], domain=MS, num_heads=2)
+    else:
+        w = b.weight("qkv_w", (D, 3 * D), mean=0.5)
+        y = b.op("Attention", [normed, w, b.weight("qkv_b", (3 * D,), mean=1.0), mask_index], domain=MS, num_heads=2)
+    if reader == "Attention":
+        proj = b.op("MatMul", [y, b.weight("o", (D, D))])
+        g2, be2 = b.affine()
+        y = b.op("SkipLayerNormalization", [proj, normed, g2, be2, b.weight("o_b", (D,), mean=2.0)], domain=MS,
+                 epsilon=1e-5)
+        y = b.op("MatMul", [y, b.weight("next", (D, D))])
+    b.output(y, shape=[2, T, D])
+    return b.model(17, extra_opsets=[(MS, 1)])
+
+
+@pytest.mark.parametrize("segments,mask,position_ids", [(True, True, False), (False, False, True)])
+def test_embed_layernorm_folds_into_lookups_and_rmsnorm(segments, mask, position_ids):
+    res = fold_model(_embed_model("Attention", segments, mask, position_ids))
+    verdicts = {n.name.split("_")[0]: n.verdict for n in res.report.norms}
+    assert verdicts == {"EmbedLayerNormalization": "fold", "SkipLayerNormalization": "keep"}
+    assert res.max_rel_err < RTOL
+    ops = _ops(res.model)
+    assert "EmbedLayerNormalization" not in ops and "SimplifiedLayerNormalization" in ops
+    tables = {t.name for t in res.model.graph.initializer}
+    lookups = [n for n in res.model.graph.node if n.op_type == "Gather" and n.input[0] in tables]
+    assert len(lookups) == 1 + segments + position_ids  # word (+ segment) (+ position ids; else a Slice)
+
+
+def test_attention_reader_takes_beta_into_its_bias():
+    res = fold_model(_embed_model("AttentionOnly"))
+    assert res.report.folded == 1 and res.max_rel_err < RTOL
+    norm = next(n for n in res.model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    readers = [n.op_type for n in res.model.graph.node if norm.output[0] in n.input]
+    assert readers == ["Attention"]  # no β Add between the norm and the Attention
+
+
+def test_multihead_attention_is_a_plain_reader():
+    res = fold_model(_embed_model("MultiHeadAttention", mask=False))
+    assert res.report.folded == 1 and res.max_rel_err < RTOL
+    norm = next(n for n in res.model.graph.node if n.op_type == "SimplifiedLayerNormalization")
+    readers = [n.op_type for n in res.model.graph.node if norm.output[0] in n.input]
+    assert readers == ["Add"]  # β stays an Add: MHA's inputs are already projected
