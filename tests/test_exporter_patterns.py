@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from lnfold import onnx_rewrite
 from lnfold.onnx_rewrite import fold_model
 
-from .onnx_graphs import FLOAT, INT64, D, T, Builder
+from .onnx_graphs import FLOAT, INT64, VOCAB, D, T, Builder
 
 RTOL = 1e-5
 
@@ -235,3 +235,68 @@ def test_multihead_attention_is_a_plain_reader():
     norm = next(n for n in res.model.graph.node if n.op_type == "SimplifiedLayerNormalization")
     readers = [n.op_type for n in res.model.graph.node if norm.output[0] in n.input]
     assert readers == ["Add"]  # β stays an Add: MHA's inputs are already projected
+
+
+# --- Optimum's merged decoders: the model in both branches of an If -----------------------------
+
+def _merged_decoder(else_observes_stream: bool = False) -> onnx.ModelProto:
+    """`If(use_cache_branch)` with the same Pre-LN decoder in both branches, reading shared outer
+    initializers, with the same node and tensor names in both (as Optimum's merge writes them).
+    `else_observes_stream`: the else branch also outputs the residual stream, so only the then
+    branch may fold, and the shared weights must be cloned for it."""
+    b = Builder(25)
+    ids = b.input("ids", INT64, [2, T])
+    cond = b.input("use_cache_branch", TensorProto.BOOL, [])
+    base = len(b.nodes)
+    h = b.embed(ids)
+    h = b.block(h)
+    normed = b.layernorm(h)
+    y = b.op("MatMul", [normed, b.weight("head", (D, VOCAB))])
+    nodes, b.nodes[:] = b.nodes[base:], b.nodes[:base]
+
+    def branch(name: str, side: str) -> onnx.GraphProto:
+        extra = helper.make_node("Identity", [side], ["side_out"], name="side")
+        return helper.make_graph(nodes + [extra], name, [], [helper.make_tensor_value_info(y, FLOAT, None),
+                                                            helper.make_tensor_value_info("side_out", FLOAT, None)])
+
+    then_g = branch("with_past", normed)
+    else_g = branch("no_past", h if else_observes_stream else normed)
+    logits, side = b.op("If", [cond], n_out=2, then_branch=then_g, else_branch=else_g)
+    b.output(logits, shape=[2, T, VOCAB])
+    b.output(side, shape=[2, T, D])
+    return b.model(17)
+
+
+def _run_both_branches(model: onnx.ModelProto) -> list:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(0).integers(0, 11, (2, T)).astype(np.int64)
+    return [sess.run(None, {"ids": ids, "use_cache_branch": np.array(c)}) for c in (True, False)]
+
+
+def _rel(a, b) -> float:
+    return float(np.abs(np.float64(a) - np.float64(b)).max() / np.abs(np.float64(a)).max())
+
+
+@pytest.mark.parametrize("else_observes_stream", [False, True])
+def test_merged_decoder_folds_both_branches_consistently(else_observes_stream):
+    model = _merged_decoder(else_observes_stream)
+    res = fold_model(model, verify_outputs=False)  # checked below, in both branches
+    by_branch = {}
+    for n in res.report.norms:
+        by_branch.setdefault(n.name.split("::")[0], []).append(n.verdict)
+    if_name = next(n.name for n in model.graph.node if n.op_type == "If")
+    assert by_branch == {f"{if_name}/then_branch": ["fold", "fold"],
+                         f"{if_name}/else_branch": ["keep", "keep"] if else_observes_stream else ["fold", "fold"]}
+    for got, want in zip(_run_both_branches(res.model), _run_both_branches(model)):
+        assert max(_rel(w, g) for w, g in zip(want, got)) < RTOL
+    # shared weights stay in the main graph, once (not copied into each branch)
+    branches = [a.g for n in res.model.graph.node if n.op_type == "If" for a in n.attribute]
+    assert all(len(g.initializer) == 0 for g in branches)
+    outer = [t.name for t in res.model.graph.initializer]
+    assert len(outer) == len(set(outer))
+    centered = [t for t in outer if "/lnfold_centered" in t]
+    originals_kept = {t.name for t in model.graph.initializer} <= set(outer)
+    assert originals_kept == else_observes_stream  # cloned for one branch, edited in place for both
+    assert centered
