@@ -215,15 +215,18 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
                 em._bypass_mul(node)
 
     for sc, em in emitters:
+        # the scope's share of the plan, in its own graph's names; the emitter notes where each
+        # norm's β went on the report's verdicts, copied back to the scoped ones after
+        mine = (lambda n: not any(s.owns(n) for s in scopes)) if sc is None else sc.owns
+        local = (lambda n: n) if sc is None else sc.local
         part = Plan(mode=plan.mode)
-        if sc is None:
-            part.swaps = [n for n in plan.swaps if not any(s.owns(n) for s in scopes)]
-            part.recenters = [r for r in plan.recenters if not any(s.owns(r.value) for s in scopes)]
-            em.apply(part, matches)
-        else:
-            part.swaps = [sc.local(n) for n in plan.swaps if sc.owns(n)]
-            part.recenters = [replace(r, value=sc.local(r.value)) for r in plan.recenters if sc.owns(r.value)]
-            em.apply(part, sc.matches)
+        part.swaps = [local(n) for n in plan.swaps if mine(n)]
+        part.recenters = [replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)]
+        verdicts = [v for v in plan.report.norms if mine(v.name)]
+        part.report.norms = [replace(v, name=local(v.name)) for v in verdicts]
+        em.apply(part, matches if sc is None else sc.matches)
+        for v, done in zip(verdicts, part.report.norms):
+            v.beta = done.beta
 
 
 def hoistable(graph: gs.Graph) -> set:
