@@ -300,3 +300,23 @@ def test_merged_decoder_folds_both_branches_consistently(else_observes_stream):
     originals_kept = {t.name for t in model.graph.initializer} <= set(outer)
     assert originals_kept == else_observes_stream  # cloned for one branch, edited in place for both
     assert centered
+
+
+def test_skip_layernorm_chain_with_sum_output_and_bias():
+    """onnxruntime's optimizer chains SkipLayerNormalizations: each takes the MLP's bias as its
+    input 4 and hands the residual sum (output 3) to the next one as its skip input."""
+    b = Builder(26)
+    h = b.embed(b.input("ids", INT64, [2, T]))
+    r = b.linear(b.op("Relu", [b.linear(b.layernorm(h), D, D)]), D, D)
+    g, be = b.affine()
+    normed, _, _, summed = b.op("SkipLayerNormalization", [r, h, g, be, b.weight("bias", (D,), mean=1.5)], n_out=4,
+                                domain=MS, epsilon=1e-5)
+    r2 = b.op("MatMul", [b.op("Relu", [b.linear(normed, D, D)]), b.weight("W2", (D, D), mean=1.0)])
+    g2, be2 = b.affine()
+    out = b.op("SkipLayerNormalization", [r2, summed, g2, be2, b.weight("bias2", (D,), mean=-2.0)], domain=MS,
+               epsilon=1e-5)
+    b.output(b.op("MatMul", [out, b.weight("head", (D, VOCAB))]), shape=[2, T, VOCAB])
+    res = fold_model(b.model(17, extra_opsets=[(MS, 1)]))
+    assert (res.report.folded, res.report.kept) == (3, 0)
+    assert res.max_rel_err < RTOL
+    assert "SkipLayerNormalization" not in _ops(res.model)
