@@ -111,10 +111,10 @@ def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: 
         types = {**infer_types(model), **types}  # main-graph tensors the branches read need types
     protos = [n for n in model.graph.node]
     scopes: list[Scope] = []
+    seen = {n.name for n in graph.nodes}  # node names unique across the main graph and all branches
     for k, node in ifs:
         proto = protos[k]  # graphsurgeon keeps the node order of the proto
         _drop_captured(view, node)
-        seen: set = set()
         for attr in ("then_branch", "else_branch"):
             branch = node.attrs.get(attr)
             bproto = next((a.g for a in proto.attribute if a.name == attr), None)
@@ -249,7 +249,8 @@ def hoist_initializers(model: onnx.ModelProto, names: set) -> None:
     """Move the initializers graphsurgeon wrote into the branches of top-level Ifs (it copies an
     outer weight into each subgraph that reads it) back to the main graph, once per name."""
     g = model.graph
-    have = {t.name for t in g.initializer} | {t.name for t in g.input} | {o for n in g.node for o in n.output}
+    have = {t.name for t in g.initializer}
+    taken = {t.name for t in g.input} | {o for n in g.node for o in n.output}
     for node in g.node:
         if node.op_type != "If":
             continue
@@ -258,7 +259,7 @@ def hoist_initializers(model: onnx.ModelProto, names: set) -> None:
                 continue
             keep = []
             for t in a.g.initializer:
-                if t.name not in names:
+                if t.name not in names or t.name in taken:
                     keep.append(t)
                 elif t.name not in have:
                     g.initializer.append(t)
@@ -268,9 +269,9 @@ def hoist_initializers(model: onnx.ModelProto, names: set) -> None:
 
 
 def dedupe_node_names(graph: gs.Graph, seen: set) -> None:
-    """Non-empty node names, unique across the branches of an If, as api._import makes them in the
-    main graph. Across branches too: graphsurgeon compares nodes by value when it unlinks one
-    from a shared tensor, and would unlink the other branch's same-named twin."""
+    """Non-empty node names, unique across the main graph and every inlined branch (`seen`), as
+    api._import makes them in the main graph. Across branches too: graphsurgeon compares nodes by
+    value when it unlinks one from a shared tensor, and would unlink the other branch's twin."""
     for k, node in enumerate(graph.nodes):
         if not node.name or node.name in seen:
             node.name = f"{node.op}_{k}" if not node.name else f"{node.name}_{k}"
