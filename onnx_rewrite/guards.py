@@ -1,30 +1,5 @@
-"""Overflow guards on the residual stream: Hugging Face's fp16 clamp.
-
-Whisper, BART, T5, M2M100, ... clamp the residual stream of fp16 models after every layer so that
-an overflow (±inf) does not poison the next LayerNorm:
-
-    clamp_value = torch.finfo(torch.float16).max - 1000           # whisper/bart encoders
-    clamp_value = where(isinf(h).any(), finfo.max - 1000, finfo.max)   # T5
-    h = torch.clamp(h, min=-clamp_value, max=clamp_value)
-
-exported as `Clip(h, -c, c)` with constant (or Where-selected constant) bounds.
-
-A clip is not shift-transparent in general: `Clip(x + m·1) = Clip(x) + m·1` only where no
-element reaches a bound. This rule treats a Clip as transparent only when both bounds lie
-within `HF_CLAMP_MARGIN` of the dtype's largest finite value (an overflow guard, not a
-computation), and keeps the Clip in the folded graph, where it still guards the centered stream.
-
-Why that is exact, and what it assumes:
-- a bound ≥ finfo.max (fp32's ±3.4e38 clamp, T5's no-inf case) is reached by no finite value: the
-  clip is the identity on every finite stream, in the original and the folded model. Exact on
-  every input on which neither model overflows.
-- a bound of finfo.max − 1000 (fp16: 64504, stored as 64512) is also reached by the 31 finite
-  fp16 values 64544 … 65504. There the original clamps and the folded model (whose stream is the
-  original's minus a per-row mean) may not. The rule assumes the stream stays below 64512 in
-  magnitude (0.985 of fp16's range), i.e. that the guard only ever catches overflow. Within that
-  assumption the fold is exact; outside it the original model is itself one residual Add away from
-  ±inf. Verification runs both models and catches an input that breaks the assumption.
-Any other Clip (ReLU6, a clamp to a small range) stays a non-transparent reader, as before.
+"""ONNX's side of the overflow-guard rule (passes/guards.py decides and says why it is sound):
+read a Clip's bounds — constants, or T5's Where between two constants — and its stream's dtype.
 """
 from __future__ import annotations
 
@@ -32,20 +7,8 @@ from typing import Optional
 
 import numpy as np
 
+from ..passes.guards import is_overflow_guard
 from .norms import const_values
-
-# Hugging Face's clamp: finfo(dtype).max - 1000 (modeling_whisper.py, modeling_bart.py, modeling_t5.py, ...)
-HF_CLAMP_MARGIN = 1000.0
-
-
-def guard_bound(dtype) -> Optional[float]:
-    """The smallest |bound| a Clip on a `dtype` stream may have to count as an overflow guard."""
-    dt = np.dtype(dtype)
-    if not np.issubdtype(dt, np.floating):
-        return None
-    top = float(np.finfo(dt).max)
-    # rounded in the dtype, as the exporter stores it (fp16: 64504 -> 64512)
-    return float(np.asarray(top - HF_CLAMP_MARGIN, dtype=dt))
 
 
 def _bound(node, i: int, attr: str, opset: int) -> Optional[float]:
@@ -82,19 +45,10 @@ def _possible_values(t) -> Optional[np.ndarray]:
     return None
 
 
-def is_overflow_guard(node, dtype, opset: int) -> bool:
-    """A Clip whose both bounds are at least `guard_bound(dtype)` away from zero."""
-    limit = guard_bound(dtype)
-    if limit is None:
-        return False
-    lo, hi = _bound(node, 1, "min", opset), _bound(node, 2, "max", opset)
-    return lo is not None and hi is not None and lo <= -limit and hi >= limit
-
-
 def clip_rules(info, node, opset: int) -> dict:
-    """Clip as a transparent op when it is an overflow guard (see the module docstring)."""
+    """Clip as a transparent op when it is an overflow guard (passes/guards.py)."""
     dtype = _stream_dtype(info, node)
-    if dtype is None or not is_overflow_guard(node, dtype, opset):
+    if dtype is None or not is_overflow_guard(_bound(node, 1, "min", opset), _bound(node, 2, "max", opset), dtype):
         return {}
     return dict(
         transfer=lambda i, b: [(0, b)] if i == 0 else None,
@@ -103,8 +57,8 @@ def clip_rules(info, node, opset: int) -> dict:
 
 
 def isinf_rules(info, node, opset: int) -> dict:
-    """IsInf/IsNaN of the stream (T5's `isinf(h).any()` choosing the clamp): all false in the
-    original and in the folded model alike under the guard's assumption that neither overflows."""
+    """IsInf/IsNaN of the stream (T5's `isinf(h).any()` choosing the clamp): shift-invariant under
+    the guard's assumption that neither model overflows (passes/guards.py)."""
     return dict(invariant=lambda i, b: i == 0)
 
 

@@ -320,3 +320,30 @@ def test_skip_layernorm_chain_with_sum_output_and_bias():
     assert (res.report.folded, res.report.kept) == (3, 0)
     assert res.max_rel_err < RTOL
     assert "SkipLayerNormalization" not in _ops(res.model)
+
+
+def test_computed_shape_suffix_and_copy_rules():
+    """The suffix rule (the last dims kept: [B, T, D] -> [B*T, D] as Concat([-1], Shape(x)[2:])) and
+    Reshape's 0 (copy the input's dim) place the feature axis; -1 or another tensor's dims do not."""
+    import onnx_graphsurgeon as gs
+
+    from lnfold.onnx_rewrite.computed_shapes import computed_axis_map
+
+    x, y = gs.Variable("x", np.float32, (2, "T", 8)), gs.Variable("y", np.float32, (2, "T", 8))
+
+    def shape_of(t, start, end):
+        out = gs.Variable(f"shape_{t.name}_{start}", np.int64)
+        gs.Node("Shape", inputs=[t], outputs=[out], attrs={"start": start, "end": end})
+        return out
+
+    def reshape(*parts, allowzero=0):
+        target = gs.Variable("target", np.int64)
+        gs.Node("Concat", inputs=list(parts), outputs=[target], attrs={"axis": 0})
+        node = gs.Node("Reshape", inputs=[x, target], outputs=[gs.Variable("out")], attrs={"allowzero": allowzero})
+        return computed_axis_map(node, x.shape, lambda t: len(t.shape) if t.shape is not None else None)
+
+    minus1 = gs.Constant("m1", np.array([-1], np.int64))
+    assert reshape(minus1, shape_of(x, 2, 3)) == {2: 1}                     # suffix: features last
+    assert reshape(gs.Constant("z", np.array([0, 0], np.int64)), minus1) == {0: 0, 1: 1}  # copies
+    assert reshape(gs.Constant("z", np.array([0, 0], np.int64)), minus1, allowzero=1) == {}
+    assert reshape(minus1, shape_of(y, 2, 3)) == {}                         # another tensor's dim

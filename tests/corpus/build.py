@@ -97,7 +97,7 @@ EXPECT = {
                     "(self_attn_layer_norm, final_layer_norm per layer + encoder layer_norm)"),
     "whisper_enc_fp16": (2 * L + 1, 2 * L + 1, 1,
                          "fp16: HF clamps the stream after every encoder layer (torch.clamp to ±(finfo(fp16).max - "
-                         "1000) -> Clip): an overflow guard, transparent on the stream (onnx_rewrite/guards.py: exact "
+                         "1000) -> Clip): an overflow guard, transparent on the stream (passes/guards.py: exact "
                          "while the stream stays below 64512 in magnitude); stream starts at GELU(conv2) (opaque) + "
                          "embed_positions: 1 recenter buys 2L+1 swaps"),
     "whisper_dec": (3 * L + 1, 3 * L + 1, 0,
