@@ -15,7 +15,7 @@ from onnx.external_data_helper import _get_all_tensors as _all_tensors
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
 from ..passes.plan import Plan, first_kept_reason
 
-from . import io, verify
+from . import io, subgraphs, verify
 from .classify import GraphInfo, build_view
 from .emit import TARGETS, Emitter
 from .shapes import infer_shapes
@@ -69,14 +69,15 @@ def _analyze(model: onnx.ModelProto, mode: str):
     graph = _import(model)
     info = GraphInfo(graph, shapes)
     view, matches = build_view(info, opset)
+    scopes = subgraphs.inline_branches(model, graph, view, opset)  # If branches: one view with the main graph
     plan = make_plan(view, mode)
-    return graph, info, opset, matches, plan
+    return graph, info, opset, matches, plan, scopes
 
 
 def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
     """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
     model = _as_model(model)
-    return _analyze(model, mode)[-1].report
+    return _analyze(model, mode)[4].report
 
 
 def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
@@ -134,14 +135,17 @@ def fold_model(
             raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
 
     _stage(progress, "analyzing")
-    graph, info, opset, matches, plan = _analyze(work, mode)
+    graph, info, opset, matches, plan, scopes = _analyze(work, mode)
     _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 
     _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
     t1 = time.perf_counter()
     emitter = Emitter(graph, info, opset, target, device)
-    emitter.apply(plan, matches)
+    if scopes:
+        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, target, device))
+    else:
+        emitter.apply(plan, matches)
     out = _export(graph, work)
     timings["editing"] = time.perf_counter() - t1
 
@@ -195,6 +199,7 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
                 held[t.name] = arr
                 t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=dtype, dims=arr.shape))
     del arr
+    shared = subgraphs.hoistable(graph)
     out = gs.export_onnx(graph, do_type_check=False)
     if held:
         for tp in _all_tensors(out):
@@ -205,6 +210,8 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
                 del arr
         if held:  # pragma: no cover - every held constant is an initializer of the graph
             raise RuntimeError(f"lost constants on export: {sorted(held)[:3]}")
+    if shared:
+        subgraphs.hoist_initializers(out, shared)
     out.ir_version = like.ir_version
     del out.opset_import[:]
     out.opset_import.extend(like.opset_import)

@@ -14,6 +14,8 @@ from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
 from ..passes.view import ChannelScale
 
+from . import fused, guards
+from .computed_shapes import computed_axis_map
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
 from .shapes import Shape, reshape_axis
 
@@ -125,10 +127,25 @@ def _mul(info: GraphInfo, node: gs.Node) -> dict:
 
 def _reshape(info: GraphInfo, node: gs.Node) -> dict:
     src, dst = node.inputs[0], node.outputs[0]
-    return dict(
-        transfer=lambda i, b: _wrap(reshape_axis(info.shape(src), info.shape(dst), b)) if i == 0 else None,
-        backward=lambda o, a: _wrap_in(reshape_axis(info.shape(dst), info.shape(src), a)) if o == 0 else None,
-    )
+    # a target shape computed from the input's own Shape (computed_shapes.py) places axes that
+    # shape inference leaves symbolic
+    computed = computed_axis_map(node, info.shape(src), info.rank) if node.op == "Reshape" else {}
+
+    def transfer(i, b):
+        if i != 0:
+            return None
+        got = reshape_axis(info.shape(src), info.shape(dst), b)
+        return _wrap(computed.get(b) if got is None else got)
+
+    def backward(o, a):
+        if o != 0:
+            return None
+        got = reshape_axis(info.shape(dst), info.shape(src), a)
+        if got is None:
+            got = next((k for k, v in computed.items() if v == a), None)
+        return _wrap_in(got)
+
+    return dict(transfer=transfer, backward=backward)
 
 
 def _wrap(axis):
@@ -392,6 +409,9 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
     "MatMul": lambda info, n, _: _matmul(info, n),
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Conv": lambda info, n, _: _conv(info, n),
+    "Clip": guards.clip_rules,  # HF's fp16 overflow clamp only (guards.py says why that is sound)
+    "IsInf": guards.isinf_rules,
+    "IsNaN": guards.isinf_rules,
     "ConvTranspose": lambda info, n, _: _conv(info, n),
 }
 
@@ -450,6 +470,8 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
 
 
 def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
+    if m.kind == "EmbedLayerNormalization":
+        return fused.add_embed_view(view, info, m)
     names = lambda ts: [t.name if t is not None else "" for t in ts]  # noqa: E731
     spec = None if m.rejection else NormSpec(0, m.axis, getattr(m.gamma, "name", None),
                                              getattr(m.beta, "name", None), m.epsilon)

@@ -20,6 +20,7 @@ from ..passes import Plan, compute_constants
 from ..passes import weights
 from ..passes.plan import Ones
 
+from . import fused
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
 from .shapes import reshape_axis
@@ -127,7 +128,7 @@ class Emitter:
         gamma = self._gamma(m, width, dtype)
         # Recenters and constant edits rewired the norm's own inputs: read them live, not as matched.
         live = list(m.nodes[0].inputs) + [None] * 5
-        m.x = live[0]
+        m.x = live[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
         if m.kind == "SkipLayerNormalization":
             m.skip = live[1]
             m.bias = live[4] if live[4] is not None and live[4].name else None
@@ -298,6 +299,11 @@ class Emitter:
                 out += sub
             elif r.op == "Gemm" and r.inputs[0] is t:
                 got = self._gemm_reader(r)
+                if got is None:
+                    return None
+                out.append(got)
+            elif r.op == "Attention":  # onnxruntime's: linear in its input (fused.py)
+                got = fused.attention_reader(r, t)
                 if got is None:
                     return None
                 out.append(got)

@@ -250,8 +250,16 @@ def find_norms(graph: gs.Graph, shapes: dict[str, Shape]) -> list[NormMatch]:
             out.append(match_layernormalization(node, shapes, outputs))
         elif node.op == "SkipLayerNormalization" and node.domain == "com.microsoft":
             out.append(match_skip(node, shapes, outputs))
-        elif node.op == "ReduceMean":
-            m = match_decomposed(node, shapes)
+        elif node.op == "EmbedLayerNormalization" and node.domain == "com.microsoft":
+            from .fused import match_embed
+
+            out.append(match_embed(node, shapes, outputs))
+        elif node.op in ("ReduceMean", "GlobalAveragePool"):
+            m = match_decomposed(node, shapes) if node.op == "ReduceMean" else None
+            if m is None:  # tf2onnx's and jax2onnx's forms (norm_variants.py)
+                from .norm_variants import match_variant
+
+                m = match_variant(node, shapes, outputs)
             if m is not None:
                 out.append(m)
     return out
