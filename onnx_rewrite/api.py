@@ -12,6 +12,7 @@ from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes.defer import ORT_CPU, POLICIES, add_weight_edits, plan_deferral
 from ..passes.plan import Plan, first_kept_reason
 
 from . import io, verify
@@ -60,7 +61,7 @@ def _as_model(model) -> onnx.ModelProto:
     return model
 
 
-def _analyze(model: onnx.ModelProto, mode: str):
+def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
     opset = io.check_opset(model)
     io.check_graph(model)
     io.check_tensors(model)
@@ -69,6 +70,9 @@ def _analyze(model: onnx.ModelProto, mode: str):
     info = GraphInfo(graph, shapes)
     view, matches = build_view(info, opset)
     plan = make_plan(view, mode)
+    # onnxruntime runs the row scale as its own Mul on every target: one cost model for all
+    plan.deferral = plan_deferral(view, plan, defer, ORT_CPU)
+    add_weight_edits(view, plan, plan.deferral)
     return graph, info, opset, matches, plan
 
 
@@ -91,6 +95,7 @@ def fold_model(
     mode: str = "rms",
     target: str = "ort",
     device: str = "cpu",
+    defer: str = "auto",
     verify_outputs: bool = True,
     progress: Progress = None,
 ) -> FoldResult:
@@ -98,6 +103,11 @@ def fold_model(
 
     `device` picks onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add
     and SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
+
+    `defer` ("auto", "on", "off"): emit folded norms whose readers are all linear layers with
+    constant weights as deferred normalization (γ into the weights, the per-row scale applied to
+    each product; passes/defer.py). "auto" follows the measured cost model: on onnxruntime's CPU
+    kernels it defers nothing in a transformer (benchmarks/RESULTS.md).
 
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
     model's outputs differ from the original's (on random inputs, in onnxruntime). Models over
@@ -109,6 +119,8 @@ def fold_model(
         raise LnfoldError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
     if mode not in ("rms", "crms"):
         raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
+    if defer not in POLICIES:
+        raise LnfoldError(f"unknown defer policy {defer!r} (expected one of {', '.join(POLICIES)})")
     model = _as_model(model)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -121,7 +133,7 @@ def fold_model(
             raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
 
     _stage(progress, "analyzing")
-    graph, info, opset, matches, plan = _analyze(work, mode)
+    graph, info, opset, matches, plan = _analyze(work, mode, defer)
     _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 
