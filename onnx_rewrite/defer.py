@@ -23,6 +23,9 @@ from .norms import NormMatch
 
 def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
     """`em` is the onnx_rewrite.emit.Emitter applying the plan."""
+    from .emit import _dtype_of  # emit imports this module
+
+    dtype = np.dtype(_dtype_of(m.x, m.gamma, m.nodes))
     live = list(m.nodes[0].inputs) + [None] * 5
     x = live[0]
     skip = live[1] if m.kind == "SkipLayerNormalization" else None
@@ -42,7 +45,7 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
         x = s
     shape = em.info.shape(x)
     rank = len(shape)
-    r = _row_scale(em, x, shape, d.axis, d.epsilon, m.name)
+    r = _row_scale(em, x, dtype, shape, d.axis, d.epsilon, m.name)
     flat: Optional[gs.Tensor] = None
     for reader in list(m.output.outputs):  # layout ops and linear layers (checked by the plan)
         for i, t in enumerate(reader.inputs):
@@ -58,8 +61,7 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
         _scale_product(em, em.nodes[rd.node], scale, biases.get((d.norm, rd.node)), rd)
 
 
-def _row_scale(em, x: gs.Tensor, shape, axis: int, eps: float, name: str) -> gs.Tensor:
-    dt = np.dtype(x.dtype) if x.dtype is not None else np.float32
+def _row_scale(em, x: gs.Tensor, dt: np.dtype, shape, axis: int, eps: float, name: str) -> gs.Tensor:
     low = dt.itemsize < 4
     sd = np.float32 if low else dt
     xs = x
