@@ -171,3 +171,15 @@ def test_backend_deferred_under_inductor():
         got = torch.compile(module, backend="lnfold", options={"lnfold.defer": "on"})(*args)
     assert sum(n.deferred for n in fx_backend.reports[-1].norms) == 4
     assert max_rel_err(want.numpy(), got.numpy()) < 1e-4
+
+
+def test_cli_defer_on(zoo_onnx, tmp_path):
+    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite.cli import main as cli_main
+
+    _, _, model = zoo_onnx("gpt2")
+    src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
+    lnio.save(model, src)
+    assert cli_main(["fold", str(src), "-o", str(dst), "--defer", "on"]) == 0
+    ops = [n.op_type for n in lnio.load(dst).graph.node]
+    assert ops.count("ReduceSumSquare") == DEFERRED["gpt2"] and "SimplifiedLayerNormalization" not in ops
