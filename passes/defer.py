@@ -43,8 +43,9 @@ class Costs:
 
 
 # Measured on this project's CPU (2026-11-22, benchmarks/RESULTS.md "Deferred normalization"):
-# onnxruntime runs the row scale as its own Mul over the MatMul's output; Inductor's CPU GEMM
-# (extern mkldnn/mkl by default, the cpp template under max_autotune) — see the results section.
+# onnxruntime runs the row scale as its own Mul over the MatMul's output (and loses its MatMul+Add
+# fusion); Inductor calls the ATen GEMM and applies the scale in a separate fused kernel, by default
+# and under max_autotune alike. Deferred lost to the RMS emission in every onnxruntime case.
 ORT_CPU = Costs(epilogue_fused=False)
 INDUCTOR_CPU = Costs(epilogue_fused=False)
 
