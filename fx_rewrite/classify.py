@@ -21,7 +21,7 @@ from torch import fx
 
 from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
-from ..passes.view import ChannelScale
+from ..passes.view import ChannelScale, LinearRead
 
 from .ops import Call, canonical, op_name
 
@@ -301,7 +301,7 @@ def _reshape(g: GraphInfo, node: fx.Node, call: Call) -> dict:
         axis = reshape_axis(dst, src, a) if o == 0 else None
         return None if axis is None else [(i, axis)]
 
-    return dict(transfer=transfer, backward=backward)
+    return dict(transfer=transfer, backward=backward, layout=True)
 
 
 def _permute(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -507,7 +507,16 @@ def _linear(g: GraphInfo, node: fx.Node, call: Call) -> dict:
             refs.append(g.const_ref(node, bias, 0 if g.rank(bias) else None))
         return None if any(r is None for r in refs) else refs
 
-    return dict(centering=centering)
+    def linear(i, a):
+        x, bias = call.args.get("input"), call.args.get("bias")
+        r0 = g.rank(x)
+        if r0 is None or i != g.index(node, x) or a != r0 - 1:
+            return None
+        w = g.const_ref(node, call.args.get("weight"), 1)
+        b = None if bias is None else g.const_ref(node, bias, 0 if g.rank(bias) else None)
+        return None if w is None or (bias is not None and b is None) else LinearRead(w, b)
+
+    return dict(centering=centering, linear=linear)
 
 
 def _addmm(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -521,7 +530,20 @@ def _addmm(g: GraphInfo, node: fx.Node, call: Call) -> dict:
                 g.const_ref(node, bias, rb - 1 if rb else None)]
         return None if any(r is None for r in refs) else refs
 
-    return dict(centering=centering)
+    def linear(i, a):
+        if i != g.index(node, call.args.get("mat1")) or a != 1:
+            return None
+        if call.get("beta", 1) != 1 or call.get("alpha", 1) != 1:
+            return None
+        bias = call.args.get("input")
+        s = g.shape(bias)
+        if s is None or len(s) > 1 and s[0] != 1:
+            return None  # a bias that varies along rows
+        w = g.const_ref(node, call.args.get("mat2"), 0)
+        b = g.const_ref(node, bias, len(s) - 1 if s else None)
+        return None if w is None or b is None else LinearRead(w, b)
+
+    return dict(centering=centering, linear=linear)
 
 
 def _matmul(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -542,7 +564,15 @@ def _matmul(g: GraphInfo, node: fx.Node, call: Call) -> dict:
                 return [ref]
         return None
 
-    return dict(centering=centering)
+    def linear(i, a):
+        x, w = call.args.get("input"), call.args.get("other", call.args.get("mat2"))
+        r0 = g.rank(x)
+        if r0 is None or r0 < 2 or i != g.index(node, x) or a != r0 - 1 or g.rank(w) != 2 or x is w:
+            return None
+        ref = g.const_ref(node, w, 0)
+        return None if ref is None else LinearRead(ref)
+
+    return dict(centering=centering, linear=linear)
 
 
 def _embedding(g: GraphInfo, node: fx.Node, call: Call) -> dict:

@@ -13,6 +13,7 @@ from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes.defer import ORT_CPU, POLICIES, add_weight_edits, plan_deferral
 from ..passes.plan import Plan, first_kept_reason
 
 from . import io, subgraphs, verify
@@ -61,7 +62,7 @@ def _as_model(model) -> onnx.ModelProto:
     return model
 
 
-def _analyze(model: onnx.ModelProto, mode: str):
+def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
     opset = io.check_opset(model)
     io.check_graph(model)
     io.check_tensors(model)
@@ -71,6 +72,9 @@ def _analyze(model: onnx.ModelProto, mode: str):
     view, matches = build_view(info, opset)
     scopes = subgraphs.inline_branches(model, graph, view, opset)  # If branches: one view with the main graph
     plan = make_plan(view, mode)
+    # onnxruntime runs the row scale as its own Mul on every target: one cost model for all
+    plan.deferral = plan_deferral(view, plan, defer, ORT_CPU)
+    add_weight_edits(view, plan, plan.deferral)
     return graph, info, opset, matches, plan, scopes
 
 
@@ -93,6 +97,7 @@ def fold_model(
     mode: str = "rms",
     target: str = "ort",
     device: str = "cpu",
+    defer: str = "auto",
     verify_outputs: bool = True,
     progress: Progress = None,
     inputs=None,
@@ -111,6 +116,11 @@ def fold_model(
     `result.original_exact_err` the two models' errors against float64 (None without a float64
     run), `result.criterion` the criterion used.
 
+    `defer` ("auto", "on", "off"): emit folded norms whose readers are all linear layers with
+    constant weights as deferred normalization (γ into the weights, the per-row scale applied to
+    each product; passes/defer.py). "auto" follows the measured cost model: on onnxruntime's CPU
+    kernels it defers nothing in a transformer (benchmarks/RESULTS.md).
+
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
     model is less exact than the original allows. Models over 2 GB are verified by the CLI from
     files (`verify_outputs` is ignored for them here).
@@ -121,6 +131,8 @@ def fold_model(
         raise LnfoldError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
     if mode not in ("rms", "crms"):
         raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
+    if defer not in POLICIES:
+        raise LnfoldError(f"unknown defer policy {defer!r} (expected one of {', '.join(POLICIES)})")
     model = _as_model(model)
     if verify_outputs:  # bad inputs or dims are the user's error: say so before any work
         inputs, dims = check_verify_args(model, inputs, dims)
@@ -135,7 +147,7 @@ def fold_model(
             raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
 
     _stage(progress, "analyzing")
-    graph, info, opset, matches, plan, scopes = _analyze(work, mode)
+    graph, info, opset, matches, plan, scopes = _analyze(work, mode, defer)
     _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 

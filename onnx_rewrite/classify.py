@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 
 from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
-from ..passes.view import ChannelScale
+from ..passes.view import ChannelScale, LinearRead
 
 from . import fused, guards
 from .computed_shapes import computed_axis_map
@@ -145,7 +145,7 @@ def _reshape(info: GraphInfo, node: gs.Node) -> dict:
             got = next((k for k, v in computed.items() if v == a), None)
         return _wrap_in(got)
 
-    return dict(transfer=transfer, backward=backward)
+    return dict(layout=True, transfer=transfer, backward=backward)
 
 
 def _wrap(axis):
@@ -271,7 +271,28 @@ def _matmul(info: GraphInfo, node: gs.Node) -> dict:
                 return [ref]
         return None
 
-    return dict(centering=centering)
+    def linear(i, a):
+        # x @ W with a constant [in, out] W (behind a Transpose for a tied lm_head)
+        r0 = info.rank(node.inputs[0])
+        if i != 0 or r0 is None or r0 < 2 or a != r0 - 1 or info.rank(node.inputs[1]) != 2:
+            return None
+        w = info.const_ref(node, 1, 0)
+        return None if w is None else LinearRead(w, _bias_after(info, node))
+
+    return dict(centering=centering, linear=linear)
+
+
+def _bias_after(info: GraphInfo, node: gs.Node) -> Optional[ConstRef]:
+    """The constant bias of the lone Add that alone reads a MatMul's output (torch's Linear)."""
+    out = node.outputs[0]
+    if len(out.outputs) != 1 or out in info.graph.outputs or out.outputs[0].op != "Add":
+        return None
+    add = out.outputs[0]
+    slot = 1 if add.inputs[0] is out else 0
+    b, w = info.shape(add.inputs[slot]), info.shape(node.inputs[1])
+    if b is None or w is None or len(b) != 1 or b[0] != w[-1] or not info.is_const(add.inputs[slot]):
+        return None
+    return ConstRef(add.inputs[slot].name, 0, add.name, slot)
 
 
 def _gemm(info: GraphInfo, node: gs.Node) -> dict:
@@ -286,7 +307,22 @@ def _gemm(info: GraphInfo, node: gs.Node) -> dict:
             refs.append(info.const_ref(node, 2, None if rc == 0 else rc - 1))
         return None if any(r is None for r in refs) else refs
 
-    return dict(centering=centering)
+    def linear(i, a):
+        if (i != 0 or a != 1 or int(node.attrs.get("transA", 0)) or float(node.attrs.get("alpha", 1.0)) != 1.0
+                or float(node.attrs.get("beta", 1.0)) != 1.0):
+            return None
+        w = info.const_ref(node, 1, 1 if int(node.attrs.get("transB", 0)) else 0)
+        if w is None:
+            return None
+        bias = None
+        if len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name:
+            s = info.shape(node.inputs[2])
+            if not info.is_const(node.inputs[2]) or s is None or len(s) > 1 and s[0] != 1:
+                return None  # a C that varies along rows is not a bias
+            bias = ConstRef(node.inputs[2].name, None if not s else len(s) - 1, node.name, 2)
+        return LinearRead(w, bias)
+
+    return dict(centering=centering, linear=linear)
 
 
 def _conv(info: GraphInfo, node: gs.Node) -> dict:

@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
+    f.add_argument("--defer", choices=("auto", "on", "off"), default="auto",
+                   help="deferred normalization for norms read only by linear layers (γ into their weights, "
+                        "the row scale on their products): auto follows the measured cost model, which on "
+                        "onnxruntime defers only where the readers' outputs are narrow")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
     f.add_argument("--json", action="store_true",
                    help="print one JSON object (report, verification, output, timings) instead of the table")
@@ -104,7 +108,8 @@ def cmd_fold(args) -> int:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
     feeds, dims = (None, None) if args.no_verify else check_verify_args(model, args.inputs, parse_dims(args.dim))
-    result = fold_model(model, mode=args.mode, target=args.target, device=args.device, verify_outputs=False,
+    result = fold_model(model, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
+                        verify_outputs=False,
                         progress=progress)
     del model  # the folded model shares nothing we still need; free the original's weights
 

@@ -18,9 +18,11 @@ import onnx_graphsurgeon as gs
 
 from ..passes import Plan, compute_constants
 from ..passes import weights
+from ..passes.defer import compute_biases
 from ..passes.plan import Ones
 
 from . import fused
+from . import defer as deferred_norm
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
 from .shapes import reshape_axis
@@ -67,12 +69,21 @@ class Emitter:
 
     # --- the plan ----------------------------------------------------------------------------
     def apply(self, plan: Plan, matches: dict[str, NormMatch]) -> None:
+        deferred = {d.norm: d for d in plan.deferral.deferred} if plan.deferral is not None else {}
+        # γ into the readers' weights is among the plan's edits; W β + b from the original weights
+        biases = compute_biases(plan.deferral, lambda n: const_values(self.info_tensor(n))) if deferred else {}
         self._const_edits(plan)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
         verdicts = {v.name: v for v in plan.report.norms}
         for name in plan.swaps:
-            verdicts[name].beta = self._swap(matches[name])
+            if name in deferred:
+                d = deferred[name]
+                deferred_norm.emit(self, matches[name], d, biases)
+                readers = ", ".join(f"`{r.node}`" for r in d.readers)
+                verdicts[name].beta = f"into the bias of {readers} (deferred)" if d.beta else ""
+            else:
+                verdicts[name].beta = self._swap(matches[name])
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
 
     def _const_edits(self, plan: Plan) -> None:

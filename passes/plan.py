@@ -7,7 +7,7 @@ constants, inserts recenters and swaps norms.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class Plan:
     swaps: list[str] = field(default_factory=list)  # LayerNorm nodes to replace by RMSNorm
     components: list[Component] = field(default_factory=list)
     report: Report = field(default_factory=Report)
+    deferral: Any = None  # a defer.DeferDecision, when a frontend asked for deferred norms
 
     @property
     def empty(self) -> bool:

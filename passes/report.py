@@ -16,6 +16,8 @@ class NormVerdict:
     recentered: bool = False  # folded thanks to an explicit recenter of its stream
     stream: Optional[int] = None  # index into Report.streams for folded norms
     beta: str = ""  # where β went, once a frontend emitted the fold (e.g. "into the bias of MatMul `fc`")
+    deferred: bool = False  # emitted as deferred normalization (passes/defer.py)
+    defer_reason: str = ""  # why a folded norm was considered for deferral and not deferred
 
 
 @dataclass

@@ -14,6 +14,11 @@ analysis needs, as small callables the frontend fills in from its op classificat
   which can be folded into the source(s) upstream before centering?
 - `invariant(i, axis)`: is the node's output unchanged by a per-row shift of input `i` along 1?
 - `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
+- `linear(i, axis)`: is the node a linear layer reading input `i` (feature axis `axis`) with a
+  constant weight? If so, which constant and its input-feature axis, and the constant bias added
+  after the product (deferred normalization folds γ into the weight and scales the product).
+- `layout`: the node only regroups its input's values (a reshape/view): the deferral looks
+  through it to the linear layers behind.
 
 Axes are non-negative ints; every value carries its rank. Nothing here imports a framework.
 """
@@ -60,6 +65,23 @@ class ChannelScale:
     scale: ConstRef
 
 
+@dataclass(frozen=True)
+class LinearRead:
+    """`out = x · W (+ b)` over the feature axis of one data input.
+
+    `weight.axis` is the weight's input-feature axis in the constant's own layout (through a
+    Transpose the frontend looked behind); `bias`, if any, is added after the product, and
+    `bias.axis` is its feature axis (None for a scalar).
+    """
+
+    weight: ConstRef
+    bias: Optional[ConstRef] = None
+
+
+def _not_linear(i: int, axis: int) -> Optional[LinearRead]:
+    return None
+
+
 def _never_transfer(i: int, axis: int) -> Optional[AxisMap]:
     return None
 
@@ -92,6 +114,8 @@ class Node:
     channel_scale: Callable[[int, int], Optional[ChannelScale]] = _no_scale
     invariant: Callable[[int, int], bool] = _not_invariant
     norm: Optional[NormSpec] = None
+    linear: Callable[[int, int], Optional[LinearRead]] = _not_linear
+    layout: bool = False
     # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes).
     # Set by the frontend on LayerNorms that get no NormSpec, so the report can say why.
     norm_rejection: Optional[str] = None
