@@ -20,6 +20,7 @@ from ..passes import Plan, compute_constants
 from ..passes import weights
 from ..passes.plan import Ones
 
+from . import crms
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
 from .shapes import reshape_axis
@@ -70,8 +71,15 @@ class Emitter:
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
         verdicts = {v.name: v for v in plan.report.norms}
+        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
         for name in plan.swaps:
-            verdicts[name].beta = self._swap(matches[name])
+            if name in crms_norms:
+                verdicts[name].beta = crms.swap(self, matches[name], crms_norms[name])
+            else:
+                verdicts[name].beta = self._swap(matches[name])
+        crms.patch_dims(self, plan)
+        crms.add_new_biases(self, plan)
+        crms.forget_shapes(self, plan)
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
 
     def _const_edits(self, plan: Plan) -> None:
@@ -79,10 +87,11 @@ class Emitter:
             return const_values(self.info_tensor(name))
 
         for edit, arr in compute_constants(plan, original):
-            new = self.const(f"{edit.value}/lnfold_{'ones' if edit.ops == (Ones(),) else 'centered'}", arr)
+            ones = edit.ops[0] == Ones()
+            new = self.const(f"{edit.value}/lnfold_{'ones' if ones else 'centered'}", arr)
             for user, idx in edit.users:
                 self.nodes[user.split("#")[0]].inputs[idx] = new
-            if edit.ops == (Ones(),):
+            if ones:
                 for user, _ in edit.users:
                     self._bypass_mul(self.nodes[user.split("#")[0]])
 
