@@ -25,6 +25,7 @@ from torch import fx
 from ..passes import Plan, View, compute_constants
 from ..passes.plan import Center, ConstEdit, Ones, Scale
 
+from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
 from .ops import _ALIASES, canonical
 
@@ -152,6 +153,8 @@ class GraphConstants(Constants):
                     x = applier.dialect.mul(g, x, vec)
                 elif isinstance(op, Ones):
                     x = applier.dialect.ones_like(g, x)
+                else:
+                    x = crms.graph_op(applier, x, op, rank)
         return x
 
 
@@ -184,8 +187,15 @@ class Applier:
             self._const_edit(edit, k)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
+        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
         for name in plan.swaps:
-            self._swap(self.nodes[name])
+            if name in crms_norms:
+                crms.swap(self, self.nodes[name], crms_norms[name])
+            else:
+                self._swap(self.nodes[name])
+        crms.patch_dims(self, plan)
+        if plan.new_biases:
+            crms.add_new_biases(self, plan, self.constants.tensor_of)
         self.graph.lint()
         self.gm.recompile()
 
@@ -199,7 +209,7 @@ class Applier:
         for user, idx in edit.users:
             old = self.view.nodes[user].inputs[idx]
             self.nodes[user].replace_input_with(self.nodes[old], new)
-        if edit.ops == (Ones(),):
+        if edit.ops[0] == Ones():
             for user, _ in edit.users:
                 self._bypass_mul(self.nodes[user])
 

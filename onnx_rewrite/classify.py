@@ -492,6 +492,8 @@ def crms_info(info: GraphInfo, node: gs.Node) -> dict:
         kw.update(_width_refs(info, node))
     if node.op in ("MatMul", "Gemm"):
         kw.update(_linear_reader(info, node))
+    if node.op in ("Shape", "Size"):
+        kw["width_refs"] = lambda o, a: None  # its result holds the width
     return kw
 
 

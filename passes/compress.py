@@ -111,6 +111,8 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
             node = view.nodes[c]
             if node.norm is not None and node.norm.input == i:
                 continue
+            if node.shape_only and node.width_refs(0, axis) == []:
+                continue  # reads the shape but not the width (a dtype assert)
             if node.shape_only or node.transfer(i, axis) is None:
                 raise _Fallback(f"stream tensor `{value}` is read by {node.describe()}, which needs all {d} features")
     for src in comp.sources:
@@ -194,13 +196,17 @@ def _absorbing(view: View, c: str, i: int, axis: int, d: int, depth: int = 0):
     if read is not None:
         w = _size_along(view, read.weight)
         return ([(c, read)], []) if w == d else None
+    if node.shape_only and node.width_refs(0, axis) == []:
+        return [], []
     if not node.layout or depth > 16 or node.shape_only:
         return None
     outs = node.transfer(i, axis)
     if not outs:
         return None
-    if any(x and x != node.inputs[i] and not view.values[x].is_const for x in node.inputs):
-        return None  # mixes the normalized tensor with another one
+    for o, oaxis in outs:  # the inputs each output is made of (a shape input is a parameter)
+        ins = node.backward(o, oaxis) or []
+        if any(node.inputs[j] != node.inputs[i] and not view.values[node.inputs[j]].is_const for j, _ in ins):
+            return None  # mixes the normalized tensor with another one
     reads, dims = [], []
     for o, oaxis in outs:
         value = node.outputs[o]

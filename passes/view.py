@@ -18,7 +18,8 @@ analysis needs, as small callables the frontend fills in from its op classificat
   decompression into them).
 - `width_refs(o, axis)`: the places in the node's parameters that spell the size of output `o`
   along `axis` (a Reshape's target shape, an Expand's); [] where none does, None where the size
-  is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1).
+  is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). On a
+  `shape_only` node: [] when its result does not depend on the width (a dtype assert).
 - `layout`: the node only moves or copies elements (a reshape, transpose, slice, gather on other
   axes): it commutes with any map applied along the feature axis.
 - `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
