@@ -91,8 +91,10 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> str:
     for n in m.nodes:
         n.outputs.clear()
         n.inputs.clear()
-    dt = x.dtype if x.dtype is not None else m.output.dtype
-    x_dt = np.dtype(dt if dt is not None else np.float32)
+    from .emit import _dtype_of
+
+    x_dt = np.dtype(_dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
+    dt = x_dt
     low = x_dt.itemsize < 4  # statistics in fp32, as LayerNormalization's stash_type=1
     sd = np.float32 if low else x_dt
     xs = x

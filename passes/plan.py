@@ -93,6 +93,7 @@ class NewBias:
     node: str
     op: AddWeightTimes
     dtype_of: str  # the constant whose dtype the new bias takes
+    then: tuple = ()  # the reader is also a source of a stream: its centering (and drop), on W β
 
 
 @dataclass
@@ -169,6 +170,10 @@ def make_plan(view: View, mode: str = "rms") -> Plan:
                 else:
                     plan.new_biases.append(NewBias(a.node, add, w.value))
 
+    for nb in plan.new_biases:  # W β joins the reader's output: it takes the source edits too
+        w = next(a.read.weight for cc in plan.compressions for a in cc.absorbs if a.node == nb.node)
+        nb.then = tuple(_drop_axis(op, w.axis) for op in uses[(w.value, w.user, w.user_input)][1])
+
     wanted: dict[tuple, list[tuple[str, int]]] = {}
     for (value, user, idx), (reader_ops, source_ops) in uses.items():
         wanted.setdefault((value, tuple(reader_ops + source_ops)), []).append((user, idx))
@@ -217,6 +222,16 @@ def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
     return edits, readers
 
 
+def _drop_axis(op, gone: int):
+    """`op` on a weight, moved to `W v`, which lacks the weight's axis `gone`."""
+    shift = (lambda a: a if a is None or a < gone else a - 1)
+    if isinstance(op, Scale):
+        return Scale(op.by, op.by_axis, shift(op.axis))
+    if isinstance(op, (Center, Drop)):
+        return type(op)(shift(op.axis))
+    return op
+
+
 def _size(view: View, value: str, axis: int):
     s = view.values[value].shape
     return s[axis] if s is not None and axis < len(s) else None
@@ -241,32 +256,38 @@ def compute_constants(
     out = []
     for k, edit in enumerate(plan.const_edits):
         src = original(edit.value)
-        a = src.astype(np.float64)
-        for op in edit.ops:
-            if isinstance(op, Center):
-                a = weights.center(a, op.axis)
-            elif isinstance(op, Scale):
-                a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
-            elif isinstance(op, Ones):
-                a = np.ones_like(a)
-            elif isinstance(op, Drop):
-                a = weights.drop_last(a, op.axis)
-            elif isinstance(op, FoldDecompression):
-                a = weights.fold_decompression(a, op.axis)
-            elif isinstance(op, AddWeightTimes):
-                a = a + weights.weight_times(original(op.weight), original(op.vector), op.axis).reshape(a.shape)
-            else:  # pragma: no cover - Op is closed
-                raise TypeError(op)
+        a = _apply_ops(src.astype(np.float64), edit.ops, original)
         out.append((edit, a.astype(src.dtype)))
         for name in [n for n, last in last_use.items() if last == k]:
             cache.pop(name, None)
     return out
 
 
+def _apply_ops(a: np.ndarray, ops: tuple, original: Callable[[str], np.ndarray]) -> np.ndarray:
+    for op in ops:
+        if isinstance(op, Center):
+            a = weights.center(a, op.axis)
+        elif isinstance(op, Scale):
+            a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
+        elif isinstance(op, Ones):
+            a = np.ones_like(a)
+        elif isinstance(op, Drop):
+            a = weights.drop_last(a, op.axis)
+        elif isinstance(op, FoldDecompression):
+            a = weights.fold_decompression(a, op.axis)
+        elif isinstance(op, AddWeightTimes):
+            a = a + weights.weight_times(original(op.weight), original(op.vector), op.axis).reshape(a.shape)
+        else:  # pragma: no cover - Op is closed
+            raise TypeError(op)
+    return a
+
+
 def compute_new_bias(nb: NewBias, get_array: Callable[[str], np.ndarray]) -> np.ndarray:
-    """`W β` for a CRMS reader that has no bias to absorb β into (1-D, the weight's dtype)."""
+    """`W β` for a CRMS reader that has no bias to absorb β into (the weight's dtype), with the
+    reader's own source edits when it writes a stream."""
     w = np.asarray(get_array(nb.op.weight))
-    return weights.weight_times(w, np.asarray(get_array(nb.op.vector)), nb.op.axis).astype(w.dtype)
+    a = weights.weight_times(w, np.asarray(get_array(nb.op.vector)), nb.op.axis)
+    return _apply_ops(a, nb.then, lambda n: np.asarray(get_array(n))).astype(w.dtype)
 
 
 def first_kept_reason(report: Report) -> Optional[str]:
