@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..passes import Plan, View, compute_constants
-from ..passes.plan import Center, ConstEdit, Ones, Scale
+from ..passes.plan import Center, ConstEdit, Ones, Scale, _op_sources
 
 from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
@@ -99,7 +99,7 @@ class Constants:
     """Strategy: make the graph read the edited version of a constant; returns the node to read."""
 
     def sources(self, edit: ConstEdit) -> list[str]:
-        return [edit.value] + [op.by for op in edit.ops if isinstance(op, Scale)]
+        return [edit.value] + [n for op in edit.ops for n in _op_sources(op)]
 
     def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
         raise NotImplementedError
@@ -195,7 +195,7 @@ class Applier:
                 self._swap(self.nodes[name])
         crms.patch_dims(self, plan)
         if plan.new_biases:
-            crms.add_new_biases(self, plan, self.constants.tensor_of)
+            crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
         self.graph.lint()
         self.gm.recompile()
 

@@ -609,12 +609,17 @@ LAYOUT = {"identity", "dropout", "reshape", "expand", "transpose", "permute", "t
 def _width_refs(g: GraphInfo, node: fx.Node, call: Call) -> dict:
     """view/reshape/expand spell the output's sizes in a list argument."""
     slot = next((k for k in ("size", "shape") if isinstance(call.args.get(k), (list, tuple))), None)
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if slot is None and node.op == "call_method" and target in ("view", "reshape", "expand"):
+        slot = ("varargs", 1)  # x.view(-1, 64): the sizes are the method's positional arguments
+    spelled = target.split(".")[0] in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to", "unflatten",
+                                       "view_as", "reshape_as", "expand_as")
 
     def width_refs(o, axis):
         s = g.shape(node)
         if slot is None:
-            return [] if call.kind == "reshape" and s is not None else None  # flatten/squeeze: no size
-        sizes = call.args[slot]
+            return [] if not spelled and s is not None else None  # flatten/squeeze: no size
+        sizes = varargs_sizes(node) if isinstance(slot, tuple) else call.args[slot]
         if s is None or len(sizes) != len(s) or not isinstance(s[axis], int):
             return None
         entry = sizes[axis]
@@ -623,6 +628,11 @@ def _width_refs(g: GraphInfo, node: fx.Node, call: Call) -> dict:
         return [DimRef(node.name, slot, axis)] if entry == s[axis] else None
 
     return dict(width_refs=width_refs)
+
+
+def varargs_sizes(node: fx.Node) -> list:
+    rest = list(node.args[1:])
+    return list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
 
 
 def _linear_reader(g: GraphInfo, node: fx.Node, call: Call) -> dict:

@@ -14,7 +14,7 @@ from torch import fx
 from ..passes.compress import CrmsNorm
 from ..passes.plan import Plan, compute_new_bias
 
-from .classify import is_tuple_getitem, meta_val
+from .classify import is_tuple_getitem, meta_val, varargs_sizes
 from .ops import canonical
 
 
@@ -45,6 +45,11 @@ def patch_dims(applier, plan: Plan) -> None:
             continue
         for ref in dict.fromkeys(cc.dims):
             node = applier.nodes[ref.node]
+            if isinstance(ref.slot, tuple):  # x.view(a, b, c): sizes as positional arguments
+                sizes = varargs_sizes(node)
+                sizes[ref.index] = sizes[ref.index] - 1
+                node.args = (node.args[0], *sizes)
+                continue
             sizes = list(canonical(node).args[ref.slot])
             sizes[ref.index] = sizes[ref.index] - 1
             _set_arg(node, ref.slot, sizes)
@@ -73,18 +78,26 @@ def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
 
 
 def add_new_biases(applier, plan: Plan, tensor_of) -> None:
-    """Readers without a bias absorb β as an added constant (`W β`), computed in float64."""
+    """Readers without a bias absorb β as an added `W β`: computed once in float64 (`tensor_of`:
+    fold_module), or in the graph from the parameters themselves (the backend)."""
     from .apply import from_numpy, to_numpy, _unique_attr
 
     g = applier.graph
     for nb in plan.new_biases:
         node = applier.nodes[nb.node]
-        like = tensor_of(nb.op.weight)
-        t = from_numpy(compute_new_bias(nb, lambda name: to_numpy(tensor_of(name))), like)
-        name = _unique_attr(applier.gm, f"lnfold_bias_{nb.node}")
-        applier.gm.register_buffer(name, t)
-        with g.inserting_after(node):
-            c = g.get_attr(name)
+        if tensor_of is not None:
+            like = tensor_of(nb.op.weight)
+            t = from_numpy(compute_new_bias(nb, lambda name: to_numpy(tensor_of(name))), like)
+            name = _unique_attr(applier.gm, f"lnfold_bias_{nb.node}")
+            applier.gm.register_buffer(name, t)
+            with g.inserting_after(node):
+                c = g.get_attr(name)
+        else:
+            if nb.then:
+                raise NotImplementedError("a bias-less CRMS reader that also writes a stream, in the graph")
+            with g.inserting_after(node):
+                c = g.call_function(_weight_times, (applier.node_named(nb.op.weight), nb.op.axis,
+                                                    applier.node_named(nb.op.vector)))
         with g.inserting_after(c):
             y = applier.dialect.add(g, node, c)
         node.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
@@ -112,6 +125,10 @@ def _drop_last(a: torch.Tensor, axis: int) -> torch.Tensor:
 def _fold_decompression(a: torch.Tensor, axis: int) -> torch.Tensor:
     n = a.shape[axis]
     return a.narrow(axis, 0, n - 1) - a.narrow(axis, n - 1, 1)
+
+
+def _weight_times(w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
+    return torch.tensordot(v.reshape(-1), w, dims=([0], [axis]))
 
 
 def _add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:

@@ -177,3 +177,35 @@ def test_crms_norm_matches_rmsnorm_of_the_decompressed_vector():
     got = crms_norm(z, 8, 1e-5)
     assert torch.allclose(got, want[:, :7]) and torch.allclose(decompress(got, None, None), want)
     np.testing.assert_allclose(full.mean(-1).numpy(), 0, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_backend_crms_inference_and_training_gradients():
+    """torch.compile(backend=lnfold, mode crms): the inference cache and the training graph
+    (compressed weights computed from the optimizer's parameters) give the original's outputs
+    and gradients."""
+    import copy
+
+    from lnfold.fx_rewrite import lnfold_backend_with
+
+    module, args = zoo.gpt2()
+    reports = []
+    backend = lnfold_backend_with(mode="crms", on_report=reports.append)
+    ref = module(*args)
+    with torch.no_grad():
+        out = torch.compile(copy.deepcopy(module), backend=backend)(*args)
+    assert reports[-1].compressed == 5
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+
+    eager, folded = copy.deepcopy(module).train(), copy.deepcopy(module).train()
+    for m in (eager, folded):
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.Dropout):
+                mod.p = 0.0
+    compiled = torch.compile(folded, backend=backend)
+    eager(*args).double().pow(2).mean().backward()
+    compiled(*args).double().pow(2).mean().backward()
+    assert reports[-1].compressed == 5
+    for (name, p), q in zip(eager.named_parameters(), folded.parameters()):
+        if p.grad is not None:
+            assert float((p.grad - q.grad).abs().max() / (p.grad.abs().max() + 1e-12)) < 1e-4, name
