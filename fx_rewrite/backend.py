@@ -253,8 +253,11 @@ class CachedInputs(Constants):
     def node_for(self, applier, edit, k):
         g = applier.graph
         last = [n for n in g.nodes if n.op == "placeholder"][-1]
+        name = f"lnfold_{edit.value}"
+        if any(n.op == "placeholder" and n.target == name for n in g.nodes):
+            name = f"{name}_{k}"  # one constant, two edits (CRMS: a tied table and its lm_head)
         with g.inserting_after(last):
-            node = g.placeholder(f"lnfold_{edit.value}")
+            node = g.placeholder(name)
         node._dynamo_source = None  # AOTAutograd asks every Dynamo input where it came from
         if all(n in self.placeholders for n in self.sources(edit)):
             self.extra.append(edit)

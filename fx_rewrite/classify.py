@@ -21,7 +21,7 @@ from torch import fx
 
 from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
-from ..passes.view import ChannelScale, LinearRead
+from ..passes.view import ChannelScale, DimRef, LinearRead
 
 from .ops import Call, canonical, op_name
 
@@ -301,7 +301,7 @@ def _reshape(g: GraphInfo, node: fx.Node, call: Call) -> dict:
         axis = reshape_axis(dst, src, a) if o == 0 else None
         return None if axis is None else [(i, axis)]
 
-    return dict(transfer=transfer, backward=backward, layout=True)
+    return dict(transfer=transfer, backward=backward, regroups=True)
 
 
 def _permute(g: GraphInfo, node: fx.Node, call: Call) -> dict:
@@ -629,6 +629,88 @@ def _stats_used(node: fx.Node) -> bool:
     return any(is_tuple_getitem(u) and u.args[1] != 0 and u.users for u in node.users)
 
 
+# --- what CRMSNorm compression asks (passes/compress.py): linear readers, sizes spelled in args --
+
+# Kinds that only move or copy elements: they commute with any map along the feature axis.
+LAYOUT = {"identity", "dropout", "reshape", "expand", "transpose", "permute", "t", "slice", "pad", "reorder",
+          "select", "unbind", "index", "index_select", "getitem", "cat", "split"}
+
+
+def _width_refs(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+    """view/reshape/expand spell the output's sizes in a list argument."""
+    slot = next((k for k in ("size", "shape") if isinstance(call.args.get(k), (list, tuple))), None)
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if slot is None and node.op == "call_method" and target in ("view", "reshape", "expand"):
+        slot = ("varargs", 1)  # x.view(-1, 64): the sizes are the method's positional arguments
+    spelled = target.split(".")[0] in ("view", "reshape", "_unsafe_view", "expand", "broadcast_to", "unflatten",
+                                       "view_as", "reshape_as", "expand_as")
+
+    def width_refs(o, axis):
+        s = g.shape(node)
+        if slot is None:
+            return [] if not spelled and s is not None else None  # flatten/squeeze: no size
+        sizes = varargs_sizes(node) if isinstance(slot, tuple) else call.args[slot]
+        if s is None or len(sizes) != len(s) or not isinstance(s[axis], int):
+            return None
+        entry = sizes[axis]
+        if entry == -1 or (call.kind == "expand" and entry == -1):
+            return []
+        return [DimRef(node.name, slot, axis)] if entry == s[axis] else None
+
+    return dict(width_refs=width_refs)
+
+
+def varargs_sizes(node: fx.Node) -> list:
+    rest = list(node.args[1:])
+    return list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+
+
+def _linear_reader(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+    """linear(x, W[out,in], b), addmm(b, x, W[in,out]), x @ W[in,out]: x's last axis is W's input."""
+    x = call.node("mat1") if call.kind == "addmm" else call.node("input")
+    i = g.index(node, x)
+
+    def linear(j, axis):
+        rank = g.rank(x)
+        if j != i or rank is None or axis != rank - 1 or g.index(node, x) is None:
+            return None
+        if call.kind == "linear":
+            w, b, w_axis = call.args.get("weight"), call.args.get("bias"), 1
+        elif call.kind == "addmm":
+            if call.get("beta", 1) != 1 or call.get("alpha", 1) != 1:
+                return None
+            w, b, w_axis = call.args.get("mat2"), call.args.get("input"), 0
+        else:
+            w, b, w_axis = call.args.get("other", call.args.get("mat2")), None, 0
+        if g.rank(w) != 2 or w is x:
+            return None
+        wref = g.const_ref(node, w, w_axis)
+        if wref is None:
+            return None
+        if b is None:
+            return LinearRead(wref)
+        rb = g.rank(b)
+        bref = g.const_ref(node, b, rb - 1 if rb else None) if isinstance(b, fx.Node) else None
+        return None if bref is None or (rb or 0) > 1 else LinearRead(wref, bref)
+
+    return dict(linear=linear)
+
+
+def crms_info(g: GraphInfo, node: fx.Node, call: Call) -> dict:
+    """The view's CRMS fields for one node (see passes/view.py)."""
+    kw: dict = {}
+    if call.kind in LAYOUT:
+        kw["layout"] = True
+    if call.kind in ("reshape", "expand"):
+        kw.update(_width_refs(g, node, call))
+    if call.kind in ("linear", "addmm", "matmul"):
+        kw.update(_linear_reader(g, node, call))
+    if call.kind == "metadata":  # a dtype/device assert ignores the width; a size assert does not
+        sized = call.get("size") is not None or call.get("stride") is not None
+        kw.update(shape_only=True, width_refs=lambda o, a: None if sized else [])
+    return kw
+
+
 Builder = Callable[[GraphInfo, fx.Node, Call], dict]
 
 # op kind (see ops.py for the spellings of each) -> builder. Adding an op is one entry here.
@@ -695,6 +777,8 @@ def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
         g.inputs[node.name] = [n.name for n in node.all_input_nodes]
         call = canonical(node)
         kwargs = KINDS[call.kind](g, node, call) if call is not None and call.kind in KINDS else {}
+        if kwargs:
+            kwargs.update(crms_info(g, node, call))
         outs, dupes = _outputs(node)
         view.add_node(Node(node.name, op_name(node), g.inputs[node.name], outs, **kwargs))
         for d in dupes:  # a second getitem of the same element: an identity of the first

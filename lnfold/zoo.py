@@ -104,8 +104,21 @@ def bert(layers=2, hidden=64, heads=4, vocab=101, seed=0):
     return Logits(m, "last_hidden_state").eval(), (ids,)
 
 
-MODELS: dict[str, Callable] = {"gpt2": gpt2, "vit": vit, "bert": bert}
-INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"]}
+def gpt_neox(layers=2, hidden=64, heads=4, vocab=101, seed=0):
+    """Parallel residual: x + attn(ln1(x)) + mlp(ln2(x)), rotary positions, untied head."""
+    import transformers
+
+    cfg = transformers.GPTNeoXConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                     intermediate_size=hidden * 4, vocab_size=vocab, max_position_embeddings=64,
+                                     use_parallel_residual=True, attn_implementation="eager")
+    torch.manual_seed(seed)
+    m = adversarial(transformers.GPTNeoXForCausalLM(cfg), seed)
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return Logits(m, "logits").eval(), (ids,)
+
+
+MODELS: dict[str, Callable] = {"gpt2": gpt2, "vit": vit, "bert": bert, "gpt_neox": gpt_neox}
+INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 
 
 def export_onnx(module: nn.Module, args: tuple, input_names: list[str], opset: int = 18, dynamo: bool = True):

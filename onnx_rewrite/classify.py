@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 
 from ..passes import ConstRef, Node, NormSpec, View
 from ..passes.axes import broadcast_rules, permute_rules, same_axes_rules
-from ..passes.view import ChannelScale, LinearRead
+from ..passes.view import ChannelScale, DimRef, LinearRead
 
 from . import fused, guards
 from .computed_shapes import computed_axis_map
@@ -145,7 +145,7 @@ def _reshape(info: GraphInfo, node: gs.Node) -> dict:
             got = next((k for k, v in computed.items() if v == a), None)
         return _wrap_in(got)
 
-    return dict(layout=True, transfer=transfer, backward=backward)
+    return dict(regroups=True, transfer=transfer, backward=backward)
 
 
 def _wrap(axis):
@@ -452,6 +452,107 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], dict]] = {
 }
 
 
+# --- what CRMSNorm compression asks (passes/compress.py): linear readers, sizes spelled in shapes -
+
+# Ops that only move or copy elements: they commute with any map along the feature axis.
+LAYOUT = {"Identity", "Dropout", "Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose",
+          "Slice", "Concat", "Split", "Gather", "Expand", "Pad"}
+
+
+def _shape_entry(info: GraphInfo, t, k: int):
+    """Entry `k` of a 1-D int64 shape tensor: its value when constant (directly or as a constant
+    piece of a Concat), "computed" when a Concat piece is not constant, None when unknown."""
+    v = const_values(t)
+    if v is not None:
+        v = np.asarray(v).reshape(-1)
+        return int(v[k]) if k < v.size else None
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    if p is None or p.op != "Concat":
+        return None
+    at = 0
+    for piece in p.inputs:
+        s = info.shape(piece)
+        if s is None or len(s) != 1 or not isinstance(s[0], int):
+            return None
+        if at <= k < at + s[0]:
+            return _shape_entry(info, piece, k - at) if is_constant(piece) else "computed"
+        at += s[0]
+    return None
+
+
+def _width_refs(info: GraphInfo, node: gs.Node) -> dict:
+    """Reshape/Expand spell the output's size in their shape input (input 1)."""
+    out = node.outputs[0]
+
+    def width_refs(o, axis):
+        s = info.shape(out)
+        if s is None or not isinstance(s[axis], int) or len(node.inputs) < 2:
+            return None
+        entry = _shape_entry(info, node.inputs[1], axis)
+        if node.op == "Expand":
+            s_in = info.shape(node.inputs[0])
+            k = axis - (len(s) - len(s_in)) if s_in is not None else -1
+            if k >= 0 and s_in[k] == s[axis] and entry in (1, -1):
+                return []  # broadcast from the input: follows its width
+        elif entry == -1:
+            return []  # inferred
+        return [DimRef(node.name, 1, axis)] if entry == s[axis] else None
+
+    return dict(width_refs=width_refs)
+
+
+def _linear_reader(info: GraphInfo, node: gs.Node) -> dict:
+    """MatMul(x, W) [+ Add(b)] and Gemm(x, W, C) with a constant weight read x's last axis."""
+    def linear(i, axis):
+        x, rank = node.inputs[0], info.rank(node.inputs[0])
+        if i != 0 or rank is None or axis != rank - 1:
+            return None
+        if node.op == "Gemm":
+            a = node.attrs
+            if int(a.get("transA", 0)) or float(a.get("alpha", 1.0)) != 1 or float(a.get("beta", 1.0)) != 1:
+                return None
+            w = info.const_ref(node, 1, 1 if int(a.get("transB", 0)) else 0)
+            if w is None:
+                return None
+            if len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name:
+                c = node.inputs[2]
+                sc = info.shape(c)
+                if not info.is_const(c) or sc is None or (len(sc) == 2 and sc[0] != 1) or len(sc) > 2:
+                    return None
+                return LinearRead(w, ConstRef(c.name, len(sc) - 1 if sc else None, node.name, 2))
+            return LinearRead(w)
+        if info.rank(node.inputs[1]) != 2:
+            return None
+        w = info.const_ref(node, 1, 0)
+        if w is None:
+            return None
+        y = node.outputs[0]
+        add = y.outputs[0] if len(y.outputs) == 1 else None
+        if add is not None and add.op == "Add" and y not in info.graph.outputs:
+            slot = 1 if add.inputs[0] is y else 0
+            b = add.inputs[slot]
+            sb = info.shape(b)
+            if info.is_const(b) and sb is not None and sb and all(d == 1 for d in sb[:-1]):
+                return LinearRead(w, ConstRef(b.name, len(sb) - 1, add.name, slot))
+        return LinearRead(w)
+
+    return dict(linear=linear)
+
+
+def crms_info(info: GraphInfo, node: gs.Node) -> dict:
+    """The view's CRMS fields for one standard-domain node (see passes/view.py)."""
+    kw: dict = {}
+    if node.op in LAYOUT:
+        kw["layout"] = True
+    if node.op in ("Reshape", "Expand"):
+        kw.update(_width_refs(info, node))
+    if node.op in ("MatMul", "Gemm"):
+        kw.update(_linear_reader(info, node))
+    if node.op in ("Shape", "Size"):
+        kw["width_refs"] = lambda o, a: None  # its result holds the width
+    return kw
+
+
 def _captured(node: gs.Node) -> list[str]:
     """Outer tensors a node's subgraphs (If/Loop/Scan bodies) read implicitly."""
     names: list[str] = []
@@ -486,6 +587,7 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
         kwargs = {}
         if (node.domain or "") in ("", "ai.onnx") and node.op in OPS:
             kwargs = OPS[node.op](info, node, opset)
+            kwargs.update(crms_info(info, node))
         inputs = [t.name if t is not None else "" for t in node.inputs]
         inputs += _captured(node)
         view.add_node(Node(node.name, node.op, inputs, [t.name for t in node.outputs], **kwargs))

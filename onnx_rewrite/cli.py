@@ -23,7 +23,9 @@ PROGRESS_BYTES = 300 * 2**20
 
 
 _MODE_HELP = ("rms (default): each folded LayerNorm becomes an RMSNorm over the same d features; "
-              "crms: CRMSNorm, the zero-mean stream carried in d-1 features (see the README)")
+              "crms: CRMSNorm, the zero-mean stream carried in d-1 features (its last feature is minus the "
+              "sum of the others); readers absorb gamma, beta and the decompression; a stream that cannot "
+              "be compressed stays RMSNorm and the report says why (see the README)")
 
 
 class _Parser(argparse.ArgumentParser):

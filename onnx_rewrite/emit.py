@@ -23,6 +23,7 @@ from ..passes.plan import Ones
 
 from . import fused
 from . import defer as deferred_norm
+from . import crms
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
 from .shapes import reshape_axis
@@ -76,14 +77,20 @@ class Emitter:
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
         verdicts = {v.name: v for v in plan.report.norms}
+        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
         for name in plan.swaps:
             if name in deferred:
                 d = deferred[name]
                 deferred_norm.emit(self, matches[name], d, biases)
                 readers = ", ".join(f"`{r.node}`" for r in d.readers)
                 verdicts[name].beta = f"into the bias of {readers} (deferred)" if d.beta else ""
+            elif name in crms_norms:
+                verdicts[name].beta = crms.swap(self, matches[name], crms_norms[name])
             else:
                 verdicts[name].beta = self._swap(matches[name])
+        crms.patch_dims(self, plan)
+        crms.add_new_biases(self, plan)
+        crms.forget_shapes(self, plan)
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
 
     def _const_edits(self, plan: Plan) -> None:
@@ -91,10 +98,11 @@ class Emitter:
             return const_values(self.info_tensor(name))
 
         for edit, arr in compute_constants(plan, original):
-            new = self.const(f"{edit.value}/lnfold_{'ones' if edit.ops == (Ones(),) else 'centered'}", arr)
+            ones = edit.ops[0] == Ones()
+            new = self.const(f"{edit.value}/lnfold_{'ones' if ones else 'centered'}", arr)
             for user, idx in edit.users:
                 self.nodes[user.split("#")[0]].inputs[idx] = new
-            if edit.ops == (Ones(),):
+            if ones:
                 for user, _ in edit.users:
                     self._bypass_mul(self.nodes[user.split("#")[0]])
 

@@ -102,7 +102,7 @@ def _readers(view: View, value: str, axis: int) -> tuple[list[Reader], Optional[
                 width = o.shape[-1]
             out.append(Reader(name, i, lin.weight, lin.bias, v.rank, width))
             continue
-        if node.layout and len(node.outputs) == 1:
+        if node.regroups and len(node.outputs) == 1:
             o = view.values[node.outputs[0]]
             moved = node.transfer(i, axis)
             # a reshape that only regroups rows: the features stay whole and last, rows flatten
