@@ -1,4 +1,4 @@
-"""python -m benchmarks run [--quick] [--device cpu|cuda] [--only ops,ort,torch,foldcost,demo]
+"""python -m benchmarks run [--quick] [--device cpu|cuda] [--only ops,ort,torch,foldcost,demo,defer]
 
 Writes benchmarks/RESULTS.md and benchmarks/results.json (or the paths given with --out/--json).
 """
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     r.add_argument("--quick", action="store_true", help="fewer, smaller cases (a few minutes on 2 cores)")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     r.add_argument("--only", default="ops,demo,ort,torch,foldcost",
-                   help="comma-separated sections: ops, demo, ort, torch, foldcost")
+                   help="comma-separated sections: ops, demo, ort, torch, foldcost, defer (deferred "
+                        "normalization; not in the default set: run it with --only defer)")
     r.add_argument("--no-big", action="store_true", help="foldcost: skip the 1.5 B-parameter model")
     r.add_argument("--out", default=str(HERE / "RESULTS.md"))
     r.add_argument("--json", default=str(HERE / "results.json"))
@@ -174,11 +175,17 @@ def main(argv=None) -> int:
 
         res["sections"]["foldcost"] = FC.run(quick=quick, big=not (quick or args.no_big))
 
+    def defer():
+        from . import defer_bench as DB
+
+        res["sections"]["defer"] = DB.run(rounds=args.rounds or 6)
+
     section("ops", ops)
     section("demo", demo)
     section("ort", ort_rows)
     section("torch", torch_rows)
     section("foldcost", foldcost)
+    section("defer", defer)
     save()
     log(f"wrote {md_path} and {json_path}")
     return 0

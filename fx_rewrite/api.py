@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
@@ -24,13 +24,10 @@ from torch.utils import _pytree as pytree
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
 from ..passes.plan import Plan, first_kept_reason
-from ..passes.weights import max_rel_err
+from ..passes import gate
 
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .classify import build_view
-
-# Worst relative output difference accepted per output dtype (16-bit: see Verifier).
-TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -141,9 +138,14 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
         t2 = time.perf_counter()
         # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well.
         verifier = Verifier(module, args, kwargs)
-        result.max_rel_err = verifier.check(gm)
-        if chosen != "rms_norm":
-            result.max_rel_err = max(result.max_rel_err, verifier.check(rms_probe(gm, plan.swaps, ATEN, info.decomposed)))
+        verdict = verifier.check(gm)
+        if chosen != "rms_norm":  # must pass too; the result reports the module returned
+            crms_norms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
+            rms = [n for n in plan.swaps if n not in crms_norms]  # CRMSNorms need no twin: exact only if centered
+            if rms:
+                verifier.check(rms_probe(gm, rms, ATEN, info.decomposed))
+        result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
+        result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
         timings["verification"] = time.perf_counter() - t2
     return result
 
@@ -179,61 +181,61 @@ def _drop_unused_attrs(gm: fx.GraphModule) -> None:
 
 
 def check_equivalent(original: torch.nn.Module, folded: torch.nn.Module, args: tuple, kwargs: dict) -> float:
-    """Worst relative output difference on `args`; raises VerificationError when it is too large."""
-    return Verifier(original, args, kwargs).check(folded)
+    """Worst relative output difference on `args`; raises VerificationError when the gate fails."""
+    return Verifier(original, args, kwargs).check(folded).diff
 
 
 class Verifier:
-    """Runs the original once and compares folded modules with it (DESIGN §4).
-
-    float32/float64 outputs must agree within TOLERANCE. A float16/bfloat16 output may differ
-    from the original's by its own rounding, so there the folded module's error against a
-    float64 run of the original must be of the same size as the original's own error (at most
-    twice it, plus float32's tolerance); that reference run needs a float64 copy of the module.
-    """
+    """Runs the original (and a float64 copy of it) once and judges folded modules with the gate
+    of passes/gate.py (DESIGN §4): each output's error against float64 may not exceed the
+    original's own error times a small factor, plus a floor. Where the float64 copy cannot be
+    made or run, the gate's fallback (a fixed tolerance against the original) is used."""
 
     def __init__(self, original: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self.original, self.args, self.kwargs = original, args, kwargs
         with torch.no_grad():
             self.ref = pytree.tree_leaves(_seeded(original, args, kwargs))
-        self._ref64: Optional[list] = None
+        self.exact = ref64(original, args, kwargs, self.ref)
 
-    def ref64(self) -> list:
-        if self._ref64 is None:
-            m64 = copy.deepcopy(self.original).double()
-            cast = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-            with torch.no_grad():
-                self._ref64 = pytree.tree_leaves(_seeded(m64, pytree.tree_map(cast, self.args),
-                                                         pytree.tree_map(cast, self.kwargs)))
-        return self._ref64
-
-    def check(self, folded: torch.nn.Module) -> float:
+    def verdict(self, folded: torch.nn.Module) -> gate.Verdict:
         with torch.no_grad():
             got = pytree.tree_leaves(_seeded(folded, self.args, self.kwargs))
-        if len(self.ref) != len(got):
-            raise VerificationError(f"verification failed: {len(got)} outputs instead of {len(self.ref)}")
-        err = 0.0
-        for k, (r, g) in enumerate(zip(self.ref, got)):
-            if not isinstance(r, torch.Tensor):
-                if r != g:
-                    raise VerificationError(f"verification failed: output {r!r} became {g!r}")
-                continue
-            if not r.dtype.is_floating_point:
-                if not torch.equal(r, g):
-                    raise VerificationError("verification failed: an integer output changed")
-                continue
-            e = max_rel_err(_np(r), _np(g))
-            err = max(err, e)
-            if r.dtype in (torch.float16, torch.bfloat16):
-                exact = _np(self.ref64()[k])
-                own, now = max_rel_err(exact, _np(r)), max_rel_err(exact, _np(g))
-                if not now <= 2 * own + TOLERANCE[torch.float32]:
-                    raise VerificationError(f"verification failed: {r.dtype} output is {now:.3g} (relative) away "
-                                            f"from float64, the original model {own:.3g}")
-            elif not e <= TOLERANCE.get(r.dtype, 1e-4):
-                raise VerificationError(f"verification failed: outputs differ by {e:.3g} (relative), "
-                                        f"above {TOLERANCE.get(r.dtype, 1e-4):g}")
-        return err
+        return judge_outputs(self.ref, got, self.exact)
+
+    def check(self, folded: torch.nn.Module) -> gate.Verdict:
+        v = self.verdict(folded)
+        if not v.ok:
+            raise VerificationError(v.message())
+        return v
+
+
+def ref64(original: Callable, args, kwargs: dict, ref: list) -> Optional[list]:
+    """The leaves of a float64 run of a copy of `original` (floats upcast), or None where it
+    cannot be made (a module that does not copy or does not run in float64)."""
+    cast = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+    try:
+        m64 = copy.deepcopy(original).double()
+        with torch.no_grad():
+            out = pytree.tree_leaves(_seeded(m64, pytree.tree_map(cast, tuple(args)), pytree.tree_map(cast, kwargs)))
+    except Exception:
+        return None
+    return out if len(out) == len(ref) else None
+
+
+def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:
+    """The gate's verdict on output leaves (non-tensor leaves must be equal)."""
+    if len(ref) != len(got):
+        return gate.Verdict(False, "outputs", float("inf"), failure=f"{len(got)} outputs instead of {len(ref)}")
+    outs = []
+    for k, (r, g) in enumerate(zip(ref, got)):
+        if not isinstance(r, torch.Tensor):
+            if r != g:
+                return gate.Verdict(False, "outputs", float("inf"), failure=f"output {r!r} became {g!r}")
+            continue
+        e = exact[k] if exact is not None and isinstance(exact[k], torch.Tensor) else None
+        outs.append(gate.Output(f"#{k}", str(r.dtype).removeprefix("torch."), _np(r), _np(g),
+                                None if e is None else _np(e)))
+    return gate.judge(outs)
 
 
 def _seeded(module: torch.nn.Module, args: tuple, kwargs: dict):

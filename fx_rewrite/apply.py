@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..passes import Plan, View, compute_constants
-from ..passes.plan import Center, ConstEdit, Ones, Scale
+from ..passes.plan import Center, ConstEdit, Ones, Scale, _op_sources
 
+from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
 from .ops import _ALIASES, canonical
 
@@ -98,7 +99,7 @@ class Constants:
     """Strategy: make the graph read the edited version of a constant; returns the node to read."""
 
     def sources(self, edit: ConstEdit) -> list[str]:
-        return [edit.value] + [op.by for op in edit.ops if isinstance(op, Scale)]
+        return [edit.value] + [n for op in edit.ops for n in _op_sources(op)]
 
     def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
         raise NotImplementedError
@@ -152,6 +153,8 @@ class GraphConstants(Constants):
                     x = applier.dialect.mul(g, x, vec)
                 elif isinstance(op, Ones):
                     x = applier.dialect.ones_like(g, x)
+                else:
+                    x = crms.graph_op(applier, x, op, rank)
         return x
 
 
@@ -184,8 +187,15 @@ class Applier:
             self._const_edit(edit, k)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
+        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
         for name in plan.swaps:
-            self._swap(self.nodes[name])
+            if name in crms_norms:
+                crms.swap(self, self.nodes[name], crms_norms[name])
+            else:
+                self._swap(self.nodes[name])
+        crms.patch_dims(self, plan)
+        if plan.new_biases:
+            crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
         self.graph.lint()
         self.gm.recompile()
 
@@ -199,7 +209,7 @@ class Applier:
         for user, idx in edit.users:
             old = self.view.nodes[user].inputs[idx]
             self.nodes[user].replace_input_with(self.nodes[old], new)
-        if edit.ops == (Ones(),):
+        if edit.ops[0] == Ones():
             for user, _ in edit.users:
                 self._bypass_mul(self.nodes[user])
 

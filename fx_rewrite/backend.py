@@ -14,8 +14,10 @@ Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and
 a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
 "lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
 "lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
-time and raise VerificationError if they differ); every other key is an Inductor config patch,
-as with the default backend.
+time and raise VerificationError if they differ), "lnfold.defer" ("auto", "on", "off": emit
+folded norms read only by linear layers as deferred normalization, passes/defer.py; "auto"
+follows the cost model measured for Inductor on CPU; inference only); every other key is an
+Inductor config patch, as with the default backend.
 
 Inference (grad mode off, or parameters that do not require grad): each centered weight is
 computed once in float64 and cached; the compiled graph reads the cached copies as extra inputs.
@@ -42,6 +44,9 @@ from torch import fx
 from ..passes import Plan, Report, VerificationError, compute_constants, make_plan
 from ..passes.plan import ConstEdit
 
+from ..passes.defer import INDUCTOR_CPU, POLICIES, DeferDecision, add_weight_edits, compute_biases, plan_deferral
+
+from . import defer as deferred_norm
 from .apply import TORCH, Applier, Constants, GraphConstants, from_numpy, to_numpy
 from .classify import build_view
 
@@ -60,17 +65,18 @@ def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[s
     ours, patches = {}, {}
     for k, v in (options or {}).items():
         (ours if k.startswith(OPTION_PREFIX) else patches)[k.removeprefix(OPTION_PREFIX)] = v
-    unknown = set(ours) - {"mode", "on_report", "verify"}
+    unknown = set(ours) - {"mode", "on_report", "verify", "defer"}
     if unknown:
         raise ValueError(f"unknown lnfold option(s): {', '.join(sorted(OPTION_PREFIX + k for k in unknown))}")
     inner = functools.partial(_inductor, mode=mode, config_patches=patches)
     return compile_folded(gm, example_inputs, fold_mode=ours.get("mode", "rms"), inner=inner,
-                          on_report=ours.get("on_report"), verify=bool(ours.get("verify", False)))
+                          on_report=ours.get("on_report"), verify=bool(ours.get("verify", False)),
+                          defer=ours.get("defer", "auto"))
 
 
 def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
                         on_report: Optional[Callable[[Report], None]] = None, verify: bool = False,
-                        **inductor_options) -> Callable:
+                        defer: str = "auto", **inductor_options) -> Callable:
     """A backend callable with options bound: `torch.compile(m, backend=lnfold_backend_with(...))`.
 
     `inner(gm, example_inputs)` compiles the folded graph (default: Inductor with
@@ -81,7 +87,8 @@ def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
         inner = functools.partial(_inductor, mode=None, config_patches=inductor_options)
 
     def backend(gm, example_inputs, **kwargs):
-        return compile_folded(gm, example_inputs, fold_mode=mode, inner=inner, on_report=on_report, verify=verify)
+        return compile_folded(gm, example_inputs, fold_mode=mode, inner=inner, on_report=on_report, verify=verify,
+                              defer=defer)
 
     return backend
 
@@ -115,21 +122,32 @@ def _is_module_state(node: fx.Node) -> bool:
 
 
 def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str = "rms",
-                   inner: Callable, on_report: Optional[Callable] = None, verify: bool = False) -> Callable:
+                   inner: Callable, on_report: Optional[Callable] = None, verify: bool = False,
+                   defer: str = "auto") -> Callable:
     """Fold a copy of `gm` (Dynamo reads its own graph after the backend returns), compile it.
 
     A failure of the fold itself never costs the user their compile: it is logged and the
     unfolded graph compiled. `verify` runs both graphs eagerly on the example inputs first and
     raises VerificationError when they differ.
     """
+    if defer not in POLICIES:
+        raise ValueError(f"unknown lnfold.defer {defer!r} (expected one of {', '.join(POLICIES)})")
     t0 = time.perf_counter()
     placeholders = constant_inputs(gm, example_inputs)
     work = working_copy(gm)
     attrs = {n.name: n.target for n in work.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(work, n.target), torch.Tensor)}
+    def tensor(name: str) -> torch.Tensor:
+        return example_inputs[placeholders[name]] if name in placeholders else _attr(work, attrs[name])
+
     try:
         view, info = build_view(work.graph, set(placeholders) | set(attrs))
         plan = make_plan(view, fold_mode)
+        edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in edited)
+        # under autograd the graph computes its edited weights itself: no deferral there
+        plan.deferral = plan_deferral(view, plan, "off" if training else defer, INDUCTOR_CPU)
+        add_weight_edits(view, plan, plan.deferral)
     except Exception as e:
         log.warning("lnfold: analysis failed, compiling unfolded: %s", e)
         return inner(gm, example_inputs)
@@ -141,14 +159,17 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
         return inner(gm, example_inputs)
     t1 = time.perf_counter()
 
-    def tensor(name: str) -> torch.Tensor:
-        return example_inputs[placeholders[name]] if name in placeholders else _attr(work, attrs[name])
-
     try:
-        edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in edited)
         constants = GraphConstants() if training else CachedInputs(work, plan, placeholders, tensor)
-        Applier(work, view, info, TORCH, constants, norm="rms_norm").apply(plan)
+        deferred = plan.deferral.deferred
+        swaps = plan.swaps
+        plan.swaps = [n for n in swaps if n not in {d.norm for d in deferred}]
+        try:
+            Applier(work, view, info, TORCH, constants, norm="rms_norm").apply(plan)
+        finally:
+            plan.swaps = swaps
+        if deferred:
+            emit_deferred(work, plan.deferral, constants, tensor)
         t2 = time.perf_counter()
         extra = [] if training else constants(example_inputs)  # float64 centering, once
     except Exception as e:
@@ -165,19 +186,18 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
 
 
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
+    """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
+    the original graph where one can be made)."""
     from torch.utils import _pytree as pytree
 
-    from ..passes.weights import max_rel_err
+    from .api import judge_outputs, ref64
 
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
-    for r, g in zip(ref, got):
-        if isinstance(r, torch.Tensor) and r.dtype.is_floating_point:
-            err = max_rel_err(to_numpy(r), to_numpy(g))
-            tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(r.dtype, 1e-1)
-            if not err <= tol:
-                raise VerificationError(f"lnfold: folded graph differs by {err:.3g} (relative), above {tol:g}")
+    verdict = judge_outputs(ref, got, ref64(original, example_inputs, {}, ref))
+    if not verdict.ok:
+        raise VerificationError(f"lnfold: {verdict.message()}")
 
 
 def _static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -233,13 +253,25 @@ class CachedInputs(Constants):
     def node_for(self, applier, edit, k):
         g = applier.graph
         last = [n for n in g.nodes if n.op == "placeholder"][-1]
+        name = f"lnfold_{edit.value}"
+        if any(n.op == "placeholder" and n.target == name for n in g.nodes):
+            name = f"{name}_{k}"  # one constant, two edits (CRMS: a tied table and its lm_head)
         with g.inserting_after(last):
-            node = g.placeholder(f"lnfold_{edit.value}")
+            node = g.placeholder(name)
         node._dynamo_source = None  # AOTAutograd asks every Dynamo input where it came from
         if all(n in self.placeholders for n in self.sources(edit)):
             self.extra.append(edit)
         else:
             self.extra.append(self._compute([edit], self.tensor)[0])
+        return node
+
+    def derived_input(self, g: fx.Graph, name: str, sources: list[str], compute: Callable) -> fx.Node:
+        last = [n for n in g.nodes if n.op == "placeholder"][-1]
+        with g.inserting_after(last):
+            node = g.placeholder(name)
+        node._dynamo_source = None
+        entry = Derived(sources, compute)
+        self.extra.append(entry if all(n in self.placeholders for n in sources) else compute(self.tensor))
         return node
 
     def _compute(self, edits: list[ConstEdit], tensor: Callable) -> list[torch.Tensor]:
@@ -248,10 +280,14 @@ class CachedInputs(Constants):
 
     def __call__(self, args) -> list[torch.Tensor]:
         edits = [e for e in self.extra if isinstance(e, ConstEdit)]
+        derived = [e for e in self.extra if isinstance(e, Derived)]
         key = tuple(_identity(args[self.placeholders[n]]) for e in edits for n in self.sources(e))
+        key += tuple(_identity(args[self.placeholders[n]]) for e in derived for n in e.sources)
         if key != self._key:
-            fresh = iter(self._compute(edits, lambda n: args[self.placeholders[n]]))
-            self._tensors = [next(fresh) if isinstance(e, ConstEdit) else e for e in self.extra]
+            get = lambda n: args[self.placeholders[n]]  # noqa: E731
+            fresh = iter(self._compute(edits, get))
+            self._tensors = [next(fresh) if isinstance(e, ConstEdit) else e.compute(get) if isinstance(e, Derived)
+                             else e for e in self.extra]
             self._key = key
         return self._tensors
 
@@ -262,6 +298,38 @@ def _identity(t: torch.Tensor):
         return (id(t), t.data_ptr(), t._version)
     except RuntimeError:  # inference-mode tensors keep no version counter: assume unchanged
         return (id(t), t.data_ptr(), -1)
+
+
+def emit_deferred(gm: fx.GraphModule, decision: DeferDecision, constants: "CachedInputs", tensor: Callable) -> None:
+    """The deferred norms, after the plan's other edits; each new bias `W β + b` is an extra
+    input of the graph, recomputed (float64) when a parameter it derives from changes."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for d in decision.deferred:
+        def bias_node(reader: str, d=d) -> Optional[fx.Node]:
+            rd = next(r for r in d.readers if r.node == reader)
+            if d.beta is None:
+                return None
+            one = DeferDecision(deferred=[type(d)(d.norm, d.x, d.output, d.axis, d.gamma, d.beta, d.epsilon, [rd])])
+            like = rd.bias.value if rd.bias is not None else rd.weight.value
+            sources = [d.beta, rd.weight.value] + ([rd.bias.value] if rd.bias is not None else [])
+
+            def compute(get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+                arr = compute_biases(one, lambda n: to_numpy(get(n)))[(d.norm, reader)]
+                return from_numpy(arr, get(like)) if arr is not None else get(like)
+
+            return constants.derived_input(gm.graph, f"lnfold_bias_{reader}", sources, compute)
+
+        deferred_norm.emit(gm.graph, nodes, d, bias_node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+class Derived:
+    """An extra input computed from constants (a deferred norm's bias), and what it reads."""
+
+    def __init__(self, sources: list[str], compute: Callable[[Callable[[str], torch.Tensor]], torch.Tensor]) -> None:
+        self.sources = sources
+        self.compute = compute
 
 
 def _with_extra_inputs(compiled: Callable, extra: CachedInputs) -> Callable:

@@ -221,7 +221,36 @@ def _unary(kind: str):
 
 def _expand(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i = g.index(node, call.node("input"))
-    return None if i is None else rule("broadcast", data=[i])
+    return None if i is None else rule("broadcast", data=[i], **_sizes(node, call))
+
+
+def _reshape(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    i = g.index(node, call.node("input"))
+    return None if i is None else rule("reshape", data=i, **_sizes(node, call))
+
+
+# Spellings whose output sizes come from an argument (a list, or another tensor's shape).
+_SPELLED = ("view", "reshape", "_unsafe_view", "expand", "broadcast_to", "unflatten", "view_as", "reshape_as",
+            "expand_as")
+
+
+def _sizes(node: fx.Node, call: Call) -> dict:
+    """Where view/reshape/expand spell the output's sizes (CRMSNorm edits them): the list argument
+    ("size"/"shape", or a method's positional arguments: `x.view(-1, 64)`), its entries as ints
+    (None: a symbolic size); `fixed` when the sizes come from another tensor (view_as)."""
+    slot = next((k for k in ("size", "shape") if isinstance(call.args.get(k), (list, tuple))), None)
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    if slot is None and node.op == "call_method" and target in ("view", "reshape", "expand"):
+        slot = ("varargs", 1)
+    if slot is None:
+        return dict(fixed=target.split(".")[0] in _SPELLED)
+    sizes = varargs_sizes(node) if isinstance(slot, tuple) else call.args[slot]
+    return dict(sizes=[d if isinstance(d, int) and not isinstance(d, bool) else None for d in sizes], slot=slot)
+
+
+def varargs_sizes(node: fx.Node) -> list:
+    rest = list(node.args[1:])
+    return list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
 
 
 def _permute(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -368,7 +397,8 @@ def _softmax(g: GraphInfo, node: fx.Node, call: Call) -> Built:
 
 
 def _metadata(g: GraphInfo, node: fx.Node, call: Call) -> Built:
-    return rule("metadata")
+    # a dtype/device assert ignores the width; a size assert does not
+    return rule("metadata", sized=call.get("size") is not None or call.get("stride") is not None)
 
 
 def _source(g: GraphInfo, node: fx.Node, call: Call, **roles) -> Optional[dict]:
@@ -383,14 +413,16 @@ def _source(g: GraphInfo, node: fx.Node, call: Call, **roles) -> Optional[dict]:
 
 
 def _linear(g: GraphInfo, node: fx.Node, call: Call) -> Built:
-    r = _source(g, node, call, weight="weight", bias="bias")
+    r = _source(g, node, call, data="input", weight="weight", bias="bias")
     return None if r is None or r["weight"] is None else rule("linear", w_axis=0, out_axis=-1, **r)
 
 
 def _addmm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     """addmm(bias, x, W) with W stored [in, out] (GPT-2's Conv1D)."""
-    r = _source(g, node, call, weight="mat2", bias="input")
-    return None if r is None or None in r.values() else rule("linear", w_axis=1, out_axis=1, **r)
+    r = _source(g, node, call, data="mat1", weight="mat2", bias="input")
+    if r is None or None in r.values():
+        return None
+    return rule("linear", w_axis=1, out_axis=1, alpha=call.get("alpha", 1), beta=call.get("beta", 1), **r)
 
 
 def _matmul(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -449,7 +481,7 @@ KINDS: dict[str, Builder] = {
     "sqrt": _unary("sqrt"),
     "rsqrt": _unary("rsqrt"),
     "reciprocal": _unary("reciprocal"),
-    "reshape": _unary("reshape"),
+    "reshape": _reshape,
     "expand": _expand,
     "transpose": _permute,
     "permute": _permute,

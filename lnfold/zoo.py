@@ -108,6 +108,19 @@ def bert(layers=2, hidden=64, heads=4, vocab=101, seed=0):
     return Logits(m, "last_hidden_state").eval(), (ids,)
 
 
+def gpt_neox(layers=2, hidden=64, heads=4, vocab=101, seed=0):
+    """Parallel residual: x + attn(ln1(x)) + mlp(ln2(x)), rotary positions, untied head."""
+    import transformers
+
+    cfg = transformers.GPTNeoXConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                     intermediate_size=hidden * 4, vocab_size=vocab, max_position_embeddings=64,
+                                     use_parallel_residual=True, attn_implementation="eager")
+    torch.manual_seed(seed)
+    m = adversarial(transformers.GPTNeoXForCausalLM(cfg), seed)
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return Logits(m, "logits").eval(), (ids,)
+
+
 W, H, V = 64, 4, 101  # width, heads, vocabulary of every architecture below (2 layers each)
 
 
@@ -158,8 +171,7 @@ MODELS: dict[str, Callable] = {
     "bloom": _hf("BloomConfig", "BloomModel", "ids", vocab_size=V, hidden_size=W, n_layer=2, n_head=H),
     # GPT-NeoX parallel residual: input_layernorm + post_attention_layernorm read the same
     # stream, 2 x 2 + final = 5; Pre-LN: 5
-    "gpt_neox": _hf("GPTNeoXConfig", "GPTNeoXModel", "ids", vocab_size=V, hidden_size=W, num_hidden_layers=2,
-                    num_attention_heads=H, intermediate_size=4 * W, max_position_embeddings=64),
+    "gpt_neox": gpt_neox,
     # GPT-J: one ln_1 per layer (parallel attention + MLP) + ln_f = 3; Pre-LN: 3
     "gptj": _hf("GPTJConfig", "GPTJModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H, rotary_dim=8,
                 n_positions=64),
@@ -185,7 +197,7 @@ MODELS: dict[str, Callable] = {
     "dinov2": _hf("Dinov2Config", "Dinov2Model", "pixels", hidden_size=W, num_hidden_layers=2, num_attention_heads=H,
                   mlp_ratio=4, image_size=32, patch_size=8),
 }
-INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"]}
+INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 
 
 def export_onnx(module: nn.Module, args: tuple, input_names: list[str], opset: int = 18, dynamo: bool = True):

@@ -1,6 +1,7 @@
 """The ONNX frontend's public API: `analyze_model` and `fold_model`."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -12,9 +13,10 @@ from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes.defer import ORT_CPU, POLICIES, add_weight_edits, plan_deferral
 from ..passes.plan import Plan, first_kept_reason
 
-from . import io, verify
+from . import io, subgraphs, verify
 from .classify import GraphInfo, build_view
 from .emit import TARGETS, Emitter
 from .shapes import infer_shapes
@@ -60,7 +62,7 @@ def _as_model(model) -> onnx.ModelProto:
     return model
 
 
-def _analyze(model: onnx.ModelProto, mode: str):
+def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
     opset = io.check_opset(model)
     io.check_graph(model)
     io.check_tensors(model)
@@ -68,14 +70,18 @@ def _analyze(model: onnx.ModelProto, mode: str):
     graph = _import(model)
     info = GraphInfo(graph, shapes)
     view, matches = build_view(info, opset)
+    scopes = subgraphs.inline_branches(model, graph, view, opset)  # If branches: one view with the main graph
     plan = make_plan(view, mode)
-    return graph, info, opset, matches, plan
+    # onnxruntime runs the row scale as its own Mul on every target: one cost model for all
+    plan.deferral = plan_deferral(view, plan, defer, ORT_CPU)
+    add_weight_edits(view, plan, plan.deferral)
+    return graph, info, opset, matches, plan, scopes
 
 
 def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
     """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
     model = _as_model(model)
-    return _analyze(model, mode)[-1].report
+    return _analyze(model, mode)[4].report
 
 
 def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
@@ -91,17 +97,33 @@ def fold_model(
     mode: str = "rms",
     target: str = "ort",
     device: str = "cpu",
+    defer: str = "auto",
     verify_outputs: bool = True,
     progress: Progress = None,
+    inputs=None,
+    dims: Optional[dict] = None,
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
     `device` picks onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add
     and SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
+    Verification runs the original, the folded model and a float64 copy of the original on the
+    same inputs (passes/gate.py judges): `inputs` (a dict name -> array, or a path to an .npz
+    file) are used as given; otherwise inputs are made up from the graph, with `dims`
+    (symbolic dim name -> size) fixing sizes. `result.max_rel_err` is the worst relative
+    difference between folded and original outputs; `result.exact_err` and
+    `result.original_exact_err` the two models' errors against float64 (None without a float64
+    run), `result.criterion` the criterion used.
+
+    `defer` ("auto", "on", "off"): emit folded norms whose readers are all linear layers with
+    constant weights as deferred normalization (γ into the weights, the per-row scale applied to
+    each product; passes/defer.py). "auto" follows the measured cost model: on onnxruntime's CPU
+    kernels it defers nothing in a transformer (benchmarks/RESULTS.md).
+
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
-    model's outputs differ from the original's (on random inputs, in onnxruntime). Models over
-    2 GB are verified by the CLI from files (`verify_outputs` is ignored for them here).
+    model is less exact than the original allows. Models over 2 GB are verified by the CLI from
+    files (`verify_outputs` is ignored for them here).
     """
     if device not in ("cpu", "cuda"):
         raise LnfoldError(f"unknown device {device!r} (expected cpu or cuda)")
@@ -109,7 +131,11 @@ def fold_model(
         raise LnfoldError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
     if mode not in ("rms", "crms"):
         raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
+    if defer not in POLICIES:
+        raise LnfoldError(f"unknown defer policy {defer!r} (expected one of {', '.join(POLICIES)})")
     model = _as_model(model)
+    if verify_outputs:  # bad inputs or dims are the user's error: say so before any work
+        inputs, dims = check_verify_args(model, inputs, dims)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     work = model  # read, never written: graphsurgeon builds a new proto on export
@@ -121,14 +147,17 @@ def fold_model(
             raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
 
     _stage(progress, "analyzing")
-    graph, info, opset, matches, plan = _analyze(work, mode)
+    graph, info, opset, matches, plan, scopes = _analyze(work, mode, defer)
     _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 
     _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
     t1 = time.perf_counter()
     emitter = Emitter(graph, info, opset, target, device)
-    emitter.apply(plan, matches)
+    if scopes:
+        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, target, device))
+    else:
+        emitter.apply(plan, matches)
     out = _export(graph, work)
     timings["editing"] = time.perf_counter() - t1
 
@@ -136,17 +165,35 @@ def fold_model(
     if verify_outputs and not io.is_large(out):
         _stage(progress, "verifying")
         t2 = time.perf_counter()
-        result.max_rel_err = check_equivalent(model, out)
+        record(result, check_equivalent(model, out, inputs=inputs, dims=dims))
         timings["verification"] = time.perf_counter() - t2
     return result
 
 
-def check_equivalent(original, folded) -> float:
-    """Worst relative output difference; raises VerificationError above the dtype's tolerance."""
-    err, tol = verify.compare(original, folded)
-    if not err <= tol:
-        raise VerificationError(f"verification failed: outputs differ by {err:.3g} (relative), above {tol:g}")
-    return err
+def check_verify_args(model: onnx.ModelProto, inputs, dims) -> tuple[Optional[dict], Optional[dict]]:
+    """The user's verification inputs (a dict or an .npz path) and dims, checked against `model`."""
+    from . import inputs as synth
+
+    if inputs is not None:
+        inputs = synth.load_npz(inputs, model) if isinstance(inputs, (str, os.PathLike)) \
+            else synth.check_feeds(dict(inputs), model)
+    if dims:
+        dims = synth.check_dims(dict(dims), model)
+    return inputs, dims
+
+
+def check_equivalent(original, folded, *, inputs=None, dims=None):
+    """The gate's verdict (passes/gate.py); raises VerificationError when the fold fails it."""
+    verdict = verify.check(original, folded, inputs=inputs, dims=dims)
+    if not verdict.ok:
+        raise VerificationError(verdict.message())
+    return verdict
+
+
+def record(result: FoldResult, verdict) -> None:
+    result.max_rel_err = verdict.diff
+    result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
+    result.criterion = verdict.criterion
 
 
 def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
@@ -164,6 +211,7 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
                 held[t.name] = arr
                 t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=dtype, dims=arr.shape))
     del arr
+    shared = subgraphs.hoistable(graph)
     out = gs.export_onnx(graph, do_type_check=False)
     if held:
         for tp in _all_tensors(out):
@@ -174,6 +222,8 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
                 del arr
         if held:  # pragma: no cover - every held constant is an initializer of the graph
             raise RuntimeError(f"lost constants on export: {sorted(held)[:3]}")
+    if shared:
+        subgraphs.hoist_initializers(out, shared)
     out.ir_version = like.ir_version
     del out.opset_import[:]
     out.opset_import.extend(like.opset_import)

@@ -13,6 +13,8 @@ from ..passes import Node, View
 from ..passes.patterns import DecomposedNorm, collapse_norms
 from ..passes.rules import Rule, rule
 
+from . import fused, guards
+from .computed_shapes import computed_axis_map
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
 from .shapes import Shape
 
@@ -116,8 +118,49 @@ def _softmax(info: GraphInfo, node: gs.Node, opset: int) -> Optional[Rule]:
 
 def _gemm(info: GraphInfo, node: gs.Node) -> Rule:
     has_c = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
-    return rule("linear", weight=1, w_axis=0 if int(node.attrs.get("transB", 0)) else 1,
-                bias=2 if has_c else None, out_axis=1)
+    a = node.attrs
+    return rule("linear", weight=1, w_axis=0 if int(a.get("transB", 0)) else 1, bias=2 if has_c else None,
+                out_axis=1, data=0, in_axis=0 if int(a.get("transA", 0)) else 1,
+                alpha=float(a.get("alpha", 1.0)), beta=float(a.get("beta", 1.0)))
+
+
+def _reshape(info: GraphInfo, node: gs.Node) -> Rule:
+    """Reshape spells its target sizes in input 1 (computed from the input's own Shape, the
+    prefix/suffix rule places axes shape inference leaves symbolic: computed_shapes.py);
+    Flatten/Squeeze/Unsqueeze spell none."""
+    if node.op != "Reshape":
+        return rule("reshape")
+    out = info.rank(node.outputs[0])
+    sizes = None if out is None or len(node.inputs) < 2 else [_shape_entry(info, node.inputs[1], k) for k in range(out)]
+    return rule("reshape", axis_map=computed_axis_map(node, info.shape(node.inputs[0]), info.rank),
+                sizes=sizes, slot=1, fixed=sizes is None)
+
+
+def _expand(info: GraphInfo, node: gs.Node) -> Rule:
+    out = info.rank(node.outputs[0])
+    sizes = None if out is None or len(node.inputs) < 2 else [_shape_entry(info, node.inputs[1], k) for k in range(out)]
+    return rule("broadcast", data=[0], sizes=sizes, slot=1, fixed=sizes is None)
+
+
+def _shape_entry(info: GraphInfo, t, k: int) -> Optional[int]:
+    """Entry `k` of a 1-D int64 shape tensor when constant (directly or as a constant piece of a
+    Concat), else None."""
+    v = const_values(t)
+    if v is not None:
+        v = np.asarray(v).reshape(-1)
+        return int(v[k]) if k < v.size else None
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    if p is None or p.op != "Concat":
+        return None
+    at = 0
+    for piece in p.inputs:
+        s = info.shape(piece)
+        if s is None or len(s) != 1 or not isinstance(s[0], int):
+            return None
+        if at <= k < at + s[0]:
+            return _shape_entry(info, piece, k - at) if is_constant(piece) else None
+        at += s[0]
+    return None
 
 
 def _conv(info: GraphInfo, node: gs.Node) -> Rule:
@@ -214,13 +257,13 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Cast": lambda info, n, _: _cast(info, n),
     "Add": _unary("broadcast", data=[0, 1]),
     "Sub": _unary("broadcast", data=[0, 1], minus=[1]),
-    "Expand": _unary("broadcast", data=[0]),
+    "Expand": lambda info, n, _: _expand(info, n),
     "Mul": _unary("scale", operands=[0, 1]),
     "Div": _unary("scale", operands=[0, 1], divide=True),
     "Pow": lambda info, n, _: _pow(info, n),
     "Sqrt": _unary("sqrt"),
     "Reciprocal": _unary("reciprocal"),
-    "Reshape": _unary("reshape"),
+    "Reshape": lambda info, n, _: _reshape(info, n),
     "Flatten": _unary("reshape"),
     "Squeeze": _unary("reshape"),
     "Unsqueeze": _unary("reshape"),
@@ -236,11 +279,15 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "LogSoftmax": _softmax,
     "ArgMax": _softmax,
     "ArgMin": _softmax,
-    # Shape/Size read no values: nothing about the stream's mean can reach their outputs.
-    "Shape": _unary("metadata"),
-    "Size": _unary("metadata"),
+    # Shape/Size read no values: nothing about the stream's mean can reach their outputs (their
+    # results hold the width, which CRMSNorm changes).
+    "Shape": _unary("metadata", sized=True),
+    "Size": _unary("metadata", sized=True),
+    "Clip": guards.clip_rule,  # HF's fp16 overflow clamp only (passes/guards.py says why that is sound)
+    "IsInf": _unary("nonfinite_test"),
+    "IsNaN": _unary("nonfinite_test"),
     "Pad": _pad,
-    "MatMul": _unary("matmul"),
+    "MatMul": _unary("matmul", bias_after=True),  # emit.py/defer.py take a lone Add after it as its bias
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Conv": lambda info, n, _: _conv(info, n),
     "ConvTranspose": lambda info, n, _: _conv(info, n),
@@ -265,7 +312,9 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
     """The stream view of `info.graph`, and the LayerNorm matches by view-node name."""
     graph, shapes = info.graph, info.shapes
     view = View()
-    by_first = {id(m.nodes[0]): m for m in find_norms(graph, shapes)}
+    matches = find_norms(graph, shapes)
+    covered = {id(n) for m in matches for n in m.nodes}  # tf2onnx's/jax2onnx's norms: several nodes
+    by_first = {id(m.nodes[0]): m for m in matches}
     by_name: dict[str, NormMatch] = {}
 
     for node in graph.nodes:
@@ -274,7 +323,7 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
             by_name[m.name] = m
             _add_norm(view, info, m)
             continue
-        if node.op == "Constant":
+        if id(node) in covered or node.op == "Constant":
             continue
         r = None
         if (node.domain or "") in ("", "ai.onnx") and node.op in OPS:
@@ -315,6 +364,8 @@ def _decomposed_match(info: GraphInfo, nodes: dict, d: DecomposedNorm) -> NormMa
 
 
 def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
+    if m.kind == "EmbedLayerNormalization":
+        return fused.add_embed_view(view, info, m)
     names = lambda ts: [t.name if t is not None else "" for t in ts]  # noqa: E731
     x = m.x.name
     if m.kind == "SkipLayerNormalization":

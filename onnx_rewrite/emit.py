@@ -18,8 +18,12 @@ import onnx_graphsurgeon as gs
 
 from ..passes import Plan, compute_constants
 from ..passes import weights
+from ..passes.defer import compute_biases
 from ..passes.plan import Ones
 
+from . import fused
+from . import defer as deferred_norm
+from . import crms
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
 from .shapes import reshape_axis
@@ -66,12 +70,27 @@ class Emitter:
 
     # --- the plan ----------------------------------------------------------------------------
     def apply(self, plan: Plan, matches: dict[str, NormMatch]) -> None:
+        deferred = {d.norm: d for d in plan.deferral.deferred} if plan.deferral is not None else {}
+        # γ into the readers' weights is among the plan's edits; W β + b from the original weights
+        biases = compute_biases(plan.deferral, lambda n: const_values(self.info_tensor(n))) if deferred else {}
         self._const_edits(plan)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
         verdicts = {v.name: v for v in plan.report.norms}
+        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
         for name in plan.swaps:
-            verdicts[name].beta = self._swap(matches[name])
+            if name in deferred:
+                d = deferred[name]
+                deferred_norm.emit(self, matches[name], d, biases)
+                readers = ", ".join(f"`{r.node}`" for r in d.readers)
+                verdicts[name].beta = f"into the bias of {readers} (deferred)" if d.beta else ""
+            elif name in crms_norms:
+                verdicts[name].beta = crms.swap(self, matches[name], crms_norms[name])
+            else:
+                verdicts[name].beta = self._swap(matches[name])
+        crms.patch_dims(self, plan)
+        crms.add_new_biases(self, plan)
+        crms.forget_shapes(self, plan)
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
 
     def _const_edits(self, plan: Plan) -> None:
@@ -79,10 +98,11 @@ class Emitter:
             return const_values(self.info_tensor(name))
 
         for edit, arr in compute_constants(plan, original):
-            new = self.const(f"{edit.value}/lnfold_{'ones' if edit.ops == (Ones(),) else 'centered'}", arr)
+            ones = edit.ops[0] == Ones()
+            new = self.const(f"{edit.value}/lnfold_{'ones' if ones else 'centered'}", arr)
             for user, idx in edit.users:
                 self.nodes[user.split("#")[0]].inputs[idx] = new
-            if edit.ops == (Ones(),):
+            if ones:
                 for user, _ in edit.users:
                     self._bypass_mul(self.nodes[user.split("#")[0]])
 
@@ -127,7 +147,7 @@ class Emitter:
         gamma = self._gamma(m, width, dtype)
         # Recenters and constant edits rewired the norm's own inputs: read them live, not as matched.
         live = list(m.nodes[0].inputs) + [None] * 5
-        m.x = live[0]
+        m.x = live[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
         if m.kind == "SkipLayerNormalization":
             m.skip = live[1]
             m.bias = live[4] if live[4] is not None and live[4].name else None
@@ -161,6 +181,10 @@ class Emitter:
         else:
             self._portable_rms(m.x, gamma, normed, m.axis, m.epsilon, m.name)
         if beta is not None:
+            if bvals is not None and m.x.dtype is not None and np.asarray(bvals).dtype != _np(m.x.dtype):
+                # TorchScript's fp16 exports give LayerNormalization fp32 γ/β (a model onnxruntime
+                # refuses): the separate β Add must take the stream's dtype to be a valid op
+                beta = self.const(f"{m.name}/lnfold_beta", np.asarray(bvals).astype(_np(m.x.dtype)))
             self.node("Add", [normed, beta], [m.output])
         return where
 
@@ -294,6 +318,11 @@ class Emitter:
                 out += sub
             elif r.op == "Gemm" and r.inputs[0] is t:
                 got = self._gemm_reader(r)
+                if got is None:
+                    return None
+                out.append(got)
+            elif r.op == "Attention":  # onnxruntime's: linear in its input (fused.py)
+                got = fused.attention_reader(r, t)
                 if got is None:
                     return None
                 out.append(got)

@@ -1,7 +1,10 @@
 """The ONNX ops that are LayerNorms by themselves, and the constants they read.
 
 - `LayerNormalization` (opset 17+);
-- onnxruntime's `SkipLayerNormalization`: an Add (+ bias) and a LayerNorm in one node.
+- onnxruntime's `SkipLayerNormalization`: an Add (+ bias) and a LayerNorm in one node;
+- onnxruntime's `EmbedLayerNormalization` (fused.py);
+- tf2onnx's Keras and jax2onnx's flax decomposed LayerNorms (norm_variants.py), matched here
+  over the ONNX graph and seen by the analysis as one `layer_norm` rule like the ops above.
 
 The decomposed form older exporters emit (ReduceMean, Sub, Pow, ReduceMean, [Add eps], Sqrt, Div,
 [Mul γ], [Add β]) is recognized over the view, for both frontends, by passes/patterns.py; the
@@ -135,4 +138,15 @@ def find_norms(graph: gs.Graph, shapes: dict[str, Shape]) -> list[NormMatch]:
             out.append(match_layernormalization(node, shapes, outputs))
         elif node.op == "SkipLayerNormalization" and node.domain == "com.microsoft":
             out.append(match_skip(node, shapes, outputs))
+        elif node.op == "EmbedLayerNormalization" and node.domain == "com.microsoft":
+            from .fused import match_embed
+
+            out.append(match_embed(node, shapes, outputs))
+        elif node.op in ("ReduceMean", "GlobalAveragePool"):
+            # tf2onnx's and jax2onnx's forms (norm_variants.py); torch's is passes/patterns.py's
+            from .norm_variants import match_variant
+
+            m = match_variant(node, shapes, outputs)
+            if m is not None:
+                out.append(m)
     return out

@@ -15,8 +15,8 @@ _SKELETON_ELEMS = 4096
 Shape = Optional[tuple]  # per dim: int, str (symbolic) or None; None: rank unknown
 
 
-def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
-    """name -> shape of every value onnx can infer (inputs, outputs, initializers, internals)."""
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with its big initializers as typed graph inputs (shapes, not data)."""
     g = model.graph
     small, fake_inputs = [], []
     for init in g.initializer:
@@ -31,6 +31,23 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     skel_graph.sparse_initializer.extend(g.sparse_initializer)
     skel = helper.make_model(skel_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     skel.functions.extend(model.functions)
+    return skel
+
+
+def infer_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """name -> typed value info of every value onnx's inference can type (best effort)."""
+    try:
+        m = _onnx_inference(_skeleton(model))
+    except Exception:
+        return {}
+    g = m.graph
+    return {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
+
+
+def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
+    """name -> shape of every value onnx can infer (inputs, outputs, initializers, internals)."""
+    g = model.graph
+    skel = _skeleton(model)
     shapes: dict[str, Shape] = {}
     # onnx's inference first; onnxruntime's symbolic inference then fills what it could not
     # (shapes computed at run time from Shape/Concat, as older exporters emit for flatten).

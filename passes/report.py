@@ -16,6 +16,8 @@ class NormVerdict:
     recentered: bool = False  # folded thanks to an explicit recenter of its stream
     stream: Optional[int] = None  # index into Report.streams for folded norms
     beta: str = ""  # where β went, once a frontend emitted the fold (e.g. "into the bias of MatMul `fc`")
+    deferred: bool = False  # emitted as deferred normalization (passes/defer.py)
+    defer_reason: str = ""  # why a folded norm was considered for deferral and not deferred
 
 
 @dataclass
@@ -30,12 +32,29 @@ class StreamEdits:
 
 
 @dataclass
+class CompressionVerdict:
+    """mode="crms": one stream component, compressed to d-1 features or left as RMSNorm, and why."""
+
+    norms: list[str]
+    verdict: str  # "compressed" or "rms"
+    reason: str = ""
+    width: object = None  # d
+    decompressions: int = 0  # norms whose d-vector output is still produced for a reader
+
+
+@dataclass
 class Report:
     norms: list[NormVerdict] = field(default_factory=list)
     recentered: int = 0  # Recenter ops inserted
     mode: str = "rms"
-    notes: list[str] = field(default_factory=list)  # e.g. why CRMSNorm fell back to RMSNorm
+    notes: list[str] = field(default_factory=list)
     streams: list[StreamEdits] = field(default_factory=list)
+    compression: list[CompressionVerdict] = field(default_factory=list)  # mode="crms", per component
+
+    @property
+    def compressed(self) -> int:
+        """Norms emitted as CRMSNorm (mode="crms")."""
+        return sum(len(c.norms) for c in self.compression if c.verdict == "compressed")
 
     @property
     def folded(self) -> int:
@@ -57,6 +76,7 @@ class Report:
             "norms": [asdict(n) for n in self.norms],
             "streams": [asdict(s) for s in self.streams],
             "notes": list(self.notes),
+            "compression": [asdict(c) for c in self.compression],
         }
 
     def to_json(self, **kw) -> str:
@@ -86,6 +106,10 @@ class Report:
                 if items:
                     lines.extend(textwrap.wrap(f"{label} ({len(items)}): " + "; ".join(items), width,
                                                initial_indent="  ", subsequent_indent="      "))
+        for c in self.compression:
+            what = (f"compressed to {c.width - 1} features, {c.decompressions} decompression(s)"
+                    if c.verdict == "compressed" else f"RMSNorm: {c.reason}")
+            lines.append(f"crms: {len(c.norms)} norm(s) from {c.norms[0]}: {what}")
         lines.extend(f"note: {t}" for t in self.notes)
         return "\n".join(lines)
 

@@ -12,5 +12,13 @@ class FoldResult:
     report: Report
     model: Any = None  # onnx.ModelProto (ONNX frontend)
     module: Any = None  # torch.nn.Module (torch frontend)
-    max_rel_err: Optional[float] = None  # verification: worst output difference, None if skipped
+    # Verification (passes/gate.py), all None when skipped. max_rel_err: worst relative difference
+    # between the folded and the original model's outputs (max |a - b| / max |a| per output).
+    # exact_err / original_exact_err: the folded / original model's worst relative error against a
+    # float64 run (None where none was possible). criterion: what the gate judged by ("float64",
+    # or a fallback: "tolerance", "zero-mean norm inputs").
+    max_rel_err: Optional[float] = None
+    exact_err: Optional[float] = None
+    original_exact_err: Optional[float] = None
+    criterion: Optional[str] = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage

@@ -4,17 +4,25 @@ A frontend names each of its ops in this vocabulary (one table row per op: ATen
 `aten.permute.default` -> `Rule("permute", perm=...)`, ONNX `Transpose` -> the same) with the
 attributes decoded and the input positions given as indices into the view node's inputs. It
 decides nothing: `attach(view)` derives every node's transfer / backward / centering /
-channel_scale / invariant answers (passes/view.py) from its rule and the shapes in the view.
+channel_scale / invariant answers, and what deferred normalization and CRMSNorm ask (`linear`
+readers, `layout` and `regroups` ops, `width_refs`), from its rule and the shapes in the view
+(passes/view.py says what each answer means).
 
 Vocabulary (params; `data` and friends are view input indices, axes are non-negative):
 
 - `elementwise(data, op)`      same shape, value-wise (identity, float cast, neg, eval dropout)
-- `broadcast(data, minus)`     numpy-broadcast sum of the `data` inputs (add, sub, expand);
-                               `minus` lists the subtracted ones
+- `broadcast(data, minus, sizes, slot, fixed)` numpy-broadcast sum of the `data` inputs (add,
+                               sub, expand); `minus` lists the subtracted ones; an expand spells
+                               its output sizes (see `reshape`)
 - `scale(operands, divide)`    operands[0] * or / operands[1] (None: a Python number)
 - `pow(data, exponent)`, `sqrt(data)`, `rsqrt(data)`, `reciprocal(data)`: opaque, named for
                                passes/patterns.py
-- `reshape(data)`              view/reshape/flatten/squeeze/unsqueeze (read from the shapes)
+- `reshape(data, axis_map, sizes, slot, fixed)` view/reshape/flatten/squeeze/unsqueeze (read
+                               from the shapes; `axis_map` {input axis: output axis}: what the
+                               frontend proved from a target shape computed at run time).
+                               `sizes`: the target sizes as spelled (int, -1, None: not a
+                               constant), at the frontend's key `slot`; no sizes: the op spells
+                               none (flatten, squeeze), unless `fixed` (taken from another tensor)
 - `permute(data, perm)`        output axis k is input axis perm[k]
 - `along(data, outs, axes)`    every axis in place; acts only along `axes` (slice, concat,
                                split, roll, flip, index_select); axes None: unknown
@@ -26,13 +34,23 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                (GatherElements, torch.gather)
 - `reduce(data, axes, keepdims, op)` mean/sum over `axes` (None: not known)
 - `invariant_along(data, axis)` softmax / argmax over `axis`
-- `metadata()`                 reads shapes or dtypes only
-- `linear(weight, w_axis, bias, out_axis)` output axis `out_axis` (negative: from the end)
-                               holds the rows of `weight`'s axis `w_axis` (+ bias)
-- `matmul(a, b)`               a @ b, either side possibly a constant
-- `embedding(table, q)`        rows of a constant table looked up by a rank-q index
+- `metadata(sized)`            reads shapes or dtypes only (`sized`: its result depends on the
+                               sizes: Shape, a size assert)
+- `clamp(data, lo, hi, dtype)`  transparent only as an overflow guard (passes/guards.py)
+- `nonfinite_test(data)`       isinf / isnan of the stream: invariant under the guard's assumption
+- `linear(weight, w_axis, bias, out_axis, data, in_axis, alpha, beta)` output axis `out_axis`
+                               (negative: from the end) holds the rows of `weight`'s axis `w_axis`
+                               (+ bias); input `data` is read along `in_axis`; alpha·x·W + beta·b
+- `matmul(a, b, bias_after)`   a @ b, either side possibly a constant; `bias_after`: the frontend
+                               emits a lone constant Add after it as the product's bias (ONNX)
+- `embedding(table, q)`        rows of a constant table (or the sum of several: a list) looked up
+                               by a rank-q index
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
-- `layer_norm(data, axes, gamma, beta, eps, stats_used)` a LayerNorm op
+- `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection)` a LayerNorm op
+                               (`rejection`: a reason only its IR can see)
+
+Derived for deferral and CRMS: `layout` (moves or copies elements only: identity/cast/dropout,
+expand, reshape, permute, along, pad, take), `regroups` (reshape), `linear` (linear, matmul).
 """
 from __future__ import annotations
 
@@ -40,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
-from .view import ChannelScale, ConstRef, Node, NormSpec, View
+from .guards import is_overflow_guard
+from .view import ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
 
 
 @dataclass
@@ -106,15 +125,45 @@ def const_ref(view: View, node: Node, i: int, axis: Optional[int]) -> Optional[C
 
 # --- transparent ops ---------------------------------------------------------------------------
 
+# Elementwise ops that only copy values (a negation changes them).
+_COPIES = ("identity", "cast", "dropout")
+
+
 def _elementwise(view, node, data=0, op="identity"):
     return dict(transfer=lambda i, b: [(0, b)] if i == data else None,
-                backward=lambda o, a: [(data, a)] if o == 0 else None)
+                backward=lambda o, a: [(data, a)] if o == 0 else None, layout=op in _COPIES)
 
 
-def _broadcast(view, node, data, minus=()):
+def _broadcast(view, node, data, minus=(), sizes=None, slot=None, fixed=False):
     n = len(node.inputs)
-    return broadcast_rules([_rank(view, node, i) for i in range(n)], _out_rank(view, node),
-                           [_is_const(view, node, i) for i in range(n)], list(data))
+    out = broadcast_rules([_rank(view, node, i) for i in range(n)], _out_rank(view, node),
+                          [_is_const(view, node, i) for i in range(n)], list(data))
+    if len(data) == 1 and not minus:  # expand: copies rows
+        out.update(layout=True, width_refs=_width_refs(view, node, sizes, slot, fixed, expand_of=data[0]))
+    return out
+
+
+def _width_refs(view, node, sizes, slot, fixed, expand_of=None):
+    """Where the op spells its output's size along an axis (CRMSNorm shrinks the width): [] where
+    nothing does (the size follows the input), None where no edit can change it."""
+
+    def width_refs(o, axis):
+        s = view.values[node.outputs[0]].shape if node.outputs[0] else None
+        if sizes is None:
+            return [] if not fixed and s is not None else None
+        if s is None or len(sizes) != len(s) or not isinstance(s[axis], int):
+            return None
+        entry = sizes[axis]
+        if entry == -1:
+            return []  # inferred (reshape) or kept (expand) from the input
+        if expand_of is not None and entry == 1:
+            xs = _shape(view, node, expand_of)
+            k = axis - (len(s) - len(xs)) if xs is not None else -1
+            if k >= 0 and xs[k] == s[axis]:
+                return []  # broadcast from the input: follows its width
+        return [DimRef(node.name, slot, axis)] if entry == s[axis] else None
+
+    return width_refs
 
 
 def _scale(view, node, operands, divide=False):
@@ -175,30 +224,40 @@ def _opaque(view, node, **_):
     return {}
 
 
-def _reshape(view, node, data=0):
+def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=False):
+    axis_map = axis_map or {}
+
     def transfer(i, b):
-        axis = reshape_axis(_shape(view, node, data), view.values[node.outputs[0]].shape, b) if i == data else None
+        if i != data:
+            return None
+        axis = reshape_axis(_shape(view, node, data), view.values[node.outputs[0]].shape, b)
+        axis = axis_map.get(b) if axis is None else axis
         return None if axis is None else [(0, axis)]
 
     def backward(o, a):
-        axis = reshape_axis(view.values[node.outputs[0]].shape, _shape(view, node, data), a) if o == 0 else None
+        if o != 0:
+            return None
+        axis = reshape_axis(view.values[node.outputs[0]].shape, _shape(view, node, data), a)
+        if axis is None:
+            axis = next((k for k, v in axis_map.items() if v == a), None)
         return None if axis is None else [(data, axis)]
 
-    return dict(transfer=transfer, backward=backward)
+    return dict(transfer=transfer, backward=backward, layout=True, regroups=True,
+                width_refs=_width_refs(view, node, sizes, slot, fixed))
 
 
 def _permute(view, node, perm, data=0):
-    return permute_rules(list(perm), data)
+    return dict(permute_rules(list(perm), data), layout=True)
 
 
 def _along(view, node, data, outs=(0,), axes=None):
-    return same_axes_rules(list(data), list(outs), None if axes is None else set(axes))
+    return dict(same_axes_rules(list(data), list(outs), None if axes is None else set(axes)), layout=True)
 
 
 def _pad(view, node, data=0, axes=None, zero=True):
     # Zero rows are zero-mean and copied rows carry their source rows' shift; rows of any other
     # constant are neither.
-    return _along(view, node, [data], [0], axes) if zero else {}
+    return _along(view, node, [data], [0], axes) if zero else dict(layout=True)
 
 
 def _take(view, node, data, start, stop, q, outs=(0,)):
@@ -212,7 +271,7 @@ def _take(view, node, data, start, stop, q, outs=(0,)):
             return None
         return [(data, a if a < start else a + (stop - start) - q)]
 
-    return dict(transfer=transfer, backward=backward)
+    return dict(transfer=transfer, backward=backward, layout=True)
 
 
 def uniform_along(view: View, value: str, axis: int) -> bool:
@@ -274,8 +333,20 @@ def _invariant_along(view, node, data=0, axis=None):
     return dict(invariant=lambda i, b: i == data and b == axis)
 
 
-def _metadata(view, node):
-    return dict(invariant=lambda i, b: True, shape_only=True)
+def _metadata(view, node, sized=False):
+    return dict(invariant=lambda i, b: True, shape_only=True, width_refs=lambda o, a: None if sized else [])
+
+
+def _clamp(view, node, data=0, lo=None, hi=None, dtype=None):
+    """A clamp is transparent only as an overflow guard (passes/guards.py says why that is sound);
+    it stays in the folded graph, guarding the centered stream."""
+    if dtype is None or not is_overflow_guard(lo, hi, dtype):
+        return {}
+    return _elementwise(view, node, data, "clamp")
+
+
+def _nonfinite_test(view, node, data=0):
+    return dict(invariant=lambda i, b: i == data)
 
 
 # --- sources ----------------------------------------------------------------------------------
@@ -290,7 +361,15 @@ def _bias_axis(view, node, bias):
     return None if not rb else rb - 1  # a scalar bias is a per-row shift: centered to zero
 
 
-def _linear(view, node, weight, w_axis, bias=None, out_axis=-1):
+def _row_bias(view, node, i) -> Optional[ConstRef]:
+    """Input `i` as a bias added to every row: a constant varying along its last axis only."""
+    s = _shape(view, node, i)
+    if s is None or any(d != 1 for d in s[:-1]):
+        return None
+    return const_ref(view, node, i, len(s) - 1 if s else None)
+
+
+def _linear(view, node, weight, w_axis, bias=None, out_axis=-1, data=None, in_axis=-1, alpha=1.0, beta=1.0):
     def centering(o, a):
         R = _out_rank(view, node)
         if R is None or a != (out_axis if out_axis >= 0 else R + out_axis):
@@ -299,10 +378,39 @@ def _linear(view, node, weight, w_axis, bias=None, out_axis=-1):
             return None
         return _refs(view, node, [(weight, w_axis)] + ([(bias, _bias_axis(view, node, bias))] if bias is not None else []))
 
-    return dict(centering=centering)
+    def linear(i, a):
+        """x·W (+ b) over x's last axis, W 2-D: what deferral and CRMS fold into (passes/view.py)."""
+        r, R = _rank(view, node, data), _out_rank(view, node)
+        if data is None or i != data or r is None or R is None or a != r - 1 or alpha != 1 or beta != 1:
+            return None
+        if (in_axis if in_axis >= 0 else r + in_axis) != r - 1 or (out_axis if out_axis >= 0 else R + out_axis) != R - 1:
+            return None
+        if _rank(view, node, weight) != 2 or node.inputs[weight] == node.inputs[data]:
+            return None
+        w = const_ref(view, node, weight, 1 - w_axis)
+        b = None if bias is None else _row_bias(view, node, bias)
+        return None if w is None or (bias is not None and b is None) else LinearRead(w, b)
+
+    return dict(centering=centering, linear=linear)
 
 
-def _matmul(view, node, a=0, b=1):
+def _bias_after(view, node, w: int) -> Optional[ConstRef]:
+    """The constant bias of the lone Add that alone reads the product (ONNX's MatMul + Add)."""
+    out = view.values[node.outputs[0]]
+    if out.is_graph_output or len(out.consumers) != 1:
+        return None
+    add = view.nodes[out.consumers[0][0]]
+    p = add.rule.params if add.rule is not None and add.rule.kind == "broadcast" else None
+    if p is None or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
+        return None
+    slot = 1 - out.consumers[0][1]
+    b, ws = _shape(view, add, slot), _shape(view, node, w)
+    if b is None or ws is None or not b or b[-1] != ws[-1]:
+        return None
+    return _row_bias(view, add, slot)
+
+
+def _matmul(view, node, a=0, b=1, bias_after=False):
     def centering(o, ax):
         R = _out_rank(view, node)
         if R is None or R < 2:
@@ -318,12 +426,22 @@ def _matmul(view, node, a=0, b=1):
                 return [ref]
         return None
 
-    return dict(centering=centering)
+    def linear(i, ax):
+        """x @ W with a constant [in, out] W (behind a transpose: a tied head)."""
+        r0 = _rank(view, node, a)
+        if i != a or r0 is None or r0 < 2 or ax != r0 - 1 or _rank(view, node, b) != 2 or node.inputs[a] == node.inputs[b]:
+            return None
+        w = const_ref(view, node, b, 0)
+        return None if w is None else LinearRead(w, _bias_after(view, node, b) if bias_after else None)
+
+    return dict(centering=centering, linear=linear)
 
 
 def _embedding(view, node, table, q):
-    def centering(o, a):  # center each row of the table
-        return _refs(view, node, [(table, a - q + 1)]) if a >= q else None
+    tables = table if isinstance(table, list) else [table]
+
+    def centering(o, a):  # center each row of the table(s)
+        return _refs(view, node, [(t, a - q + 1) for t in tables]) if a >= q else None
 
     return dict(centering=centering)
 
@@ -349,7 +467,9 @@ def norm_axis(axes, rank: Optional[int]) -> tuple[Optional[int], Optional[str]]:
     return norm[0], None
 
 
-def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5, stats_used=False):
+def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5, stats_used=False, rejection=None):
+    if rejection is not None:
+        return dict(norm_rejection=rejection)
     axis, why = norm_axis(axes, _rank(view, node, data))
     if why is None and stats_used:
         why = "its mean/variance outputs are used"
@@ -378,6 +498,8 @@ RULES: dict[str, Callable[..., dict]] = {
     "reduce": _reduce,
     "invariant_along": _invariant_along,
     "metadata": _metadata,
+    "clamp": _clamp,
+    "nonfinite_test": _nonfinite_test,
     "linear": _linear,
     "matmul": _matmul,
     "embedding": _embedding,

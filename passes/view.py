@@ -13,7 +13,18 @@ analysis needs, as small callables the frontend fills in from its op classificat
 - `channel_scale(o, axis)`: is output `o` a per-channel constant scale of input `i` (LayerScale),
   which can be folded into the source(s) upstream before centering?
 - `invariant(i, axis)`: is the node's output unchanged by a per-row shift of input `i` along 1?
+- `linear(i, axis)`: does the node read input `i` (feature axis `axis`) as the input features of
+  a linear map with a constant weight? If so, the weight and bias (CRMSNorm folds γ, β and the
+  decompression into them).
+- `width_refs(o, axis)`: the places in the node's parameters that spell the size of output `o`
+  along `axis` (a Reshape's target shape, an Expand's); [] where none does, None where the size
+  is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). On a
+  `shape_only` node: [] when its result does not depend on the width (a dtype assert).
+- `layout`: the node only moves or copies elements (a reshape, transpose, slice, gather on other
+  axes): it commutes with any map applied along the feature axis.
 - `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
+- `regroups`: the node only regroups its input's values in order (a reshape/view), so a per-row
+  scale can follow it: deferred normalization looks through it to the linear layers behind.
 
 A frontend does not write these callables itself: it names each op in the vocabulary of
 passes/rules.py (`Node.rule`, one table row per op) and `rules.attach` derives them, so both IRs
@@ -67,6 +78,28 @@ class ChannelScale:
     scale: ConstRef
 
 
+@dataclass(frozen=True)
+class LinearRead:
+    """`out = x · W (+ b)` over the feature axis of one data input.
+
+    `weight.axis` is the weight's input-feature axis in the constant's own layout (through a
+    Transpose the frontend looked behind); `bias`, if any, is added after the product, and
+    `bias.axis` is its output-feature axis (None for a scalar).
+    """
+
+    weight: ConstRef
+    bias: Optional[ConstRef] = None
+
+
+@dataclass(frozen=True)
+class DimRef:
+    """Entry `index` of a size list that `node` reads at `slot` (a frontend's own key)."""
+
+    node: str
+    slot: object
+    index: int
+
+
 def _never_transfer(i: int, axis: int) -> Optional[AxisMap]:
     return None
 
@@ -87,6 +120,14 @@ def _not_invariant(i: int, axis: int) -> bool:
     return False
 
 
+def _not_linear(i: int, axis: int) -> Optional[LinearRead]:
+    return None
+
+
+def _names_no_width(o: int, axis: int) -> Optional[list[DimRef]]:
+    return []
+
+
 @dataclass
 class Node:
     name: str
@@ -98,6 +139,10 @@ class Node:
     centering: Callable[[int, int], Optional[list[ConstRef]]] = _never_center
     channel_scale: Callable[[int, int], Optional[ChannelScale]] = _no_scale
     invariant: Callable[[int, int], bool] = _not_invariant
+    linear: Callable[[int, int], Optional[LinearRead]] = _not_linear
+    width_refs: Callable[[int, int], Optional[list[DimRef]]] = _names_no_width
+    layout: bool = False
+    regroups: bool = False
     norm: Optional[NormSpec] = None
     # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes).
     # Set by the frontend on LayerNorms that get no NormSpec, so the report can say why.

@@ -54,6 +54,25 @@ def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out
     return out.astype(out_dtype)
 
 
+def drop_last(a: np.ndarray, axis: int) -> np.ndarray:
+    """The first n-1 entries of `a` along `axis` (CRMSNorm: the last is minus the sum of the rest)."""
+    return np.take(a, np.arange(a.shape[axis] - 1), axis=axis)
+
+
+def fold_decompression(a: np.ndarray, axis: int) -> np.ndarray:
+    """`a[:n-1] - a[n-1]` along `axis`: a weight that reads z ∈ R^{n-1} as if it read
+    concat(z, -Σz) (seed 001 eq. 6)."""
+    x = _f64(a)
+    n = x.shape[axis]
+    return (np.take(x, np.arange(n - 1), axis=axis) - np.take(x, [n - 1], axis=axis)).astype(a.dtype)
+
+
+def weight_times(weight: np.ndarray, vec: np.ndarray, in_axis: int) -> np.ndarray:
+    """`W v` (float64) for a weight holding its input features on `in_axis`: the other axes remain."""
+    w = np.moveaxis(_f64(weight), in_axis, 0)
+    return np.tensordot(_f64(vec).reshape(-1), w, axes=([0], [0]))
+
+
 def max_rel_err(ref: np.ndarray, got: np.ndarray) -> float:
     """max |ref - got| / max |ref|: the equivalence measure of every verification."""
     r = _f64(ref)

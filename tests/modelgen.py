@@ -204,6 +204,7 @@ class Case:
     expected: list[str]  # "fold" / "keep" per call, in forward (= graph) order
     why: list[str]
     target: str = "ort"  # onnx_rewrite.fold_model's emission target
+    mode: str = "rms"  # "crms": the same ground truth (compression never changes a verdict)
 
     @property
     def tag(self) -> str:
@@ -1243,7 +1244,7 @@ def check_onnx(case: Case) -> Outcome:
 
     folded = None
     try:
-        res = fold_model(proto, verify_outputs=False, target=case.target)
+        res = fold_model(proto, verify_outputs=False, target=case.target, mode=case.mode)
         report, folded = res.report, res.model
     except NothingToFold:
         try:
@@ -1324,7 +1325,7 @@ def check_fx(case: Case) -> Outcome:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            res = fx_rewrite.fold_module(case.module, case.inputs, **_fx_kwargs("fold_module"))
+            res = fx_rewrite.fold_module(case.module, case.inputs, mode=case.mode, **_fx_kwargs("fold_module"))
         report, folded = res.report, res.module
     except NothingToFold as e:
         report = getattr(e, "report", None)

@@ -95,11 +95,11 @@ EXPECT = {
     "whisper_enc": (2 * L + 1, 2 * L + 1, 1,
                     "stream starts at GELU(conv2) (opaque) + embed_positions: 1 recenter buys 2L+1 swaps "
                     "(self_attn_layer_norm, final_layer_norm per layer + encoder layer_norm)"),
-    "whisper_enc_fp16": (2 * L + 1, 0, 0,
-                         "fp16: HF clamps the stream after every encoder layer (torch.clamp -> Clip, not "
-                         "shift-transparent): each layer's 2 LNs share a component with a Clip sink; the last "
-                         "component (Clip -> encoder layer_norm) is 1 swap behind an opaque source, not worth "
-                         "a recenter"),
+    "whisper_enc_fp16": (2 * L + 1, 2 * L + 1, 1,
+                         "fp16: HF clamps the stream after every encoder layer (torch.clamp to ±(finfo(fp16).max - "
+                         "1000) -> Clip): an overflow guard, transparent on the stream (passes/guards.py: exact "
+                         "while the stream stays below 64512 in magnitude); stream starts at GELU(conv2) (opaque) + "
+                         "embed_positions: 1 recenter buys 2L+1 swaps"),
     "whisper_dec": (3 * L + 1, 3 * L + 1, 0,
                     "Pre-LN decoder; stream = embed_tokens + embed_positions Gathers + out_proj/fc2; sinks "
                     "self_attn/encoder_attn/final LNs per layer + decoder layer_norm; encoder_hidden_states only "

@@ -1,0 +1,135 @@
+"""Emit a CRMSNorm compression plan (passes/compress.py) into an FX graph.
+
+Constants (sources dropping their last row, readers absorbing γ, β and the decompression) are
+written by the Applier's constant edits; here: the size arguments that spell d, the CRMSNorm
+(`crms_norm`, a few elementwise ops and two reductions that Inductor fuses into one kernel), the
+decompression where a reader needs the d-vector, and biases for readers that had none.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import fx
+
+from ..passes.compress import CrmsNorm
+from ..passes.plan import Plan, compute_new_bias
+
+from .classify import is_tuple_getitem, meta_val, varargs_sizes
+from .ops import canonical
+
+
+def crms_norm(x: torch.Tensor, d: int, eps: float) -> torch.Tensor:
+    """CRMSNorm (seed 001 eq. 5) over the last axis of `x` (d-1 wide): the RMSNorm of the
+    zero-mean d-vector concat(x, -Σx), in its first d-1 entries, without γ."""
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    s = xs.sum(-1, keepdim=True)
+    ms = ((xs * xs).sum(-1, keepdim=True) + s * s) / d
+    return (xs * torch.rsqrt(ms + eps)).to(x.dtype)
+
+
+def decompress(n: torch.Tensor, gamma, beta) -> torch.Tensor:
+    """γ ⊙ concat(n, -Σn) + β along the last axis: the LayerNorm's output, for readers that need it."""
+    full = torch.cat([n, -n.sum(-1, keepdim=True)], -1)
+    if gamma is not None:
+        full = full * gamma
+    if beta is not None:
+        full = full + beta
+    return full
+
+
+def patch_dims(applier, plan: Plan) -> None:
+    from .apply import _set_arg
+
+    for cc in plan.compressions:
+        if not cc.compressed:
+            continue
+        for ref in dict.fromkeys(cc.dims):
+            node = applier.nodes[ref.node]
+            if isinstance(ref.slot, tuple):  # x.view(a, b, c): sizes as positional arguments
+                sizes = varargs_sizes(node)
+                sizes[ref.index] = sizes[ref.index] - 1
+                node.args = (node.args[0], *sizes)
+                continue
+            sizes = list(canonical(node).args[ref.slot])
+            sizes[ref.index] = sizes[ref.index] - 1
+            _set_arg(node, ref.slot, sizes)
+
+
+def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
+    g = applier.graph
+    call = canonical(node)
+    x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias")
+    tuple_out = isinstance(meta_val(node), (tuple, list))
+    outs = [u for u in node.users if is_tuple_getitem(u)] if tuple_out else []
+    out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node
+    with g.inserting_before(node):
+        n = g.call_function(crms_norm, (x, crms.width, float(crms.epsilon)))
+    for reader, _ in crms.compressed_readers:
+        applier.nodes[reader].replace_input_with(out, n)
+    if out is not None and out.users and crms.decompress:
+        with g.inserting_after(n):
+            full = g.call_function(decompress, (n, w, b))
+        out.replace_all_uses_with(full)
+    for u in outs:
+        if not u.users:
+            g.erase_node(u)
+    if not node.users:
+        g.erase_node(node)
+
+
+def add_new_biases(applier, plan: Plan, tensor_of) -> None:
+    """Readers without a bias absorb β as an added `W β`: computed once in float64 (`tensor_of`:
+    fold_module), or in the graph from the parameters themselves (the backend)."""
+    from .apply import from_numpy, to_numpy, _unique_attr
+
+    g = applier.graph
+    for nb in plan.new_biases:
+        node = applier.nodes[nb.node]
+        if tensor_of is not None:
+            like = tensor_of(nb.op.weight)
+            t = from_numpy(compute_new_bias(nb, lambda name: to_numpy(tensor_of(name))), like)
+            name = _unique_attr(applier.gm, f"lnfold_bias_{nb.node}")
+            applier.gm.register_buffer(name, t)
+            with g.inserting_after(node):
+                c = g.get_attr(name)
+        else:
+            if nb.then:
+                raise NotImplementedError("a bias-less CRMS reader that also writes a stream, in the graph")
+            with g.inserting_after(node):
+                c = g.call_function(_weight_times, (applier.node_named(nb.op.weight), nb.op.axis,
+                                                    applier.node_named(nb.op.vector)))
+        with g.inserting_after(c):
+            y = applier.dialect.add(g, node, c)
+        node.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+
+
+def graph_op(applier, x: fx.Node, op, rank: int) -> fx.Node:
+    """Training: a CRMS constant edit computed in the graph from the parameter itself."""
+    from ..passes.plan import AddWeightTimes, Drop, FoldDecompression
+
+    g = applier.graph
+    if isinstance(op, Drop):
+        return g.call_function(_drop_last, (x, op.axis))
+    if isinstance(op, FoldDecompression):
+        return g.call_function(_fold_decompression, (x, op.axis))
+    if isinstance(op, AddWeightTimes):
+        return g.call_function(_add_weight_times, (x, applier.node_named(op.weight), op.axis,
+                                                   applier.node_named(op.vector)))
+    raise TypeError(op)
+
+
+def _drop_last(a: torch.Tensor, axis: int) -> torch.Tensor:
+    return a.narrow(axis, 0, a.shape[axis] - 1)
+
+
+def _fold_decompression(a: torch.Tensor, axis: int) -> torch.Tensor:
+    n = a.shape[axis]
+    return a.narrow(axis, 0, n - 1) - a.narrow(axis, n - 1, 1)
+
+
+def _weight_times(w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
+    return torch.tensordot(v.reshape(-1), w, dims=([0], [axis]))
+
+
+def _add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
+    return a + torch.tensordot(v.reshape(-1), w, dims=([0], [axis])).reshape(a.shape)

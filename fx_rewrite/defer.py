@@ -1,0 +1,78 @@
+"""Emit a deferred norm in a Dynamo (torch-level) FX graph (passes/defer.py decides which).
+
+    r = rsqrt(mean(x², -1, keepdim) + eps)                          per row
+    reader: linear(x, W·diag γ) * r + (W β + b)                     the row scale before the bias
+
+The readers' γ-scaled weights are constant edits of the plan (already applied by the Applier);
+here the norm is removed, its readers read the stream itself, each product is scaled, and the
+bias `W β + b` (or the reader's own bias when β is absent) is added after. Inductor sees a
+reduction it can fuse with the residual Add that produces x, and a GEMM followed by a pointwise
+multiply-add it may fuse into the GEMM's epilogue (benchmarks/RESULTS.md says what it did).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+from ..passes.defer import Deferral
+
+from .classify import is_tuple_getitem, meta_val
+from .ops import canonical
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
+         bias_node: Callable[[str], Optional[fx.Node]]) -> None:
+    """`bias_node(reader)` gives the node holding the reader's new bias (W β + b), or None when
+    the reader keeps its own bias (β absent)."""
+    norm = nodes[d.norm]
+    call = canonical(norm)
+    x = call.args["input"]
+    val = meta_val(norm)
+    outs = [u for u in norm.users if is_tuple_getitem(u) and u.args[1] == 0] if isinstance(val, (tuple, list)) else [norm]
+    dtype = getattr(meta_val(x), "dtype", torch.float32)
+    with graph.inserting_before(norm):
+        xs = graph.call_method("float", (x,)) if dtype in _LOW else x
+        sq = graph.call_function(operator.mul, (xs, xs))
+        ms = graph.call_function(torch.mean, (sq,), {"dim": -1, "keepdim": True})
+        r = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (ms, d.epsilon)),))
+        if dtype in _LOW:
+            r = graph.call_method("to", (r, dtype))
+        r2 = graph.call_method("reshape", (r, -1, 1))
+    for out in outs:
+        out.replace_all_uses_with(x)
+    for u in [u for u in norm.users if is_tuple_getitem(u) and not u.users]:
+        graph.erase_node(u)
+    if not norm.users:
+        graph.erase_node(norm)
+    rank = len(meta_val(x).shape)
+    for rd in d.readers:  # a reader behind a row-flattening reshape gets r as [rows, 1]
+        _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd.node))
+    if not r2.users:
+        graph.erase_node(r2)
+
+
+def _scale_product(graph: fx.Graph, node: fx.Node, r: fx.Node, new_bias: Optional[fx.Node]) -> None:
+    call = canonical(node)
+    bias = None
+    with graph.inserting_before(node):
+        if call.kind == "linear":
+            bias = call.args.get("bias")
+            prod = graph.call_function(torch.nn.functional.linear, (call.args["input"], call.args["weight"]))
+        elif call.kind == "addmm":
+            bias = call.args["input"]
+            prod = graph.call_function(torch.mm, (call.args["mat1"], call.args["mat2"]))
+        else:  # matmul: no bias of its own
+            prod = graph.call_function(torch.matmul, (call.args["input"], call.args.get("other", call.args.get("mat2"))))
+        out = graph.call_function(operator.mul, (prod, r))
+        b = new_bias if new_bias is not None else bias
+        if b is not None:
+            out = graph.call_function(operator.add, (out, b))
+    if "example_value" in node.meta or "val" in node.meta:
+        out.meta["val" if "val" in node.meta else "example_value"] = meta_val(node)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)

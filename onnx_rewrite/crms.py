@@ -1,0 +1,147 @@
+"""Emit a CRMSNorm compression plan (passes/compress.py) into an ONNX graph.
+
+The constants (sources dropping their last row, readers absorbing γ, β and the decompression)
+are written by the Emitter's constant edits like any other; here: the shapes that spell d, the
+CRMSNorm ops, the decompression where a reader needs the d-vector, and biases for readers that
+had none. CRMSNorm is emitted as standard ops for every target (see benchmarks/RESULTS.md,
+"CRMSNorm"): `z · 1/sqrt((ReduceSumSquare(z) + ReduceSum(z)²)/d + eps)`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..passes.compress import CrmsNorm
+from ..passes.plan import Plan, compute_new_bias
+
+from .norms import NormMatch, const_values
+
+
+def patch_dims(em, plan: Plan) -> None:
+    """Each Reshape/Expand that spells d on the stream gets a shape with d-1 there."""
+    by_slot: dict[tuple, list[int]] = {}
+    for cc in plan.compressions:
+        if cc.compressed:
+            for ref in cc.dims:
+                by_slot.setdefault((ref.node, ref.slot), []).append(ref.index)
+    for (name, slot), idx in by_slot.items():
+        node = em.nodes[name]
+        shape = node.inputs[slot]
+        v = const_values(shape)
+        if v is not None:
+            new = np.array(v, dtype=np.int64).reshape(-1)
+            new[sorted(set(idx))] -= 1
+            node.inputs[slot] = em.const(f"{shape.name}/lnfold_crms", new)
+            continue
+        n = em.info.shape(shape)[0]
+        onehot = np.zeros([n], np.int64)
+        onehot[sorted(set(idx))] = 1
+        out = em.var(f"{shape.name}/lnfold_crms", np.int64)
+        em.node("Sub", [shape, em.const(f"{shape.name}/lnfold_one", onehot)], [out])
+        node.inputs[slot] = out
+
+
+def forget_shapes(em, plan: Plan) -> None:
+    """The exporter's recorded shapes say d where the stream is now d-1: drop the inner ones
+    (runtimes infer them again), keeping the graph's inputs and outputs."""
+    if not any(cc.compressed for cc in plan.compressions):
+        return
+    keep = {id(t) for t in list(em.graph.inputs) + list(em.graph.outputs)}
+    for t in em.graph.tensors().values():
+        if isinstance(t, gs.Variable) and id(t) not in keep:
+            t.shape = None
+
+
+def add_new_biases(em, plan: Plan) -> None:
+    def original(name):
+        return const_values(em.info_tensor(name))
+
+    for nb in plan.new_biases:
+        node = em.nodes[nb.node]
+        y = node.outputs[0]
+        pre = em.var(f"{y.name}/lnfold_nobias", y.dtype)
+        node.outputs[0] = pre
+        em.node("Add", [pre, em.const(f"{nb.node}/lnfold_bias", compute_new_bias(nb, original))], [y])
+
+
+def _reduce(em, op: str, x, axis: int, out):
+    if em.opset >= 18 or (op == "ReduceSum" and em.opset >= 13):
+        return em.node(op, [x, em.const("lnfold/axes", np.array([axis], np.int64))], [out], keepdims=1)
+    return em.node(op, [x], [out], axes=[axis], keepdims=1)
+
+
+def swap(em, m: NormMatch, crms: CrmsNorm) -> str:
+    """The LayerNorm `m` becomes CRMSNorm over its compressed input; its compressed readers read
+    the unscaled result, and its own output (if still read) is γ ⊙ concat(n, -Σn) + β.
+    Returns where β went, for the report."""
+    live = list(m.nodes[0].inputs) + [None] * 5
+    x = live[0]
+    axis = m.axis
+    if m.kind == "SkipLayerNormalization":
+        skip, bias = live[1], (live[4] if live[4] is not None and live[4].name else None)
+        s = m.sum_output if m.sum_output is not None else em.var(f"{m.name}/lnfold_sum", x.dtype)
+        if bias is not None:
+            xs = em.var(f"{m.name}/lnfold_xs", x.dtype)
+            em.node("Add", [x, skip], [xs])
+            em.node("Add", [xs, bias], [s])
+        else:
+            em.node("Add", [x, skip], [s])
+        x = s
+    for n in m.nodes:
+        n.outputs.clear()
+        n.inputs.clear()
+    from .emit import _dtype_of
+
+    x_dt = np.dtype(_dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
+    dt = x_dt
+    low = x_dt.itemsize < 4  # statistics in fp32, as LayerNormalization's stash_type=1
+    sd = np.float32 if low else x_dt
+    xs = x
+    if low:
+        xs = em.var(f"{m.name}/lnfold_x32", np.float32)
+        em.node("Cast", [x], [xs], to=int(onnx.TensorProto.FLOAT))
+    v = {k: em.var(f"{m.name}/lnfold_crms_{k}", sd) for k in ("ss", "s", "s2", "t", "ms", "mse", "rms", "inv")}
+    _reduce(em, "ReduceSumSquare", xs, axis, v["ss"])
+    _reduce(em, "ReduceSum", xs, axis, v["s"])
+    em.node("Mul", [v["s"], v["s"]], [v["s2"]])
+    em.node("Add", [v["ss"], v["s2"]], [v["t"]])
+    em.node("Div", [v["t"], em.const(f"{m.name}/lnfold_d", np.array(crms.width, sd))], [v["ms"]])
+    em.node("Add", [v["ms"], em.const(f"{m.name}/lnfold_eps", np.array(crms.epsilon, sd))], [v["mse"]])
+    em.node("Sqrt", [v["mse"]], [v["rms"]])
+    em.node("Reciprocal", [v["rms"]], [v["inv"]])
+    n = em.var(f"{m.name}/lnfold_crms", dt)
+    if low:
+        n32 = em.var(f"{m.name}/lnfold_crms32", np.float32)
+        em.node("Mul", [xs, v["inv"]], [n32])
+        em.node("Cast", [n32], [n], to=int(onnx.helper.np_dtype_to_tensor_dtype(x_dt)))
+    else:
+        em.node("Mul", [x, v["inv"]], [n])
+    for reader, i in crms.compressed_readers:
+        em.nodes[reader].inputs[i] = n
+    if crms.decompress:
+        _decompress(em, m, n, axis, dt)
+    if m.beta is None:
+        return ""
+    where = f"into the biases of {len(crms.compressed_readers)} reader(s) (CRMS)" if crms.compressed_readers else ""
+    return "; ".join(w for w in (where, "added after the decompression" if crms.decompress else "") if w)
+
+
+def _decompress(em, m: NormMatch, n, axis: int, dt) -> None:
+    rank = em.info.rank(m.x) or (axis + 1)
+    steps = []
+    for what, t, op in (("gamma", m.gamma, "Mul"), ("beta", m.beta, "Add")):
+        if t is not None:
+            shape = [1] * rank
+            shape[axis] = -1
+            steps.append((op, em.const(f"{m.name}/lnfold_{what}", np.asarray(const_values(t)).reshape(shape))))
+    s, neg = (em.var(f"{m.name}/lnfold_dec_{k}", dt) for k in ("sum", "last"))
+    _reduce(em, "ReduceSum", n, axis, s)
+    em.node("Neg", [s], [neg])
+    # the norm's own output tensor keeps its name (a graph output, its other readers)
+    y = m.output if not steps else em.var(f"{m.name}/lnfold_dec_full", dt)
+    em.node("Concat", [n, neg], [y], axis=axis)
+    for k, (op, c) in enumerate(steps):
+        out = m.output if k == len(steps) - 1 else em.var(f"{m.name}/lnfold_dec_{op}", dt)
+        em.node(op, [y, c], [out])
+        y = out

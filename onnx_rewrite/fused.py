@@ -1,0 +1,156 @@
+"""onnxruntime's fused transformer ops (com.microsoft), as the transformer optimizer emits them.
+
+- `EmbedLayerNormalization(input_ids, segment_ids, word, position, segment, γ, β, mask, position_ids)`
+  computes `LN(word[ids] + position[pos] + segment[seg])` and, from `mask`, a per-batch
+  `mask_index` (the count of ones per row on CPU). Its three tables are the stream's sources,
+  each centered row by row (DESIGN §1: Gather on a constant table); its LayerNorm is the norm.
+  The view sees it as a source node (`#sum`, the sum of the lookups) feeding a LayerNorm.
+
+  Emission (the simplest exact choice): the fused op is replaced by its parts on the centered
+  tables: Gather per table (position rows 0..S-1 by a Slice when no position_ids are given),
+  the Adds, and the target's RMSNorm. `mask_index`, when read, becomes
+  `ReduceSum(Cast(Equal(mask, 1)))` — what the CPU kernel computes (zeros without a mask);
+  `embedding_sum`, when read, is the (now centered) sum. There is no fused "embed + RMSNorm"
+  op in onnxruntime, so this trades the fused kernel for Gathers + Add + SimplifiedLayerNorm.
+- `SkipLayerNormalization` is in norms.py/classify.py (an Add feeding a LayerNorm).
+- `Attention(input, weights, bias, ...)` projects its input by a constant weight first
+  (`QKV = input·W + bias`), so it is linear in input 0 and a norm's β folds into its bias. The
+  other attention ops (`MultiHeadAttention`, `GroupQueryAttention`, ...) take projected Q/K/V:
+  they stay plain (non-linear) readers, and β stays an Add before them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..passes import Node, View
+from ..passes.rules import rule
+from .norms import NormMatch, const_values, is_constant
+from .shapes import Shape
+
+MS = "com.microsoft"
+# EmbedLayerNormalization's inputs
+_IDS, _SEG_IDS, _WORD, _POS, _SEG, _GAMMA, _BETA, _MASK, _POS_IDS = range(9)
+
+
+def _opt(ins: list, i: int):
+    return ins[i] if i < len(ins) and ins[i] is not None and ins[i].name else None
+
+
+def match_embed(node: gs.Node, shapes: dict[str, Shape], outputs: set) -> NormMatch:
+    ins, outs = list(node.inputs), list(node.outputs) + [None] * 3
+    out = outs[0]
+    summed = outs[2] if outs[2] is not None and outs[2].name else gs.Variable(f"{node.name}/embedding_sum")
+    if out is not None and out.name in shapes:
+        shapes.setdefault(summed.name, shapes[out.name])
+    m = NormMatch(node.name, "EmbedLayerNormalization", [node], summed, out,
+                  gamma=_opt(ins, _GAMMA), beta=_opt(ins, _BETA),
+                  epsilon=float(node.attrs.get("epsilon", 1e-12)))
+    s = shapes.get(out.name) if out is not None else None
+    m.axis = 2 if s is not None and len(s) == 3 else None
+    tables = [t for t in (_opt(ins, _WORD), _opt(ins, _POS), _opt(ins, _SEG)) if t is not None]
+    if m.axis is None:
+        m.rejection = "rank of its output is unknown"
+    elif not all(is_constant(t) for t in tables + [m.gamma]) or (m.beta is not None and not is_constant(m.beta)):
+        m.rejection = "its embedding tables or γ/β are not constants"
+    elif outs[1] is not None and outs[1].name and (outs[1].outputs or outs[1].name in outputs) \
+            and int(node.attrs.get("mask_index_type", 1)) != 1:
+        m.rejection = f"its mask_index output (mask_index_type={node.attrs.get('mask_index_type')}) is read"
+    return m
+
+
+def add_embed_view(view: View, info, m: NormMatch) -> None:
+    """The lookups' sum as a source node (tables centered per row), then the norm."""
+    node = m.nodes[0]
+    ins = list(node.inputs)
+    summed = m.x.name
+    names = [t.name if t is not None else "" for t in ins]
+    slots = [i for i in (_WORD, _POS, _SEG) if _opt(ins, i) is not None]
+    view.add_node(Node(f"{m.name}#sum", "EmbedLayerNormalization(lookups)", names[:_GAMMA] + [""] * 2 + names[_MASK:],
+                       [summed], rule=rule("embedding", table=slots, q=2)))  # [B, S] ids
+    beta = _opt(ins, _BETA) is not None
+    view.add_node(Node(m.name, m.kind, [summed, names[_GAMMA], names[_BETA] if beta else ""], [m.output.name],
+                       rule=rule("layer_norm", axes=[-1], gamma=1, beta=2 if beta else None, eps=m.epsilon,
+                                 rejection=m.rejection)))
+
+
+def embed_sum(em, m: NormMatch) -> gs.Tensor:
+    """Replace the fused op's lookups (on its live, centered tables) and its mask_index; return
+    the sum the RMSNorm reads. Called by the emitter before it detaches the node."""
+    node = m.nodes[0]
+    ins, outs = list(node.inputs), list(node.outputs) + [None] * 3
+    ids = ins[_IDS]
+    word = em.var(f"{m.name}/lnfold_word")
+    em.node("Gather", [ins[_WORD], ids], [word], axis=0)
+    pos = em.var(f"{m.name}/lnfold_position")
+    if _opt(ins, _POS_IDS) is not None:
+        em.node("Gather", [ins[_POS], ins[_POS_IDS]], [pos], axis=0)
+    else:  # rows 0 .. S-1, broadcast over the batch (the kernel's `index % sequence_length`)
+        seq = em.var(f"{m.name}/lnfold_seq_len", np.int64)
+        if em.opset >= 15:
+            em.node("Shape", [ids], [seq], start=1, end=2)
+        else:
+            _shape_dim(em, ids, 1, seq)
+        em.node("Slice", [ins[_POS], em.const("lnfold/zero", np.array([0], np.int64)), seq,
+                          em.const("lnfold/axis0", np.array([0], np.int64))], [pos])
+    total = em.var(f"{m.name}/lnfold_word_pos")
+    em.node("Add", [word, pos], [total])
+    if _opt(ins, _SEG) is not None and _opt(ins, _SEG_IDS) is not None:
+        seg = em.var(f"{m.name}/lnfold_segment")
+        em.node("Gather", [ins[_SEG], ins[_SEG_IDS]], [seg], axis=0)
+        with_seg = em.var(f"{m.name}/lnfold_sum")
+        em.node("Add", [total, seg], [with_seg])
+        total = with_seg
+    summed = outs[2] if outs[2] is not None and outs[2].name else None
+    if summed is not None:  # embedding_sum is read: it becomes the (centered) sum itself
+        node.outputs[2] = gs.Variable.empty()
+        em.node("Identity", [total], [summed])
+        total = summed
+    mask_index = outs[1] if outs[1] is not None and outs[1].name else None
+    if mask_index is not None and (mask_index.outputs or mask_index in em.graph.outputs):
+        node.outputs[1] = gs.Variable.empty()
+        _mask_index(em, m.name, ids, _opt(ins, _MASK), mask_index)
+    em.info.shapes[total.name] = em.info.shape(m.output)
+    return total
+
+
+def _shape_dim(em, t, k: int, out) -> None:
+    shape = em.var("lnfold/shape", np.int64)
+    em.node("Shape", [t], [shape])
+    em.node("Gather", [shape, em.const("lnfold/k", np.array([k], np.int64))], [out], axis=0)
+
+
+def _mask_index(em, name: str, ids, mask, out) -> None:
+    """The CPU kernel's mask_index: the number of ones in each row of `mask` (int32), else zeros."""
+    if mask is None:
+        batch = em.var(f"{name}/lnfold_batch", np.int64)
+        _shape_dim(em, ids, 0, batch)
+        em.node("ConstantOfShape", [batch], [out], value=onnx.helper.make_tensor("v", onnx.TensorProto.INT32, [1], [0]))
+        return
+    ones = em.var(f"{name}/lnfold_mask_ones", np.bool_)
+    em.node("Equal", [mask, em.const("lnfold/one", np.array(1, np.int32))], [ones])
+    count = em.var(f"{name}/lnfold_mask_count", np.int32)
+    em.node("Cast", [ones], [count], to=int(onnx.TensorProto.INT32))
+    if em.opset >= 13:
+        em.node("ReduceSum", [count, em.const("lnfold/axes", np.array([1], np.int64))], [out], keepdims=0)
+    else:
+        em.node("ReduceSum", [count], [out], axes=[1], keepdims=0)
+
+
+def attention_reader(r: gs.Node, t: gs.Tensor) -> Optional[tuple]:
+    """onnxruntime's Attention reading `t` as its input: (node, W, in_axis, (node, bias slot)) for
+    β folding, or None. Linear in input 0: QKV = input·W + bias before anything else."""
+    if r.op != "Attention" or r.domain != MS or r.inputs[0] is not t or any(i is t for i in r.inputs[1:]):
+        return None
+    w = const_values(r.inputs[1]) if len(r.inputs) > 1 else None
+    if w is None or np.ndim(w) != 2:
+        return None
+    if len(r.inputs) < 3 or r.inputs[2] is None or not r.inputs[2].name:
+        return None  # no bias input to fold into (appending one would shift the later inputs)
+    b = const_values(r.inputs[2])
+    if b is None or np.size(b) != np.shape(w)[1]:
+        return None
+    return (r, w, 0, (r, 2))

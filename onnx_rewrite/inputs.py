@@ -1,0 +1,357 @@
+"""Inputs that a model accepts, made up from its graph (DESIGN §4), or given by the user.
+
+Verification runs the model, so its inputs must fit: sizes that agree across inputs sharing a
+symbolic dim name (Optimum's `past_sequence_length`, and `past_sequence_length + sequence_length`
+for the attention mask), masks of ones, `position_ids = arange(past, past + seq)`, widths fixed
+by the first MatMul/Gemm/Conv that reads an input, index inputs inside every table they reach,
+and lengths small enough that indices the graph *computes* (Range, CumSum, position inputs) stay
+inside the smallest table they index. `candidates` yields a few such assignments, most likely
+first; the caller runs the model on each until one works.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..passes import LnfoldError
+
+# ops that pass an index tensor through unchanged in value (maybe reshaped)
+_INDEX_PASSTHROUGH = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Identity", "Expand", "Slice",
+                      "Concat", "Transpose", "Tile"}
+# ops that keep an input's dims in place, so a width fixed after them is the input's width
+_DIM_PASSTHROUGH = {"Cast", "Identity", "Add", "Sub", "Mul", "Div", "Relu", "Sigmoid", "Tanh", "Dropout"}
+# ops whose output indices are computed from sizes: these must stay inside the tables they index
+_COMPUTED_INDEX_OPS = {"Range", "CumSum"}
+
+_BATCH = 2
+_SEQ, _PAST = 5, 3  # default sequence and past lengths; past + seq fits a position table of 8
+_BAKED_SIZES = [(7, 7), (1, 1), (16, 16), (8, 8), (16, 1), (7, 1)]  # (sequence, past) tried next
+
+_NP = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_,
+    onnx.TensorProto.UINT8: np.uint8, onnx.TensorProto.INT8: np.int8, onnx.TensorProto.INT16: np.int16,
+}
+
+
+@dataclass
+class InputSpec:
+    name: str
+    elem: int
+    dims: list  # int (static), str (symbolic name or expression) or None (unnamed)
+
+
+@dataclass
+class GraphFacts:
+    """What the graph says about its inputs' values and sizes."""
+
+    specs: list[InputSpec]
+    index_bound: dict[str, int] = field(default_factory=dict)  # input -> values must be < this
+    fixed: dict[tuple[str, int], int] = field(default_factory=dict)  # (input, axis) -> size a weight fixes
+    length_limit: Optional[int] = None  # past + seq must stay <= this (smallest computed-index table)
+    image_sides: list[int] = field(default_factory=list)  # spatial sizes that fit a conv stem + position table
+
+
+def graph_inputs(model: onnx.ModelProto) -> list[InputSpec]:
+    inits = {t.name for t in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if vi.name in inits or not vi.type.HasField("tensor_type"):
+            continue
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+        out.append(InputSpec(vi.name, t.elem_type, dims))
+    return out
+
+
+def _small_array(t: onnx.TensorProto) -> Optional[np.ndarray]:
+    if t.data_location == onnx.TensorProto.EXTERNAL or np.prod(t.dims, dtype=np.int64) > 4096:
+        return None
+    try:
+        return numpy_helper.to_array(t)
+    except Exception:
+        return None
+
+
+def facts(model: onnx.ModelProto) -> GraphFacts:
+    g = model.graph
+    specs = graph_inputs(model)
+    inits = {t.name: t for t in g.initializer}
+    consts = dict(inits)
+    producer: dict[str, onnx.NodeProto] = {}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for o in n.output:
+            producer[o] = n
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value" and a.t is not None:
+                    consts[n.output[0]] = a.t
+    shape = lambda name: list(consts[name].dims) if name in consts else None  # noqa: E731
+    f = GraphFacts(specs)
+
+    # index bounds: follow each integer input through value-preserving ops (and Add of a
+    # non-negative constant, which shifts the bound) to every constant table it indexes
+    for s in specs:
+        frontier, seen, best = [(s.name, 0)], set(), None
+        while frontier:
+            name, offset = frontier.pop()
+            if (name, offset) in seen:
+                continue
+            seen.add((name, offset))
+            for n in consumers.get(name, []):
+                if n.op_type in ("Gather", "GatherElements") and len(n.input) > 1 and n.input[1] == name \
+                        and shape(n.input[0]):
+                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+                    rows = shape(n.input[0])[axis] - offset
+                    best = rows if best is None else min(best, rows)
+                elif n.op_type in _INDEX_PASSTHROUGH and n.input and n.input[0] == name:
+                    frontier.extend((o, offset) for o in n.output)
+                elif n.op_type == "Add" and len(n.input) == 2:
+                    other = n.input[1] if n.input[0] == name else n.input[0]
+                    c = _small_array(consts[other]) if other in consts else None
+                    if c is not None and c.size and np.issubdtype(c.dtype, np.integer) and c.min() >= 0:
+                        frontier.append((n.output[0], offset + int(c.max())))
+        if best is not None:
+            f.index_bound[s.name] = max(best, 1)
+
+    # tables indexed by computed positions bound the sequence (+ past) length
+    position_inputs = {s.name for s in specs if "position" in s.name.lower()}
+    for n in g.node:
+        if n.op_type != "Gather" or len(n.input) < 2 or not shape(n.input[0]) or len(shape(n.input[0])) != 2:
+            continue
+        if _computed_index(n.input[1], producer, position_inputs):
+            rows = shape(n.input[0])[0]
+            f.length_limit = rows if f.length_limit is None else min(f.length_limit, rows)
+
+    # widths fixed by the first weight an input meets
+    for s in specs:
+        frontier, seen = [(s.name, list(range(len(s.dims))))], set()
+        while frontier:
+            name, axes = frontier.pop()  # axes[k]: the input axis now at position k
+            if name in seen:
+                continue
+            seen.add(name)
+            for n in consumers.get(name, []):
+                if n.op_type in _DIM_PASSTHROUGH and len(n.output) >= 1:
+                    if n.op_type in ("Add", "Sub", "Mul", "Div"):
+                        other = [i for i in n.input if i != name]
+                        if other and other[0] in consts and len(shape(other[0])) > len(axes):
+                            continue
+                    frontier.append((n.output[0], axes))
+                elif n.op_type == "Transpose":
+                    perm = next((list(a.ints) for a in n.attribute if a.name == "perm"), list(range(len(axes)))[::-1])
+                    frontier.append((n.output[0], [axes[p] for p in perm]))
+                elif n.op_type == "Conv" and n.input[0] == name and len(n.input) > 1 and shape(n.input[1]) and len(axes) > 1:
+                    group = next((a.i for a in n.attribute if a.name == "group"), 1)
+                    f.fixed.setdefault((s.name, axes[1]), shape(n.input[1])[1] * group)
+                    f.image_sides.extend(_conv_sides(n, shape(n.input[1]), inits))
+                elif n.op_type == "MatMul" and n.input[0] == name and shape(n.input[1]) and len(shape(n.input[1])) >= 2:
+                    f.fixed.setdefault((s.name, axes[-1]), shape(n.input[1])[-2])
+                elif n.op_type == "Gemm" and n.input[0] == name and shape(n.input[1]):
+                    trans_a = next((a.i for a in n.attribute if a.name == "transA"), 0)
+                    trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
+                    f.fixed.setdefault((s.name, axes[0 if trans_a else -1]), shape(n.input[1])[1 if trans_b else 0])
+    return f
+
+
+def _computed_index(name: str, producer: dict, position_inputs: set[str], depth: int = 0) -> bool:
+    """Do the values of `name` come from a Range/CumSum or a position input (through any ops)?"""
+    if name in position_inputs:
+        return True
+    n = producer.get(name)
+    if n is None or depth > 12:
+        return False
+    if n.op_type in _COMPUTED_INDEX_OPS:
+        return True
+    return any(_computed_index(i, producer, position_inputs, depth + 1) for i in n.input if i)
+
+
+def _conv_sides(conv: onnx.NodeProto, w_shape: list, inits: dict) -> list[int]:
+    """Image sides for a patch-embedding conv whose token count a position table fixes:
+    `stride * sqrt(N) + (kernel - stride)` for each square N (or N - 1, a cls token) among the
+    row counts of the graph's 2-D/3-D tables."""
+    kernel = w_shape[2] if len(w_shape) > 2 else 1
+    stride = next((a.ints[0] for a in conv.attribute if a.name == "strides" and a.ints), 1)
+    sides = []
+    for t in inits.values():
+        if len(t.dims) in (2, 3) and len(t.dims) and t.dims[-2] > 1:
+            rows = t.dims[-2]
+            for n in (rows, rows - 1):
+                r = int(round(n ** 0.5))
+                if r > 0 and r * r == n:
+                    sides.append(stride * r + (kernel - stride))
+    sides.append(2 * stride + (kernel - stride))
+    return sorted(set(sides))
+
+
+_EXPR = re.compile(r"^[\w.:/\- ]+(\s*[+]\s*[\w.:/\- ]+)+$")
+
+
+def _is_batch(name: str) -> bool:
+    low = name.lower()
+    return low in ("n", "b", "bs", "batch") or low.startswith("batch")
+
+
+def _is_past(name: str) -> bool:
+    return "past" in name.lower()
+
+
+def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, seed: int = 0,
+               known: Optional[GraphFacts] = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    """(description, feeds) for a few size assignments, most likely to run first."""
+    f = known or facts(model)
+    dims = dict(dims or {})
+    seq, past = _SEQ, _PAST
+    if f.length_limit is not None and past + seq > f.length_limit:
+        past = max(1, f.length_limit // 3) if f.length_limit >= 2 else 0
+        seq = max(1, f.length_limit - past)
+    tried = set()
+    sides = f.image_sides or [None]
+    plans = [(seq, past, side) for side in sides]
+    # then sizes exporters often bake into a graph traced at them (a Reshape to [7, 1] in a
+    # TorchScript export, `past + 16` in Optimum's), within the tables
+    for s_, p_ in _BAKED_SIZES:
+        if f.length_limit is None or s_ + p_ <= f.length_limit:
+            plans.append((s_, p_, sides[0]))
+    for seq_, past_, side in plans:
+        key = (seq_, past_, side)
+        if key in tried:
+            continue
+        tried.add(key)
+        sizes = _assign(f, dims, seq_, past_, side)
+        yield f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else ""), \
+            _values(f, sizes, past_, seed)
+
+
+def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Optional[int]) -> dict[tuple[str, int], int]:
+    named: dict[str, int] = dict(user)
+    # sizes the weights fix win over the name heuristics, and are shared by name
+    for s in f.specs:
+        for k, d in enumerate(s.dims):
+            if isinstance(d, str) and (s.name, k) in f.fixed and d not in named:
+                named[d] = f.fixed[(s.name, k)]
+
+    def size_of(spec: InputSpec, k: int, d) -> int:
+        if isinstance(d, int) and d > 0:
+            return d
+        if (spec.name, k) in f.fixed:
+            return f.fixed[(spec.name, k)] if not (isinstance(d, str) and d in user) else user[d]
+        if isinstance(d, str):
+            if d in named:
+                return named[d]
+            if _EXPR.match(d):  # Optimum: "past_sequence_length + sequence_length"
+                total = 0
+                for part in d.split("+"):
+                    part = part.strip()
+                    total += int(part) if part.isdigit() else named.setdefault(part, past if _is_past(part) else seq)
+                return total
+            named[d] = _BATCH if _is_batch(d) else past if _is_past(d) else seq
+            return named[d]
+        return seq
+
+    sizes = {}
+    for s in f.specs:
+        image = any((s.name, 1) == key for key in f.fixed) and len(s.dims) == 4
+        for k, d in enumerate(s.dims):
+            if image and side is not None and k >= 2 and not (isinstance(d, int) and d > 0) \
+                    and not (isinstance(d, str) and d in user):
+                sizes[(s.name, k)] = side
+            elif k == 0 and d is None and len(s.dims) > 1:
+                sizes[(s.name, k)] = _BATCH
+            else:
+                sizes[(s.name, k)] = size_of(s, k, d)
+    return sizes
+
+
+def _values(f: GraphFacts, sizes: dict, past: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in f.specs:
+        shape = [sizes[(s.name, k)] for k in range(len(s.dims))]
+        dt = _NP.get(s.elem)
+        if dt is None:
+            raise LnfoldError(f"input {s.name!r} has type {onnx.TensorProto.DataType.Name(s.elem).lower()}, "
+                              "which verification cannot make up; give it with --inputs FILE.npz")
+        low = s.name.lower()
+        if "mask" in low:  # attention/padding masks: all positions visible
+            feeds[s.name] = np.ones(shape, dtype=dt)
+        elif ("position_ids" in low or "cache_position" in low) and not np.issubdtype(dt, np.floating) and shape:
+            start = past if any(_is_past(str(d)) for o in f.specs for d in o.dims) else 0
+            pos = np.arange(start, start + shape[-1])
+            feeds[s.name] = np.broadcast_to(pos, shape).astype(dt).copy()
+        elif np.issubdtype(dt, np.floating):
+            feeds[s.name] = rng.standard_normal(shape).astype(dt)
+        elif dt is np.bool_:
+            feeds[s.name] = rng.random(shape) < 0.8
+        else:
+            feeds[s.name] = rng.integers(0, f.index_bound.get(s.name, 2), size=shape).astype(dt)
+    return feeds
+
+
+def load_npz(path, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """User inputs from an .npz file, checked against the model's input names."""
+    p = Path(path)
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            feeds = {k: z[k] for k in z.files}
+    except FileNotFoundError:
+        raise LnfoldError(f"{p}: no such inputs file") from None
+    except Exception as e:
+        raise LnfoldError(f"{p}: not a readable .npz file of arrays ({type(e).__name__})") from None
+    return check_feeds(feeds, model, str(p))
+
+
+def check_feeds(feeds: dict, model: onnx.ModelProto, where: str = "inputs") -> dict[str, np.ndarray]:
+    want = {s.name: s for s in graph_inputs(model)}
+    unknown = sorted(set(feeds) - set(want))
+    missing = sorted(set(want) - set(feeds))
+    if unknown:
+        raise LnfoldError(f"{where}: {', '.join(unknown)} {'is not an input' if len(unknown) == 1 else 'are not inputs'} "
+                          f"of the model (its inputs: {', '.join(want) or 'none'})")
+    if missing:
+        raise LnfoldError(f"{where}: missing {', '.join(missing)} (the model's inputs: {', '.join(want)})")
+    out = {}
+    for name, arr in feeds.items():
+        arr = np.asarray(arr)
+        dt = _NP.get(want[name].elem)
+        if dt is not None and arr.dtype != dt:
+            raise LnfoldError(f"{where}: {name} is {arr.dtype}, the model takes {np.dtype(dt)}")
+        dims = want[name].dims
+        if len(dims) != arr.ndim or any(isinstance(d, int) and d > 0 and d != a for d, a in zip(dims, arr.shape)):
+            raise LnfoldError(f"{where}: {name} has shape {list(arr.shape)}, the model takes "
+                              f"{[d if d else '?' for d in dims]}")
+        out[name] = arr
+    return out
+
+
+def parse_dims(items) -> dict[str, int]:
+    """`NAME=SIZE` strings (the CLI's --dim) into a dict; a bad one is a one-line error."""
+    out = {}
+    for item in items or ():
+        name, sep, value = str(item).rpartition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise LnfoldError(f"--dim {item!r}: expected NAME=SIZE with a positive integer SIZE")
+        out[name.strip()] = int(value)
+    return out
+
+
+def check_dims(dims: dict[str, int], model: onnx.ModelProto) -> dict[str, int]:
+    """Every name in `dims` must be a symbolic dim of some input."""
+    names = {d for s in graph_inputs(model) for d in s.dims if isinstance(d, str)}
+    parts = names | {p.strip() for d in names if _EXPR.match(d) for p in d.split("+")}
+    for name, size in dims.items():
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+            raise LnfoldError(f"dim {name}={size!r}: the size must be a positive integer")
+        if name not in parts:
+            raise LnfoldError(f"dim {name!r} is not a symbolic dim of the model's inputs "
+                              f"(they have: {', '.join(sorted(parts)) or 'none'})")
+    return dict(dims)

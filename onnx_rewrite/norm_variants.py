@@ -1,0 +1,237 @@
+"""Decomposed LayerNorms as tf2onnx and jax2onnx write them (norms.py has torch's form).
+
+tf2onnx, Keras `LayerNormalization` (keras 3: `moments`, `rsqrt`, then `x·inv + (β − μ·inv)`):
+
+    μ = GlobalAveragePool(x)            (or ReduceMean; GAP averages axes 2.. = the last of [B,S,D])
+    d = Sub(x, μ);  v = GAP(Mul(d, d));  inv = Reciprocal(Sqrt(Add(v, eps)))  [· γ]
+    y = Add(Mul(x, inv), Add(Mul(Neg(μ), inv), β))
+
+jax2onnx, flax `LayerNorm` (flax's fast variance, E[x²] − E[x]², clipped at 0):
+
+    μ = ReduceMean(x);  v = Max(Sub(ReduceMean(Mul(x, x)), Mul(μ, μ)), 0)
+    y = Div(Sub(x, μ), Sqrt(Add(v, eps)))  [· γ] [+ β]
+
+Both compute (x − μ)/sqrt(var + eps)·γ + β, so both equal an RMSNorm of x (same eps, γ, β) once
+x is zero-mean: μ = 0 turns the first into x·γ/sqrt(E[x²] + eps) + β and the second's variance
+into E[x²] (the Max is then a no-op: E[x²] ≥ 0). Each match covers every node of the pattern, and
+no tensor inside it may be read from outside (the swap removes them all).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from ..passes.rules import norm_axis as _norm_axis
+from .norms import NormMatch, _rank, const_values, reduce_axes
+from .shapes import Shape
+
+
+def _scalar(t) -> Optional[float]:
+    v = const_values(t) if t is not None else None
+    if v is None or np.asarray(v).size != 1:
+        return None
+    return float(np.asarray(v).reshape(-1)[0])
+
+
+def _affine_along(t, axis: Optional[int], rank: int) -> bool:
+    """A γ or β constant along `axis` only."""
+    v = np.asarray(const_values(t))
+    if v.ndim > rank:
+        return False
+    shape = (1,) * (rank - v.ndim) + v.shape
+    return all(s == 1 for i, s in enumerate(shape) if i != axis)
+
+
+def _readers(t: gs.Tensor) -> list:
+    """Distinct readers (graphsurgeon lists Mul(d, d) twice among d's outputs)."""
+    seen, out = set(), []
+    for n in t.outputs:
+        if id(n) not in seen:
+            seen.add(id(n))
+            out.append(n)
+    return out
+
+
+def _one(t: gs.Tensor, op: str) -> Optional[gs.Node]:
+    r = _readers(t)
+    return r[0] if len(r) == 1 and r[0].op == op else None
+
+
+def _other(node: gs.Node, t: gs.Tensor) -> Optional[gs.Tensor]:
+    ins = list(node.inputs)
+    if len(ins) != 2 or t not in ins:
+        return None
+    return ins[1] if ins[0] is t else ins[0]
+
+
+def _mean_axes(node: gs.Node, rank: Optional[int]) -> Optional[tuple]:
+    """Axes a keepdims mean reduces: ReduceMean's, or GlobalAveragePool's (2 .. rank-1)."""
+    if node.op == "GlobalAveragePool":
+        return None if rank is None or rank < 3 else tuple(range(2, rank))
+    if node.op != "ReduceMean" or int(node.attrs.get("keepdims", 1)) != 1:
+        return None
+    axes = reduce_axes(node)
+    if axes is None or not axes or rank is None:
+        return None
+    return tuple(sorted({a + rank if a < 0 else a for a in axes}))
+
+
+def _same_mean(node: Optional[gs.Node], axes: tuple, rank: Optional[int]) -> bool:
+    return node is not None and _mean_axes(node, rank) == axes
+
+
+def _rsqrt(v: gs.Tensor, nodes: list) -> Optional[tuple[gs.Tensor, float]]:
+    """[Add eps] -> Sqrt: returns (sqrt output, eps)."""
+    eps, t = 0.0, v
+    add = _one(t, "Add")
+    if add is not None:
+        e = _scalar(_other(add, t))
+        if e is None:
+            return None
+        eps, t = e, add.outputs[0]
+        nodes.append(add)
+    sqrt = _one(t, "Sqrt")
+    if sqrt is None:
+        return None
+    nodes.append(sqrt)
+    return sqrt.outputs[0], eps
+
+
+def _affine_const(t, axis, rank) -> bool:
+    return t is not None and const_values(t) is not None and _affine_along(t, axis, rank)
+
+
+def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
+    x = mean.inputs[0]
+    rank = _rank(x, shapes)
+    axes = _mean_axes(mean, rank)
+    if axes is None:
+        return None
+    axis, rejection = _norm_axis(list(axes), rank)
+    mu = mean.outputs[0]
+    by_op = {n.op: n for n in _readers(mu)}
+    if len(_readers(mu)) != 2 or set(by_op) != {"Neg", "Sub"}:
+        return None
+    neg, sub = by_op["Neg"], by_op["Sub"]
+    if list(sub.inputs) != [x, mu]:
+        return None
+    d = sub.outputs[0]
+    sq = _one(d, "Mul")
+    if sq is None or list(sq.inputs) != [d, d]:
+        return None
+    var = _one(sq.outputs[0], mean.op)
+    if not _same_mean(var, axes, rank):
+        return None
+    nodes = [mean, neg, sub, sq, var]
+    got = _rsqrt(var.outputs[0], nodes)
+    if got is None:
+        return None
+    s, eps = got
+    rec = _one(s, "Reciprocal")
+    if rec is None:
+        return None
+    nodes.append(rec)
+    inv = rec.outputs[0]
+    gamma = None
+    if len(_readers(inv)) == 1:  # γ: inv = rsqrt(...) * γ
+        mul_g = _one(inv, "Mul")
+        if mul_g is None or not _affine_const(_other(mul_g, inv), axis, rank):
+            return None
+        gamma, inv = _other(mul_g, inv), mul_g.outputs[0]
+        nodes.append(mul_g)
+    readers = _readers(inv)
+    if len(readers) != 2 or any(r.op != "Mul" for r in readers):
+        return None
+    mx = next((r for r in readers if _other(r, inv) is x), None)
+    mn = next((r for r in readers if _other(r, inv) is neg.outputs[0]), None)
+    if mx is None or mn is None or mx is mn:
+        return None
+    nodes += [mx, mn]
+    shift = mn.outputs[0]
+    beta = None
+    add_b = _one(shift, "Add")
+    if add_b is not None and _other(add_b, shift) is not None and _affine_const(_other(add_b, shift), axis, rank):
+        beta, shift = _other(add_b, shift), add_b.outputs[0]
+        nodes.append(add_b)
+    final = _one(shift, "Add")
+    if final is None or _other(final, shift) is not mx.outputs[0] or len(_readers(mx.outputs[0])) != 1:
+        return None
+    nodes.append(final)
+    return _finish(NormMatch(mean.name, "decomposed", nodes, x, final.outputs[0], gamma=gamma, beta=beta,
+                             epsilon=eps, axis=axis, rejection=rejection, axes=list(axes)), x, outputs)
+
+
+def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
+    x = mean.inputs[0]
+    rank = _rank(x, shapes)
+    axes = _mean_axes(mean, rank)
+    if axes is None or mean.op != "ReduceMean":
+        return None
+    axis, rejection = _norm_axis(list(axes), rank)
+    mu = mean.outputs[0]
+    by_op = {n.op: n for n in _readers(mu)}
+    if len(_readers(mu)) != 2 or set(by_op) != {"Sub", "Mul"}:
+        return None
+    sub, mu2 = by_op["Sub"], by_op["Mul"]
+    if list(sub.inputs) != [x, mu] or list(mu2.inputs) != [mu, mu]:
+        return None
+    xx = next((n for n in _readers(x) if n.op == "Mul" and list(n.inputs) == [x, x]), None)
+    if xx is None:
+        return None
+    m2 = _one(xx.outputs[0], "ReduceMean")
+    if not _same_mean(m2, axes, rank):
+        return None
+    var = _one(m2.outputs[0], "Sub")
+    if var is None or list(var.inputs) != [m2.outputs[0], mu2.outputs[0]] or len(_readers(mu2.outputs[0])) != 1:
+        return None
+    nodes = [mean, sub, xx, m2, mu2, var]
+    v = var.outputs[0]
+    mx = _one(v, "Max")
+    if mx is not None:
+        if _scalar(_other(mx, v)) != 0.0:
+            return None
+        nodes.append(mx)
+        v = mx.outputs[0]
+    got = _rsqrt(v, nodes)
+    if got is None:
+        return None
+    s, eps = got
+    div = _one(s, "Div")
+    if div is None or list(div.inputs) != [sub.outputs[0], s] or len(_readers(sub.outputs[0])) != 1:
+        return None
+    nodes.append(div)
+    out = div.outputs[0]
+    gamma = beta = None
+    mul = _one(out, "Mul")
+    if mul is not None and _affine_const(_other(mul, out), axis, rank):
+        gamma, out = _other(mul, out), mul.outputs[0]
+        nodes.append(mul)
+    add = _one(out, "Add")
+    if add is not None and _affine_const(_other(add, out), axis, rank):
+        beta, out = _other(add, out), add.outputs[0]
+        nodes.append(add)
+    return _finish(NormMatch(mean.name, "decomposed", nodes, x, out, gamma=gamma, beta=beta, epsilon=eps,
+                             axis=axis, rejection=rejection, axes=list(axes)), x, outputs)
+
+
+def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> Optional[NormMatch]:
+    """Every tensor the pattern makes, but its output, is read inside the pattern only; x is read
+    by pattern nodes (and anything else: it is the stream)."""
+    inside = {id(n) for n in m.nodes}
+    for n in m.nodes:
+        for o in n.outputs:
+            if o is m.output:
+                continue
+            if o.name in outputs or any(id(r) not in inside for r in o.outputs):
+                return None
+    # the swap reads x from the first node's input 0 (emit.py): both patterns start at mean(x)
+    return m if m.nodes[0].inputs[0] is x else None
+
+
+def match_variant(node: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
+    """tf2onnx's or jax2onnx's LayerNorm starting at this mean of x, if it is one."""
+    if node.op not in ("ReduceMean", "GlobalAveragePool"):
+        return None
+    return match_keras(node, shapes, outputs) or match_flax(node, shapes, outputs)

@@ -1,0 +1,278 @@
+"""The branches of an If, folded with the main graph as one (Optimum's merged decoders).
+
+Optimum's default decoder export, `decoder_model_merged.onnx`, is one `If(use_cache_branch)` whose
+two branches hold the whole decoder twice (without and with past key/values); both read the outer
+graph's initializers, which they share. Folding one branch alone would edit weights the other
+reads. So the branches of every top-level If are inlined into the one stream view the analysis
+sees, each under its own scope (`<If name>/then_branch::<name>`), next to the main graph:
+
+- names a branch reads from the outer scope (initializers, graph inputs, main-graph tensors) stay
+  unscoped, so a shared weight is one value with readers in both branches: the plan edits it once
+  in place when every reader is centered the same way (both branches fold), and clones it where a
+  reader needs the original (DESIGN §1, shared constants);
+- a branch's outputs are observable (they leave through the If), so stream tensors among them
+  block, as graph outputs do;
+- shapes are inferred per branch (a branch as a standalone model, outer names as its inputs), since
+  both branches use the same internal names.
+
+Emission: the constant edits are applied once for all scopes (one new tensor per edit, shared by
+every reader in any branch), then one `Emitter` per scope does its swaps and recenters in its own
+graph. On export, initializers that graphsurgeon writes into each branch are hoisted back to the
+main graph (one copy, shared again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper
+
+from ..passes import ConstRef, Node, Plan, View, compute_constants
+from ..passes.plan import Ones
+from ..passes.view import ChannelScale
+
+from .norms import NormMatch, const_values
+from .shapes import infer_shapes, infer_types
+
+SEP = "::"
+
+
+@dataclass
+class Scope:
+    """One inlined branch: its graph, its shapes and its norms, under `prefix`."""
+
+    prefix: str
+    graph: gs.Graph
+    info: object  # classify.GraphInfo of the branch
+    matches: dict = field(default_factory=dict)  # unscoped name -> NormMatch
+    outer: set = field(default_factory=set)
+
+    def scoped(self, name: str) -> str:
+        return name if not name or name in self.outer else f"{self.prefix}{SEP}{name}"
+
+    def owns(self, scoped_name: str) -> bool:
+        return scoped_name.startswith(self.prefix + SEP)
+
+    def local(self, scoped_name: str) -> str:
+        return scoped_name[len(self.prefix) + len(SEP):] if self.owns(scoped_name) else scoped_name
+
+
+def _outer_names(model: onnx.ModelProto) -> set:
+    g = model.graph
+    return ({t.name for t in g.initializer} | {t.name for t in g.input} | {o for n in g.node for o in n.output}
+            | {t.name for t in g.sparse_initializer})
+
+
+def _branch_model(model: onnx.ModelProto, branch: onnx.GraphProto, outer: set, types: dict) -> onnx.ModelProto:
+    """A branch as a standalone model for shape inference: the outer names it reads become typed
+    inputs (small initializers stay, their values matter: Reshape shapes, axes)."""
+    g = model.graph
+    used = {i for n in branch.node for i in n.input} | _nested_reads(branch)
+    inputs, inits = [], []
+    for t in g.initializer:
+        if t.name not in used:
+            continue
+        if int(np.prod(t.dims)) <= 4096 and t.data_location != onnx.TensorProto.EXTERNAL:
+            inits.append(t)
+        else:
+            inputs.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    for name in sorted(used & outer):
+        if name in types and all(i.name != name for i in inputs) and all(t.name != name for t in inits):
+            inputs.append(types[name])
+    sub = helper.make_graph(list(branch.node), branch.name or "branch", inputs, list(branch.output), inits,
+                            value_info=list(branch.value_info))
+    m = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    m.functions.extend(model.functions)
+    return m
+
+
+def _nested_reads(graph: onnx.GraphProto) -> set:
+    out: set = set()
+    for n in graph.node:
+        for a in n.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                out |= {i for m in sub.node for i in m.input} | _nested_reads(sub)
+    return out
+
+
+def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: int) -> list[Scope]:
+    """Add the nodes of every top-level If's branches to `view`, scoped; returns the scopes."""
+    from .classify import GraphInfo, build_view
+
+    ifs = [(k, n) for k, n in enumerate(graph.nodes) if n.op == "If"]
+    if not ifs:
+        return []
+    outer = _outer_names(model)
+    types = {vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
+    if any(o not in types for n in model.graph.node if n.op_type != "If" for o in n.output):
+        types = {**infer_types(model), **types}  # main-graph tensors the branches read need types
+    protos = [n for n in model.graph.node]
+    scopes: list[Scope] = []
+    seen = {n.name for n in graph.nodes}  # node names unique across the main graph and all branches
+    for k, node in ifs:
+        proto = protos[k]  # graphsurgeon keeps the node order of the proto
+        _drop_captured(view, node)
+        for attr in ("then_branch", "else_branch"):
+            branch = node.attrs.get(attr)
+            bproto = next((a.g for a in proto.attribute if a.name == attr), None)
+            if not isinstance(branch, gs.Graph) or bproto is None:
+                continue
+            dedupe_node_names(branch, seen)
+            shapes = infer_shapes(_branch_model(model, bproto, outer, types))
+            info = GraphInfo(branch, shapes)
+            bview, matches = build_view(info, opset)
+            scope = Scope(f"{node.name}/{attr}", branch, info, matches, outer)
+            _merge(view, bview, scope)
+            scopes.append(scope)
+    return scopes
+
+
+def _drop_captured(view: View, node: gs.Node) -> None:
+    """The If's view node keeps its explicit inputs only: its branches' nodes read the rest."""
+    vnode = view.nodes[node.name]
+    explicit = len(node.inputs)
+    for i, name in enumerate(vnode.inputs[explicit:], start=explicit):
+        if name:
+            view.values[name].consumers.remove((vnode.name, i))
+    del vnode.inputs[explicit:]
+
+
+def _merge(view: View, bview: View, scope: Scope) -> None:
+    s = scope.scoped
+    for n in bview.nodes.values():
+        view.add_node(Node(
+            s(n.name), n.op, [s(i) for i in n.inputs], [s(o) for o in n.outputs],
+            transfer=n.transfer, backward=n.backward,
+            centering=_scoped_refs(n.centering, s), channel_scale=_scoped_scale(n.channel_scale, s),
+            invariant=n.invariant,
+            norm=None if n.norm is None else replace(n.norm, gamma=n.norm.gamma and s(n.norm.gamma),
+                                                     beta=n.norm.beta and s(n.norm.beta)),
+            norm_rejection=n.norm_rejection, shape_only=n.shape_only,
+        ))
+    for name, v in bview.values.items():
+        tv = view.value(s(name))
+        if tv.rank is None:
+            tv.rank, tv.shape = v.rank, v.shape
+        tv.is_const = tv.is_const or v.is_const
+        tv.is_graph_output = tv.is_graph_output or v.is_graph_output  # leaves through the If
+
+
+def _ref(r: ConstRef, s) -> ConstRef:
+    return ConstRef(s(r.value), r.axis, s(r.user), r.user_input)
+
+
+def _scoped_refs(centering, s):
+    def wrapped(o, a):
+        refs = centering(o, a)
+        return None if refs is None else [_ref(r, s) for r in refs]
+    return wrapped
+
+
+def _scoped_scale(channel_scale, s):
+    def wrapped(o, a):
+        c = channel_scale(o, a)
+        return None if c is None else ChannelScale(c.input, c.input_axis, _ref(c.scale, s))
+    return wrapped
+
+
+# --- emission -----------------------------------------------------------------------------------
+
+def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emitter) -> None:
+    """Apply `plan` to the main graph and every scope: constant edits once, then per-graph swaps."""
+    emitters = [(None, main_emitter)] + [(sc, make_emitter(sc.graph, sc.info)) for sc in scopes]
+    names = set(main_emitter._names)
+    for _, em in emitters[1:]:
+        names |= em._names
+    for _, em in emitters:
+        em._names = names  # one namespace: new tensors are hoisted to the main graph on export
+
+    def where(scoped_name: str):
+        for sc, em in emitters[1:]:
+            if sc.owns(scoped_name):
+                return sc, em
+        return None, main_emitter
+
+    tensors = dict(main_emitter.info.tensors)
+    for sc, _ in emitters[1:]:
+        for name, t in sc.info.tensors.items():
+            tensors.setdefault(sc.scoped(name), t)
+
+    def original(name: str) -> np.ndarray:
+        return const_values(tensors[name])
+
+    for edit, arr in compute_constants(plan, original):
+        new = None
+        for user, idx in edit.users:
+            sc, em = where(user)
+            node = em.nodes[(sc.local(user) if sc else user).split("#")[0]]
+            if new is None:
+                new = em.const(f"{edit.value.split(SEP)[-1]}/lnfold_{'ones' if edit.ops == (Ones(),) else 'centered'}", arr)
+            node.inputs[idx] = new
+            if edit.ops == (Ones(),):
+                em._bypass_mul(node)
+
+    for sc, em in emitters:
+        # the scope's share of the plan, in its own graph's names; the emitter notes where each
+        # norm's β went on the report's verdicts, copied back to the scoped ones after
+        mine = (lambda n: not any(s.owns(n) for s in scopes)) if sc is None else sc.owns
+        local = (lambda n: n) if sc is None else sc.local
+        part = Plan(mode=plan.mode)
+        part.swaps = [local(n) for n in plan.swaps if mine(n)]
+        part.recenters = [replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)]
+        verdicts = [v for v in plan.report.norms if mine(v.name)]
+        part.report.norms = [replace(v, name=local(v.name)) for v in verdicts]
+        em.apply(part, matches if sc is None else sc.matches)
+        for v, done in zip(verdicts, part.report.norms):
+            v.beta = done.beta
+
+
+def hoistable(graph: gs.Graph) -> set:
+    """Names of the constants that the branches of top-level Ifs read and that are one tensor
+    wherever they are read (so one copy in the main graph serves every branch)."""
+    seen: dict[str, set] = {}
+    for node in graph.nodes:
+        if node.op != "If":
+            continue
+        for attr in ("then_branch", "else_branch"):
+            branch = node.attrs.get(attr)
+            if isinstance(branch, gs.Graph):
+                for name, t in branch.tensors().items():
+                    if isinstance(t, gs.Constant):
+                        seen.setdefault(name, set()).add(id(t))
+    return {name for name, ids in seen.items() if len(ids) == 1}
+
+
+def hoist_initializers(model: onnx.ModelProto, names: set) -> None:
+    """Move the initializers graphsurgeon wrote into the branches of top-level Ifs (it copies an
+    outer weight into each subgraph that reads it) back to the main graph, once per name."""
+    g = model.graph
+    have = {t.name for t in g.initializer}
+    taken = {t.name for t in g.input} | {o for n in g.node for o in n.output}
+    for node in g.node:
+        if node.op_type != "If":
+            continue
+        for a in node.attribute:
+            if not a.HasField("g"):
+                continue
+            keep = []
+            for t in a.g.initializer:
+                if t.name not in names or t.name in taken:
+                    keep.append(t)
+                elif t.name not in have:
+                    g.initializer.append(t)
+                    have.add(t.name)
+            del a.g.initializer[:]
+            a.g.initializer.extend(keep)
+
+
+def dedupe_node_names(graph: gs.Graph, seen: set) -> None:
+    """Non-empty node names, unique across the main graph and every inlined branch (`seen`), as
+    api._import makes them in the main graph. Across branches too: graphsurgeon compares nodes by
+    value when it unlinks one from a shared tensor, and would unlink the other branch's twin."""
+    for k, node in enumerate(graph.nodes):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op}_{k}" if not node.name else f"{node.name}_{k}"
+        seen.add(node.name)

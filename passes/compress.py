@@ -1,0 +1,226 @@
+"""CRMSNorm compression plan (seed 001 §3.2): a foldable component carried in d-1 features.
+
+A zero-mean d-vector is fully described by its first d-1 entries (x_d = -Σ z). For one foldable
+component this module decides, from the view alone:
+- which constants shrink: every source drops its last output row/column after centering;
+- which layout ops spell d and are patched to d-1 (a Reshape's or an Expand's target shape);
+- each LayerNorm becomes CRMSNorm `z · rsqrt((Σ z² + (Σ z)²)/d + eps)` (unscaled: γ and β move
+  into the readers), and which of its readers absorb γ, β and the decompression
+  (`W' = (W·diag γ)[:, :d-1] - (W·diag γ)[:, d-1:]`, `b' = b + W β`), which need the
+  decompressed vector `γ ⊙ concat(n, -Σn) + β` (a graph output, an Add, anything not linear);
+- or that the component falls back to RMSNorm, with a reason naming the node.
+
+The cost rule: a decompression (a reduction and a concat over d) costs about `DECOMPRESS_COST·d`
+per token; compression saves one multiply-add per output row of every absorbing reader's weight
+and one element per stream tensor. Decompress only where the total saved exceeds the total cost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Optional
+
+from .analysis import Component
+from .view import ConstRef, DimRef, LinearRead, View
+
+# A decompression reads d-1 values (the sum) and writes d (the concat): ~2d element operations.
+DECOMPRESS_COST = 2
+
+
+@dataclass
+class CrmsNorm:
+    """One LayerNorm emitted as CRMSNorm over its compressed (d-1 wide) input."""
+
+    name: str
+    width: int  # d of the original norm
+    epsilon: float
+    compressed_readers: list[tuple[str, int]] = field(default_factory=list)  # read n (d-1, unscaled)
+    decompress: bool = False  # the norm's own output is still produced, as γ⊙[n, -Σn] + β
+
+
+@dataclass
+class Absorb:
+    """A linear reader of a CRMS norm: γ, β and the decompression go into its constants."""
+
+    node: str
+    read: LinearRead
+    gamma: Optional[str]
+    beta: Optional[str]
+
+
+@dataclass
+class ComponentCompression:
+    norms: list[str]
+    width: Optional[int] = None
+    compressed: bool = False
+    reason: str = ""
+    dims: list[DimRef] = field(default_factory=list)
+    crms: list[CrmsNorm] = field(default_factory=list)
+    absorbs: list[Absorb] = field(default_factory=list)
+    decompressions: int = 0
+    saved_per_token: int = 0  # multiply-adds and element operations, the cost rule's units
+
+    def describe(self) -> str:
+        head = f"{len(self.norms)} norm(s) from `{self.norms[0]}`"
+        if self.compressed:
+            return (f"{head}: compressed to {self.width - 1} features "
+                    f"({len(self.absorbs)} reader(s) absorb the decompression, "
+                    f"{self.decompressions} decompression(s))")
+        return f"{head}: RMSNorm, not compressed: {self.reason}"
+
+
+class _Fallback(Exception):
+    pass
+
+
+def _fmt(view: View, node: str) -> str:
+    return view.nodes[node].describe()
+
+
+def compress(view: View, comp: Component) -> ComponentCompression:
+    """The compression of one foldable component, or its fallback with a reason."""
+    out = ComponentCompression(list(comp.norms))
+    try:
+        _plan(view, comp, out)
+    except _Fallback as e:
+        return ComponentCompression(list(comp.norms), out.width, False, str(e))
+    out.compressed = True
+    return out
+
+
+def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
+    d = _width(view, comp)
+    out.width = d
+    if comp.opaque:
+        raise _Fallback(f"the stream is recentered at {comp.opaque[0].what}; compressing a recentered "
+                        "stream is not implemented")
+    stream_elems = 0
+    for value, axis in comp.axes.items():
+        v = view.values[value]
+        if v.shape is None or axis >= len(v.shape) or v.shape[axis] != d:
+            size = "unknown" if v.shape is None or axis >= len(v.shape) else v.shape[axis]
+            raise _Fallback(f"stream tensor `{value}` has {size} features, not {d}")
+        stream_elems += 1
+        if v.producer is not None:
+            p = view.nodes[v.producer]
+            refs = p.width_refs(p.outputs.index(value), axis)
+            if refs is None:
+                raise _Fallback(f"{p.describe()} sets the stream's width {d} in a shape no edit can change")
+            out.dims.extend(r for r in refs if r not in out.dims)
+        for c, i in v.consumers:
+            node = view.nodes[c]
+            if node.norm is not None and node.norm.input == i:
+                continue
+            if node.shape_only and node.width_refs(0, axis) == []:
+                continue  # reads the shape but not the width (a dtype assert)
+            if node.shape_only or node.transfer(i, axis) is None:
+                raise _Fallback(f"stream tensor `{value}` is read by {node.describe()}, which needs all {d} features")
+    for src in comp.sources:
+        for ref in list(src.refs) + list(src.scales):
+            size = _size_along(view, ref)
+            if size not in (1, d):
+                raise _Fallback(f"constant `{ref.value}` of {_src_name(view, src.node)} has {size} features along "
+                                f"its axis {ref.axis}, not {d}")
+    for name in comp.norms:
+        out.crms.append(_norm(view, name, d, out))
+    out.decompressions = sum(c.decompress for c in out.crms)
+    out.saved_per_token = stream_elems + len(comp.norms) + sum(
+        _reader_saving(view, a.read) for a in out.absorbs)
+    cost = DECOMPRESS_COST * d * out.decompressions
+    if cost >= out.saved_per_token:
+        where = ", ".join(f"`{c.name}`" for c in out.crms if c.decompress)
+        raise _Fallback(f"decompressing the output of {where} (~{cost} operations per token) would cost more "
+                        f"than compression saves (~{out.saved_per_token})")
+
+
+def _width(view: View, comp: Component) -> int:
+    widths = set()
+    for name in comp.norms:
+        n = view.nodes[name]
+        s = view.values[n.inputs[n.norm.input]].shape
+        w = s[n.norm.axis] if s is not None and n.norm.axis < len(s) else None
+        if not isinstance(w, int):
+            raise _Fallback(f"the feature size of {n.describe()} is not static")
+        widths.add(w)
+    if len(widths) != 1:
+        raise _Fallback(f"the norms of the stream have different feature sizes {sorted(widths)}")
+    d = widths.pop()
+    if d < 3:
+        raise _Fallback(f"a {d}-feature stream has nothing to compress")
+    return d
+
+
+def _size_along(view: View, ref: ConstRef):
+    if ref.axis is None:
+        return 1
+    s = view.values[ref.value].shape
+    return s[ref.axis] if s is not None and ref.axis < len(s) else None
+
+
+def _src_name(view: View, node: Optional[str]) -> str:
+    return "a constant added to the stream" if node is None else _fmt(view, node)
+
+
+def _reader_saving(view: View, read: LinearRead) -> int:
+    s = view.values[read.weight.value].shape
+    if s is None or not all(isinstance(x, int) for x in s):
+        return 0
+    return prod(s) // s[read.weight.axis]
+
+
+def _norm(view: View, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
+    node = view.nodes[name]
+    spec = node.norm
+    crms = CrmsNorm(name, d, spec.epsilon)
+    y = node.outputs[0]
+    const_affine = all(p is None or view.values[p].is_const for p in (spec.gamma, spec.beta))
+    if view.values[y].is_graph_output:
+        crms.decompress = True
+    for c, i in view.values[y].consumers:
+        got = _absorbing(view, c, i, spec.axis, d) if const_affine else None
+        if got is None:
+            crms.decompress = True
+            continue
+        reads, dims = got
+        crms.compressed_readers.append((c, i))
+        out.absorbs.extend(Absorb(r, read, spec.gamma, spec.beta) for r, read in reads)
+        out.dims.extend(r for r in dims if r not in out.dims)
+    return crms
+
+
+def _absorbing(view: View, c: str, i: int, axis: int, d: int, depth: int = 0):
+    """([(linear reader, its LinearRead)], [DimRef]) when everything `c` leads to through layout
+    ops is a linear reader with constant weights; None when anything needs the d-vector."""
+    node = view.nodes[c]
+    read = node.linear(i, axis)
+    if read is not None:
+        w = _size_along(view, read.weight)
+        return ([(c, read)], []) if w == d else None
+    if node.shape_only and node.width_refs(0, axis) == []:
+        return [], []
+    if not node.layout or depth > 16 or node.shape_only:
+        return None
+    outs = node.transfer(i, axis)
+    if not outs:
+        return None
+    for o, oaxis in outs:  # the inputs each output is made of (a shape input is a parameter)
+        ins = node.backward(o, oaxis) or []
+        if any(node.inputs[j] != node.inputs[i] and not view.values[node.inputs[j]].is_const for j, _ in ins):
+            return None  # mixes the normalized tensor with another one
+    reads, dims = [], []
+    for o, oaxis in outs:
+        value = node.outputs[o]
+        if not value:
+            continue
+        v = view.values[value]
+        refs = node.width_refs(o, oaxis)
+        if refs is None or v.is_graph_output or not v.consumers:
+            return None
+        dims.extend(refs)
+        for c2, i2 in v.consumers:
+            got = _absorbing(view, c2, i2, oaxis, d, depth + 1)
+            if got is None:
+                return None
+            reads += got[0]
+            dims += got[1]
+    return reads, dims

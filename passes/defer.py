@@ -1,0 +1,200 @@
+"""Deferred normalization: which folded norms may skip writing their normalized tensor, and whether
+it pays (issue 14).
+
+A folded norm computes `y = γ ⊙ x · r(x)`, `r(x) = rsqrt(mean(x²) + eps)` per row. When every reader
+of `y` is a linear layer with a constant weight, `W y + b = r(x) · ((W·diag γ) x) + (W β + b)`: γ
+(and β) go into the readers' constants, and the per-row scale `r(x)` is applied to each reader's
+*product*, before its bias. No normalized tensor is written; instead each reader's output rows are
+multiplied once — cheaper only where that multiply rides in the GEMM's epilogue or the outputs
+are narrow. `plan_deferral` decides (pure, on the view), `add_weight_edits` puts the γ folds into
+the plan (float64, cast once, with the other constant edits), `compute_biases` gives `W β + b`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from . import weights
+from .plan import ConstEdit, Plan, Scale
+from .view import ConstRef, View
+
+POLICIES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Memory traffic per row, in units of one element, of the two exact emissions of a norm.
+
+    RMS op: reads x, writes y (2d). Deferred: one reduction reads x (d); each reader's product is
+    read and written once more by the row scale (2·out) unless the compiler fuses that multiply
+    into the GEMM's epilogue. The parameter is a measured property of a target (see
+    benchmarks/RESULTS.md, "Deferred normalization"), not a guess.
+    """
+
+    epilogue_fused: bool = False
+
+    def rms(self, d: int) -> float:
+        return 2.0 * d
+
+    def deferred(self, d: int, out_widths: list[int]) -> float:
+        return d + (0.0 if self.epilogue_fused else 2.0 * sum(out_widths))
+
+
+# Measured on this project's CPU (2026-11-22, benchmarks/RESULTS.md "Deferred normalization"):
+# onnxruntime runs the row scale as its own Mul over the MatMul's output (and loses its MatMul+Add
+# fusion); Inductor calls the ATen GEMM and applies the scale in a separate fused kernel, by default
+# and under max_autotune alike. Deferred lost to the RMS emission in every onnxruntime case.
+ORT_CPU = Costs(epilogue_fused=False)
+INDUCTOR_CPU = Costs(epilogue_fused=False)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A linear layer reading the norm's output, possibly through row-regrouping reshapes."""
+
+    node: str
+    input: int
+    weight: ConstRef  # axis: the weight's input-feature axis
+    bias: Optional[ConstRef]
+    rank: int  # rank of the reader's data input (the row scale is reshaped to it)
+    out_width: Optional[int]  # output features (None: unknown)
+
+
+@dataclass
+class Deferral:
+    norm: str
+    x: str  # the norm's input value (the stream)
+    output: str  # the norm's output value
+    axis: int
+    gamma: Optional[str]
+    beta: Optional[str]
+    epsilon: float
+    readers: list[Reader] = field(default_factory=list)
+
+
+@dataclass
+class DeferDecision:
+    deferred: list[Deferral] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)  # folded norm -> why it is not deferred
+
+
+def _readers(view: View, value: str, axis: int) -> tuple[list[Reader], Optional[str]]:
+    """The linear layers behind `value` (feature axis `axis`, the last), or why there are none."""
+    v = view.values[value]
+    if v.is_graph_output:
+        return [], f"`{value}` is a graph output"
+    if not v.consumers:
+        return [], f"`{value}` has no readers"
+    if v.rank is None or axis != v.rank - 1:
+        return [], f"its feature axis is not the last axis of `{value}`"
+    out: list[Reader] = []
+    for name, i in v.consumers:
+        node = view.nodes[name]
+        lin = node.linear(i, axis)
+        if lin is not None:
+            if lin.weight.axis is None:
+                return [], f"{node.describe()} has no input-feature axis on its weight"
+            width = None
+            o = view.values.get(node.outputs[0]) if node.outputs else None
+            if o is not None and o.shape and isinstance(o.shape[-1], int):
+                width = o.shape[-1]
+            out.append(Reader(name, i, lin.weight, lin.bias, v.rank, width))
+            continue
+        if node.regroups and len(node.outputs) == 1:
+            o = view.values[node.outputs[0]]
+            moved = node.transfer(i, axis)
+            # a reshape that only regroups rows: the features stay whole and last, rows flatten
+            if o.rank is not None and moved == [(0, o.rank - 1)] and (o.rank == v.rank or o.rank == 2):
+                sub, why = _readers(view, o.name, o.rank - 1)
+                if why is not None:
+                    return [], why
+                out += sub
+                continue
+        return [], f"{node.describe()} reads it and is not a linear layer with a constant weight"
+    return out, None
+
+
+def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = ORT_CPU) -> DeferDecision:
+    """Which folded norms of `plan` to emit deferred, and for each other one why not."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown defer policy {policy!r} (expected one of {', '.join(POLICIES)})")
+    decision = DeferDecision()
+    if policy == "off":
+        return decision
+    edited = {u for e in plan.const_edits for u in e.users}
+    for name in plan.swaps:
+        node = view.nodes[name]
+        spec = node.norm
+        x, y = node.inputs[spec.input], node.outputs[0]
+        for what, val in (("γ", spec.gamma), ("β", spec.beta)):
+            if val is not None and not view.values[val].is_const:
+                decision.reasons[name] = f"its {what} `{val}` is not a constant"
+                break
+        if name in decision.reasons:
+            continue
+        readers, why = _readers(view, y, spec.axis)
+        if why is None and view.values[y].rank != view.values[x].rank:
+            why = "its output and input ranks differ"
+        if why is None:
+            shared = [r for r in readers if (r.weight.user, r.weight.user_input) in edited]
+            if shared:
+                why = f"the weight of `{shared[0].node}` is also edited by the fold (it writes into a stream)"
+        if why is not None:
+            decision.reasons[name] = why
+            continue
+        d = view.values[x].shape[-1] if view.values[x].shape else None
+        widths = [r.out_width for r in readers]
+        if policy == "auto":
+            if not isinstance(d, int) or any(w is None for w in widths):
+                decision.reasons[name] = "cost model: feature sizes unknown"
+                continue
+            rms, deferred = costs.rms(d), costs.deferred(d, widths)
+            if deferred >= rms:
+                decision.reasons[name] = (f"cost model: deferring moves {deferred:g} elements per row against "
+                                          f"the RMS op's {rms:g} (row scale over {sum(widths)} output features, "
+                                          f"not fused into the GEMM)")
+                continue
+        decision.deferred.append(Deferral(name, x, y, spec.axis, spec.gamma, spec.beta, spec.epsilon, readers))
+    for v in plan.report.norms:
+        if v.name in decision.reasons:
+            v.defer_reason = decision.reasons[v.name]
+        elif any(d.norm == v.name for d in decision.deferred):
+            v.deferred = True
+    return decision
+
+
+def add_weight_edits(view: View, plan: Plan, decision: DeferDecision) -> None:
+    """γ folded into each reader's weight (`W·diag γ`), as constant edits of the plan."""
+    wanted: dict[tuple, list[tuple[str, int]]] = {}
+    for d in decision.deferred:
+        if d.gamma is None:
+            continue
+        g_rank = view.values[d.gamma].rank or 1
+        for r in d.readers:
+            key = (r.weight.value, (Scale(d.gamma, g_rank - 1, r.weight.axis),))
+            wanted.setdefault(key, []).append((r.weight.user, r.weight.user_input))
+    for (value, ops), users in wanted.items():
+        users = sorted(set(users))
+        clone = set(view.values[value].consumers) != set(users)
+        plan.const_edits.append(ConstEdit(value, ops, users, clone))
+
+
+def compute_biases(decision: DeferDecision, get_array: Callable[[str], np.ndarray],
+                   ) -> dict[tuple[str, str], Optional[np.ndarray]]:
+    """(norm, reader) -> the reader's new bias `W β + b` (float64, cast once), or None where β is
+    absent (the bias, if any, stays as it is). Uses the reader's original weight, before γ."""
+    out: dict[tuple[str, str], Optional[np.ndarray]] = {}
+    for d in decision.deferred:
+        beta = None if d.beta is None else np.asarray(get_array(d.beta)).reshape(-1)
+        for r in d.readers:
+            if beta is None or not np.any(beta):
+                out[(d.norm, r.node)] = None
+                continue
+            w = np.asarray(get_array(r.weight.value))
+            b = None if r.bias is None else np.asarray(get_array(r.bias.value))
+            dtype = b.dtype if b is not None else w.dtype
+            nb = weights.beta_into_bias(w, beta, None if b is None else b.reshape(-1), r.weight.axis, dtype)
+            out[(d.norm, r.node)] = nb.reshape(b.shape) if b is not None else nb
+    return out

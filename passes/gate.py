@@ -1,0 +1,136 @@
+"""The verification gate (DESIGN §4): is a folded model as exact as the original?
+
+Both frontends run the original and the folded model on the same inputs and, where they can, a
+float64 copy of the original (the exact arithmetic both approximate). A fold passes when, for
+every output, the folded model's error against float64 is at most FACTOR times the original's own
+error against float64, plus a floor relative to the output's scale (FLOOR, by dtype). A fold is
+often *more* exact than the original — a LayerNorm on a large-mean stream cancels digits the
+folded model never has — and a fixed tolerance between folded and original would refuse it; a
+real mistake (a missed centering) is far outside both models' rounding and still fails.
+
+Where the original can only be run in onnx's reference evaluator (onnxruntime refuses to load
+it), its run is no measure of its users' error: the folded model's error against float64 must
+then be within TOLERANCE ("float64, fixed tolerance").
+
+Where no float64 run is possible (an op with no double kernel anywhere, a model too big to copy
+in float64), the gate falls back, and says so in `Verdict.criterion`:
+  "tolerance": folded vs original within TOLERANCE (the dtype's fixed tolerance);
+  "zero-mean norm inputs": otherwise, every folded norm's input in the folded model has a
+      per-row mean below MEAN_TOL of its RMS (then LayerNorm = RMSNorm there, DESIGN §1), and
+      the outputs still agree within LOOSE times TOLERANCE (which an affine mistake would break).
+
+Pure numpy: no frontend types here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .weights import max_rel_err
+
+FACTOR = 2.0
+# The error a correct fold may have beyond FACTOR x the original's, relative to the output's
+# largest value: a few units in the last place of the dtype (fp32: ~80 ulp, fp16/bf16: 4 ulp),
+# for outputs that the original happens to compute almost exactly.
+FLOOR = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+# Fallback without float64: worst relative difference between folded and original, by dtype.
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
+LOOSE = 10.0
+# Fallback: largest |mean| / RMS of a folded norm's input row (a centered fp32 stream: ~1e-6).
+MEAN_TOL = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+@dataclass
+class Output:
+    """One output of the model: its name, dtype name, and its values in each run."""
+
+    name: str
+    dtype: str  # "float32", "float16", "bfloat16", "float64", or an integer/bool type
+    original: np.ndarray
+    folded: np.ndarray
+    exact: Optional[np.ndarray] = None  # the float64 run; None where it could not be made
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    criterion: str  # "float64", "float64, fixed tolerance", "tolerance" or "zero-mean norm inputs"
+    diff: float  # worst relative difference folded vs original, over all outputs
+    folded_err: Optional[float] = None  # worst relative error of the folded model vs float64
+    original_err: Optional[float] = None  # the same for the original model
+    failure: str = ""  # what failed, one line
+
+    def message(self) -> str:
+        return f"verification failed: {self.failure}"
+
+    def summary(self) -> str:
+        """One line for the command's output."""
+        if self.criterion.startswith("float64"):
+            return (f"error vs float64: folded {self.folded_err:.2e}, original {self.original_err:.2e} "
+                    f"(folded vs original {self.diff:.2e})")
+        return f"folded vs original {self.diff:.2e} (no float64 run; criterion: {self.criterion})"
+
+
+def _floor(dtype: str) -> float:
+    return FLOOR.get(dtype, 0.0)
+
+
+def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]] = None,
+          norm_dtype: str = "float32", original_is_faithful: bool = True) -> Verdict:
+    """The verdict on a fold. `norm_inputs` (folded norm -> its input in the folded model, feature
+    axis last) is used only by the fallback without float64. `original_is_faithful=False`: the
+    original's run is not what its users get (onnx's reference evaluator computes an fp16
+    LayerNorm in fp16, where it overflows), so its error cannot widen the bound: the folded
+    model's error against float64 must then be within TOLERANCE."""
+    diff = max((max_rel_err(o.original, o.folded) for o in outputs), default=0.0)
+    if len(outputs) and all(o.exact is not None for o in outputs):
+        return _judge_exact(outputs, diff, original_is_faithful)
+    worst = max(outputs, key=lambda o: max_rel_err(o.original, o.folded) / TOLERANCE.get(o.dtype, 1.0),
+                default=None)
+    if worst is None or all(max_rel_err(o.original, o.folded) <= TOLERANCE.get(o.dtype, 0.0) for o in outputs):
+        return Verdict(True, "tolerance", diff)
+    tol = TOLERANCE.get(worst.dtype, 0.0)
+    too_far = f"output {worst.name} differs from the original's by {max_rel_err(worst.original, worst.folded):.3g} " \
+              f"(relative), above {tol:g}, and no float64 run of the model was possible"
+    if not norm_inputs:
+        return Verdict(False, "tolerance", diff, failure=too_far)
+    bad = _off_center(norm_inputs, norm_dtype)
+    if bad:
+        return Verdict(False, "zero-mean norm inputs", diff,
+                       failure=f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS "
+                               f"(above {MEAN_TOL.get(norm_dtype, 1e-4):g})")
+    if any(max_rel_err(o.original, o.folded) > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o in outputs):
+        return Verdict(False, "zero-mean norm inputs", diff, failure=f"{too_far}, even {LOOSE:g}x that")
+    return Verdict(True, "zero-mean norm inputs", diff)
+
+
+def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verdict:
+    folded_worst = original_worst = 0.0
+    failure = ""
+    for o in outputs:
+        own = max_rel_err(o.exact, o.original)
+        now = max_rel_err(o.exact, o.folded)
+        folded_worst, original_worst = max(folded_worst, now), max(original_worst, own)
+        bound = FACTOR * own + _floor(o.dtype) if faithful else TOLERANCE.get(o.dtype, 0.0)
+        if not now <= bound and not failure:
+            failure = (f"output {o.name} ({o.dtype}) is {now:.3g} (relative) away from a float64 run, "
+                       f"the original model {own:.3g}; allowed {bound:.3g}")
+    return Verdict(not failure, "float64" if faithful else "float64, fixed tolerance", diff, folded_worst,
+                   original_worst, failure)
+
+
+def _off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:
+    """The first folded norm whose input is not zero-mean along its last axis, and how far."""
+    tol = MEAN_TOL.get(dtype, 1e-4)
+    for name, x in norm_inputs.items():
+        x = np.asarray(x, dtype=np.float64)
+        if x.size == 0:
+            continue
+        mean = np.abs(x.mean(axis=-1))
+        rms = np.sqrt((x * x).mean(axis=-1))
+        ratio = float(np.max(np.where(rms > 0, mean / np.where(rms > 0, rms, 1.0), mean)))
+        if not ratio <= tol:
+            return name, ratio
+    return None
