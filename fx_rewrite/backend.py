@@ -36,6 +36,7 @@ import copy
 import functools
 import logging
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -155,6 +156,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     if on_report is not None:
         on_report(plan.report)
     log.info("lnfold: %s", plan.report.summary())
+    _say_if_fragment(plan, view)
     if plan.empty:
         return inner(gm, example_inputs)
     t1 = time.perf_counter()
@@ -183,6 +185,38 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     timings.append({"analysis": t1 - t0, "editing": t2 - t1, "centering": t3 - t2,
                     "inner": time.perf_counter() - t3})
     return _with_extra_inputs(compiled, constants) if extra else compiled
+
+
+class FragmentWarning(UserWarning):
+    """The backend kept LayerNorms because its graph is a fragment of the model."""
+
+
+_fragment_warned = False
+
+
+def _say_if_fragment(plan: Plan, view) -> None:
+    """Say, once per process, that norms were kept because the graph starts mid-stream.
+
+    Under a graph break, per-block torch.compile or FSDP2 (`fully_shard` per block), Dynamo
+    hands over one piece of the model at a time: its residual stream starts at a graph input,
+    which no constant edit can center, so nothing inside the fragment can be proven zero-mean.
+    The module-level fold sees the whole model (a module folded with it has RMSNorms here
+    already, and this graph has no LayerNorm left to keep)."""
+    global _fragment_warned
+    starts = [o for comp in plan.components if not comp.foldable for o in comp.opaque
+              if view.values[o.value].producer is None and not view.values[o.value].is_const]
+    if not starts:
+        return
+    kept = sum(n.verdict == "keep" for n in plan.report.norms)
+    msg = (f"lnfold: {kept} of {len(plan.report.norms)} LayerNorm(s) of this graph kept: it is a fragment "
+           f"(graph break, per-block torch.compile or FSDP2): the stream starts at {starts[0].what}, so "
+           "nothing in it can be proven zero-mean; fold the whole model before wrapping and compiling: "
+           "lnfold.fold_for_training(model, args)")
+    if _fragment_warned:
+        log.info(msg)
+        return
+    _fragment_warned = True
+    warnings.warn(msg, FragmentWarning, stacklevel=2)
 
 
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
