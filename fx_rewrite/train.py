@@ -168,10 +168,7 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     if RECORD in module.__dict__:
         raise LnfoldError("the module is already folded for training (unfold it first)")
     args, kwargs = tuple(args), dict(kwargs or {})
-    verifier = Verifier(module, args, kwargs) if verify else None
-    if verifier is not None and any(isinstance(r, torch.Tensor) and r.dtype in (torch.float16, torch.bfloat16)
-                                    for r in verifier.ref):
-        verifier.ref64()  # the float64 reference copies the module: before it is edited
+    verifier = Verifier(module, args, kwargs) if verify else None  # runs (and copies) it before it is edited
 
     gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
     mapper = _Mapper(module, gm, attrs, info)
@@ -194,10 +191,12 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     result = TrainingFold(report=plan.report, module=module)
     if verifier is not None:
         try:
-            result.max_rel_err = verifier.check(module)
+            verdict = verifier.check(module)
         except VerificationError:
             unfold_for_training(module)
             raise
+        result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
+        result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
     return result
 
 
