@@ -174,12 +174,15 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     mapper = _Mapper(module, gm, attrs, info)
     conflicts: set[str] = set()
     while True:  # a tied tensor read centered and uncentered through one attribute: refuse, replan
-        plan = make_plan(view, mode, refuse=lambda comp: mapper.refusal(comp, conflicts))
+        plan = make_plan(view, "rms", refuse=lambda comp: mapper.refusal(comp, conflicts))
         found = {e.value for e in plan.const_edits if mapper.conflict(e.value, e.users)}
         if not found:
             break
         conflicts |= found
     _check_plan(plan)
+    if mode == "crms":  # compression rewrites the readers' weights and shapes: not done on an eager module
+        plan.report.notes.append("the module-level training fold does not compress (CRMSNorm); "
+                                 "folded norms are RMSNorms, which compute the same values")
     norms = _norm_modules(module, plan, info)
 
     record = _Fold()
