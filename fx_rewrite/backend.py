@@ -15,8 +15,8 @@ a backend named by string as keyword arguments. Keys starting with "lnfold." are
 "lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
 "lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
 time and raise VerificationError if they differ), "lnfold.defer" ("auto", "on", "off": emit
-folded norms read only by linear layers as deferred normalization, passes/defer.py; "auto"
-follows the cost model measured for Inductor on CPU; inference only); every other key is an
+folded norms read only by linear layers as deferred normalization, passes/defer.py; default
+"off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
 
 Inference (grad mode off, or parameters that do not require grad): each centered weight is
@@ -72,12 +72,12 @@ def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[s
     inner = functools.partial(_inductor, mode=mode, config_patches=patches)
     return compile_folded(gm, example_inputs, fold_mode=ours.get("mode", "rms"), inner=inner,
                           on_report=ours.get("on_report"), verify=bool(ours.get("verify", False)),
-                          defer=ours.get("defer", "auto"))
+                          defer=ours.get("defer", "off"))
 
 
 def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
                         on_report: Optional[Callable[[Report], None]] = None, verify: bool = False,
-                        defer: str = "auto", **inductor_options) -> Callable:
+                        defer: str = "off", **inductor_options) -> Callable:
     """A backend callable with options bound: `torch.compile(m, backend=lnfold_backend_with(...))`.
 
     `inner(gm, example_inputs)` compiles the folded graph (default: Inductor with
@@ -124,7 +124,7 @@ def _is_module_state(node: fx.Node) -> bool:
 
 def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str = "rms",
                    inner: Callable, on_report: Optional[Callable] = None, verify: bool = False,
-                   defer: str = "auto") -> Callable:
+                   defer: str = "off") -> Callable:
     """Fold a copy of `gm` (Dynamo reads its own graph after the backend returns), compile it.
 
     A failure of the fold itself never costs the user their compile: it is logged and the
