@@ -1,4 +1,5 @@
-"""Torch frontend of lnfold: `fold_module` on torch.export graphs and the `lnfold` torch.compile backend.
+"""Torch frontend of lnfold: `fold_module` on torch.export graphs, the `lnfold` torch.compile backend,
+and `fold_for_training`, which folds an eager module in place for (distributed) training.
 
 `torch.compile(model, backend="lnfold")` works after `pip install` through the
 `torch_dynamo_backends` entry point; importing this package registers the name too, for
@@ -8,10 +9,12 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, Report, Verificatio
 
 from .api import analyze_module, check_equivalent, fold_module
 from .backend import lnfold_backend, lnfold_backend_with, register
+from .train import TrainingFold, fold_for_training, unfold_for_training
 
 register()
 
 __all__ = [
     "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
-    "analyze_module", "check_equivalent", "fold_module", "lnfold_backend", "lnfold_backend_with",
+    "TrainingFold", "analyze_module", "check_equivalent", "fold_for_training", "fold_module", "lnfold_backend",
+    "lnfold_backend_with", "unfold_for_training",
 ]

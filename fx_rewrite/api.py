@@ -88,13 +88,23 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     return getattr(gm.get_submodule(owner) if owner else gm, attr)
 
 
-def _analyze(module, args, kwargs, mode, dynamic):
+def exported_view(module, args, kwargs, dynamic):
+    """torch.export `module` and classify its graph: (graph module, attrs, view, info).
+
+    `attrs` maps each get_attr node that reads a tensor to its target: `ep.module()` names its
+    attributes by the fully qualified names of the graph signature, i.e. the module's own
+    parameter and buffer names (one of them where parameters are tied)."""
     ep = export(module, args, kwargs, dynamic=dynamic)
     gm = ep.module()
     gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)
     attrs = {n.name: n.target for n in gm.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}
     view, info = build_view(gm.graph, set(attrs))
+    return gm, attrs, view, info
+
+
+def _analyze(module, args, kwargs, mode, dynamic):
+    gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
     return gm, attrs, view, info, make_plan(view, mode)
 
 

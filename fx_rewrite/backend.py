@@ -15,8 +15,8 @@ a backend named by string as keyword arguments. Keys starting with "lnfold." are
 "lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
 "lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
 time and raise VerificationError if they differ), "lnfold.defer" ("auto", "on", "off": emit
-folded norms read only by linear layers as deferred normalization, passes/defer.py; "auto"
-follows the cost model measured for Inductor on CPU; inference only); every other key is an
+folded norms read only by linear layers as deferred normalization, passes/defer.py; default
+"off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
 
 Inference (grad mode off, or parameters that do not require grad): each centered weight is
@@ -36,6 +36,7 @@ import copy
 import functools
 import logging
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -71,12 +72,12 @@ def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[s
     inner = functools.partial(_inductor, mode=mode, config_patches=patches)
     return compile_folded(gm, example_inputs, fold_mode=ours.get("mode", "rms"), inner=inner,
                           on_report=ours.get("on_report"), verify=bool(ours.get("verify", False)),
-                          defer=ours.get("defer", "auto"))
+                          defer=ours.get("defer", "off"))
 
 
 def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
                         on_report: Optional[Callable[[Report], None]] = None, verify: bool = False,
-                        defer: str = "auto", **inductor_options) -> Callable:
+                        defer: str = "off", **inductor_options) -> Callable:
     """A backend callable with options bound: `torch.compile(m, backend=lnfold_backend_with(...))`.
 
     `inner(gm, example_inputs)` compiles the folded graph (default: Inductor with
@@ -123,7 +124,7 @@ def _is_module_state(node: fx.Node) -> bool:
 
 def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str = "rms",
                    inner: Callable, on_report: Optional[Callable] = None, verify: bool = False,
-                   defer: str = "auto") -> Callable:
+                   defer: str = "off") -> Callable:
     """Fold a copy of `gm` (Dynamo reads its own graph after the backend returns), compile it.
 
     A failure of the fold itself never costs the user their compile: it is logged and the
@@ -155,6 +156,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     if on_report is not None:
         on_report(plan.report)
     log.info("lnfold: %s", plan.report.summary())
+    _say_if_fragment(plan, view)
     if plan.empty:
         return inner(gm, example_inputs)
     t1 = time.perf_counter()
@@ -183,6 +185,38 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     timings.append({"analysis": t1 - t0, "editing": t2 - t1, "centering": t3 - t2,
                     "inner": time.perf_counter() - t3})
     return _with_extra_inputs(compiled, constants) if extra else compiled
+
+
+class FragmentWarning(UserWarning):
+    """The backend kept LayerNorms because its graph is a fragment of the model."""
+
+
+_fragment_warned = False
+
+
+def _say_if_fragment(plan: Plan, view) -> None:
+    """Say, once per process, that norms were kept because the graph starts mid-stream.
+
+    Under a graph break, per-block torch.compile or FSDP2 (`fully_shard` per block), Dynamo
+    hands over one piece of the model at a time: its residual stream starts at a graph input,
+    which no constant edit can center, so nothing inside the fragment can be proven zero-mean.
+    The module-level fold sees the whole model (a module folded with it has RMSNorms here
+    already, and this graph has no LayerNorm left to keep)."""
+    global _fragment_warned
+    starts = [o for comp in plan.components if not comp.foldable for o in comp.opaque
+              if view.values[o.value].producer is None and not view.values[o.value].is_const]
+    if not starts:
+        return
+    kept = sum(n.verdict == "keep" for n in plan.report.norms)
+    msg = (f"lnfold: {kept} of {len(plan.report.norms)} LayerNorm(s) of this graph kept: it is a fragment "
+           f"(graph break, per-block torch.compile or FSDP2): the stream starts at {starts[0].what}, so "
+           "nothing in it can be proven zero-mean; fold the whole model before wrapping and compiling: "
+           "lnfold.fold_for_training(model, args)")
+    if _fragment_warned:
+        log.info(msg)
+        return
+    _fragment_warned = True
+    warnings.warn(msg, FragmentWarning, stacklevel=2)
 
 
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:

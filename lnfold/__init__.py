@@ -12,6 +12,8 @@ PyTorch (``pip install 'lnfold[torch]'``)::
 
     result = lnfold.fold_module(module, args)            # torch.export, fold, verify
     compiled = torch.compile(module, backend="lnfold")
+    lnfold.fold_for_training(module, args)               # training at scale: folds the eager module
+                                                         # in place, then DDP / fully_shard / compile
 
 Both frontends return the same `FoldResult` and `Report`; user errors are `LnfoldError`s
 (`NothingToFold`, `VerificationError`) with a one-line message.
@@ -27,16 +29,18 @@ from .onnx_rewrite import save as save_onnx
 from .passes import FoldResult, LnfoldError, NormVerdict, NothingToFold, Report, VerificationError
 
 if TYPE_CHECKING:  # the torch frontend is imported on first use: `import lnfold` never loads torch
-    from .fx_rewrite import analyze_module, fold_module, lnfold_backend, lnfold_backend_with
+    from .fx_rewrite import (analyze_module, fold_for_training, fold_module, lnfold_backend, lnfold_backend_with,
+                             unfold_for_training)
 
 __version__ = "0.2.0"
 
-_TORCH_NAMES = ("analyze_module", "fold_module", "lnfold_backend", "lnfold_backend_with")
+_TORCH_NAMES = ("analyze_module", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
+                "unfold_for_training")
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
-    "analyze_module", "analyze_onnx", "fold_module", "fold_onnx", "lnfold_backend", "lnfold_backend_with",
-    "load_onnx", "save_onnx",
+    "analyze_module", "analyze_onnx", "fold_for_training", "fold_module", "fold_onnx", "lnfold_backend",
+    "lnfold_backend_with", "load_onnx", "save_onnx", "unfold_for_training",
 ]
 
 

@@ -97,7 +97,7 @@ def fold_model(
     mode: str = "rms",
     target: str = "ort",
     device: str = "cpu",
-    defer: str = "auto",
+    defer: str = "off",
     verify_outputs: bool = True,
     progress: Progress = None,
     inputs=None,
@@ -118,8 +118,8 @@ def fold_model(
 
     `defer` ("auto", "on", "off"): emit folded norms whose readers are all linear layers with
     constant weights as deferred normalization (γ into the weights, the per-row scale applied to
-    each product; passes/defer.py). "auto" follows the measured cost model: on onnxruntime's CPU
-    kernels it defers nothing in a transformer (benchmarks/RESULTS.md).
+    each product; passes/defer.py). Default "off": it never beat the RMS emission in a measurement
+    (benchmarks/RESULTS.md); "auto" asks the traffic cost model per norm.
 
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
     model is less exact than the original allows. Models over 2 GB are verified by the CLI from

@@ -49,10 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
-    f.add_argument("--defer", choices=("auto", "on", "off"), default="auto",
+    f.add_argument("--defer", choices=("auto", "on", "off"), default="off",
                    help="deferred normalization for norms read only by linear layers (γ into their weights, "
-                        "the row scale on their products): auto follows the measured cost model, which on "
-                        "onnxruntime defers only where the readers' outputs are narrow")
+                        "the row scale on their products): off (default: it never won in the measurements, "
+                        "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where "
+                        "the readers' outputs are narrower than d/2); on: wherever it is exact")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
     f.add_argument("--json", action="store_true",
                    help="print one JSON object (report, verification, output, timings) instead of the table")

@@ -80,14 +80,7 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> str:
     axis = m.axis
     if m.kind == "SkipLayerNormalization":
         skip, bias = live[1], (live[4] if live[4] is not None and live[4].name else None)
-        s = m.sum_output if m.sum_output is not None else em.var(f"{m.name}/lnfold_sum", x.dtype)
-        if bias is not None:
-            xs = em.var(f"{m.name}/lnfold_xs", x.dtype)
-            em.node("Add", [x, skip], [xs])
-            em.node("Add", [xs, bias], [s])
-        else:
-            em.node("Add", [x, skip], [s])
-        x = s
+        x = em.residual_sum(x, skip, bias, m.sum_output, m.name)
     for n in m.nodes:
         n.outputs.clear()
         n.inputs.clear()

@@ -34,15 +34,7 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
         n.outputs.clear()
         n.inputs.clear()
     if skip is not None:  # the fused residual Add stays: its sum is the stream
-        s = m.sum_output if m.sum_output is not None else em.var(f"{m.name}/lnfold_sum", x.dtype)
-        if sk_bias is not None:
-            xs = em.var(f"{m.name}/lnfold_xs", x.dtype)
-            em.node("Add", [x, skip], [xs])
-            em.node("Add", [xs, sk_bias], [s])
-        else:
-            em.node("Add", [x, skip], [s])
-        em.info.shapes.setdefault(s.name, em.info.shape(x))
-        x = s
+        x = em.residual_sum(x, skip, sk_bias, m.sum_output, m.name)
     shape = em.info.shape(x)
     rank = len(shape)
     r = _row_scale(em, x, dtype, shape, d.axis, d.epsilon, m.name)

@@ -106,6 +106,19 @@ class Emitter:
                 for user, _ in edit.users:
                     self._bypass_mul(self.nodes[user.split("#")[0]])
 
+    def residual_sum(self, x, skip, bias, summed, name: str) -> gs.Tensor:
+        """The residual Add a SkipLayerNormalization fused (x + skip (+ bias)), as plain Adds into
+        `summed` (its sum output) or a new tensor: the stream an unfused norm reads."""
+        s = summed if summed is not None else self.var(f"{name}/lnfold_sum", x.dtype)
+        if bias is not None:
+            xs = self.var(f"{name}/lnfold_xs", x.dtype)
+            self.node("Add", [x, skip], [xs])
+            self.node("Add", [xs, bias], [s])
+        else:
+            self.node("Add", [x, skip], [s])
+        self.info.shapes.setdefault(s.name, self.info.shape(x))  # a new tensor: later emission asks its rank
+        return s
+
     def info_tensor(self, name: str):
         return self.info.tensors[name]
 
@@ -240,14 +253,7 @@ class Emitter:
         if self.fuse_skip:
             self.node("SkipSimplifiedLayerNormalization", ins, outs, domain="com.microsoft", epsilon=float(eps))
             return
-        s = summed if summed is not None else self.var(f"{name}/lnfold_sum", x.dtype)
-        if bias is not None:
-            xs = self.var(f"{name}/lnfold_xs", x.dtype)
-            self.node("Add", [x, skip], [xs])
-            self.node("Add", [xs, bias], [s])
-        else:
-            self.node("Add", [x, skip], [s])
-        self.info.shapes.setdefault(s.name, self.info.shape(x))  # a new tensor: _portable_rms asks its rank
+        s = self.residual_sum(x, skip, bias, summed, name)
         axis = (self.info.rank(x) or 1) - 1
         if self.target == "onnx":
             self.node("RMSNormalization", [s, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)

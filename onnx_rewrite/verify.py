@@ -5,10 +5,14 @@ The inputs are the user's (`inputs`) or made up from the graph (inputs.py), tryi
 assignments until the original runs. The float64 run is a float64 copy of the original in
 onnxruntime, or, where onnxruntime has no double kernel for one of its ops, onnx's reference
 evaluator. A model onnxruntime refuses to load (a type error its checker finds; onnx's does not)
-is run with the reference evaluator throughout.
+is run with the reference evaluator throughout. Where the reference evaluator cannot run it in its
+own dtype either (onnxconverter-common's fp16 files type a Cast's output against what its readers
+expect), float64 copies of both models are compared (gate.judge_float64_copies), and the folded
+model must be refused by onnxruntime for the same reason as the input, not a new one.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Optional, Union
@@ -57,14 +61,14 @@ class _Runner:
     refuses to load it."""
 
     def __init__(self, model: ModelLike, *, allow_reference: bool = False) -> None:
-        self.model, self.load_error = model, None
+        self.model, self.load_error, self.refusal = model, None, None
         try:
             self.sess = session(model)
             self.names = [o.name for o in self.sess.get_outputs()]
         except Exception as e:
             if not allow_reference:
                 raise
-            self.sess, self.load_error = None, _first_line(e)
+            self.sess, self.load_error, self.refusal = None, _first_line(e), _refusal(e)
             self.ref = _reference(_proto(model))
             self.names = list(self.ref.output_names)
 
@@ -81,7 +85,8 @@ def _reference(model: onnx.ModelProto):
 
 
 def _contrib_ops() -> list:
-    """onnxruntime's RMSNorm ops (what `--target ort` emits) for onnx's reference evaluator."""
+    """Ops onnx's reference evaluator lacks: onnxruntime's RMSNorm ops (what `--target ort`
+    emits), and Erfc. Erfc is for the reference evaluator only: onnxruntime has no schema for it."""
     from onnx.reference.op_run import OpRun
 
     def rms(x, gamma, axis, eps):
@@ -103,7 +108,18 @@ def _contrib_ops() -> list:
             s = x + skip + (bias if bias is not None else 0)
             return (rms(s, gamma, -1, epsilon), None, None, s)
 
-    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization]
+    class Erfc(OpRun):
+        """tf2onnx writes Erfc, which is not an ONNX op (its GELU: 0.5 x erfc(-x/√2)): 1 - erf(x),
+        computed as math.erfc (exact where 1 - erf(x) would cancel, for large x)."""
+        op_domain = ""
+
+        def _run(self, x):
+            return (_ERFC(x).astype(x.dtype),)
+
+    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc]
+
+
+_ERFC = np.vectorize(math.erfc, otypes=[np.float64])
 
 
 def float64_copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -153,25 +169,59 @@ def _float_elems(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer if t.data_type in _FLOATS)
 
 
+class _Float64:
+    """A float64 copy of a model, run in onnxruntime or, where onnxruntime cannot (no double
+    kernel for one of its ops, or it refuses the model), onnx's reference evaluator."""
+
+    def __init__(self, model: ModelLike) -> None:
+        self.model = float64_copy(_proto(model))
+        self.ref, self.why = None, ""
+        try:
+            self.sess = session(self.model)
+        except Exception as e:
+            self.sess, self.why = None, _first_line(e)
+
+    def run(self, feeds: dict) -> tuple[list[np.ndarray], str]:
+        """(outputs, what ran them) on `feeds` with floats upcast; raises RuntimeError saying why
+        neither could run it."""
+        f64 = {k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v for k, v in feeds.items()}
+        why = self.why
+        if self.sess is not None:
+            try:
+                return self.sess.run(None, f64, _QUIET), "onnxruntime"
+            except Exception as e:
+                why = _first_line(e)
+        try:
+            if self.ref is None:
+                self.ref = _reference(self.model)
+            return [np.asarray(x) for x in self.ref.run(None, f64)], "onnx reference evaluator"
+        except Exception as e:
+            msg = str(e).splitlines()[0][:160] if str(e) else ""
+            raise RuntimeError(f"onnxruntime: {why}; reference evaluator: {type(e).__name__}: {msg}") from None
+
+
 def exact_run(model: ModelLike, feeds: dict) -> tuple[Optional[list[np.ndarray]], str]:
     """The outputs of a float64 copy of `model` on `feeds` (floats upcast), and how they were
     computed; (None, why) where no float64 run was possible."""
     skel = _skeleton(model)
     if _float_elems(skel) > EXACT_MAX_ELEMS:
         return None, f"more than {EXACT_MAX_ELEMS} float weights"
-    m64 = float64_copy(_proto(model))
-    f64 = {k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v for k, v in feeds.items()}
     try:
-        return session(m64).run(None, f64, _QUIET), "onnxruntime"
-    except Exception as e:
-        why = _first_line(e)
-    try:
-        return [np.asarray(x) for x in _reference(m64).run(None, f64)], "onnx reference evaluator"
-    except Exception as e:
-        return None, f"onnxruntime: {why}; reference evaluator: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        return _Float64(model).run(feeds)
+    except RuntimeError as e:
+        return None, str(e)
 
 
 # --- running the original on inputs it accepts ----------------------------------------------------
+
+class _RefusedAndUnrunnable(LnfoldError):
+    """onnxruntime refuses to load the original and onnx's reference evaluator cannot run it in
+    its own dtype: check() then compares float64 copies."""
+
+    def __init__(self, message: str, runner: _Runner) -> None:
+        super().__init__(message)
+        self.runner = runner
+
 
 def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Optional[dict] = None,
                  seed: int = 0) -> tuple[_Runner, dict, list[np.ndarray]]:
@@ -190,8 +240,9 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
         try:
             return runner, feeds, runner.run(feeds)
         except Exception as e:
-            raise LnfoldError(f"cannot verify: {_where(runner, skel, e)} on the given inputs: "
-                              f"{_first_line(e)}") from None
+            error = LnfoldError if runner.sess is not None else lambda m: _RefusedAndUnrunnable(m, runner)
+            raise error(f"cannot verify: {_where(runner, skel, e)} on the given inputs: "
+                        f"{_first_line(e)}") from None
     if dims:
         synth.check_dims(dims, skel)
     first: Optional[Exception] = None
@@ -202,9 +253,10 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
             first = first or e
     assert first is not None
     if runner.sess is None:
-        raise LnfoldError(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), and "
+        raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), and "
                           f"onnx's reference evaluator cannot run it either ({_where(runner, skel, first)}: "
-                          f"{_first_line(first)}); use --no-verify (API: verify_outputs=False) to skip it") from None
+                          f"{_first_line(first)}); use --no-verify (API: verify_outputs=False) to skip it",
+                                     runner) from None
     raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs: "
                       f"{_where(runner, skel, first)}: {_first_line(first)}; {_HINT}; or skip it with --no-verify "
                       "(API: verify_outputs=False)") from None
@@ -240,7 +292,10 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
           dims: Optional[dict] = None, seed: int = 0) -> gate.Verdict:
     """The gate's verdict on `folded` (passes/gate.py). Raises LnfoldError when the original cannot
     be run (nothing to compare with) and VerificationError when only the folded model fails."""
-    runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
+    try:
+        runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
+    except _RefusedAndUnrunnable as e:
+        return _check_float64_copies(original, folded, e, inputs=inputs, dims=dims, seed=seed)
     norm_names = _new_rms_inputs(_skeleton(original), _skeleton(folded))
     try:
         fr = _Runner(_with_outputs(_proto(folded), norm_names), allow_reference=runner.sess is None)
@@ -261,8 +316,72 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
         norm_inputs[name] = np.moveaxis(np.asarray(val), axis, -1)
     verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs), original_is_faithful=runner.sess is not None)
     if runner.sess is None:
-        verdict.criterion += f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's reference evaluator)"
+        erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
+            if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in _skeleton(original).graph.node) else ""
+        verdict.criterion += (f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
+                              f"reference evaluator{erfc})")
     return verdict
+
+
+def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _RefusedAndUnrunnable, *,
+                          inputs: Optional[dict], dims: Optional[dict], seed: int) -> gate.Verdict:
+    """The verdict on a fold of a model that neither onnxruntime nor onnx's reference evaluator
+    runs in its own dtype (onnxconverter-common's fp16 files): float64 copies of both, where the
+    fold is exact algebra but for the rounding of the weights it edits (gate.judge_float64_copies).
+    The folded model must be refused by onnxruntime for the input's reason, not a new one."""
+    skel, why = _skeleton(original), str(refused)
+    if _float_elems(skel) > EXACT_MAX_ELEMS:
+        raise LnfoldError(f"{why}; a float64 copy of it is too big (more than {EXACT_MAX_ELEMS} float weights)")
+    load_error, refusal = refused.runner.load_error, refused.runner.refusal
+    try:
+        session(folded)
+        same = "onnxruntime loads the folded model"
+    except Exception as e:
+        if _refusal(e) != refusal:
+            raise VerificationError(f"verification failed: onnxruntime refuses to load the folded model for a reason "
+                                    f"the input does not have ({_first_line(e)}; the input's: {load_error})") from None
+        same = "it refuses the folded model for the same reason"
+    orig64, fold64 = _Float64(original), _Float64(folded)
+    tries = [synth.check_feeds(inputs, skel)] if inputs is not None else \
+        [feeds for _, feeds in synth.candidates(skel, dims, seed)]
+    ra, first = None, None
+    for feeds in tries:
+        try:
+            ra, how = orig64.run(feeds)
+            break
+        except RuntimeError as e:
+            first = first or e
+    if ra is None:
+        raise LnfoldError(f"{why}; nor a float64 copy of it ({first})") from None
+    try:
+        rb, _ = fold64.run(feeds)
+    except RuntimeError as e:
+        raise VerificationError(f"verification failed: cannot run a float64 copy of the folded model ({e})") from None
+    if len(rb) != len(ra):
+        raise VerificationError(f"verification failed: the folded model has {len(rb)} outputs, the original {len(ra)}")
+    names = [o.name for o in skel.graph.output]
+    verdict = gate.judge_float64_copies([gate.Output(n, "float64", a, b) for n, a, b in zip(names, ra, rb)],
+                                        _storage_dtype(skel))
+    verdict.criterion += (f"; onnxruntime refuses to load the input ({load_error}), {same}, and onnx's reference "
+                          f"evaluator cannot run it in its own dtype; both run as float64 in {how}")
+    return verdict
+
+
+def _refusal(e: BaseException) -> str:
+    """onnxruntime's reason for refusing to load a model, without the file it was loaded from."""
+    return re.sub(r"^(\[ONNXRuntimeError\] : \d+ : \w+ : )?Load model (from .*? )?failed:\s*", "",
+                  " ".join(str(e).split()))
+
+
+def _storage_dtype(model: onnx.ModelProto) -> str:
+    """The narrowest float type of the model's weights: the fold stores the weights it edits
+    back in it."""
+    names = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
+             onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64"}
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
+                                               for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
+    found = {names[t.data_type] for t in tensors if t.data_type in names}
+    return max(found, key=lambda d: gate.FLOOR[d]) if found else "float32"
 
 
 def _compute_dtype(model: onnx.ModelProto) -> Optional[str]:

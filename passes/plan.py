@@ -113,7 +113,14 @@ class Plan:
         return not self.swaps
 
 
-def make_plan(view: View, mode: str = "rms") -> Plan:
+def make_plan(view: View, mode: str = "rms",
+              refuse: Optional[Callable[[Component], Optional[str]]] = None) -> Plan:
+    """The edits that fold every foldable component of `view`.
+
+    `refuse(component)` lets a frontend keep a foldable component whose edits it cannot apply
+    (the module-level training fold edits parameters, not Python numbers in `forward`); it
+    returns the reason, which the report gives for each of the component's norms.
+    """
     if mode not in ("rms", "crms"):
         raise ValueError(f"unknown mode {mode!r} (expected 'rms' or 'crms')")
     components = analyze(view)
@@ -130,9 +137,10 @@ def make_plan(view: View, mode: str = "rms") -> Plan:
         return uses.setdefault((ref_value, user, idx), ([], []))
 
     for comp in components:
-        if not comp.foldable:
+        reason = comp.reason() if not comp.foldable else (refuse(comp) if refuse else None)
+        if reason:
             for n in comp.norms:
-                verdicts[n] = NormVerdict(n, "keep", comp.reason())
+                verdicts[n] = NormVerdict(n, "keep", reason)
             continue
         k = len(plan.report.streams)
         edits, readers = _stream_edits(view, comp)

@@ -34,8 +34,8 @@ def missing_one_centering(make_plan, index=None):
     from every plan, so the tests can prove that verification catches a skipped centering."""
     from lnfold.passes.plan import Center
 
-    def sabotaged(view, mode="rms"):
-        plan = make_plan(view, mode)
+    def sabotaged(view, mode="rms", **kw):
+        plan = make_plan(view, mode, **kw)
         centers = [e for e in plan.const_edits if isinstance(e.ops[-1], Center)]
         plan.const_edits.remove(centers[len(centers) // 2 if index is None else index])
         return plan

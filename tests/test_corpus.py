@@ -3,7 +3,10 @@
 Each committed file is folded with the command line (`lnfold fold F -o OUT --json`, run in
 process: the same `main` as `python -m lnfold`), and checked against manifest.json's hand-derived
 counts (folded, recentered, LayerNorms found), the command's own verification, and the report
-(every kept norm says why). A file with nothing to fold must be refused with exit code 2.
+(every kept norm says why), with no option given. A file with nothing to fold must be refused with
+exit code 2. Files onnxruntime refuses to load are verified too: onnxconverter-common's fp16 files
+by float64 copies of both models, tf2onnx's (which write the non-ONNX op Erfc) by onnx's reference
+evaluator.
 """
 from __future__ import annotations
 
@@ -21,11 +24,6 @@ CORPUS = Path(os.environ.get("LNFOLD_CORPUS", Path(__file__).parent / "corpus"))
 _MANIFEST = CORPUS / "manifest.json"
 ENTRIES = [e for e in json.loads(_MANIFEST.read_text())["files"] if e.get("committed", True)] \
     if _MANIFEST.exists() else []
-
-# What the command says when it cannot run the *original* model (inputs it cannot make up, a file
-# onnxruntime refuses to load): verification, not the fold, is missing (issue 10, parts 1-2).
-_CANNOT_VERIFY = ("cannot verify", "onnxruntime cannot run the input", "onnxruntime cannot load",
-                  "onnxruntime refuses")
 
 
 def lnfold(*args: str) -> tuple[int, str, str]:
@@ -53,19 +51,30 @@ def test_corpus_file_folds_with_the_hand_count(entry, tmp_path):
         assert rc == 2 and not out.exists(), stderr
         assert ("no LayerNorm found" if entry["layernorms"] == 0 else "no LayerNorm can be folded") in stderr
         return
-    gap = rc == 2 and any(s in stderr for s in _CANNOT_VERIFY)
-    # fp16 inside, fp32 outputs (onnxruntime's fp16 converters keep the I/O types): a gate that
-    # compares with the original at a fixed fp32 tolerance refuses fp16 rounding (issue 10, part 2)
-    fp16_gate = rc == 1 and entry["dtype"] == "fp16" and "verification failed: outputs differ" in stderr
-    if gap or fp16_gate:
-        # the fold itself must still be the hand count; verification waits for inputs/loading
-        why = stderr.strip().splitlines()[-1][:200]
-        rc, stdout, stderr = lnfold("fold", str(src), "-o", str(out), "--json", "--no-verify")
-        assert rc == 0, stderr
-        _check_report(json.loads(stdout), entry)
-        pytest.xfail("folded with the hand count, not verified: " + why)
     assert rc == 0, stderr
     doc = json.loads(stdout)
     _check_report(doc, entry)
     assert doc["verified"] and doc["max_rel_err"] is not None
     assert out.exists()
+
+
+# The files onnxruntime refuses to load, each through its own path: float64 copies (onnxconverter-
+# common's fp16) and the reference evaluator with Erfc (tf2onnx). A missed centering must fail.
+_REFUSED = ["occfp16_ts_op17_fp32_vit.onnx", "occfp16_gpt2_model.onnx", "tf2onnx_op17_keras_block.onnx"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _REFUSED)
+def test_corpus_file_onnxruntime_refuses_planted_bug_fails(name, monkeypatch):
+    import onnx
+
+    from lnfold.onnx_rewrite import api, fold_model
+    from lnfold.passes import VerificationError
+    from tests.conftest import missing_one_centering
+
+    if not (CORPUS / name).exists():
+        pytest.skip(f"{name} not in {CORPUS}")
+    model = onnx.load(str(CORPUS / name))
+    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=0))
+    with pytest.raises(VerificationError, match="float64"):
+        fold_model(model)

@@ -52,10 +52,10 @@ def test_onnx_deferred_is_exact_against_float64(zoo_onnx, name):
 
 def test_onnx_auto_follows_the_cost_model(zoo_onnx):
     _, _, model = zoo_onnx("gpt2")
-    res = fold_model(model)  # auto: onnxruntime's row scale is a Mul of its own (RESULTS.md)
+    res = fold_model(model, defer="auto")  # onnxruntime's row scale is a Mul of its own (RESULTS.md)
     assert not any(n.deferred for n in res.report.norms)
     assert all(n.defer_reason.startswith("cost model") for n in res.report.norms)
-    assert not any(n.deferred for n in fold_model(model, defer="off").report.norms)
+    assert not any(n.deferred for n in fold_model(model).report.norms)  # the default: off
 
 
 def test_onnx_planted_bug_gamma_not_folded_fails(zoo_onnx, monkeypatch):

@@ -8,6 +8,8 @@ channel dim is symbolic. Each used to fail with "cannot verify"; each now verifi
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx
 import pytest
@@ -345,3 +347,122 @@ def test_fx_gate_passes_a_fold_more_exact_than_the_original():
     res = fold_module(Tiny(), (ids,), norm="rms_norm")
     assert res.criterion == "float64" and res.original_exact_err > 1e-4
     assert res.exact_err < res.original_exact_err and res.max_rel_err > 1e-4
+
+
+# --- models neither onnxruntime nor the reference evaluator runs in their own dtype ---------------
+
+def _fp16_cast_typed_fp16() -> onnx.ModelProto:
+    """onnxconverter-common's fp16 files: a Cast(to=FLOAT) kept from the fp32 model whose output
+    value_info says float16. onnxruntime refuses to load it ("Type (tensor(float16)) of output arg
+    ... does not match expected type"); onnx's reference evaluator runs the Cast as written and
+    then meets float32 * float16 ("Input type mismatch")."""
+    b = G.Builder(5, np.float16)
+    ids = b.input("ids", TensorProto.INT64, [2, G.T])
+    h = b.embed(ids)
+    a = b.op("Relu", [b.linear(b.layernorm(h), D, 2 * D)])
+    half = b.op("Cast", [b.const("half", np.array(0.5, np.float16))], to=TensorProto.FLOAT)
+    h = b.op("Add", [h, b.linear(b.op("Mul", [a, half]), 2 * D, D)])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, V))]), shape=[2, G.T, V])
+    model = b.model(17)
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info(half, TensorProto.FLOAT16, []))
+    return model
+
+
+def test_fp16_file_both_evaluators_refuse_is_judged_by_float64_copies():
+    from onnx.reference import ReferenceEvaluator
+    from lnfold.onnx_rewrite.verify import session
+
+    model = _fp16_cast_typed_fp16()
+    with pytest.raises(Exception, match=r"Type \(tensor\(float16\)\) of output arg"):
+        session(model)
+    with pytest.raises(Exception, match="mismatch"):
+        ReferenceEvaluator(model).run(None, {"ids": np.zeros((2, G.T), np.int64)})
+    res = fold_model(model)
+    assert res.report.folded == 2
+    assert res.criterion.startswith("float64 copies") and "refuses the folded model for the same reason" in res.criterion
+    # the edited weights are stored back in float16: more than float64 noise, within its floor
+    assert 1e-9 < res.exact_err <= gate.COPIES_REL + gate.FLOOR["float16"] and res.original_exact_err is None
+    with pytest.raises(Exception, match=r"Type \(tensor\(float16\)\) of output arg"):
+        session(res.model)
+
+
+def test_fp16_file_both_evaluators_refuse_planted_bug_still_fails(monkeypatch):
+    from lnfold.onnx_rewrite import api
+
+    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=0))
+    with pytest.raises(VerificationError, match="float64 copies of the folded and the original model differ"):
+        fold_model(_fp16_cast_typed_fp16())
+
+
+def test_fp16_file_folded_model_refused_for_a_new_reason_fails():
+    """The folded model may be refused by onnxruntime only for the input's reason: a new type
+    error (here on the first node's output) is a fold that made the file worse."""
+    from lnfold.onnx_rewrite.verify import check
+
+    model = _fp16_cast_typed_fp16()
+    folded = fold_model(model, verify_outputs=False).model
+    first = folded.graph.node[0].output[0]
+    folded.graph.value_info.append(onnx.helper.make_tensor_value_info(first, TensorProto.INT64, None))
+    with pytest.raises(VerificationError, match="for a reason the input does not have"):
+        check(model, folded)
+
+
+def test_gate_float64_copies_unit():
+    exact = np.linspace(1, 2, 10)
+    ok = gate.judge_float64_copies([gate.Output("y", "float64", exact, exact * (1 + 1e-4))], "float16")
+    assert ok.ok and ok.criterion.startswith("float64 copies") and "float64 copies" in ok.summary()
+    tight = gate.judge_float64_copies([gate.Output("y", "float64", exact, exact * (1 + 1e-4))], "float64")
+    assert not tight.ok and "above" in tight.message()
+
+
+# --- tf2onnx's Erfc ---------------------------------------------------------------------------------
+
+def _erfc_gelu_block(op: str = "Erfc") -> onnx.ModelProto:
+    """tf2onnx's Keras GELU: 0.5 x Erfc(-x/√2), with Erfc, which is not an ONNX op."""
+    b = G.Builder(6)
+    ids = b.input("ids", TensorProto.INT64, [2, G.T])
+    h = b.embed(ids)
+    a = b.linear(b.layernorm(h), D, 2 * D)
+    erfc = b.op(op, [b.op("Mul", [a, b.const("m", np.array(-2 ** -0.5, np.float32))])])
+    gelu = b.op("Mul", [b.op("Mul", [a, b.const("h", np.array(0.5, np.float32))]), erfc])
+    h = b.op("Add", [h, b.linear(gelu, 2 * D, D)])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, V))]), shape=[2, G.T, V])
+    model = b.model(17)
+    # onnx's shape inference stops at an op without a schema; the exporter knows the shape
+    model.graph.value_info.append(onnx.helper.make_tensor_value_info(erfc, TensorProto.FLOAT, [2, G.T, 2 * D]))
+    return model
+
+
+def test_erfc_reference_implementation():
+    from lnfold.onnx_rewrite.verify import _reference
+
+    b = G.Builder(0, np.float64)
+    b.output(b.op("Erfc", [b.input("x", TensorProto.DOUBLE, [5])]), shape=[5])
+    x = np.array([-3.0, -0.5, 0.0, 0.7, 10.0])
+    (y,) = _reference(b.model(17)).run(None, {"x": x})
+    assert np.allclose(y[:4], [1 - math.erf(v) for v in x[:4]], rtol=1e-15, atol=0)
+    assert y[4] > 0  # erfc(10) ~ 2e-45, where 1 - erf(10) is 0
+
+
+def test_erfc_model_verifies_with_the_reference_evaluator():
+    from lnfold.onnx_rewrite.verify import session
+
+    model = _erfc_gelu_block()
+    with pytest.raises(Exception, match="Erfc"):
+        session(model)
+    res = fold_model(model)
+    assert res.report.folded == 2 and res.exact_err is not None
+    assert res.criterion.startswith("float64") and "tf2onnx writes Erfc" in res.criterion
+
+
+def test_erfc_model_planted_bug_still_fails(monkeypatch):
+    from lnfold.onnx_rewrite import api
+
+    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=0))
+    with pytest.raises(VerificationError, match="away from a float64 run"):
+        fold_model(_erfc_gelu_block())
+
+
+def test_other_unknown_op_still_cannot_verify():
+    with pytest.raises(LnfoldError, match="cannot verify.*'Erfcx'"):
+        fold_model(_erfc_gelu_block("Erfcx"))
