@@ -355,7 +355,8 @@ def _norm_modules(root: nn.Module, plan: Plan, info: GraphInfo) -> list[nn.Modul
         m = _scope(root, info.nodes[name])
         if m is None or not isinstance(m, nn.LayerNorm) or type(m).forward is not nn.LayerNorm.forward:
             where = "" if m is None else f" in `{type(m).__name__}.forward`"
-            reason = f"no nn.LayerNorm module to swap (a functional layer_norm{where}); its stream is centered"
+            what = "a LayerNorm written as several ops" if name in info.decomposed else "a functional layer_norm"
+            reason = f"no nn.LayerNorm module to swap ({what}{where}); its stream is centered"
         elif not set(calls[id(m)]) <= swaps:
             reason = "its nn.LayerNorm module is also called where the stream cannot be folded"
         else:

@@ -137,3 +137,32 @@ def test_gather_with_a_per_feature_index_is_not():
     m = Mixed().eval()
     args = (torch.randint(0, 50, (2, 9)), torch.randint(0, 9, (2, 3, 16)))
     assert analyze_module(m, args, dynamic=False).folded == 0
+
+
+def test_frontends_find_the_same_linear_readers_for_deferral_and_crms():
+    """`Node.linear` / `regroups` are derived by passes/rules.py for both IRs: per norm of ViT, the
+    same number of linear readers (behind row-flattening reshapes), each with an input-feature
+    axis on its weight and a bias; the final norm, whose output is the graph's, is refused by both."""
+    from lnfold.fx_rewrite.api import exported_view
+    from lnfold.onnx_rewrite.api import _analyze
+    from lnfold.onnx_rewrite.classify import build_view
+    from lnfold.passes.defer import _readers
+
+    module, args = zoo.MODELS["vit"]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx_view = exported_view(module, args, None, False)[2]
+        _, info, opset, *_ = _analyze(zoo.export_onnx(module, args, ["x"]), "rms")
+        onnx_view = build_view(info, opset)[0]
+
+    def readers(view):
+        out = []
+        for n in view.norms():
+            rd, why = _readers(view, n.outputs[0], n.norm.axis)
+            assert all(r.weight.axis is not None for r in rd)
+            out.append(None if why else [r.bias is not None for r in rd])
+        return out
+
+    got = readers(fx_view)
+    assert got == readers(onnx_view)
+    assert got == [[True] * 3, [True], [True] * 3, [True], None]  # q/k/v; fc1; ...; final: refused
