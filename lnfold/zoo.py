@@ -138,7 +138,8 @@ def _hf(config: str, model: str, inputs: str, field: str = "last_hidden_state", 
         if inputs == "ids":
             x = torch.randint(0, V, (2, 9), generator=g)
         else:
-            x = torch.randn(2, 3, 32, 32, generator=g)
+            side = getattr(c, "image_size", 32)  # MobileViT's patches need 64
+            x = torch.randn(2, 3, side, side, generator=g)
         return Logits(m, field).eval(), (x,)
 
     return build
@@ -148,6 +149,59 @@ _TXT = dict(vocab_size=V, hidden_size=W, num_hidden_layers=2, num_attention_head
             max_position_embeddings=64)
 _IMG = dict(hidden_size=W, num_hidden_layers=2, num_attention_heads=H, intermediate_size=4 * W, image_size=32,
             patch_size=8)
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder called with explicit `decoder_input_ids` (a one-input wrapper would make
+    BART shift the labels inside the graph): (input, decoder_input_ids) -> one tensor."""
+
+    def __init__(self, model: nn.Module, field: str = "last_hidden_state") -> None:
+        super().__init__()
+        self.model = model
+        self.field = field
+
+    def forward(self, x, decoder_input_ids):
+        out = self.model(x, decoder_input_ids=decoder_input_ids, use_cache=False, return_dict=True)
+        return getattr(out, self.field)
+
+
+def _seq2seq(config: str, model: str, audio: bool = False, **cfg) -> Callable:
+    """A builder for a tiny encoder-decoder (text ids or Whisper mel frames in), adversarial weights."""
+
+    def build(seed: int = 0):
+        import transformers
+
+        c = getattr(transformers, config)(**cfg)
+        c._attn_implementation = "eager"
+        torch.manual_seed(seed)
+        m = adversarial(getattr(transformers, model)(c), seed)
+        g = torch.Generator().manual_seed(seed)
+        if audio:  # Whisper wants exactly 2 * max_source_positions mel frames
+            x = torch.randn(2, c.num_mel_bins, 2 * c.max_source_positions, generator=g)
+        else:
+            x = torch.randint(0, V, (2, 9), generator=g)
+        return Seq2Seq(m).eval(), (x, torch.randint(0, V, (2, 7), generator=g))
+
+    return build
+
+
+def whisper_encoder(seed: int = 0):
+    """Whisper's audio encoder alone: conv1 -> GELU -> conv2 -> GELU + positions, Pre-LN blocks."""
+    import transformers
+
+    c = transformers.WhisperConfig(**_WHISPER)
+    c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = adversarial(transformers.WhisperModel(c), seed).get_encoder()
+    x = torch.randn(2, c.num_mel_bins, 2 * c.max_source_positions, generator=torch.Generator().manual_seed(seed))
+    return Logits(m, "last_hidden_state").eval(), (x,)
+
+
+_ENC_DEC = dict(vocab_size=V, d_model=W, encoder_layers=2, decoder_layers=2, encoder_attention_heads=H,
+                decoder_attention_heads=H, encoder_ffn_dim=4 * W, decoder_ffn_dim=4 * W, max_position_embeddings=64)
+_WHISPER = dict(_ENC_DEC, num_mel_bins=16, max_source_positions=16, max_target_positions=32, pad_token_id=1,
+                bos_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+del _WHISPER["max_position_embeddings"]
 
 # name -> builder; next to each, the count derived by hand from its modeling file (2 layers):
 # LayerNorms, and how many a correct fold swaps (Pre-LN: all, the stream's sources are linear
@@ -196,6 +250,20 @@ MODELS: dict[str, Callable] = {
     # Dinov2: LayerScale on both branches, 2 x 2 + final = 5; Pre-LN: 5
     "dinov2": _hf("Dinov2Config", "Dinov2Model", "pixels", hidden_size=W, num_hidden_layers=2, num_attention_heads=H,
                   mlp_ratio=4, image_size=32, patch_size=8),
+    # --- encoder-decoder, hierarchical vision, conv hybrids, channels-first norms ---
+    "bart": _seq2seq("BartConfig", "BartModel", **_ENC_DEC),
+    "mbart": _seq2seq("MBartConfig", "MBartModel", **_ENC_DEC),
+    "whisper": _seq2seq("WhisperConfig", "WhisperModel", audio=True, **_WHISPER),
+    "whisper_encoder": whisper_encoder,
+    "swin": _hf("SwinConfig", "SwinModel", "pixels", image_size=32, patch_size=4, embed_dim=32, depths=[1, 1],
+                num_heads=[2, 4], window_size=4),
+    "convnext": _hf("ConvNextConfig", "ConvNextModel", "pixels", field="pooler_output", num_stages=2,
+                    hidden_sizes=[32, 64], depths=[1, 1], layer_scale_init_value=0.1),
+    "vitdet": _hf("VitDetConfig", "VitDetModel", "pixels", hidden_size=W, num_hidden_layers=2,
+                  num_attention_heads=H, mlp_ratio=4, image_size=32, pretrain_image_size=32, patch_size=8,
+                  residual_block_indices=[1]),
+    "mobilevit": _hf("MobileViTConfig", "MobileViTModel", "pixels", image_size=64, hidden_sizes=[32, 48, 64],
+                     neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 96], num_attention_heads=4, expand_ratio=2.0),
 }
 INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 
