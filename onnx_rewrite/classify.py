@@ -86,6 +86,16 @@ def _gather(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     return rule("take", data=0, start=g, stop=g + 1, q=q)
 
 
+def _gather_nd(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
+    """`GatherND(data, idx)`: the last axis of idx (k long) indexes data's axes b..b+k-1 after its
+    b batch axes (torch's `table[position_ids]` exports as one, with k = 1)."""
+    idx = info.shape(node.inputs[1])
+    b = int(node.attrs.get("batch_dims", 0))
+    if idx is None or not isinstance(idx[-1], int):
+        return None
+    return rule("take", data=0, start=b, stop=b + idx[-1], q=len(idx) - 1 - b)
+
+
 def _gather_elements(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     r = info.rank(node.inputs[0])
     return None if r is None else rule("gather_rows", data=0, index=1, axis=_norm_axis(int(node.attrs.get("axis", 0)), r))
@@ -273,6 +283,7 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Split": lambda info, n, _: rule("along", data=[0], outs=list(range(len(n.outputs))), axes=_split_axis(info, n)),
     "Gather": lambda info, n, _: _gather(info, n),
     "GatherElements": lambda info, n, _: _gather_elements(info, n),
+    "GatherND": lambda info, n, _: _gather_nd(info, n),
     "ReduceMean": lambda info, n, _: _reduce(info, n),
     "ReduceSum": lambda info, n, _: _reduce(info, n),
     "Softmax": _softmax,
