@@ -250,18 +250,51 @@ MODELS: dict[str, Callable] = {
     # Dinov2: LayerScale on both branches, 2 x 2 + final = 5; Pre-LN: 5
     "dinov2": _hf("Dinov2Config", "Dinov2Model", "pixels", hidden_size=W, num_hidden_layers=2, num_attention_heads=H,
                   mlp_ratio=4, image_size=32, patch_size=8),
-    # --- encoder-decoder, hierarchical vision, conv hybrids, channels-first norms ---
+    # --- encoder-decoder, hierarchical vision, conv hybrids, channels-first norms (2 layers/stages) ---
+    # BART, Post-LN (`residual + attn(x)`, then the norm): encoder layernorm_embedding + 2 x
+    # (self_attn, final) = 5, decoder layernorm_embedding + 2 x (self_attn, encoder_attn, final) =
+    # 7: 12. Each layernorm_embedding reads tokens * scale + learned positions (centerable): fold;
+    # every other norm reads a residual sum that q/k/v or fc1 also read (not invariant): 2
     "bart": _seq2seq("BartConfig", "BartModel", **_ENC_DEC),
+    # mBART, Pre-LN: encoder layernorm_embedding + 2 x 2 + layer_norm = 6, decoder
+    # layernorm_embedding + 2 x 3 + layer_norm = 8: 14. As BLOOM, per side the embedding norm
+    # folds and its output starts the stream of the rest: 1 recenter buys 5 (7): 14, 2 recenters
     "mbart": _seq2seq("MBartConfig", "MBartModel", **_ENC_DEC),
+    # Whisper: encoder 2 x 2 + layer_norm = 5, its stream starts at GELU(conv2) (opaque) + a
+    # position table: 1 recenter buys 5; decoder 2 x 3 + layer_norm = 7 over embed_tokens +
+    # embed_positions[position_ids] + out_proj/fc2 (all centerable): 12 fold, 1 recenter
     "whisper": _seq2seq("WhisperConfig", "WhisperModel", audio=True, **_WHISPER),
-    "whisper_encoder": whisper_encoder,
+    "whisper_encoder": whisper_encoder,  # Whisper's encoder alone: 5 / 5, 1 recenter
+    # Swin, depths [1, 1]: embeddings.norm + stage 0 (layernorm_before, _after) + the patch
+    # merging norm (over 4 x 32) + stage 1 (2) + final layernorm = 7. embeddings.norm reads the
+    # patch conv: fold. Stage 0's stream is read by the merging's cat of 4 strided slices: rows
+    # of 4 positions side by side along the features, each with its own shift: not invariant, 2
+    # refused. The merging norm reads that cat (opaque): 1 recenter for 1 swap, refused. Stage 1
+    # starts at the merging's bias-free reduction linear; attention outputs reach the stream
+    # through window reverse / roll / crop (row moves): stage 1 + final fold. 4
     "swin": _hf("SwinConfig", "SwinModel", "pixels", image_size=32, patch_size=4, embed_dim=32, depths=[1, 1],
                 num_heads=[2, 4], window_size=4),
+    # ConvNeXt, depths [1, 1]: embeddings.layernorm (channels_first: permute, LayerNorm,
+    # permute) + stage 0 block + stage 1 downsampling norm (channels_first) + stage 1 block +
+    # final layernorm (over the spatial mean) = 5. Each block's norm reads its depthwise conv
+    # (groups = C: no constant edit centers it; 1 recenter for 1 swap: refused); the
+    # downsampling and final norms read streams that the next dwconv also reads (a conv reading
+    # the stream is not invariant): refused. Only the embedding norm (patch conv) folds: 1
     "convnext": _hf("ConvNextConfig", "ConvNextModel", "pixels", field="pooler_output", num_stages=2,
                     hidden_sizes=[32, 64], depths=[1, 1], layer_scale_init_value=0.1),
+    # ViTDet, residual block after layer 1: 2 x (norm1, norm2) + the block's 3 hand-written
+    # channels-first VitDetLayerNorms (mean/var over dim 1) = 7. The stream (patch conv +
+    # absolute positions + attn/mlp) is read by the block's conv1 (not invariant): 4 refused;
+    # norm1..3 each read a bias-free groups=1 conv (centered over output channels): 3 fold
     "vitdet": _hf("VitDetConfig", "VitDetModel", "pixels", hidden_size=W, num_hidden_layers=2,
                   num_attention_heads=H, mlp_ratio=4, image_size=32, pretrain_image_size=32, patch_size=8,
                   residual_block_indices=[1]),
+    # MobileViT (conv + transformer hybrid; its 2/4/3 transformer layers per block are fixed in
+    # the modeling file, widths 32/48/64): 3 blocks x (2 x layers + layernorm) = 5 + 9 + 7 = 21.
+    # Each block's stream starts at conv_1x1 (bias-free, no BN/act: centerable), then
+    # `unfolding` reshapes (B, C, H, W) to (B*C*nph, ph, npw, pw), merging the channel axis with
+    # batch and patch rows, and splits it back out: 21 fold, 0 recenters. Both frontends
+    # recenter after the unfolding instead (3): see tests/test_differential.py KNOWN_GAPS.
     "mobilevit": _hf("MobileViTConfig", "MobileViTModel", "pixels", image_size=64, hidden_sizes=[32, 48, 64],
                      neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 96], num_attention_heads=4, expand_ratio=2.0),
 }

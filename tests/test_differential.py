@@ -23,7 +23,18 @@ HAND = {
     "gpt_neox": (5, 5, 0), "gptj": (3, 3, 0), "falcon": (3, 3, 0), "codegen": (3, 3, 0), "biogpt": (5, 5, 0),
     "clip_text": (5, 5, 0), "clip_vision": (6, 6, 1), "deit": (5, 5, 0), "beit": (5, 5, 0),
     "data2vec_vision": (5, 5, 0), "dinov2": (5, 5, 0),
+    "bart": (12, 2, 0), "mbart": (14, 14, 2), "whisper": (12, 12, 1), "whisper_encoder": (5, 5, 1),
+    "swin": (7, 4, 0), "convnext": (5, 1, 0), "vitdet": (7, 3, 0), "mobilevit": (21, 21, 0),
 }
+# Where both frontends agree with each other but not with the hand count: what they give, and why.
+KNOWN_GAPS = {
+    "mobilevit": ((21, 21, 3), "MobileViT's unfolding reshapes (B, C, H, W) to (B*C*nph, ph, npw, pw): the "
+                  "channel axis is merged with other axes, then split out again; the rules follow a feature "
+                  "axis only through reshapes that keep it whole, so each block recenters after the "
+                  "unfolding (exact) instead of centering conv_1x1"),
+}
+# torch.export with a dynamic batch takes a minute on Swin's window partitioning; static: 0.5 s.
+STATIC_EXPORT = {"swin"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,8 +42,8 @@ def _reports(name: str):
     module, args = zoo.MODELS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fx = analyze_module(module, args)
-        onnx = analyze_model(zoo.export_onnx(module, args, ["x"]))
+        fx = analyze_module(module, args, dynamic=name not in STATIC_EXPORT)
+        onnx = analyze_model(zoo.export_onnx(module, args, ["x", "decoder_input_ids"][:len(args)]))
     return fx, onnx
 
 
@@ -45,7 +56,11 @@ def test_every_zoo_architecture_has_a_hand_count():
 def test_frontends_agree_with_each_other_and_the_hand_count(name):
     fx, onnx = _reports(name)
     assert not mg.report_differences(onnx, fx), mg.report_differences(onnx, fx)
-    assert (len(fx.norms), fx.folded, fx.recentered) == HAND[name]
+    got = (len(fx.norms), fx.folded, fx.recentered)
+    if name in KNOWN_GAPS:
+        assert got == KNOWN_GAPS[name][0]  # a change here: fixed (move it out) or a new difference
+        pytest.xfail(KNOWN_GAPS[name][1])
+    assert got == HAND[name]
 
 
 @pytest.mark.parametrize("seed", [1, 4, 7, 12, 19, 23])
@@ -166,3 +181,35 @@ def test_frontends_find_the_same_linear_readers_for_deferral_and_crms():
     got = readers(fx_view)
     assert got == readers(onnx_view)
     assert got == [[True] * 3, [True], [True] * 3, [True], None]  # q/k/v; fc1; ...; final: refused
+
+
+class PositionTable(nn.Module):
+    """Whisper's decoder positions: `table[position_ids]` (aten.index), which torch.onnx exports as
+    GatherND with a one-long last index axis, added to a token embedding."""
+
+    def __init__(self, d=16, vocab=50, positions=12):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(positions, d, generator=g) + 3.0 * torch.randn(positions, 1, generator=g))
+        self.ln = nn.LayerNorm(d)
+        with torch.no_grad():
+            self.emb.weight.add_(3.0 * torch.randn(vocab, 1, generator=g))
+            self.ln.weight.copy_(1 + 0.5 * torch.randn(d, generator=g))
+            self.ln.bias.copy_(0.5 * torch.randn(d, generator=g))
+
+    def forward(self, ids):
+        position_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+        return self.ln(self.emb(ids) + self.pos[position_ids])
+
+
+def test_gather_nd_of_a_position_table_is_centered_not_recentered():
+    m = PositionTable().eval()
+    args = (torch.randint(0, 50, (2, 9)),)
+    proto = zoo.export_onnx(m, args, ["ids"])
+    assert "GatherND" in [n.op_type for n in proto.graph.node]
+    res = fold_model(proto)
+    # without GatherND's row the table is opaque: one recenter for one swap does not pay, no fold
+    assert (res.report.folded, res.report.recentered) == (1, 0), res.report.norms
+    assert res.max_rel_err < 1e-5
+    assert not mg.report_differences(res.report, analyze_module(m, args))
