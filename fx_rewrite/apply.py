@@ -68,6 +68,14 @@ TORCH = Dialect(
 )
 
 
+def center_blocks(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """`x` with each run of `block` entries along `axis` minus its own mean (passes/weights.center)."""
+    runs = x.unflatten(axis, (-1, block))
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    mean = runs.mean(axis + 1, keepdim=True, dtype=torch.float32 if low else None).to(x.dtype)
+    return (runs - mean).flatten(axis, axis + 1)
+
+
 def profile(by: torch.Tensor, by_axis: int, rank: int, axis: int) -> torch.Tensor:
     """The 1-D profile of a LayerScale vector, shaped to broadcast along `axis` of a rank-`rank` tensor.
 
@@ -146,6 +154,8 @@ class GraphConstants(Constants):
             for op in edit.ops:
                 if isinstance(op, Center) and op.axis is None:
                     x = applier.dialect.zeros_like(g, x)  # uniform along the features: all shift
+                elif isinstance(op, Center) and op.block is not None and meta_val(src).shape[op.axis] not in (1, op.block):
+                    x = g.call_function(center_blocks, (x, op.axis, op.block))
                 elif isinstance(op, Center):
                     x = applier.dialect.sub(g, x, applier.dialect.mean(g, x, op.axis))
                 elif isinstance(op, Scale):

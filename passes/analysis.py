@@ -6,7 +6,7 @@ Pure function of a `View`: `analyze(view)` returns the components found, and `ma
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .view import ChannelScale, ConstRef, Node, View
@@ -38,6 +38,9 @@ class Component:
     """One connected set of stream tensors, with the feature axis of each."""
 
     axes: dict[str, int] = field(default_factory=dict)
+    # Stream tensors centered per block of this many entries along their feature axis (the
+    # input of per-head q/k norms, seen before the split into heads); absent: the whole axis.
+    blocks: dict[str, int] = field(default_factory=dict)
     norms: list[str] = field(default_factory=list)
     sources: list[CenteredSource] = field(default_factory=list)
     opaque: list[OpaqueStart] = field(default_factory=list)
@@ -79,24 +82,44 @@ class _ComponentBuilder:
         if msg not in self.comp.blockers:
             self.comp.blockers.append(msg)
 
-    def visit(self, value: str, axis: int) -> None:
+    def visit(self, value: str, axis: int, block: Optional[int] = None) -> None:
+        shape = self.view.values[value].shape
+        if block is not None:
+            size = shape[axis] if shape is not None and axis < len(shape) else None
+            if size == block:
+                block = None  # one block: the whole axis
+            elif not isinstance(size, int) or size % block:
+                self.block(f"stream tensor {_fmt_value(value)} would be centered per block of {block} "
+                           f"along axis {axis}, whose size {size} is not a multiple of it")
+                return
         have = self.comp.axes.get(value)
         if have is None:
             self.comp.axes[value] = axis
+            if block is not None:
+                self.comp.blocks[value] = block
             self.queue.append(value)
         elif have != axis:
             self.block(
                 f"stream tensor {_fmt_value(value)} is reached with feature axis {have} "
                 f"and {axis} (a reshape or transpose mixes the feature axis)"
             )
+        elif self.comp.blocks.get(value) != block:
+            self.block(
+                f"stream tensor {_fmt_value(value)} is reached centered per block of "
+                f"{self.comp.blocks.get(value) or 'the whole axis'} and of {block or 'the whole axis'}"
+            )
 
     def run(self, start: str, axis: int) -> Component:
         self.visit(start, axis)
         while self.queue:
             value = self.queue.popleft()
-            axis = self.comp.axes[value]
-            self._producer_side(value, axis)
-            self._consumer_side(value, axis)
+            axis, block = self.comp.axes[value], self.comp.blocks.get(value)
+            if block is None:
+                self._producer_side(value, axis)
+                self._consumer_side(value, axis)
+            else:
+                self._producer_side_blocks(value, axis, block)
+                self._consumer_side_blocks(value, axis, block)
         return self.comp
 
     # -- how a stream tensor comes to be -------------------------------------------------------
@@ -119,6 +142,11 @@ class _ComponentBuilder:
                 self._stream_input(node, i, in_axis)
             # Sibling outputs (a Split's) join when the inputs' readers are visited.
             return
+        ins = node.backward_block(o, axis, None)
+        if ins is not None:  # the feature axis is a split-off part of an input axis (head_dim)
+            for i, in_axis, in_block in ins:
+                self._stream_input(node, i, in_axis, in_block)
+            return
 
         scale = node.channel_scale(o, axis)
         if scale is not None:
@@ -133,12 +161,50 @@ class _ComponentBuilder:
             return
         self._add_opaque(value, axis, node.describe())
 
-    def _stream_input(self, node: Node, i: int, axis: int) -> None:
+    def _stream_input(self, node: Node, i: int, axis: int, block: Optional[int] = None) -> None:
         name = node.inputs[i]
         if self.view.values[name].is_const:
-            self._add_source(CenteredSource(None, [ConstRef(name, axis, node.name, i)]))
+            self._add_source(CenteredSource(None, [ConstRef(name, axis, node.name, i, block)]))
         else:
-            self.visit(name, axis)
+            self.visit(name, axis, block)
+
+    def _producer_side_blocks(self, value: str, axis: int, block: int) -> None:
+        """A tensor centered per block: only constant edits that center each block will do (a
+        recenter centers the whole axis, a LayerScale fold is not tried)."""
+        v = self.view.values[value]
+        node = self.view.nodes[v.producer] if v.producer is not None else None
+        if node is not None:
+            o = node.outputs.index(value)
+            ins = node.backward_block(o, axis, block)
+            if ins is not None:
+                for i, in_axis, in_block in ins:
+                    self._stream_input(node, i, in_axis, in_block)
+                return
+            refs = node.centering(o, axis) if node.block_centering else None
+            if refs is not None:
+                self._add_source(CenteredSource(node.name, [replace(r, block=block) for r in refs]))
+                return
+        what = node.describe() if node is not None else f"graph input {_fmt_value(value)}"
+        self.block(f"stream tensor {_fmt_value(value)} must be centered per block of {block} (a per-head norm "
+                   f"reads it), but it is started by {what}, which no per-block edit can center")
+
+    def _consumer_side_blocks(self, value: str, axis: int, block: int) -> None:
+        """Every reader must carry a per-block shift on to norms, or ignore it (shapes only)."""
+        v = self.view.values[value]
+        if v.is_graph_output:
+            self.block(f"stream tensor {_fmt_value(value)} is a graph output (its mean is observable)")
+        for cname, i in v.consumers:
+            c = self.view.nodes[cname]
+            outs = c.transfer_block(i, axis, block)
+            if outs is not None:
+                for o, oaxis, oblock in outs:
+                    if c.outputs[o]:
+                        self.visit(c.outputs[o], oaxis, oblock)
+                continue
+            if c.shape_only:
+                continue
+            self.block(f"stream tensor {_fmt_value(value)} is centered per block of {block} along axis {axis}, "
+                       f"and {c.describe()} reads it otherwise than per block (not shift-invariant)")
 
     def _scaled_source(self, node: Node, scale: ChannelScale) -> Optional[CenteredSource]:
         """LayerScale: fold a per-channel constant into the centerable sources feeding it.
@@ -198,6 +264,12 @@ class _ComponentBuilder:
                     if c.outputs[o]:
                         self.visit(c.outputs[o], oaxis)
                 continue
+            bouts = c.transfer_block(i, axis, None) if c.norm is None else None
+            if bouts is not None:  # head_dim merged into a wider axis: per-block from here on
+                for o, oaxis, oblock in bouts:
+                    if c.outputs[o]:
+                        self.visit(c.outputs[o], oaxis, oblock)
+                continue
             if c.norm is not None and c.norm.input == i:
                 if c.norm.axis == axis:
                     if cname not in self.comp.norms:
@@ -225,4 +297,20 @@ def analyze(view: View) -> list[Component]:
             comp.norms.insert(0, node.name)
         placed.update(comp.norms)
         components.append(comp)
+    _block_shared(components)
     return components
+
+
+def _block_shared(components: list[Component]) -> None:
+    """A stream tensor in two components would take two sets of edits: keep both (a component is
+    meant to be closed under its readers and writers; per-block centering is where that could
+    first fail to hold)."""
+    owner: dict[str, Component] = {}
+    for comp in components:
+        for value in comp.axes:
+            other = owner.setdefault(value, comp)
+            if other is not comp:
+                for c in (other, comp):
+                    msg = f"stream tensor {_fmt_value(value)} is shared with another group of norms"
+                    if msg not in c.blockers:
+                        c.blockers.append(msg)

@@ -90,3 +90,30 @@ def same_axes_rules(data: list[int], outs: list[int], excluded: Optional[set]) -
         return [(i, a) for i in data] if o in outs and a not in excluded else None
 
     return dict(transfer=transfer, backward=backward)
+
+
+def reshape_block_axis(src: Shape, dst: Shape, axis: int, block: Optional[int]) -> Optional[tuple[int, int]]:
+    """(axis of `dst`, block) that holds `src`'s runs of `block` entries along `axis` (None: the
+    whole axis) after a reshape that splits or merges that axis, or None.
+
+    Row-major, with static dims after the axis of product t, a run is the entries
+    p*block*t + e*t + r for e < block; in `dst` those are the runs of `block` along the axis j
+    whose later dims also multiply to t, provided block divides dst[j] (a split (H*hd) -> (H, hd)
+    gives j = the hd axis, block hd: the whole axis; a merge (H, hd) -> (H*hd) gives blocks of hd).
+    """
+    if src is None or dst is None or not 0 <= axis < len(src):
+        return None
+    size, tail = src[axis], src[axis + 1:]
+    block = size if block is None else block
+    if not isinstance(size, int) or not _static(tail) or block < 2 or size % block:
+        return None
+    t = prod(tail)
+    for j in range(len(dst) - 1, -1, -1):
+        if not _static(dst[j + 1:]):
+            return None
+        later = prod(dst[j + 1:])
+        if later > t:
+            return None
+        if later == t and isinstance(dst[j], int) and dst[j] % block == 0:
+            return j, block
+    return None

@@ -91,6 +91,8 @@ def compress(view: View, comp: Component) -> ComponentCompression:
 def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
     d = _width(view, comp)
     out.width = d
+    if comp.blocks:
+        raise _Fallback("the stream is centered per head (a per-head norm reads it); compressing it is not implemented")
     if comp.opaque:
         raise _Fallback(f"the stream is recentered at {comp.opaque[0].what}; compressing a recentered "
                         "stream is not implemented")

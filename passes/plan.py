@@ -21,6 +21,7 @@ from .view import View
 @dataclass(frozen=True)
 class Center:
     axis: int
+    block: Optional[int] = None  # center each run of `block` entries on its own (per-head q/k norms)
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def make_plan(view: View, mode: str = "rms",
                 ops[:] = [Ones()] + ([Drop(s.axis)] if shrink and _size(view, s.value, s.axis) != 1 else [])
             for ref in src.refs:
                 ops = use(ref.value, ref.user, ref.user_input)[1]
-                ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [Center(ref.axis)]
+                ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [Center(ref.axis, ref.block)]
                 if shrink and ref.axis is not None and _size(view, ref.value, ref.axis) != 1:
                     ops.append(Drop(ref.axis))
         if shrink:
@@ -236,7 +237,9 @@ def _drop_axis(op, gone: int):
     shift = (lambda a: a if a is None or a < gone else a - 1)
     if isinstance(op, Scale):
         return Scale(op.by, op.by_axis, shift(op.axis))
-    if isinstance(op, (Center, Drop)):
+    if isinstance(op, Center):
+        return Center(shift(op.axis), op.block)
+    if isinstance(op, Drop):
         return type(op)(shift(op.axis))
     return op
 
@@ -275,7 +278,7 @@ def compute_constants(
 def _apply_ops(a: np.ndarray, ops: tuple, original: Callable[[str], np.ndarray]) -> np.ndarray:
     for op in ops:
         if isinstance(op, Center):
-            a = weights.center(a, op.axis)
+            a = weights.center(a, op.axis, op.block)
         elif isinstance(op, Scale):
             a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
         elif isinstance(op, Ones):

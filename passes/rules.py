@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .axes import broadcast_rules, permute_rules, reshape_axis, same_axes_rules
+from .axes import broadcast_rules, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules
 from .guards import is_overflow_guard
 from .view import ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
 
@@ -80,6 +80,26 @@ def attach(view: View) -> None:
         if node.rule is not None:
             for k, v in RULES[node.rule.kind](view, node, **node.rule.params).items():
                 setattr(node, k, v)
+            if node.rule.kind in _BLOCK_AGNOSTIC:
+                node.transfer_block = _carry_block(node.transfer)
+                node.backward_block = _carry_block(node.backward)
+            node.block_centering = node.rule.kind in _CENTER_IN_ORDER
+
+
+# Ops that do not act along the feature axis (or only scale rows by a per-row factor): a shift
+# per block of the feature axis passes through them as it is, the axis' size unchanged.
+_BLOCK_AGNOSTIC = frozenset(("elementwise", "broadcast", "scale", "permute", "along", "pad", "take",
+                             "gather_rows", "reduce", "clamp"))
+# Sources whose `centering` refs hold the output features in order along their axis.
+_CENTER_IN_ORDER = frozenset(("linear", "matmul", "embedding", "conv"))
+
+
+def _carry_block(answer):
+    def blocked(k, axis, block):
+        got = answer(k, axis)
+        return None if got is None else [(j, a, block) for j, a in got]
+
+    return blocked
 
 
 # --- what the view knows about a node's inputs -------------------------------------------------
@@ -242,8 +262,17 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
             axis = next((k for k, v in axis_map.items() if v == a), None)
         return None if axis is None else [(data, axis)]
 
+    def transfer_block(i, b, block):
+        got = None if i != data else reshape_block_axis(_shape(view, node, data), view.values[node.outputs[0]].shape, b, block)
+        return None if got is None else [(0, *got)]
+
+    def backward_block(o, a, block):
+        got = None if o != 0 else reshape_block_axis(view.values[node.outputs[0]].shape, _shape(view, node, data), a, block)
+        return None if got is None else [(data, *got)]
+
     return dict(transfer=transfer, backward=backward, layout=True, regroups=True,
-                width_refs=_width_refs(view, node, sizes, slot, fixed))
+                width_refs=_width_refs(view, node, sizes, slot, fixed),
+                transfer_block=transfer_block, backward_block=backward_block)
 
 
 def _permute(view, node, perm, data=0):

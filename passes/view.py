@@ -20,6 +20,12 @@ analysis needs, as small callables the frontend fills in from its op classificat
   along `axis` (a Reshape's target shape, an Expand's); [] where none does, None where the size
   is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). On a
   `shape_only` node: [] when its result does not depend on the width (a dtype assert).
+- `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same questions for a
+  tensor centered per block of `block` entries along `axis` (None: the whole axis), answered
+  with (index, axis, block) triples: a reshape that splits the feature axis into (heads,
+  head_dim) maps "feature axis head_dim" to "blocks of head_dim" on the merged axis.
+- `block_centering`: the refs `centering` returns hold the output's features in order along
+  their axis, so a per-block centering of the output is the same per-block centering of them.
 - `layout`: the node only moves or copies elements (a reshape, transpose, slice, gather on other
   axes): it commutes with any map applied along the feature axis.
 - `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
@@ -56,6 +62,9 @@ class ConstRef:
     axis: int
     user: str
     user_input: int
+    # Center each run of `block` entries along `axis` on its own (a per-head q/k norm reads
+    # the source's output features in blocks of head_dim); None: the whole axis.
+    block: Optional[int] = None
 
 
 @dataclass
@@ -124,6 +133,10 @@ def _not_linear(i: int, axis: int) -> Optional[LinearRead]:
     return None
 
 
+def _never_block(k: int, axis: int, block: Optional[int]) -> Optional[list[tuple[int, int, Optional[int]]]]:
+    return None
+
+
 def _names_no_width(o: int, axis: int) -> Optional[list[DimRef]]:
     return []
 
@@ -141,6 +154,9 @@ class Node:
     invariant: Callable[[int, int], bool] = _not_invariant
     linear: Callable[[int, int], Optional[LinearRead]] = _not_linear
     width_refs: Callable[[int, int], Optional[list[DimRef]]] = _names_no_width
+    transfer_block: Callable[[int, int, Optional[int]], Optional[list[tuple[int, int, Optional[int]]]]] = _never_block
+    backward_block: Callable[[int, int, Optional[int]], Optional[list[tuple[int, int, Optional[int]]]]] = _never_block
+    block_centering: bool = False
     layout: bool = False
     regroups: bool = False
     norm: Optional[NormSpec] = None

@@ -11,14 +11,21 @@ def _f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def center(a: np.ndarray, axis) -> np.ndarray:
+def center(a: np.ndarray, axis, block=None) -> np.ndarray:
     """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1.
 
     `axis=None` is a tensor that lacks the feature axis (a scalar, or a table broadcast along the
-    features): it is uniform along them, so centering leaves nothing.
+    features): it is uniform along them, so centering leaves nothing. `block`: each run of
+    `block` entries along `axis` minus its own mean (the rows of one head for a per-head norm).
     """
     if axis is None:
         return np.zeros_like(a)
+    n = a.shape[axis]
+    if block is not None and n != 1 and block != n:
+        if n % block:
+            raise ValueError(f"cannot center blocks of {block} along an axis of {n}")
+        runs = a.reshape(a.shape[:axis] + (n // block, block) + a.shape[axis + 1:])
+        return center(runs, axis + 1).reshape(a.shape)
     # the mean in float64 without a float64 copy of `a`; the subtraction upcasts element-wise
     return (a - a.mean(axis=axis, dtype=np.float64, keepdims=True)).astype(a.dtype)
 
