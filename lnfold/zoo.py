@@ -121,6 +121,38 @@ def gpt_neox(layers=2, hidden=64, heads=4, vocab=101, seed=0):
     return Logits(m, "logits").eval(), (ids,)
 
 
+@torch.no_grad()
+def per_head_means(linear: nn.Linear, heads: int, seed: int = 0) -> None:
+    """Give each head's block of output rows its own large mean (per input column, and in the
+    bias): centering the whole row range instead of each head's block then leaves a mean that a
+    per-head norm would see."""
+    g = torch.Generator().manual_seed(seed)
+    w = linear.weight
+    hd = w.shape[0] // heads
+    w.add_((SOURCE_MEAN * w.std() * torch.randn(heads, 1, w.shape[1], generator=g)).expand(heads, hd, -1).reshape(w.shape))
+    if linear.bias is not None:
+        linear.bias.add_((SOURCE_MEAN * torch.randn(heads, 1, generator=g)).expand(heads, hd).reshape(-1))
+
+
+def stablelm_qk(layers=2, hidden=64, heads=4, vocab=101, seed=0):
+    """StableLM with qk_layernorm: per head, one LayerNorm(head_dim) on q and one on k (after
+    `view(B, T, H, hd).transpose(1, 2)` and a split into heads), q/k projections with biases."""
+    import transformers
+
+    cfg = transformers.StableLmConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=heads,
+                                      intermediate_size=2 * hidden, max_position_embeddings=64,
+                                      qk_layernorm=True, use_qkv_bias=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = adversarial(transformers.StableLmModel(cfg), seed)
+    for k, layer in enumerate(m.layers):
+        per_head_means(layer.self_attn.q_proj, heads, seed + 2 * k)
+        per_head_means(layer.self_attn.k_proj, heads, seed + 2 * k + 1)
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return Logits(m, "last_hidden_state").eval(), (ids,)
+
+
 W, H, V = 64, 4, 101  # width, heads, vocabulary of every architecture below (2 layers each)
 
 
@@ -297,6 +329,10 @@ MODELS: dict[str, Callable] = {
     # recenter after the unfolding instead (3): see tests/test_differential.py KNOWN_GAPS.
     "mobilevit": _hf("MobileViTConfig", "MobileViTModel", "pixels", image_size=64, hidden_sizes=[32, 48, 64],
                      neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 96], num_attention_heads=4, expand_ratio=2.0),
+    # StableLM, qk_layernorm: per layer input_layernorm + post_attention_layernorm + one
+    # LayerNorm(head_dim) per head for q and for k (4 + 4) = 10, x 2 + final norm = 21; Pre-LN,
+    # and q/k norms fold by centering each head's rows of q_proj/k_proj (and bias): 21
+    "stablelm_qk": stablelm_qk,
 }
 INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 

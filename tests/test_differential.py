@@ -25,6 +25,7 @@ HAND = {
     "data2vec_vision": (5, 5, 0), "dinov2": (5, 5, 0),
     "bart": (12, 2, 0), "mbart": (14, 14, 2), "whisper": (12, 12, 1), "whisper_encoder": (5, 5, 1),
     "swin": (7, 4, 0), "convnext": (5, 1, 0), "vitdet": (7, 3, 0), "mobilevit": (21, 21, 0),
+    "stablelm_qk": (21, 21, 0),
 }
 # Where both frontends agree with each other but not with the hand count: what they give, and why.
 KNOWN_GAPS = {
