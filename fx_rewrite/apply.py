@@ -68,12 +68,16 @@ TORCH = Dialect(
 )
 
 
-def center_blocks(x: torch.Tensor, axis: int, block: int) -> torch.Tensor:
-    """`x` with each run of `block` entries along `axis` minus its own mean (passes/weights.center)."""
-    runs = x.unflatten(axis, (-1, block))
+def center_blocks(x: torch.Tensor, axis: int, block: int, lo: int = 0, hi=None) -> torch.Tensor:
+    """`x` with each run of `block` entries along `axis` in [lo, hi) minus its own mean
+    (passes/weights.center)."""
+    n = x.shape[axis]
+    hi = n if hi is None else hi
+    head, part, tail = x.narrow(axis, 0, lo), x.narrow(axis, lo, hi - lo), x.narrow(axis, hi, n - hi)
+    runs = part.unflatten(axis, (-1, block))
     low = x.dtype in (torch.float16, torch.bfloat16)
     mean = runs.mean(axis + 1, keepdim=True, dtype=torch.float32 if low else None).to(x.dtype)
-    return (runs - mean).flatten(axis, axis + 1)
+    return torch.cat([head, (runs - mean).flatten(axis, axis + 1), tail], axis)
 
 
 def profile(by: torch.Tensor, by_axis: int, rank: int, axis: int) -> torch.Tensor:
@@ -154,8 +158,8 @@ class GraphConstants(Constants):
             for op in edit.ops:
                 if isinstance(op, Center) and op.axis is None:
                     x = applier.dialect.zeros_like(g, x)  # uniform along the features: all shift
-                elif isinstance(op, Center) and op.block is not None and meta_val(src).shape[op.axis] not in (1, op.block):
-                    x = g.call_function(center_blocks, (x, op.axis, op.block))
+                elif isinstance(op, Center) and op.block is not None and meta_val(src).shape[op.axis] != 1:
+                    x = g.call_function(center_blocks, (x, op.axis, op.block, op.lo, op.hi))
                 elif isinstance(op, Center):
                     x = applier.dialect.sub(g, x, applier.dialect.mean(g, x, op.axis))
                 elif isinstance(op, Scale):

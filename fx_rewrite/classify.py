@@ -269,7 +269,16 @@ def _changed_axes(src: Shape, dst: Shape) -> Optional[set]:
 def _slice(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i = g.index(node, x)
-    return None if i is None else rule("along", data=[i], axes=_changed_axes(g.shape(x), g.shape(node)))
+    if i is None:
+        return None
+    axes = _changed_axes(g.shape(x), g.shape(node))
+    start, step = call.get("start", 0), call.get("step", 1)
+    dim = _norm_axis(call.get("dim", 0), g.rank(x))
+    if dim is not None:  # aten.slice cuts `dim` only (the others may just be symbolic)
+        axes = {dim} if axes is None else axes & {dim}
+    start = 0 if start is None else start
+    sliced = axes == {dim} and step == 1 and isinstance(start, int)
+    return rule("along", data=[i], axes=axes, **({"starts": [start]} if sliced else {}))
 
 
 def _pad(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -372,7 +381,8 @@ def _split(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i = g.index(node, x)
     n = len(meta_val(node) or ())
     dim = _norm_axis(call.get("dim", 0), g.rank(x))
-    return None if i is None else rule("along", data=[i], outs=list(range(n)), axes=None if dim is None else {dim})
+    return None if i is None else rule("along", data=[i], outs=list(range(n)), axes=None if dim is None else {dim},
+                                       partition=True)
 
 
 def _reduce(g: GraphInfo, node: fx.Node, call: Call) -> Built:

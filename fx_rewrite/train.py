@@ -102,8 +102,8 @@ class _Recipe:
                 x = x * 0 + 1  # not ones_like: the parameter keeps a gradient path (DDP, AdamW decay)
             elif op.axis is None:
                 x = x * 0  # uniform along the features: all of it is a shift
-            elif op.block is not None and x.shape[op.axis] not in (1, op.block):
-                x = center_blocks(x, op.axis, op.block)
+            elif op.block is not None and x.shape[op.axis] != 1:
+                x = center_blocks(x, op.axis, op.block, op.lo, op.hi)
             elif x.dtype in (torch.float16, torch.bfloat16):
                 x = x - x.mean(op.axis, keepdim=True, dtype=torch.float32).to(x.dtype)
             else:

@@ -75,6 +75,19 @@ def _slice_axes(info: GraphInfo, node: gs.Node) -> Optional[set[int]]:
     return {_norm_axis(int(a), rank) for a in np.asarray(axes).reshape(-1)}
 
 
+def _slice(info: GraphInfo, node: gs.Node) -> Rule:
+    """Slice; its start when it cuts one axis with step 1 (a fused q/k/v projection's q rows)."""
+    axes = _slice_axes(info, node)
+    if "starts" in node.attrs or axes is None or len(axes) != 1:
+        return rule("along", data=[0], axes=axes)
+    starts = const_values(node.inputs[1])
+    steps = const_values(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None and node.inputs[4].name else None
+    one_step = len(node.inputs) <= 4 or not node.inputs[4].name or (steps is not None and np.all(np.asarray(steps) == 1))
+    if starts is None or np.size(starts) != 1 or not one_step:
+        return rule("along", data=[0], axes=axes)
+    return rule("along", data=[0], axes=axes, starts=[int(np.asarray(starts).reshape(-1)[0])])
+
+
 def _gather(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     data, idx = node.inputs[0], node.inputs[1]
     r, q = info.rank(data), info.rank(idx)
@@ -278,9 +291,10 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Squeeze": _unary("reshape"),
     "Unsqueeze": _unary("reshape"),
     "Transpose": lambda info, n, _: _transpose(info, n),
-    "Slice": lambda info, n, _: rule("along", data=[0], axes=_slice_axes(info, n)),
+    "Slice": lambda info, n, _: _slice(info, n),
     "Concat": lambda info, n, _: rule("along", data=list(range(len(n.inputs))), axes=_concat_axis(info, n)),
-    "Split": lambda info, n, _: rule("along", data=[0], outs=list(range(len(n.outputs))), axes=_split_axis(info, n)),
+    "Split": lambda info, n, _: rule("along", data=[0], outs=list(range(len(n.outputs))), axes=_split_axis(info, n),
+                                     partition=True),
     "Gather": lambda info, n, _: _gather(info, n),
     "GatherElements": lambda info, n, _: _gather_elements(info, n),
     "GatherND": lambda info, n, _: _gather_nd(info, n),

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .view import ChannelScale, ConstRef, Node, View
+from .view import Blocks, ChannelScale, ConstRef, Node, View
 
 # Recenter only where the swaps it enables outnumber the recenters by this factor (DESIGN §1).
 RECENTER_PAYOFF = 2
@@ -40,7 +40,7 @@ class Component:
     axes: dict[str, int] = field(default_factory=dict)
     # Stream tensors centered per block of this many entries along their feature axis (the
     # input of per-head q/k norms, seen before the split into heads); absent: the whole axis.
-    blocks: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, Blocks] = field(default_factory=dict)
     norms: list[str] = field(default_factory=list)
     sources: list[CenteredSource] = field(default_factory=list)
     opaque: list[OpaqueStart] = field(default_factory=list)
@@ -71,6 +71,13 @@ def _fmt_value(name: str) -> str:
     return f"`{name}`"
 
 
+def _fmt_blocks(block: Optional[Blocks]) -> str:
+    if block is None:
+        return "the whole axis"
+    span = "" if not block.lo and block.hi is None else f" in entries [{block.lo}, {block.hi if block.hi is not None else 'end'})"
+    return f"block of {block.size}{span}"
+
+
 class _ComponentBuilder:
     def __init__(self, view: View) -> None:
         self.view = view
@@ -82,15 +89,10 @@ class _ComponentBuilder:
         if msg not in self.comp.blockers:
             self.comp.blockers.append(msg)
 
-    def visit(self, value: str, axis: int, block: Optional[int] = None) -> None:
-        shape = self.view.values[value].shape
+    def visit(self, value: str, axis: int, block: Optional[Blocks] = None) -> None:
         if block is not None:
-            size = shape[axis] if shape is not None and axis < len(shape) else None
-            if size == block:
-                block = None  # one block: the whole axis
-            elif not isinstance(size, int) or size % block:
-                self.block(f"stream tensor {_fmt_value(value)} would be centered per block of {block} "
-                           f"along axis {axis}, whose size {size} is not a multiple of it")
+            block = self._normalized(value, axis, block)
+            if block is False:
                 return
         have = self.comp.axes.get(value)
         if have is None:
@@ -105,9 +107,22 @@ class _ComponentBuilder:
             )
         elif self.comp.blocks.get(value) != block:
             self.block(
-                f"stream tensor {_fmt_value(value)} is reached centered per block of "
-                f"{self.comp.blocks.get(value) or 'the whole axis'} and of {block or 'the whole axis'}"
+                f"stream tensor {_fmt_value(value)} is reached centered per {_fmt_blocks(self.comp.blocks.get(value))} "
+                f"and per {_fmt_blocks(block)}"
             )
+
+    def _normalized(self, value: str, axis: int, block: Blocks):
+        """`block` with its span clipped to the axis; None where it is one run over the whole
+        axis; False (and a blocker) where the runs do not tile the axis."""
+        shape = self.view.values[value].shape
+        size = shape[axis] if shape is not None and axis < len(shape) else None
+        hi = size if block.hi is None else block.hi
+        if not isinstance(size, int) or size % block.size or block.lo % block.size or hi % block.size or hi > size:
+            self.block(f"stream tensor {_fmt_value(value)} would be centered per block of {block.size} "
+                       f"along axis {axis}, whose size {size} is not a multiple of it")
+            return False
+        block = Blocks(block.size, block.lo, None if hi == size else hi)
+        return None if block == Blocks(size) else block
 
     def run(self, start: str, axis: int) -> Component:
         self.visit(start, axis)
@@ -161,14 +176,14 @@ class _ComponentBuilder:
             return
         self._add_opaque(value, axis, node.describe())
 
-    def _stream_input(self, node: Node, i: int, axis: int, block: Optional[int] = None) -> None:
+    def _stream_input(self, node: Node, i: int, axis: int, block: Optional[Blocks] = None) -> None:
         name = node.inputs[i]
         if self.view.values[name].is_const:
             self._add_source(CenteredSource(None, [ConstRef(name, axis, node.name, i, block)]))
         else:
             self.visit(name, axis, block)
 
-    def _producer_side_blocks(self, value: str, axis: int, block: int) -> None:
+    def _producer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
         """A tensor centered per block: only constant edits that center each block will do (a
         recenter centers the whole axis, a LayerScale fold is not tried)."""
         v = self.view.values[value]
@@ -185,10 +200,10 @@ class _ComponentBuilder:
                 self._add_source(CenteredSource(node.name, [replace(r, block=block) for r in refs]))
                 return
         what = node.describe() if node is not None else f"graph input {_fmt_value(value)}"
-        self.block(f"stream tensor {_fmt_value(value)} must be centered per block of {block} (a per-head norm "
+        self.block(f"stream tensor {_fmt_value(value)} must be centered per {_fmt_blocks(block)} (a per-head norm "
                    f"reads it), but it is started by {what}, which no per-block edit can center")
 
-    def _consumer_side_blocks(self, value: str, axis: int, block: int) -> None:
+    def _consumer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
         """Every reader must carry a per-block shift on to norms, or ignore it (shapes only)."""
         v = self.view.values[value]
         if v.is_graph_output:
@@ -203,7 +218,7 @@ class _ComponentBuilder:
                 continue
             if c.shape_only:
                 continue
-            self.block(f"stream tensor {_fmt_value(value)} is centered per block of {block} along axis {axis}, "
+            self.block(f"stream tensor {_fmt_value(value)} is centered per {_fmt_blocks(block)} along axis {axis}, "
                        f"and {c.describe()} reads it otherwise than per block (not shift-invariant)")
 
     def _scaled_source(self, node: Node, scale: ChannelScale) -> Optional[CenteredSource]:
@@ -302,15 +317,25 @@ def analyze(view: View) -> list[Component]:
 
 
 def _block_shared(components: list[Component]) -> None:
-    """A stream tensor in two components would take two sets of edits: keep both (a component is
-    meant to be closed under its readers and writers; per-block centering is where that could
-    first fail to hold)."""
-    owner: dict[str, Component] = {}
+    """A stream tensor in two components takes the edits of both: only disjoint runs of the same
+    blocks compose (the q and the k rows of one fused projection). Anything else keeps both (a
+    component is closed under its readers and writers; per-block spans are where it is not)."""
+    seen: dict[str, list[Component]] = {}
     for comp in components:
-        for value in comp.axes:
-            other = owner.setdefault(value, comp)
-            if other is not comp:
+        for value, axis in comp.axes.items():
+            mine = comp.blocks.get(value)
+            for other in seen.setdefault(value, []):
+                if other.axes[value] == axis and _disjoint(mine, other.blocks.get(value)):
+                    continue
                 for c in (other, comp):
                     msg = f"stream tensor {_fmt_value(value)} is shared with another group of norms"
                     if msg not in c.blockers:
                         c.blockers.append(msg)
+            seen[value].append(comp)
+
+
+def _disjoint(a: Optional[Blocks], b: Optional[Blocks]) -> bool:
+    if a is None or b is None or a.size != b.size:
+        return False
+    big = float("inf")
+    return (a.hi if a.hi is not None else big) <= b.lo or (b.hi if b.hi is not None else big) <= a.lo

@@ -21,7 +21,11 @@ from .view import View
 @dataclass(frozen=True)
 class Center:
     axis: int
-    block: Optional[int] = None  # center each run of `block` entries on its own (per-head q/k norms)
+    # center each run of `block` entries on its own (per-head q/k norms), only in entries
+    # [lo, hi) of the axis (hi None: to the end)
+    block: Optional[int] = None
+    lo: int = 0
+    hi: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ def make_plan(view: View, mode: str = "rms",
     # come first, then centering, as C(b + Wβ) = C(b) + C(W)β.
     uses: dict[tuple, tuple[list, list]] = {}
 
+    owner: dict[tuple, int] = {}  # (value, user, input) -> the stream that centers it first
+
     def use(ref_value: str, user: str, idx: int) -> tuple[list, list]:
         return uses.setdefault((ref_value, user, idx), ([], []))
 
@@ -160,8 +166,13 @@ def make_plan(view: View, mode: str = "rms",
                 ops = use(s.value, s.user, s.user_input)[1]
                 ops[:] = [Ones()] + ([Drop(s.axis)] if shrink and _size(view, s.value, s.axis) != 1 else [])
             for ref in src.refs:
-                ops = use(ref.value, ref.user, ref.user_input)[1]
-                ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [Center(ref.axis, ref.block)]
+                key = (ref.value, ref.user, ref.user_input)
+                ops = use(*key)[1]
+                center = _center(ref)
+                if owner.setdefault(key, k) != k:  # disjoint runs of one constant, another stream's
+                    ops.append(center)
+                    continue
+                ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [center]
                 if shrink and ref.axis is not None and _size(view, ref.value, ref.axis) != 1:
                     ops.append(Drop(ref.axis))
         if shrink:
@@ -213,6 +224,11 @@ def make_plan(view: View, mode: str = "rms",
     return plan
 
 
+def _center(ref) -> Center:
+    b = ref.block
+    return Center(ref.axis) if b is None else Center(ref.axis, b.size, b.lo, b.hi)
+
+
 def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
     """The report's account of one foldable component (what gets centered, scaled, recentered),
     and the nodes that read its edited constants (to tell which clones it needed)."""
@@ -238,7 +254,7 @@ def _drop_axis(op, gone: int):
     if isinstance(op, Scale):
         return Scale(op.by, op.by_axis, shift(op.axis))
     if isinstance(op, Center):
-        return Center(shift(op.axis), op.block)
+        return Center(shift(op.axis), op.block, op.lo, op.hi)
     if isinstance(op, Drop):
         return type(op)(shift(op.axis))
     return op
@@ -278,7 +294,7 @@ def compute_constants(
 def _apply_ops(a: np.ndarray, ops: tuple, original: Callable[[str], np.ndarray]) -> np.ndarray:
     for op in ops:
         if isinstance(op, Center):
-            a = weights.center(a, op.axis, op.block)
+            a = weights.center(a, op.axis, op.block, op.lo, op.hi)
         elif isinstance(op, Scale):
             a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
         elif isinstance(op, Ones):

@@ -24,8 +24,10 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                constant), at the frontend's key `slot`; no sizes: the op spells
                                none (flatten, squeeze), unless `fixed` (taken from another tensor)
 - `permute(data, perm)`        output axis k is input axis perm[k]
-- `along(data, outs, axes)`    every axis in place; acts only along `axes` (slice, concat,
-                               split, roll, flip, index_select); axes None: unknown
+- `along(data, outs, axes, starts, partition)` every axis in place; acts only along `axes`
+                               (slice, concat, split, roll, flip, index_select); axes None:
+                               unknown; `starts`: a step-1 slice's start along its one axis, as
+                               spelled; `partition`: the outputs tile the input (split)
 - `pad(data, axes, zero)`      pad along `axes` with zeros or copied rows (`zero` False: another
                                constant)
 - `take(data, start, stop, q, outs)` input axes [start, stop) become q index axes (gather,
@@ -59,7 +61,7 @@ from typing import Callable, Optional
 
 from .axes import broadcast_rules, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules
 from .guards import is_overflow_guard
-from .view import ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
+from .view import Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View, _never_block
 
 
 @dataclass
@@ -80,7 +82,7 @@ def attach(view: View) -> None:
         if node.rule is not None:
             for k, v in RULES[node.rule.kind](view, node, **node.rule.params).items():
                 setattr(node, k, v)
-            if node.rule.kind in _BLOCK_AGNOSTIC:
+            if node.rule.kind in _BLOCK_AGNOSTIC and node.transfer_block is _never_block:
                 node.transfer_block = _carry_block(node.transfer)
                 node.backward_block = _carry_block(node.backward)
             node.block_centering = node.rule.kind in _CENTER_IN_ORDER
@@ -262,12 +264,19 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
             axis = next((k for k, v in axis_map.items() if v == a), None)
         return None if axis is None else [(data, axis)]
 
+    def regroup(src, dst, axis, block):
+        """Only whole runs regroup: a reshape of partly edited rows is not followed."""
+        if block is not None and (block.lo or block.hi is not None):
+            return None
+        got = reshape_block_axis(src, dst, axis, None if block is None else block.size)
+        return None if got is None else (got[0], Blocks(got[1]))
+
     def transfer_block(i, b, block):
-        got = None if i != data else reshape_block_axis(_shape(view, node, data), view.values[node.outputs[0]].shape, b, block)
+        got = None if i != data else regroup(_shape(view, node, data), view.values[node.outputs[0]].shape, b, block)
         return None if got is None else [(0, *got)]
 
     def backward_block(o, a, block):
-        got = None if o != 0 else reshape_block_axis(view.values[node.outputs[0]].shape, _shape(view, node, data), a, block)
+        got = None if o != 0 else regroup(view.values[node.outputs[0]].shape, _shape(view, node, data), a, block)
         return None if got is None else [(data, *got)]
 
     return dict(transfer=transfer, backward=backward, layout=True, regroups=True,
@@ -279,8 +288,63 @@ def _permute(view, node, perm, data=0):
     return dict(permute_rules(list(perm), data), layout=True)
 
 
-def _along(view, node, data, outs=(0,), axes=None):
-    return dict(same_axes_rules(list(data), list(outs), None if axes is None else set(axes)), layout=True)
+def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False):
+    """`starts`: where each output begins along the one axis in `axes` (a step-1 slice);
+    `partition`: the outputs tile the input in order along it (split), starts from their sizes."""
+    out = dict(same_axes_rules(list(data), list(outs), None if axes is None else set(axes)), layout=True)
+    if axes is None or len(axes) != 1 or len(data) != 1 or (starts is None and not partition):
+        return out
+    (cut,) = axes
+    sizes = [view.values[node.outputs[o]].shape if node.outputs[o] else None for o in outs]
+    lengths = [None if s is None or cut >= len(s) or not isinstance(s[cut], int) else s[cut] for s in sizes]
+    if partition:
+        starts = None if None in lengths else [sum(lengths[:k]) for k in range(len(lengths))]
+    elif starts is not None:  # as spelled: negative from the end, clamped to the axis
+        xs = _shape(view, node, data[0])
+        size = xs[cut] if xs is not None and cut < len(xs) else None
+        if not isinstance(size, int) or not all(isinstance(a, int) for a in starts):
+            return out
+        starts = [min(max(a + size if a < 0 else a, 0), size) for a in starts]
+    if starts is None or len(starts) != len(outs) or None in lengths:
+        return out
+    carry = _carry_block(out.get("transfer", _never_transfer_)), _carry_block(out.get("backward", _never_transfer_))
+
+    def whole(k, axis, block):  # None: the whole axis of the tensor, one run
+        s = (sizes[k] if k is not None else _shape(view, node, data[0]))
+        return block if block is not None else (Blocks(s[axis]) if s is not None and isinstance(s[axis], int) else None)
+
+    def transfer_block(i, b, block):
+        if b != cut:
+            return carry[0](i, b, block)
+        block = whole(None, b, block)
+        if i != data[0] or block is None:
+            return None
+        got = []
+        for k, (o, start, n) in enumerate(zip(outs, starts, lengths)):
+            if start % block.size or n % block.size:
+                return None  # a slice across a run boundary: its runs are not the source's
+            part = block.shifted(start, n)
+            if part is not None:
+                got.append((o, b, part))
+        return got
+
+    def backward_block(o, a, block):
+        if a != cut:
+            return carry[1](o, a, block)
+        if o not in outs:
+            return None
+        k = outs.index(o)
+        block = whole(k, a, block)
+        if block is None or starts[k] % block.size:
+            return None
+        hi = lengths[k] if block.hi is None else block.hi
+        return [(data[0], a, Blocks(block.size, starts[k] + block.lo, starts[k] + hi))]
+
+    return dict(out, transfer_block=transfer_block, backward_block=backward_block)
+
+
+def _never_transfer_(k, axis):
+    return None
 
 
 def _pad(view, node, data=0, axes=None, zero=True):

@@ -21,8 +21,9 @@ analysis needs, as small callables the frontend fills in from its op classificat
   is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). On a
   `shape_only` node: [] when its result does not depend on the width (a dtype assert).
 - `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same questions for a
-  tensor centered per block of `block` entries along `axis` (None: the whole axis), answered
-  with (index, axis, block) triples: a reshape that splits the feature axis into (heads,
+  tensor centered per block (`Blocks`: runs of `size` entries, those in [lo, hi) edited; None:
+  the whole axis), answered with (index, axis, blocks) triples (an empty list: a slice that
+  reads none of the edited runs, its output unchanged): a reshape that splits the feature axis into (heads,
   head_dim) maps "feature axis head_dim" to "blocks of head_dim" on the merged axis.
 - `block_centering`: the refs `centering` returns hold the output's features in order along
   their axis, so a per-block centering of the output is the same per-block centering of them.
@@ -51,6 +52,22 @@ AxisMap = list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """Runs of `size` entries along a feature axis, each centered on its own; only the runs in
+    entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection)."""
+
+    size: int
+    lo: int = 0
+    hi: Optional[int] = None
+
+    def shifted(self, start: int, length: int) -> Optional["Blocks"]:
+        """The runs as seen by a slice [start, start + length), None where it reads none of them."""
+        hi = start + length if self.hi is None else min(self.hi, start + length)
+        lo = max(self.lo, start)
+        return Blocks(self.size, lo - start, hi - start) if lo < hi else None
+
+
+@dataclass(frozen=True)
 class ConstRef:
     """A constant tensor to edit along `axis`, reached by `user` through its input `user_input`.
 
@@ -62,9 +79,9 @@ class ConstRef:
     axis: int
     user: str
     user_input: int
-    # Center each run of `block` entries along `axis` on its own (a per-head q/k norm reads
+    # Center each run of `block.size` entries along `axis` on its own (a per-head q/k norm reads
     # the source's output features in blocks of head_dim); None: the whole axis.
-    block: Optional[int] = None
+    block: Optional[Blocks] = None
 
 
 @dataclass
@@ -133,7 +150,7 @@ def _not_linear(i: int, axis: int) -> Optional[LinearRead]:
     return None
 
 
-def _never_block(k: int, axis: int, block: Optional[int]) -> Optional[list[tuple[int, int, Optional[int]]]]:
+def _never_block(k: int, axis: int, block: Optional[Blocks]) -> Optional[list[tuple[int, int, Optional[Blocks]]]]:
     return None
 
 
@@ -154,8 +171,8 @@ class Node:
     invariant: Callable[[int, int], bool] = _not_invariant
     linear: Callable[[int, int], Optional[LinearRead]] = _not_linear
     width_refs: Callable[[int, int], Optional[list[DimRef]]] = _names_no_width
-    transfer_block: Callable[[int, int, Optional[int]], Optional[list[tuple[int, int, Optional[int]]]]] = _never_block
-    backward_block: Callable[[int, int, Optional[int]], Optional[list[tuple[int, int, Optional[int]]]]] = _never_block
+    transfer_block: Callable[[int, int, Optional[Blocks]], Optional[list[tuple[int, int, Optional[Blocks]]]]] = _never_block
+    backward_block: Callable[[int, int, Optional[Blocks]], Optional[list[tuple[int, int, Optional[Blocks]]]]] = _never_block
     block_centering: bool = False
     layout: bool = False
     regroups: bool = False

@@ -11,21 +11,28 @@ def _f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def center(a: np.ndarray, axis, block=None) -> np.ndarray:
+def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None) -> np.ndarray:
     """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1.
 
     `axis=None` is a tensor that lacks the feature axis (a scalar, or a table broadcast along the
     features): it is uniform along them, so centering leaves nothing. `block`: each run of
-    `block` entries along `axis` minus its own mean (the rows of one head for a per-head norm).
+    `block` entries along `axis` minus its own mean (the rows of one head for a per-head norm),
+    only the runs in entries [lo, hi) (the q rows of a fused q/k/v projection).
     """
     if axis is None:
         return np.zeros_like(a)
     n = a.shape[axis]
-    if block is not None and n != 1 and block != n:
-        if n % block:
-            raise ValueError(f"cannot center blocks of {block} along an axis of {n}")
-        runs = a.reshape(a.shape[:axis] + (n // block, block) + a.shape[axis + 1:])
-        return center(runs, axis + 1).reshape(a.shape)
+    if block is not None and n != 1 and (block, lo, hi) != (n, 0, None):
+        hi = n if hi is None else hi
+        if n % block or lo % block or hi % block or not 0 <= lo < hi <= n:
+            raise ValueError(f"cannot center blocks of {block} in [{lo}, {hi}) along an axis of {n}")
+        out = a.copy()
+        part = [slice(None)] * a.ndim
+        part[axis] = slice(lo, hi)
+        runs = a[tuple(part)]
+        runs = runs.reshape(runs.shape[:axis] + ((hi - lo) // block, block) + runs.shape[axis + 1:])
+        out[tuple(part)] = center(runs, axis + 1).reshape(a[tuple(part)].shape)
+        return out
     # the mean in float64 without a float64 copy of `a`; the subtraction upcasts element-wise
     return (a - a.mean(axis=axis, dtype=np.float64, keepdims=True)).astype(a.dtype)
 

@@ -52,17 +52,17 @@ def test_qk_norms_fold_on_both_frontends_exactly():
 
 def _whole_axis_center(center):
     """The planted bug: center the whole row range, not each head's block."""
-    return lambda a, axis, block=None: center(a, axis)
+    return lambda a, axis, block=None, lo=0, hi=None: center(a, axis)
 
 
 def _skip_first_head(center):
     """The planted bug: every head's block centered but the first."""
 
-    def bad(a, axis, block=None):
-        out = center(a, axis, block)
+    def bad(a, axis, block=None, lo=0, hi=None):
+        out = center(a, axis, block, lo, hi)
         if block is not None and axis is not None and a.shape[axis] not in (1, block):
             first = [slice(None)] * a.ndim
-            first[axis] = slice(0, block)
+            first[axis] = slice(lo, lo + block)
             out[tuple(first)] = a[tuple(first)]
         return out
 
@@ -143,3 +143,57 @@ def test_unaligned_heads_are_kept_with_a_reason(module, why):
         onnx = analyze_model(export_quiet(module, (x,), ["x"]))
     for rep in (fx, onnx):  # the one LayerNorm, q_norm
         assert [n.verdict for n in rep.norms] == ["keep"] and why in rep.norms[0].reason, rep.norms
+
+
+class FusedQKVNorms(nn.Module):
+    """One fused q/k/v projection (bias), split into q, k, v; per-head LayerNorm(hd) on q and on
+    k (OLMo / hand-written attention); v is read un-normalized, so its rows must stay as they are."""
+
+    def __init__(self, d=32, heads=4, split=True):
+        super().__init__()
+        self.d, self.heads, self.use_split = d, heads, split
+        self.qkv = nn.Linear(d, 3 * d)
+        self.q_norm = nn.LayerNorm(d // heads)
+        self.k_norm = nn.LayerNorm(d // heads)
+        zoo.adversarial(self)
+        with torch.no_grad():
+            zoo.per_head_means(self.qkv, 3 * heads)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        qkv = self.qkv(x)
+        if self.use_split:
+            q, k, v = qkv.split(d, dim=-1)
+        else:
+            q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+        q = self.q_norm(q.view(B, T, self.heads, -1)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.heads, -1)).transpose(1, 2)
+        v = v.view(B, T, self.heads, -1).transpose(1, 2)
+        att = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1)
+        return (att @ v).transpose(1, 2).reshape(B, T, d)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "slices"])
+def test_fused_qkv_q_and_k_norms_fold_v_rows_untouched(split):
+    module = FusedQKVNorms(split=split).eval()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx = fold_module(module, (x,))
+    onnx = fold_model(export_quiet(module, (x,), ["x"]))
+    for res in (fx, onnx):
+        assert [n.verdict for n in res.report.norms] == ["fold", "fold"], res.report.norms
+        _exact(res)
+
+
+@pytest.mark.parametrize("plant", [
+    lambda center: lambda a, axis, block=None, lo=0, hi=None: center(a, axis, block),  # v's rows centered too
+    _skip_first_head,  # q's first head left as it was
+], ids=["whole-range", "skip-head"])
+def test_planted_fused_bug_fails_verification(monkeypatch, plant):
+    module = FusedQKVNorms().eval()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    model = export_quiet(module, (x,), ["x"])
+    monkeypatch.setattr(weights, "center", plant(weights.center))
+    with pytest.raises(VerificationError, match="float64"):
+        fold_model(model)
