@@ -179,9 +179,25 @@ class _ComponentBuilder:
     def _stream_input(self, node: Node, i: int, axis: int, block: Optional[Blocks] = None) -> None:
         name = node.inputs[i]
         if self.view.values[name].is_const:
-            self._add_source(CenteredSource(None, [ConstRef(name, axis, node.name, i, block)]))
+            ref = ConstRef(name, axis, node.name, i, block)
+            if self._spans_its_runs(ref):
+                self._add_source(CenteredSource(None, [ref]))
         else:
             self.visit(name, axis, block)
+
+    def _spans_its_runs(self, ref: ConstRef) -> bool:
+        """A constant edited in part of its axis must hold that part itself: one broadcast along
+        the axis (a scalar bias) also feeds the rows no norm reads (v's, of a fused q/k/v)."""
+        b = ref.block
+        if b is None or (not b.lo and b.hi is None):
+            return True
+        shape = self.view.values[ref.value].shape
+        size = None if shape is None or ref.axis is None or ref.axis >= len(shape) else shape[ref.axis]
+        if isinstance(size, int) and size > 1 and size % b.size == 0 and (b.hi or 0) <= size:
+            return True
+        self.block(f"{_fmt_value(ref.value)} would be centered in part ({_fmt_blocks(b)}) but is broadcast "
+                   f"along the feature axis to the rest too")
+        return False
 
     def _producer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
         """A tensor centered per block: only constant edits that center each block will do (a
@@ -197,7 +213,9 @@ class _ComponentBuilder:
                 return
             refs = node.centering(o, axis) if node.block_centering else None
             if refs is not None:
-                self._add_source(CenteredSource(node.name, [replace(r, block=block) for r in refs]))
+                refs = [replace(r, block=block) for r in refs]
+                if all([self._spans_its_runs(r) for r in refs]):
+                    self._add_source(CenteredSource(node.name, refs))
                 return
         what = node.describe() if node is not None else f"graph input {_fmt_value(value)}"
         self.block(f"stream tensor {_fmt_value(value)} must be centered per {_fmt_blocks(block)} (a per-head norm "

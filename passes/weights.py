@@ -22,6 +22,8 @@ def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None) -> np.ndarray:
     if axis is None:
         return np.zeros_like(a)
     n = a.shape[axis]
+    if block is not None and n == 1 and (lo or hi is not None):
+        raise ValueError("cannot center part of an axis a constant is broadcast along")
     if block is not None and n != 1 and (block, lo, hi) != (n, 0, None):
         hi = n if hi is None else hi
         if n % block or lo % block or hi % block or not 0 <= lo < hi <= n:

@@ -197,3 +197,20 @@ def test_planted_fused_bug_fails_verification(monkeypatch, plant):
     monkeypatch.setattr(weights, "center", plant(weights.center))
     with pytest.raises(VerificationError, match="float64"):
         fold_model(model)
+
+
+def test_fold_for_training_centers_each_head_in_forward():
+    """The training fold computes the per-head centering from the parameters in forward."""
+    import copy
+
+    import lnfold
+
+    module = FusedQKVNorms().eval().double()
+    x = torch.randn(2, 5, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    folded = copy.deepcopy(module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = lnfold.fold_for_training(folded, (x,))
+    assert res.report.folded == 2
+    ref = module(x)
+    assert ((folded(x) - ref).abs().max() / ref.abs().max()).item() < 1e-12
