@@ -131,10 +131,22 @@ class InterleavedHeads(nn.Module):
         return self.q_norm(q)
 
 
+class FusedScalarShift(FusedQKV):
+    """A fused projection plus one number added to all of q, k and v: zeroing it (as a whole
+    axis' centering would) changes v too, and no edit can remove it from q's rows alone."""
+
+    def forward(self, x):
+        qkv = self.qkv(x) + 0.75
+        B, T, _ = x.shape
+        q = self.q_norm(qkv[..., :self.d].reshape(B, T, self.heads, -1))
+        return q.reshape(B, T, -1) * qkv[..., -self.d:]
+
+
 @pytest.mark.parametrize("module,why", [
     (FusedQKV(start=3), "no per-block edit can center"),  # the q rows start off a head boundary
     (InterleavedHeads(), "no constant edit can center"),
-], ids=["misaligned-slice", "interleaved-heads"])
+    (FusedScalarShift(start=0), "broadcast along the feature axis"),
+], ids=["misaligned-slice", "interleaved-heads", "scalar-shift-on-fused"])
 def test_unaligned_heads_are_kept_with_a_reason(module, why):
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
