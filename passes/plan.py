@@ -294,7 +294,8 @@ def compute_constants(
 def _apply_ops(a: np.ndarray, ops: tuple, original: Callable[[str], np.ndarray]) -> np.ndarray:
     for op in ops:
         if isinstance(op, Center):
-            a = weights.center(a, op.axis, op.block, op.lo, op.hi)
+            a = (weights.center(a, op.axis) if op.block is None
+                 else weights.center(a, op.axis, op.block, op.lo, op.hi))
         elif isinstance(op, Scale):
             a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
         elif isinstance(op, Ones):
