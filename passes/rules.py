@@ -61,7 +61,7 @@ from typing import Callable, Optional
 
 from .axes import broadcast_rules, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules
 from .guards import is_overflow_guard
-from .view import Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View, _never_block
+from .view import Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
 
 
 @dataclass
@@ -80,9 +80,10 @@ def attach(view: View) -> None:
     """Fill in every node's answers from its rule (after the view's shapes are set)."""
     for node in view.nodes.values():
         if node.rule is not None:
-            for k, v in RULES[node.rule.kind](view, node, **node.rule.params).items():
+            answers = RULES[node.rule.kind](view, node, **node.rule.params)
+            for k, v in answers.items():
                 setattr(node, k, v)
-            if node.rule.kind in _BLOCK_AGNOSTIC and node.transfer_block is _never_block:
+            if node.rule.kind in _BLOCK_AGNOSTIC and "transfer_block" not in answers:
                 node.transfer_block = _carry_block(node.transfer)
                 node.backward_block = _carry_block(node.backward)
             node.block_centering = node.rule.kind in _CENTER_IN_ORDER
@@ -307,7 +308,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         starts = [min(max(a + size if a < 0 else a, 0), size) for a in starts]
     if starts is None or len(starts) != len(outs) or None in lengths:
         return out
-    carry = _carry_block(out.get("transfer", _never_transfer_)), _carry_block(out.get("backward", _never_transfer_))
+    carry = _carry_block(out.get("transfer", _no_answer)), _carry_block(out.get("backward", _no_answer))
 
     def whole(k, axis, block):  # None: the whole axis of the tensor, one run
         s = (sizes[k] if k is not None else _shape(view, node, data[0]))
@@ -343,7 +344,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
     return dict(out, transfer_block=transfer_block, backward_block=backward_block)
 
 
-def _never_transfer_(k, axis):
+def _no_answer(k, axis):
     return None
 
 
