@@ -156,17 +156,23 @@ def stablelm_qk(layers=2, hidden=64, heads=4, vocab=101, seed=0):
 W, H, V = 64, 4, 101  # width, heads, vocabulary of every architecture below (2 layers each)
 
 
+def _tiny(config: str, model: str, seed: int, cfg: dict):
+    """transformers' `model` class with a tiny `config` (eager attention) and adversarial weights,
+    and a generator seeded for its inputs: (config, model, generator)."""
+    import transformers
+
+    c = getattr(transformers, config)(**cfg)
+    c._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = adversarial(getattr(transformers, model)(c), seed)
+    return c, m, torch.Generator().manual_seed(seed)
+
+
 def _hf(config: str, model: str, inputs: str, field: str = "last_hidden_state", **cfg) -> Callable:
     """A builder for transformers' `model` class with a tiny `config`, adversarial weights."""
 
     def build(seed: int = 0):
-        import transformers
-
-        c = getattr(transformers, config)(**cfg)
-        c._attn_implementation = "eager"
-        torch.manual_seed(seed)
-        m = adversarial(getattr(transformers, model)(c), seed)
-        g = torch.Generator().manual_seed(seed)
+        c, m, g = _tiny(config, model, seed, cfg)
         if inputs == "ids":
             x = torch.randint(0, V, (2, 9), generator=g)
         else:
@@ -201,13 +207,7 @@ def _seq2seq(config: str, model: str, audio: bool = False, **cfg) -> Callable:
     """A builder for a tiny encoder-decoder (text ids or Whisper mel frames in), adversarial weights."""
 
     def build(seed: int = 0):
-        import transformers
-
-        c = getattr(transformers, config)(**cfg)
-        c._attn_implementation = "eager"
-        torch.manual_seed(seed)
-        m = adversarial(getattr(transformers, model)(c), seed)
-        g = torch.Generator().manual_seed(seed)
+        c, m, g = _tiny(config, model, seed, cfg)
         if audio:  # Whisper wants exactly 2 * max_source_positions mel frames
             x = torch.randn(2, c.num_mel_bins, 2 * c.max_source_positions, generator=g)
         else:
