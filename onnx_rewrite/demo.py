@@ -82,6 +82,9 @@ def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None, second
     print(result.report.table())
     print(f"\nfolded in {sum(v for k, v in result.timings.items() if k != 'verification'):.2f} s; "
           f"verified in onnxruntime on random token ids: max relative output difference {result.max_rel_err:.1e}")
+    if result.exact_err is not None and result.original_exact_err is not None:
+        print(f"error against a float64 run of the original: folded {result.exact_err:.1e}, "
+              f"original {result.original_exact_err:.1e} ({result.criterion})")
 
     out_dir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="lnfold-demo-"))
     out_dir.mkdir(parents=True, exist_ok=True)
