@@ -103,20 +103,28 @@ def _affine_const(t, axis, rank) -> bool:
     return t is not None and const_values(t) is not None and _affine_along(t, axis, rank)
 
 
-def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
+def _mean_head(mean: gs.Node, shapes: dict[str, Shape], reader_ops: set[str]):
+    """Both variants start alike: a keepdims mean μ of x read by exactly one node of each of
+    `reader_ops`, one of them the Sub x − μ. (x, rank, axes, axis, rejection, μ, readers by op)."""
     x = mean.inputs[0]
     rank = _rank(x, shapes)
     axes = _mean_axes(mean, rank)
     if axes is None:
         return None
-    axis, rejection = _norm_axis(list(axes), rank)
     mu = mean.outputs[0]
     by_op = {n.op: n for n in _readers(mu)}
-    if len(_readers(mu)) != 2 or set(by_op) != {"Neg", "Sub"}:
+    if len(_readers(mu)) != len(reader_ops) or set(by_op) != reader_ops or list(by_op["Sub"].inputs) != [x, mu]:
         return None
+    axis, rejection = _norm_axis(list(axes), rank)
+    return x, rank, axes, axis, rejection, mu, by_op
+
+
+def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
+    head = _mean_head(mean, shapes, {"Neg", "Sub"})
+    if head is None:
+        return None
+    x, rank, axes, axis, rejection, mu, by_op = head
     neg, sub = by_op["Neg"], by_op["Sub"]
-    if list(sub.inputs) != [x, mu]:
-        return None
     d = sub.outputs[0]
     sq = _one(d, "Mul")
     if sq is None or list(sq.inputs) != [d, d]:
@@ -164,18 +172,12 @@ def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Option
 
 
 def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
-    x = mean.inputs[0]
-    rank = _rank(x, shapes)
-    axes = _mean_axes(mean, rank)
-    if axes is None or mean.op != "ReduceMean":
+    head = _mean_head(mean, shapes, {"Sub", "Mul"}) if mean.op == "ReduceMean" else None
+    if head is None:
         return None
-    axis, rejection = _norm_axis(list(axes), rank)
-    mu = mean.outputs[0]
-    by_op = {n.op: n for n in _readers(mu)}
-    if len(_readers(mu)) != 2 or set(by_op) != {"Sub", "Mul"}:
-        return None
+    x, rank, axes, axis, rejection, mu, by_op = head
     sub, mu2 = by_op["Sub"], by_op["Mul"]
-    if list(sub.inputs) != [x, mu] or list(mu2.inputs) != [mu, mu]:
+    if list(mu2.inputs) != [mu, mu]:
         return None
     xx = next((n for n in _readers(x) if n.op == "Mul" and list(n.inputs) == [x, x]), None)
     if xx is None:
