@@ -32,7 +32,19 @@ if TYPE_CHECKING:  # the torch frontend is imported on first use: `import lnfold
     from .fx_rewrite import (analyze_module, fold_for_training, fold_module, lnfold_backend, lnfold_backend_with,
                              unfold_for_training)
 
-__version__ = "0.2.0"
+
+
+def _installed_version() -> str:
+    """The installed distribution's version (pyproject.toml's, through the package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lnfold")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 _TORCH_NAMES = ("analyze_module", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
                 "unfold_for_training")
