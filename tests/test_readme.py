@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from lnfold.onnx_rewrite.cli import parse_args
-
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DESIGN = ROOT / "docs" / "DESIGN.md"
@@ -95,6 +93,8 @@ def _lnfold_lines() -> list[str]:
 
 
 def test_every_lnfold_command_line_in_the_readme_parses(capsys):
+    from lnfold.onnx_rewrite.cli import parse_args
+
     lines = _lnfold_lines()
     assert any(ln.startswith("lnfold fold") for ln in lines) and "lnfold demo" in lines, lines
     for line in lines:
