@@ -43,9 +43,6 @@ def _installed_version() -> str:
     except PackageNotFoundError:  # imported from a source tree that was never installed
         return "0+unknown"
 
-
-__version__ = _installed_version()
-
 _TORCH_NAMES = ("analyze_module", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
                 "unfold_for_training")
 
@@ -57,6 +54,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: the metadata lookup costs ~25 ms at import
+        globals()["__version__"] = v = _installed_version()
+        return v
     if name in _TORCH_NAMES:
         try:
             from . import fx_rewrite
@@ -67,4 +67,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})
