@@ -47,7 +47,7 @@ def test_every_design_citation_is_a_section_of_docs_design():
                 bad.append(f"{p.relative_to(ROOT)}: DESIGN §{n}")
         for name in re.findall(r'DESIGN(?:\.md)? "([^"]+)"', body):
             if not any(name.lower() in t for t in titles):
-                bad.append(f'{p.relative_to(ROOT)}: DESIGN "{name}"')
+                bad.append(f'{p.relative_to(ROOT)}: DESIGN section "{name}"')
         for n in re.findall(r"\bseed (\d{3})\b", body):
             if n not in papers:
                 bad.append(f"{p.relative_to(ROOT)}: seed {n}")
