@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -307,7 +308,10 @@ def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed
     them proves little about the centering; its RMSNorm twin is exact only if every stream the
     plan centered really is zero-mean.
     """
-    probe = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    with warnings.catch_warnings():  # torch's own deprecation, raised by copying its pytree specs in node meta
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        probe = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     nodes = {n.name: n for n in probe.graph.nodes}
     decomposed = decomposed or {}
     for name in norms:

@@ -32,7 +32,16 @@ if TYPE_CHECKING:  # the torch frontend is imported on first use: `import lnfold
     from .fx_rewrite import (analyze_module, fold_for_training, fold_module, lnfold_backend, lnfold_backend_with,
                              unfold_for_training)
 
-__version__ = "0.2.0"
+
+
+def _installed_version() -> str:
+    """The installed distribution's version (pyproject.toml's, through the package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lnfold")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
 
 _TORCH_NAMES = ("analyze_module", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
                 "unfold_for_training")
@@ -45,6 +54,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read on first use: the metadata lookup costs ~25 ms at import
+        globals()["__version__"] = v = _installed_version()
+        return v
     if name in _TORCH_NAMES:
         try:
             from . import fx_rewrite
@@ -55,4 +67,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(globals()) | set(__all__) | {"__version__"})

@@ -76,8 +76,9 @@ def adversarial(model: nn.Module, seed: int = 0) -> nn.Module:
 def gpt2(n_layer=2, n_embd=64, n_head=4, vocab=101, positions=64, seed=0):
     import transformers
 
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab,
-                                  n_positions=positions, attn_implementation="eager")
+    cfg = transformers.GPT2Config(**special_tokens_in_vocab(
+        transformers.GPT2Config, n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=positions,
+        attn_implementation="eager"))
     torch.manual_seed(seed)
     m = adversarial(transformers.GPT2LMHeadModel(cfg), seed)
     ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
@@ -153,6 +154,21 @@ def stablelm_qk(layers=2, hidden=64, heads=4, vocab=101, seed=0):
     return Logits(m, "last_hidden_state").eval(), (ids,)
 
 
+def special_tokens_in_vocab(config_cls, **cfg) -> dict:
+    """`cfg` with the config class's special token ids (bos/eos/pad/...) moved into a small
+    vocabulary, at the same distance from its end (GPT-2's end-of-text, 50256 of 50257, becomes
+    the last id): left at their defaults, transformers warns that they are out of range."""
+    vocab = cfg.get("vocab_size")
+    if vocab is None:
+        return cfg
+    default = config_cls()
+    for name in dir(default):
+        value = getattr(default, name, None) if name.endswith("_token_id") and name not in cfg else None
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < vocab:
+            cfg[name] = max(0, vocab - (default.vocab_size - value)) if 0 <= value < default.vocab_size else None
+    return cfg
+
+
 W, H, V = 64, 4, 101  # width, heads, vocabulary of every architecture below (2 layers each)
 
 
@@ -161,7 +177,8 @@ def _tiny(config: str, model: str, seed: int, cfg: dict):
     and a generator seeded for its inputs: (config, model, generator)."""
     import transformers
 
-    c = getattr(transformers, config)(**cfg)
+    cls = getattr(transformers, config)
+    c = cls(**special_tokens_in_vocab(cls, **cfg))
     c._attn_implementation = "eager"
     torch.manual_seed(seed)
     m = adversarial(getattr(transformers, model)(c), seed)

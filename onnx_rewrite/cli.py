@@ -25,7 +25,16 @@ PROGRESS_BYTES = 300 * 2**20
 _MODE_HELP = ("rms (default): each folded LayerNorm becomes an RMSNorm over the same d features; "
               "crms: CRMSNorm, the zero-mean stream carried in d-1 features (its last feature is minus the "
               "sum of the others); readers absorb gamma, beta and the decompression; a stream that cannot "
-              "be compressed stays RMSNorm and the report says why (see the README)")
+              "be compressed stays RMSNorm and the report says why. crms is exact and saves 1/d of the "
+              "stream's memory and multiply-adds, but in onnxruntime on CPU its norm (primitive ops) "
+              "measured 3.2x the RMS op and no end-to-end gain over rms (benchmarks/RESULTS.md)")
+
+_TARGET_HELP = ("ort (default): onnxruntime's SimplifiedLayerNormalization, the residual Add left separate "
+                "(--device cpu), or SkipSimplifiedLayerNormalization where a residual Add feeds the norm "
+                "(--device cuda); onnx: the standard RMSNormalization (opset 23; older models are "
+                "converted); portable: primitive ops (ReduceMean, Sqrt, Reciprocal, Mul, Add) any runtime runs")
+
+_HINT = "lnfold: give a command: fold, report or demo (`lnfold demo` folds a small GPT-2 end to end)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,17 +44,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"lnfold: error: {message} (see `{self.prog} --help`)\n")
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return f"lnfold {__version__}"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lnfold", description="Fold the LayerNorms of a model into RMSNorms, exactly.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands",
+                           help="`lnfold COMMAND --help` lists a command's options")
 
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
     f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
     f.add_argument("-o", "--output", required=True, help="where to write the folded model")
     f.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
-    f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort",
-                   help="ort: onnxruntime's fused RMSNorm ops (default); onnx: RMSNormalization (opset 23); "
-                        "portable: primitive ops")
+    f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort", help=_TARGET_HELP)
     f.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
@@ -63,15 +78,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
 
     r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
-    r.add_argument("input")
+    r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     r.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
-    d.add_argument("--layers", type=int, default=4)
-    d.add_argument("--hidden", type=int, default=256)
+    d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")
+    d.add_argument("--hidden", type=int, default=256,
+                   help="its width; one attention head per 64 features (default 256)")
     d.add_argument("--keep", metavar="DIR", help="write the original and folded models into DIR")
     return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line as a Namespace; bare `lnfold` prints the help and a hint, and exits 2."""
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.cmd is None:
+        p.print_help(sys.stderr)
+        p.exit(2, f"\n{_HINT}\n")
+    return args
 
 
 def _progress_for(path: Path):
@@ -159,7 +185,7 @@ def cmd_report(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         # NaN/Inf weights fold into NaN/Inf weights (verification compares them as equal): no
         # numpy warnings about them on the command line
