@@ -6,8 +6,8 @@ and applies it to `ExportedProgram.module()` with its own copy of every paramete
 module and its state_dict are never touched.
 
 What the returned module runs (DESIGN "Speed honesty"): in eager mode on CPU `F.rms_norm` is a
-chain of separate kernels and slower than the fused `F.layer_norm`, and a LayerNorm on a zero-mean
-stream computes exactly what RMSNorm does. So `norm="auto"` keeps `aten.layer_norm` on the now
+chain of separate kernels and slower than the fused `F.layer_norm` (benchmarks/RESULTS.md), and a
+LayerNorm on a zero-mean stream computes exactly what RMSNorm does. So `norm="auto"` keeps `aten.layer_norm` on the now
 centered stream (same speed as the original, and exact); `norm="rms_norm"` emits `aten.rms_norm`
 (+ an Add for β). Under torch.compile use the `lnfold` backend, which emits RMSNorm for Inductor.
 """
@@ -24,11 +24,12 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes import FoldResult, NothingToFold, Report, VerificationError, make_plan
 from ..passes.plan import Plan, first_kept_reason
 from ..passes import gate
+from ..passes.options import FoldOptions
 
-from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
+from .apply import ATEN, Applier, AttrConstants, rms_probe
 from .classify import build_view
 
 
@@ -113,26 +114,25 @@ def _analyze(module, args, kwargs, mode, dynamic):
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
                    mode: str = "rms", dynamic: bool = True) -> Report:
     """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one."""
-    _check_mode(mode)
-    return _analyze(module, tuple(args), kwargs or {}, mode, dynamic)[-1].report
+    opts = FoldOptions(mode=mode)
+    return _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic)[-1].report
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",
-                norm: str = "auto", verify: bool = True, dynamic: bool = True) -> FoldResult:
+                verify: bool = True, norm: str = "auto", dynamic: bool = True) -> FoldResult:
     """Fold every foldable LayerNorm of `module`; the module and its parameters are not modified.
 
     Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
-    `norm`: "auto" (eager: keep the fused LayerNorm kernel on the centered stream), "rms_norm"
-    or "layer_norm". Raises NothingToFold when no LayerNorm can be folded and VerificationError
-    when the folded module's outputs on `args` differ from the original's.
+    `mode` and `verify` mean what they mean for `fold_onnx` (passes/options.py checks all
+    options). `norm`: "auto" (eager: keep the fused LayerNorm kernel on the centered stream),
+    "rms_norm" or "layer_norm". Raises NothingToFold when no LayerNorm can be folded and
+    VerificationError when the folded module's outputs on `args` differ from the original's.
     """
-    _check_mode(mode)
-    if norm not in ("auto",) + NORMS:
-        raise LnfoldError(f"unknown norm {norm!r} (expected auto, {', '.join(NORMS)})")
+    opts = FoldOptions(mode=mode, verify=verify, norm=norm)
     args, kwargs = tuple(args), dict(kwargs or {})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    gm, attrs, view, info, plan = _analyze(module, args, kwargs, mode, dynamic)
+    gm, attrs, view, info, plan = _analyze(module, args, kwargs, opts.mode, dynamic)
     _check_plan(plan)
     timings["analysis"] = time.perf_counter() - t0
 
@@ -140,13 +140,14 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     _own_tensors(gm)
     constants = AttrConstants(gm, lambda name: _attr(gm, attrs[name]))
     constants.prepare(plan, info)
-    chosen = eager_norm() if norm == "auto" else norm
+    # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
+    chosen = "layer_norm" if opts.norm == "auto" else opts.norm
     Applier(gm, view, info, ATEN, constants, norm=chosen).apply(plan)
     _drop_unused_attrs(gm)
     timings["editing"] = time.perf_counter() - t1
 
     result = FoldResult(report=plan.report, module=gm, timings=timings)
-    if verify:
+    if opts.verify:
         t2 = time.perf_counter()
         # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well.
         verifier = Verifier(module, args, kwargs)
@@ -160,21 +161,6 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
         result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
         timings["verification"] = time.perf_counter() - t2
     return result
-
-
-def eager_norm() -> str:
-    """The norm an eagerly run folded module should use: the fused LayerNorm kernel.
-
-    Measured on CPU (passes.timing.interleaved, [8,128,768] fp32, torch 2.13): F.layer_norm
-    163 µs, F.rms_norm 357 µs, F.rms_norm + β 1154 µs. CUDA eager was not measured here, so the
-    original op is kept there too: it is exact on a centered stream and never slower.
-    """
-    return "layer_norm"
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("rms", "crms"):
-        raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
 
 
 def _check_plan(plan: Plan) -> None:

@@ -138,7 +138,7 @@ def cmd_fold(args) -> int:
                               "choose another path")
     feeds, dims = (None, None) if args.no_verify else check_verify_args(model, args.inputs, parse_dims(args.dim))
     result = fold_model(model, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
-                        verify_outputs=False,
+                        verify=False,
                         progress=progress)
     del model  # the folded model shares nothing we still need; free the original's weights
 

@@ -5,8 +5,8 @@ were centered, which tied tensors were cloned and where each β went), the verif
 the original, then two measurements of the folded model in onnxruntime on this machine:
 - the norm kernels' own time, from onnxruntime's profiler: the part of the run the fold changes;
 - end-to-end time over interleaved rounds, wall and CPU time, with a bootstrap interval on the
-  ratio: a 5 ms model on a shared machine is mostly noise, so the demo says "within noise" when
-  the interval holds 1 rather than print a speed-up or slow-down it cannot support.
+  ratio: a model of a few milliseconds on a shared machine is mostly noise, so the demo says
+  "within noise" when the interval holds 1 rather than print a speed-up it cannot support.
 Building the GPT-2 needs torch and transformers (`pip install 'lnfold[demo]'`); folding does not.
 """
 from __future__ import annotations

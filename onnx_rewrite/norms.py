@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .shapes import Shape
+from ..passes.axes import Shape
 
 
 @dataclass
@@ -40,7 +40,6 @@ class NormMatch:
     skip: Optional[gs.Tensor] = None  # SkipLayerNormalization only
     bias: Optional[gs.Tensor] = None
     sum_output: Optional[gs.Tensor] = None  # Skip's input+skip+bias output, when used
-    extra: dict = field(default_factory=dict)
 
 
 def _constant_node_value(t):

@@ -17,10 +17,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import weights
+from .options import DEFER_POLICIES, check_choice
 from .plan import ConstEdit, Plan, Scale
 from .view import ConstRef, View
-
-POLICIES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,7 @@ def _readers(view: View, value: str, axis: int) -> tuple[list[Reader], Optional[
 
 def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = ORT_CPU) -> DeferDecision:
     """Which folded norms of `plan` to emit deferred, and for each other one why not."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown defer policy {policy!r} (expected one of {', '.join(POLICIES)})")
+    check_choice("defer policy", policy, DEFER_POLICIES)
     decision = DeferDecision()
     if policy == "off":
         return decision

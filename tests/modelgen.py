@@ -1244,7 +1244,7 @@ def check_onnx(case: Case) -> Outcome:
 
     folded = None
     try:
-        res = fold_model(proto, verify_outputs=False, target=case.target, mode=case.mode)
+        res = fold_model(proto, verify=False, target=case.target, mode=case.mode)
         report, folded = res.report, res.model
     except NothingToFold:
         try:

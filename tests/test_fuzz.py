@@ -167,7 +167,7 @@ def test_every_centering_matters():
         if "fold" not in case.expected:
             continue
         original = mg.export(case)
-        folded = fold_model(original, verify_outputs=False, target=case.target).model
+        folded = fold_model(original, verify=False, target=case.target).model
         inits = {t.name: t for t in original.graph.initializer}
         edits = [(e, o) for e, o in _centered_initializers(folded) if o in inits]
         if not edits:

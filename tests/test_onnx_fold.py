@@ -310,7 +310,7 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
     err, tol = compare(src, dst)
     assert err <= tol and err < RTOL
     # the same values as a fold of the fully loaded model
-    ref = fold_model(onnx.load(str(src)), target=target, verify_outputs=False).model
+    ref = fold_model(onnx.load(str(src)), target=target, verify=False).model
     got = onnx.load(str(dst))
     want = {t.name: numpy_helper.to_array(t) for t in ref.graph.initializer}
     have = {t.name: numpy_helper.to_array(t) for t in got.graph.initializer}
@@ -343,7 +343,7 @@ def test_lazy_load_ignores_a_basepath_in_the_input(tmp_path, monkeypatch):
     for t in lazy.graph.initializer:
         bases = [e.value for e in t.external_data if e.key == "basepath"]
         assert bases in ([], [str(tmp_path.resolve())])
-    assert fold_model(lnio.load(src), verify_outputs=False).report.folded == 3
+    assert fold_model(lnio.load(src), verify=False).report.folded == 3
     dst = tmp_path / "out.onnx"  # (onnxruntime refuses the input's unknown key: no verification)
     assert cli_main(["fold", str(src), "-o", str(dst), "--no-verify"]) == 0
     assert compare(clean / "m.onnx", dst)[0] < RTOL
