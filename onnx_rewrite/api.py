@@ -19,11 +19,12 @@ from ..passes.defer import ORT_CPU, add_weight_edits, plan_deferral
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
 
-from . import io, subgraphs
+from . import read, subgraphs, validate
 from . import verify as verification
 from .classify import GraphInfo, build_view
 from .emit import Emitter
 from .shapes import infer_shapes
+from .write import is_large
 
 # New constants at least this big are exported without a second copy (see _export).
 _HOLD_BYTES = 2**16
@@ -72,16 +73,16 @@ def _import(model: onnx.ModelProto) -> gs.Graph:
 def _as_model(model) -> onnx.ModelProto:
     """A ModelProto as given, or one loaded from a path; anything else is a clear error."""
     if isinstance(model, str) or hasattr(model, "__fspath__"):
-        return io.load(model)
+        return read.load(model)
     if not isinstance(model, onnx.ModelProto):
         raise LnfoldError(f"expected an onnx.ModelProto or a path to one, got {type(model).__name__}")
     return model
 
 
 def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
-    opset = io.check_opset(model)
-    io.check_graph(model)
-    io.check_tensors(model)
+    opset = validate.check_opset(model)
+    validate.check_graph(model)
+    validate.check_tensors(model)
     shapes = infer_shapes(model)
     graph = _import(model)
     info = GraphInfo(graph, shapes)
@@ -104,7 +105,7 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
 
 def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
     if not plan.report.norms:
-        raise NothingToFold(io.no_norm_message(model))
+        raise NothingToFold(validate.no_norm_message(model))
     if plan.empty:
         raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
@@ -161,7 +162,7 @@ def _fold(model: onnx.ModelProto, opts: FoldOptions, inputs, dims, progress: Pro
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     work = model  # read, never written: graphsurgeon builds a new proto on export
-    if opts.target == "onnx" and io.check_opset(work) < _RMS_OPSET:
+    if opts.target == "onnx" and validate.check_opset(work) < _RMS_OPSET:
         _stage(progress, f"converting to opset {_RMS_OPSET} for RMSNormalization")
         try:
             work = version_converter.convert_version(work, _RMS_OPSET)
@@ -184,7 +185,7 @@ def _fold(model: onnx.ModelProto, opts: FoldOptions, inputs, dims, progress: Pro
     timings["editing"] = time.perf_counter() - t1
 
     result = FoldResult(report=plan.report, model=out, timings=timings)
-    if opts.verify and not io.is_large(out):
+    if opts.verify and not is_large(out):
         _stage(progress, "verifying")
         t2 = time.perf_counter()
         record(result, check_equivalent(model, out, inputs=inputs, dims=dims))

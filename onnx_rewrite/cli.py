@@ -111,9 +111,10 @@ def _progress_for(path: Path):
 
 
 def cmd_fold(args) -> int:
-    from . import io
     from .api import check_equivalent, check_verify_args, fold_model, record
     from .inputs import parse_dims
+    from .read import load
+    from .write import save
 
     src, dst = Path(args.input), Path(args.output)
     if dst.exists() and dst.is_dir():
@@ -131,15 +132,14 @@ def cmd_fold(args) -> int:
         progress(f"loading {src}")
     inputs = {src.resolve()}
     # big weights stay in the input's data file: read where the fold edits them, copied on save
-    model = io.load(src, data_files=inputs, lazy=True)
+    model = load(src, data_files=inputs, lazy=True)
     for out in (dst, dst.parent / (dst.name + ".data")):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
     feeds, dims = (None, None) if args.no_verify else check_verify_args(model, args.inputs, parse_dims(args.dim))
     result = fold_model(model, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
-                        verify=False,
-                        progress=progress)
+                        verify=False, progress=progress)
     del model  # the folded model shares nothing we still need; free the original's weights
 
     def check(tmp: Path) -> None:
@@ -155,7 +155,7 @@ def cmd_fold(args) -> int:
 
     if progress:
         progress(f"saving {dst}")
-    io.save(result.model, dst, check=check)
+    save(result.model, dst, check=check)
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"output": str(dst), "target": args.target, "report": result.report.to_dict(),
@@ -173,13 +173,14 @@ def cmd_fold(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from . import io
     from .api import analyze_model
+    from .read import load
+    from .validate import no_norm_message
 
-    model = io.load(args.input, lazy=True)
+    model = load(args.input, lazy=True)
     report = analyze_model(model, mode=args.mode)
     if not report.norms:
-        raise LnfoldError(io.no_norm_message(model))
+        raise LnfoldError(no_norm_message(model))
     print(report.to_json(indent=2) if args.json else report.table())
     return 0
 

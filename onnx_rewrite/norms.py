@@ -72,7 +72,7 @@ def const_values(t) -> Optional[np.ndarray]:
         return None
     v = c._values
     if type(v) is gs.ir.tensor.LazyValues:  # (not SparseValues: their values are computed)
-        from .io import is_lazy, read_external
+        from .read import is_lazy, read_external
 
         return read_external(v.tensor) if is_lazy(v.tensor) else v.load()
     return c.values

@@ -174,12 +174,12 @@ def test_backend_deferred_under_inductor():
 
 
 def test_cli_defer_on(zoo_onnx, tmp_path):
-    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite import load, save
     from lnfold.onnx_rewrite.cli import main as cli_main
 
     _, _, model = zoo_onnx("gpt2")
     src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
-    lnio.save(model, src)
+    save(model, src)
     assert cli_main(["fold", str(src), "-o", str(dst), "--defer", "on"]) == 0
-    ops = [n.op_type for n in lnio.load(dst).graph.node]
+    ops = [n.op_type for n in load(dst).graph.node]
     assert ops.count("ReduceSumSquare") == DEFERRED["gpt2"] and "SimplifiedLayerNormalization" not in ops
