@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..passes import LnfoldError, VerificationError
+from ..passes.options import DEFER_POLICIES, DEVICES, MODES, TARGETS
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20
@@ -59,12 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
     f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
     f.add_argument("-o", "--output", required=True, help="where to write the folded model")
-    f.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
-    f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort", help=_TARGET_HELP)
-    f.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    f.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    f.add_argument("--target", choices=TARGETS, default="ort", help=_TARGET_HELP)
+    f.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
-    f.add_argument("--defer", choices=("auto", "on", "off"), default="off",
+    f.add_argument("--defer", choices=DEFER_POLICIES, default="off",
                    help="deferred normalization for norms read only by linear layers (γ into their weights, "
                         "the row scale on their products): off (default: it never won in the measurements, "
                         "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where "
@@ -80,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
     r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
-    r.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
+    r.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")

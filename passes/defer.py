@@ -47,6 +47,7 @@ class Costs:
 # and under max_autotune alike. Deferred lost to the RMS emission in every onnxruntime case.
 ORT_CPU = Costs(epilogue_fused=False)
 INDUCTOR_CPU = Costs(epilogue_fused=False)
+EAGER = Costs(epilogue_fused=False)  # eager torch runs every op as a kernel of its own
 
 
 @dataclass(frozen=True)

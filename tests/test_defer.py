@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lnfold import zoo
+from lnfold.fx_rewrite import api as fx_api
 from lnfold.fx_rewrite import backend as fx_backend
 from lnfold.onnx_rewrite import VerificationError, fold_model
 from lnfold.onnx_rewrite import api as onnx_api
@@ -160,6 +161,38 @@ def test_backend_bias_follows_a_changed_parameter():
         module.model.layers[0].attention.q_proj.weight.mul_(1.5)
         want, got = module(*args), compiled(*args)
     assert max_rel_err(want.numpy(), got.numpy()) < 1e-4
+
+
+# --- fold_module (the eager module; the same plan as the backend's) --------------------------------
+def _layer_norms(gm) -> int:
+    return sum("layer_norm" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_fold_module_deferred_is_exact_against_float64(name):
+    module, args = zoo.MODELS[name]()
+    res = fx_api.fold_module(module, args, defer="on", dynamic=False)
+    assert sum(n.deferred for n in res.report.norms) == 4 and _layer_norms(res.module) == 1
+    with torch.no_grad():
+        own = max_rel_err(_ref64(module, args), module(*args).numpy())
+        got = max_rel_err(_ref64(module, args), res.module(*args).numpy())
+    assert got <= FACTOR * own + FLOOR, (got, own)
+
+
+def test_fold_module_auto_defers_nothing_in_eager_mode():
+    """Eager torch fuses no multiply into a GEMM: the traffic cost model never defers there."""
+    module, args = zoo.gpt2()
+    res = fx_api.fold_module(module, args, defer="auto", dynamic=False)
+    assert not any(n.deferred for n in res.report.norms) and _layer_norms(res.module) == 5
+
+
+def test_fold_module_planted_bug_beta_not_moved_fails(monkeypatch):
+    """The readers keep their own bias instead of `W β + b`: verification must refuse it."""
+    module, args = zoo.gpt2()
+    monkeypatch.setattr(fx_api, "compute_biases", lambda decision, get: {
+        (d.norm, r.node): None for d in decision.deferred for r in d.readers})
+    with pytest.raises(VerificationError):
+        fx_api.fold_module(module, args, defer="on", dynamic=False)
 
 
 @pytest.mark.slow

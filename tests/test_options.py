@@ -67,7 +67,7 @@ def test_shared_keywords_in_the_same_order():
 
     a, b = kwonly(lnfold.fold_onnx), kwonly(lnfold.fold_module)
     shared = [k for k in a if k in b]
-    assert shared == [k for k in b if k in a] and shared[:2] == ["mode", "verify"]
+    assert shared == [k for k in b if k in a] and shared[:3] == ["mode", "defer", "verify"]
 
 
 def test_verify_outputs_still_works():
@@ -94,7 +94,7 @@ class _PreLN(nn.Module):
 IDS = (torch.randint(0, 11, (2, 5)),)
 
 
-@pytest.mark.parametrize("key,value,message", [b for b in BAD if b[0] in ("mode", "verify")]
+@pytest.mark.parametrize("key,value,message", [b for b in BAD if b[0] in ("mode", "defer", "verify")]
                          + [("norm", "fused", "unknown norm 'fused'")])
 def test_fold_module_bad_option_is_one_line_lnfold_error(key, value, message):
     with pytest.raises(LnfoldError) as e:
