@@ -50,8 +50,9 @@ def _check(seed: int, paths, **kw) -> list[properties.Outcome]:
     outs = properties.check(case, paths)
     fails = properties.failures(outs)
     _xfail_precision(fails)
+    more = "" if paths == ("onnx",) else f" --paths {','.join(paths)}"
     assert not fails, (
-        f"seed {seed} fails; reproduce: python -m tests.fuzz --show {seed}\n"
+        f"seed {seed} fails; reproduce: python -m tests.fuzz --show {seed}{more}\n"
         + case.describe() + "\n" + "\n".join(fails)
     )
     return outs
@@ -75,17 +76,8 @@ def test_onnx_random_model_more(seed):
 
 
 # --- the torch frontend and agreement -----------------------------------------------------------
-
-
 def _fx(seed: int, dtype=None) -> None:
-    paths = ("onnx", "fx") if dtype != torch.bfloat16 else ("fx",)
-    case = gen.from_seed(seed, dtype=dtype)
-    fails = properties.failures(properties.check(case, paths))
-    _xfail_precision(fails)
-    assert not fails, (
-        f"seed {seed} fails; reproduce: python -m tests.fuzz --show {seed} --paths onnx,fx\n"
-        + case.describe() + "\n" + "\n".join(fails)
-    )
+    _check(seed, ("onnx", "fx") if dtype != torch.bfloat16 else ("fx",), dtype=dtype)
 
 
 @pytest.mark.parametrize("seed", FX_FAST)

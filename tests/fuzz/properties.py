@@ -8,7 +8,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -146,7 +146,6 @@ def check_onnx(case: Case) -> Outcome:
     import onnxruntime as ort
 
     from lnfold.onnx_rewrite import analyze_model, fold_model
-    from lnfold.passes.errors import NothingToFold
 
     t0 = time.perf_counter()
     path = f"onnx[{case.exporter}/{case.opset}/{case.target}]"
@@ -175,38 +174,55 @@ def check_onnx(case: Case) -> Outcome:
         out.skipped = f"onnxruntime cannot run the exported original: {str(e).splitlines()[0][:200]}"
         return out
 
-    folded = None
-    try:
+    def fold():
         res = fold_model(proto, verify=False, target=case.target, mode=case.mode)
-        report, folded = res.report, res.model
-    except NothingToFold:
-        try:
-            report = analyze_model(proto)
-        except Exception as e:
-            out.failures.append(f"crash: analyze_model raised {type(e).__name__}: {e}")
-            return out
-    except Exception as e:
-        out.failures.append(f"crash: fold_model raised {type(e).__name__}: {str(e)[:300]}\n"
-                            + "".join(traceback.format_exc(limit=-4)))
-        return out
-    out.report = report
-    names = [n.name for n in report.norms]
-    verdicts = [n.verdict for n in report.norms]
-    out.verdicts, fails = map_report(case, names, verdicts, _onnx_norm_modules(proto, names), path)
-    out.failures += fails
-    if out.verdicts is not None:
-        out.failures += _completeness(case, out.verdicts, [n.reason for n in report.norms], path)
-    if folded is not None:
-        try:
-            got = run(folded)
-        except Exception as e:
-            out.failures.append(f"soundness: onnxruntime cannot run the folded model: {str(e).splitlines()[0][:300]}")
-            return out
-        f64 = _float64_reference(case) if case.dtype != torch.float32 else None
-        out.err, out.bound, fails = _compare(case, orig, got, f64)
-        out.failures += _precision_only(case, fails, check_onnx)
+        return res.report, res.model
+
+    _fold_and_judge(case, out, orig, fold, lambda: analyze_model(proto), run, check_onnx,
+                    lambda names: _onnx_norm_modules(proto, names))
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _fold_and_judge(case: Case, out: Outcome, orig: list, fold: Callable, analyze: Callable, run: Callable,
+                    checker: Callable, modules_of: Optional[Callable] = None) -> None:
+    """The properties on one path: `fold()` (-> report, folded model) or, where nothing can be
+    folded, `analyze()` (-> report); the report against the ground truth (completeness); the
+    folded model's outputs `run(folded)` against the original's `orig` (soundness). Failures go
+    into `out`. `modules_of(names)`: the module each reported norm came from, where the IR says."""
+    from lnfold.passes.errors import NothingToFold
+
+    folded = None
+    try:
+        report, folded = fold()
+    except NothingToFold:
+        try:
+            report = analyze()
+        except Exception as e:
+            out.failures.append(f"crash: no report for an unfoldable model: {type(e).__name__}: {e}")
+            return
+    except Exception as e:
+        out.failures.append(f"crash: the fold raised {type(e).__name__}: {str(e)[:300]}\n"
+                            + "".join(traceback.format_exc(limit=-4)))
+        return
+    out.report = report
+    names = [n.name for n in report.norms]
+    modules = modules_of(names) if modules_of is not None else None
+    out.verdicts, fails = map_report(case, names, [n.verdict for n in report.norms], modules, out.path)
+    out.failures += fails
+    if out.verdicts is not None:
+        out.failures += _completeness(case, out.verdicts, [n.reason for n in report.norms], out.path)
+    if folded is None:
+        return
+    try:
+        got = run(folded)
+    except Exception as e:
+        out.failures.append(f"soundness: the folded model fails to run: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:300]}")
+        return
+    f64 = _float64_reference(case) if case.dtype != torch.float32 else None
+    out.err, out.bound, fails = _compare(case, orig, got, f64)
+    out.failures += _precision_only(case, fails, checker)
 
 
 def _precision_only(case: Case, fails: list[str], checker) -> list[str]:
@@ -233,14 +249,13 @@ def _completeness(case: Case, verdicts: list[str], reasons: list[str], path: str
 def check_fx(case: Case) -> Outcome:
     """Soundness and completeness of the torch path (fx_rewrite.fold_module) on one case."""
     from lnfold import fx_rewrite
-    from lnfold.passes.errors import NothingToFold
 
     t0 = time.perf_counter()
     out = Outcome("fx")
     with torch.no_grad():
         orig = [t.detach().numpy() if t.dtype != torch.bfloat16 else t.float().numpy() for t in flat(case.module(*case.inputs))]
-    folded = None
-    try:
+
+    def fold():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # real RMSNorms (an eager fold may keep the LayerNorm kernel on the centered stream,
@@ -248,33 +263,13 @@ def check_fx(case: Case) -> Outcome:
             # checks), static shapes (the example inputs' sizes)
             res = fx_rewrite.fold_module(case.module, case.inputs, mode=case.mode, verify=False, norm="rms_norm",
                                          dynamic=False)
-        report, folded = res.report, res.module
-    except NothingToFold:
-        try:
-            report = _fx_report_only(case)
-        except Exception as e:
-            out.failures.append(f"crash: no report for an unfoldable model: {type(e).__name__}: {e}")
-            return out
-    except Exception as e:
-        out.failures.append(f"crash: fold_module raised {type(e).__name__}: {str(e)[:300]}\n"
-                            + "".join(traceback.format_exc(limit=-4)))
-        return out
-    out.report = report
-    names = [n.name for n in report.norms]
-    out.verdicts, fails = map_report(case, names, [n.verdict for n in report.norms], None, "fx")
-    out.failures += fails
-    if out.verdicts is not None:
-        out.failures += _completeness(case, out.verdicts, [n.reason for n in report.norms], "fx")
-    if folded is not None:
-        try:
-            with torch.no_grad():
-                got = [t.detach().float().numpy() for t in flat(folded(*case.inputs))]
-        except Exception as e:
-            out.failures.append(f"soundness: the folded module fails to run: {type(e).__name__}: {str(e)[:300]}")
-            return out
-        f64 = _float64_reference(case) if case.dtype != torch.float32 else None
-        out.err, out.bound, fails = _compare(case, orig, got, f64)
-        out.failures += _precision_only(case, fails, check_fx)
+        return res.report, res.module
+
+    def run(folded):
+        with torch.no_grad():
+            return [t.detach().float().numpy() for t in flat(folded(*case.inputs))]
+
+    _fold_and_judge(case, out, orig, fold, lambda: _fx_report_only(case), run, check_fx)
     out.seconds = time.perf_counter() - t0
     return out
 
