@@ -154,15 +154,15 @@ def _export_decode(m, args, names, opset):
 
 
 def save(model: onnx.ModelProto, path: Path) -> None:
-    from lnfold.onnx_rewrite import io
+    from lnfold import save_onnx
 
-    io.save(model, path)
+    save_onnx(model, path)
 
 
 def load(path: Path) -> onnx.ModelProto:
-    from lnfold.onnx_rewrite import io
+    from lnfold import load_onnx
 
-    return io.load(path)
+    return load_onnx(path)
 
 
 def derived(src: Path, tag: str) -> Path:

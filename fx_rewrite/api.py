@@ -6,8 +6,8 @@ and applies it to `ExportedProgram.module()` with its own copy of every paramete
 module and its state_dict are never touched.
 
 What the returned module runs (DESIGN "Speed honesty"): in eager mode on CPU `F.rms_norm` is a
-chain of separate kernels and slower than the fused `F.layer_norm`, and a LayerNorm on a zero-mean
-stream computes exactly what RMSNorm does. So `norm="auto"` keeps `aten.layer_norm` on the now
+chain of separate kernels and slower than the fused `F.layer_norm` (benchmarks/RESULTS.md), and a
+LayerNorm on a zero-mean stream computes exactly what RMSNorm does. So `norm="auto"` keeps `aten.layer_norm` on the now
 centered stream (same speed as the original, and exact); `norm="rms_norm"` emits `aten.rms_norm`
 (+ an Add for β). Under torch.compile use the `lnfold` backend, which emits RMSNorm for Inductor.
 """
@@ -24,11 +24,13 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes import FoldResult, NothingToFold, Report, VerificationError, gate, make_plan
+from ..passes.defer import EAGER, add_weight_edits, compute_biases, plan_deferral
+from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
-from ..passes import gate
 
-from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
+from . import defer as deferred_norm
+from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
 from .classify import build_view
 
 
@@ -113,47 +115,60 @@ def _analyze(module, args, kwargs, mode, dynamic):
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
                    mode: str = "rms", dynamic: bool = True) -> Report:
     """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one."""
-    _check_mode(mode)
-    return _analyze(module, tuple(args), kwargs or {}, mode, dynamic)[-1].report
+    opts = FoldOptions(mode=mode)
+    return _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic)[-1].report
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",
-                norm: str = "auto", verify: bool = True, dynamic: bool = True) -> FoldResult:
+                defer: str = "off", verify: bool = True, norm: str = "auto", dynamic: bool = True) -> FoldResult:
     """Fold every foldable LayerNorm of `module`; the module and its parameters are not modified.
 
     Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
-    `norm`: "auto" (eager: keep the fused LayerNorm kernel on the centered stream), "rms_norm"
-    or "layer_norm". Raises NothingToFold when no LayerNorm can be folded and VerificationError
-    when the folded module's outputs on `args` differ from the original's.
+    `mode`, `defer` and `verify` mean what they mean for `fold_onnx` (passes/options.py checks
+    all options; `defer="on"` emits the folded norms read only by linear layers as deferred
+    normalization, "auto" asks the cost model, which defers nothing in eager mode). `norm`:
+    "auto" (eager: keep the fused LayerNorm kernel on the centered stream), "rms_norm" or
+    "layer_norm". Raises NothingToFold when no LayerNorm can be folded and
+    VerificationError when the folded module's outputs on `args` differ from the original's.
     """
-    _check_mode(mode)
-    if norm not in ("auto",) + NORMS:
-        raise LnfoldError(f"unknown norm {norm!r} (expected auto, {', '.join(NORMS)})")
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify, norm=norm)
     args, kwargs = tuple(args), dict(kwargs or {})
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    gm, attrs, view, info, plan = _analyze(module, args, kwargs, mode, dynamic)
+    gm, attrs, view, info, plan = _analyze(module, args, kwargs, opts.mode, dynamic)
     _check_plan(plan)
+    plan.deferral = plan_deferral(view, plan, opts.defer, EAGER)
+    add_weight_edits(view, plan, plan.deferral)
     timings["analysis"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     _own_tensors(gm)
-    constants = AttrConstants(gm, lambda name: _attr(gm, attrs[name]))
+    tensor_of = lambda name: _attr(gm, attrs[name])  # noqa: E731  (the originals: edits are new attributes)
+    constants = AttrConstants(gm, tensor_of)
     constants.prepare(plan, info)
-    chosen = eager_norm() if norm == "auto" else norm
-    Applier(gm, view, info, ATEN, constants, norm=chosen).apply(plan)
+    # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
+    chosen = "layer_norm" if opts.norm == "auto" else opts.norm
+    deferred = {d.norm for d in plan.deferral.deferred}
+    swaps, plan.swaps = plan.swaps, [n for n in plan.swaps if n not in deferred]
+    try:
+        Applier(gm, view, info, ATEN, constants, norm=chosen).apply(plan)
+    finally:
+        plan.swaps = swaps
+    if deferred:
+        _emit_deferred(gm, plan, tensor_of)
     _drop_unused_attrs(gm)
     timings["editing"] = time.perf_counter() - t1
 
     result = FoldResult(report=plan.report, module=gm, timings=timings)
-    if verify:
+    if opts.verify:
         t2 = time.perf_counter()
         # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well.
         verifier = Verifier(module, args, kwargs)
         verdict = verifier.check(gm)
         if chosen != "rms_norm":  # must pass too; the result reports the module returned
             crms_norms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
-            rms = [n for n in plan.swaps if n not in crms_norms]  # CRMSNorms need no twin: exact only if centered
+            rms = [n for n in plan.swaps if n not in crms_norms and n not in deferred]  # CRMSNorms need no
+            # twin (exact only if centered); deferred norms are no norms any more
             if rms:
                 verifier.check(rms_probe(gm, rms, ATEN, info.decomposed))
         result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
@@ -162,19 +177,27 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     return result
 
 
-def eager_norm() -> str:
-    """The norm an eagerly run folded module should use: the fused LayerNorm kernel.
+def _emit_deferred(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], torch.Tensor]) -> None:
+    """The deferred norms, after the plan's other edits (γ is in the readers' weights already);
+    each reader's new bias `W β + b` is computed once in float64 and stored as a buffer."""
+    biases = compute_biases(plan.deferral, lambda n: to_numpy(tensor_of(n)))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for d in plan.deferral.deferred:
+        def bias_node(reader: str, d=d) -> Optional[fx.Node]:
+            arr = biases[(d.norm, reader)]
+            if arr is None:  # no β: the reader keeps its own bias
+                return None
+            rd = next(r for r in d.readers if r.node == reader)
+            t = from_numpy(arr, tensor_of(rd.bias.value if rd.bias is not None else rd.weight.value))
+            name = _unique_attr(gm, f"lnfold_bias_{reader}")
+            gm.register_buffer(name, t)
+            with gm.graph.inserting_before(nodes[reader]):
+                node = gm.graph.get_attr(name)
+            node.meta["val"] = t
+            return node
 
-    Measured on CPU (passes.timing.interleaved, [8,128,768] fp32, torch 2.13): F.layer_norm
-    163 µs, F.rms_norm 357 µs, F.rms_norm + β 1154 µs. CUDA eager was not measured here, so the
-    original op is kept there too: it is exact on a centered stream and never slower.
-    """
-    return "layer_norm"
-
-
-def _check_mode(mode: str) -> None:
-    if mode not in ("rms", "crms"):
-        raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
+        deferred_norm.emit(gm.graph, nodes, d, bias_node)
+    gm.graph.lint()
 
 
 def _check_plan(plan: Plan) -> None:

@@ -42,10 +42,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from ..passes import Plan, Report, VerificationError, compute_constants, make_plan
+from ..passes import LnfoldError, Plan, Report, VerificationError, compute_constants, make_plan
+from ..passes.options import FoldOptions
 from ..passes.plan import ConstEdit
 
-from ..passes.defer import INDUCTOR_CPU, POLICIES, DeferDecision, add_weight_edits, compute_biases, plan_deferral
+from ..passes.defer import INDUCTOR_CPU, DeferDecision, add_weight_edits, compute_biases, plan_deferral
 
 from . import defer as deferred_norm
 from .apply import TORCH, Applier, Constants, GraphConstants, from_numpy, to_numpy
@@ -68,7 +69,7 @@ def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[s
         (ours if k.startswith(OPTION_PREFIX) else patches)[k.removeprefix(OPTION_PREFIX)] = v
     unknown = set(ours) - {"mode", "on_report", "verify", "defer"}
     if unknown:
-        raise ValueError(f"unknown lnfold option(s): {', '.join(sorted(OPTION_PREFIX + k for k in unknown))}")
+        raise LnfoldError(f"unknown lnfold option(s): {', '.join(sorted(OPTION_PREFIX + k for k in unknown))}")
     inner = functools.partial(_inductor, mode=mode, config_patches=patches)
     return compile_folded(gm, example_inputs, fold_mode=ours.get("mode", "rms"), inner=inner,
                           on_report=ours.get("on_report"), verify=bool(ours.get("verify", False)),
@@ -84,6 +85,7 @@ def lnfold_backend_with(mode: str = "rms", *, inner: Optional[Callable] = None,
     `inductor_options` as config patches); pass e.g. `inner=lambda gm, _: gm.forward` to run it
     eagerly, or a function that records `gm` to look at what Inductor gets.
     """
+    FoldOptions(mode=mode, defer=defer, verify=verify)  # a bad option fails here, not inside torch.compile
     if inner is None:
         inner = functools.partial(_inductor, mode=None, config_patches=inductor_options)
 
@@ -131,8 +133,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     unfolded graph compiled. `verify` runs both graphs eagerly on the example inputs first and
     raises VerificationError when they differ.
     """
-    if defer not in POLICIES:
-        raise ValueError(f"unknown lnfold.defer {defer!r} (expected one of {', '.join(POLICIES)})")
+    FoldOptions(mode=fold_mode, defer=defer, verify=verify)  # checked before the fold, whose failures are only logged
     t0 = time.perf_counter()
     placeholders = constant_inputs(gm, example_inputs)
     work = working_copy(gm)

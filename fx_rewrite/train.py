@@ -41,9 +41,10 @@ from torch import fx, nn
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, make_plan
 from ..passes.analysis import Component
-from ..passes.plan import Center, Ones, Plan, Scale
+from ..passes.options import FoldOptions
+from ..passes.plan import Ones, Plan, Scale
 
-from .api import Verifier, _check_mode, _check_plan, exported_view
+from .api import Verifier, _check_plan, exported_view
 from .apply import center_blocks, profile
 from .classify import GraphInfo
 
@@ -166,11 +167,11 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     Raises NothingToFold when no LayerNorm can be folded, and VerificationError (the module
     restored) when the folded module's outputs on `args` differ from the original's.
     """
-    _check_mode(mode)
+    opts = FoldOptions(mode=mode, verify=verify)
     if RECORD in module.__dict__:
         raise LnfoldError("the module is already folded for training (unfold it first)")
     args, kwargs = tuple(args), dict(kwargs or {})
-    verifier = Verifier(module, args, kwargs) if verify else None  # runs (and copies) it before it is edited
+    verifier = Verifier(module, args, kwargs) if opts.verify else None  # runs (and copies) it before it is edited
 
     gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
     mapper = _Mapper(module, gm, attrs, info)
@@ -182,7 +183,7 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
             break
         conflicts |= found
     _check_plan(plan)
-    if mode == "crms":  # compression rewrites the readers' weights and shapes: not done on an eager module
+    if opts.mode == "crms":  # compression rewrites the readers' weights and shapes: not done on an eager module
         plan.report.notes.append("the module-level training fold does not compress (CRMSNorm); "
                                  "folded norms are RMSNorms, which compute the same values")
     norms = _norm_modules(module, plan, info)

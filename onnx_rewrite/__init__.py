@@ -2,7 +2,8 @@
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
 
 from .api import analyze_model, check_equivalent, fold_model
-from .io import load, save
+from .read import load
+from .write import save
 
 __all__ = [
     "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",

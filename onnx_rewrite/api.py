@@ -1,9 +1,11 @@
 """The ONNX frontend's public API: `analyze_model` and `fold_model`."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+import warnings
 from typing import Callable, Optional
 
 import numpy as np
@@ -13,15 +15,17 @@ from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
-from ..passes.defer import ORT_CPU, POLICIES, add_weight_edits, plan_deferral
+from ..passes.defer import ORT_CPU, add_weight_edits, plan_deferral
+from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
 
-from . import io, subgraphs, verify
+from . import read, subgraphs, validate
+from . import verify as verification
 from .classify import GraphInfo, build_view
-from .emit import TARGETS, Emitter
+from .emit import Emitter
 from .shapes import infer_shapes
+from .write import is_large
 
-gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR
 # New constants at least this big are exported without a second copy (see _export).
 _HOLD_BYTES = 2**16
 _PLAIN_DTYPES = {np.dtype(d): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(d)) for d in (
@@ -29,6 +33,19 @@ _PLAIN_DTYPES = {np.dtype(d): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(d)) 
     np.uint64, np.bool_)}
 Progress = Optional[Callable[[str], None]]
 _RMS_OPSET = 23  # RMSNormalization
+
+
+@contextlib.contextmanager
+def _graphsurgeon_errors_only():
+    """graphsurgeon's warnings (about graphs it is handed mid-edit) are not our users' business:
+    only its errors while lnfold runs; the process-wide setting is put back after."""
+    logger = gs.logger.G_LOGGER
+    before = logger.severity
+    logger.severity = logger.ERROR
+    try:
+        yield
+    finally:
+        logger.severity = before
 
 
 def _stage(progress: Progress, msg: str) -> None:
@@ -56,16 +73,16 @@ def _import(model: onnx.ModelProto) -> gs.Graph:
 def _as_model(model) -> onnx.ModelProto:
     """A ModelProto as given, or one loaded from a path; anything else is a clear error."""
     if isinstance(model, str) or hasattr(model, "__fspath__"):
-        return io.load(model)
+        return read.load(model)
     if not isinstance(model, onnx.ModelProto):
         raise LnfoldError(f"expected an onnx.ModelProto or a path to one, got {type(model).__name__}")
     return model
 
 
 def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
-    opset = io.check_opset(model)
-    io.check_graph(model)
-    io.check_tensors(model)
+    opset = validate.check_opset(model)
+    validate.check_graph(model)
+    validate.check_tensors(model)
     shapes = infer_shapes(model)
     graph = _import(model)
     info = GraphInfo(graph, shapes)
@@ -80,13 +97,15 @@ def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
 
 def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
     """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
+    opts = FoldOptions(mode=mode)
     model = _as_model(model)
-    return _analyze(model, mode)[4].report
+    with _graphsurgeon_errors_only():
+        return _analyze(model, opts.mode)[4].report
 
 
 def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
     if not plan.report.norms:
-        raise NothingToFold(io.no_norm_message(model))
+        raise NothingToFold(validate.no_norm_message(model))
     if plan.empty:
         raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
@@ -95,18 +114,21 @@ def fold_model(
     model: onnx.ModelProto,
     *,
     mode: str = "rms",
+    defer: str = "off",
+    verify: bool = True,
     target: str = "ort",
     device: str = "cpu",
-    defer: str = "off",
-    verify_outputs: bool = True,
-    progress: Progress = None,
     inputs=None,
     dims: Optional[dict] = None,
+    progress: Progress = None,
+    verify_outputs: Optional[bool] = None,
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
-    `device` picks onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add
-    and SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
+    `mode`, `defer` and `verify` mean what they mean for `fold_module` (passes/options.py checks
+    all options). `target` picks the emission ("ort", "onnx", "portable"); `device` picks
+    onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
+    SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
     Verification runs the original, the folded model and a float64 copy of the original on the
     same inputs (passes/gate.py judges): `inputs` (a dict name -> array, or a path to an .npz
@@ -123,23 +145,24 @@ def fold_model(
 
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
     model is less exact than the original allows. Models over 2 GB are verified by the CLI from
-    files (`verify_outputs` is ignored for them here).
+    files (`verify` is ignored for them here). `verify_outputs` is the old name of `verify`.
     """
-    if device not in ("cpu", "cuda"):
-        raise LnfoldError(f"unknown device {device!r} (expected cpu or cuda)")
-    if target not in TARGETS:
-        raise LnfoldError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
-    if mode not in ("rms", "crms"):
-        raise LnfoldError(f"unknown mode {mode!r} (expected rms or crms)")
-    if defer not in POLICIES:
-        raise LnfoldError(f"unknown defer policy {defer!r} (expected one of {', '.join(POLICIES)})")
+    if verify_outputs is not None:
+        warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
+        verify = verify_outputs
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify, target=target, device=device)
     model = _as_model(model)
-    if verify_outputs:  # bad inputs or dims are the user's error: say so before any work
+    with _graphsurgeon_errors_only():
+        return _fold(model, opts, inputs, dims, progress)
+
+
+def _fold(model: onnx.ModelProto, opts: FoldOptions, inputs, dims, progress: Progress) -> FoldResult:
+    if opts.verify:  # bad inputs or dims are the user's error: say so before any work
         inputs, dims = check_verify_args(model, inputs, dims)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     work = model  # read, never written: graphsurgeon builds a new proto on export
-    if target == "onnx" and io.check_opset(work) < _RMS_OPSET:
+    if opts.target == "onnx" and validate.check_opset(work) < _RMS_OPSET:
         _stage(progress, f"converting to opset {_RMS_OPSET} for RMSNormalization")
         try:
             work = version_converter.convert_version(work, _RMS_OPSET)
@@ -147,22 +170,22 @@ def fold_model(
             raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
 
     _stage(progress, "analyzing")
-    graph, info, opset, matches, plan, scopes = _analyze(work, mode, defer)
+    graph, info, opset, matches, plan, scopes = _analyze(work, opts.mode, opts.defer)
     _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 
     _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
     t1 = time.perf_counter()
-    emitter = Emitter(graph, info, opset, target, device)
+    emitter = Emitter(graph, info, opset, opts.target, opts.device)
     if scopes:
-        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, target, device))
+        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, opts.target, opts.device))
     else:
         emitter.apply(plan, matches)
     out = _export(graph, work)
     timings["editing"] = time.perf_counter() - t1
 
     result = FoldResult(report=plan.report, model=out, timings=timings)
-    if verify_outputs and not io.is_large(out):
+    if opts.verify and not is_large(out):
         _stage(progress, "verifying")
         t2 = time.perf_counter()
         record(result, check_equivalent(model, out, inputs=inputs, dims=dims))
@@ -184,7 +207,7 @@ def check_verify_args(model: onnx.ModelProto, inputs, dims) -> tuple[Optional[di
 
 def check_equivalent(original, folded, *, inputs=None, dims=None):
     """The gate's verdict (passes/gate.py); raises VerificationError when the fold fails it."""
-    verdict = verify.check(original, folded, inputs=inputs, dims=dims)
+    verdict = verification.check(original, folded, inputs=inputs, dims=dims)
     if not verdict.ok:
         raise VerificationError(verdict.message())
     return verdict

@@ -10,13 +10,13 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from ..passes import Node, View
+from ..passes.axes import Shape
 from ..passes.patterns import DecomposedNorm, collapse_norms
 from ..passes.rules import Rule, rule
 
 from . import fused, guards
 from .computed_shapes import computed_axis_map
 from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
-from .shapes import Shape
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..passes import LnfoldError, VerificationError
+from ..passes.options import DEFER_POLICIES, DEVICES, MODES, TARGETS
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20
@@ -59,12 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
     f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
     f.add_argument("-o", "--output", required=True, help="where to write the folded model")
-    f.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
-    f.add_argument("--target", choices=("ort", "onnx", "portable"), default="ort", help=_TARGET_HELP)
-    f.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    f.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    f.add_argument("--target", choices=TARGETS, default="ort", help=_TARGET_HELP)
+    f.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
-    f.add_argument("--defer", choices=("auto", "on", "off"), default="off",
+    f.add_argument("--defer", choices=DEFER_POLICIES, default="off",
                    help="deferred normalization for norms read only by linear layers (γ into their weights, "
                         "the row scale on their products): off (default: it never won in the measurements, "
                         "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where "
@@ -80,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
     r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
-    r.add_argument("--mode", choices=("rms", "crms"), default="rms", help=_MODE_HELP)
+    r.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")
@@ -111,9 +112,10 @@ def _progress_for(path: Path):
 
 
 def cmd_fold(args) -> int:
-    from . import io
     from .api import check_equivalent, check_verify_args, fold_model, record
     from .inputs import parse_dims
+    from .read import load
+    from .write import save
 
     src, dst = Path(args.input), Path(args.output)
     if dst.exists() and dst.is_dir():
@@ -131,15 +133,14 @@ def cmd_fold(args) -> int:
         progress(f"loading {src}")
     inputs = {src.resolve()}
     # big weights stay in the input's data file: read where the fold edits them, copied on save
-    model = io.load(src, data_files=inputs, lazy=True)
+    model = load(src, data_files=inputs, lazy=True)
     for out in (dst, dst.parent / (dst.name + ".data")):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
     feeds, dims = (None, None) if args.no_verify else check_verify_args(model, args.inputs, parse_dims(args.dim))
     result = fold_model(model, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
-                        verify_outputs=False,
-                        progress=progress)
+                        verify=False, progress=progress)
     del model  # the folded model shares nothing we still need; free the original's weights
 
     def check(tmp: Path) -> None:
@@ -155,7 +156,7 @@ def cmd_fold(args) -> int:
 
     if progress:
         progress(f"saving {dst}")
-    io.save(result.model, dst, check=check)
+    save(result.model, dst, check=check)
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"output": str(dst), "target": args.target, "report": result.report.to_dict(),
@@ -173,13 +174,14 @@ def cmd_fold(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from . import io
     from .api import analyze_model
+    from .read import load
+    from .validate import no_norm_message
 
-    model = io.load(args.input, lazy=True)
+    model = load(args.input, lazy=True)
     report = analyze_model(model, mode=args.mode)
     if not report.norms:
-        raise LnfoldError(io.no_norm_message(model))
+        raise LnfoldError(no_norm_message(model))
     print(report.to_json(indent=2) if args.json else report.table())
     return 0
 

@@ -5,14 +5,14 @@ were centered, which tied tensors were cloned and where each β went), the verif
 the original, then two measurements of the folded model in onnxruntime on this machine:
 - the norm kernels' own time, from onnxruntime's profiler: the part of the run the fold changes;
 - end-to-end time over interleaved rounds, wall and CPU time, with a bootstrap interval on the
-  ratio: a 5 ms model on a shared machine is mostly noise, so the demo says "within noise" when
-  the interval holds 1 rather than print a speed-up or slow-down it cannot support.
+  ratio: a model of a few milliseconds on a shared machine is mostly noise, so the demo says
+  "within noise" when the interval holds 1 rather than print a speed-up it cannot support.
 Building the GPT-2 needs torch and transformers (`pip install 'lnfold[demo]'`); folding does not.
 """
 from __future__ import annotations
 
 import contextlib
-import io as _io
+import io
 import json
 import statistics
 import tempfile
@@ -36,7 +36,7 @@ def _export_gpt2(layers: int, hidden: int):
         raise LnfoldError(f"lnfold demo builds a GPT-2 with torch and transformers, which are not installed "
                           f"({e.name}): pip install 'lnfold[demo]'") from None
     module, args = zoo.gpt2(n_layer=layers, n_embd=hidden, n_head=max(1, hidden // 64), vocab=1000, positions=128)
-    with contextlib.redirect_stdout(_io.StringIO()), contextlib.redirect_stderr(_io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return zoo.export_onnx(module, args, ["input_ids"], opset=18)
 
 
@@ -68,9 +68,9 @@ def norm_kernel_time(path: Path, feeds: dict, runs: int) -> tuple[float, int]:
 
 
 def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None, seconds: float = 6.0) -> int:
-    from . import io
     from .api import fold_model
     from .verify import session
+    from .write import save
 
     t0 = time.perf_counter()
     print(f"lnfold demo: GPT-2 with {layers} layers, width {hidden}, random weights made adversarial "
@@ -89,8 +89,8 @@ def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None, second
     out_dir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="lnfold-demo-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     orig_path, fold_path = out_dir / "gpt2.onnx", out_dir / "gpt2.folded.onnx"
-    io.save(model, orig_path)
-    io.save(result.model, fold_path)
+    save(model, orig_path)
+    save(result.model, fold_path)
 
     feeds = {"input_ids": np.random.default_rng(0).integers(0, 1000, size=(1, 128)).astype(np.int64)}
     print("\nwhat the fold changes: the norm kernels (onnxruntime profiler, 1 thread, median per run)")

@@ -18,7 +18,9 @@ import onnx_graphsurgeon as gs
 
 from ..passes import Plan, compute_constants
 from ..passes import weights
+from ..passes.axes import reshape_axis
 from ..passes.defer import compute_biases
+from ..passes.options import TARGETS, check_choice
 from ..passes.plan import Ones
 
 from . import fused
@@ -26,22 +28,19 @@ from . import defer as deferred_norm
 from . import crms
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
-from .shapes import reshape_axis
 
-TARGETS = ("ort", "onnx", "portable")
 _RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
 class Emitter:
     def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: str, device: str = "cpu") -> None:
-        if target not in TARGETS:
-            raise ValueError(f"unknown target {target!r} (expected one of {', '.join(TARGETS)})")
+        check_choice("target", target, TARGETS)
         self.graph = graph
         self.info = info
         self.opset = opset
         self.target = target
-        # onnxruntime's fused residual+norm kernel (SkipSimplifiedLayerNormalization) is ~1.8x
-        # slower on CPU than Add + SimplifiedLayerNormalization (benchmarks/RESULTS.md, op table);
+        # onnxruntime's fused residual+norm kernel (SkipSimplifiedLayerNormalization) is slower
+        # on CPU than Add + SimplifiedLayerNormalization (benchmarks/RESULTS.md, op table);
         # on CUDA one memory-bound kernel is the usual win. Fuse only for CUDA.
         self.fuse_skip = target == "ort" and device == "cuda"
         self.nodes = {n.name: n for n in graph.nodes}

@@ -27,9 +27,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes import Node, View
+from ..passes.axes import Shape
 from ..passes.rules import rule
 from .norms import NormMatch, const_values, is_constant
-from .shapes import Shape
 
 MS = "com.microsoft"
 # EmbedLayerNormalization's inputs

@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 
 from ..passes.rules import norm_axis as _norm_axis
 from .norms import NormMatch, _rank, const_values, reduce_axes
-from .shapes import Shape
+from ..passes.axes import Shape
 
 
 def _scalar(t) -> Optional[float]:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .shapes import Shape
+from ..passes.axes import Shape
 
 
 @dataclass
@@ -40,7 +40,6 @@ class NormMatch:
     skip: Optional[gs.Tensor] = None  # SkipLayerNormalization only
     bias: Optional[gs.Tensor] = None
     sum_output: Optional[gs.Tensor] = None  # Skip's input+skip+bias output, when used
-    extra: dict = field(default_factory=dict)
 
 
 def _constant_node_value(t):
@@ -73,7 +72,7 @@ def const_values(t) -> Optional[np.ndarray]:
         return None
     v = c._values
     if type(v) is gs.ir.tensor.LazyValues:  # (not SparseValues: their values are computed)
-        from .io import is_lazy, read_external
+        from .read import is_lazy, read_external
 
         return read_external(v.tensor) if is_lazy(v.tensor) else v.load()
     return c.values

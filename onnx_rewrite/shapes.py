@@ -3,16 +3,15 @@ from __future__ import annotations
 
 from math import prod
 from pathlib import Path
-from typing import Optional
 
 import onnx
 from onnx import helper
 
+from ..passes.axes import Shape
+
 # Initializers above this many elements are replaced by typed graph inputs before inference:
 # inference needs their shapes, not their data, and a >2 GB proto cannot be serialized.
 _SKELETON_ELEMS = 4096
-
-Shape = Optional[tuple]  # per dim: int, str (symbolic) or None; None: rank unknown
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -51,7 +50,7 @@ def infer_shapes(model: onnx.ModelProto) -> dict[str, Shape]:
     shapes: dict[str, Shape] = {}
     # onnx's inference first; onnxruntime's symbolic inference then fills what it could not
     # (shapes computed at run time from Shape/Concat, as older exporters emit for flatten).
-    # The second costs a ~2 s import, so it runs only where the first left gaps.
+    # The second costs a slow import, so it runs only where the first left gaps.
     for infer in (_onnx_inference, _symbolic_inference):
         if infer is _symbolic_inference and not _has_gaps(skel, shapes):
             break
@@ -73,7 +72,7 @@ def _onnx_inference(m: onnx.ModelProto) -> onnx.ModelProto:
 
 def _symbolic_module():
     """onnxruntime's symbolic_shape_infer, loaded from its file: importing it the usual way runs
-    `onnxruntime/tools/__init__.py`, which imports torch (~2 s) for helpers this does not use."""
+    `onnxruntime/tools/__init__.py`, which imports torch for helpers this does not use."""
     global _SYMBOLIC
     if _SYMBOLIC is None:
         import importlib.util
@@ -135,7 +134,3 @@ def _read_shapes(m: onnx.ModelProto) -> dict[str, Shape]:
 def _known(shape: Shape) -> int:
     """How much a shape tells: -1 nothing, else 1 + the number of static dims."""
     return -1 if shape is None else 1 + sum(isinstance(d, int) for d in shape)
-
-
-# Moved to passes/axes.py so both frontends map axes the same way; re-exported here.
-from ..passes.axes import reshape_axis  # noqa: E402,F401

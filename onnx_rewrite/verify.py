@@ -234,7 +234,7 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
         runner = _Runner(original, allow_reference=True)
     except Exception as e:  # neither onnxruntime nor the reference evaluator can load it
         raise LnfoldError(f"cannot verify: onnxruntime cannot load the input model ({_first_line(e)}); "
-                          "use --no-verify (API: verify_outputs=False) to skip it") from None
+                          "use --no-verify (API: verify=False) to skip it") from None
     if inputs is not None:
         feeds = synth.check_feeds(inputs, skel)
         try:
@@ -255,11 +255,11 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
     if runner.sess is None:
         raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), and "
                           f"onnx's reference evaluator cannot run it either ({_where(runner, skel, first)}: "
-                          f"{_first_line(first)}); use --no-verify (API: verify_outputs=False) to skip it",
+                          f"{_first_line(first)}); use --no-verify (API: verify=False) to skip it",
                                      runner) from None
     raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs: "
                       f"{_where(runner, skel, first)}: {_first_line(first)}; {_HINT}; or skip it with --no-verify "
-                      "(API: verify_outputs=False)") from None
+                      "(API: verify=False)") from None
 
 
 def _where(runner: _Runner, model: onnx.ModelProto, e: Exception) -> str:
@@ -446,7 +446,8 @@ def compare(original: ModelLike, folded: ModelLike, *, seed: int = 0, inputs: Op
         rb = _Runner(folded, allow_reference=runner.sess is None).run(feeds)
     except Exception as e:
         raise VerificationError(f"verification failed: cannot run the folded model ({_first_line(e)})") from None
-    tol = min((gate.TOLERANCE.get(_dtype_name(a), 1e-4) for a in ra), default=1e-4)
+    fp32 = gate.TOLERANCE["float32"]  # outputs of other types are held to float32's
+    tol = min((gate.TOLERANCE.get(_dtype_name(a), fp32) for a in ra), default=fp32)
     if len(ra) != len(rb):
         return float("inf"), tol
     return max((max_rel_err(x, y) for x, y in zip(ra, rb)), default=0.0), tol

@@ -17,10 +17,9 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import weights
+from .options import DEFER_POLICIES, check_choice
 from .plan import ConstEdit, Plan, Scale
 from .view import ConstRef, View
-
-POLICIES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,7 @@ class Costs:
 # and under max_autotune alike. Deferred lost to the RMS emission in every onnxruntime case.
 ORT_CPU = Costs(epilogue_fused=False)
 INDUCTOR_CPU = Costs(epilogue_fused=False)
+EAGER = Costs(epilogue_fused=False)  # eager torch runs every op as a kernel of its own
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,7 @@ def _readers(view: View, value: str, axis: int) -> tuple[list[Reader], Optional[
 
 def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = ORT_CPU) -> DeferDecision:
     """Which folded norms of `plan` to emit deferred, and for each other one why not."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown defer policy {policy!r} (expected one of {', '.join(POLICIES)})")
+    check_choice("defer policy", policy, DEFER_POLICIES)
     decision = DeferDecision()
     if policy == "off":
         return decision

@@ -15,3 +15,10 @@ class VerificationError(LnfoldError):
     """The folded model does not compute what the original does: refuse it (exit code 1)."""
 
     exit_code = 1
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), at most 200
+    characters: what a one-line error can quote of a library's failure."""
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:200]

@@ -14,6 +14,7 @@ import numpy as np
 from . import weights
 from .analysis import Component, analyze
 from .compress import ComponentCompression, compress
+from .options import MODES, check_choice
 from .report import CompressionVerdict, NormVerdict, Report, StreamEdits
 from .view import View
 
@@ -126,8 +127,7 @@ def make_plan(view: View, mode: str = "rms",
     (the module-level training fold edits parameters, not Python numbers in `forward`); it
     returns the reason, which the report gives for each of the component's norms.
     """
-    if mode not in ("rms", "crms"):
-        raise ValueError(f"unknown mode {mode!r} (expected 'rms' or 'crms')")
+    check_choice("mode", mode, MODES)
     components = analyze(view)
     plan = Plan(mode=mode, components=components, report=Report(mode=mode))
 

@@ -1,8 +1,8 @@
-"""Every bug the fuzzer (tests/modelgen.py) found, as a small named model with its ground truth.
+"""Every bug the fuzzer (tests/fuzz/) found, as a small named model with its ground truth.
 
 Each test is the shrunk model, written out by hand so that it does not depend on the generator's
 random draws, and runs the same properties as the fuzzer (soundness, completeness, and the two
-frontends' agreement once the torch frontend exists). pytest collects this file through
+frontends' agreement). pytest collects this file through
 tests/test_fuzz.py.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests import modelgen as mg
+from tests.fuzz import gen, properties, truth
 
 G = torch.Generator().manual_seed(0)
 
@@ -23,20 +23,17 @@ def _rand(*shape):
 
 def _adversarial(m: nn.Module) -> nn.Module:
     roles = {n: "scale" if n.startswith("ls") else "table" for n, _ in m.named_parameters(recurse=False)}
-    mg.adversarial(m, roles, seed=0)
+    gen.adversarial(m, roles, seed=0)
     return m.eval()
 
 
-def _assert_ok(case: mg.Case) -> None:
-    """The ONNX path (bf16: skipped), then the torch path and agreement where fold_module exists."""
-    paths = (() if case.dtype == torch.bfloat16 else ("onnx",)) + (("fx",) if mg.fx_available() else ())
-    outs = mg.check(case, paths)
+def _assert_ok(case: truth.Case) -> None:
+    """The ONNX path (bf16: skipped), then the torch path and the two frontends' agreement."""
+    paths = (() if case.dtype == torch.bfloat16 else ("onnx",)) + ("fx",)
+    outs = properties.check(case, paths)
     for o in outs:
         assert o.skipped is None, o.skipped
-    fails = mg.failures(outs)
-    gap = mg.known_fx_gap(case, fails)
-    if gap:
-        pytest.xfail(gap)
+    fails = properties.failures(outs)
     assert not fails, case.describe() + "\n" + "\n".join(fails)
 
 
@@ -62,7 +59,7 @@ class ConvStemLayerScale(nn.Module):
 @pytest.mark.parametrize("exporter,opset", [("torchscript", 17), ("torchscript", 14), ("dynamo", 18)])
 def test_layerscale_after_flattened_conv_stem(exporter, opset):
     m = _adversarial(ConvStemLayerScale())
-    case = mg.make_case(m, (_rand(2, 3, 4, 4),), {"ln": "fold"}, exporter=exporter, opset=opset)
+    case = gen.make_case(m, (_rand(2, 3, 4, 4),), {"ln": "fold"}, exporter=exporter, opset=opset)
     _assert_ok(case)
 
 
@@ -91,7 +88,7 @@ class EmbedBlock(nn.Module):
 def test_fp16_decomposed_layernorm(dtype):
     m = _adversarial(EmbedBlock())
     ids = torch.randint(0, 11, (2, 5), generator=G)
-    case = mg.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=14, dtype=dtype)
+    case = gen.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=14, dtype=dtype)
     _assert_ok(case)
 
 
@@ -124,7 +121,7 @@ class PadTokens(nn.Module):
 def test_zero_pad_on_tokens(exporter, opset, mode):
     m = _adversarial(PadTokens(mode=mode))
     ids = torch.randint(0, 11, (2, 5), generator=G)
-    case = mg.make_case(m, (ids,), {"ln": "fold"}, exporter=exporter, opset=opset)
+    case = gen.make_case(m, (ids,), {"ln": "fold"}, exporter=exporter, opset=opset)
     _assert_ok(case)
 
 
@@ -133,7 +130,7 @@ def test_nonzero_pad_is_not_transparent(exporter, opset):
     """Rows padded with 1.5 are not zero-mean and no constant edit can center them."""
     m = _adversarial(PadTokens(value=1.5))
     ids = torch.randint(0, 11, (2, 5), generator=G)
-    case = mg.make_case(m, (ids,), {"ln": "keep"}, exporter=exporter, opset=opset)
+    case = gen.make_case(m, (ids,), {"ln": "keep"}, exporter=exporter, opset=opset)
     _assert_ok(case)
 
 
@@ -169,7 +166,7 @@ class TokenLayout(nn.Module):
 def test_token_layout_ops(op):
     m = _adversarial(TokenLayout(op))
     ids = torch.randint(0, 11, (2, 5), generator=G)
-    case = mg.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=17)
+    case = gen.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=17)
     _assert_ok(case)
 
 
@@ -204,7 +201,7 @@ def test_decomposed_norm_then_position_table(opset, affine):
     ids = torch.randint(0, 11, (2, 5), generator=G)
     # ln_e: its own component (embedding source). ln1, ln2: one opaque start (ln_e's scaled
     # output), two norms: the recenter pays.
-    case = mg.make_case(m, (ids,), {"ln_e": "fold", "ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset)
+    case = gen.make_case(m, (ids,), {"ln_e": "fold", "ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset)
     _assert_ok(case)
 
 
@@ -216,7 +213,7 @@ def test_fp16_portable_target(opset):
     so onnxruntime refused an fp16 model (Add bound to float16 and float)."""
     m = _adversarial(EmbedBlock())
     ids = torch.randint(0, 11, (2, 5), generator=G)
-    case = mg.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset,
+    case = gen.make_case(m, (ids,), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset,
                         dtype=torch.float16)
     case.target = "portable"
     _assert_ok(case)
@@ -248,7 +245,7 @@ def test_fp16_zero_rows_tiny_eps(target, opset):
     m = _adversarial(MaskedRows())
     ids = torch.randint(0, 11, (2, 5), generator=G)
     mask = torch.tensor([[1.0, 1, 0, 1, 1], [0, 1, 1, 1, 0]])
-    case = mg.make_case(m, (ids, mask), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset,
+    case = gen.make_case(m, (ids, mask), {"ln1": "fold", "ln2": "fold"}, exporter="torchscript", opset=opset,
                         dtype=torch.float16)
     case.target = target
     _assert_ok(case)
@@ -288,9 +285,9 @@ def test_fp16_residual_mean_finding(target):
     m = _adversarial(ReluEmbedTiedHead())
     img, ids = _rand(2, 3, 4, 4), torch.randint(0, 29, (2, 4), generator=G)
     for dtype in (torch.float32, torch.float16):
-        case = mg.make_case(m, (img, ids), {"ln1": "fold", "ln2": "fold"}, opset=14, dtype=dtype)
+        case = gen.make_case(m, (img, ids), {"ln1": "fold", "ln2": "fold"}, opset=14, dtype=dtype)
         case.target = target
-        out = mg.check_onnx(case)
+        out = properties.check_onnx(case)
         assert all(f.startswith("precision:") for f in out.failures), out.failures
         assert dtype == torch.float16 or not out.failures
         assert out.err is not None and out.err < 20 * out.bound

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lnfold import zoo
+from lnfold.fx_rewrite import api as fx_api
 from lnfold.fx_rewrite import backend as fx_backend
 from lnfold.onnx_rewrite import VerificationError, fold_model
 from lnfold.onnx_rewrite import api as onnx_api
@@ -162,6 +163,38 @@ def test_backend_bias_follows_a_changed_parameter():
     assert max_rel_err(want.numpy(), got.numpy()) < 1e-4
 
 
+# --- fold_module (the eager module; the same plan as the backend's) --------------------------------
+def _layer_norms(gm) -> int:
+    return sum("layer_norm" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_fold_module_deferred_is_exact_against_float64(name):
+    module, args = zoo.MODELS[name]()
+    res = fx_api.fold_module(module, args, defer="on", dynamic=False)
+    assert sum(n.deferred for n in res.report.norms) == 4 and _layer_norms(res.module) == 1
+    with torch.no_grad():
+        own = max_rel_err(_ref64(module, args), module(*args).numpy())
+        got = max_rel_err(_ref64(module, args), res.module(*args).numpy())
+    assert got <= FACTOR * own + FLOOR, (got, own)
+
+
+def test_fold_module_auto_defers_nothing_in_eager_mode():
+    """Eager torch fuses no multiply into a GEMM: the traffic cost model never defers there."""
+    module, args = zoo.gpt2()
+    res = fx_api.fold_module(module, args, defer="auto", dynamic=False)
+    assert not any(n.deferred for n in res.report.norms) and _layer_norms(res.module) == 5
+
+
+def test_fold_module_planted_bug_beta_not_moved_fails(monkeypatch):
+    """The readers keep their own bias instead of `W β + b`: verification must refuse it."""
+    module, args = zoo.gpt2()
+    monkeypatch.setattr(fx_api, "compute_biases", lambda decision, get: {
+        (d.norm, r.node): None for d in decision.deferred for r in d.readers})
+    with pytest.raises(VerificationError):
+        fx_api.fold_module(module, args, defer="on", dynamic=False)
+
+
 @pytest.mark.slow
 def test_backend_deferred_under_inductor():
     module, args = zoo.vit()
@@ -174,12 +207,12 @@ def test_backend_deferred_under_inductor():
 
 
 def test_cli_defer_on(zoo_onnx, tmp_path):
-    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite import load, save
     from lnfold.onnx_rewrite.cli import main as cli_main
 
     _, _, model = zoo_onnx("gpt2")
     src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
-    lnio.save(model, src)
+    save(model, src)
     assert cli_main(["fold", str(src), "-o", str(dst), "--defer", "on"]) == 0
-    ops = [n.op_type for n in lnio.load(dst).graph.node]
+    ops = [n.op_type for n in load(dst).graph.node]
     assert ops.count("ReduceSumSquare") == DEFERRED["gpt2"] and "SimplifiedLayerNormalization" not in ops

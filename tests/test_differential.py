@@ -14,7 +14,7 @@ from lnfold import zoo
 from lnfold.fx_rewrite import analyze_module, fold_module
 from lnfold.onnx_rewrite import analyze_model, fold_model
 
-from . import modelgen as mg
+from .fuzz import gen, properties
 
 # name -> (LayerNorms, folded, recentered), by hand from each modeling file (see lnfold/zoo.py)
 HAND = {
@@ -56,7 +56,7 @@ def test_every_zoo_architecture_has_a_hand_count():
 @pytest.mark.parametrize("name", sorted(HAND))
 def test_frontends_agree_with_each_other_and_the_hand_count(name):
     fx, onnx = _reports(name)
-    assert not mg.report_differences(onnx, fx), mg.report_differences(onnx, fx)
+    assert not properties.report_differences(onnx, fx), properties.report_differences(onnx, fx)
     got = (len(fx.norms), fx.folded, fx.recentered)
     if name in KNOWN_GAPS:
         assert got == KNOWN_GAPS[name][0]  # a change here: fixed (move it out) or a new difference
@@ -66,9 +66,9 @@ def test_frontends_agree_with_each_other_and_the_hand_count(name):
 
 @pytest.mark.parametrize("seed", [1, 4, 7, 12, 19, 23])
 def test_frontends_agree_on_generated_models(seed):
-    case = mg.from_seed(seed)
-    outs = mg.check(case, ("onnx", "fx"))
-    fails = [f for f in mg.failures(outs) if f.startswith("agreement")]
+    case = gen.from_seed(seed)
+    outs = properties.check(case, ("onnx", "fx"))
+    fails = [f for f in properties.failures(outs) if f.startswith("agreement")]
     assert not fails, f"seed {seed}:\n" + "\n".join(fails)
 
 
@@ -111,7 +111,7 @@ def test_fold_module_finds_hand_written_layernorms_and_x_at_w_t():
     for a, b in zip(m(*args), res.module(*args)):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     onnx = analyze_model(zoo.export_onnx(m, args, ["x", "img"]))
-    assert not mg.report_differences(onnx, res.report)
+    assert not properties.report_differences(onnx, res.report)
 
 
 class TokenMask(nn.Module):
@@ -213,4 +213,4 @@ def test_gather_nd_of_a_position_table_is_centered_not_recentered():
     # without GatherND's row the table is opaque: one recenter for one swap does not pay, no fold
     assert (res.report.folded, res.report.recentered) == (1, 0), res.report.norms
     assert res.max_rel_err < 1e-5
-    assert not mg.report_differences(res.report, analyze_module(m, args))
+    assert not properties.report_differences(res.report, analyze_module(m, args))

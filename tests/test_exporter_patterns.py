@@ -282,7 +282,7 @@ def _rel(a, b) -> float:
 @pytest.mark.parametrize("else_observes_stream", [False, True])
 def test_merged_decoder_folds_both_branches_consistently(else_observes_stream):
     model = _merged_decoder(else_observes_stream)
-    res = fold_model(model, verify_outputs=False)  # checked below, in both branches
+    res = fold_model(model, verify=False)  # checked below, in both branches
     by_branch = {}
     for n in res.report.norms:
         by_branch.setdefault(n.name.split("::")[0], []).append(n.verdict)

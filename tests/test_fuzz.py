@@ -1,4 +1,4 @@
-"""Soundness at scale: random models (tests/modelgen.py) through both frontends.
+"""Soundness at scale: random models (tests/fuzz/) through both frontends.
 
 Properties, per generated model:
 - soundness: the folded model computes what the original does (fp32: 1e-5 relative, or no
@@ -7,9 +7,9 @@ Properties, per generated model:
 - completeness: the folded set is exactly the generator's ground truth;
 - agreement: the ONNX and torch frontends give every LayerNorm the same verdict.
 
-A failure names its seed: `python -m tests.modelgen --show SEED` prints the model and its ground
-truth, `python -m tests.modelgen --seed SEED --count 1 --shrink` shrinks it. The hypothesis test
-shrinks on its own and prints the draws (`modelgen.from_draws(...)` replays them).
+A failure names its seed: `python -m tests.fuzz --show SEED` prints the model and its ground
+truth, `python -m tests.fuzz --seed SEED --count 1 --shrink` shrinks it. The hypothesis test
+shrinks on its own and prints the draws (`tests.fuzz.gen.from_draws(...)` replays them).
 
 Default run: a fixed, deterministic set. `-m slow` adds the larger set (CI runs both).
 """
@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import modelgen as mg
+from tests.fuzz import choices, export, gen, properties, shrink
 from tests.fuzz_regressions import *  # noqa: F401,F403  (the named regression tests run here too)
 
 ONNX_FAST = range(0, 100)  # seeds through the ONNX path in the default run
@@ -45,13 +45,14 @@ def _xfail_precision(fails: list[str]) -> None:
         pytest.xfail("low-precision finding (benchmarks/FUZZ.md): " + fails[0][:300])
 
 
-def _check(seed: int, paths, **kw) -> list[mg.Outcome]:
-    case = mg.from_seed(seed, **kw)
-    outs = mg.check(case, paths)
-    fails = mg.failures(outs)
+def _check(seed: int, paths, **kw) -> list[properties.Outcome]:
+    case = gen.from_seed(seed, **kw)
+    outs = properties.check(case, paths)
+    fails = properties.failures(outs)
     _xfail_precision(fails)
+    more = "" if paths == ("onnx",) else f" --paths {','.join(paths)}"
     assert not fails, (
-        f"seed {seed} fails; reproduce: python -m tests.modelgen --show {seed}\n"
+        f"seed {seed} fails; reproduce: python -m tests.fuzz --show {seed}{more}\n"
         + case.describe() + "\n" + "\n".join(fails)
     )
     return outs
@@ -75,37 +76,21 @@ def test_onnx_random_model_more(seed):
 
 
 # --- the torch frontend and agreement -----------------------------------------------------------
-needs_fx = pytest.mark.skipif(not mg.fx_available(), reason=mg.FX_MISSING)
-
-
 def _fx(seed: int, dtype=None) -> None:
-    paths = ("onnx", "fx") if dtype != torch.bfloat16 else ("fx",)
-    case = mg.from_seed(seed, dtype=dtype)
-    fails = mg.failures(mg.check(case, paths))
-    gap = mg.known_fx_gap(case, fails)
-    if gap:
-        pytest.xfail(gap)
-    _xfail_precision(fails)
-    assert not fails, (
-        f"seed {seed} fails; reproduce: python -m tests.modelgen --show {seed} --paths onnx,fx\n"
-        + case.describe() + "\n" + "\n".join(fails)
-    )
+    _check(seed, ("onnx", "fx") if dtype != torch.bfloat16 else ("fx",), dtype=dtype)
 
 
-@needs_fx
 @pytest.mark.parametrize("seed", FX_FAST)
 def test_fx_random_model_and_agreement(seed):
     _fx(seed)
 
 
-@needs_fx
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", FX_SLOW)
 def test_fx_random_model_and_agreement_more(seed):
     _fx(seed)
 
 
-@needs_fx
 @pytest.mark.parametrize("seed", [3, 11, 29, 42])
 def test_fx_bf16(seed):
     """bf16 goes through the torch frontend only: onnxruntime's CPU provider lacks bf16 kernels."""
@@ -119,11 +104,11 @@ def test_fx_bf16(seed):
 def test_hypothesis_onnx(data):
     """The same generator fed by hypothesis: a failure shrinks to a small model (fewer streams,
     blocks and options: every draw shrinks towards the simplest choice)."""
-    ch = mg.HypothesisChooser(data)
-    case = mg.generate(ch, exporter="torchscript", dtype=torch.float32)
-    outs = mg.check(case, ("onnx",))
-    fails = mg.failures(outs)
-    assert not fails, f"replay: modelgen.from_draws({ch.trace})\n" + case.describe() + "\n" + "\n".join(fails)
+    ch = choices.HypothesisChooser(data)
+    case = gen.generate(ch, exporter="torchscript", dtype=torch.float32)
+    outs = properties.check(case, ("onnx",))
+    fails = properties.failures(outs)
+    assert not fails, f"replay: tests.fuzz.gen.from_draws({ch.trace})\n" + case.describe() + "\n" + "\n".join(fails)
 
 
 # --- the ground truth is not vacuous -------------------------------------------------------------
@@ -131,7 +116,7 @@ def test_generator_covers_the_op_families():
     """Over the fixed set, the generator makes every kind of start, block, trap and verdict."""
     src, verdicts, why = "", [], []
     for s in ONNX_FAST:
-        c = mg.from_seed(s)
+        c = gen.from_seed(s)
         src += c.source
         verdicts += c.expected
         why += c.why
@@ -163,16 +148,16 @@ def test_every_centering_matters():
 
     checked = 0
     for seed in range(60):
-        case = mg.from_seed(seed, dtype=torch.float32, exporter="torchscript")
+        case = gen.from_seed(seed, dtype=torch.float32, exporter="torchscript")
         if "fold" not in case.expected:
             continue
-        original = mg.export(case)
-        folded = fold_model(original, verify_outputs=False, target=case.target).model
+        original = export.export(case)
+        folded = fold_model(original, verify=False, target=case.target).model
         inits = {t.name: t for t in original.graph.initializer}
         edits = [(e, o) for e, o in _centered_initializers(folded) if o in inits]
         if not edits:
             continue
-        feeds = mg._np_inputs(case)
+        feeds = properties.np_inputs(case)
 
         def run(m):
             sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -186,8 +171,8 @@ def test_every_centering_matters():
                 if t.name == edited:
                     t.CopyFrom(inits[orig])
                     t.name = edited
-            err = max(mg.rel_err(a, b) for a, b in zip(want, run(broken)))
-            assert err > 100 * mg.FP32_RTOL, (
+            err = max(properties.rel_err(a, b) for a, b in zip(want, run(broken)))
+            assert err > 100 * properties.FP32_RTOL, (
                 f"seed {seed}: undoing the centering of {orig} moves outputs by {err:.2g} only")
         checked += 1
         if checked == 8:
@@ -197,9 +182,9 @@ def test_every_centering_matters():
 
 def test_seeds_reproduce():
     """The same seed gives the same model, and replaying its draws gives it again."""
-    a, b = mg.from_seed(7), mg.from_seed(7)
+    a, b = gen.from_seed(7), gen.from_seed(7)
     assert a.source == b.source and a.expected == b.expected
-    c = mg.from_draws(a.draws)
+    c = gen.from_draws(a.draws)
     assert c.source == a.source and c.expected == a.expected
     for x, y in zip(a.module.state_dict().values(), c.module.state_dict().values()):
         assert torch.equal(x, y)
@@ -207,21 +192,21 @@ def test_seeds_reproduce():
 
 def test_shrinking_finds_a_smaller_model():
     """shrink() keeps a property failing while making the model smaller."""
-    big = next(mg.from_seed(s) for s in range(100) if len(mg.from_seed(s).calls) >= 6)
+    big = next(gen.from_seed(s) for s in range(100) if len(gen.from_seed(s).calls) >= 6)
 
     def fails(draws):  # "the model has at least two LayerNorms": a stand-in for a real failure
-        return len(mg.from_draws(draws).calls) >= 2
+        return len(gen.from_draws(draws).calls) >= 2
 
-    small = mg.shrink(big.draws, fails, budget=150)
+    small = shrink.shrink(big.draws, fails, budget=150)
     assert fails(small)
-    assert len(mg.from_draws(small).source) < len(big.source)
+    assert len(gen.from_draws(small).source) < len(big.source)
     assert len(small) <= len(big.draws)
 
 
 def test_rel_err():
-    assert mg.rel_err(np.ones(3), np.ones(3)) == 0.0
-    assert mg.rel_err(np.array([2.0, 0.0]), np.array([2.0, 1e-3])) == pytest.approx(5e-4)
-    assert mg.rel_err(np.ones(2), np.ones(3)) == float("inf")
+    assert properties.rel_err(np.ones(3), np.ones(3)) == 0.0
+    assert properties.rel_err(np.array([2.0, 0.0]), np.array([2.0, 1e-3])) == pytest.approx(5e-4)
+    assert properties.rel_err(np.ones(2), np.ones(3)) == float("inf")
 
 
 CRMS_SEEDS = range(0, 30)
@@ -231,10 +216,10 @@ CRMS_SEEDS = range(0, 30)
 def test_crms_random_model(seed):
     """mode="crms" on generated models (ONNX, and FX for the first few): still exact, same verdicts;
     streams that compress and streams that fall back to RMSNorm both occur."""
-    case = mg.from_seed(seed)
+    case = gen.from_seed(seed)
     case.mode = "crms"
     paths = ("onnx", "fx") if seed < 6 else ("onnx",)
-    outs = mg.check(case, paths)
-    fails = mg.failures(outs)
+    outs = properties.check(case, paths)
+    fails = properties.failures(outs)
     _xfail_precision(fails)
     assert not fails, f"seed {seed} (crms) fails\n" + case.describe() + "\n" + "\n".join(fails)

@@ -486,13 +486,12 @@ def test_roll_flip_and_pad_on_token_axes_are_transparent():
     assert backend_mod.reports[-1].folded == 2
 
 
-# --- the backend on generated models (tests/modelgen.py: known verdicts, adversarial weights) ----
+# --- the backend on generated models (tests/fuzz/: known verdicts, adversarial weights) ----
 
 def _backend_case(seed: int):
-    from tests import modelgen as mg
+    from tests.fuzz import gen
 
-    case = mg.from_seed(seed)
-    return mg, case.to(torch.float64)  # float64: any difference is a fold bug, not rounding
+    return gen.from_seed(seed).to(torch.float64)  # float64: any difference is a fold bug, not rounding
 
 
 @pytest.mark.slow
@@ -503,14 +502,16 @@ def test_backend_on_generated_models_inference_and_gradients(seed):
     gives exactly 0 where eager gives rounding noise, which a 4-wide LayerNorm with eps=1e-12
     amplifies to ~3e-8 of the largest gradient even in float64; so gradients are compared on
     the scale of the largest one, to 1e-6.)"""
-    mg, case = _backend_case(seed)
+    from tests.fuzz.properties import flat
+
+    case = _backend_case(seed)
     m1, m2 = case.module, copy.deepcopy(case.module)
     torch._dynamo.reset()
     start = len(backend_mod.reports)
     compiled = torch.compile(m2, backend=lnfold_backend_with(inner=_eager))
 
     def loss(outs):
-        return sum((o ** 2).mean() for o in mg._flat(outs) if o.is_floating_point())
+        return sum((o ** 2).mean() for o in flat(outs) if o.is_floating_point())
 
     l1, l2 = loss(m1(*case.inputs)), loss(compiled(*case.inputs))
     assert sum(r.folded for r in backend_mod.reports[start:]) == case.expected.count("fold")

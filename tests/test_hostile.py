@@ -31,7 +31,7 @@ from lnfold import onnx_rewrite
 import lnfold.onnx_rewrite.api  # noqa: F401  (imported before any fork: see as_nobody)
 import lnfold.onnx_rewrite.verify  # noqa: F401
 from lnfold.onnx_rewrite import LnfoldError, NothingToFold, VerificationError, analyze_model, fold_model
-from lnfold.onnx_rewrite import io as lnio
+from lnfold.onnx_rewrite import validate, write
 from lnfold.onnx_rewrite.cli import main as cli_main
 from lnfold.onnx_rewrite.verify import compare
 from lnfold.passes import gate
@@ -305,7 +305,7 @@ def test_regression_input_in_untraversable_folder(shared_dir):
 
 
 def test_regression_unwritable_output_folder(shared_dir):
-    """Bug: the temporary folder was created outside io.save's error handling, so a read-only
+    """Bug: the temporary folder was created outside write.save's error handling, so a read-only
     output folder gave `internal error: PermissionError` (exit 3) instead of exit 2."""
     p = G.save_model(G.pre_ln(), shared_dir / "model.onnx")
     ro = shared_dir / "ro"
@@ -638,12 +638,12 @@ def _rename_interrupted_at(monkeypatch, dst: Path):
 
 
 def test_regression_interrupt_between_weights_and_model_rename(tmp_path, monkeypatch):
-    """Bug: with external data, io.save renamed `out.onnx.data` into place, then `out.onnx`; an
+    """Bug: with external data, write.save renamed `out.onnx.data` into place, then `out.onnx`; an
     interrupt between the two left the weights file behind with no model."""
     dst = tmp_path / "out.onnx"
     _rename_interrupted_at(monkeypatch, dst)
     with pytest.raises(KeyboardInterrupt):
-        lnio.save(G.pre_ln(d=64), dst, external=True)
+        write.save(G.pre_ln(d=64), dst, external=True)
     assert snapshot(tmp_path) == {}
 
 
@@ -651,19 +651,19 @@ def test_regression_interrupt_keeps_an_earlier_external_output(tmp_path, monkeyp
     """Same bug, over an earlier output pair: it must survive intact, not get new weights
     under an old model."""
     dst = tmp_path / "out.onnx"
-    lnio.save(G.pre_ln(d=64, seed=1), dst, external=True)
+    write.save(G.pre_ln(d=64, seed=1), dst, external=True)
     before = snapshot(tmp_path)
     assert set(before) == {"out.onnx", "out.onnx.data"}
     _rename_interrupted_at(monkeypatch, dst)
     with pytest.raises(KeyboardInterrupt):
-        lnio.save(G.pre_ln(d=64, seed=2), dst, external=True)
+        write.save(G.pre_ln(d=64, seed=2), dst, external=True)
     assert snapshot(tmp_path) == before
 
 
 def test_regression_external_save_of_a_small_model(tmp_path):
     """Bug: `save(model, path, external=True)` crashed (ENOENT renaming `.data`) when every
     tensor was below onnx's external-data threshold, so that no weights file was written."""
-    lnio.save(G.pre_ln(), tmp_path / "out.onnx", external=True)
+    write.save(G.pre_ln(), tmp_path / "out.onnx", external=True)
     assert set(snapshot(tmp_path)) == {"out.onnx"}
     assert compare(G.pre_ln(), tmp_path / "out.onnx")[0] == 0.0
 
@@ -702,7 +702,7 @@ def test_failed_verification_writes_nothing(work, capfd, monkeypatch):
 def test_target_onnx_converts_opset_18(cli, work):
     work.put(G.pre_ln(opset=18))
     m = expect_folded(cli("fold", "model.onnx", "-o", "out.onnx", "--target", "onnx", cwd=work.dir), work.out)
-    assert lnio.default_opset(m) >= 23
+    assert validate.default_opset(m) >= 23
     assert "RMSNormalization" in {n.op_type for n in m.graph.node}
     work.check(new=("out.onnx",))
 

@@ -283,19 +283,19 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
     lowered so that a small model takes the path a multi-GB one does."""
     import hashlib
 
-    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite import read, write
     from lnfold.onnx_rewrite.cli import main as cli_main
     from tests import onnx_graphs as G
 
     src, dst = tmp_path / "m.onnx", tmp_path / "out.onnx"
     G.save_model(G.pre_ln(d=64), src, external=True)
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in tmp_path.iterdir()}
-    monkeypatch.setattr(lnio, "_EAGER_BYTES", 4096)  # the 64x256 matrices stay on disk
+    monkeypatch.setattr(read, "_EAGER_BYTES", 4096)  # the 64x256 matrices stay on disk
     if large:
-        monkeypatch.setattr(lnio, "_PROTO_LIMIT", 2**16)  # the output gets a data file
-    lazy = lnio.load(src, lazy=True)
-    assert any(lnio.is_lazy(t) for t in lazy.graph.initializer)
-    assert all(t.HasField("raw_data") for t in lazy.graph.initializer if not lnio.is_lazy(t))
+        monkeypatch.setattr(write, "_PROTO_LIMIT", 2**16)  # the output gets a data file
+    lazy = read.load(src, lazy=True)
+    assert any(read.is_lazy(t) for t in lazy.graph.initializer)
+    assert all(t.HasField("raw_data") for t in lazy.graph.initializer if not read.is_lazy(t))
 
     assert cli_main(["fold", str(src), "-o", str(dst), "--target", target]) == 0
     assert "max relative output difference" in capsys.readouterr().out
@@ -310,7 +310,7 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
     err, tol = compare(src, dst)
     assert err <= tol and err < RTOL
     # the same values as a fold of the fully loaded model
-    ref = fold_model(onnx.load(str(src)), target=target, verify_outputs=False).model
+    ref = fold_model(onnx.load(str(src)), target=target, verify=False).model
     got = onnx.load(str(dst))
     want = {t.name: numpy_helper.to_array(t) for t in ref.graph.initializer}
     have = {t.name: numpy_helper.to_array(t) for t in got.graph.initializer}
@@ -325,7 +325,7 @@ def test_cli_folds_external_data_lazily(tmp_path, monkeypatch, capsys, target, l
 def test_lazy_load_ignores_a_basepath_in_the_input(tmp_path, monkeypatch):
     """`basepath` is how a lazy load remembers the input's folder; one written in the input
     itself (onnx's loader would follow it) must not send the reads elsewhere."""
-    from lnfold.onnx_rewrite import io as lnio
+    from lnfold.onnx_rewrite import read
     from lnfold.onnx_rewrite.cli import main as cli_main
     from tests import onnx_graphs as G
 
@@ -338,12 +338,12 @@ def test_lazy_load_ignores_a_basepath_in_the_input(tmp_path, monkeypatch):
     for t in m.graph.initializer:
         t.external_data.add(key="basepath", value="/nonexistent")
     onnx.save(m, str(src))
-    monkeypatch.setattr(lnio, "_EAGER_BYTES", 4096)
-    lazy = lnio.load(src, lazy=True)
+    monkeypatch.setattr(read, "_EAGER_BYTES", 4096)
+    lazy = read.load(src, lazy=True)
     for t in lazy.graph.initializer:
         bases = [e.value for e in t.external_data if e.key == "basepath"]
         assert bases in ([], [str(tmp_path.resolve())])
-    assert fold_model(lnio.load(src), verify_outputs=False).report.folded == 3
+    assert fold_model(read.load(src), verify=False).report.folded == 3
     dst = tmp_path / "out.onnx"  # (onnxruntime refuses the input's unknown key: no verification)
     assert cli_main(["fold", str(src), "-o", str(dst), "--no-verify"]) == 0
     assert compare(clean / "m.onnx", dst)[0] < RTOL

@@ -400,7 +400,7 @@ def test_fp16_file_folded_model_refused_for_a_new_reason_fails():
     from lnfold.onnx_rewrite.verify import check
 
     model = _fp16_cast_typed_fp16()
-    folded = fold_model(model, verify_outputs=False).model
+    folded = fold_model(model, verify=False).model
     first = folded.graph.node[0].output[0]
     folded.graph.value_info.append(onnx.helper.make_tensor_value_info(first, TensorProto.INT64, None))
     with pytest.raises(VerificationError, match="for a reason the input does not have"):

@@ -1,0 +1,51 @@
+"""Protobuf wire format by hand, for the one message too big to serialize in memory.
+
+`onnx_rewrite/write.py` writes a model with big initializers as its serialized head followed by
+one `graph { initializer { ... } }` field per big initializer, whose raw data it streams: parsers
+merge repeated occurrences of an embedded message (protobuf's rule; onnx and onnxruntime read
+the same model).
+"""
+from __future__ import annotations
+
+_RAW_DATA_FIELD = 9  # TensorProto.raw_data
+_INITIALIZER_FIELD = 5  # GraphProto.initializer
+_GRAPH_FIELD = 7  # ModelProto.graph
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _len_field(number: int, length: int) -> bytes:
+    """The tag and length of a length-delimited field."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def initializer_head(meta: bytes, length: int) -> bytes:
+    """The bytes of `graph { initializer { <meta> raw_data: <length bytes> } }` up to the raw
+    data itself, which the caller writes next. `meta` is the serialized TensorProto without
+    its raw_data."""
+    tensor_len = len(meta) + len(_len_field(_RAW_DATA_FIELD, length)) + length
+    init = _len_field(_INITIALIZER_FIELD, tensor_len)
+    return _len_field(_GRAPH_FIELD, len(init) + tensor_len) + init + meta + _len_field(_RAW_DATA_FIELD, length)
+
+
+def copy_fields(src, dst, skip: set[str]) -> None:
+    """Copy every set field of message `src` into `dst`, but those named in `skip`."""
+    for fd, value in src.ListFields():
+        if fd.name in skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)

@@ -1,0 +1,232 @@
+"""Saving ONNX models atomically: a folder beside the target, a check, then a rename.
+
+Weights go to `<name>.data` beside the model when it would pass protobuf's 2 GiB limit; weights a
+lazy load left in the input's data file (onnx_rewrite/read.py) are copied from there in chunks.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import onnx
+from onnx.external_data_helper import _get_all_tensors
+
+from ..passes import LnfoldError
+from ..passes.errors import first_line
+from .read import external_info, external_source, is_lazy
+from .wire import copy_fields, initializer_head
+
+# Protobuf cannot serialize a message over 2 GiB: such models keep their weights beside them.
+_PROTO_LIMIT = 2**31 - 2**20
+# onnx's external-data threshold (`save_model(size_threshold=1024)`): smaller tensors stay inline.
+_EXTERNAL_THRESHOLD = 1024
+_COPY_CHUNK = 16 * 2**20
+# Initializers at least this big are streamed by _write_inline rather than serialized with the rest.
+_STREAM_BYTES = 2**16
+
+
+def tensor_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of tensor data in `model`: inline (raw or typed fields) and in external files."""
+    total = 0
+    for t in _get_all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = external_info(t)
+            total += int(info.get("length", 0) or 0)
+        elif t.HasField("raw_data"):
+            total += len(t.raw_data)
+        else:
+            total += 8 * (len(t.float_data) + len(t.int32_data) + len(t.int64_data) + len(t.double_data)
+                          + len(t.uint64_data)) + sum(len(b) for b in t.string_data)
+    return total
+
+
+def is_large(model: onnx.ModelProto) -> bool:
+    """Would `model`, with every tensor inline, pass protobuf's 2 GiB limit?
+
+    Decided from the tensors' byte counts alone; only in the band where the rest of the proto
+    (nodes, names) could matter is the serialized size computed, once (protobuf's ByteSize
+    serializes the whole message, weights included).
+    """
+    data = tensor_bytes(model)
+    if data >= _PROTO_LIMIT:
+        return True
+    if data < _PROTO_LIMIT // 2:
+        return False
+    external = sum(int(external_info(t).get("length", 0) or 0) for t in _get_all_tensors(model)
+                   if t.data_location == onnx.TensorProto.EXTERNAL)
+    return model.ByteSize() + external > _PROTO_LIMIT
+
+
+def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None,
+         check: Callable[[Path], None] | None = None) -> None:
+    """Write `model` to `path` atomically; weights go to `<name>.data` beside it when large.
+
+    Everything is written into a temporary folder beside the target, handed to `check` (which
+    may raise to refuse it) and only then renamed into place, so an error, a failed check or an
+    interrupt never leaves a half-written model. Saving with external data empties `model`'s
+    in-memory weights (they move to the data file, one tensor at a time). Weights a lazy load
+    left in the input's data file are copied from there, in chunks, or read in when the output
+    holds its weights inline.
+    """
+    p = Path(path)
+    out_dir = p.parent if str(p.parent) else Path(".")
+    if not out_dir.is_dir():
+        raise LnfoldError(f"{out_dir}: output directory does not exist")
+    if external is None:
+        external = is_large(model)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=out_dir))
+    except OSError as e:
+        raise LnfoldError(f"{p}: cannot write into {out_dir}: {first_line(e)}") from None
+    try:
+        target = tmp / p.name
+        location = p.name + ".data"
+        wrote_data = False
+        if external:
+            wrote_data = _write_external(model, tmp / location, location)
+            onnx.save_model(model, str(target))
+        else:
+            _write_inline(model, target)
+        if check is not None:
+            check(target)
+        # (below onnx's size threshold every tensor stays inside the model: no weights file)
+        _publish(tmp, target, p, out_dir / location if wrote_data else None)
+    except OSError as e:
+        raise LnfoldError(f"{p}: cannot write: {first_line(e)}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_inline(model: onnx.ModelProto, target: Path) -> None:
+    """Write `model` as one file without building its serialized bytes (or loading the weights
+    a lazy load left on disk) in memory: everything but the big initializers is serialized,
+    then each big initializer is appended as a field `graph { initializer { ... } }` of its own,
+    its raw data streamed (onnx_rewrite/wire.py); the big initializers come last in the list."""
+    g = model.graph
+    streamed = {i for i, t in enumerate(g.initializer)
+                if is_lazy(t) or (t.HasField("raw_data") and len(t.raw_data) >= _STREAM_BYTES)}
+    if not streamed:
+        onnx.save_model(model, str(target))
+        return
+    big = [g.initializer[i] for i in sorted(streamed)]
+    head = onnx.ModelProto()
+    copy_fields(model, head, {"graph"})
+    copy_fields(g, head.graph, {"initializer"})
+    head.graph.initializer.extend(t for i, t in enumerate(g.initializer) if i not in streamed)
+    with open(target, "wb") as f:
+        f.write(head.SerializeToString())
+        del head
+        for t in big:
+            meta = onnx.TensorProto()
+            copy_fields(t, meta, {"raw_data", "external_data", "data_location"})
+            meta_bytes = meta.SerializeToString()
+            if is_lazy(t):
+                src, src_off, length = external_source(t)
+                data = None
+            else:
+                src, data = None, t.raw_data
+                length = len(data)
+            f.write(initializer_head(meta_bytes, length))
+            if data is not None:
+                f.write(data)
+                del data
+            else:
+                try:
+                    f.flush()
+                    pos = f.tell()
+                    _copy_range(src, f.fileno(), src_off, pos, length, t.name)
+                finally:
+                    os.close(src)
+                f.seek(pos + length)
+
+
+def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> bool:
+    """Stream every tensor of `model` worth it into `data_path`, one at a time: inline ones
+    (≥ 1 KiB of raw data) are written and dropped from the proto, lazily loaded ones copied from
+    the input's data file; each gets external_data pointing at its new place. Returns whether
+    a data file was written (not when every tensor is small)."""
+    f = None
+    offset = 0
+    try:
+        for t in _get_all_tensors(model):
+            lazy = is_lazy(t)
+            if not lazy and not (t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_THRESHOLD):
+                continue
+            if f is None:
+                f = open(data_path, "wb")
+            pad = (-offset) % 64  # aligned, as onnxruntime may map the file
+            if pad:
+                f.write(b"\0" * pad)
+                offset += pad
+            if lazy:
+                src, src_off, length = external_source(t)
+                try:
+                    f.flush()
+                    _copy_range(src, f.fileno(), src_off, offset, length, t.name)
+                finally:
+                    os.close(src)
+                f.seek(offset + length)
+            else:
+                data = t.raw_data
+                length = len(data)
+                f.write(data)
+                del data
+                t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                t.external_data.add(key=k, value=v)
+            offset += length
+    finally:
+        if f is not None:
+            f.close()
+    return f is not None
+
+
+def _copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, name: str) -> None:
+    done = 0
+    use_cfr = hasattr(os, "copy_file_range")
+    while done < length:
+        n = min(_COPY_CHUNK * 4, length - done)
+        k = 0
+        if use_cfr:
+            try:
+                k = os.copy_file_range(src, dst, n, src_off + done, dst_off + done)
+            except OSError:
+                use_cfr = False  # (another file system, an old kernel): plain reads and writes
+        if not use_cfr:
+            chunk = os.pread(src, min(n, _COPY_CHUNK), src_off + done)
+            k = os.pwrite(dst, chunk, dst_off + done) if chunk else 0
+        if k == 0:
+            raise LnfoldError(f"initializer `{name}`: its external data changed while folding (short read)")
+        done += k
+
+
+def _publish(tmp: Path, model_file: Path, dst: Path, data_dst: Path | None) -> None:
+    """Rename the checked files into place: the weights first, the model last.
+
+    Until the model's rename, a failure or an interrupt puts back whatever weights file was
+    at `data_dst` before (an earlier output's), so the target is either the old pair or the new.
+    """
+    if data_dst is None:
+        os.replace(model_file, dst)
+        return
+    backup = tmp / (data_dst.name + ".old")
+    had_old = data_dst.exists()
+    if had_old:
+        os.replace(data_dst, backup)
+    try:
+        os.replace(tmp / data_dst.name, data_dst)
+        os.replace(model_file, dst)
+    except BaseException:
+        if had_old:
+            os.replace(backup, data_dst)
+        else:
+            try:
+                data_dst.unlink()
+            except FileNotFoundError:
+                pass
+        raise

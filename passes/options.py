@@ -1,0 +1,48 @@
+"""The fold's options, checked in one place.
+
+Both frontends (`fold_onnx`, `fold_module`, `fold_for_training`) and the torch.compile backend
+build a `FoldOptions` from their keywords: a bad value is the same one-line `LnfoldError`
+wherever it is given. The verification tolerances per dtype are passes/gate.py's; nothing else
+holds a copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import LnfoldError
+
+MODES = ("rms", "crms")  # RMSNorm, or CRMSNorm with the stream compressed to d-1 features
+DEFER_POLICIES = ("auto", "on", "off")  # deferred normalization (passes/defer.py)
+TARGETS = ("ort", "onnx", "portable")  # the ONNX emissions (onnx_rewrite/emit.py)
+DEVICES = ("cpu", "cuda")  # where the ort target runs
+NORMS = ("auto", "rms_norm", "layer_norm")  # the norm a torch module folded for eager runs calls
+
+
+def check_choice(what: str, value, allowed: tuple) -> str:
+    """`value` when it is one of `allowed`, else a one-line LnfoldError naming the choices."""
+    if not isinstance(value, str) or value not in allowed:
+        raise LnfoldError(f"unknown {what} {value!r} (expected one of {', '.join(allowed)})")
+    return value
+
+
+@dataclass(frozen=True)
+class FoldOptions:
+    """What a fold was asked to do. Each frontend reads the fields it has a use for:
+    `target` and `device` are the ONNX frontend's, `norm` the torch frontend's."""
+
+    mode: str = "rms"
+    defer: str = "off"
+    verify: bool = True
+    target: str = "ort"
+    device: str = "cpu"
+    norm: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, MODES)
+        check_choice("defer policy", self.defer, DEFER_POLICIES)
+        check_choice("target", self.target, TARGETS)
+        check_choice("device", self.device, DEVICES)
+        check_choice("norm", self.norm, NORMS)
+        if self.verify not in (True, False):
+            raise LnfoldError(f"verify must be True or False, got {self.verify!r}")
+        object.__setattr__(self, "verify", bool(self.verify))
