@@ -137,6 +137,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     t0 = time.perf_counter()
     placeholders = constant_inputs(gm, example_inputs)
     work = working_copy(gm)
+    specialize_scalars(work)
     attrs = {n.name: n.target for n in work.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(work, n.target), torch.Tensor)}
     def tensor(name: str) -> torch.Tensor:
@@ -220,13 +221,62 @@ def _say_if_fragment(plan: Plan, view) -> None:
     warnings.warn(msg, FragmentWarning, stacklevel=2)
 
 
+def specialize_scalars(gm: fx.GraphModule) -> None:
+    """Put the value in place of every scalar node that Dynamo has specialized.
+
+    Under dynamic shapes (`dynamic=True`, or the recompile after a second shape) Dynamo passes a
+    module's float attributes (a LayerNorm's eps) as 0-d tensor inputs read through `.item()`;
+    where an op needs a plain number it specializes that SymFloat to its value and guards on it
+    (`ln.eps == 1e-05`). The graph still reads the `.item()` node, whose value is that constant:
+    using the number itself is what the guard guarantees, and lets the analysis see a constant
+    eps (otherwise every norm is kept: "its eps is not a constant")."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            continue
+        value = _constant_scalar(node.meta.get("example_value", node.meta.get("val")))
+        if value is None:
+            continue
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+def _constant_scalar(v) -> Optional[Any]:
+    """The Python number a specialized SymInt/SymFloat/SymBool stands for, else None."""
+    if not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) or not v.node.expr.is_number:
+        return None
+    return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(v)](v.node.expr)
+
+
+def concrete_inputs(example_inputs: list) -> Optional[list]:
+    """The example inputs with each symbolic size replaced by its hint (the size of the tensors
+    Dynamo is compiling for), or None where a symbol has no hint (an unbacked size)."""
+    out = []
+    for x in example_inputs:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if not x.node.has_hint():
+                return None
+            x = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)](x.node.hint)
+        out.append(x)
+    return out
+
+
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
     """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
-    the original graph where one can be made)."""
+    the original graph where one can be made). Under dynamic shapes the graphs take symbolic
+    sizes among their inputs: they run here with the sizes of the tensors at hand."""
     from torch.utils import _pytree as pytree
 
     from .api import judge_outputs, ref64
 
+    concrete = concrete_inputs(example_inputs)
+    if concrete is None:
+        raise VerificationError("lnfold: cannot verify: a symbolic size of this graph has no example value "
+                                "(an unbacked size); compile without lnfold.verify, or verify with lnfold.fold_module")
+    example_inputs = concrete
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
