@@ -32,7 +32,7 @@ from ..passes.plan import Plan, first_kept_reason
 from . import defer as deferred_norm
 from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
 from .classify import build_view
-from .hf import export_error, register_caches
+from .hf import export_error, fresh, register_caches
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -286,10 +286,11 @@ def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:
 
 
 def _seeded(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Run with a fixed seed, so that random ops (train-mode dropout) draw the same numbers."""
+    """Run with a fixed seed, so that random ops (train-mode dropout) draw the same numbers, on
+    fresh copies of the inputs (hf.fresh: a key/value cache grows in place at every run)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return module(*args, **kwargs)
+        return module(*fresh(args), **fresh(kwargs))
 
 
 def _np(t: torch.Tensor):

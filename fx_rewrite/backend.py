@@ -32,6 +32,7 @@ model's (DESIGN §1); the cost is one mean and one subtraction per edited weight
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import logging
@@ -55,10 +56,12 @@ from .classify import build_view
 log = logging.getLogger("lnfold")
 OPTION_PREFIX = "lnfold."
 
-# The reports of the graphs compiled so far in this process, newest last (for people and tests),
-# and for each folded graph the seconds spent in each stage.
-reports: list[Report] = []
-timings: list[dict[str, float]] = []
+# The reports of the last KEPT graphs compiled in this process, newest last (for people and
+# tests), and for each of the last KEPT folded graphs the seconds spent in each stage; bounded,
+# so that a long-lived process that keeps compiling does not keep every report forever.
+KEPT = 64
+reports: collections.deque[Report] = collections.deque(maxlen=KEPT)
+timings: collections.deque[dict[str, float]] = collections.deque(maxlen=KEPT)
 
 
 def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str] = None,
@@ -164,7 +167,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     t1 = time.perf_counter()
 
     try:
-        constants = GraphConstants() if training else CachedInputs(work, plan, placeholders, tensor)
+        constants = GraphConstants() if training else CachedInputs(plan, placeholders, tensor)
         deferred = plan.deferral.deferred
         swaps = plan.swaps
         plan.swaps = [n for n in swaps if n not in {d.norm for d in deferred}]
@@ -327,7 +330,7 @@ class CachedInputs(Constants):
     lift them as parameters Dynamo does not know.)
     """
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, placeholders: dict[str, int], tensor: Callable) -> None:
+    def __init__(self, plan: Plan, placeholders: dict[str, int], tensor: Callable) -> None:
         self.mode = plan.mode
         self.placeholders = placeholders
         self.tensor = tensor

@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..passes import LnfoldError
 
@@ -39,6 +40,14 @@ def register_caches(module: torch.nn.Module) -> None:
     except ImportError:
         return
     register_dynamic_cache_export_support()
+
+
+def fresh(tree):
+    """A copy of an input tree whose tensors are new copies and whose containers (caches
+    included, once registered) are new objects: transformers' caches grow in place when the
+    model runs, so every run (the original, a float64 copy, the folded module) gets its own,
+    and the caller's inputs are never touched."""
+    return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
 # torch.export's words for an output, or an input, of a type it cannot flatten
