@@ -240,18 +240,23 @@ def specialize_scalars(gm: fx.GraphModule) -> None:
         value = _constant_scalar(node.meta.get("example_value", node.meta.get("val")))
         if value is None:
             continue
-        node.replace_all_uses_with(value)
+        for user in list(node.users):
+            swap = lambda n, node=node, value=value: value if n is node else n  # noqa: E731
+            user.args, user.kwargs = fx.node.map_arg(user.args, swap), fx.node.map_arg(user.kwargs, swap)
         gm.graph.erase_node(node)
         changed = True
     if changed:
         gm.recompile()
 
 
+_SYMBOLIC = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}  # -> the Python type of its value
+
+
 def _constant_scalar(v) -> Optional[Any]:
     """The Python number a specialized SymInt/SymFloat/SymBool stands for, else None."""
-    if not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) or not v.node.expr.is_number:
+    if type(v) not in _SYMBOLIC or not v.node.expr.is_number:
         return None
-    return {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(v)](v.node.expr)
+    return _SYMBOLIC[type(v)](v.node.expr)
 
 
 def concrete_inputs(example_inputs: list) -> Optional[list]:
@@ -259,10 +264,10 @@ def concrete_inputs(example_inputs: list) -> Optional[list]:
     Dynamo is compiling for), or None where a symbol has no hint (an unbacked size)."""
     out = []
     for x in example_inputs:
-        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        if type(x) in _SYMBOLIC:
             if not x.node.has_hint():
                 return None
-            x = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(x)](x.node.hint)
+            x = _SYMBOLIC[type(x)](x.node.hint)
         out.append(x)
     return out
 
