@@ -14,7 +14,8 @@ Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and
 a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
 "lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
 "lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
-time and raise VerificationError if they differ), "lnfold.defer" ("auto", "on", "off": emit
+time — under dynamic shapes at the sizes of the tensors at hand — and raise VerificationError if
+the gate of passes/gate.py refuses the fold), "lnfold.defer" ("auto", "on", "off": emit
 folded norms read only by linear layers as deferred normalization, passes/defer.py; default
 "off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
