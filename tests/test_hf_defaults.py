@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lnfold import zoo
-from lnfold.fx_rewrite import LnfoldError, VerificationError, fold_module, lnfold_backend_with
+from lnfold.fx_rewrite import LnfoldError, fold_module, lnfold_backend_with
 from lnfold.fx_rewrite import backend as backend_mod
 from lnfold.fx_rewrite.api import judge_outputs, ref64
 from lnfold.fx_rewrite.hf import fresh, register_caches
@@ -111,21 +111,26 @@ def test_fold_module_with_default_config(name):
     judge(model, result.module, *other)
 
 
-def test_fold_module_takes_a_cache_from_a_previous_step():
+def test_a_cache_from_a_previous_step():
     """A decoding step: past_key_values (a DynamicCache, which grows in place whenever the model
-    runs) as an input; the user's cache is left as it was."""
+    runs) as an input, through fold_module (the user's cache is left as it was) and the backend."""
     model = build("gpt2")
     args, kwargs = inputs("gpt2")
     with torch.no_grad():
         cache = model(*args, **kwargs).past_key_values
-    keys = [t.clone() for t in pytree.tree_leaves(cache)]
+    before = [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]
     step = {"attention_mask": torch.cat([kwargs["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1),
             "past_key_values": cache}
     nxt = (torch.randint(3, V, (2, 1), generator=torch.Generator().manual_seed(2)),)
     result = fold_module(model, nxt, step)
     assert counts(result.report) == HAND["gpt2"]
-    assert cache.get_seq_length() == 9 and all(torch.equal(a, b) for a, b in zip(keys, pytree.tree_leaves(cache)))
+    after = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert cache.get_seq_length() == 9 and all(torch.equal(a, b) for a, b in zip(before, after))
     judge(model, result.module, nxt, step)
+    torch._dynamo.reset()
+    backend_mod.reports.clear()
+    judge(model, torch.compile(model, backend=lnfold_backend_with(inner=_eager, verify=True)), nxt, step)
+    assert backend_mod.reports and all(counts(r) == HAND["gpt2"] for r in backend_mod.reports)
 
 
 class ToyCache:
