@@ -260,15 +260,26 @@ def _constant_scalar(v) -> Optional[Any]:
     return _SYMBOLIC[type(v)](v.node.expr)
 
 
-def concrete_inputs(example_inputs: list) -> Optional[list]:
-    """The example inputs with each symbolic size replaced by its hint (the size of the tensors
-    Dynamo is compiling for), or None where a symbol has no hint (an unbacked size)."""
+def concrete_inputs(gm: fx.GraphModule, example_inputs: list) -> Optional[list]:
+    """The example inputs with each symbolic size replaced by the size it stands for in the
+    example tensors (the ones Dynamo is compiling for), else by its hint; None where a symbol
+    has neither (an unbacked size no input tensor carries)."""
+    sizes: dict = {}  # sympy symbol -> the example tensors' size
+    for node, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        fake = node.meta.get("example_value")
+        if isinstance(x, torch.Tensor) and isinstance(fake, torch.Tensor) and fake.ndim == x.ndim:
+            for d, n in zip(fake.shape, x.shape):
+                if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                    sizes[d.node.expr] = n
     out = []
     for x in example_inputs:
         if type(x) in _SYMBOLIC:
-            if not x.node.has_hint():
+            if x.node.expr in sizes:
+                x = sizes[x.node.expr]
+            elif x.node.has_hint():
+                x = _SYMBOLIC[type(x)](x.node.hint)
+            else:
                 return None
-            x = _SYMBOLIC[type(x)](x.node.hint)
         out.append(x)
     return out
 
@@ -281,10 +292,11 @@ def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: li
 
     from .api import judge_outputs, ref64
 
-    concrete = concrete_inputs(example_inputs)
+    concrete = concrete_inputs(original, example_inputs)
     if concrete is None:
         raise VerificationError("lnfold: cannot verify: a symbolic size of this graph has no example value "
-                                "(an unbacked size); compile without lnfold.verify, or verify with lnfold.fold_module")
+                                "(an unbacked size no input carries); compile without lnfold.verify, or verify "
+                                "with lnfold.fold_module")
     example_inputs = concrete
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))

@@ -202,6 +202,21 @@ def test_backend_verifies_and_folds_under_dynamic_shapes():
     assert backend_mod.reports and all(counts(r) == HAND["gpt2"] for r in backend_mod.reports)
 
 
+def test_backend_verifies_with_an_unbacked_batch_size():
+    """`mark_unbacked`: the graph's batch size is a symbol without a hint; verification reads its
+    value off the example tensor that carries it."""
+    model = build("vit")
+    (pixels,), _ = inputs("vit")
+    torch._dynamo.decorators.mark_unbacked(pixels, 0)
+    torch._dynamo.reset()
+    backend_mod.reports.clear()
+    compiled = torch.compile(model, backend=lnfold_backend_with(inner=_eager, verify=True))
+    with torch.no_grad():
+        got = compiled(pixels)
+    assert backend_mod.reports and all(counts(r) == HAND["vit"] for r in backend_mod.reports)
+    judge(model, lambda px: got, (pixels,), {})
+
+
 SHAPES = {"gpt2": [dict(size=9), dict(size=13, seed=1)], "vit": [dict(batch=2), dict(batch=3, seed=1)]}
 
 
