@@ -141,13 +141,13 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     t0 = time.perf_counter()
     placeholders = constant_inputs(gm, example_inputs)
     work = working_copy(gm)
-    specialize_scalars(work)
     attrs = {n.name: n.target for n in work.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(work, n.target), torch.Tensor)}
     def tensor(name: str) -> torch.Tensor:
         return example_inputs[placeholders[name]] if name in placeholders else _attr(work, attrs[name])
 
     try:
+        specialize_scalars(work)
         view, info = build_view(work.graph, set(placeholders) | set(attrs))
         plan = make_plan(view, fold_mode)
         edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
