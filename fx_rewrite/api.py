@@ -32,6 +32,7 @@ from ..passes.plan import Plan, first_kept_reason
 from . import defer as deferred_norm
 from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
 from .classify import build_view
+from .hf import export_error, fresh, register_caches
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -45,8 +46,11 @@ def _dynamic_shapes(args: tuple, kwargs: dict):
 
 
 def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, dynamic: bool = True):
-    """torch.export (non-strict), with dynamic sizes when export can keep them, else static."""
+    """torch.export (non-strict), with dynamic sizes when export can keep them, else static.
+    transformers' cache objects are registered first (hf.py); a type export cannot flatten is a
+    one-line LnfoldError."""
     kwargs = kwargs or {}
+    register_caches(module)
     if dynamic:
         ds_args, ds_kwargs = _dynamic_shapes(args, kwargs)
         shapes = {**_named(module, ds_args), **ds_kwargs} if kwargs else ds_args
@@ -54,7 +58,13 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
             return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception:  # some models cannot be exported with dynamic sizes: fall back to static
             pass
-    return torch.export.export(module, args, kwargs, strict=False)
+    try:
+        return torch.export.export(module, args, kwargs, strict=False)
+    except Exception as e:
+        short = export_error(e)
+        if short is None:
+            raise
+        raise short from e
 
 
 def _named(module: torch.nn.Module, ds_args: tuple) -> dict:
@@ -276,10 +286,11 @@ def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:
 
 
 def _seeded(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Run with a fixed seed, so that random ops (train-mode dropout) draw the same numbers."""
+    """Run with a fixed seed, so that random ops (train-mode dropout) draw the same numbers, on
+    fresh copies of the inputs (hf.fresh: a key/value cache grows in place at every run)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return module(*args, **kwargs)
+        return module(*fresh(args), **fresh(kwargs))
 
 
 def _np(t: torch.Tensor):

@@ -14,7 +14,8 @@ Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and
 a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
 "lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
 "lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
-time and raise VerificationError if they differ), "lnfold.defer" ("auto", "on", "off": emit
+time — under dynamic shapes at the sizes of the tensors at hand — and raise VerificationError if
+the gate of passes/gate.py refuses the fold), "lnfold.defer" ("auto", "on", "off": emit
 folded norms read only by linear layers as deferred normalization, passes/defer.py; default
 "off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
@@ -32,6 +33,7 @@ model's (DESIGN §1); the cost is one mean and one subtraction per edited weight
 """
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import logging
@@ -55,10 +57,12 @@ from .classify import build_view
 log = logging.getLogger("lnfold")
 OPTION_PREFIX = "lnfold."
 
-# The reports of the graphs compiled so far in this process, newest last (for people and tests),
-# and for each folded graph the seconds spent in each stage.
-reports: list[Report] = []
-timings: list[dict[str, float]] = []
+# The reports of the last KEPT graphs compiled in this process, newest last (for people and
+# tests), and for each of the last KEPT folded graphs the seconds spent in each stage; bounded,
+# so that a long-lived process that keeps compiling does not keep every report forever.
+KEPT = 64
+reports: collections.deque[Report] = collections.deque(maxlen=KEPT)
+timings: collections.deque[dict[str, float]] = collections.deque(maxlen=KEPT)
 
 
 def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str] = None,
@@ -143,6 +147,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
         return example_inputs[placeholders[name]] if name in placeholders else _attr(work, attrs[name])
 
     try:
+        specialize_scalars(work)
         view, info = build_view(work.graph, set(placeholders) | set(attrs))
         plan = make_plan(view, fold_mode)
         edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
@@ -163,7 +168,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     t1 = time.perf_counter()
 
     try:
-        constants = GraphConstants() if training else CachedInputs(work, plan, placeholders, tensor)
+        constants = GraphConstants() if training else CachedInputs(plan, placeholders, tensor)
         deferred = plan.deferral.deferred
         swaps = plan.swaps
         plan.swaps = [n for n in swaps if n not in {d.norm for d in deferred}]
@@ -220,13 +225,79 @@ def _say_if_fragment(plan: Plan, view) -> None:
     warnings.warn(msg, FragmentWarning, stacklevel=2)
 
 
+def specialize_scalars(gm: fx.GraphModule) -> None:
+    """Put the value in place of every scalar node that Dynamo has specialized.
+
+    Under dynamic shapes (`dynamic=True`, or the recompile after a second shape) Dynamo passes a
+    module's float attributes (a LayerNorm's eps) as 0-d tensor inputs read through `.item()`;
+    where an op needs a plain number it specializes that SymFloat to its value and guards on it
+    (`ln.eps == 1e-05`). The graph still reads the `.item()` node, whose value is that constant:
+    using the number itself is what the guard guarantees, and lets the analysis see a constant
+    eps (otherwise every norm is kept: "its eps is not a constant")."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            continue
+        value = _constant_scalar(node.meta.get("example_value", node.meta.get("val")))
+        if value is None:
+            continue
+        for user in list(node.users):
+            swap = lambda n, node=node, value=value: value if n is node else n  # noqa: E731
+            user.args, user.kwargs = fx.node.map_arg(user.args, swap), fx.node.map_arg(user.kwargs, swap)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+_SYMBOLIC = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}  # -> the Python type of its value
+
+
+def _constant_scalar(v) -> Optional[Any]:
+    """The Python number a specialized SymInt/SymFloat/SymBool stands for, else None."""
+    if type(v) not in _SYMBOLIC or not v.node.expr.is_number:
+        return None
+    return _SYMBOLIC[type(v)](v.node.expr)
+
+
+def concrete_inputs(gm: fx.GraphModule, example_inputs: list) -> Optional[list]:
+    """The example inputs with each symbolic size replaced by the size it stands for in the
+    example tensors (the ones Dynamo is compiling for), else by its hint; None where a symbol
+    has neither (an unbacked size no input tensor carries)."""
+    sizes: dict = {}  # sympy symbol -> the example tensors' size
+    for node, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        fake = node.meta.get("example_value")
+        if isinstance(x, torch.Tensor) and isinstance(fake, torch.Tensor) and fake.ndim == x.ndim:
+            for d, n in zip(fake.shape, x.shape):
+                if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                    sizes[d.node.expr] = n
+    out = []
+    for x in example_inputs:
+        if type(x) in _SYMBOLIC:
+            if x.node.expr in sizes:
+                x = sizes[x.node.expr]
+            elif x.node.has_hint():
+                x = _SYMBOLIC[type(x)](x.node.hint)
+            else:
+                return None
+        out.append(x)
+    return out
+
+
 def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
     """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
-    the original graph where one can be made)."""
+    the original graph where one can be made). Under dynamic shapes the graphs take symbolic
+    sizes among their inputs: they run here with the sizes of the tensors at hand."""
     from torch.utils import _pytree as pytree
 
     from .api import judge_outputs, ref64
 
+    concrete = concrete_inputs(original, example_inputs)
+    if concrete is None:
+        raise VerificationError("lnfold: cannot verify: a symbolic size of this graph has no example value "
+                                "(an unbacked size no input carries); compile without lnfold.verify, or verify "
+                                "with lnfold.fold_module")
+    example_inputs = concrete
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
@@ -277,7 +348,7 @@ class CachedInputs(Constants):
     lift them as parameters Dynamo does not know.)
     """
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, placeholders: dict[str, int], tensor: Callable) -> None:
+    def __init__(self, plan: Plan, placeholders: dict[str, int], tensor: Callable) -> None:
         self.mode = plan.mode
         self.placeholders = placeholders
         self.tensor = tensor

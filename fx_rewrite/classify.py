@@ -345,6 +345,8 @@ def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> Built:
         return None
     idx = call.get("index")
     idx = idx if isinstance(idx, tuple) else (idx,)
+    if any(isinstance(k, fx.Node) for k in idx):
+        return _tensor_getitem(g, i, x, node, idx)
     if any(not (k is None or k is Ellipsis or isinstance(k, (int, slice))) for k in idx):
         return None
     fill = len(src) - sum(1 for k in idx if k is not None and k is not Ellipsis)
@@ -366,6 +368,20 @@ def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> Built:
             a, b = a + 1, b + 1
     # A permute whose missing axes are dropped or new: the same transfer on the axes it keeps.
     return rule("permute", data=i, perm=perm)
+
+
+def _tensor_getitem(g: GraphInfo, i: int, x: fx.Node, node: fx.Node, idx: tuple) -> Built:
+    """`table[position_ids]`, `x[:, idx]` (Dynamo graphs): integer tensors indexing a contiguous
+    block of axes, full slices elsewhere, as aten.index (`_index`); anything else is opaque."""
+    r, R = g.rank(x), g.rank(node)
+    used = [k for k, t in enumerate(idx) if isinstance(t, fx.Node)]
+    ints = all(isinstance(v := meta_val(idx[k]), torch.Tensor) and not v.dtype.is_floating_point
+               and v.dtype != torch.bool for k in used)
+    full = all(isinstance(t, fx.Node) or t == slice(None) for t in idx)
+    if r is None or R is None or not ints or not full or used != list(range(used[0], used[-1] + 1)):
+        return None
+    s, e = used[0], used[-1] + 1
+    return rule("take", data=i, start=s, stop=e, q=R - (r - (e - s)))
 
 
 def _cat(g: GraphInfo, node: fx.Node, call: Call) -> Built:

@@ -140,15 +140,20 @@ def test_readme_onnx_example_runs(tmp_path, zoo_onnx):
     assert run.stderr == "", run.stderr
 
 
+SECOND_SHAPE = """
+longer = (torch.randint(0, 101, (2, 13)),)
+torch.testing.assert_close(compiled(*longer), model(*longer), rtol=1e-5, atol=1e-4)
+print("second shape: same outputs")
+"""
+
+
 @pytest.mark.slow
 def test_readme_pytorch_example_runs(tmp_path):
-    # Static shapes: the example calls the compiled model once, on the inputs it was compiled for.
-    # With a second input shape or dynamic=True, "lnfold.verify" fails on main as of 2026-11-23
-    # (issue 16 item 1); branch i16-hf fixes it and adds its own dynamic-shape tests. Once it is
-    # merged, this test should also call `compiled` on a second shape.
-    run = _run(_block(TORCH_BLOCK), tmp_path)
+    # Then a second input shape, as a user's next call would be: Dynamo recompiles with dynamic
+    # sizes, and "lnfold.verify" runs again (issue 16 item 1; tests/test_hf_defaults.py).
+    run = _run(_block(TORCH_BLOCK) + SECOND_SHAPE, tmp_path)
     assert run.returncode == 0, run.stderr
-    assert "fold" in run.stdout
+    assert "fold" in run.stdout and "second shape: same outputs" in run.stdout
     assert run.stderr == "", run.stderr  # no warnings of our own making
 
 
