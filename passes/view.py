@@ -1,7 +1,9 @@
 """The stream view: an IR-neutral picture of a graph, as the foldability analysis sees it.
 
-A frontend (ONNX, torch.fx) builds one `View` from its IR. Each node carries the answers the
-analysis needs, as small callables the frontend fills in from its op classification table:
+A frontend (ONNX, torch.fx) builds one `View` from its IR: values (shape, constant or not) and
+nodes, each named in the vocabulary of passes/rules.py (`Node.rule`: a kind and its parameters).
+That is all a view stores. The analysis asks each node these questions (`node.transfer(i, axis)`,
+...), answered from its rule and the view's shapes (`View.answers`, derived once per node):
 
 - `transfer(i, axis)`: is the node shift-transparent through input `i` when that input's
   feature axis is `axis`? If so, which outputs carry the shift and on which axis.
@@ -196,10 +198,6 @@ class Node:
 
     def describe(self) -> str:
         return f"{self.op} `{self.name}`"
-
-    def __str__(self) -> str:
-        rule = "" if self.rule is None else f"[{self.rule}]"
-        return f"{self.name} = {self.op}{rule}({', '.join(self.inputs)}) -> {', '.join(self.outputs)}"
 
     def _answers(self) -> Answers:
         view = self.__dict__.get("_view")
