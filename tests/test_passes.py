@@ -281,6 +281,26 @@ def test_fused_qkv_centers_the_q_and_k_rows_per_head():
     assert abs(consts["qkv.W"][:16].reshape(4, 4, D).mean(1)).max() < 1e-12
 
 
+def test_if_branch_ops_answer_only_what_the_branch_emitter_applies():
+    """`in_branch` (onnx_rewrite/subgraphs.py's inlined If branches): the stream is followed and
+    sources centered, but no linear reads (deferral, CRMS) and no per-block centering."""
+    v = View()
+    v.input("x", (B, T, D))
+    v.const("W", (D, D))
+    v.add("fc", "MatMul", rule("in_branch", op=rule("linear", weight=1, w_axis=1, data=0)), ["x", "W"],
+          {"y": (B, T, D)})
+    v.add("heads", "Reshape", rule("in_branch", op=rule("reshape", data=0)), ["y"], {"y4": (B, T, 2, 4)})
+    fc, heads = v.nodes["fc"], v.nodes["heads"]
+    assert [r.value for r in fc.centering(0, 2)] == ["W"] and fc.linear(0, 2) is None
+    assert not fc.block_centering and heads.backward_block(0, 3, None) is None and not heads.layout
+    assert "fc = MatMul[in_branch op=(linear weight=1 w_axis=1 data=0)](x, W[8, 8]) -> y[2, 5, 8]" in v.dump()
+    plain = View()
+    plain.input("x", (B, T, D))
+    plain.const("W", (D, D))
+    plain.add("fc", "MatMul", rule("linear", weight=1, w_axis=1, data=0), ["x", "W"], {"y": (B, T, D)})
+    assert plain.nodes["fc"].linear(0, 2) is not None and plain.nodes["fc"].block_centering
+
+
 # --- CRMSNorm -------------------------------------------------------------------------------------
 
 def _crms_view(width) -> View:
