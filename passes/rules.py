@@ -50,6 +50,8 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
 - `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection)` a LayerNorm op
                                (`rejection`: a reason only its IR can see)
+- `in_branch(op)`               the rule `op`, for an op of an inlined If branch
+                               (onnx_rewrite/subgraphs.py): only the answers its emitter applies
 
 Derived for deferral and CRMS: `layout` (moves or copies elements only: identity/cast/dropout,
 expand, reshape, permute, along, pad, take), `regroups` (reshape), `linear` (linear, matmul).
