@@ -305,7 +305,7 @@ class View:
             raise ValueError(f"duplicate node name {node.name!r}")
         if node.__dict__.get("_view") not in (None, self):
             raise ValueError(f"{node.describe()} belongs to another view")
-        node.__dict__["_view"] = self  # not a field: a node's data is what it prints
+        node.__dict__["_view"] = self  # not a field: equality and repr see the node's data only
         self.nodes[node.name] = node
         for i, v in enumerate(node.inputs):
             if v:
@@ -359,7 +359,7 @@ class View:
         v.is_const, v.scalar = True, scalar
         return name
 
-    def add(self, name: str, op: str, rule: "Rule", inputs: list[str], outputs: dict) -> Node:
+    def add(self, name: str, op: str, rule: Optional["Rule"], inputs: list[str], outputs: dict) -> Node:
         """A node reading `inputs` (names added before; "" for an absent optional input) and
         writing `outputs`, {name: shape}."""
         for i in inputs:
