@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .onnx_rewrite import analyze_model as analyze_onnx
-from .onnx_rewrite import fold_model as fold_onnx
-from .onnx_rewrite import load as load_onnx
-from .onnx_rewrite import save as save_onnx
 from .passes import FoldResult, LnfoldError, NormVerdict, NothingToFold, Report, VerificationError
 
-if TYPE_CHECKING:  # the torch frontend is imported on first use: `import lnfold` never loads torch
+# Both frontends are imported on first use: `import lnfold.passes` loads neither onnx nor torch.
+_ONNX_NAMES = {"analyze_onnx": "analyze_model", "fold_onnx": "fold_model", "load_onnx": "load", "save_onnx": "save"}
+
+if TYPE_CHECKING:
+    from .onnx_rewrite import analyze_model as analyze_onnx
+    from .onnx_rewrite import fold_model as fold_onnx
+    from .onnx_rewrite import load as load_onnx
+    from .onnx_rewrite import save as save_onnx
     from .fx_rewrite import (analyze_module, fold_for_training, fold_module, lnfold_backend, lnfold_backend_with,
                              unfold_for_training)
 
@@ -57,6 +60,10 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":  # read on first use: the metadata lookup costs ~25 ms at import
         globals()["__version__"] = v = _installed_version()
         return v
+    if name in _ONNX_NAMES:
+        from . import onnx_rewrite
+
+        return getattr(onnx_rewrite, _ONNX_NAMES[name])
     if name in _TORCH_NAMES:
         try:
             from . import fx_rewrite

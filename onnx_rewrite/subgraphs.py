@@ -30,9 +30,9 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from ..passes import ConstRef, Node, Plan, View, compute_constants
+from ..passes import Node, Plan, View, compute_constants
 from ..passes.plan import Ones
-from ..passes.view import ChannelScale
+from ..passes.rules import rule
 
 from .norms import NormMatch, const_values
 from .shapes import infer_shapes, infer_types
@@ -138,44 +138,22 @@ def _drop_captured(view: View, node: gs.Node) -> None:
         if name:
             view.values[name].consumers.remove((vnode.name, i))
     del vnode.inputs[explicit:]
+    view.changed()
 
 
 def _merge(view: View, bview: View, scope: Scope) -> None:
+    """Add the branch's nodes to the main view under its scope, as `in_branch` rules."""
     s = scope.scoped
     for n in bview.nodes.values():
-        view.add_node(Node(
-            s(n.name), n.op, [s(i) for i in n.inputs], [s(o) for o in n.outputs],
-            transfer=n.transfer, backward=n.backward,
-            centering=_scoped_refs(n.centering, s), channel_scale=_scoped_scale(n.channel_scale, s),
-            invariant=n.invariant,
-            norm=None if n.norm is None else replace(n.norm, gamma=n.norm.gamma and s(n.norm.gamma),
-                                                     beta=n.norm.beta and s(n.norm.beta)),
-            norm_rejection=n.norm_rejection, shape_only=n.shape_only,
-        ))
+        view.add_node(Node(s(n.name), n.op, [s(i) for i in n.inputs], [s(o) for o in n.outputs],
+                           rule=None if n.rule is None else rule("in_branch", op=n.rule)))
     for name, v in bview.values.items():
         tv = view.value(s(name))
         if tv.rank is None:
             tv.rank, tv.shape = v.rank, v.shape
         tv.is_const = tv.is_const or v.is_const
         tv.is_graph_output = tv.is_graph_output or v.is_graph_output  # leaves through the If
-
-
-def _ref(r: ConstRef, s) -> ConstRef:
-    return ConstRef(s(r.value), r.axis, s(r.user), r.user_input)
-
-
-def _scoped_refs(centering, s):
-    def wrapped(o, a):
-        refs = centering(o, a)
-        return None if refs is None else [_ref(r, s) for r in refs]
-    return wrapped
-
-
-def _scoped_scale(channel_scale, s):
-    def wrapped(o, a):
-        c = channel_scale(o, a)
-        return None if c is None else ChannelScale(c.input, c.input_axis, _ref(c.scale, s))
-    return wrapped
+    view.changed()
 
 
 # --- emission -----------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .rules import attach, norm_axis
-from .view import Node, NormSpec, View
+from .rules import norm_axis, rule
+from .view import Node, View
 
 
 @dataclass
@@ -208,8 +208,7 @@ def _divides(final: Node, t: str, centered: set[str], divide: bool) -> bool:
 
 
 def collapse_norms(view: View) -> dict[str, DecomposedNorm]:
-    """Find every multi-op LayerNorm and put one LayerNorm node in its place; then derive every
-    node's answers from its rule (`rules.attach`)."""
+    """Find every multi-op LayerNorm and put one LayerNorm node in its place."""
     found: dict[str, DecomposedNorm] = {}
     taken: set[str] = set()
     for node in list(view.nodes.values()):
@@ -221,7 +220,6 @@ def collapse_norms(view: View) -> dict[str, DecomposedNorm]:
         taken.update(m.nodes)
         found[m.name] = m
         _replace(view, m)
-    attach(view)
     return found
 
 
@@ -231,6 +229,8 @@ def _replace(view: View, m: DecomposedNorm) -> None:
         view.remove_node(n)
     for v in inner:
         view.values.pop(v, None)
-    spec = None if m.rejection else NormSpec(0, m.axis, m.gamma, m.beta, m.epsilon)
     inputs = [m.x] + [v for v in (m.gamma, m.beta) if v]
-    view.add_node(Node(m.name, "DecomposedLayerNorm", inputs, [m.output], norm=spec, norm_rejection=m.rejection))
+    at = lambda v: inputs.index(v) if v else None  # noqa: E731
+    view.add_node(Node(m.name, "DecomposedLayerNorm", inputs, [m.output],
+                       rule=rule("layer_norm", axes=[m.axis], gamma=at(m.gamma), beta=at(m.beta), eps=m.epsilon,
+                                 rejection=m.rejection)))

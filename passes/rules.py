@@ -3,7 +3,7 @@
 A frontend names each of its ops in this vocabulary (one table row per op: ATen
 `aten.permute.default` -> `Rule("permute", perm=...)`, ONNX `Transpose` -> the same) with the
 attributes decoded and the input positions given as indices into the view node's inputs. It
-decides nothing: `attach(view)` derives every node's transfer / backward / centering /
+decides nothing: `answers(view, node)` derives every node's transfer / backward / centering /
 channel_scale / invariant answers, and what deferred normalization and CRMSNorm ask (`linear`
 readers, `layout` and `regroups` ops, `width_refs`), from its rule and the shapes in the view
 (passes/view.py says what each answer means).
@@ -50,6 +50,8 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
 - `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection)` a LayerNorm op
                                (`rejection`: a reason only its IR can see)
+- `in_branch(op)`               the rule `op`, for an op of an inlined If branch
+                               (onnx_rewrite/subgraphs.py): only the answers its emitter applies
 
 Derived for deferral and CRMS: `layout` (moves or copies elements only: identity/cast/dropout,
 expand, reshape, permute, along, pad, take), `regroups` (reshape), `linear` (linear, matmul).
@@ -61,13 +63,20 @@ from typing import Callable, Optional
 
 from .axes import broadcast_rules, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules
 from .guards import is_overflow_guard
-from .view import Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
+from .view import Answers, Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
 
 
 @dataclass
 class Rule:
     kind: str
     params: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return " ".join([self.kind] + [f"{k}={_text(v)}" for k, v in self.params.items()])
+
+
+def _text(v) -> str:
+    return f"({v})" if isinstance(v, Rule) else repr(v)
 
 
 def rule(kind: str, **params) -> Rule:
@@ -76,17 +85,24 @@ def rule(kind: str, **params) -> Rule:
     return Rule(kind, params)
 
 
-def attach(view: View) -> None:
-    """Fill in every node's answers from its rule (after the view's shapes are set)."""
-    for node in view.nodes.values():
-        if node.rule is not None:
-            answers = RULES[node.rule.kind](view, node, **node.rule.params)
-            for k, v in answers.items():
-                setattr(node, k, v)
-            if node.rule.kind in _BLOCK_AGNOSTIC and "transfer_block" not in answers:
-                node.transfer_block = _carry_block(node.transfer)
-                node.backward_block = _carry_block(node.backward)
-            node.block_centering = node.rule.kind in _CENTER_IN_ORDER
+def answers(view: View, node: Node) -> Answers:
+    """What `node` answers the analysis, derived from its rule and the shapes in `view`
+    (`View.answers` caches it; passes/view.py says what each answer means)."""
+    if node.rule is None:
+        return Answers()
+    kind, params = node.rule.kind, node.rule.params
+    got = RULES[kind](view, node, **params)
+    if kind in _BLOCK_AGNOSTIC and "transfer_block" not in got:
+        got.update(transfer_block=_carry_block(got.get("transfer", _no_answer)),
+                   backward_block=_carry_block(got.get("backward", _no_answer)))
+    return Answers(**got, block_centering=kind in _CENTER_IN_ORDER)
+
+
+def _kind(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
+    """A rule's kind and parameters, looking inside `in_branch`."""
+    if rule is None:
+        return None, {}
+    return _kind(rule.params["op"]) if rule.kind == "in_branch" else (rule.kind, rule.params)
 
 
 # Ops that do not act along the feature axis (or only scale rows by a per-row factor): a shift
@@ -136,9 +152,9 @@ def const_ref(view: View, node: Node, i: int, axis: Optional[int]) -> Optional[C
     if v.is_const:
         return ConstRef(name, axis, node.name, i)
     p = view.nodes.get(v.producer) if v.producer else None
-    if p is None or p.rule is None or v.is_graph_output or len(v.consumers) != 1 or len(p.outputs) != 1:
+    kind, prm = _kind(p.rule) if p is not None else (None, {})
+    if kind is None or v.is_graph_output or len(v.consumers) != 1 or len(p.outputs) != 1:
         return None
-    kind, prm = p.rule.kind, p.rule.params
     if kind == "elementwise":  # centering commutes with a cast, a copy, a negation
         return const_ref(view, p, prm.get("data", 0), axis)
     if kind == "permute" and axis is not None and axis < len(prm["perm"]) and prm["perm"][axis] is not None:
@@ -376,9 +392,7 @@ def uniform_along(view: View, value: str, axis: int) -> bool:
     if v.shape[axis] == 1:
         return True
     p = view.nodes.get(v.producer) if v.producer else None
-    if p is None or p.rule is None:
-        return False
-    kind, prm = p.rule.kind, p.rule.params
+    kind, prm = _kind(p.rule) if p is not None else (None, {})
     if kind == "broadcast" and not prm.get("minus") and len(prm["data"]) == 1:  # expand
         d = prm["data"][0]
         s = _shape(view, p, d)
@@ -494,7 +508,8 @@ def _bias_after(view, node, w: int) -> Optional[ConstRef]:
     if out.is_graph_output or len(out.consumers) != 1:
         return None
     add = view.nodes[out.consumers[0][0]]
-    p = add.rule.params if add.rule is not None and add.rule.kind == "broadcast" else None
+    kind, p = _kind(add.rule)
+    p = p if kind == "broadcast" else None
     if p is None or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
         return None
     slot = 1 - out.consumers[0][1]
@@ -575,6 +590,20 @@ def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5,
     return dict(norm=NormSpec(data, axis, name(gamma), name(beta), float(eps)))
 
 
+# --- inlined If branches -------------------------------------------------------------------------
+
+# What the analysis may ask an op of an If branch: the stream is followed through it and its
+# sources are centered, but the branch emitter (onnx_rewrite/subgraphs.py) defers no norm, edits
+# no width for CRMSNorm and centers no blocks, so a branch op offers none of those.
+_BRANCH_ANSWERS = ("transfer", "backward", "centering", "channel_scale", "invariant", "norm",
+                   "norm_rejection", "shape_only")
+
+
+def _in_branch(view, node, op: Rule):
+    got = RULES[op.kind](view, node, **op.params)
+    return {k: v for k, v in got.items() if k in _BRANCH_ANSWERS}
+
+
 RULES: dict[str, Callable[..., dict]] = {
     "elementwise": _elementwise,
     "broadcast": _broadcast,
@@ -599,4 +628,5 @@ RULES: dict[str, Callable[..., dict]] = {
     "embedding": _embedding,
     "conv": _conv,
     "layer_norm": _layer_norm,
+    "in_branch": _in_branch,
 }

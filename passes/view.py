@@ -1,7 +1,9 @@
 """The stream view: an IR-neutral picture of a graph, as the foldability analysis sees it.
 
-A frontend (ONNX, torch.fx) builds one `View` from its IR. Each node carries the answers the
-analysis needs, as small callables the frontend fills in from its op classification table:
+A frontend (ONNX, torch.fx) builds one `View` from its IR: values (shape, constant or not) and
+nodes, each named in the vocabulary of passes/rules.py (`Node.rule`: a kind and its parameters).
+That is all a view stores. The analysis asks each node these questions (`node.transfer(i, axis)`,
+...), answered from its rule and the view's shapes (`View.answers`, derived once per node):
 
 - `transfer(i, axis)`: is the node shift-transparent through input `i` when that input's
   feature axis is `axis`? If so, which outputs carry the shift and on which axis.
@@ -29,13 +31,13 @@ analysis needs, as small callables the frontend fills in from its op classificat
   their axis, so a per-block centering of the output is the same per-block centering of them.
 - `layout`: the node only moves or copies elements (a reshape, transpose, slice, gather on other
   axes): it commutes with any map applied along the feature axis.
-- `norm`: set on LayerNorms (over one axis) — the nodes this whole tool is about.
+- `norm`: on LayerNorms (over one axis) — the nodes this whole tool is about; `norm_rejection`
+  on the LayerNorms that are not foldable, saying why.
 - `regroups`: the node only regroups its input's values in order (a reshape/view), so a per-row
   scale can follow it: deferred normalization looks through it to the linear layers behind.
 
-A frontend does not write these callables itself: it names each op in the vocabulary of
-passes/rules.py (`Node.rule`, one table row per op) and `rules.attach` derives them, so both IRs
-get the same answers from one rule set (passes/patterns.py finds the multi-op LayerNorms).
+A frontend does not answer these itself: one rule set answers for both IRs (passes/patterns.py
+finds the multi-op LayerNorms). Tests build views by hand (`View.input`, `const`, `add`).
 
 Axes are non-negative ints; every value carries its rank. Nothing here imports a framework.
 """
@@ -159,11 +161,10 @@ def _names_no_width(o: int, axis: int) -> Optional[list[DimRef]]:
 
 
 @dataclass
-class Node:
-    name: str
-    op: str
-    inputs: list[str]
-    outputs: list[str]
+class Answers:
+    """A node's answers to the analysis (the module docstring says what each means), derived by
+    passes/rules.py from the node's rule and the view; the defaults: a node nothing passes."""
+
     transfer: Callable[[int, int], Optional[AxisMap]] = _never_transfer
     backward: Callable[[int, int], Optional[list[tuple[int, int]]]] = _never_backward
     centering: Callable[[int, int], Optional[list[ConstRef]]] = _never_center
@@ -177,16 +178,83 @@ class Node:
     layout: bool = False
     regroups: bool = False
     norm: Optional[NormSpec] = None
-    # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes).
-    # Set by the frontend on LayerNorms that get no NormSpec, so the report can say why.
+    # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes), for the report.
     norm_rejection: Optional[str] = None
     # Reads only the shapes of its inputs (ONNX Shape/Size): no weight edit can reach its output.
     shape_only: bool = False
-    # What the op is, in the vocabulary of passes/rules.py; the callables above derive from it.
+
+
+@dataclass
+class Node:
+    """One op: what it reads and writes, and what it is (`rule`, in the vocabulary of
+    passes/rules.py). Nothing else is stored: its answers (`transfer`, `norm`, ...) are derived
+    from the rule and the view it belongs to, on first use."""
+
+    name: str
+    op: str
+    inputs: list[str]
+    outputs: list[str]
     rule: Optional["Rule"] = None
 
     def describe(self) -> str:
         return f"{self.op} `{self.name}`"
+
+    def _answers(self) -> Answers:
+        view = self.__dict__.get("_view")
+        if view is None:
+            raise ValueError(f"{self.describe()} is in no view: add it to one (View.add_node) to ask it")
+        return view.answers(self)
+
+    def transfer(self, i: int, axis: int) -> Optional[AxisMap]:
+        return self._answers().transfer(i, axis)
+
+    def backward(self, o: int, axis: int) -> Optional[list[tuple[int, int]]]:
+        return self._answers().backward(o, axis)
+
+    def centering(self, o: int, axis: int) -> Optional[list[ConstRef]]:
+        return self._answers().centering(o, axis)
+
+    def channel_scale(self, o: int, axis: int) -> Optional[ChannelScale]:
+        return self._answers().channel_scale(o, axis)
+
+    def invariant(self, i: int, axis: int) -> bool:
+        return self._answers().invariant(i, axis)
+
+    def linear(self, i: int, axis: int) -> Optional[LinearRead]:
+        return self._answers().linear(i, axis)
+
+    def width_refs(self, o: int, axis: int) -> Optional[list[DimRef]]:
+        return self._answers().width_refs(o, axis)
+
+    def transfer_block(self, i: int, axis: int, block: Optional[Blocks]):
+        return self._answers().transfer_block(i, axis, block)
+
+    def backward_block(self, o: int, axis: int, block: Optional[Blocks]):
+        return self._answers().backward_block(o, axis, block)
+
+    @property
+    def block_centering(self) -> bool:
+        return self._answers().block_centering
+
+    @property
+    def layout(self) -> bool:
+        return self._answers().layout
+
+    @property
+    def regroups(self) -> bool:
+        return self._answers().regroups
+
+    @property
+    def norm(self) -> Optional[NormSpec]:
+        return self._answers().norm
+
+    @property
+    def norm_rejection(self) -> Optional[str]:
+        return self._answers().norm_rejection
+
+    @property
+    def shape_only(self) -> bool:
+        return self._answers().shape_only
 
 
 @dataclass
@@ -201,13 +269,31 @@ class Value:
     producer: Optional[str] = None  # node name
     consumers: list[tuple[str, int]] = field(default_factory=list)  # (node name, input index)
 
+    def __str__(self) -> str:
+        flags = [f for f, on in (("input", self.is_graph_input), ("const", self.is_const),
+                                 ("output", self.is_graph_output)) if on]
+        scalar = "" if self.scalar is None else f"={self.scalar:g}"
+        return f"{self.name}{_shape_text(self)}{scalar}" + (f" {' '.join(flags)}" if flags else "")
+
 
 class View:
-    """Nodes and values of one graph, linked both ways."""
+    """Nodes and values of one graph, linked both ways.
+
+    Data only: two views are equal when their nodes and values are, and `str(view)` prints one
+    line per node, so a test or a bug report can compare or diff them. A node's answers are
+    derived from its rule on first use and cached; adding or removing a node drops the cache, and
+    code that edits a node's inputs or a value's shape in place after that calls `changed()`.
+    """
 
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self.values: dict[str, Value] = {}
+        self._answers: dict[str, Answers] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, View) and self.nodes == other.nodes and self.values == other.values
+
+    __hash__ = None  # mutable
 
     def value(self, name: str) -> Value:
         if name not in self.values:
@@ -217,6 +303,9 @@ class View:
     def add_node(self, node: Node) -> Node:
         if node.name in self.nodes:
             raise ValueError(f"duplicate node name {node.name!r}")
+        if node.__dict__.get("_view") not in (None, self):
+            raise ValueError(f"{node.describe()} belongs to another view")
+        node.__dict__["_view"] = self  # not a field: equality and repr see the node's data only
         self.nodes[node.name] = node
         for i, v in enumerate(node.inputs):
             if v:
@@ -224,18 +313,102 @@ class View:
         for v in node.outputs:
             if v:
                 self.value(v).producer = node.name
+        self.changed()
         return node
 
     def remove_node(self, name: str) -> None:
         """Unlink a node: its inputs lose a consumer, its outputs their producer."""
         node = self.nodes.pop(name)
+        node.__dict__.pop("_view", None)
         for i, v in enumerate(node.inputs):
             if v and v in self.values:
                 self.values[v].consumers.remove((name, i))
         for v in node.outputs:
             if v and v in self.values and self.values[v].producer == name:
                 self.values[v].producer = None
+        self.changed()
+
+    def changed(self) -> None:
+        """Forget the derived answers (the graph or a shape changed)."""
+        self._answers.clear()
+
+    def answers(self, node: Node) -> Answers:
+        """What `node` answers the analysis, from its rule (passes/rules.py) and this view."""
+        got = self._answers.get(node.name)
+        if got is None:
+            from .rules import answers  # rules reads views: imported on first use
+
+            got = self._answers[node.name] = answers(self, node)
+        return got
 
     def norms(self) -> list[Node]:
         """Every node that is a LayerNorm, foldable in principle or not, in graph order."""
         return [n for n in self.nodes.values() if n.norm is not None or n.norm_rejection]
+
+    # --- building a view by hand (tests, bug reports) ----------------------------------------
+
+    def input(self, name: str, shape: Optional[tuple]) -> str:
+        """A graph input of `shape` (ints; strings for symbolic sizes)."""
+        v = self._shaped(name, shape)
+        v.is_graph_input = True
+        return name
+
+    def const(self, name: str, shape: Optional[tuple], scalar: Optional[float] = None) -> str:
+        """A constant of `shape`; `scalar`: its value when it has one element (an eps, a factor)."""
+        v = self._shaped(name, shape)
+        v.is_const, v.scalar = True, scalar
+        return name
+
+    def add(self, name: str, op: str, rule: Optional["Rule"], inputs: list[str], outputs: dict) -> Node:
+        """A node reading `inputs` (names added before; "" for an absent optional input) and
+        writing `outputs`, {name: shape}."""
+        for i in inputs:
+            if i and i not in self.values:
+                raise ValueError(f"{op} `{name}` reads {i!r}, which is not in the view yet")
+        for out, shape in outputs.items():
+            self._shaped(out, shape)
+        return self.add_node(Node(name, op, list(inputs), list(outputs), rule=rule))
+
+    def output(self, name: str) -> str:
+        self.values[name].is_graph_output = True
+        return name
+
+    def _shaped(self, name: str, shape: Optional[tuple]) -> Value:
+        v = self.value(name)
+        v.shape = None if shape is None else tuple(shape)
+        v.rank = None if shape is None else len(v.shape)
+        return v
+
+    # --- text form -----------------------------------------------------------------------------
+
+    def dump(self) -> str:
+        """One line per value that no node writes (inputs, constants), then one per node in
+        graph order, its inputs and outputs with their shapes: `name = op[rule](inputs) -> outputs`."""
+        lines = [str(v) for v in self.values.values() if v.producer is None]
+        for node in self.nodes.values():
+            rule = "" if node.rule is None else f"[{node.rule}]"
+            ins = ", ".join(self._ref(v) for v in node.inputs)
+            outs = ", ".join(str(self.values[v]) if v else "_" for v in node.outputs)
+            lines.append(f"{node.name} = {node.op}{rule}({ins}) -> {outs}")
+        return "\n".join(lines)
+
+    def _ref(self, name: str) -> str:
+        if not name:
+            return "_"
+        v = self.values.get(name)
+        return name if v is None or v.producer is not None or not v.is_const else f"{name}{_shape_text(v)}"
+
+    __str__ = dump
+
+    def diff(self, other: "View") -> list[str]:
+        """The lines of `dump()` that differ between this view and `other` (unified diff)."""
+        import difflib
+
+        return list(difflib.unified_diff(self.dump().splitlines(), other.dump().splitlines(),
+                                         "this", "other", lineterm=""))
+
+
+def _shape_text(v: Value) -> str:
+    if v.shape is None:
+        return "[?]" if v.rank is None else f"[rank {v.rank}]"
+    return "[" + ", ".join("?" if d is None else str(d) for d in v.shape) + "]"
