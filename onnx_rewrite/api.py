@@ -23,6 +23,7 @@ from . import read, subgraphs, validate
 from . import verify as verification
 from .classify import GraphInfo, build_view
 from .emit import Emitter
+from .norms import rms_norms
 from .shapes import infer_shapes
 from .write import is_large
 
@@ -100,12 +101,14 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
     opts = FoldOptions(mode=mode)
     model = _as_model(model)
     with _graphsurgeon_errors_only():
-        return _analyze(model, opts.mode)[4].report
+        report = _analyze(model, opts.mode)[4].report
+    report.rms_norms = rms_norms(model)  # a folded model's: listed as already RMSNorm
+    return report
 
 
 def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
     if not plan.report.norms:
-        raise NothingToFold(validate.no_norm_message(model))
+        raise NothingToFold(validate.no_norm_message(model) + plan.report.near_miss_hint())
     if plan.empty:
         raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 

@@ -11,6 +11,7 @@ import onnx_graphsurgeon as gs
 
 from ..passes import Node, View
 from ..passes.axes import Shape
+from ..passes.match import deepest
 from ..passes.patterns import DecomposedNorm, collapse_norms
 from ..passes.rules import Rule, rule
 
@@ -337,7 +338,8 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
     """The stream view of `info.graph`, and the LayerNorm matches by view-node name."""
     graph, shapes = info.graph, info.shapes
     view = View()
-    matches = find_norms(graph, shapes)
+    variant_misses: dict = {}
+    matches = find_norms(graph, shapes, variant_misses)
     covered = {id(n) for m in matches for n in m.nodes}  # tf2onnx's/jax2onnx's norms: several nodes
     by_first = {id(m.nodes[0]): m for m in matches}
     by_name: dict[str, NormMatch] = {}
@@ -355,7 +357,7 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
             r = OPS[node.op](info, node, opset)
         inputs = [t.name if t is not None else "" for t in node.inputs]
         inputs += _captured(node)
-        view.add_node(Node(node.name, node.op, inputs, [t.name for t in node.outputs], rule=r))
+        view.add_node(Node(node.name, _op_name(node), inputs, [t.name for t in node.outputs], rule=r))
 
     for name, v in view.values.items():
         t = info.tensors.get(name)
@@ -375,10 +377,21 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
     nodes = {n.name: n for n in graph.nodes}
     for name, d in collapse_norms(view).items():
         by_name[name] = _decomposed_match(info, nodes, d)
+    for name, miss in variant_misses.items():  # a mean neither torch's form nor tf2onnx's/jax2onnx's
+        if name not in by_name:
+            have = view.near_misses.get(name)
+            view.near_misses[name] = miss if have is None else deepest(have, miss)
     for m in by_name.values():
         spec = view.nodes[m.name].norm
         m.axis, m.rejection = (spec.axis, None) if spec is not None else (None, view.nodes[m.name].norm_rejection)
     return view, by_name
+
+
+def _op_name(node: gs.Node) -> str:
+    """How the report names an op: `MatMul`; with its domain outside the default one
+    (`com.microsoft.Attention`), as the torch frontend names `aten.mm.default`."""
+    domain = node.domain or ""
+    return node.op if domain in ("", "ai.onnx") else f"{domain}.{node.op}"
 
 
 def _decomposed_match(info: GraphInfo, nodes: dict, d: DecomposedNorm) -> NormMatch:

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..passes.match import MatchResult, NoMatch, deepest
 from ..passes.rules import norm_axis as _norm_axis
 from .norms import NormMatch, _rank, const_values, reduce_axes
 from ..passes.axes import Shape
@@ -82,25 +83,51 @@ def _same_mean(node: Optional[gs.Node], axes: tuple, rank: Optional[int]) -> boo
     return node is not None and _mean_axes(node, rank) == axes
 
 
-def _rsqrt(v: gs.Tensor, nodes: list) -> Optional[tuple[gs.Tensor, float]]:
+def _desc(node: gs.Node) -> str:
+    return f"{node.op} `{node.name}`"
+
+
+def _what_reads(t: gs.Tensor) -> str:
+    r = _readers(t)
+    if not r:
+        return "nothing"
+    return ", ".join(_desc(n) for n in r[:3]) + (f" and {len(r) - 3} more" if len(r) > 3 else "")
+
+
+def _rsqrt(v: gs.Tensor, nodes: list, depth: int) -> MatchResult[tuple[gs.Tensor, float]]:
     """[Add eps] -> Sqrt: returns (sqrt output, eps)."""
     eps, t = 0.0, v
     add = _one(t, "Add")
     if add is not None:
-        e = _scalar(_other(add, t))
+        other = _other(add, t)
+        e = _scalar(other)
         if e is None:
-            return None
+            what = f"`{other.name}`" if other is not None else "something"
+            return NoMatch(f"{_desc(add)} adds {what} to the variance: not a constant scalar eps", depth)
         eps, t = e, add.outputs[0]
         nodes.append(add)
     sqrt = _one(t, "Sqrt")
     if sqrt is None:
-        return None
+        return NoMatch(f"the variance `{t.name}` is read by {_what_reads(t)}, not by one Sqrt", depth)
     nodes.append(sqrt)
     return sqrt.outputs[0], eps
 
 
 def _affine_const(t, axis, rank) -> bool:
     return t is not None and const_values(t) is not None and _affine_along(t, axis, rank)
+
+
+def _not_affine(t, axis, rank: int, what: str) -> str:
+    """Why `t` is not a γ (or β) of this norm."""
+    if t is None or const_values(t) is None:
+        return f"its {what} `{t.name if t is not None else '?'}` is not a constant"
+    shape = tuple(np.shape(const_values(t)))
+    shape = (1,) * (rank - len(shape)) + shape
+    along = tuple(i for i, d in enumerate(shape) if d != 1 and i != axis)
+    feature = f"the feature axis {axis}" if axis is not None else "one feature axis"
+    others = f"axis {along[0]}" if len(along) == 1 else f"axes {along}"
+    return (f"looks like a LayerNorm, but its {what} `{t.name}` (shape {shape}) varies along {others} "
+            f"too, not only along {feature}")
 
 
 def _mean_head(mean: gs.Node, shapes: dict[str, Shape], reader_ops: set[str]):
@@ -110,52 +137,58 @@ def _mean_head(mean: gs.Node, shapes: dict[str, Shape], reader_ops: set[str]):
     rank = _rank(x, shapes)
     axes = _mean_axes(mean, rank)
     if axes is None:
-        return None
+        return NoMatch("not a mean over constant axes that keeps its dims (or the rank is unknown)")
     mu = mean.outputs[0]
     by_op = {n.op: n for n in _readers(mu)}
     if len(_readers(mu)) != len(reader_ops) or set(by_op) != reader_ops or list(by_op["Sub"].inputs) != [x, mu]:
-        return None
+        return NoMatch(f"its mean is read by {_what_reads(mu)}, not by {' and '.join(sorted(reader_ops))}")
     axis, rejection = _norm_axis(list(axes), rank)
     return x, rank, axes, axis, rejection, mu, by_op
 
 
-def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
+def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchResult[NormMatch]:
     head = _mean_head(mean, shapes, {"Neg", "Sub"})
-    if head is None:
-        return None
+    if not head:
+        return head
     x, rank, axes, axis, rejection, mu, by_op = head
     neg, sub = by_op["Neg"], by_op["Sub"]
     d = sub.outputs[0]
     sq = _one(d, "Mul")
     if sq is None or list(sq.inputs) != [d, d]:
-        return None
+        if any(n.op == "Mul" and list(n.inputs) == [x, x] for n in _readers(x)):
+            return NoMatch(f"the variance is not of the centered input: it squares `{x.name}`, not x - mean", 2)
+        return NoMatch(f"the centered value `{d.name}` is read by {_what_reads(d)}, not by one Mul(d, d)")
     var = _one(sq.outputs[0], mean.op)
     if not _same_mean(var, axes, rank):
-        return None
+        return NoMatch(f"the square `{sq.outputs[0].name}` is not averaged over the mean's axes {axes} "
+                       f"(read by {_what_reads(sq.outputs[0])})", 2)
     nodes = [mean, neg, sub, sq, var]
-    got = _rsqrt(var.outputs[0], nodes)
-    if got is None:
-        return None
+    got = _rsqrt(var.outputs[0], nodes, 3)
+    if not got:
+        return got
     s, eps = got
     rec = _one(s, "Reciprocal")
     if rec is None:
-        return None
+        return NoMatch(f"the standard deviation `{s.name}` is read by {_what_reads(s)}, not by one Reciprocal", 3)
     nodes.append(rec)
     inv = rec.outputs[0]
     gamma = None
     if len(_readers(inv)) == 1:  # γ: inv = rsqrt(...) * γ
         mul_g = _one(inv, "Mul")
-        if mul_g is None or not _affine_const(_other(mul_g, inv), axis, rank):
-            return None
+        if mul_g is None:
+            return NoMatch(f"the inverse std `{inv.name}` is read by {_what_reads(inv)}, not by a Mul by γ", 3)
+        if not _affine_const(_other(mul_g, inv), axis, rank):
+            return NoMatch(_not_affine(_other(mul_g, inv), axis, rank, "γ"), 4)
         gamma, inv = _other(mul_g, inv), mul_g.outputs[0]
         nodes.append(mul_g)
     readers = _readers(inv)
     if len(readers) != 2 or any(r.op != "Mul" for r in readers):
-        return None
+        return NoMatch(f"the inverse std `{inv.name}` is read by {_what_reads(inv)}: expected two Muls, "
+                       "by x and by -mean", 4)
     mx = next((r for r in readers if _other(r, inv) is x), None)
     mn = next((r for r in readers if _other(r, inv) is neg.outputs[0]), None)
     if mx is None or mn is None or mx is mn:
-        return None
+        return NoMatch(f"the inverse std `{inv.name}` does not scale both x and -mean", 4)
     nodes += [mx, mn]
     shift = mn.outputs[0]
     beta = None
@@ -165,44 +198,51 @@ def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Option
         nodes.append(add_b)
     final = _one(shift, "Add")
     if final is None or _other(final, shift) is not mx.outputs[0] or len(_readers(mx.outputs[0])) != 1:
-        return None
+        b = _other(add_b, shift) if add_b is not None else None
+        if b is not None and final is not None and _other(final, shift) is not mx.outputs[0] \
+                and _other(final, shift) is not None:  # an Add of a β that is no β of this norm
+            return NoMatch(_not_affine(b, axis, rank, "β"), 4)
+        return NoMatch("x·inv and the shift (β - mean·inv) are not added together", 4)
     nodes.append(final)
     return _finish(NormMatch(mean.name, "decomposed", nodes, x, final.outputs[0], gamma=gamma, beta=beta,
                              epsilon=eps, axis=axis, rejection=rejection, axes=list(axes)), x, outputs)
 
 
-def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
-    head = _mean_head(mean, shapes, {"Sub", "Mul"}) if mean.op == "ReduceMean" else None
-    if head is None:
-        return None
+def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchResult[NormMatch]:
+    if mean.op != "ReduceMean":
+        return NoMatch("flax's LayerNorm starts at a ReduceMean")
+    head = _mean_head(mean, shapes, {"Sub", "Mul"})
+    if not head:
+        return head
     x, rank, axes, axis, rejection, mu, by_op = head
     sub, mu2 = by_op["Sub"], by_op["Mul"]
     if list(mu2.inputs) != [mu, mu]:
-        return None
+        return NoMatch(f"{_desc(mu2)} does not square the mean")
     xx = next((n for n in _readers(x) if n.op == "Mul" and list(n.inputs) == [x, x]), None)
     if xx is None:
-        return None
+        return NoMatch(f"the mean is squared but `{x.name}` is not (no E[x²] - E[x]² variance)", 1)
     m2 = _one(xx.outputs[0], "ReduceMean")
     if not _same_mean(m2, axes, rank):
-        return None
+        return NoMatch(f"x² is not averaged over the mean's axes {axes} (read by {_what_reads(xx.outputs[0])})", 2)
     var = _one(m2.outputs[0], "Sub")
     if var is None or list(var.inputs) != [m2.outputs[0], mu2.outputs[0]] or len(_readers(mu2.outputs[0])) != 1:
-        return None
+        return NoMatch("the variance is not E[x²] - E[x]²", 2)
     nodes = [mean, sub, xx, m2, mu2, var]
     v = var.outputs[0]
     mx = _one(v, "Max")
     if mx is not None:
         if _scalar(_other(mx, v)) != 0.0:
-            return None
+            return NoMatch(f"{_desc(mx)} clips the variance at something other than 0", 3)
         nodes.append(mx)
         v = mx.outputs[0]
-    got = _rsqrt(v, nodes)
-    if got is None:
-        return None
+    got = _rsqrt(v, nodes, 3)
+    if not got:
+        return got
     s, eps = got
     div = _one(s, "Div")
     if div is None or list(div.inputs) != [sub.outputs[0], s] or len(_readers(sub.outputs[0])) != 1:
-        return None
+        return NoMatch(f"the standard deviation `{s.name}` does not divide x - mean alone "
+                       f"(it is read by {_what_reads(s)})", 3)
     nodes.append(div)
     out = div.outputs[0]
     gamma = beta = None
@@ -218,7 +258,7 @@ def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optiona
                              axis=axis, rejection=rejection, axes=list(axes)), x, outputs)
 
 
-def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> Optional[NormMatch]:
+def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> MatchResult[NormMatch]:
     """Every tensor the pattern makes, but its output, is read inside the pattern only; x is read
     by pattern nodes (and anything else: it is the stream)."""
     inside = {id(n) for n in m.nodes}
@@ -226,14 +266,22 @@ def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> Optional[NormMatch]:
         for o in n.outputs:
             if o is m.output:
                 continue
-            if o.name in outputs or any(id(r) not in inside for r in o.outputs):
-                return None
+            if o.name in outputs:
+                return NoMatch(f"`{o.name}`, inside the norm, is a model output (the swap would remove it)", 5)
+            outside = [r for r in o.outputs if id(r) not in inside]
+            if outside:
+                return NoMatch(f"`{o.name}`, inside the norm, is also read by {_desc(outside[0])} "
+                               "(the swap would remove it)", 5)
     # the swap reads x from the first node's input 0 (emit.py): both patterns start at mean(x)
-    return m if m.nodes[0].inputs[0] is x else None
+    return m if m.nodes[0].inputs[0] is x else NoMatch("the norm does not start at the mean of its input", 5)
 
 
-def match_variant(node: gs.Node, shapes: dict[str, Shape], outputs: set) -> Optional[NormMatch]:
-    """tf2onnx's or jax2onnx's LayerNorm starting at this mean of x, if it is one."""
+def match_variant(node: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchResult[NormMatch]:
+    """tf2onnx's or jax2onnx's LayerNorm starting at this mean of x, or why it is neither."""
     if node.op not in ("ReduceMean", "GlobalAveragePool"):
-        return None
-    return match_keras(node, shapes, outputs) or match_flax(node, shapes, outputs)
+        return NoMatch(f"{node.op} does not start a LayerNorm")
+    keras = match_keras(node, shapes, outputs)
+    if keras:
+        return keras
+    flax = match_flax(node, shapes, outputs)
+    return flax if flax else deepest(keras, flax)

@@ -110,6 +110,13 @@ def no_norm_message(model: onnx.ModelProto) -> str:
     if inner:
         return (f"no LayerNorm found in the main graph ({inner} inside If/Loop/Scan subgraphs, "
                 "which lnfold does not fold): nothing to fold")
+    from .norms import rms_norms
+
+    rms = rms_norms(model)
+    if rms:
+        ops = sorted({r.op for r in rms})
+        return (f"no LayerNorm found: the model's {len(rms)} norm(s) are RMSNorms already ({', '.join(ops)}; "
+                "a model lnfold folded, or one built that way): nothing to fold")
     return "no LayerNorm found in the model: nothing to fold"
 
 

@@ -34,6 +34,25 @@ class OpaqueStart:
 
 
 @dataclass
+class Blocker:
+    """One reason a component cannot fold, in plain words: `subject` (a stream tensor, "`h`")
+    and what is wrong with it (`what`, e.g. "is also read by MatMul `fc` (a linear layer, which
+    sees the mean)")."""
+
+    value: Optional[str]
+    subject: str
+    what: str
+    post_ln: bool = False  # a norm's output read by a linear layer: what a Post-LN block is
+
+    @property
+    def text(self) -> str:
+        return f"{self.subject} {self.what}"
+
+
+POST_LN = "a Post-LN block: the stream is read by a linear layer (expected, not a defect)"
+
+
+@dataclass
 class Component:
     """One connected set of stream tensors, with the feature axis of each."""
 
@@ -44,7 +63,8 @@ class Component:
     norms: list[str] = field(default_factory=list)
     sources: list[CenteredSource] = field(default_factory=list)
     opaque: list[OpaqueStart] = field(default_factory=list)
-    blockers: list[str] = field(default_factory=list)
+    blockers: list[Blocker] = field(default_factory=list)
+    inputs: dict[str, str] = field(default_factory=dict)  # norm -> the stream tensor it normalizes
 
     @property
     def foldable(self) -> bool:
@@ -54,15 +74,31 @@ class Component:
     def recenter_pays(self) -> bool:
         return len(self.norms) >= RECENTER_PAYOFF * len(self.opaque)
 
-    def reason(self) -> str:
+    def blocker_texts(self) -> list[str]:
+        """Every blocker, in full (the JSON report lists them all)."""
+        return [b.text for b in self.blockers]
+
+    def reason(self, norm: Optional[str] = None) -> str:
+        """Why `norm` (one of this component's) is kept: its own input, the first blocker."""
+        x = self.inputs.get(norm) if norm is not None else None
         if self.blockers:
-            more = f" (and {len(self.blockers) - 1} more)" if len(self.blockers) > 1 else ""
-            return self.blockers[0] + more
+            b = self.blockers[0]
+            if x is None or b.value is None:
+                why = b.text
+            elif b.value == x:
+                why = f"its input {b.subject} {b.what}"
+            else:
+                why = f"its input {_fmt_value(x)} is in one stream with {b.subject}, which {b.what}"
+            if b.post_ln:
+                why += f" — {POST_LN}"
+            if len(self.blockers) > 1:
+                why += f" (+{len(self.blockers) - 1} more, all in the JSON report)"
+            return why
         if not self.recenter_pays:
-            starts = ", ".join(o.what for o in self.opaque[:3])
+            starts = ", ".join(o.what for o in self.opaque[:3]) + (" and more" if len(self.opaque) > 3 else "")
             return (
-                f"stream is started by {starts}, which no constant edit can center; "
-                f"{len(self.opaque)} recenter(s) would buy only {len(self.norms)} swap(s)"
+                f"its stream is started by {starts}, which no weight edit can make zero-mean; "
+                f"{len(self.opaque)} recenter(s) would buy only {len(self.norms)} fold(s)"
             )
         return ""
 
@@ -85,9 +121,48 @@ class _ComponentBuilder:
         self.queue: deque[str] = deque()
         self._seen_sources: set[tuple] = set()
 
-    def block(self, msg: str) -> None:
-        if msg not in self.comp.blockers:
-            self.comp.blockers.append(msg)
+    def block(self, value: Optional[str], what: str, post_ln: bool = False) -> None:
+        b = Blocker(value, self._subject(value) if value is not None else "the stream", what, post_ln)
+        if all(have.text != b.text for have in self.comp.blockers):
+            self.comp.blockers.append(b)
+
+    def _subject(self, value: str) -> str:
+        """A stream tensor, and the norm that makes it where one does (a Post-LN stream)."""
+        norm = self._norm_behind(value)
+        return _fmt_value(value) if norm is None else f"{_fmt_value(value)} (from {norm.describe()})"
+
+    def _norm_behind(self, value: str) -> Optional[Node]:
+        """The norm whose output `value` is, directly or through ops that only copy, cast,
+        reshape it or apply constants (a dropout in eval mode, which the torch graph has and the
+        ONNX export not; a γ and β written out after a hand-written norm)."""
+        for _ in range(8):
+            p = self.view.values[value].producer
+            node = self.view.nodes.get(p) if p is not None else None
+            if node is None:
+                return None
+            if node.norm is not None or node.norm_rejection:
+                return node
+            if node.rule is None or node.rule.kind not in ("elementwise", "reshape", "permute", "scale", "broadcast"):
+                return None
+            data = [x for x in node.inputs if x and not self.view.values[x].is_const]
+            if len(data) != 1:
+                return None
+            value = data[0]
+        return None
+
+    def _read_by(self, value: str, c: Node, i: int, axis: int) -> None:
+        """`c` reads stream tensor `value` (input `i`) and sees its mean: say what it is."""
+        if c.rule is None:
+            self.block(value, f"is read by {c.describe()}: no rule for op `{c.op}`, so lnfold cannot tell "
+                              "whether it sees the mean")
+            return
+        from_norm = self._norm_behind(value) is not None
+        if c.linear(i, axis) is not None or c.rule.kind in ("linear", "conv"):
+            self.block(value, f"is also read by {c.describe()} (a linear layer, which sees the mean)", from_norm)
+        elif c.rule.kind == "matmul":
+            self.block(value, f"is also read by {c.describe()} (a matrix product, which sees the mean)", from_norm)
+        else:
+            self.block(value, f"is also read by {c.describe()}, whose result depends on the mean")
 
     def visit(self, value: str, axis: int, block: Optional[Blocks] = None) -> None:
         if block is not None:
@@ -101,15 +176,11 @@ class _ComponentBuilder:
                 self.comp.blocks[value] = block
             self.queue.append(value)
         elif have != axis:
-            self.block(
-                f"stream tensor {_fmt_value(value)} is reached with feature axis {have} "
-                f"and {axis} (a reshape or transpose mixes the feature axis)"
-            )
+            self.block(value, f"is reached with feature axis {have} and {axis} (a reshape or transpose mixes "
+                              "the feature axis)")
         elif self.comp.blocks.get(value) != block:
-            self.block(
-                f"stream tensor {_fmt_value(value)} is reached centered per {_fmt_blocks(self.comp.blocks.get(value))} "
-                f"and per {_fmt_blocks(block)}"
-            )
+            self.block(value, f"is reached centered per {_fmt_blocks(self.comp.blocks.get(value))} "
+                              f"and per {_fmt_blocks(block)}")
 
     def _normalized(self, value: str, axis: int, block: Blocks):
         """`block` with its span clipped to the axis; None where it is one run over the whole
@@ -118,8 +189,8 @@ class _ComponentBuilder:
         size = shape[axis] if shape is not None and axis < len(shape) else None
         hi = size if block.hi is None else block.hi
         if not isinstance(size, int) or size % block.size or block.lo % block.size or hi % block.size or hi > size:
-            self.block(f"stream tensor {_fmt_value(value)} would be centered per block of {block.size} "
-                       f"along axis {axis}, whose size {size} is not a multiple of it")
+            self.block(value, f"would be centered per block of {block.size} along axis {axis}, whose size "
+                              f"{size} is not a multiple of it")
             return False
         block = Blocks(block.size, block.lo, None if hi == size else hi)
         return None if block == Blocks(size) else block
@@ -195,8 +266,8 @@ class _ComponentBuilder:
         size = None if shape is None or ref.axis is None or ref.axis >= len(shape) else shape[ref.axis]
         if isinstance(size, int) and size > 1 and size % b.size == 0 and (b.hi or 0) <= size:
             return True
-        self.block(f"{_fmt_value(ref.value)} would be centered in part ({_fmt_blocks(b)}) but is broadcast "
-                   f"along the feature axis to the rest too")
+        self.block(None, f"{_fmt_value(ref.value)} would be centered in part ({_fmt_blocks(b)}) but is broadcast "
+                         "along the feature axis to the rest too")
         return False
 
     def _producer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
@@ -218,14 +289,14 @@ class _ComponentBuilder:
                     self._add_source(CenteredSource(node.name, refs))
                 return
         what = node.describe() if node is not None else f"graph input {_fmt_value(value)}"
-        self.block(f"stream tensor {_fmt_value(value)} must be centered per {_fmt_blocks(block)} (a per-head norm "
-                   f"reads it), but it is started by {what}, which no per-block edit can center")
+        self.block(value, f"must be centered per {_fmt_blocks(block)} (a per-head norm reads it), but it is "
+                          f"made by {what}, which no per-block edit can center")
 
     def _consumer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
         """Every reader must carry a per-block shift on to norms, or ignore it (shapes only)."""
         v = self.view.values[value]
         if v.is_graph_output:
-            self.block(f"stream tensor {_fmt_value(value)} is a graph output (its mean is observable)")
+            self.block(value, "is a graph output (the model's output would see the mean)")
         for cname, i in v.consumers:
             c = self.view.nodes[cname]
             outs = c.transfer_block(i, axis, block)
@@ -236,8 +307,9 @@ class _ComponentBuilder:
                 continue
             if c.shape_only:
                 continue
-            self.block(f"stream tensor {_fmt_value(value)} is centered per {_fmt_blocks(block)} along axis {axis}, "
-                       f"and {c.describe()} reads it otherwise than per block (not shift-invariant)")
+            why = f"no rule for op `{c.op}`" if c.rule is None else "it would see the per-block means"
+            self.block(value, f"is centered per {_fmt_blocks(block)} along axis {axis}, and {c.describe()} reads "
+                              f"it otherwise than per block ({why})")
 
     def _scaled_source(self, node: Node, scale: ChannelScale) -> Optional[CenteredSource]:
         """LayerScale: fold a per-channel constant into the centerable sources feeding it.
@@ -288,7 +360,7 @@ class _ComponentBuilder:
     def _consumer_side(self, value: str, axis: int) -> None:
         v = self.view.values[value]
         if v.is_graph_output:
-            self.block(f"stream tensor {_fmt_value(value)} is a graph output (its mean is observable)")
+            self.block(value, "is a graph output (the model's output would see the mean)")
         for cname, i in v.consumers:
             c = self.view.nodes[cname]
             outs = c.transfer(i, axis)
@@ -307,15 +379,14 @@ class _ComponentBuilder:
                 if c.norm.axis == axis:
                     if cname not in self.comp.norms:
                         self.comp.norms.append(cname)
+                        self.comp.inputs[cname] = value
                 else:
-                    self.block(
-                        f"stream tensor {_fmt_value(value)} is read by {c.describe()} over axis "
-                        f"{c.norm.axis}, but its feature axis is {axis}"
-                    )
+                    self.block(value, f"is read by {c.describe()} over axis {c.norm.axis}, but its feature axis "
+                                      f"is {axis}")
                 continue
             if c.invariant(i, axis):
                 continue
-            self.block(f"stream tensor {_fmt_value(value)} is read by {c.describe()} (not shift-invariant)")
+            self._read_by(value, c, i, axis)
 
 
 def analyze(view: View) -> list[Component]:
@@ -328,6 +399,7 @@ def analyze(view: View) -> list[Component]:
         comp = _ComponentBuilder(view).run(node.inputs[node.norm.input], node.norm.axis)
         if node.name not in comp.norms:  # defensive: the start must reach its own norm
             comp.norms.insert(0, node.name)
+        comp.inputs.setdefault(node.name, node.inputs[node.norm.input])
         placed.update(comp.norms)
         components.append(comp)
     _block_shared(components)
@@ -346,9 +418,10 @@ def _block_shared(components: list[Component]) -> None:
                 if other.axes[value] == axis and _disjoint(mine, other.blocks.get(value)):
                     continue
                 for c in (other, comp):
-                    msg = f"stream tensor {_fmt_value(value)} is shared with another group of norms"
-                    if msg not in c.blockers:
-                        c.blockers.append(msg)
+                    b = Blocker(value, _fmt_value(value), "is shared with another group of norms, "
+                                                          "with edits of its own")
+                    if all(have.text != b.text for have in c.blockers):
+                        c.blockers.append(b)
             seen[value].append(comp)
 
 

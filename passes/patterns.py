@@ -10,12 +10,15 @@ ConvNeXt / ViTDet's channels-first LayerNorm over dim 1, Cohere's rsqrt form, to
 exporter dropping an eps it rounds to zero). `collapse_norms` replaces each match in the view by
 one LayerNorm node named after its first op; the frontend keeps the match to apply the swap,
 which for this form is: drop the mean subtraction (each `x - u` reads x), leaving an RMSNorm.
+A chain that starts like one and stops short (the variance of x rather than of x - u, an eps that
+is no constant, ...) is a near miss: `match` says why (passes/match.py) and the report lists it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .match import MatchResult, NoMatch
 from .rules import norm_axis, rule
 from .view import Node, View
 
@@ -82,25 +85,48 @@ def _index_of(node: Node, value: str) -> int:
     return node.inputs.index(value)
 
 
-def match(view: View, mean1: Node) -> Optional[DecomposedNorm]:
+def _what_reads(view: View, value: str) -> str:
+    v = view.values[value]
+    names = [n.describe() for n in _readers(view, value)] + (["the model's output"] if v.is_graph_output else [])
+    if not names:
+        return "nothing"
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _squared_mean_of(view: View, value: str, axes: tuple) -> bool:
+    """`value` is squared and the square averaged over `axes` (a variance of it, uncentered)."""
+    for n in _readers(view, value):
+        if _is_square(view, n, {value}):
+            m = _only_reader(view, n.outputs[0], "reduce")
+            if m is not None and _reduce_mean(m) == axes:
+                return True
+    return False
+
+
+def _axes_text(axes) -> str:
+    return f"axes {tuple(axes)}" if len(axes) != 1 else f"axis {axes[0]}"
+
+
+def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
+    """The LayerNorm starting at this mean, or why there is none (depth >= 1: a near miss)."""
     axes = _reduce_mean(mean1)
     if axes is None:
-        return None
+        return NoMatch("not a mean over constant axes that keeps its dims")
     x = mean1.inputs[mean1.rule.params.get("data", 0)]
     u = mean1.outputs[0]
     if view.values[u].is_graph_output:
-        return None
+        return NoMatch(f"its mean `{u}` is a model output")
     subs = _readers(view, u)
+    if not subs:
+        return NoMatch(f"its mean `{u}` is read by nothing")
     for s in subs:
         p = s.rule.params if s.rule is not None else {}
         if s.rule is None or s.rule.kind != "broadcast" or len(p.get("data", ())) != 2 or len(p.get("minus", ())) != 1:
-            return None
+            return NoMatch(f"its mean `{u}` is read by {s.describe()}, not only by x - mean")
         m = p["minus"][0]
         keep = [d for d in p["data"] if d != m][0]
         if s.inputs[m] != u or s.inputs[keep] != x:
-            return None
-    if not subs:
-        return None
+            return NoMatch(f"{s.describe()} does not compute x - mean")
     covered = [mean1] + subs
     # The centered values, after an optional up-cast each (fp16 models take statistics in fp32).
     centered: set[str] = set()
@@ -113,18 +139,31 @@ def match(view: View, mean1: Node) -> Optional[DecomposedNorm]:
             d, up_cast = c.outputs[0], True
         centered.add(d)
     readers = {n.name: n for d in centered for n in _readers(view, d)}
-    if any(view.values[d].is_graph_output for d in centered) or len(readers) != 2:
-        return None
     square = [n for n in readers.values() if _is_square(view, n, centered)]
-    if len(square) != 1:
-        return None
+    if not square:
+        if _squared_mean_of(view, x, axes):
+            return NoMatch(f"the variance is not of the centered input: it averages the square of `{x}`, "
+                           "not of x - mean", 2)
+        return NoMatch("x - mean is never squared: a centering, not a LayerNorm")  # a recenter: not near
+    dname = sorted(centered)[0]
+    if any(view.values[d].is_graph_output for d in centered):
+        return NoMatch(f"the centered value `{dname}` is a model output", 2)
+    if len(square) != 1 or len(readers) != 2:
+        return NoMatch(f"the centered value `{dname}` is read by {_what_reads(view, dname)}: expected only its "
+                       "square and the division by the standard deviation", 2)
     square = square[0]
     (final,) = [n for n in readers.values() if n is not square]
     if final.rule is None or final.rule.kind != "scale":
-        return None
+        return NoMatch(f"the centered value is read by {final.describe()} where a division by the standard "
+                       "deviation is expected", 2)
     mean2 = _only_reader(view, square.outputs[0], "reduce")
-    if mean2 is None or _reduce_mean(mean2) != axes:
-        return None
+    if mean2 is None:
+        return NoMatch(f"the square `{square.outputs[0]}` is read by {_what_reads(view, square.outputs[0])}, "
+                       "not by one mean (the variance)", 2)
+    axes2 = _reduce_mean(mean2)
+    if axes2 != axes:
+        over = _axes_text(axes2) if axes2 is not None else "no constant axes"
+        return NoMatch(f"the variance is a mean over {over} but the mean over {_axes_text(axes)}", 3)
     covered += [square, mean2]
     t = mean2.outputs[0]
     eps = 0.0
@@ -133,25 +172,27 @@ def match(view: View, mean1: Node) -> Optional[DecomposedNorm]:
         o = _other(add, _index_of(add, t))
         e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
         if e is None or add.rule.params.get("minus") or len(add.rule.params["data"]) != 2:
-            return None
+            what = f"`{add.inputs[o]}`" if o is not None and add.inputs[o] else "something"
+            return NoMatch(f"{add.describe()} adds {what} to the variance: not a constant scalar eps", 3)
         eps, t = e, add.outputs[0]
         covered.append(add)
     root = _only_reader(view, t, "sqrt", "rsqrt")
     if root is None:
-        return None
+        return NoMatch(f"the variance `{t}` is read by {_what_reads(view, t)}, not by one square root", 3)
     covered.append(root)
     t = root.outputs[0]
     if root.rule.kind == "sqrt":
         if not final.rule.params.get("divide"):
             inv = _only_reader(view, t, "reciprocal")  # d * (1 / sqrt(v))
             if inv is None:
-                return None
+                return NoMatch(f"{final.describe()} multiplies the centered value, and the standard deviation "
+                               f"`{t}` is read by {_what_reads(view, t)}, not by one reciprocal", 3)
             covered.append(inv)
             t = inv.outputs[0]
     if not _divides(final, t, centered, divide=root.rule.kind == "sqrt" and final.rule.params.get("divide", False)):
-        return None
+        return NoMatch(f"{final.describe()} does not divide the centered value by the standard deviation", 3)
     if len(view.values[t].consumers) != 1 or view.values[t].is_graph_output:
-        return None
+        return NoMatch(f"the standard deviation `{t}` is also read by {_what_reads(view, t)}", 3)
     covered.append(final)
     out = final.outputs[0]
     if up_cast:
@@ -163,9 +204,14 @@ def match(view: View, mean1: Node) -> Optional[DecomposedNorm]:
     names = {n.name for n in covered}
     for n in covered:
         for v in n.outputs:
-            if v != out and (view.values[v].is_graph_output
-                             or any(c not in names for c, _ in view.values[v].consumers)):
-                return None
+            if v == out:
+                continue
+            if view.values[v].is_graph_output:
+                return NoMatch(f"`{v}`, inside the norm, is a model output (the swap would remove it)", 4)
+            outside = [c for c, _ in view.values[v].consumers if c not in names]
+            if outside:
+                return NoMatch(f"`{v}`, inside the norm, is also read by {view.nodes[outside[0]].describe()} "
+                               "(the swap would remove it)", 4)
     rank = view.values[x].rank
     axis, why = norm_axis(list(axes), rank)
     m = DecomposedNorm(mean1.name, [], x, out, axis, why, [s.name for s in subs], epsilon=eps)
@@ -208,14 +254,21 @@ def _divides(final: Node, t: str, centered: set[str], divide: bool) -> bool:
 
 
 def collapse_norms(view: View) -> dict[str, DecomposedNorm]:
-    """Find every multi-op LayerNorm and put one LayerNorm node in its place."""
+    """Find every multi-op LayerNorm and put one LayerNorm node in its place (the near misses go
+    to `view.near_misses`, with their reasons)."""
     found: dict[str, DecomposedNorm] = {}
     taken: set[str] = set()
     for node in list(view.nodes.values()):
         if node.name in taken or node.name not in view.nodes:
             continue
-        m = match(view, node) if _reduce_mean(node) is not None else None
-        if m is None or taken & set(m.nodes):
+        if _reduce_mean(node) is None:
+            continue
+        m = match(view, node)
+        if not m:
+            if m.near:  # the report lists it, with why it is not a LayerNorm
+                view.near_misses[node.name] = m
+            continue
+        if taken & set(m.nodes):
             continue
         taken.update(m.nodes)
         found[m.name] = m

@@ -15,7 +15,7 @@ from . import weights
 from .analysis import Component, analyze
 from .compress import ComponentCompression, compress
 from .options import MODES, check_choice
-from .report import CompressionVerdict, NormVerdict, Report, StreamEdits
+from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .view import View
 
 
@@ -146,8 +146,9 @@ def make_plan(view: View, mode: str = "rms",
     for comp in components:
         reason = comp.reason() if not comp.foldable else (refuse(comp) if refuse else None)
         if reason:
-            for n in comp.norms:
-                verdicts[n] = NormVerdict(n, "keep", reason)
+            for n in comp.norms:  # each kept norm's reason names its own input
+                verdicts[n] = NormVerdict(n, "keep", comp.reason(n) if not comp.foldable else reason,
+                                          blockers=comp.blocker_texts())
             continue
         k = len(plan.report.streams)
         edits, readers = _stream_edits(view, comp)
@@ -216,6 +217,7 @@ def make_plan(view: View, mode: str = "rms",
         if node.name not in verdicts:
             verdicts[node.name] = NormVerdict(node.name, "keep", node.norm_rejection or "not analyzed")
     plan.report.norms = [verdicts[n.name] for n in view.norms()]
+    plan.report.near_misses = [NearMiss(name, m.reason) for name, m in view.near_misses.items()]
     plan.report.recentered = len(plan.recenters)
     for cc in plan.compressions:
         plan.report.compression.append(CompressionVerdict(

@@ -1,8 +1,10 @@
-"""The report both frontends return: one verdict per LayerNorm, the reason for each kept one, and
-for each folded stream what was edited to make it zero-mean."""
+"""The report both frontends return: one verdict per LayerNorm, the reason for each kept one (and
+every blocker, in the JSON), for each folded stream what was edited to make it zero-mean, the op
+chains that almost were a LayerNorm (and why not), and the norms that are RMSNorms already."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -18,6 +20,23 @@ class NormVerdict:
     beta: str = ""  # where β went, once a frontend emitted the fold (e.g. "into the bias of MatMul `fc`")
     deferred: bool = False  # emitted as deferred normalization (passes/defer.py)
     defer_reason: str = ""  # why a folded norm was considered for deferral and not deferred
+    blockers: list[str] = field(default_factory=list)  # kept: every reason its stream cannot fold
+
+
+@dataclass
+class NearMiss:
+    """An op chain that looks like a LayerNorm (a mean, x - mean, ...) but is not one."""
+
+    name: str  # its first op
+    reason: str
+
+
+@dataclass
+class RmsNorm:
+    """A norm that is an RMSNorm already (a folded model's): nothing to fold."""
+
+    name: str
+    op: str  # "SimplifiedLayerNormalization", "RMSNormalization", "decomposed RMSNorm", ...
 
 
 @dataclass
@@ -50,6 +69,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     streams: list[StreamEdits] = field(default_factory=list)
     compression: list[CompressionVerdict] = field(default_factory=list)  # mode="crms", per component
+    near_misses: list[NearMiss] = field(default_factory=list)
+    rms_norms: list[RmsNorm] = field(default_factory=list)  # already RMSNorm (the ONNX frontend's analyze_model)
 
     @property
     def compressed(self) -> int:
@@ -77,26 +98,35 @@ class Report:
             "streams": [asdict(s) for s in self.streams],
             "notes": list(self.notes),
             "compression": [asdict(c) for c in self.compression],
+            "near_misses": [asdict(m) for m in self.near_misses],
+            "rms_norms": [asdict(r) for r in self.rms_norms],
         }
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
 
     def summary(self) -> str:
+        rms = f"; {len(self.rms_norms)} already RMSNorm" if self.rms_norms else ""
         return (
             f"{len(self.norms)} LayerNorm(s): {self.folded} folded, {self.kept} kept, "
-            f"{self.recentered} recenter(s) inserted"
+            f"{self.recentered} recenter(s) inserted{rms}"
         )
 
     def table(self, width: int = 100) -> str:
-        """For people: one row per norm (verdict, and why it was kept or how it was folded), then
-        one block per folded stream listing the edited sources."""
-        if not self.norms:
-            return "no LayerNorm found"
-        w = min(max(len("norm"), *(len(n.name) for n in self.norms)), 48)
+        """For people: one row per norm (verdict, and why it was kept or what the fold edited),
+        then one block per folded stream listing the edited sources, then the near misses. Long
+        names are cut in the middle here (`--json` has them whole)."""
+        if not self.norms and not self.rms_norms:
+            return "no LayerNorm found" + ("" if not self.near_misses else "\n" + self._near_miss_lines(width))
+        rows = [(n.name, n.verdict, self._how(n)) for n in self.norms]
+        rows += [(r.name, "rms", f"already RMSNorm ({r.op})") for r in self.rms_norms]
+        w = min(max(len("norm"), *(len(name) for name, _, _ in rows)), NAME_WIDTH)
         lines = [f"{'norm':<{w}}  verdict  reason / how", f"{'-' * w}  -------  {'-' * 12}"]
-        for n in self.norms:
-            lines.append(f"{_clip(n.name, w):<{w}}  {n.verdict:<7}  {_clip(_how(n), width)}")
+        for name, verdict, how in rows:  # a long reason wraps under its column
+            how = re.sub(r"`([^`]*)`", lambda m: f"`{clip_middle(m[1], NAME_WIDTH)}`", how)  # pairs, left to right
+            how_lines = textwrap.wrap(how, max(width - w - 11, 60), break_on_hyphens=False) or [""]
+            lines.append(f"{clip_middle(name, w):<{w}}  {verdict:<7}  {how_lines[0]}")
+            lines.extend(" " * (w + 11) + more for more in how_lines[1:])
         lines.append("")
         lines.append(self.summary())
         for k, s in enumerate(self.streams):
@@ -110,20 +140,59 @@ class Report:
             what = (f"compressed to {c.width - 1} features, {c.decompressions} decompression(s)"
                     if c.verdict == "compressed" else f"RMSNorm: {c.reason}")
             lines.append(f"crms: {len(c.norms)} norm(s) from {c.norms[0]}: {what}")
+        if self.near_misses:
+            lines.append(self._near_miss_lines(width))
         lines.extend(f"note: {t}" for t in self.notes)
         return "\n".join(lines)
 
+    def near_miss_hint(self) -> str:
+        """For "nothing to fold": the first op chain that almost was a LayerNorm, and why not."""
+        if not self.near_misses:
+            return ""
+        m = self.near_misses[0]
+        more = f" (+{len(self.near_misses) - 1} more)" if len(self.near_misses) > 1 else ""
+        return f"; near miss at `{m.name}`{more}: {m.reason}"
 
-def _how(n: NormVerdict) -> str:
-    if n.verdict == "keep":
-        return n.reason
-    parts = [f"stream {n.stream + 1}" if n.stream is not None else "folded"]
-    if n.recentered:
-        parts.append("with a recenter")
-    if n.beta:
-        parts.append(f"β {n.beta}")
-    return ", ".join(parts)
+    def _near_miss_lines(self, width: int) -> str:
+        lines = [f"{len(self.near_misses)} near miss(es): op chains that look like a LayerNorm but are not one"]
+        for m in self.near_misses:
+            lines.extend(textwrap.wrap(f"{clip_middle(m.name, NAME_WIDTH)}: {m.reason}", width,
+                                       initial_indent="  ", subsequent_indent="      "))
+        return "\n".join(lines)
+
+    def _how(self, n: NormVerdict) -> str:
+        """A kept norm's reason; for a folded one, what the fold edited."""
+        if n.verdict == "keep":
+            return n.reason
+        s = self.streams[n.stream] if n.stream is not None and n.stream < len(self.streams) else None
+        parts = [f"stream {n.stream + 1}" if n.stream is not None else "folded"]
+        if s is not None:
+            edits = [f"{len(s.centered)} centered" if s.centered else "",
+                     f"{len(s.cloned)} cloned" if s.cloned else "",
+                     f"{len(s.scaled)} LayerScale(s) folded" if s.scaled else "",
+                     f"{len(s.recentered)} recenter(s)" if s.recentered else ""]
+            edits = [e for e in edits if e]
+            if edits:  # counts of the weights edited; the stream's block below names them
+                parts[0] += f" ({', '.join(edits)})"
+        elif n.recentered:
+            parts.append("with a recenter")
+        if n.beta:
+            parts.append(f"β {n.beta}")
+        if n.deferred:
+            parts.append("deferred")
+        return ", ".join(parts)
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+# Longest norm name the table shows whole; longer ones are cut in the middle.
+NAME_WIDTH = 48
+
+
+def clip_middle(text: str, width: int) -> str:
+    """`text` cut to `width` characters in the middle (`abc…xyz`): both ends of a node name say
+    the most (its block and its op)."""
+    if len(text) <= width:
+        return text
+    if width < 3:
+        return text[:width]
+    head = (width - 1 + 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]

@@ -289,6 +289,9 @@ class View:
         self.nodes: dict[str, Node] = {}
         self.values: dict[str, Value] = {}
         self._answers: dict[str, Answers] = {}
+        # Op chains that almost are a LayerNorm, by the name of their first op: why each is not
+        # one (a passes.match.NoMatch); the report lists them.
+        self.near_misses: dict = {}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, View) and self.nodes == other.nodes and self.values == other.values

@@ -105,7 +105,7 @@ def test_bert_keeps_post_ln_norms_with_reasons(models):
     module, args = models("bert")
     report = analyze_module(module, args)
     for n in report.norms[1:]:
-        assert "aten.linear" in n.reason and "not shift-invariant" in n.reason
+        assert "aten.linear" in n.reason and "Post-LN block" in n.reason and "shift-invariant" not in n.reason
 
 
 # --- the tests can fail --------------------------------------------------------------------------

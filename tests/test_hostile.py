@@ -461,7 +461,7 @@ def test_layernorm_inside_an_if_branch_is_analyzed(cli, work):
     """If branches are folded with the main graph (subgraphs.py); here the other branch hands
     the stream itself out of the If, so the norm is kept, with that reason."""
     work.put(G.ln_in_subgraph("If"))
-    run_fails(cli, work, 2, "else_branch::else_y` is a graph output")
+    run_fails(cli, work, 2, "else_branch::else_y`", "is a graph output")
 
 
 def test_subgraph_reading_the_stream_blocks_it(cli, work):
@@ -469,7 +469,7 @@ def test_subgraph_reading_the_stream_blocks_it(cli, work):
     r = cli("report", "model.onnx", "--json", cwd=work.dir)
     assert r.rc == 0 and '"keep"' in r.out and "If" in r.out, r.out + r.err
     # the branches are inlined: the then branch hands the stream out of the If (an Identity)
-    run_fails(cli, work, 2, "then_branch::then_y` is a graph output")
+    run_fails(cli, work, 2, "then_branch::then_y`", "is a graph output")
 
 
 def test_int8_qdq_model(cli, work):

@@ -144,7 +144,7 @@ class FusedScalarShift(FusedQKV):
 
 @pytest.mark.parametrize("module,why", [
     (FusedQKV(start=3), "no per-block edit can center"),  # the q rows start off a head boundary
-    (InterleavedHeads(), "no constant edit can center"),
+    (InterleavedHeads(), "no weight edit can make zero-mean"),
     (FusedScalarShift(start=0), "broadcast along the feature axis"),
 ], ids=["misaligned-slice", "interleaved-heads", "scalar-shift-on-fused"])
 def test_unaligned_heads_are_kept_with_a_reason(module, why):
