@@ -218,3 +218,21 @@ def test_backend_folds_beta_at_inference_and_in_training():
     assert [n.beta[:16] for n in reports[-1].norms] == ["into the bias of"] * 2
     for k, p in module.named_parameters():
         assert torch.allclose(got[k], p.grad, rtol=1e-4, atol=1e-5 * p.grad.abs().max()), k
+
+
+def test_beta_decisions_on_a_hand_built_view():
+    """passes/ alone (no onnx, no torch): ln1's only reader fc1 has a bias, so ln1's β goes into
+    it; ln_f's output is the graph's, so its β stays an Add; withdrawing the fold (a deferred
+    emission places β itself) removes the bias edit and gives the norm its Add back."""
+    from lnfold.passes import make_plan
+
+    from .test_passes import pre_ln
+
+    plan = make_plan(pre_ln())
+    assert plan.betas["ln1"].folded and not plan.emits_beta_add("ln1")
+    assert plan.betas["ln_f"].why == "`ln_f.y` is a graph output" and plan.emits_beta_add("ln_f")
+    assert [n.beta for n in plan.report.norms] == ["into the bias of Linear `fc1`",
+                                                   "kept as an Add (`ln_f.y` is a graph output)"]
+    plan.keep_beta("ln1", "moved by the emitter")
+    assert "fc1.bias" not in {e.value for e in plan.const_edits} and plan.emits_beta_add("ln1")
+    assert plan.report.norms[0].beta == "moved by the emitter"
