@@ -8,7 +8,9 @@ Where a centered constant comes from depends on who calls (see `Constants` below
   parameters, so gradients reach them unchanged (DESIGN §1, "Equivalence in training").
 
 Norms: a folded LayerNorm reads a zero-mean stream, so both `layer_norm` and `rms_norm` are exact
-there; `norm="rms_norm"` swaps it (β becomes an Add), `norm="layer_norm"` keeps the op as it is.
+there; `norm="rms_norm"` swaps it, `norm="layer_norm"` keeps the op as it is. Where β goes (an
+Add after the norm, or the readers' biases) is the plan's decision (passes/beta.py), as is which
+Muls by ones go: the Applier only executes the plan.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..passes import Plan, View, compute_constants
-from ..passes.plan import Center, ConstEdit, Ones, Scale, _op_sources
+from ..passes.edits import Algebra, ConstEdit, apply_ops
 
 from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
@@ -112,7 +114,7 @@ class Constants:
     """Strategy: make the graph read the edited version of a constant; returns the node to read."""
 
     def sources(self, edit: ConstEdit) -> list[str]:
-        return [edit.value] + [n for op in edit.ops for n in _op_sources(op)]
+        return edit.sources()
 
     def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
         raise NotImplementedError
@@ -129,8 +131,8 @@ class AttrConstants(Constants):
     def prepare(self, plan: Plan, info: GraphInfo) -> None:
         """Compute every edited tensor (Python numbers in the stream are the Applier's)."""
         ks = [k for k, e in enumerate(plan.const_edits) if e.value not in info.scalars]
-        sub = Plan(mode=plan.mode, const_edits=[plan.const_edits[k] for k in ks])
-        for k, (_, arr) in zip(ks, compute_constants(sub, lambda n: to_numpy(self.tensor_of(n)))):
+        edits = [plan.const_edits[k] for k in ks]
+        for k, (_, arr) in zip(ks, compute_constants(edits, lambda n: to_numpy(self.tensor_of(n)))):
             self.arrays[k] = arr
 
     def node_for(self, applier, edit, k):
@@ -151,26 +153,31 @@ class GraphConstants(Constants):
     """Training: the edited weight is computed in the graph from the parameter itself."""
 
     def node_for(self, applier, edit, k):
-        g = applier.graph
         src = applier.node_named(edit.value)
-        with g.inserting_before(applier.first_user(edit)):
-            x = src
-            rank = len(meta_val(src).shape)
-            for op in edit.ops:
-                if isinstance(op, Center) and op.axis is None:
-                    x = applier.dialect.zeros_like(g, x)  # uniform along the features: all shift
-                elif isinstance(op, Center) and op.block is not None and meta_val(src).shape[op.axis] != 1:
-                    x = g.call_function(center_blocks, (x, op.axis, op.block, op.lo, op.hi))
-                elif isinstance(op, Center):
-                    x = applier.dialect.sub(g, x, applier.dialect.mean(g, x, op.axis))
-                elif isinstance(op, Scale):
-                    vec = g.call_function(profile, (applier.node_named(op.by), op.by_axis, rank, op.axis))
-                    x = applier.dialect.mul(g, x, vec)
-                elif isinstance(op, Ones):
-                    x = applier.dialect.ones_like(g, x)
-                else:
-                    x = crms.graph_op(applier, x, op, rank)
-        return x
+        with applier.graph.inserting_before(applier.first_user(edit)):
+            return apply_ops(src, edit.ops, applier.node_named, graph_algebra(applier, tuple(meta_val(src).shape)))
+
+
+def graph_algebra(applier: "Applier", shape: tuple) -> Algebra:
+    """The constant edits of passes/edits.py as graph-building functions (the same walk as the
+    float64 one, computed in the forward graph so gradients reach the parameters)."""
+    g, d, rank = applier.graph, applier.dialect, len(shape)
+
+    def center(x, axis):  # axis None: uniform along the features, all shift
+        return d.zeros_like(g, x) if axis is None else d.sub(g, x, d.mean(g, x, axis))
+
+    def blocks(x, axis, block, lo, hi):
+        return center(x, axis) if shape[axis] == 1 else g.call_function(center_blocks, (x, axis, block, lo, hi))
+
+    return Algebra(
+        center=center,
+        center_blocks=blocks,
+        scale=lambda x, by, by_axis, axis: d.mul(g, x, g.call_function(profile, (by, by_axis, rank, axis))),
+        ones=lambda x: d.ones_like(g, x),
+        drop=lambda x, axis: g.call_function(crms.drop_last, (x, axis)),
+        fold_decompression=lambda x, axis: g.call_function(crms.fold_decompression, (x, axis)),
+        add_weight_times=lambda x, w, axis, v: g.call_function(crms.add_weight_times, (x, w, axis, v)),
+    )
 
 
 # --- the edits -----------------------------------------------------------------------------------
@@ -198,16 +205,19 @@ class Applier:
         return min(users, key=lambda n: order[n])
 
     def apply(self, plan: Plan) -> None:
+        """Execute `plan` (every decision is in it): constant edits, recenters, bypassed Muls, swaps."""
         for k, edit in enumerate(plan.const_edits):
             self._const_edit(edit, k)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis)
+        for name in plan.drop_muls:
+            self._bypass_mul(name)
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
         for name in plan.swaps:
             if name in crms_norms:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:
-                self._swap(self.nodes[name])
+                self._swap(self.nodes[name], plan.emits_beta_add(name))
         crms.patch_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
@@ -224,21 +234,13 @@ class Applier:
         for user, idx in edit.users:
             old = self.view.nodes[user].inputs[idx]
             self.nodes[user].replace_input_with(self.nodes[old], new)
-        if edit.ops[0] == Ones():
-            for user, _ in edit.users:
-                self._bypass_mul(self.nodes[user])
 
-    def _bypass_mul(self, mul: fx.Node) -> None:
-        """Drop a multiplication by all-ones (a LayerScale folded into its sources)."""
-        call = canonical(mul)
-        if call is None or call.kind != "mul":
-            return
-        ops = [call.args.get("input"), call.args.get("other")]
-        data = [x for x in ops if isinstance(x, fx.Node) and x.name not in self.info.consts
-                and x.op != "get_attr"]
-        if len(data) != 1 or _shape(data[0]) != _shape(mul):
-            return
-        mul.replace_all_uses_with(data[0])
+    def _bypass_mul(self, name: str) -> None:
+        """A multiplication by all-ones (a LayerScale folded into its sources; the plan checked
+        that it changes no shape) reads through: its users read its one data input."""
+        (data,) = [v for v in self.view.nodes[name].inputs if v and not self.view.values[v].is_const]
+        mul = self.nodes[name]
+        mul.replace_all_uses_with(self.nodes[data])
         self.graph.erase_node(mul)
 
     # --- recenters ---------------------------------------------------------------------------
@@ -255,13 +257,21 @@ class Applier:
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, node: fx.Node) -> None:
-        if node.name in self.info.decomposed:  # an RMSNorm once its mean subtraction goes
-            drop_mean(self.graph, node, self.info.decomposed[node.name].centered, self.nodes)
+    def _swap(self, node: fx.Node, beta_add: bool) -> None:
+        """The norm as RMSNorm; `beta_add` False: the plan moved β into the readers' biases."""
+        decomposed = self.info.decomposed.get(node.name)
+        if decomposed is not None:  # an RMSNorm once its mean subtraction goes
+            drop_mean(self.graph, node, decomposed.centered, self.nodes)
+            if decomposed.beta is not None and not beta_add:  # its last op adds β, after γ
+                add, scale = (self.nodes[n] for n in decomposed.nodes[-1:-3:-1])
+                add.replace_all_uses_with(scale)
+                self.graph.erase_node(add)
             return
-        if self.norm == "layer_norm":
-            return  # the LayerNorm of a zero-mean stream already computes RMSNorm
-        swap_norm(self.graph, node, self.dialect)
+        if self.norm == "layer_norm":  # the LayerNorm of a zero-mean stream already computes RMSNorm
+            if not beta_add:
+                _set_arg(node, "bias", None)
+            return
+        swap_norm(self.graph, node, self.dialect, beta_add)
 
 
 def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> None:
@@ -275,10 +285,11 @@ def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> N
         graph.erase_node(mean)
 
 
-def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect) -> fx.Node:
-    """Replace a LayerNorm node by rms_norm(x, γ) (+ β): exact once its input is zero-mean."""
+def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool = True) -> fx.Node:
+    """Replace a LayerNorm node by rms_norm(x, γ) (+ β unless it went into the readers' biases):
+    exact once its input is zero-mean."""
     call = canonical(node)
-    x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias")
+    x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias") if beta_add else None
     shape = call.get("normalized_shape")
     shape = [shape] if isinstance(shape, int) else list(shape)
     eps = float(call.get("eps", 1e-5))
@@ -324,13 +335,8 @@ def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed
     return probe
 
 
-def _shape(n: Any):
-    v = meta_val(n)
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
 def _scalar_after(edit: ConstEdit, value: float) -> float:
-    out = compute_constants(Plan(mode="rms", const_edits=[edit]), lambda _: np.asarray(value, np.float64))
+    out = compute_constants([edit], lambda _: np.asarray(value, np.float64))
     return float(out[0][1])
 
 

@@ -381,8 +381,7 @@ class CachedInputs(Constants):
         return node
 
     def _compute(self, edits: list[ConstEdit], tensor: Callable) -> list[torch.Tensor]:
-        plan = Plan(mode=self.mode, const_edits=edits)
-        return [from_numpy(arr, tensor(e.value)) for e, arr in compute_constants(plan, lambda n: to_numpy(tensor(n)))]
+        return [from_numpy(arr, tensor(e.value)) for e, arr in compute_constants(edits, lambda n: to_numpy(tensor(n)))]
 
     def __call__(self, args) -> list[torch.Tensor]:
         edits = [e for e in self.extra if isinstance(e, ConstEdit)]

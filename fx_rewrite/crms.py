@@ -7,12 +7,12 @@ decompression where a reader needs the d-vector, and biases for readers that had
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import fx
 
 from ..passes.compress import CrmsNorm
-from ..passes.plan import Plan, compute_new_bias
+from ..passes.edits import apply_ops, compute_new_bias
+from ..passes.plan import Plan
 
 from .classify import is_tuple_getitem, meta_val, varargs_sizes
 from .ops import canonical
@@ -80,7 +80,7 @@ def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
 def add_new_biases(applier, plan: Plan, tensor_of) -> None:
     """Readers without a bias absorb β as an added `W β`: computed once in float64 (`tensor_of`:
     fold_module), or in the graph from the parameters themselves (the backend)."""
-    from .apply import from_numpy, to_numpy, _unique_attr
+    from .apply import from_numpy, graph_algebra, to_numpy, _unique_attr
 
     g = applier.graph
     for nb in plan.new_biases:
@@ -92,37 +92,22 @@ def add_new_biases(applier, plan: Plan, tensor_of) -> None:
             applier.gm.register_buffer(name, t)
             with g.inserting_after(node):
                 c = g.get_attr(name)
-        else:
-            if nb.then:
-                raise NotImplementedError("a bias-less CRMS reader that also writes a stream, in the graph")
-            with g.inserting_after(node):
-                c = g.call_function(_weight_times, (applier.node_named(nb.op.weight), nb.op.axis,
-                                                    applier.node_named(nb.op.vector)))
+        else:  # W β, then the reader's own source edits when it writes a stream (W β lacks W's input axis)
+            w = applier.node_named(nb.op.weight)
+            shape = tuple(n for k, n in enumerate(meta_val(w).shape) if k != nb.op.axis)
+            with g.inserting_before(node.next):
+                c = g.call_function(_weight_times, (w, nb.op.axis, applier.node_named(nb.op.vector)))
+                c = apply_ops(c, nb.then, applier.node_named, graph_algebra(applier, shape))
         with g.inserting_after(c):
             y = applier.dialect.add(g, node, c)
         node.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
 
 
-def graph_op(applier, x: fx.Node, op, rank: int) -> fx.Node:
-    """Training: a CRMS constant edit computed in the graph from the parameter itself."""
-    from ..passes.plan import AddWeightTimes, Drop, FoldDecompression
-
-    g = applier.graph
-    if isinstance(op, Drop):
-        return g.call_function(_drop_last, (x, op.axis))
-    if isinstance(op, FoldDecompression):
-        return g.call_function(_fold_decompression, (x, op.axis))
-    if isinstance(op, AddWeightTimes):
-        return g.call_function(_add_weight_times, (x, applier.node_named(op.weight), op.axis,
-                                                   applier.node_named(op.vector)))
-    raise TypeError(op)
-
-
-def _drop_last(a: torch.Tensor, axis: int) -> torch.Tensor:
+def drop_last(a: torch.Tensor, axis: int) -> torch.Tensor:
     return a.narrow(axis, 0, a.shape[axis] - 1)
 
 
-def _fold_decompression(a: torch.Tensor, axis: int) -> torch.Tensor:
+def fold_decompression(a: torch.Tensor, axis: int) -> torch.Tensor:
     n = a.shape[axis]
     return a.narrow(axis, 0, n - 1) - a.narrow(axis, n - 1, 1)
 
@@ -131,5 +116,5 @@ def _weight_times(w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
     return torch.tensordot(v.reshape(-1), w, dims=([0], [axis]))
 
 
-def _add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
+def add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
     return a + torch.tensordot(v.reshape(-1), w, dims=([0], [axis])).reshape(a.shape)

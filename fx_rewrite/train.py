@@ -178,6 +178,8 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     conflicts: set[str] = set()
     while True:  # a tied tensor read centered and uncentered through one attribute: refuse, replan
         plan = make_plan(view, "rms", refuse=lambda comp: mapper.refusal(comp, conflicts))
+        for name in list(plan.betas):  # the LayerNorm modules stay, and keep their own β
+            plan.keep_beta(name)
         found = {e.value for e in plan.const_edits if mapper.conflict(e.value, e.users)}
         if not found:
             break

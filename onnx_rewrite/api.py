@@ -22,8 +22,8 @@ from ..passes.plan import Plan, first_kept_reason
 from . import read, subgraphs, validate
 from . import verify as verification
 from .classify import GraphInfo, build_view
-from .emit import Emitter
-from .norms import rms_norms
+from .emit import Emitter, fuses_residual
+from .norms import const_values, rms_norms
 from .shapes import infer_shapes
 from .write import is_large
 
@@ -80,7 +80,7 @@ def _as_model(model) -> onnx.ModelProto:
     return model
 
 
-def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
+def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off", fuse_residual: bool = False):
     opset = validate.check_opset(model)
     validate.check_graph(model)
     validate.check_tensors(model)
@@ -89,11 +89,16 @@ def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off"):
     info = GraphInfo(graph, shapes)
     view, matches = build_view(info, opset)
     scopes = subgraphs.inline_branches(model, graph, view, opset)  # If branches: one view with the main graph
-    plan = make_plan(view, mode)
+    plan = make_plan(view, mode, zero=lambda name: _all_zero(info, name), fuse_residual=fuse_residual)
     # onnxruntime runs the row scale as its own Mul on every target: one cost model for all
     plan.deferral = plan_deferral(view, plan, defer, ORT_CPU)
     add_weight_edits(view, plan, plan.deferral)
     return graph, info, opset, matches, plan, scopes
+
+
+def _all_zero(info: GraphInfo, name: str) -> bool:
+    v = const_values(info.tensors[name]) if name in info.tensors else None
+    return v is not None and not np.any(np.asarray(v))
 
 
 def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
@@ -173,15 +178,16 @@ def _fold(model: onnx.ModelProto, opts: FoldOptions, inputs, dims, progress: Pro
             raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
 
     _stage(progress, "analyzing")
-    graph, info, opset, matches, plan, scopes = _analyze(work, opts.mode, opts.defer)
+    graph, info, opset, matches, plan, scopes = _analyze(work, opts.mode, opts.defer,
+                                                         fuses_residual(opts.target, opts.device))
     _check_plan(plan, work)
     timings["analysis"] = time.perf_counter() - t0
 
     _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
     t1 = time.perf_counter()
-    emitter = Emitter(graph, info, opset, opts.target, opts.device)
+    emitter = Emitter(graph, info, opset, opts.target)
     if scopes:
-        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, opts.target, opts.device))
+        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, opts.target))
     else:
         emitter.apply(plan, matches)
     out = _export(graph, work)

@@ -355,6 +355,8 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
         r = None
         if (node.domain or "") in ("", "ai.onnx") and node.op in OPS:
             r = OPS[node.op](info, node, opset)
+        elif node.domain == fused.MS and node.op in fused.MS_OPS:
+            r = fused.MS_OPS[node.op](info, node, opset)
         inputs = [t.name if t is not None else "" for t in node.inputs]
         inputs += _captured(node)
         view.add_node(Node(node.name, _op_name(node), inputs, [t.name for t in node.outputs], rule=r))
@@ -413,7 +415,7 @@ def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
         # Input positions as on the real node (bias is its input 4), so edits find them.
         data = [0, 1] + ([4] if m.bias is not None else [])
         view.add_node(Node(f"{m.name}#add", "SkipLayerNormalization(add)", names([m.x, m.skip, None, None, m.bias]),
-                           [summed], rule=rule("broadcast", data=data)))
+                           [summed], rule=rule("broadcast", data=data), origin=m.name))
         x = summed
     ins = [x] + names([m.gamma, m.beta])
     view.add_node(Node(m.name, m.kind, ins, [m.output.name],

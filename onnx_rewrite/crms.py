@@ -13,7 +13,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes.compress import CrmsNorm
-from ..passes.plan import Plan, compute_new_bias
+from ..passes.edits import compute_new_bias
+from ..passes.plan import Plan
 
 from .norms import NormMatch, const_values
 
@@ -58,7 +59,7 @@ def add_new_biases(em, plan: Plan) -> None:
         return const_values(em.info_tensor(name))
 
     for nb in plan.new_biases:
-        node = em.nodes[nb.node]
+        node = em.nodes[plan.origin(nb.node)]
         y = node.outputs[0]
         pre = em.var(f"{y.name}/lnfold_nobias", y.dtype)
         node.outputs[0] = pre
@@ -71,10 +72,9 @@ def _reduce(em, op: str, x, axis: int, out):
     return em.node(op, [x], [out], axes=[axis], keepdims=1)
 
 
-def swap(em, m: NormMatch, crms: CrmsNorm) -> str:
+def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     """The LayerNorm `m` becomes CRMSNorm over its compressed input; its compressed readers read
-    the unscaled result, and its own output (if still read) is γ ⊙ concat(n, -Σn) + β.
-    Returns where β went, for the report."""
+    the unscaled result, and its own output (if still read) is γ ⊙ concat(n, -Σn) + β."""
     live = list(m.nodes[0].inputs) + [None] * 5
     x = live[0]
     axis = m.axis
@@ -114,10 +114,6 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> str:
         em.nodes[reader].inputs[i] = n
     if crms.decompress:
         _decompress(em, m, n, axis, dt)
-    if m.beta is None:
-        return ""
-    where = f"into the biases of {len(crms.compressed_readers)} reader(s) (CRMS)" if crms.compressed_readers else ""
-    return "; ".join(w for w in (where, "added after the decompression" if crms.decompress else "") if w)
 
 
 def _decompress(em, m: NormMatch, n, axis: int, dt) -> None:

@@ -35,7 +35,7 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
         n.inputs.clear()
     if skip is not None:  # the fused residual Add stays: its sum is the stream
         x = em.residual_sum(x, skip, sk_bias, m.sum_output, m.name)
-    shape = em.info.shape(x)
+    shape = em.info.shape(m.x)  # (the stream as matched: recenters and residual sums keep its shape)
     rank = len(shape)
     r = _row_scale(em, x, dtype, shape, d.axis, d.epsilon, m.name)
     flat: Optional[gs.Tensor] = None

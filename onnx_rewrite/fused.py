@@ -14,13 +14,13 @@
   op in onnxruntime, so this trades the fused kernel for Gathers + Add + SimplifiedLayerNorm.
 - `SkipLayerNormalization` is in norms.py/classify.py (an Add feeding a LayerNorm).
 - `Attention(input, weights, bias, ...)` projects its input by a constant weight first
-  (`QKV = input·W + bias`), so it is linear in input 0 and a norm's β folds into its bias. The
-  other attention ops (`MultiHeadAttention`, `GroupQueryAttention`, ...) take projected Q/K/V:
-  they stay plain (non-linear) readers, and β stays an Add before them.
+  (`QKV = input·W + bias`), so it is a linear reader of input 0 (a norm's β folds into its bias),
+  but not a source: what it outputs is no linear image of its input. The other attention ops
+  (`MultiHeadAttention`, `GroupQueryAttention`, ...) take projected Q/K/V: they stay plain
+  (non-linear) readers, and β stays an Add before them.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import numpy as np
 import onnx
@@ -70,7 +70,7 @@ def add_embed_view(view: View, info, m: NormMatch) -> None:
     names = [t.name if t is not None else "" for t in ins]
     slots = [i for i in (_WORD, _POS, _SEG) if _opt(ins, i) is not None]
     view.add_node(Node(f"{m.name}#sum", "EmbedLayerNormalization(lookups)", names[:_GAMMA] + [""] * 2 + names[_MASK:],
-                       [summed], rule=rule("embedding", table=slots, q=2)))  # [B, S] ids
+                       [summed], rule=rule("embedding", table=slots, q=2), origin=m.name))  # [B, S] ids
     beta = _opt(ins, _BETA) is not None
     view.add_node(Node(m.name, m.kind, [summed, names[_GAMMA], names[_BETA] if beta else ""], [m.output.name],
                        rule=rule("layer_norm", axes=[-1], gamma=1, beta=2 if beta else None, eps=m.epsilon,
@@ -113,7 +113,6 @@ def embed_sum(em, m: NormMatch) -> gs.Tensor:
     if mask_index is not None and (mask_index.outputs or mask_index in em.graph.outputs):
         node.outputs[1] = gs.Variable.empty()
         _mask_index(em, m.name, ids, _opt(ins, _MASK), mask_index)
-    em.info.shapes[total.name] = em.info.shape(m.output)
     return total
 
 
@@ -140,17 +139,10 @@ def _mask_index(em, name: str, ids, mask, out) -> None:
         em.node("ReduceSum", [count], [out], axes=[1], keepdims=0)
 
 
-def attention_reader(r: gs.Node, t: gs.Tensor) -> Optional[tuple]:
-    """onnxruntime's Attention reading `t` as its input: (node, W, in_axis, (node, bias slot)) for
-    β folding, or None. Linear in input 0: QKV = input·W + bias before anything else."""
-    if r.op != "Attention" or r.domain != MS or r.inputs[0] is not t or any(i is t for i in r.inputs[1:]):
-        return None
-    w = const_values(r.inputs[1]) if len(r.inputs) > 1 else None
-    if w is None or np.ndim(w) != 2:
-        return None
-    if len(r.inputs) < 3 or r.inputs[2] is None or not r.inputs[2].name:
-        return None  # no bias input to fold into (appending one would shift the later inputs)
-    b = const_values(r.inputs[2])
-    if b is None or np.size(b) != np.shape(w)[1]:
-        return None
-    return (r, w, 0, (r, 2))
+def _attention(info, node: gs.Node, opset: int):
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
+    return rule("linear", weight=1, w_axis=1, bias=2 if has_bias else None, data=0, source=False)
+
+
+# com.microsoft ops the view classifies (the fused norms are matched in norms.py)
+MS_OPS = {"Attention": _attention}

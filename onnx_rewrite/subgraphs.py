@@ -23,18 +23,16 @@ main graph (one copy, shared again).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
 
-from ..passes import Node, Plan, View, compute_constants
-from ..passes.plan import Ones
+from ..passes import Node, Plan, View
 from ..passes.rules import rule
 
-from .norms import NormMatch, const_values
+from .norms import NormMatch
 from .shapes import infer_shapes, infer_types
 
 SEP = "::"
@@ -146,7 +144,7 @@ def _merge(view: View, bview: View, scope: Scope) -> None:
     s = scope.scoped
     for n in bview.nodes.values():
         view.add_node(Node(s(n.name), n.op, [s(i) for i in n.inputs], [s(o) for o in n.outputs],
-                           rule=None if n.rule is None else rule("in_branch", op=n.rule)))
+                           rule=None if n.rule is None else rule("in_branch", op=n.rule), origin=s(n.origin)))
     for name, v in bview.values.items():
         tv = view.value(s(name))
         if tv.rank is None:
@@ -178,33 +176,24 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
         for name, t in sc.info.tensors.items():
             tensors.setdefault(sc.scoped(name), t)
 
-    def original(name: str) -> np.ndarray:
-        return const_values(tensors[name])
+    def node_of(scoped_name: str):
+        sc, em = where(scoped_name)
+        return em.nodes[sc.local(scoped_name) if sc else scoped_name]
 
-    for edit, arr in compute_constants(plan, original):
-        new = None
-        for user, idx in edit.users:
-            sc, em = where(user)
-            node = em.nodes[(sc.local(user) if sc else user).split("#")[0]]
-            if new is None:
-                new = em.const(f"{edit.value.split(SEP)[-1]}/lnfold_{'ones' if edit.ops == (Ones(),) else 'centered'}", arr)
-            node.inputs[idx] = new
-            if edit.ops == (Ones(),):
-                em._bypass_mul(node)
+    main_emitter.write_constants(plan, plan.const_edits, tensors.__getitem__, node_of)
+    for name in plan.drop_muls:
+        where(name)[1].bypass_mul(node_of(plan.origin(name)))
 
     for sc, em in emitters:
-        # the scope's share of the plan, in its own graph's names; the emitter notes where each
-        # norm's β went on the report's verdicts, copied back to the scoped ones after
+        # the scope's share of the plan, in its own graph's names
         mine = (lambda n: not any(s.owns(n) for s in scopes)) if sc is None else sc.owns
         local = (lambda n: n) if sc is None else sc.local
         part = Plan(mode=plan.mode)
         part.swaps = [local(n) for n in plan.swaps if mine(n)]
         part.recenters = [replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)]
-        verdicts = [v for v in plan.report.norms if mine(v.name)]
-        part.report.norms = [replace(v, name=local(v.name)) for v in verdicts]
+        part.betas = {local(n): b for n, b in plan.betas.items() if mine(n)}
+        part.fuse_residual = [local(n) for n in plan.fuse_residual if mine(n)]
         em.apply(part, matches if sc is None else sc.matches)
-        for v, done in zip(verdicts, part.report.norms):
-            v.beta = done.beta
 
 
 def hoistable(graph: gs.Graph) -> set:

@@ -4,8 +4,9 @@ Nothing here imports torch.fx or onnx (DESIGN §2).
 """
 from .analysis import Component, analyze
 from .errors import LnfoldError, NothingToFold, VerificationError
+from .edits import compute_constants
 from .options import FoldOptions
-from .plan import Plan, compute_constants, make_plan
+from .plan import Plan, make_plan
 from .report import NormVerdict, Report
 from .result import FoldResult
 from .view import ChannelScale, ConstRef, Node, NormSpec, Value, View

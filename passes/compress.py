@@ -21,6 +21,7 @@ from math import prod
 from typing import Optional
 
 from .analysis import Component
+from .rules import writes_product
 from .view import ConstRef, DimRef, LinearRead, View
 
 # A decompression reads d-1 values (the sum) and writes d (the concat): ~2d element operations.
@@ -194,7 +195,7 @@ def _absorbing(view: View, c: str, i: int, axis: int, d: int, depth: int = 0):
     """([(linear reader, its LinearRead)], [DimRef]) when everything `c` leads to through layout
     ops is a linear reader with constant weights; None when anything needs the d-vector."""
     node = view.nodes[c]
-    read = node.linear(i, axis)
+    read = node.linear(i, axis) if writes_product(node) else None
     if read is not None:
         w = _size_along(view, read.weight)
         return ([(c, read)], []) if w == d else None

@@ -17,8 +17,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import weights
+from .edits import ConstEdit, Scale
 from .options import DEFER_POLICIES, check_choice
-from .plan import ConstEdit, Plan, Scale
+from .plan import Plan
+from .rules import writes_product
 from .view import ConstRef, View
 
 
@@ -92,7 +94,7 @@ def _readers(view: View, value: str, axis: int) -> tuple[list[Reader], Optional[
     out: list[Reader] = []
     for name, i in v.consumers:
         node = view.nodes[name]
-        lin = node.linear(i, axis)
+        lin = node.linear(i, axis) if writes_product(node) else None
         if lin is not None:
             if lin.weight.axis is None:
                 return [], f"{node.describe()} has no input-feature axis on its weight"
@@ -156,6 +158,14 @@ def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = O
                                           f"not fused into the GEMM)")
                 continue
         decision.deferred.append(Deferral(name, x, y, spec.axis, spec.gamma, spec.beta, spec.epsilon, readers))
+    for d in decision.deferred:  # the deferred emission puts β (W β + b) after the row scale itself
+        plan.keep_beta(d.norm, "into the bias of " + ", ".join(f"`{r.node}`" for r in d.readers) + " (deferred)"
+                       if d.beta else "")
+        if d.norm in plan.fuse_residual:
+            plan.fuse_residual.remove(d.norm)
+            for s in plan.report.streams:
+                if d.norm in s.fused:
+                    s.fused.remove(d.norm)
     for v in plan.report.norms:
         if v.name in decision.reasons:
             v.defer_reason = decision.reasons[v.name]

@@ -1,105 +1,27 @@
-"""The fold plan: what to edit, derived from the analysis, and the weight math to do it.
+"""The fold plan: every edit of the fold, derived from the analysis.
 
-A plan is data. A frontend applies it: it computes new constants with `compute_constants`
-(which asks the frontend for the original arrays), writes them, rewires the readers of cloned
-constants, inserts recenters and swaps norms.
+A plan is data, and it states every decision: which constants change and how (`ConstEdit`s,
+passes/edits.py), where β goes (`betas`, passes/beta.py), which streams get an explicit recenter,
+which Muls by ones disappear, which norms are fused with their residual Add. A frontend only
+executes it: it computes new constants with `edits.compute_constants` (which asks the frontend
+for the original arrays), writes them, rewires the readers of cloned constants, inserts
+recenters and swaps norms.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
-import numpy as np
-
-from . import weights
+from . import beta as betas
 from .analysis import Component, analyze
+from .beta import BetaFold
 from .compress import ComponentCompression, compress
+from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
+                    Recenter, Scale)
 from .options import MODES, check_choice
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
+from .rules import kind_of
 from .view import View
-
-
-@dataclass(frozen=True)
-class Center:
-    axis: int
-    # center each run of `block` entries on its own (per-head q/k norms), only in entries
-    # [lo, hi) of the axis (hi None: to the end)
-    block: Optional[int] = None
-    lo: int = 0
-    hi: Optional[int] = None
-
-
-@dataclass(frozen=True)
-class Scale:
-    """Multiply along `axis` by the vector that constant `by` holds along its axis `by_axis`."""
-
-    by: str
-    by_axis: int
-    axis: int
-
-
-@dataclass(frozen=True)
-class Ones:
-    """The LayerScale vector once folded into its sources: becomes all ones."""
-
-
-@dataclass(frozen=True)
-class Drop:
-    """Keep the first n-1 entries along `axis` (CRMSNorm: a source's redundant last row)."""
-
-    axis: int
-
-
-@dataclass(frozen=True)
-class FoldDecompression:
-    """`a[:n-1] - a[n-1:]` along `axis`: a reader's weight absorbs `concat(z, -Σz)` (CRMSNorm)."""
-
-    axis: int
-
-
-@dataclass(frozen=True)
-class AddWeightTimes:
-    """`a + W v` where constant `weight` holds its input features on `axis` (β into a bias)."""
-
-    weight: str
-    axis: int
-    vector: str
-
-
-Op = Union[Center, Scale, Ones, Drop, FoldDecompression, AddWeightTimes]
-
-
-def _op_sources(op) -> list[str]:
-    if isinstance(op, Scale):
-        return [op.by]
-    if isinstance(op, AddWeightTimes):
-        return [op.weight, op.vector]
-    return []
-
-
-@dataclass
-class ConstEdit:
-    value: str
-    ops: tuple  # of Op, applied left to right to the original array
-    users: list[tuple[str, int]]  # (node, input index) that must read the edited tensor
-    clone: bool  # other readers exist: write a new constant and rewire `users` to it
-    new_name: str = ""  # the name of the clone (or of the edited constant when not cloned)
-
-
-@dataclass
-class Recenter:
-    value: str
-    axis: int
-
-
-@dataclass
-class NewBias:
-    """A linear reader with no bias absorbs a CRMS norm's β: add `W β` after `node`."""
-
-    node: str
-    op: AddWeightTimes
-    dtype_of: str  # the constant whose dtype the new bias takes
-    then: tuple = ()  # the reader is also a source of a stream: its centering (and drop), on W β
 
 
 @dataclass
@@ -111,25 +33,62 @@ class Plan:
     components: list[Component] = field(default_factory=list)
     compressions: list[ComponentCompression] = field(default_factory=list)  # mode="crms"
     new_biases: list[NewBias] = field(default_factory=list)
+    betas: dict[str, BetaFold] = field(default_factory=dict)  # folded RMS norm -> where its β goes
+    fuse_residual: list[str] = field(default_factory=list)  # norms emitted fused with the Add before them
+    drop_muls: list[str] = field(default_factory=list)  # Muls by a LayerScale now all ones: bypassed
     report: Report = field(default_factory=Report)
     deferral: Any = None  # a defer.DeferDecision, when a frontend asked for deferred norms
+    origins: dict[str, str] = field(default_factory=dict)  # view node -> its IR node, where they differ
 
     @property
     def empty(self) -> bool:
         return not self.swaps
 
+    def origin(self, node: str) -> str:
+        """The IR node that view node `node` stands for (a fused op's part: the op)."""
+        return self.origins.get(node, node)
+
+    def emits_beta_add(self, norm: str) -> bool:
+        """Whether the RMSNorm that replaces `norm` is followed by its β Add."""
+        bf = self.betas.get(norm)
+        return bf is None or bf.emits_add
+
+    def keep_beta(self, norm: str, note: str = "") -> None:
+        """Withdraw the β fold of `norm` (an emission that places β itself: deferred norms, the
+        module-level training fold): its bias edits go, β is the norm's own again."""
+        for v in self.report.norms:
+            if v.name == norm:
+                v.beta = note
+        bf = self.betas.pop(norm, None)
+        if bf is None or not bf.folded:
+            return
+        mine = {(b.user, b.user_input): add for b, add in bf.edits}
+        kept = []
+        for e in self.const_edits:
+            adds = {mine[u] for u in e.users if u in mine}
+            if adds:
+                e.ops = tuple(op for op in e.ops if op not in adds)
+            if e.ops:
+                kept.append(e)
+        self.const_edits[:] = kept
+
 
 def make_plan(view: View, mode: str = "rms",
-              refuse: Optional[Callable[[Component], Optional[str]]] = None) -> Plan:
+              refuse: Optional[Callable[[Component], Optional[str]]] = None, *,
+              zero: Optional[Callable[[str], bool]] = None, fuse_residual: bool = False) -> Plan:
     """The edits that fold every foldable component of `view`.
 
     `refuse(component)` lets a frontend keep a foldable component whose edits it cannot apply
     (the module-level training fold edits parameters, not Python numbers in `forward`); it
     returns the reason, which the report gives for each of the component's norms.
+    `zero(value)`: whether a constant is all zeros, where its values are fixed (a β of zeros
+    needs neither an Add nor a fold). `fuse_residual`: the target runs a residual Add and the
+    norm after it fastest as one op (onnxruntime's SkipSimplifiedLayerNormalization on CUDA).
     """
     check_choice("mode", mode, MODES)
     components = analyze(view)
-    plan = Plan(mode=mode, components=components, report=Report(mode=mode))
+    plan = Plan(mode=mode, components=components, report=Report(mode=mode),
+                origins={n.name: n.origin for n in view.nodes.values() if n.origin != n.name})
 
     verdicts: dict[str, NormVerdict] = {}
     stream_readers: list[set[str]] = []  # per reported stream: the nodes reading its edited constants
@@ -139,6 +98,7 @@ def make_plan(view: View, mode: str = "rms",
     uses: dict[tuple, tuple[list, list]] = {}
 
     owner: dict[tuple, int] = {}  # (value, user, input) -> the stream that centers it first
+    scaled_by: dict[str, int] = {}  # LayerScale Mul -> its stream
 
     def use(ref_value: str, user: str, idx: int) -> tuple[list, list]:
         return uses.setdefault((ref_value, user, idx), ([], []))
@@ -162,8 +122,14 @@ def make_plan(view: View, mode: str = "rms",
         if cc is not None:
             plan.compressions.append(cc)
         shrink = cc is not None and cc.compressed
+        if not shrink:  # (CRMS: β goes with γ into the compressed readers, below)
+            for n in comp.norms:
+                bf = plan.betas[n] = betas.decide(view, n, zero)
+                for b, add in bf.edits:
+                    use(b.value, b.user, b.user_input)[0].append(add)
         for src in comp.sources:
             for s in src.scales:
+                scaled_by.setdefault(s.user, k)
                 ops = use(s.value, s.user, s.user_input)[1]
                 ops[:] = [Ones()] + ([Drop(s.axis)] if shrink and _size(view, s.value, s.axis) != 1 else [])
             for ref in src.refs:
@@ -190,10 +156,10 @@ def make_plan(view: View, mode: str = "rms",
                     b = a.read.bias
                     use(b.value, b.user, b.user_input)[0].append(add)
                 else:
-                    plan.new_biases.append(NewBias(a.node, add, w.value))
+                    plan.new_biases.append(NewBias(a.node, add, w.value, w))
 
     for nb in plan.new_biases:  # W β joins the reader's output: it takes the source edits too
-        w = next(a.read.weight for cc in plan.compressions for a in cc.absorbs if a.node == nb.node)
+        w = nb.weight
         nb.then = tuple(_drop_axis(op, w.axis) for op in uses[(w.value, w.user, w.user_input)][1])
 
     wanted: dict[tuple, list[tuple[str, int]]] = {}
@@ -213,6 +179,19 @@ def make_plan(view: View, mode: str = "rms",
                 if any(u[0] in readers_of_s for u in users) and note not in s.cloned:
                     s.cloned.append(note)
 
+    for mul, k in scaled_by.items():
+        if _bypassable(view, mul):
+            plan.drop_muls.append(mul)
+            plan.report.streams[k].dropped.append(view.nodes[mul].describe())
+    crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
+    for name in plan.swaps:
+        if name in crms_norms:
+            verdicts[name].beta = _crms_beta(view, crms_norms[name])
+            continue
+        verdicts[name].beta = plan.betas[name].describe()
+        if fuse_residual and _fusable(view, name, plan):
+            plan.fuse_residual.append(name)
+            plan.report.streams[verdicts[name].stream].fused.append(name)
     for node in view.norms():
         if node.name not in verdicts:
             verdicts[node.name] = NormVerdict(node.name, "keep", node.norm_rejection or "not analyzed")
@@ -224,6 +203,50 @@ def make_plan(view: View, mode: str = "rms",
             list(cc.norms), "compressed" if cc.compressed else "rms", cc.reason, cc.width,
             cc.decompressions))
     return plan
+
+
+def _crms_beta(view: View, c) -> str:
+    if view.nodes[c.name].norm.beta is None:
+        return ""
+    where = f"into the biases of {len(c.compressed_readers)} reader(s) (CRMS)" if c.compressed_readers else ""
+    return "; ".join(w for w in (where, "added after the decompression" if c.decompress else "") if w)
+
+
+def _bypassable(view: View, name: str) -> bool:
+    """A LayerScale Mul whose vector is now all ones can go: it reads one tensor of its own
+    output's shape (a broadcasting Mul would change the shape) and is no graph output."""
+    node = view.nodes[name]
+    kind, params = kind_of(node.rule)
+    if kind != "scale" or params.get("divide") or len(node.outputs) != 1:
+        return False
+    out = view.values[node.outputs[0]]
+    data = [v for v in node.inputs if v and not view.values[v].is_const]
+    return (not out.is_graph_output and len(data) == 1 and out.shape is not None
+            and view.values[data[0]].shape == out.shape)
+
+
+def _fusable(view: View, name: str, plan: Plan) -> bool:
+    """The norm reads, over its last axis, the sum of two equal-shaped rank-3 tensors (the
+    shape onnxruntime's fused residual kernel takes), which no recenter comes between."""
+    node = view.nodes[name]
+    spec = node.norm
+    x = view.values[node.inputs[spec.input]]
+    if x.rank is None or spec.axis != x.rank - 1 or x.producer is None:
+        return False
+    if any(r.value == x.name for r in plan.recenters):
+        return False
+    if any(view.nodes[n].inputs[view.nodes[n].norm.input] == x.name for n in plan.fuse_residual):
+        return False  # another norm reading the same sum fuses its Add already
+    add = view.nodes[x.producer]
+    if add.origin == node.origin:  # the Add is part of the norm's own op (SkipLayerNormalization)
+        return True
+    kind, p = kind_of(add.rule)
+    if kind != "broadcast" or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
+        return False
+    shapes = [view.values[v].shape for v in add.inputs]
+    if any(view.values[v].is_const for v in add.inputs) or shapes[0] is None or shapes[0] != shapes[1]:
+        return False
+    return len(shapes[0]) == 3 and all(d is not None for d in shapes[0])
 
 
 def _center(ref) -> Center:
@@ -265,60 +288,6 @@ def _drop_axis(op, gone: int):
 def _size(view: View, value: str, axis: int):
     s = view.values[value].shape
     return s[axis] if s is not None and axis < len(s) else None
-
-
-def compute_constants(
-    plan: Plan, get_array: Callable[[str], np.ndarray]
-) -> list[tuple[ConstEdit, np.ndarray]]:
-    """The new value of every edited constant, computed from the originals in float64 and cast
-    back once (a LayerScale fold and its centering round together, not one after the other)."""
-    last_use: dict[str, int] = {}  # originals are dropped after their last reader: big models
-    for k, edit in enumerate(plan.const_edits):
-        for name in [edit.value] + [n for op in edit.ops for n in _op_sources(op)]:
-            last_use[name] = k
-    cache: dict[str, np.ndarray] = {}
-
-    def original(name: str) -> np.ndarray:
-        if name not in cache:
-            cache[name] = np.asarray(get_array(name))
-        return cache[name]
-
-    out = []
-    for k, edit in enumerate(plan.const_edits):
-        src = original(edit.value)
-        a = _apply_ops(src.astype(np.float64), edit.ops, original)
-        out.append((edit, a.astype(src.dtype)))
-        for name in [n for n, last in last_use.items() if last == k]:
-            cache.pop(name, None)
-    return out
-
-
-def _apply_ops(a: np.ndarray, ops: tuple, original: Callable[[str], np.ndarray]) -> np.ndarray:
-    for op in ops:
-        if isinstance(op, Center):
-            a = (weights.center(a, op.axis) if op.block is None
-                 else weights.center(a, op.axis, op.block, op.lo, op.hi))
-        elif isinstance(op, Scale):
-            a = weights.scale(a, weights.vector_along(original(op.by), op.by_axis), op.axis)
-        elif isinstance(op, Ones):
-            a = np.ones_like(a)
-        elif isinstance(op, Drop):
-            a = weights.drop_last(a, op.axis)
-        elif isinstance(op, FoldDecompression):
-            a = weights.fold_decompression(a, op.axis)
-        elif isinstance(op, AddWeightTimes):
-            a = a + weights.weight_times(original(op.weight), original(op.vector), op.axis).reshape(a.shape)
-        else:  # pragma: no cover - Op is closed
-            raise TypeError(op)
-    return a
-
-
-def compute_new_bias(nb: NewBias, get_array: Callable[[str], np.ndarray]) -> np.ndarray:
-    """`W β` for a CRMS reader that has no bias to absorb β into (the weight's dtype), with the
-    reader's own source edits when it writes a stream."""
-    w = np.asarray(get_array(nb.op.weight))
-    a = weights.weight_times(w, np.asarray(get_array(nb.op.vector)), nb.op.axis)
-    return _apply_ops(a, nb.then, lambda n: np.asarray(get_array(n))).astype(w.dtype)
 
 
 def first_kept_reason(report: Report) -> Optional[str]:

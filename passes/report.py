@@ -17,7 +17,7 @@ class NormVerdict:
     reason: str = ""
     recentered: bool = False  # folded thanks to an explicit recenter of its stream
     stream: Optional[int] = None  # index into Report.streams for folded norms
-    beta: str = ""  # where β went, once a frontend emitted the fold (e.g. "into the bias of MatMul `fc`")
+    beta: str = ""  # where the plan puts β (e.g. "into the bias of MatMul `fc`", "kept as an Add (why)")
     deferred: bool = False  # emitted as deferred normalization (passes/defer.py)
     defer_reason: str = ""  # why a folded norm was considered for deferral and not deferred
     blockers: list[str] = field(default_factory=list)  # kept: every reason its stream cannot fold
@@ -48,6 +48,8 @@ class StreamEdits:
     cloned: list[str] = field(default_factory=list)  # constants copied before centering, and why
     scaled: list[str] = field(default_factory=list)  # LayerScale vectors folded into their sources
     recentered: list[str] = field(default_factory=list)  # stream starts given an explicit x - mean(x)
+    dropped: list[str] = field(default_factory=list)  # Muls by a LayerScale folded to ones, bypassed
+    fused: list[str] = field(default_factory=list)  # norms emitted fused with their residual Add
 
 
 @dataclass
@@ -132,7 +134,8 @@ class Report:
         for k, s in enumerate(self.streams):
             lines.append(f"stream {k + 1}: {len(s.norms)} norm(s) folded")
             for label, items in (("centered", s.centered), ("cloned", s.cloned), ("LayerScale folded", s.scaled),
-                                 ("recentered", s.recentered)):
+                                 ("recentered", s.recentered), ("Mul by ones dropped", s.dropped),
+                                 ("fused with the residual Add", s.fused)):
                 if items:
                     lines.extend(textwrap.wrap(f"{label} ({len(items)}): " + "; ".join(items), width,
                                                initial_indent="  ", subsequent_indent="      "))

@@ -477,9 +477,14 @@ def _row_bias(view, node, i) -> Optional[ConstRef]:
     return const_ref(view, node, i, len(s) - 1 if s else None)
 
 
-def _linear(view, node, weight, w_axis, bias=None, out_axis=-1, data=None, in_axis=-1, alpha=1.0, beta=1.0):
+def _linear(view, node, weight, w_axis, bias=None, out_axis=-1, data=None, in_axis=-1, alpha=1.0, beta=1.0,
+            source=True):
+    # source=False: the op reads its input linearly but computes more from the product (a fused
+    # attention op): its output is no linear image that editing W could center
     def centering(o, a):
         R = _out_rank(view, node)
+        if not source:
+            return None
         if R is None or a != (out_axis if out_axis >= 0 else R + out_axis):
             return None
         if bias is not None and _rank(view, node, bias) is None:
@@ -500,6 +505,17 @@ def _linear(view, node, weight, w_axis, bias=None, out_axis=-1, data=None, in_ax
         return None if w is None or (bias is not None and b is None) else LinearRead(w, b)
 
     return dict(centering=centering, linear=linear)
+
+
+def writes_product(node: Node) -> bool:
+    """A linear reader whose output is its product `x·W (+ b)` (deferral scales that product;
+    CRMS narrows it), not an op that only starts with one (a fused attention)."""
+    return kind_of(node.rule)[1].get("source", True)
+
+
+def kind_of(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
+    """A rule's kind and parameters (an inlined branch's op: its own rule's)."""
+    return _kind(rule)
 
 
 def _bias_after(view, node, w: int) -> Optional[ConstRef]:

@@ -195,6 +195,12 @@ class Node:
     inputs: list[str]
     outputs: list[str]
     rule: Optional["Rule"] = None
+    # The IR node this view node stands for (several view nodes can stand for one fused op, or
+    # a view node for one Python-number argument); "" means the node's own name.
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        self.origin = self.origin or self.name
 
     def describe(self) -> str:
         return f"{self.op} `{self.name}`"

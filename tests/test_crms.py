@@ -129,8 +129,8 @@ def _sabotaged(kind):
     (decompression skipped), or a source keeps its last row and loses its first instead."""
     from lnfold.passes import make_plan
 
-    def plan_fn(view, mode="rms"):
-        plan = make_plan(view, mode)
+    def plan_fn(view, mode="rms", **kw):
+        plan = make_plan(view, mode, **kw)
         for e in plan.const_edits:
             if kind == "decompression" and any(isinstance(op, FoldDecompression) for op in e.ops):
                 e.ops = tuple(Drop(op.axis) if isinstance(op, FoldDecompression) else op for op in e.ops)
@@ -209,3 +209,46 @@ def test_backend_crms_inference_and_training_gradients():
     for (name, p), q in zip(eager.named_parameters(), folded.parameters()):
         if p.grad is not None:
             assert float((p.grad - q.grad).abs().max() / (p.grad.abs().max() + 1e-12)) < 1e-4, name
+
+
+class _BiaslessReaderWritesStream(torch.nn.Module):
+    """lnA's only reader `fc` has no bias and writes a second stream: CRMS gives fc a new bias
+    `W β` that takes fc's own source edits (centered, last row dropped) as well."""
+
+    def __init__(self, d: int = 16, vocab: int = 23) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb, self.emb2 = torch.nn.Embedding(vocab, d), torch.nn.Embedding(vocab, d)
+        for e in (self.emb, self.emb2):
+            e.weight.data += 3 * torch.randn(vocab, 1, generator=g)
+        self.lnA, self.lnB = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        for ln in (self.lnA, self.lnB):
+            ln.weight.data, ln.bias.data = 1 + 0.5 * torch.randn(d, generator=g), 0.5 * torch.randn(d, generator=g)
+        self.fc = torch.nn.Linear(d, d, bias=False)
+        self.fc.weight.data += 2 * torch.randn(d, 1, generator=g)
+        self.head = torch.nn.Linear(d, 3)
+
+    def forward(self, ids):
+        return self.head(self.lnB(self.fc(self.lnA(self.emb(ids))) + self.emb2(ids)))
+
+
+def test_backend_new_bias_of_a_reader_that_writes_a_stream():
+    """The backend computes that new bias in the graph (the same edit walk as fold_module's
+    float64 one): both streams compressed, outputs equal."""
+    from lnfold.fx_rewrite import lnfold_backend_with
+
+    m = _BiaslessReaderWritesStream().eval()
+    ids = torch.randint(0, 23, (2, 6), generator=torch.Generator().manual_seed(1))
+    graphs, reports = [], []
+
+    def inner(gm, _):
+        graphs.append(gm)
+        return gm.forward
+
+    assert fold_module(m, (ids,), mode="crms").report.compressed == 2
+    c = torch.compile(m, backend=lnfold_backend_with(mode="crms", inner=inner, on_report=reports.append))
+    with torch.no_grad():
+        ref, got = m(ids), c(ids)
+    assert reports[-1].compressed == 2
+    assert sum("crms_norm" in str(n.target) for n in graphs[-1].graph.nodes) == 2  # folded, not the fallback
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()

@@ -94,10 +94,12 @@ def _layer_norm(x, g, b, center=True):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g + b
 
 
-def _forward(c: dict, ids: np.ndarray, center: bool, layer_scale: bool):
-    """pre_ln() in numpy: (the residual stream h0, h1, the output); `center` False: RMSNorms."""
+def _forward(c: dict, ids: np.ndarray, center: bool, layer_scale: bool, ln1_beta: bool = True):
+    """pre_ln() in numpy: (the residual stream h0, h1, the output); `center` False: RMSNorms;
+    `ln1_beta` False: ln1's β went into fc1's bias."""
     h0 = c["wte"][ids] + c["wpe"]
-    r = np.maximum(_layer_norm(h0, c["ln1.g"], c["ln1.b"], center) @ c["fc1.W"].T + c["fc1.bias"], 0)
+    b1 = c["ln1.b"] if ln1_beta else 0.0
+    r = np.maximum(_layer_norm(h0, c["ln1.g"], b1, center) @ c["fc1.W"].T + c["fc1.bias"], 0)
     o = r @ c["fc2.W"].T + c["fc2.bias"]
     h1 = h0 + (o * c["ls"] if layer_scale else o)
     return h0, h1, _layer_norm(h1, c["ln_f.g"], c["ln_f.b"], center)
@@ -106,12 +108,12 @@ def _forward(c: dict, ids: np.ndarray, center: bool, layer_scale: bool):
 def _check_numerics(view: View, plan, layer_scale: bool) -> None:
     consts = _arrays(view)
     folded = dict(consts)
-    for edit, arr in compute_constants(plan, consts.__getitem__):
+    for edit, arr in compute_constants(plan.const_edits, consts.__getitem__):
         folded[edit.value] = arr
     ids = np.random.default_rng(1).integers(0, V, (B, T))
     h0, h1, want = _forward(consts, ids, True, layer_scale)
     assert abs(h0.mean(-1)).max() > 1  # the test can fail: the stream starts far from zero-mean
-    f0, f1, got = _forward(folded, ids, False, layer_scale)
+    f0, f1, got = _forward(folded, ids, False, layer_scale, plan.emits_beta_add("ln1"))
     assert abs(f0.mean(-1)).max() < 1e-9 and abs(f1.mean(-1)).max() < 1e-9
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
 
@@ -153,6 +155,7 @@ def test_pre_ln_block_folds_with_its_sources_centered():
     assert _verdicts(plan) == {"ln1": ("fold", False), "ln_f": ("fold", False)}
     assert plan.swaps == ["ln1", "ln_f"] and plan.recenters == []
     assert sorted(plan.const_edits, key=lambda e: e.value) == [
+        ConstEdit("fc1.bias", (AddWeightTimes("fc1.W", 1, "ln1.b"),), [("fc1", 2)], False),  # β into fc1
         ConstEdit("fc2.W", (Center(0),), [("fc2", 1)], False),
         ConstEdit("fc2.bias", (Center(0),), [("fc2", 2)], False),
         ConstEdit("wpe", (Center(1),), [("add_pos", 1)], False),
@@ -208,7 +211,7 @@ def test_graph_input_stream_is_recentered():
     assert _verdicts(plan) == {"ln1": ("fold", True), "ln_f": ("fold", True)}
     assert plan.recenters == [Recenter("x", 2)]
     assert plan.report.streams[0].recentered == ["graph input `x`"]
-    assert {e.value for e in plan.const_edits} == {"fc2.W", "fc2.bias"}
+    assert {e.value for e in plan.const_edits} == {"fc2.W", "fc2.bias", "fc1.bias"}  # (ln1's β into fc1.bias)
 
 
 def test_a_lone_graph_input_norm_does_not_pay_a_recenter():
@@ -248,7 +251,7 @@ def test_reshape_to_heads_is_carried_by_blocks():
         ConstEdit("q_proj.bias", (Center(0, 4),), [("q_proj", 2)], False),
     ]
     consts = _arrays(v)
-    for edit, arr in compute_constants(plan, consts.__getitem__):
+    for edit, arr in compute_constants(plan.const_edits, consts.__getitem__):
         consts[edit.value] = arr
     x = np.random.default_rng(2).normal(5.0, 1.0, (B, T, D))
     q4 = (x @ consts["q_proj.W"].T + consts["q_proj.bias"]).reshape(B, T, 2, 4)
@@ -275,7 +278,7 @@ def test_fused_qkv_centers_the_q_and_k_rows_per_head():
     ]
     consts = _arrays(v)
     w0 = consts["qkv.W"].copy()
-    for edit, arr in compute_constants(plan, consts.__getitem__):
+    for edit, arr in compute_constants(plan.const_edits, consts.__getitem__):
         consts[edit.value] = arr
     np.testing.assert_array_equal(consts["qkv.W"][16:], w0[16:])  # v untouched
     assert abs(consts["qkv.W"][:16].reshape(4, 4, D).mean(1)).max() < 1e-12

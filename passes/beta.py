@@ -1,0 +1,118 @@
+"""Where each folded norm's β goes (DESIGN §3): into the biases of its readers, or an Add.
+
+RMSNorm ops take no bias, and a separate β Add costs about as much as the RMS op itself. When
+every reader of a norm's output is a linear layer with a constant weight and a bias of its own
+(possibly behind reshapes that keep the feature axis last), `W(γ⊙n + β) + b = W(γ⊙n) + (Wβ + b)`:
+β becomes an edit of each bias (`AddWeightTimes`), and the norm emits no Add. A reader without a
+bias keeps β as an Add in both frontends (a new bias is a new op in ONNX; folding into one
+would give the two IRs of one model different emissions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Callable, Optional
+
+from .edits import AddWeightTimes
+from .view import ConstRef, LinearRead, View
+
+
+@dataclass
+class BetaFold:
+    """One folded norm's β: `folded` into the biases of `readers`, or kept (`why`)."""
+
+    norm: str
+    beta: Optional[str]  # the β constant, None when the norm has none
+    readers: list[str] = field(default_factory=list)  # described readers whose biases absorb β
+    edits: list[tuple[ConstRef, AddWeightTimes]] = field(default_factory=list)  # (bias, b + W β)
+    zero: bool = False  # β is all zeros: the norm emits no Add and nothing is edited
+    why: str = ""  # why β stays an Add
+
+    @property
+    def folded(self) -> bool:
+        return bool(self.edits)
+
+    @property
+    def emits_add(self) -> bool:
+        return self.beta is not None and not self.zero and not self.folded
+
+    def describe(self) -> str:
+        if self.beta is None:
+            return ""
+        if self.zero:
+            return "is zero"
+        if self.folded:
+            return "into the bias of " + ", ".join(self.readers)
+        return f"kept as an Add ({self.why})"
+
+
+def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None) -> BetaFold:
+    """β of the folded norm `norm`: zero, into its readers' biases, or kept (with the reason)."""
+    node = view.nodes[norm]
+    spec = node.norm
+    beta = spec.beta
+    out = BetaFold(norm, beta)
+    if beta is None:
+        return out
+    if zero is not None and view.values[beta].is_const and zero(beta):
+        out.zero = True
+        return out
+    if not view.values[beta].is_const:
+        out.why = f"β `{beta}` is not a constant"
+        return out
+    found, why = _readers(view, node.outputs[0], spec.axis)
+    if why is None:
+        edits, why = _bias_edits(view, beta, found)
+    if why is not None:
+        out.why = why
+        return out
+    out.readers = [view.nodes[name].describe() for name, _ in found]
+    out.edits = edits
+    return out
+
+
+def _readers(view: View, value: str, axis: int, depth: int = 0) -> tuple[list[tuple[str, LinearRead]], Optional[str]]:
+    """The linear layers that read `value` (feature axis `axis`) directly or through reshapes
+    that keep the feature axis last, or why some reader is not one."""
+    v = view.values[value]
+    if v.is_graph_output:
+        return [], f"`{value}` is a graph output"
+    if not v.consumers:
+        return [], f"`{value}` has no readers"
+    out: list[tuple[str, LinearRead]] = []
+    for name, i in v.consumers:
+        node = view.nodes[name]
+        lin = node.linear(i, axis)
+        if lin is not None and lin.weight.axis is not None:
+            out.append((name, lin))
+            continue
+        if node.regroups and len(node.outputs) == 1 and depth < 8 and v.rank is not None and axis == v.rank - 1:
+            o = view.values[node.outputs[0]]
+            # β broadcasts along the last axis: a reshape that keeps that axis whole and last
+            if o.rank is not None and node.transfer(i, axis) == [(0, o.rank - 1)]:
+                sub, why = _readers(view, o.name, o.rank - 1, depth + 1)
+                if why is not None:
+                    return [], why
+                out += sub
+                continue
+        return [], f"{node.describe()} reads the norm and is not a linear layer with a constant weight"
+    return out, None
+
+
+def _bias_edits(view: View, beta: str, found: list[tuple[str, LinearRead]]):
+    edits = []
+    d = _numel(view, beta)
+    for name, lin in found:
+        w, b = lin.weight, lin.bias
+        if b is None:
+            return [], f"{view.nodes[name].describe()} has no bias to absorb it"
+        ws, bn = view.values[w.value].shape, _numel(view, b.value)
+        if ws is None or len(ws) != 2 or d is None or ws[w.axis] != d or bn != ws[1 - w.axis]:
+            return [], f"the sizes of {view.nodes[name].describe()}'s weight and bias are not known to fit β"
+        edits.append((b, AddWeightTimes(w.value, w.axis, beta)))
+    return edits, None
+
+
+def _numel(view: View, value: str) -> Optional[int]:
+    s = view.values[value].shape
+    return prod(s) if s is not None and all(isinstance(x, int) for x in s) else None
