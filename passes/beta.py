@@ -14,7 +14,8 @@ from math import prod
 from typing import Callable, Optional
 
 from .edits import AddWeightTimes
-from .view import ConstRef, LinearRead, View
+from .readers import LinearReader, linear_readers
+from .view import ConstRef, View
 
 
 @dataclass
@@ -60,50 +61,22 @@ def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None) 
     if not view.values[beta].is_const:
         out.why = f"β `{beta}` is not a constant"
         return out
-    found, why = _readers(view, node.outputs[0], spec.axis)
+    found, why = linear_readers(view, node.outputs[0], spec.axis)
     if why is None:
         edits, why = _bias_edits(view, beta, found)
     if why is not None:
         out.why = why
         return out
-    out.readers = [view.nodes[name].describe() for name, _ in found]
+    out.readers = [view.nodes[r.node].describe() for r in found]
     out.edits = edits
     return out
 
 
-def _readers(view: View, value: str, axis: int, depth: int = 0) -> tuple[list[tuple[str, LinearRead]], Optional[str]]:
-    """The linear layers that read `value` (feature axis `axis`) directly or through reshapes
-    that keep the feature axis last, or why some reader is not one."""
-    v = view.values[value]
-    if v.is_graph_output:
-        return [], f"`{value}` is a graph output"
-    if not v.consumers:
-        return [], f"`{value}` has no readers"
-    out: list[tuple[str, LinearRead]] = []
-    for name, i in v.consumers:
-        node = view.nodes[name]
-        lin = node.linear(i, axis)
-        if lin is not None and lin.weight.axis is not None:
-            out.append((name, lin))
-            continue
-        if node.regroups and len(node.outputs) == 1 and depth < 8 and v.rank is not None and axis == v.rank - 1:
-            o = view.values[node.outputs[0]]
-            # β broadcasts along the last axis: a reshape that keeps that axis whole and last
-            if o.rank is not None and node.transfer(i, axis) == [(0, o.rank - 1)]:
-                sub, why = _readers(view, o.name, o.rank - 1, depth + 1)
-                if why is not None:
-                    return [], why
-                out += sub
-                continue
-        return [], f"{node.describe()} reads the norm and is not a linear layer with a constant weight"
-    return out, None
-
-
-def _bias_edits(view: View, beta: str, found: list[tuple[str, LinearRead]]):
+def _bias_edits(view: View, beta: str, found: list[LinearReader]):
     edits = []
     d = _numel(view, beta)
-    for name, lin in found:
-        w, b = lin.weight, lin.bias
+    for r in found:
+        w, b, name = r.weight, r.bias, r.node
         if b is None:
             return [], f"{view.nodes[name].describe()} has no bias to absorb it"
         ws, bn = view.values[w.value].shape, _numel(view, b.value)

@@ -20,7 +20,7 @@ from . import weights
 from .edits import ConstEdit, Scale
 from .options import DEFER_POLICIES, check_choice
 from .plan import Plan
-from .rules import writes_product
+from .readers import LinearReader, linear_readers
 from .view import ConstRef, View
 
 
@@ -52,18 +52,6 @@ INDUCTOR_CPU = Costs(epilogue_fused=False)
 EAGER = Costs(epilogue_fused=False)  # eager torch runs every op as a kernel of its own
 
 
-@dataclass(frozen=True)
-class Reader:
-    """A linear layer reading the norm's output, possibly through row-regrouping reshapes."""
-
-    node: str
-    input: int
-    weight: ConstRef  # axis: the weight's input-feature axis
-    bias: Optional[ConstRef]
-    rank: int  # rank of the reader's data input (the row scale is reshaped to it)
-    out_width: Optional[int]  # output features (None: unknown)
-
-
 @dataclass
 class Deferral:
     norm: str
@@ -73,49 +61,13 @@ class Deferral:
     gamma: Optional[str]
     beta: Optional[str]
     epsilon: float
-    readers: list[Reader] = field(default_factory=list)
+    readers: list[LinearReader] = field(default_factory=list)
 
 
 @dataclass
 class DeferDecision:
     deferred: list[Deferral] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # folded norm -> why it is not deferred
-
-
-def _readers(view: View, value: str, axis: int) -> tuple[list[Reader], Optional[str]]:
-    """The linear layers behind `value` (feature axis `axis`, the last), or why there are none."""
-    v = view.values[value]
-    if v.is_graph_output:
-        return [], f"`{value}` is a graph output"
-    if not v.consumers:
-        return [], f"`{value}` has no readers"
-    if v.rank is None or axis != v.rank - 1:
-        return [], f"its feature axis is not the last axis of `{value}`"
-    out: list[Reader] = []
-    for name, i in v.consumers:
-        node = view.nodes[name]
-        lin = node.linear(i, axis) if writes_product(node) else None
-        if lin is not None:
-            if lin.weight.axis is None:
-                return [], f"{node.describe()} has no input-feature axis on its weight"
-            width = None
-            o = view.values.get(node.outputs[0]) if node.outputs else None
-            if o is not None and o.shape and isinstance(o.shape[-1], int):
-                width = o.shape[-1]
-            out.append(Reader(name, i, lin.weight, lin.bias, v.rank, width))
-            continue
-        if node.regroups and len(node.outputs) == 1:
-            o = view.values[node.outputs[0]]
-            moved = node.transfer(i, axis)
-            # a reshape that only regroups rows: the features stay whole and last, rows flatten
-            if o.rank is not None and moved == [(0, o.rank - 1)] and (o.rank == v.rank or o.rank == 2):
-                sub, why = _readers(view, o.name, o.rank - 1)
-                if why is not None:
-                    return [], why
-                out += sub
-                continue
-        return [], f"{node.describe()} reads it and is not a linear layer with a constant weight"
-    return out, None
 
 
 def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = ORT_CPU) -> DeferDecision:
@@ -135,9 +87,15 @@ def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = O
                 break
         if name in decision.reasons:
             continue
-        readers, why = _readers(view, y, spec.axis)
-        if why is None and view.values[y].rank != view.values[x].rank:
+        rank = view.values[y].rank
+        readers, why = linear_readers(view, y, spec.axis, products_only=True)
+        if rank is None or spec.axis != rank - 1:
+            why = f"its feature axis is not the last axis of `{y}`"
+        elif why is None and rank != view.values[x].rank:
             why = "its output and input ranks differ"
+        elif why is None and any(r.rank not in (rank, 2) for r in readers):
+            # the emitters apply the row scale as it is or flattened to [rows, 1]
+            why = "a reader reads it through a reshape to another rank than 2"
         if why is None:
             shared = [r for r in readers if (r.weight.user, r.weight.user_input) in edited]
             if shared:

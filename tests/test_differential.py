@@ -162,7 +162,7 @@ def test_frontends_find_the_same_linear_readers_for_deferral_and_crms():
     from lnfold.fx_rewrite.api import exported_view
     from lnfold.onnx_rewrite.api import _analyze
     from lnfold.onnx_rewrite.classify import build_view
-    from lnfold.passes.defer import _readers
+    from lnfold.passes.readers import linear_readers
 
     module, args = zoo.MODELS["vit"]()
     with warnings.catch_warnings():
@@ -174,7 +174,7 @@ def test_frontends_find_the_same_linear_readers_for_deferral_and_crms():
     def readers(view):
         out = []
         for n in view.norms():
-            rd, why = _readers(view, n.outputs[0], n.norm.axis)
+            rd, why = linear_readers(view, n.outputs[0], n.norm.axis, products_only=True)
             assert all(r.weight.axis is not None for r in rd)
             out.append(None if why else [r.bias is not None for r in rd])
         return out

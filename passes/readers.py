@@ -1,0 +1,55 @@
+"""The linear layers that read a norm's output: where its β can go (passes/beta.py) and where a
+deferred norm's row scale is applied (passes/defer.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .rules import writes_product
+from .view import ConstRef, View
+
+
+@dataclass(frozen=True)
+class LinearReader:
+    """A linear layer with a constant weight reading the norm's output, possibly through reshapes."""
+
+    node: str
+    input: int
+    weight: ConstRef  # axis: the weight's input-feature axis
+    bias: Optional[ConstRef]
+    rank: int  # rank of the tensor it reads (a row scale is reshaped to it)
+    out_width: Optional[int]  # output features (None: unknown)
+
+
+def linear_readers(view: View, value: str, axis: int,
+                   products_only: bool = False) -> tuple[list[LinearReader], Optional[str]]:
+    """Every linear layer that reads `value` along its feature axis `axis`, directly or through
+    reshapes that keep that axis whole and last; or why some reader is not one. `products_only`:
+    only readers whose output is their product (not a fused attention that starts with one)."""
+    v = view.values[value]
+    if v.is_graph_output:
+        return [], f"`{value}` is a graph output"
+    if not v.consumers:
+        return [], f"`{value}` has no readers"
+    out: list[LinearReader] = []
+    for name, i in v.consumers:
+        node = view.nodes[name]
+        lin = node.linear(i, axis) if writes_product(node) or not products_only else None
+        if lin is not None:
+            if lin.weight.axis is None:
+                return [], f"{node.describe()} has no input-feature axis on its weight"
+            o = view.values.get(node.outputs[0]) if node.outputs else None
+            width = o.shape[-1] if o is not None and o.shape and isinstance(o.shape[-1], int) else None
+            out.append(LinearReader(name, i, lin.weight, lin.bias, v.rank, width))
+            continue
+        if node.regroups and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1:
+            o = view.values[node.outputs[0]]
+            # the features stay whole and last; only the rows regroup
+            if o.rank is not None and node.transfer(i, axis) == [(0, o.rank - 1)]:
+                sub, why = linear_readers(view, o.name, o.rank - 1, products_only)
+                if why is not None:
+                    return [], why
+                out += sub
+                continue
+        return [], f"{node.describe()} reads it and is not a linear layer with a constant weight"
+    return out, None
