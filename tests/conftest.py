@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 
 import pytest
 
@@ -12,6 +13,16 @@ from lnfold import zoo
 def export_quiet(module, args, names, **kw):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return zoo.export_onnx(module, args, names, **kw)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from a clean Dynamo: after a recompile of one code object (a transformers
+    forward), Dynamo marks its sizes dynamic for every later compile, so a test's outcome would
+    depend on which tests ran before it."""
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+    yield
 
 
 @pytest.fixture(scope="session")
