@@ -1,8 +1,8 @@
 """Apply a fold plan to an onnx-graphsurgeon graph and emit the RMSNorms for one target.
 
 Targets (DESIGN §3):
-- ``ort``: onnxruntime's `SimplifiedLayerNormalization`, and `SkipSimplifiedLayerNormalization`
-  where a residual Add feeds the norm (the fused forms its kernels run fastest);
+- ``ort``: onnxruntime's `SimplifiedLayerNormalization` (contrib op), and on CUDA
+  `SkipSimplifiedLayerNormalization` where the plan fuses the residual Add that feeds a norm;
 - ``onnx``: the standard `RMSNormalization` (opset 23);
 - ``portable``: primitive ops any runtime runs.
 The emitter only executes the plan: where β goes (an Add after the norm, or the readers'
