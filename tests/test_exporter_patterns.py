@@ -302,6 +302,38 @@ def test_merged_decoder_folds_both_branches_consistently(else_observes_stream):
     assert centered
 
 
+@pytest.mark.parametrize("opts", [{"defer": "on"}, {"mode": "crms"}])
+def test_main_graph_deferred_and_crms_norms_next_to_an_if(opts):
+    """An If off the stream sends the emission through the per-scope path: the main graph's
+    deferred and CRMS norms must be emitted as such (the γ-scaled weights and the d-1 wide
+    sources are already written), not as plain RMSNorms."""
+    from .onnx_graphs import pre_ln
+
+    model = pre_ln(layers=2)
+    g = model.graph
+    then_g = helper.make_graph([helper.make_node("Identity", ["z"], ["ty"], name="tid")], "t", [],
+                               [helper.make_tensor_value_info("ty", FLOAT, [3])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["z"], ["ey"], name="eneg")], "e", [],
+                               [helper.make_tensor_value_info("ey", FLOAT, [3])])
+    g.input.extend([helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                    helper.make_tensor_value_info("z", FLOAT, [3])])
+    g.node.append(helper.make_node("If", ["cond"], ["side"], then_branch=then_g, else_branch=else_g, name="side_if"))
+    g.output.append(helper.make_tensor_value_info("side", FLOAT, [3]))
+    res = fold_model(model, verify=False, **opts)  # judged below
+    if "defer" in opts:
+        assert all(n.deferred for n in res.report.norms)
+    else:
+        assert any(c.verdict == "compressed" for c in res.report.compression)
+
+    import onnxruntime as ort
+
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, T)).astype(np.int64)
+    feed = {"ids": ids, "cond": np.array(True), "z": np.ones(3, np.float32)}
+    want, got = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+                 for m in (model, res.model))
+    assert _rel(want[0], got[0]) < RTOL
+
+
 def test_skip_layernorm_chain_with_sum_output_and_bias():
     """onnxruntime's optimizer chains SkipLayerNormalizations: each takes the MLP's bias as its
     input 4 and hands the residual sum (output 3) to the next one as its skip input."""
