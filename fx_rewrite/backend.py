@@ -420,7 +420,12 @@ def emit_deferred(gm: fx.GraphModule, decision: DeferDecision, constants: "Cache
 
             def compute(get: Callable[[str], torch.Tensor]) -> torch.Tensor:
                 arr = compute_biases(one, lambda n: to_numpy(get(n)))[(d.norm, reader)]
-                return from_numpy(arr, get(like)) if arr is not None else get(like)
+                if arr is not None:
+                    return from_numpy(arr, get(like))
+                if rd.bias is not None:  # β is all zeros now: the reader's own bias
+                    return get(rd.bias.value)
+                w = get(rd.weight.value)  # nor has it one: a zero bias (β may change later)
+                return torch.zeros_like(w.select(rd.weight.axis, 0))
 
             return constants.derived_input(gm.graph, f"lnfold_bias_{reader}", sources, compute)
 

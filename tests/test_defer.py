@@ -163,6 +163,37 @@ def test_backend_bias_follows_a_changed_parameter():
     assert max_rel_err(want.numpy(), got.numpy()) < 1e-4
 
 
+class BiasFreeReader(nn.Module):
+    """ln1 (β all zeros, as nn.LayerNorm starts) is read by a Linear without a bias."""
+
+    def __init__(self, d=16, vocab=11):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(vocab, d), nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, 5)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x + self.fc2(torch.tanh(self.fc1(self.ln1(x))))
+        return self.head(torch.relu(self.ln2(x)))
+
+
+def test_backend_zero_beta_and_bias_free_reader():
+    """The deferred reader's bias input is W β + b; with β zero and no b it is zeros (it was the
+    weight itself: a shape error, or a wrong sum where the weight broadcasts)."""
+    m = zoo.adversarial(BiasFreeReader())
+    with torch.no_grad():
+        m.ln1.bias.zero_()
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        compiled = _compile_eager(m, "on", verify=True)
+        got = compiled(ids)
+        assert fx_backend.reports[-1].norms[0].deferred
+        assert max_rel_err(m(ids).numpy(), got.numpy()) < 1e-5
+        m.ln1.bias.add_(0.5)  # β no longer zero: W β joins the product
+        assert max_rel_err(m(ids).numpy(), compiled(ids).numpy()) < 1e-5
+
+
 # --- fold_module (the eager module; the same plan as the backend's) --------------------------------
 def _layer_norms(gm) -> int:
     return sum("layer_norm" in str(n.target) for n in gm.graph.nodes)
