@@ -208,6 +208,24 @@ def _embed_model(reader: str = "Attention", segments: bool = True, mask: bool = 
     return b.model(17, extra_opsets=[(MS, 1)])
 
 
+@pytest.mark.parametrize("opts", [{"defer": "on"}, {"mode": "crms"}])
+def test_embed_layernorm_deferred_or_crms_reads_the_lookups_sum(opts):
+    """EmbedLayerNormalization read by a MatMul: deferred, or as CRMSNorm, the norm reads the
+    sum of its lookups (both emissions read the op's first input, the ids, before)."""
+    b = Builder(27)
+    ids = b.input("input_ids", INT32, [2, T])
+    ins = [ids, "", b.weight("word", (13, D), mean=4.0), b.weight("pos", (T + 3, D), mean=-2.0), ""]
+    ins += list(b.affine())
+    normed, _ = b.op("EmbedLayerNormalization", ins, n_out=2, domain=MS, epsilon=1e-12)
+    b.output(b.op("MatMul", [normed, b.weight("head", (D, 7))]), shape=[2, T, 7])
+    res = fold_model(b.model(17, extra_opsets=[(MS, 1)]), **opts)  # verified against float64
+    if "defer" in opts:
+        assert [n.deferred for n in res.report.norms] == [True]
+    else:
+        assert [c.verdict for c in res.report.compression] == ["compressed"]
+    assert res.max_rel_err < RTOL and "EmbedLayerNormalization" not in _ops(res.model)
+
+
 @pytest.mark.parametrize("segments,mask,position_ids", [(True, True, False), (False, False, True)])
 def test_embed_layernorm_folds_into_lookups_and_rmsnorm(segments, mask, position_ids):
     res = fold_model(_embed_model("Attention", segments, mask, position_ids))
