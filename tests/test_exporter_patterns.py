@@ -226,6 +226,23 @@ def test_embed_layernorm_deferred_or_crms_reads_the_lookups_sum(opts):
     assert res.max_rel_err < RTOL and "EmbedLayerNormalization" not in _ops(res.model)
 
 
+def test_embed_layernorm_is_not_fused_as_a_residual_add_on_cuda():
+    """The CUDA emission fuses residual Adds with their norms; EmbedLayerNormalization's sum of
+    lookups is no residual Add (fusing it crashed where its embedding_sum output is read)."""
+    b = Builder(28)
+    ids = b.input("input_ids", INT32, [2, T])
+    ins = [ids, "", b.weight("word", (13, D), mean=4.0), b.weight("pos", (T + 3, D), mean=-2.0), ""]
+    ins += list(b.affine())
+    normed, _, summed = b.op("EmbedLayerNormalization", ins, n_out=3, domain=MS, epsilon=1e-12)
+    h = b.op("Add", [summed, b.op("MatMul", [normed, b.weight("w", (D, D))])])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 7))]), shape=[2, T, 7])
+    res = fold_model(b.model(17, extra_opsets=[(MS, 1)]), device="cuda")  # verified against float64
+    embed, ln_f = res.report.norms
+    assert (embed.verdict, ln_f.verdict) == ("fold", "fold")
+    assert [n for s in res.report.streams for n in s.fused] == [ln_f.name]  # the residual Add only
+    assert _ops(res.model).count("SkipSimplifiedLayerNormalization") == 1 and res.max_rel_err < RTOL
+
+
 @pytest.mark.parametrize("segments,mask,position_ids", [(True, True, False), (False, False, True)])
 def test_embed_layernorm_folds_into_lookups_and_rmsnorm(segments, mask, position_ids):
     res = fold_model(_embed_model("Attention", segments, mask, position_ids))
