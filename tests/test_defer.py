@@ -194,6 +194,35 @@ def test_backend_zero_beta_and_bias_free_reader():
         assert max_rel_err(m(ids).numpy(), compiled(ids).numpy()) < 1e-5
 
 
+class HandNormHead(nn.Module):
+    """A LayerNorm written out (mean, x - mean, variance, γ, β) read by a Linear head."""
+
+    def __init__(self, d=16, vocab=11):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, 5)
+        g = torch.Generator().manual_seed(4)  # γ, β random: zoo.adversarial randomizes LayerNorm modules
+        self.weight = nn.Parameter(1 + 0.5 * torch.randn(d, generator=g))
+        self.bias = nn.Parameter(0.5 * torch.randn(d, generator=g))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        c = x - x.mean(-1, keepdim=True)
+        return self.head(self.weight * (c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-5)) + self.bias)
+
+
+def test_written_out_norm_is_deferred_in_fold_module_and_the_backend():
+    """The deferred emission of a norm written out rewires the readers of its last op (it took
+    the first mean for the norm: the head read the normalized tensor, scaled once more)."""
+    m = zoo.adversarial(HandNormHead())
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    res = fx_api.fold_module(m, (ids,), defer="on", dynamic=False)  # verified against float64
+    assert [n.deferred for n in res.report.norms] == [True]
+    with torch.no_grad():
+        got = _compile_eager(m, "on", verify=True)(ids)
+        assert [n.deferred for n in fx_backend.reports[-1].norms] == [True]
+        assert max_rel_err(m(ids).numpy(), got.numpy()) < 1e-5
+
+
 # --- fold_module (the eager module; the same plan as the backend's) --------------------------------
 def _layer_norms(gm) -> int:
     return sum("layer_norm" in str(n.target) for n in gm.graph.nodes)
