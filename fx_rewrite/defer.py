@@ -51,7 +51,7 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
         out.replace_all_uses_with(x)
     for u in [u for u in norm.users if is_tuple_getitem(u) and not u.users]:
         graph.erase_node(u)
-    _erase_unread(graph, outs + [norm])
+    erase_unread(graph, outs + [norm])
     rank = len(meta_val(x).shape)
     for rd in d.readers:  # a reader behind a row-flattening reshape gets r as [rows, 1]
         _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd.node))
@@ -81,7 +81,7 @@ def _scale_product(graph: fx.Graph, node: fx.Node, r: fx.Node, new_bias: Optiona
     graph.erase_node(node)
 
 
-def _erase_unread(graph: fx.Graph, start: list[fx.Node]) -> None:
+def erase_unread(graph: fx.Graph, start: list[fx.Node]) -> None:
     """Erase the norm's ops nothing reads any more (a written-out norm is several), back to the
     stream: only call_function/call_method nodes, each once it has no users."""
     todo, erased = list(start), set()
