@@ -87,7 +87,7 @@ def erase_unread(graph: fx.Graph, start: list[fx.Node]) -> None:
     todo, erased = list(start), set()
     while todo:
         n = todo.pop()
-        if n in erased or n.users or n.op not in ("call_function", "call_method"):
+        if n in erased or n._erased or n.users or n.op not in ("call_function", "call_method"):
             continue
         inputs = list(n.all_input_nodes)
         graph.erase_node(n)
