@@ -113,9 +113,6 @@ def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 class Constants:
     """Strategy: make the graph read the edited version of a constant; returns the node to read."""
 
-    def sources(self, edit: ConstEdit) -> list[str]:
-        return edit.sources()
-
     def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
         raise NotImplementedError
 

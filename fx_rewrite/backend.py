@@ -150,7 +150,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
         specialize_scalars(work)
         view, info = build_view(work.graph, set(placeholders) | set(attrs))
         plan = make_plan(view, fold_mode)
-        edited = [tensor(n) for e in plan.const_edits for n in _sources(e) if n not in info.scalars]
+        edited = [tensor(n) for e in plan.const_edits for n in e.sources() if n not in info.scalars]
         training = torch.is_grad_enabled() and any(t.requires_grad for t in edited)
         # under autograd the graph computes its edited weights itself: no deferral there
         plan.deferral = plan_deferral(view, plan, "off" if training else defer, INDUCTOR_CPU)
@@ -168,7 +168,7 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     t1 = time.perf_counter()
 
     try:
-        constants = GraphConstants() if training else CachedInputs(plan, placeholders, tensor)
+        constants = GraphConstants() if training else CachedInputs(placeholders, tensor)
         deferred = plan.deferral.deferred
         swaps = plan.swaps
         plan.swaps = [n for n in swaps if n not in {d.norm for d in deferred}]
@@ -330,10 +330,6 @@ def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _sources(edit: ConstEdit) -> list[str]:
-    return Constants().sources(edit)
-
-
 def _attr(gm: torch.nn.Module, target: str) -> Any:
     owner, _, attr = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, attr, None)
@@ -348,8 +344,7 @@ class CachedInputs(Constants):
     lift them as parameters Dynamo does not know.)
     """
 
-    def __init__(self, plan: Plan, placeholders: dict[str, int], tensor: Callable) -> None:
-        self.mode = plan.mode
+    def __init__(self, placeholders: dict[str, int], tensor: Callable) -> None:
         self.placeholders = placeholders
         self.tensor = tensor
         self.extra: list[Any] = []  # per extra input: a ConstEdit (recomputed) or a fixed tensor
@@ -365,7 +360,7 @@ class CachedInputs(Constants):
         with g.inserting_after(last):
             node = g.placeholder(name)
         node._dynamo_source = None  # AOTAutograd asks every Dynamo input where it came from
-        if all(n in self.placeholders for n in self.sources(edit)):
+        if all(n in self.placeholders for n in edit.sources()):
             self.extra.append(edit)
         else:
             self.extra.append(self._compute([edit], self.tensor)[0])
@@ -386,7 +381,7 @@ class CachedInputs(Constants):
     def __call__(self, args) -> list[torch.Tensor]:
         edits = [e for e in self.extra if isinstance(e, ConstEdit)]
         derived = [e for e in self.extra if isinstance(e, Derived)]
-        key = tuple(_identity(args[self.placeholders[n]]) for e in edits for n in self.sources(e))
+        key = tuple(_identity(args[self.placeholders[n]]) for e in edits for n in e.sources())
         key += tuple(_identity(args[self.placeholders[n]]) for e in derived for n in e.sources)
         if key != self._key:
             get = lambda n: args[self.placeholders[n]]  # noqa: E731
@@ -420,7 +415,12 @@ def emit_deferred(gm: fx.GraphModule, decision: DeferDecision, constants: "Cache
 
             def compute(get: Callable[[str], torch.Tensor]) -> torch.Tensor:
                 arr = compute_biases(one, lambda n: to_numpy(get(n)))[(d.norm, reader)]
-                return from_numpy(arr, get(like)) if arr is not None else get(like)
+                if arr is not None:
+                    return from_numpy(arr, get(like))
+                if rd.bias is not None:  # β is all zeros now: the reader's own bias
+                    return get(rd.bias.value)
+                w = get(rd.weight.value)  # nor has it one: a zero bias (β may change later)
+                return torch.zeros_like(w.select(rd.weight.axis, 0))
 
             return constants.derived_input(gm.graph, f"lnfold_bias_{reader}", sources, compute)
 

@@ -15,6 +15,7 @@ from ..passes.edits import apply_ops, compute_new_bias
 from ..passes.plan import Plan
 
 from .classify import is_tuple_getitem, meta_val, varargs_sizes
+from .defer import erase_unread
 from .ops import canonical
 
 
@@ -57,11 +58,16 @@ def patch_dims(applier, plan: Plan) -> None:
 
 def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
     g = applier.graph
-    call = canonical(node)
-    x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias")
-    tuple_out = isinstance(meta_val(node), (tuple, list))
-    outs = [u for u in node.users if is_tuple_getitem(u)] if tuple_out else []
-    out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node
+    written_out = applier.info.decomposed.get(node.name)  # its first mean, its last op
+    if written_out is not None:
+        x, w, b = (applier.nodes[v] if v else None for v in (written_out.x, written_out.gamma, written_out.beta))
+        outs, out = [], applier.nodes[written_out.output]
+    else:
+        call = canonical(node)
+        x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias")
+        tuple_out = isinstance(meta_val(node), (tuple, list))
+        outs = [u for u in node.users if is_tuple_getitem(u)] if tuple_out else []
+        out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node
     with g.inserting_before(node):
         n = g.call_function(crms_norm, (x, crms.width, float(crms.epsilon)))
     for reader, _ in crms.compressed_readers:
@@ -73,8 +79,7 @@ def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
     for u in outs:
         if not u.users:
             g.erase_node(u)
-    if not node.users:
-        g.erase_node(node)
+    erase_unread(g, [node] + ([out] if out is not None else []))
 
 
 def add_new_biases(applier, plan: Plan, tensor_of) -> None:

@@ -31,9 +31,13 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
     the reader keeps its own bias (β absent)."""
     norm = nodes[d.norm]
     call = canonical(norm)
-    x = call.args["input"]
-    val = meta_val(norm)
-    outs = [u for u in norm.users if is_tuple_getitem(u) and u.args[1] == 0] if isinstance(val, (tuple, list)) else [norm]
+    if call is None or call.kind != "layer_norm":  # a norm written out: its first mean, its last op
+        x, outs = nodes[d.x], [nodes[d.output]]
+    else:
+        x = call.args["input"]
+        val = meta_val(norm)
+        outs = [u for u in norm.users if is_tuple_getitem(u) and u.args[1] == 0] if isinstance(val, (tuple, list)) \
+            else [norm]
     dtype = getattr(meta_val(x), "dtype", torch.float32)
     with graph.inserting_before(norm):
         xs = graph.call_method("float", (x,)) if dtype in _LOW else x
@@ -47,8 +51,7 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
         out.replace_all_uses_with(x)
     for u in [u for u in norm.users if is_tuple_getitem(u) and not u.users]:
         graph.erase_node(u)
-    if not norm.users:
-        graph.erase_node(norm)
+    erase_unread(graph, outs + [norm])
     rank = len(meta_val(x).shape)
     for rd in d.readers:  # a reader behind a row-flattening reshape gets r as [rows, 1]
         _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd.node))
@@ -76,3 +79,17 @@ def _scale_product(graph: fx.Graph, node: fx.Node, r: fx.Node, new_bias: Optiona
         out.meta["val" if "val" in node.meta else "example_value"] = meta_val(node)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+
+
+def erase_unread(graph: fx.Graph, start: list[fx.Node]) -> None:
+    """Erase the norm's ops nothing reads any more (a written-out norm is several), back to the
+    stream: only call_function/call_method nodes, each once it has no users."""
+    todo, erased = list(start), set()
+    while todo:
+        n = todo.pop()
+        if n in erased or n._erased or n.users or n.op not in ("call_function", "call_method"):
+            continue
+        inputs = list(n.all_input_nodes)
+        graph.erase_node(n)
+        erased.add(n)
+        todo += inputs

@@ -16,6 +16,7 @@ from ..passes.compress import CrmsNorm
 from ..passes.edits import compute_new_bias
 from ..passes.plan import Plan
 
+from . import fused
 from .norms import NormMatch, const_values
 
 
@@ -76,7 +77,8 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     """The LayerNorm `m` becomes CRMSNorm over its compressed input; its compressed readers read
     the unscaled result, and its own output (if still read) is γ ⊙ concat(n, -Σn) + β."""
     live = list(m.nodes[0].inputs) + [None] * 5
-    x = live[0]
+    # (EmbedLayerNormalization: its lookups' sum, written out before the node goes)
+    x = live[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(em, m)
     axis = m.axis
     if m.kind == "SkipLayerNormalization":
         skip, bias = live[1], (live[4] if live[4] is not None and live[4].name else None)

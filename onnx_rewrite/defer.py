@@ -18,6 +18,7 @@ import onnx_graphsurgeon as gs
 
 from ..passes.defer import Deferral
 
+from . import fused
 from .norms import NormMatch
 
 
@@ -27,7 +28,8 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
 
     dtype = np.dtype(_dtype_of(m.x, m.gamma, m.nodes))
     live = list(m.nodes[0].inputs) + [None] * 5
-    x = live[0]
+    # (EmbedLayerNormalization: its lookups' sum, written out before the node goes)
+    x = live[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(em, m)
     skip = live[1] if m.kind == "SkipLayerNormalization" else None
     sk_bias = live[4] if skip is not None and live[4] is not None and live[4].name else None
     for n in m.nodes:  # detach the LayerNorm

@@ -193,6 +193,9 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
         part.recenters = [replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)]
         part.betas = {local(n): b for n, b in plan.betas.items() if mine(n)}
         part.fuse_residual = [local(n) for n in plan.fuse_residual if mine(n)]
+        if sc is None:  # deferred and CRMS norms are main-graph norms (branch ops offer neither)
+            part.deferral, part.compressions = plan.deferral, plan.compressions
+            part.new_biases, part.origins = plan.new_biases, plan.origins
         em.apply(part, matches if sc is None else sc.matches)
 
 

@@ -77,7 +77,11 @@ def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = O
     if policy == "off":
         return decision
     edited = {u for e in plan.const_edits for u in e.users}
+    crms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
     for name in plan.swaps:
+        if name in crms:  # its readers' weights absorb γ, β and the decompression already
+            decision.reasons[name] = "it is emitted as CRMSNorm (mode crms)"
+            continue
         node = view.nodes[name]
         spec = node.norm
         x, y = node.inputs[spec.input], node.outputs[0]

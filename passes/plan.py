@@ -238,9 +238,9 @@ def _fusable(view: View, name: str, plan: Plan) -> bool:
     if any(view.nodes[n].inputs[view.nodes[n].norm.input] == x.name for n in plan.fuse_residual):
         return False  # another norm reading the same sum fuses its Add already
     add = view.nodes[x.producer]
-    if add.origin == node.origin:  # the Add is part of the norm's own op (SkipLayerNormalization)
-        return True
     kind, p = kind_of(add.rule)
+    if add.origin == node.origin:  # the norm's own op: SkipLayerNormalization's Add, not Embed's lookups
+        return kind == "broadcast"
     if kind != "broadcast" or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
         return False
     shapes = [view.values[v].shape for v in add.inputs]

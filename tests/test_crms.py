@@ -252,3 +252,23 @@ def test_backend_new_bias_of_a_reader_that_writes_a_stream():
     assert reports[-1].compressed == 2
     assert sum("crms_norm" in str(n.target) for n in graphs[-1].graph.nodes) == 2  # folded, not the fallback
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_written_out_norm_becomes_crms_in_fold_module_and_the_backend():
+    """A LayerNorm written out (mean, x - mean, variance, γ, β) read by a Linear head: CRMSNorm
+    reads the stream and replaces its last op (it took the first mean for an aten layer_norm: a
+    width mismatch in fold_module and the backend)."""
+    from lnfold.fx_rewrite import backend as fx_backend, lnfold_backend_with
+
+    from .test_defer import HandNormHead
+
+    m = zoo.adversarial(HandNormHead())
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    res = fold_module(m, (ids,), mode="crms", dynamic=False)  # verified against float64
+    assert [c.verdict for c in res.report.compression] == ["compressed"]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(m, backend=lnfold_backend_with(mode="crms", verify=True, inner=lambda gm, _: gm.forward))(ids)
+        want = m(ids)
+    assert [c.verdict for c in fx_backend.reports[-1].compression] == ["compressed"]
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5

@@ -163,6 +163,66 @@ def test_backend_bias_follows_a_changed_parameter():
     assert max_rel_err(want.numpy(), got.numpy()) < 1e-4
 
 
+class BiasFreeReader(nn.Module):
+    """ln1 (β all zeros, as nn.LayerNorm starts) is read by a Linear without a bias."""
+
+    def __init__(self, d=16, vocab=11):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(vocab, d), nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d)
+        self.head = nn.Linear(d, 5)
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x + self.fc2(torch.tanh(self.fc1(self.ln1(x))))
+        return self.head(torch.relu(self.ln2(x)))
+
+
+def test_backend_zero_beta_and_bias_free_reader():
+    """The deferred reader's bias input is W β + b; with β zero and no b it is zeros (it was the
+    weight itself: a shape error, or a wrong sum where the weight broadcasts)."""
+    m = zoo.adversarial(BiasFreeReader())
+    with torch.no_grad():
+        m.ln1.bias.zero_()
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        compiled = _compile_eager(m, "on", verify=True)
+        got = compiled(ids)
+        assert fx_backend.reports[-1].norms[0].deferred
+        assert max_rel_err(m(ids).numpy(), got.numpy()) < 1e-5
+        m.ln1.bias.add_(0.5)  # β no longer zero: W β joins the product
+        assert max_rel_err(m(ids).numpy(), compiled(ids).numpy()) < 1e-5
+
+
+class HandNormHead(nn.Module):
+    """A LayerNorm written out (mean, x - mean, variance, γ, β) read by a Linear head."""
+
+    def __init__(self, d=16, vocab=11):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, 5)
+        g = torch.Generator().manual_seed(4)  # γ, β random: zoo.adversarial randomizes LayerNorm modules
+        self.weight = nn.Parameter(1 + 0.5 * torch.randn(d, generator=g))
+        self.bias = nn.Parameter(0.5 * torch.randn(d, generator=g))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        c = x - x.mean(-1, keepdim=True)
+        return self.head(self.weight * (c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-5)) + self.bias)
+
+
+def test_written_out_norm_is_deferred_in_fold_module_and_the_backend():
+    """The deferred emission of a norm written out rewires the readers of its last op (it took
+    the first mean for the norm: the head read the normalized tensor, scaled once more)."""
+    m = zoo.adversarial(HandNormHead())
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    res = fx_api.fold_module(m, (ids,), defer="on", dynamic=False)  # verified against float64
+    assert [n.deferred for n in res.report.norms] == [True]
+    with torch.no_grad():
+        got = _compile_eager(m, "on", verify=True)(ids)
+        assert [n.deferred for n in fx_backend.reports[-1].norms] == [True]
+        assert max_rel_err(m(ids).numpy(), got.numpy()) < 1e-5
+
+
 # --- fold_module (the eager module; the same plan as the backend's) --------------------------------
 def _layer_norms(gm) -> int:
     return sum("layer_norm" in str(n.target) for n in gm.graph.nodes)

@@ -208,6 +208,41 @@ def _embed_model(reader: str = "Attention", segments: bool = True, mask: bool = 
     return b.model(17, extra_opsets=[(MS, 1)])
 
 
+@pytest.mark.parametrize("opts", [{"defer": "on"}, {"mode": "crms"}])
+def test_embed_layernorm_deferred_or_crms_reads_the_lookups_sum(opts):
+    """EmbedLayerNormalization read by a MatMul: deferred, or as CRMSNorm, the norm reads the
+    sum of its lookups (both emissions read the op's first input, the ids, before)."""
+    b = Builder(27)
+    ids = b.input("input_ids", INT32, [2, T])
+    ins = [ids, "", b.weight("word", (13, D), mean=4.0), b.weight("pos", (T + 3, D), mean=-2.0), ""]
+    ins += list(b.affine())
+    normed, _ = b.op("EmbedLayerNormalization", ins, n_out=2, domain=MS, epsilon=1e-12)
+    b.output(b.op("MatMul", [normed, b.weight("head", (D, 7))]), shape=[2, T, 7])
+    res = fold_model(b.model(17, extra_opsets=[(MS, 1)]), **opts)  # verified against float64
+    if "defer" in opts:
+        assert [n.deferred for n in res.report.norms] == [True]
+    else:
+        assert [c.verdict for c in res.report.compression] == ["compressed"]
+    assert res.max_rel_err < RTOL and "EmbedLayerNormalization" not in _ops(res.model)
+
+
+def test_embed_layernorm_is_not_fused_as_a_residual_add_on_cuda():
+    """The CUDA emission fuses residual Adds with their norms; EmbedLayerNormalization's sum of
+    lookups is no residual Add (fusing it crashed where its embedding_sum output is read)."""
+    b = Builder(28)
+    ids = b.input("input_ids", INT32, [2, T])
+    ins = [ids, "", b.weight("word", (13, D), mean=4.0), b.weight("pos", (T + 3, D), mean=-2.0), ""]
+    ins += list(b.affine())
+    normed, _, summed = b.op("EmbedLayerNormalization", ins, n_out=3, domain=MS, epsilon=1e-12)
+    h = b.op("Add", [summed, b.op("MatMul", [normed, b.weight("w", (D, D))])])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 7))]), shape=[2, T, 7])
+    res = fold_model(b.model(17, extra_opsets=[(MS, 1)]), device="cuda")  # verified against float64
+    embed, ln_f = res.report.norms
+    assert (embed.verdict, ln_f.verdict) == ("fold", "fold")
+    assert [n for s in res.report.streams for n in s.fused] == [ln_f.name]  # the residual Add only
+    assert _ops(res.model).count("SkipSimplifiedLayerNormalization") == 1 and res.max_rel_err < RTOL
+
+
 @pytest.mark.parametrize("segments,mask,position_ids", [(True, True, False), (False, False, True)])
 def test_embed_layernorm_folds_into_lookups_and_rmsnorm(segments, mask, position_ids):
     res = fold_model(_embed_model("Attention", segments, mask, position_ids))
@@ -300,6 +335,38 @@ def test_merged_decoder_folds_both_branches_consistently(else_observes_stream):
     originals_kept = {t.name for t in model.graph.initializer} <= set(outer)
     assert originals_kept == else_observes_stream  # cloned for one branch, edited in place for both
     assert centered
+
+
+@pytest.mark.parametrize("opts", [{"defer": "on"}, {"mode": "crms"}])
+def test_main_graph_deferred_and_crms_norms_next_to_an_if(opts):
+    """An If off the stream sends the emission through the per-scope path: the main graph's
+    deferred and CRMS norms must be emitted as such (the γ-scaled weights and the d-1 wide
+    sources are already written), not as plain RMSNorms."""
+    from .onnx_graphs import pre_ln
+
+    model = pre_ln(layers=2)
+    g = model.graph
+    then_g = helper.make_graph([helper.make_node("Identity", ["z"], ["ty"], name="tid")], "t", [],
+                               [helper.make_tensor_value_info("ty", FLOAT, [3])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["z"], ["ey"], name="eneg")], "e", [],
+                               [helper.make_tensor_value_info("ey", FLOAT, [3])])
+    g.input.extend([helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                    helper.make_tensor_value_info("z", FLOAT, [3])])
+    g.node.append(helper.make_node("If", ["cond"], ["side"], then_branch=then_g, else_branch=else_g, name="side_if"))
+    g.output.append(helper.make_tensor_value_info("side", FLOAT, [3]))
+    res = fold_model(model, verify=False, **opts)  # judged below
+    if "defer" in opts:
+        assert all(n.deferred for n in res.report.norms)
+    else:
+        assert any(c.verdict == "compressed" for c in res.report.compression)
+
+    import onnxruntime as ort
+
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, T)).astype(np.int64)
+    feed = {"ids": ids, "cond": np.array(True), "z": np.ones(3, np.float32)}
+    want, got = (ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+                 for m in (model, res.model))
+    assert _rel(want[0], got[0]) < RTOL
 
 
 def test_skip_layernorm_chain_with_sum_output_and_bias():

@@ -351,6 +351,20 @@ def test_crms_falls_back_to_rms_on_a_symbolic_width():
                                                           "fc.bias": (Center(0),)}
 
 
+
+def test_crms_norms_are_not_deferred_and_say_why():
+    """A compressed norm's readers already absorb γ, β and the decompression: deferral gives
+    that as its reason (it said their weights were edited because they write into a stream)."""
+    from lnfold.passes.defer import plan_deferral
+
+    v = _crms_view(D)
+    plan = make_plan(v, mode="crms")
+    decision = plan_deferral(v, plan, "on")
+    assert decision.deferred == []
+    assert decision.reasons == {n: "it is emitted as CRMSNorm (mode crms)" for n in ("ln1", "ln_f")}
+    rms = make_plan(_crms_view(D))  # the same view in mode rms: ln_f's head is deferrable
+    assert [d.norm for d in plan_deferral(v, rms, "on").deferred] == ["ln_f"]
+
 # --- no frontend ----------------------------------------------------------------------------------
 
 def test_runs_without_onnx_or_torch():

@@ -210,7 +210,7 @@ def test_long_names_are_cut_in_the_middle_and_the_table_stays_aligned():
 def test_fold_rows_say_what_was_edited(zoo_onnx):
     """A fold row's "how" lists the stream's edits and where β went (it was "stream 1" alone)."""
     _, _, model = zoo_onnx("gpt2")
-    res = fold_model(model, verify_outputs=False)
+    res = fold_model(model, verify=False)
     (stream,) = res.report.streams
     rows = [ln for ln in res.report.table(width=200).splitlines() if " fold " in ln]
     assert len(rows) == res.report.folded == 5
@@ -226,7 +226,7 @@ def test_report_on_a_folded_model_lists_its_rmsnorms(zoo_onnx, tmp_path, target,
     """`lnfold report` on `lnfold fold`'s output: exit 0, its RMSNorms listed as already RMSNorm;
     `lnfold fold` on it: exit 2, saying so."""
     _, _, model = zoo_onnx("gpt2")
-    res = fold_model(model, target=target, verify_outputs=False)
+    res = fold_model(model, target=target, verify=False)
     src = tmp_path / "folded.onnx"
     onnx.save(res.model, src)
     r = _lnfold("report", str(src), "--json")
