@@ -55,7 +55,8 @@ def test_both_frontends_fold_beta_into_the_same_biases(gpt2):
     rms_out = [n.output[0] for n in on.model.graph.node if n.op_type == "SimplifiedLayerNormalization"]
     assert len(rms_out) == 5 and sum(ops.get(o) == "Add" for o in rms_out) == 1
     norms = [n for n in fx.module.graph.nodes if "layer_norm" in str(n.target) or "rms_norm" in str(n.target)]
-    assert len(norms) == 5 and sum(n.args[3] is not None if len(n.args) > 3 else False for n in norms) == 1
+    assert len(norms) == 5 and all("layer_norm" in str(n.target) for n in norms)  # (input, shape, weight, bias, eps)
+    assert sum(n.args[3] is not None if len(n.args) > 3 else False for n in norms) == 1
 
     # both outputs agree with the original computed in float64
     ids = args[0]

@@ -138,6 +138,8 @@ def test_readme_onnx_example_runs(tmp_path, zoo_onnx):
     assert run.returncode == 0, run.stderr
     assert "fold" in run.stdout and (tmp_path / "model.folded.onnx").is_file()
     assert run.stderr == "", run.stderr
+    ops = [n.op_type for n in onnx.load(tmp_path / "model.folded.onnx").graph.node]
+    assert ops.count("SimplifiedLayerNormalization") == 5 and "LayerNormalization" not in ops, sorted(set(ops))
 
 
 SECOND_SHAPE = """
