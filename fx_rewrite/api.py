@@ -160,13 +160,8 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     constants.prepare(plan, info)
     # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
     chosen = "layer_norm" if opts.norm == "auto" else opts.norm
-    deferred = {d.norm for d in plan.deferral.deferred}
-    swaps, plan.swaps = plan.swaps, [n for n in plan.swaps if n not in deferred]
-    try:
-        Applier(gm, view, info, ATEN, constants, norm=chosen).apply(plan)
-    finally:
-        plan.swaps = swaps
-    if deferred:
+    Applier(gm, view, info, ATEN, constants, norm=chosen).apply(plan)
+    if plan.deferral.deferred:
         _emit_deferred(gm, plan, tensor_of)
     _drop_unused_attrs(gm)
     timings["editing"] = time.perf_counter() - t1
@@ -179,6 +174,7 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
         verdict = verifier.check(gm)
         if chosen != "rms_norm":  # must pass too; the result reports the module returned
             crms_norms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
+            deferred = {d.norm for d in plan.deferral.deferred}
             rms = [n for n in plan.swaps if n not in crms_norms and n not in deferred]  # CRMSNorms need no
             # twin (exact only if centered); deferred norms are no norms any more
             if rms:

@@ -202,7 +202,8 @@ class Applier:
         return min(users, key=lambda n: order[n])
 
     def apply(self, plan: Plan) -> None:
-        """Execute `plan` (every decision is in it): constant edits, recenters, bypassed Muls, swaps."""
+        """Execute `plan` (every decision is in it): constant edits, recenters, bypassed Muls, swaps
+        of the norms that are not deferred."""
         for k, edit in enumerate(plan.const_edits):
             self._const_edit(edit, k)
         for rc in plan.recenters:
@@ -210,7 +211,12 @@ class Applier:
         for name in plan.drop_muls:
             self._bypass_mul(name)
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
+        # deferred norms are the caller's to emit after this (where W β + b lives depends on it:
+        # a buffer for fold_module, a recomputed graph input for the backend)
+        deferred = {d.norm for d in plan.deferral.deferred} if plan.deferral is not None else set()
         for name in plan.swaps:
+            if name in deferred:
+                continue
             if name in crms_norms:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:

@@ -169,14 +169,8 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
 
     try:
         constants = GraphConstants() if training else CachedInputs(placeholders, tensor)
-        deferred = plan.deferral.deferred
-        swaps = plan.swaps
-        plan.swaps = [n for n in swaps if n not in {d.norm for d in deferred}]
-        try:
-            Applier(work, view, info, TORCH, constants, norm="rms_norm").apply(plan)
-        finally:
-            plan.swaps = swaps
-        if deferred:
+        Applier(work, view, info, TORCH, constants, norm="rms_norm").apply(plan)
+        if plan.deferral.deferred:
             emit_deferred(work, plan.deferral, constants, tensor)
         t2 = time.perf_counter()
         extra = [] if training else constants(example_inputs)  # float64 centering, once
