@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ..passes import Plan, View, compute_constants
+from ..passes.options import check_choice
 from ..passes.edits import Algebra, ConstEdit, apply_ops
 
 from . import crms
@@ -182,8 +183,7 @@ def graph_algebra(applier: "Applier", shape: tuple) -> Algebra:
 class Applier:
     def __init__(self, gm: fx.GraphModule, view: View, info: GraphInfo, dialect: Dialect,
                  constants: Constants, norm: str = "rms_norm") -> None:
-        if norm not in NORMS:
-            raise ValueError(f"unknown norm {norm!r} (expected one of {', '.join(NORMS)})")
+        check_choice("norm", norm, NORMS)  # resolved: FoldOptions turned "auto" into one of these
         self.gm = gm
         self.graph = gm.graph
         self.view = view
