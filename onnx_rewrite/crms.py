@@ -16,7 +16,6 @@ from ..passes.compress import CrmsNorm
 from ..passes.edits import compute_new_bias
 from ..passes.plan import Plan
 
-from . import fused
 from .norms import NormMatch, const_values
 
 
@@ -76,16 +75,10 @@ def _reduce(em, op: str, x, axis: int, out):
 def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     """The LayerNorm `m` becomes CRMSNorm over its compressed input; its compressed readers read
     the unscaled result, and its own output (if still read) is γ ⊙ concat(n, -Σn) + β."""
-    live = list(m.nodes[0].inputs) + [None] * 5
-    # (EmbedLayerNormalization: its lookups' sum, written out before the node goes)
-    x = live[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(em, m)
+    x, skip, bias = em.detach(m)
     axis = m.axis
-    if m.kind == "SkipLayerNormalization":
-        skip, bias = live[1], (live[4] if live[4] is not None and live[4].name else None)
+    if skip is not None:
         x = em.residual_sum(x, skip, bias, m.sum_output, m.name)
-    for n in m.nodes:
-        n.outputs.clear()
-        n.inputs.clear()
     from .emit import _dtype_of
 
     x_dt = np.dtype(_dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written

@@ -18,7 +18,6 @@ import onnx_graphsurgeon as gs
 
 from ..passes.defer import Deferral
 
-from . import fused
 from .norms import NormMatch
 
 
@@ -27,14 +26,7 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
     from .emit import _dtype_of  # emit imports this module
 
     dtype = np.dtype(_dtype_of(m.x, m.gamma, m.nodes))
-    live = list(m.nodes[0].inputs) + [None] * 5
-    # (EmbedLayerNormalization: its lookups' sum, written out before the node goes)
-    x = live[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(em, m)
-    skip = live[1] if m.kind == "SkipLayerNormalization" else None
-    sk_bias = live[4] if skip is not None and live[4] is not None and live[4].name else None
-    for n in m.nodes:  # detach the LayerNorm
-        n.outputs.clear()
-        n.inputs.clear()
+    x, skip, sk_bias = em.detach(m)
     if skip is not None:  # the fused residual Add stays: its sum is the stream
         x = em.residual_sum(x, skip, sk_bias, m.sum_output, m.name)
     shape = em.info.shape(m.x)  # (the stream as matched: recenters and residual sums keep its shape)

@@ -101,6 +101,22 @@ class Emitter:
             for user, idx in edit.users:
                 node_of(plan.origin(user)).inputs[idx] = new
 
+    def detach(self, m: NormMatch) -> tuple:
+        """Take the matched norm out of the graph; the tensors it read: (x, skip, bias).
+
+        Read from its slots, as the plan's constant edits and recenters left them; x is an
+        EmbedLayerNormalization's lookups' sum (written out here), skip and bias a
+        SkipLayerNormalization's (None for other norms)."""
+        ins = list(m.nodes[0].inputs) + [None] * 5
+        x = ins[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
+        skip = bias = None
+        if m.kind == "SkipLayerNormalization":
+            skip, bias = ins[1], (ins[4] if ins[4] is not None and ins[4].name else None)
+        for n in m.nodes:  # its output tensors get new producers
+            n.outputs.clear()
+            n.inputs.clear()
+        return x, skip, bias
+
     def residual_sum(self, x, skip, bias, summed, name: str) -> gs.Tensor:
         """The residual Add a SkipLayerNormalization fused (x + skip (+ bias)), as plain Adds into
         `summed` (its sum output) or a new tensor: the stream an unfused norm reads."""
@@ -151,18 +167,12 @@ class Emitter:
         width = self.info.shape(m.x)[m.axis]
         dtype = _dtype_of(m.x, m.gamma, m.nodes)
         gamma = self._gamma(m, width, dtype)
-        ins = list(m.nodes[0].inputs) + [None] * 5
-        x = ins[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
-        for n in m.nodes:  # detach the LayerNorm; its output tensor gets a new producer
-            n.outputs.clear()
-            n.inputs.clear()
-
+        x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)
         last = m.axis == rank - 1
-        if m.kind == "SkipLayerNormalization":
-            bias = ins[4] if ins[4] is not None and ins[4].name else None
-            self._skip_rms(x, ins[1], gamma, bias, m.sum_output, normed, m.epsilon, m.name, rank, fuse_residual)
+        if skip is not None:
+            self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, m.epsilon, m.name, rank, fuse_residual)
         elif gamma is None:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
         elif fuse_residual:
