@@ -87,9 +87,10 @@ class ReluHead(nn.Module):
     """ln1 is read by a Linear (deferrable); ln2 by a ReLU (not). (A Linear that reads a norm and
     writes into the stream itself is refused too: its weight is already edited by the fold.)"""
 
-    def __init__(self, d=16, vocab=11):
+    def __init__(self, d=16, vocab=11, fc1_bias=True):
         super().__init__()
-        self.emb, self.fc1, self.fc2 = nn.Embedding(vocab, d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.emb = nn.Embedding(vocab, d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d, bias=fc1_bias), nn.Linear(2 * d, d)
         self.head = nn.Linear(d, 5)
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
 
@@ -163,25 +164,11 @@ def test_backend_bias_follows_a_changed_parameter():
     assert max_rel_err(want.numpy(), got.numpy()) < 1e-4
 
 
-class BiasFreeReader(nn.Module):
-    """ln1 (β all zeros, as nn.LayerNorm starts) is read by a Linear without a bias."""
-
-    def __init__(self, d=16, vocab=11):
-        super().__init__()
-        self.emb, self.fc1, self.fc2 = nn.Embedding(vocab, d), nn.Linear(d, 2 * d, bias=False), nn.Linear(2 * d, d)
-        self.head = nn.Linear(d, 5)
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        x = x + self.fc2(torch.tanh(self.fc1(self.ln1(x))))
-        return self.head(torch.relu(self.ln2(x)))
-
-
 def test_backend_zero_beta_and_bias_free_reader():
     """The deferred reader's bias input is W β + b; with β zero and no b it is zeros (it was the
-    weight itself: a shape error, or a wrong sum where the weight broadcasts)."""
-    m = zoo.adversarial(BiasFreeReader())
+    weight itself: a shape error, or a wrong sum where the weight broadcasts). ln1 is read by a
+    Linear without a bias, its β all zeros (as nn.LayerNorm starts)."""
+    m = zoo.adversarial(ReluHead(fc1_bias=False))
     with torch.no_grad():
         m.ln1.bias.zero_()
     ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
