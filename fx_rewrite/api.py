@@ -13,26 +13,24 @@ centered stream (same speed as the original, and exact); `norm="rms_norm"` emits
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
-import io
-import time
 from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..passes import FoldResult, NothingToFold, Report, VerificationError, gate, make_plan
-from ..passes.defer import EAGER, add_weight_edits, compute_biases, plan_deferral
-from ..passes.options import FoldOptions
+from ..passes import FoldResult, NothingToFold, Report, VerificationError, View, gate, make_plan, pipeline
+from ..passes.defer import EAGER, compute_biases
+from ..passes.options import FoldOptions, check_choice
+from ..passes.request import Capabilities, PlanRequest
 from ..passes.plan import Plan, first_kept_reason
 
 from . import defer as deferred_norm
-from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
+from .apply import ATEN, NORMS, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
 from .classify import build_view
-from .hf import export_error, fresh, register_caches
+from .hf import export_error, register_caches
+from .verify import Verifier, judge_outputs, ref64  # noqa: F401  (judge_outputs, ref64: the torch frontends' gate)
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -117,18 +115,69 @@ def exported_view(module, args, kwargs, dynamic):
     return gm, attrs, view, info
 
 
+class ExportFrontend:
+    """The torch.export frontend in the pipeline (passes/pipeline.py): the module exported, the
+    plan applied to `ExportedProgram.module()` with its own copy of every parameter."""
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
+                 norm: str = "auto", dynamic: bool = True) -> None:
+        self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
+        # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
+        self.norm = "layer_norm" if norm == "auto" else norm
+
+    def view(self) -> View:
+        self.gm, self.attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
+        self._view = view
+        return view
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return _attr(self.gm, self.attrs[name])
+
+    def request(self) -> PlanRequest:
+        # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
+        zero = lambda name: name in self.attrs and not bool(self.tensor(name).any())  # noqa: E731
+        return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero)
+
+    def check(self, plan: Plan) -> None:
+        _check_plan(plan)
+
+    def apply(self, plan: Plan) -> fx.GraphModule:
+        gm = self.gm
+        _own_tensors(gm)
+        tensor_of = lambda name: _attr(gm, self.attrs[name])  # noqa: E731  (the originals: edits are new attributes)
+        constants = AttrConstants(gm, tensor_of)
+        constants.prepare(plan, self.info)
+        Applier(gm, self._view, self.info, ATEN, constants, norm=self.norm).apply(plan)
+        if plan.deferral.deferred:
+            deferred_norm.emit_all(gm, plan.deferral, _buffer_biases(gm, plan, tensor_of))
+        _drop_unused_attrs(gm)
+        return gm
+
+    emit = staticmethod(pipeline.in_memory)
+
+    def verify(self, plan: Plan, gm: fx.GraphModule) -> gate.Verdict:
+        verifier = Verifier(self.module, self.args, self.kwargs)
+        verdict = verifier.check(gm)
+        # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well (it must pass
+        # too; the result reports the module returned).
+        if self.norm != "rms_norm" and plan.plain_rms:
+            verifier.check(rms_probe(gm, list(plan.plain_rms), ATEN, self.info.decomposed))
+        return verdict
+
+    def result(self, plan: Plan, gm: fx.GraphModule) -> FoldResult:
+        return FoldResult(report=plan.report, module=gm)
+
+
 def _analyze(module, args, kwargs, mode, dynamic):
-    gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
-    # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
-    zero = lambda name: name in attrs and not bool(_attr(gm, attrs[name]).any())  # noqa: E731
-    return gm, attrs, view, info, make_plan(view, mode, zero=zero)
+    frontend = ExportFrontend(module, args, kwargs, FoldOptions(mode=mode), dynamic=dynamic)
+    return pipeline.plan(frontend, make_plan)[1]
 
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
                    mode: str = "rms", dynamic: bool = True) -> Report:
     """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one."""
     opts = FoldOptions(mode=mode)
-    return _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic)[-1].report
+    return _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic).report
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",
@@ -137,75 +186,36 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
 
     Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
     `mode`, `defer` and `verify` mean what they mean for `fold_onnx` (passes/options.py checks
-    all options; `defer="on"` emits the folded norms read only by linear layers as deferred
+    them; `defer="on"` emits the folded norms read only by linear layers as deferred
     normalization, "auto" asks the cost model, which defers nothing in eager mode). `norm`:
     "auto" (eager: keep the fused LayerNorm kernel on the centered stream), "rms_norm" or
     "layer_norm". Raises NothingToFold when no LayerNorm can be folded and
     VerificationError when the folded module's outputs on `args` differ from the original's.
     """
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify, norm=norm)
-    args, kwargs = tuple(args), dict(kwargs or {})
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    gm, attrs, view, info, plan = _analyze(module, args, kwargs, opts.mode, dynamic)
-    _check_plan(plan)
-    plan.deferral = plan_deferral(view, plan, opts.defer, EAGER)
-    add_weight_edits(view, plan, plan.deferral)
-    timings["analysis"] = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    _own_tensors(gm)
-    tensor_of = lambda name: _attr(gm, attrs[name])  # noqa: E731  (the originals: edits are new attributes)
-    constants = AttrConstants(gm, tensor_of)
-    constants.prepare(plan, info)
-    # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
-    chosen = "layer_norm" if opts.norm == "auto" else opts.norm
-    Applier(gm, view, info, ATEN, constants, norm=chosen).apply(plan)
-    if plan.deferral.deferred:
-        _emit_deferred(gm, plan, tensor_of)
-    _drop_unused_attrs(gm)
-    timings["editing"] = time.perf_counter() - t1
-
-    result = FoldResult(report=plan.report, module=gm, timings=timings)
-    if opts.verify:
-        t2 = time.perf_counter()
-        # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well.
-        verifier = Verifier(module, args, kwargs)
-        verdict = verifier.check(gm)
-        if chosen != "rms_norm":  # must pass too; the result reports the module returned
-            crms_norms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
-            deferred = {d.norm for d in plan.deferral.deferred}
-            rms = [n for n in plan.swaps if n not in crms_norms and n not in deferred]  # CRMSNorms need no
-            # twin (exact only if centered); deferred norms are no norms any more
-            if rms:
-                verifier.check(rms_probe(gm, rms, ATEN, info.decomposed))
-        result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
-        result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
-        timings["verification"] = time.perf_counter() - t2
-    return result
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify)
+    check_choice("norm", norm, ("auto",) + NORMS)
+    frontend = ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm=norm, dynamic=dynamic)
+    return pipeline.fold(frontend, verify=opts.verify, planner=make_plan)
 
 
-def _emit_deferred(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], torch.Tensor]) -> None:
-    """The deferred norms, after the plan's other edits (γ is in the readers' weights already);
-    each reader's new bias `W β + b` is computed once in float64 and stored as a buffer."""
+def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], torch.Tensor]) -> deferred_norm.BiasNode:
+    """Each deferred reader's new bias `W β + b`, computed once in float64 and stored as a buffer."""
     biases = compute_biases(plan.deferral, lambda n: to_numpy(tensor_of(n)))
     nodes = {n.name: n for n in gm.graph.nodes}
-    for d in plan.deferral.deferred:
-        def bias_node(reader: str, d=d) -> Optional[fx.Node]:
-            arr = biases[(d.norm, reader)]
-            if arr is None:  # no β: the reader keeps its own bias
-                return None
-            rd = next(r for r in d.readers if r.node == reader)
-            t = from_numpy(arr, tensor_of(rd.bias.value if rd.bias is not None else rd.weight.value))
-            name = _unique_attr(gm, f"lnfold_bias_{reader}")
-            gm.register_buffer(name, t)
-            with gm.graph.inserting_before(nodes[reader]):
-                node = gm.graph.get_attr(name)
-            node.meta["val"] = t
-            return node
 
-        deferred_norm.emit(gm.graph, nodes, d, bias_node)
-    gm.graph.lint()
+    def bias_node(d, rd) -> Optional[fx.Node]:
+        arr = biases[(d.norm, rd.node)]
+        if arr is None:  # no β: the reader keeps its own bias
+            return None
+        t = from_numpy(arr, tensor_of(rd.bias.value if rd.bias is not None else rd.weight.value))
+        name = _unique_attr(gm, f"lnfold_bias_{rd.node}")
+        gm.register_buffer(name, t)
+        with gm.graph.inserting_before(nodes[rd.node]):
+            node = gm.graph.get_attr(name)
+        node.meta["val"] = t
+        return node
+
+    return bias_node
 
 
 def _check_plan(plan: Plan) -> None:
@@ -227,71 +237,4 @@ def check_equivalent(original: torch.nn.Module, folded: torch.nn.Module, args: t
     """Worst relative output difference on `args`; raises VerificationError when the gate fails."""
     return Verifier(original, args, kwargs).check(folded).diff
 
-
-class Verifier:
-    """Runs the original (and a float64 copy of it) once and judges folded modules with the gate
-    of passes/gate.py (DESIGN §4): each output's error against float64 may not exceed the
-    original's own error times a small factor, plus a floor. Where the float64 copy cannot be
-    made or run, the gate's fallback (a fixed tolerance against the original) is used."""
-
-    def __init__(self, original: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self.original, self.args, self.kwargs = original, args, kwargs
-        with torch.no_grad():
-            self.ref = pytree.tree_leaves(_seeded(original, args, kwargs))
-        self.exact = ref64(original, args, kwargs, self.ref)
-
-    def verdict(self, folded: torch.nn.Module) -> gate.Verdict:
-        with torch.no_grad():
-            got = pytree.tree_leaves(_seeded(folded, self.args, self.kwargs))
-        return judge_outputs(self.ref, got, self.exact)
-
-    def check(self, folded: torch.nn.Module) -> gate.Verdict:
-        v = self.verdict(folded)
-        if not v.ok:
-            raise VerificationError(v.message())
-        return v
-
-
-def ref64(original: Callable, args, kwargs: dict, ref: list) -> Optional[list]:
-    """The leaves of a float64 run of a copy of `original` (floats upcast), or None where it
-    cannot be made (a module that does not copy or does not run in float64)."""
-    cast = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-    try:
-        m64 = copy.deepcopy(original).double()
-        # a graph that makes float32 tensors of its own fails here, and torch.fx prints the
-        # traceback before raising: an expected, handled failure, not the user's to read
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            out = pytree.tree_leaves(_seeded(m64, pytree.tree_map(cast, tuple(args)), pytree.tree_map(cast, kwargs)))
-    except Exception:
-        return None
-    return out if len(out) == len(ref) else None
-
-
-def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:
-    """The gate's verdict on output leaves (non-tensor leaves must be equal)."""
-    if len(ref) != len(got):
-        return gate.Verdict(False, "outputs", float("inf"), failure=f"{len(got)} outputs instead of {len(ref)}")
-    outs = []
-    for k, (r, g) in enumerate(zip(ref, got)):
-        if not isinstance(r, torch.Tensor):
-            if r != g:
-                return gate.Verdict(False, "outputs", float("inf"), failure=f"output {r!r} became {g!r}")
-            continue
-        e = exact[k] if exact is not None and isinstance(exact[k], torch.Tensor) else None
-        outs.append(gate.Output(f"#{k}", str(r.dtype).removeprefix("torch."), _np(r), _np(g),
-                                None if e is None else _np(e)))
-    return gate.judge(outs)
-
-
-def _seeded(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Run with a fixed seed, so that random ops (train-mode dropout) draw the same numbers, on
-    fresh copies of the inputs (hf.fresh: a key/value cache grows in place at every run)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return module(*fresh(args), **fresh(kwargs))
-
-
-def _np(t: torch.Tensor):
-    t = t.detach().to("cpu")
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 

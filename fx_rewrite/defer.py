@@ -11,13 +11,15 @@ multiply-add it may fuse into the GEMM's epilogue (benchmarks/RESULTS.md says wh
 """
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Callable, Optional
 
 import torch
 from torch import fx
 
-from ..passes.defer import Deferral
+from ..passes.defer import DeferDecision, Deferral
+from ..passes.readers import LinearReader
 
 from .classify import is_tuple_getitem, meta_val
 from .ops import canonical
@@ -25,8 +27,23 @@ from .ops import canonical
 _LOW = (torch.float16, torch.bfloat16)
 
 
+BiasNode = Callable[[Deferral, LinearReader], Optional[fx.Node]]
+
+
+def emit_all(gm: fx.GraphModule, decision: DeferDecision, bias_node: BiasNode) -> None:
+    """Every deferred norm of the plan, after its other edits (γ is in the readers' weights
+    already). `bias_node(d, reader)` gives the node holding the reader's new bias (W β + b), or
+    None when the reader keeps its own bias (β absent): the one thing the frontends do their own
+    way (fold_module: a buffer computed once; the backend: an extra input, recomputed when a
+    parameter it derives from changes)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for d in decision.deferred:
+        emit(gm.graph, nodes, d, functools.partial(bias_node, d))
+    gm.graph.lint()
+
+
 def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
-         bias_node: Callable[[str], Optional[fx.Node]]) -> None:
+         bias_node: Callable[[LinearReader], Optional[fx.Node]]) -> None:
     """`bias_node(reader)` gives the node holding the reader's new bias (W β + b), or None when
     the reader keeps its own bias (β absent)."""
     norm = nodes[d.norm]
@@ -54,7 +71,7 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
     erase_unread(graph, outs + [norm])
     rank = len(meta_val(x).shape)
     for rd in d.readers:  # a reader behind a row-flattening reshape gets r as [rows, 1]
-        _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd.node))
+        _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd))
     if not r2.users:
         graph.erase_node(r2)
 

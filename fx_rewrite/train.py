@@ -39,14 +39,16 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, make_plan
+from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
 from ..passes.analysis import Component
 from ..passes.options import FoldOptions
+from ..passes.request import Capabilities, PlanRequest
 from ..passes.plan import Ones, Plan, Scale
 
-from .api import Verifier, _check_plan, exported_view
+from .api import _check_plan, exported_view
 from .apply import center_blocks, profile
 from .classify import GraphInfo
+from .verify import Verifier
 
 RECORD = "_lnfold_training_fold"  # attribute of the folded root module: what unfolding undoes
 EDITS = "_lnfold_edits"  # attribute of a module with centered attributes: name -> _Recipe
@@ -170,42 +172,71 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     opts = FoldOptions(mode=mode, verify=verify)
     if RECORD in module.__dict__:
         raise LnfoldError("the module is already folded for training (unfold it first)")
-    args, kwargs = tuple(args), dict(kwargs or {})
-    verifier = Verifier(module, args, kwargs) if opts.verify else None  # runs (and copies) it before it is edited
+    frontend = _TrainingFrontend(module, tuple(args), dict(kwargs or {}), opts, dynamic)
+    return pipeline.fold(frontend, verify=opts.verify, planner=frontend.plan)
 
-    gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
-    mapper = _Mapper(module, gm, attrs, info)
-    conflicts: set[str] = set()
-    while True:  # a tied tensor read centered and uncentered through one attribute: refuse, replan
-        plan = make_plan(view, "rms", refuse=lambda comp: mapper.refusal(comp, conflicts))
-        for name in list(plan.betas):  # the LayerNorm modules stay, and keep their own β
-            plan.keep_beta(name)
-        found = {e.value for e in plan.const_edits if mapper.conflict(e.value, e.users)}
-        if not found:
-            break
-        conflicts |= found
-    _check_plan(plan)
-    if opts.mode == "crms":  # compression rewrites the readers' weights and shapes: not done on an eager module
-        plan.report.notes.append("the module-level training fold does not compress (CRMSNorm); "
-                                 "folded norms are RMSNorms, which compute the same values")
-    norms = _norm_modules(module, plan, info)
 
-    record = _Fold()
-    module.__dict__[RECORD] = record
-    _apply_edits(module, plan, mapper, record)
-    for ln in norms:
-        record.classes.append((ln, type(ln)))
-        ln.__class__ = LayerNormAsRMSNorm
-    result = TrainingFold(report=plan.report, module=module)
-    if verifier is not None:
+class _TrainingFrontend:
+    """The module-level training fold in the pipeline (passes/pipeline.py): the plan of the
+    exported graph applied to the user's module itself."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, dynamic: bool) -> None:
+        self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
+        # runs (and copies) the module before it is edited
+        self.verifier = Verifier(module, args, kwargs) if opts.verify else None
+
+    def view(self) -> View:
+        gm, attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
+        self.mapper = _Mapper(self.module, gm, attrs, self.info)
+        return view
+
+    def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
+        # The LayerNorm modules stay (their class swapped) and keep their own β; compression would
+        # rewrite the readers' weights and shapes: not done on an eager module.
+        target = Capabilities(name="the module-level training fold", folds_beta=False, compresses=False,
+                              swap_refusal=functools.partial(_swap_refusal, self.module, self.info))
+        return PlanRequest(self.opts.mode, target=target,
+                           refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
+
+    def plan(self, view: View, request: PlanRequest) -> Plan:
+        """make_plan, asked again with more refusals while a tied tensor is read centered and
+        uncentered through one attribute."""
+        conflicts: frozenset = frozenset()
+        while True:
+            plan = make_plan(view, request)
+            found = {e.value for e in plan.const_edits if self.mapper.conflict(e.value, e.users)}
+            if not found:
+                return plan
+            conflicts |= found
+            request = self.request(conflicts)
+
+    def check(self, plan: Plan) -> None:
+        if plan.empty and plan.unswapped:
+            raise NothingToFold(f"no nn.LayerNorm module can be swapped; first: {plan.report.norms[0].reason}")
+        _check_plan(plan)
+
+    def apply(self, plan: Plan) -> nn.Module:
+        module = self.module
+        norms = list({id(m): m for m in (_scope(module, self.info.nodes[n]) for n in plan.swaps)}.values())
+        record = _Fold()
+        module.__dict__[RECORD] = record
+        _apply_edits(module, plan, self.mapper, record)
+        for ln in norms:
+            record.classes.append((ln, type(ln)))
+            ln.__class__ = LayerNormAsRMSNorm
+        return module
+
+    emit = staticmethod(pipeline.in_memory)
+
+    def verify(self, plan: Plan, module: nn.Module):
         try:
-            verdict = verifier.check(module)
+            return self.verifier.check(module)
         except VerificationError:
             unfold_for_training(module)
             raise
-        result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
-        result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
-    return result
+
+    def result(self, plan: Plan, module: nn.Module) -> "TrainingFold":
+        return TrainingFold(report=plan.report, module=module)
 
 
 def unfold_for_training(module: nn.Module) -> nn.Module:
@@ -340,37 +371,21 @@ def _apply_edits(root: nn.Module, plan: Plan, mapper: _Mapper, record: _Fold) ->
         record.hooks.append(scope.register_forward_hook(functools.partial(_stop_reading, hs), always_call=True))
 
 
-def _norm_modules(root: nn.Module, plan: Plan, info: GraphInfo) -> list[nn.Module]:
-    """The nn.LayerNorm module of each swapped norm; a norm with none is kept, with the reason.
+def _swap_refusal(root: nn.Module, info: GraphInfo, name: str, swaps: frozenset) -> Optional[str]:
+    """Why folded norm `name` has no nn.LayerNorm module to swap (None: it has one).
 
     A LayerNorm module swaps only when every call of it in the graph folds; an F.layer_norm in
     some module's forward has no module to swap (its stream is still centered: it stays exact)."""
-    calls: dict[int, list[str]] = {}
-    modules: dict[int, nn.Module] = {}
-    for name, node in info.nodes.items():
-        if node.op == "call_function" and "layer_norm" in str(node.target):
-            m = _scope(root, node)
-            if m is not None:
-                calls.setdefault(id(m), []).append(name)
-                modules[id(m)] = m
-    swaps = set(plan.swaps)
-    out: dict[int, nn.Module] = {}
-    verdicts = {n.name: n for n in plan.report.norms}
-    for name in plan.swaps:
-        m = _scope(root, info.nodes[name])
-        if m is None or not isinstance(m, nn.LayerNorm) or type(m).forward is not nn.LayerNorm.forward:
-            where = "" if m is None else f" in `{type(m).__name__}.forward`"
-            what = "a LayerNorm written as several ops" if name in info.decomposed else "a functional layer_norm"
-            reason = f"no nn.LayerNorm module to swap ({what}{where}); its stream is centered"
-        elif not set(calls[id(m)]) <= swaps:
-            reason = "its nn.LayerNorm module is also called where the stream cannot be folded"
-        else:
-            out[id(m)] = m
-            continue
-        verdicts[name].verdict, verdicts[name].reason = "keep", reason
-    if not out:
-        raise NothingToFold(f"no nn.LayerNorm module can be swapped; first: {plan.report.norms[0].reason}")
-    return list(out.values())
+    m = _scope(root, info.nodes[name])
+    if m is None or not isinstance(m, nn.LayerNorm) or type(m).forward is not nn.LayerNorm.forward:
+        where = "" if m is None else f" in `{type(m).__name__}.forward`"
+        what = "a LayerNorm written as several ops" if name in info.decomposed else "a functional layer_norm"
+        return f"no nn.LayerNorm module to swap ({what}{where}); its stream is centered"
+    calls = [n for n, node in info.nodes.items()
+             if node.op == "call_function" and "layer_norm" in str(node.target) and _scope(root, node) is m]
+    if not set(calls) <= swaps:
+        return "its nn.LayerNorm module is also called where the stream cannot be folded"
+    return None
 
 
 def is_folded(module: nn.Module) -> bool:

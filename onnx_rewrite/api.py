@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import time
 import warnings
 from typing import Callable, Optional
 
@@ -14,17 +13,18 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
-from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
-from ..passes.defer import ORT_CPU, add_weight_edits, plan_deferral
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
+from ..passes.request import PlanRequest
 
-from . import read, subgraphs, validate
+from . import read, subgraphs, targets, validate, write
 from . import verify as verification
 from .classify import GraphInfo, build_view
-from .emit import Emitter, fuses_residual
+from .emit import Emitter
 from .norms import const_values, rms_norms
 from .shapes import infer_shapes
+from .targets import Target
 from .write import is_large
 
 # New constants at least this big are exported without a second copy (see _export).
@@ -33,7 +33,6 @@ _PLAIN_DTYPES = {np.dtype(d): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(d)) 
     np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
     np.uint64, np.bool_)}
 Progress = Optional[Callable[[str], None]]
-_RMS_OPSET = 23  # RMSNormalization
 
 
 @contextlib.contextmanager
@@ -47,11 +46,6 @@ def _graphsurgeon_errors_only():
         yield
     finally:
         logger.severity = before
-
-
-def _stage(progress: Progress, msg: str) -> None:
-    if progress is not None:
-        progress(msg)
 
 
 def stderr_progress(msg: str) -> None:
@@ -80,20 +74,80 @@ def _as_model(model) -> onnx.ModelProto:
     return model
 
 
-def _analyze(model: onnx.ModelProto, mode: str, defer: str = "off", fuse_residual: bool = False):
-    opset = validate.check_opset(model)
-    validate.check_graph(model)
-    validate.check_tensors(model)
-    shapes = infer_shapes(model)
-    graph = _import(model)
-    info = GraphInfo(graph, shapes)
-    view, matches = build_view(info, opset)
-    scopes = subgraphs.inline_branches(model, graph, view, opset)  # If branches: one view with the main graph
-    plan = make_plan(view, mode, zero=lambda name: _all_zero(info, name), fuse_residual=fuse_residual)
-    # onnxruntime runs the row scale as its own Mul on every target: one cost model for all
-    plan.deferral = plan_deferral(view, plan, defer, ORT_CPU)
-    add_weight_edits(view, plan, plan.deferral)
-    return graph, info, opset, matches, plan, scopes
+class OnnxFrontend:
+    """The ONNX frontend in the pipeline (passes/pipeline.py): a model in, a folded model out,
+    verified in memory, or from the files written for `output` (the CLI; models over 2 GB)."""
+
+    def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs=None, dims=None,
+                 progress: Progress = None, output=None, source=None) -> None:
+        self.model, self.opts, self.target = model, opts, target
+        self.inputs, self.dims, self.progress = inputs, dims, progress
+        self.output, self.source = output, source  # write to `output`, verify against the file `source`
+        self.work = model  # read, never written: graphsurgeon builds a new proto on export
+
+    def view(self) -> View:
+        need = self.target.opset
+        if need and validate.check_opset(self.work) < need:
+            pipeline.stage(self.progress, f"converting to opset {need} for {self.target.norm_op}")
+            try:
+                self.work = version_converter.convert_version(self.work, need)
+            except Exception as e:  # the converter raises bare RuntimeErrors
+                raise LnfoldError(f"--target {self.target.name} needs opset {need}; converting failed: "
+                                  f"{str(e).splitlines()[0]}") from None
+        model = self.work
+        self.opset = validate.check_opset(model)
+        validate.check_graph(model)
+        validate.check_tensors(model)
+        shapes = infer_shapes(model)
+        self.graph = _import(model)
+        self.info = GraphInfo(self.graph, shapes)
+        view, self.matches = build_view(self.info, self.opset)
+        # If branches: one view with the main graph
+        self.scopes = subgraphs.inline_branches(model, self.graph, view, self.opset)
+        return view
+
+    def request(self) -> PlanRequest:
+        return PlanRequest(self.opts.mode, self.opts.defer, self.target.capabilities(),
+                           zero=lambda name: _all_zero(self.info, name))
+
+    def check(self, plan: Plan) -> None:
+        if not plan.report.norms:
+            raise NothingToFold(validate.no_norm_message(self.work) + plan.report.near_miss_hint())
+        if plan.empty:
+            raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
+
+    def apply(self, plan: Plan) -> onnx.ModelProto:
+        emitter = Emitter(self.graph, self.info, self.opset, self.target)
+        if self.scopes:
+            subgraphs.apply(plan, emitter, self.matches, self.scopes,
+                            lambda g, i: Emitter(g, i, self.opset, self.target))
+        else:
+            emitter.apply(plan, self.matches)
+        return _export(self.graph, self.work)
+
+    def emit(self, folded: onnx.ModelProto):
+        if self.output is None:
+            return pipeline.in_memory(folded)
+        pipeline.stage(self.progress, f"saving {self.output}")
+        return write.staged(folded, self.output)
+
+    def verify(self, plan: Plan, artifact):
+        if self.output is not None:  # the files just written, against the input's
+            pipeline.stage(self.progress, "verifying in onnxruntime")
+            return check_equivalent(self.source, artifact, inputs=self.inputs, dims=self.dims)
+        if is_large(artifact):  # over protobuf's 2 GB: onnxruntime needs files (fold_model(output=...))
+            return None
+        pipeline.stage(self.progress, "verifying")
+        return check_equivalent(self.model, artifact, inputs=self.inputs, dims=self.dims)
+
+    def result(self, plan: Plan, folded: onnx.ModelProto) -> FoldResult:
+        return FoldResult(report=plan.report, model=folded)
+
+
+def _analyze(model: onnx.ModelProto, mode: str):
+    frontend = OnnxFrontend(model, FoldOptions(mode=mode), targets.resolve("ort", "cpu"))
+    _, plan = pipeline.plan(frontend, make_plan)
+    return frontend.graph, frontend.info, frontend.opset, frontend.matches, plan, frontend.scopes
 
 
 def _all_zero(info: GraphInfo, name: str) -> bool:
@@ -109,13 +163,6 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
         report = _analyze(model, opts.mode)[4].report
     report.rms_norms = rms_norms(model)  # a folded model's: listed as already RMSNorm
     return report
-
-
-def _check_plan(plan: Plan, model: onnx.ModelProto) -> None:
-    if not plan.report.norms:
-        raise NothingToFold(validate.no_norm_message(model) + plan.report.near_miss_hint())
-    if plan.empty:
-        raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
 
 def fold_model(
@@ -134,8 +181,8 @@ def fold_model(
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
     `mode`, `defer` and `verify` mean what they mean for `fold_module` (passes/options.py checks
-    all options). `target` picks the emission ("ort", "onnx", "portable"); `device` picks
-    onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
+    them). `target` picks the emission ("ort", "onnx", "portable"; onnx_rewrite/targets.py);
+    `device` picks onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
     SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
     Verification runs the original, the folded model and a float64 copy of the original on the
@@ -152,54 +199,38 @@ def fold_model(
     (benchmarks/RESULTS.md); "auto" asks the traffic cost model per norm.
 
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
-    model is less exact than the original allows. Models over 2 GB are verified by the CLI from
-    files (`verify` is ignored for them here). `verify_outputs` is the old name of `verify`.
+    model is less exact than the original allows. Models over 2 GB are verified by `fold_file`
+    from the files it writes (`verify` is ignored for them here). `verify_outputs` is the old
+    name of `verify`.
     """
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
         verify = verify_outputs
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify, target=target, device=device)
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify)
+    tgt = targets.resolve(target, device)
     model = _as_model(model)
-    with _graphsurgeon_errors_only():
-        return _fold(model, opts, inputs, dims, progress)
-
-
-def _fold(model: onnx.ModelProto, opts: FoldOptions, inputs, dims, progress: Progress) -> FoldResult:
     if opts.verify:  # bad inputs or dims are the user's error: say so before any work
         inputs, dims = check_verify_args(model, inputs, dims)
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    work = model  # read, never written: graphsurgeon builds a new proto on export
-    if opts.target == "onnx" and validate.check_opset(work) < _RMS_OPSET:
-        _stage(progress, f"converting to opset {_RMS_OPSET} for RMSNormalization")
-        try:
-            work = version_converter.convert_version(work, _RMS_OPSET)
-        except Exception as e:  # the converter raises bare RuntimeErrors
-            raise LnfoldError(f"--target onnx needs opset {_RMS_OPSET}; converting failed: {str(e).splitlines()[0]}") from None
+    return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress), progress)
 
-    _stage(progress, "analyzing")
-    graph, info, opset, matches, plan, scopes = _analyze(work, opts.mode, opts.defer,
-                                                         fuses_residual(opts.target, opts.device))
-    _check_plan(plan, work)
-    timings["analysis"] = time.perf_counter() - t0
 
-    _stage(progress, f"editing ({len(plan.swaps)} norms, {len(plan.const_edits)} constants)")
-    t1 = time.perf_counter()
-    emitter = Emitter(graph, info, opset, opts.target)
-    if scopes:
-        subgraphs.apply(plan, emitter, matches, scopes, lambda g, i: Emitter(g, i, opset, opts.target))
-    else:
-        emitter.apply(plan, matches)
-    out = _export(graph, work)
-    timings["editing"] = time.perf_counter() - t1
+def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str = "off", verify: bool = True,
+              target: str = "ort", device: str = "cpu", inputs=None, dims: Optional[dict] = None,
+              progress: Progress = None) -> FoldResult:
+    """`fold_model` of `model` (loaded from the file `src`), written to `dst` atomically: the
+    written files are verified against `src` (any size: onnxruntime reads them) and published
+    only when verification passes (the `lnfold fold` command)."""
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify)
+    tgt = targets.resolve(target, device)
+    if opts.verify:
+        inputs, dims = check_verify_args(model, inputs, dims)
+    return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src),
+                 progress)
 
-    result = FoldResult(report=plan.report, model=out, timings=timings)
-    if opts.verify and not is_large(out):
-        _stage(progress, "verifying")
-        t2 = time.perf_counter()
-        record(result, check_equivalent(model, out, inputs=inputs, dims=dims))
-        timings["verification"] = time.perf_counter() - t2
-    return result
+
+def _fold(frontend: OnnxFrontend, progress: Progress) -> FoldResult:
+    with _graphsurgeon_errors_only():
+        return pipeline.fold(frontend, verify=frontend.opts.verify, planner=make_plan, progress=progress)
 
 
 def check_verify_args(model: onnx.ModelProto, inputs, dims) -> tuple[Optional[dict], Optional[dict]]:
@@ -220,12 +251,6 @@ def check_equivalent(original, folded, *, inputs=None, dims=None):
     if not verdict.ok:
         raise VerificationError(verdict.message())
     return verdict
-
-
-def record(result: FoldResult, verdict) -> None:
-    result.max_rel_err = verdict.diff
-    result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
-    result.criterion = verdict.criterion
 
 
 def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..passes import LnfoldError, VerificationError
-from ..passes.options import DEFER_POLICIES, DEVICES, MODES, TARGETS
+from ..passes import LnfoldError, VerificationError, gate
+from ..passes.options import DEFER_POLICIES, MODES
+from .targets import DEVICES, names as target_names
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
     f.add_argument("-o", "--output", required=True, help="where to write the folded model")
     f.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
-    f.add_argument("--target", choices=TARGETS, default="ort", help=_TARGET_HELP)
+    f.add_argument("--target", choices=target_names(), default="ort", help=_TARGET_HELP)
     f.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
                         "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
@@ -112,10 +113,9 @@ def _progress_for(path: Path):
 
 
 def cmd_fold(args) -> int:
-    from .api import check_equivalent, check_verify_args, fold_model, record
+    from .api import fold_file
     from .inputs import parse_dims
     from .read import load
-    from .write import save
 
     src, dst = Path(args.input), Path(args.output)
     if dst.exists() and dst.is_dir():
@@ -138,25 +138,8 @@ def cmd_fold(args) -> int:
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
-    feeds, dims = (None, None) if args.no_verify else check_verify_args(model, args.inputs, parse_dims(args.dim))
-    result = fold_model(model, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
-                        verify=False, progress=progress)
-    del model  # the folded model shares nothing we still need; free the original's weights
-
-    def check(tmp: Path) -> None:
-        if args.no_verify:
-            return
-        if progress:
-            progress("verifying in onnxruntime")
-        nonlocal verdict
-        verdict = check_equivalent(src, tmp, inputs=feeds, dims=dims)
-        record(result, verdict)
-
-    verdict = None
-
-    if progress:
-        progress(f"saving {dst}")
-    save(result.model, dst, check=check)
+    result = fold_file(src, model, dst, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
+                       verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim), progress=progress)
     elapsed = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"output": str(dst), "target": args.target, "report": result.report.to_dict(),
@@ -167,10 +150,15 @@ def cmd_fold(args) -> int:
         return 0
     print(result.report.table())
     ver = "skipped (--no-verify)" if args.no_verify else \
-        f"max relative output difference {result.max_rel_err:.2e}; {verdict.summary()}"
+        f"max relative output difference {result.max_rel_err:.2e}; {_summary(result)}"
     print(f"\nlnfold: verification: {ver}")
     print(f"lnfold: wrote {dst} (target {args.target}) in {elapsed:.2f} s")
     return 0
+
+
+def _summary(result) -> str:
+    return gate.Verdict(True, result.criterion, result.max_rel_err, result.exact_err,
+                        result.original_exact_err).summary()
 
 
 def cmd_report(args) -> int:

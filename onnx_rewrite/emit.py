@@ -1,10 +1,8 @@
 """Apply a fold plan to an onnx-graphsurgeon graph and emit the RMSNorms for one target.
 
-Targets (DESIGN §3):
-- ``ort``: onnxruntime's `SimplifiedLayerNormalization` (contrib op), and on CUDA
-  `SkipSimplifiedLayerNormalization` where the plan fuses the residual Add that feeds a norm;
-- ``onnx``: the standard `RMSNormalization` (opset 23);
-- ``portable``: primitive ops any runtime runs.
+Targets (onnx_rewrite/targets.py, DESIGN §3): a target's norm op where it has one
+(`SimplifiedLayerNormalization`, `RMSNormalization`), `SkipSimplifiedLayerNormalization` where
+the plan fuses the residual Add that feeds a norm, else primitive ops any runtime runs.
 The emitter only executes the plan: where β goes (an Add after the norm, or the readers'
 biases: passes/beta.py), which Muls by ones go, which norms fuse with their residual Add are the
 plan's decisions.
@@ -18,7 +16,6 @@ import onnx_graphsurgeon as gs
 from ..passes import Plan, compute_constants
 from ..passes.defer import compute_biases
 from ..passes.edits import Ones
-from ..passes.options import TARGETS, check_choice
 
 from . import fused
 from . import defer as deferred_norm
@@ -26,20 +23,11 @@ from . import crms
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, is_constant
 from .subgraphs import SEP as SCOPE_SEP
-
-
-def fuses_residual(target: str, device: str) -> bool:
-    """Whether the plan should fuse residual Adds with the norms after them (make_plan's option).
-
-    onnxruntime's fused residual+norm kernel (SkipSimplifiedLayerNormalization) is slower on CPU
-    than Add + SimplifiedLayerNormalization (benchmarks/RESULTS.md, op table); on CUDA one
-    memory-bound kernel is the usual win. Fuse only for CUDA."""
-    return target == "ort" and device == "cuda"
+from .targets import Target
 
 
 class Emitter:
-    def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: str) -> None:
-        check_choice("target", target, TARGETS)
+    def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: Target) -> None:
         self.graph = graph
         self.info = info
         self.opset = opset
@@ -177,11 +165,8 @@ class Emitter:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
         elif fuse_residual:
             self._fuse_residual(x, gamma, normed, m.epsilon)
-        elif self.target == "ort" and last:
-            self.node("SimplifiedLayerNormalization", [x, gamma], [normed], axis=-1,
-                      epsilon=float(m.epsilon), stash_type=1)
-        elif self.target == "onnx" and last:
-            self.node("RMSNormalization", [x, gamma], [normed], axis=-1, epsilon=float(m.epsilon), stash_type=1)
+        elif self.target.norm_op and last:
+            self._norm_op(x, gamma, normed, m.epsilon)
         else:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
         if beta is not None:
@@ -244,12 +229,13 @@ class Emitter:
             self.node("SkipSimplifiedLayerNormalization", ins, outs, domain="com.microsoft", epsilon=float(eps))
             return
         s = self.residual_sum(x, skip, bias, summed, name)
-        if self.target == "onnx":
-            self.node("RMSNormalization", [s, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)
-        elif self.target == "ort":
-            self.node("SimplifiedLayerNormalization", [s, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)
+        if self.target.norm_op:
+            self._norm_op(s, gamma, out, eps)
         else:
             self._portable_rms(s, gamma, out, rank - 1, eps, name, rank)
+
+    def _norm_op(self, x, gamma, out, eps: float) -> None:
+        self.node(self.target.norm_op, [x, gamma], [out], axis=-1, epsilon=float(eps), stash_type=1)
 
     def _fuse_residual(self, x: gs.Tensor, gamma, out, eps: float) -> None:
         """Add(a, b) -> norm becomes SkipSimplifiedLayerNormalization(a, b), its sum output kept

@@ -188,14 +188,13 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
         # the scope's share of the plan, in its own graph's names
         mine = (lambda n: not any(s.owns(n) for s in scopes)) if sc is None else sc.owns
         local = (lambda n: n) if sc is None else sc.local
-        part = Plan(mode=plan.mode)
-        part.swaps = [local(n) for n in plan.swaps if mine(n)]
-        part.recenters = [replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)]
-        part.betas = {local(n): b for n, b in plan.betas.items() if mine(n)}
-        part.fuse_residual = [local(n) for n in plan.fuse_residual if mine(n)]
-        if sc is None:  # deferred and CRMS norms are main-graph norms (branch ops offer neither)
-            part.deferral, part.compressions = plan.deferral, plan.compressions
-            part.new_biases, part.origins = plan.new_biases, plan.origins
+        main = {} if sc is not None else dict(  # deferred and CRMS norms are main-graph norms (branch
+            deferral=plan.deferral, compressions=plan.compressions,  # ops offer neither)
+            new_biases=plan.new_biases, origins=plan.origins)
+        part = Plan(mode=plan.mode, swaps=tuple(local(n) for n in plan.swaps if mine(n)),
+                    recenters=tuple(replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)),
+                    betas={local(n): b for n, b in plan.betas.items() if mine(n)},
+                    fuse_residual=tuple(local(n) for n in plan.fuse_residual if mine(n)), **main)
         em.apply(part, matches if sc is None else sc.matches)
 
 

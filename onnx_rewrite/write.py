@@ -5,11 +5,12 @@ lazy load left in the input's data file (onnx_rewrite/read.py) are copied from t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import onnx
 from onnx.external_data_helper import _get_all_tensors
@@ -60,12 +61,19 @@ def is_large(model: onnx.ModelProto) -> bool:
     return model.ByteSize() + external > _PROTO_LIMIT
 
 
-def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None,
-         check: Callable[[Path], None] | None = None) -> None:
-    """Write `model` to `path` atomically; weights go to `<name>.data` beside it when large.
+def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None) -> None:
+    """Write `model` to `path` atomically (see `staged`)."""
+    with staged(model, path, external=external):
+        pass
 
-    Everything is written into a temporary folder beside the target, handed to `check` (which
-    may raise to refuse it) and only then renamed into place, so an error, a failed check or an
+
+@contextlib.contextmanager
+def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None) -> Iterator[Path]:
+    """Write `model` for `path` atomically; weights go to `<name>.data` beside it when large.
+
+    Everything is written into a temporary folder beside the target, whose model file the block
+    receives (to verify it from files: the pipeline's check of a model over 2 GB), and only
+    renamed into place when the block exits without an error, so an error, a failed check or an
     interrupt never leaves a half-written model. Saving with external data empties `model`'s
     in-memory weights (they move to the data file, one tensor at a time). Weights a lazy load
     left in the input's data file are copied from there, in chunks, or read in when the output
@@ -90,8 +98,7 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | No
             onnx.save_model(model, str(target))
         else:
             _write_inline(model, target)
-        if check is not None:
-            check(target)
+        yield target
         # (below onnx's size threshold every tensor stays inside the model: no weights file)
         _publish(tmp, target, p, out_dir / location if wrote_data else None)
     except OSError as e:

@@ -5,6 +5,7 @@ Nothing here imports torch.fx or onnx (DESIGN §2).
 from .analysis import Component, analyze
 from .errors import LnfoldError, NothingToFold, VerificationError
 from .edits import compute_constants
+from . import pipeline
 from .options import FoldOptions
 from .plan import Plan, make_plan
 from .report import NormVerdict, Report

@@ -6,20 +6,21 @@ of `y` is a linear layer with a constant weight, `W y + b = r(x) · ((W·diag γ
 (and β) go into the readers' constants, and the per-row scale `r(x)` is applied to each reader's
 *product*, before its bias. No normalized tensor is written; instead each reader's output rows are
 multiplied once — cheaper only where that multiply rides in the GEMM's epilogue or the outputs
-are narrow. `plan_deferral` decides (pure, on the view), `add_weight_edits` puts the γ folds into
-the plan (float64, cast once, with the other constant edits), `compute_biases` gives `W β + b`.
+are narrow. `plan_deferral` decides (pure, on the view), `gamma_edits` are the γ folds make_plan
+adds to the plan (float64, cast once, with the other constant edits), `compute_biases` gives `W β + b`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
 from . import weights
 from .edits import ConstEdit, Scale
+from .frozen import FrozenList
 from .options import DEFER_POLICIES, check_choice
-from .plan import Plan
 from .readers import LinearReader, linear_readers
 from .view import ConstRef, View
 
@@ -52,7 +53,7 @@ INDUCTOR_CPU = Costs(epilogue_fused=False)
 EAGER = Costs(epilogue_fused=False)  # eager torch runs every op as a kernel of its own
 
 
-@dataclass
+@dataclass(frozen=True)
 class Deferral:
     norm: str
     x: str  # the norm's input value (the stream)
@@ -64,32 +65,34 @@ class Deferral:
     readers: list[LinearReader] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeferDecision:
-    deferred: list[Deferral] = field(default_factory=list)
-    reasons: dict[str, str] = field(default_factory=dict)  # folded norm -> why it is not deferred
+    deferred: list[Deferral] = field(default_factory=FrozenList)
+    reasons: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))  # folded norm -> why not deferred
 
 
-def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = ORT_CPU) -> DeferDecision:
-    """Which folded norms of `plan` to emit deferred, and for each other one why not."""
+def plan_deferral(view: View, plan, policy: str = "auto", costs: Costs = ORT_CPU) -> DeferDecision:
+    """Which folded norms of `plan` (its swaps, constant edits and compressions so far) to emit
+    deferred, and for each other one why not. make_plan asks it; it changes nothing."""
     check_choice("defer policy", policy, DEFER_POLICIES)
-    decision = DeferDecision()
     if policy == "off":
-        return decision
+        return DeferDecision()
+    deferred: list[Deferral] = []
+    reasons: dict[str, str] = {}
     edited = {u for e in plan.const_edits for u in e.users}
     crms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
     for name in plan.swaps:
         if name in crms:  # its readers' weights absorb γ, β and the decompression already
-            decision.reasons[name] = "it is emitted as CRMSNorm (mode crms)"
+            reasons[name] = "it is emitted as CRMSNorm (mode crms)"
             continue
         node = view.nodes[name]
         spec = node.norm
         x, y = node.inputs[spec.input], node.outputs[0]
         for what, val in (("γ", spec.gamma), ("β", spec.beta)):
             if val is not None and not view.values[val].is_const:
-                decision.reasons[name] = f"its {what} `{val}` is not a constant"
+                reasons[name] = f"its {what} `{val}` is not a constant"
                 break
-        if name in decision.reasons:
+        if name in reasons:
             continue
         rank = view.values[y].rank
         readers, why = linear_readers(view, y, spec.axis, products_only=True)
@@ -105,39 +108,26 @@ def plan_deferral(view: View, plan: Plan, policy: str = "auto", costs: Costs = O
             if shared:
                 why = f"the weight of `{shared[0].node}` is also edited by the fold (it writes into a stream)"
         if why is not None:
-            decision.reasons[name] = why
+            reasons[name] = why
             continue
         d = view.values[x].shape[-1] if view.values[x].shape else None
         widths = [r.out_width for r in readers]
         if policy == "auto":
             if not isinstance(d, int) or any(w is None for w in widths):
-                decision.reasons[name] = "cost model: feature sizes unknown"
+                reasons[name] = "cost model: feature sizes unknown"
                 continue
-            rms, deferred = costs.rms(d), costs.deferred(d, widths)
-            if deferred >= rms:
-                decision.reasons[name] = (f"cost model: deferring moves {deferred:g} elements per row against "
-                                          f"the RMS op's {rms:g} (row scale over {sum(widths)} output features, "
-                                          f"not fused into the GEMM)")
+            rms, moved = costs.rms(d), costs.deferred(d, widths)
+            if moved >= rms:
+                reasons[name] = (f"cost model: deferring moves {moved:g} elements per row against "
+                                 f"the RMS op's {rms:g} (row scale over {sum(widths)} output features, "
+                                 f"not fused into the GEMM)")
                 continue
-        decision.deferred.append(Deferral(name, x, y, spec.axis, spec.gamma, spec.beta, spec.epsilon, readers))
-    for d in decision.deferred:  # the deferred emission puts β (W β + b) after the row scale itself
-        plan.keep_beta(d.norm, "into the bias of " + ", ".join(f"`{r.node}`" for r in d.readers) + " (deferred)"
-                       if d.beta else "")
-        if d.norm in plan.fuse_residual:
-            plan.fuse_residual.remove(d.norm)
-            for s in plan.report.streams:
-                if d.norm in s.fused:
-                    s.fused.remove(d.norm)
-    for v in plan.report.norms:
-        if v.name in decision.reasons:
-            v.defer_reason = decision.reasons[v.name]
-        elif any(d.norm == v.name for d in decision.deferred):
-            v.deferred = True
-    return decision
+        deferred.append(Deferral(name, x, y, spec.axis, spec.gamma, spec.beta, spec.epsilon, FrozenList(readers)))
+    return DeferDecision(FrozenList(deferred), MappingProxyType(reasons))
 
 
-def add_weight_edits(view: View, plan: Plan, decision: DeferDecision) -> None:
-    """γ folded into each reader's weight (`W·diag γ`), as constant edits of the plan."""
+def gamma_edits(view: View, decision: DeferDecision) -> list[ConstEdit]:
+    """γ folded into each reader's weight (`W·diag γ`), as constant edits (the plan's)."""
     wanted: dict[tuple, list[tuple[str, int]]] = {}
     for d in decision.deferred:
         if d.gamma is None:
@@ -146,10 +136,12 @@ def add_weight_edits(view: View, plan: Plan, decision: DeferDecision) -> None:
         for r in d.readers:
             key = (r.weight.value, (Scale(d.gamma, g_rank - 1, r.weight.axis),))
             wanted.setdefault(key, []).append((r.weight.user, r.weight.user_input))
+    edits = []
     for (value, ops), users in wanted.items():
         users = sorted(set(users))
         clone = set(view.values[value].consumers) != set(users)
-        plan.const_edits.append(ConstEdit(value, ops, users, clone))
+        edits.append(ConstEdit(value, ops, FrozenList(users), clone))
+    return edits
 
 
 def compute_biases(decision: DeferDecision, get_array: Callable[[str], np.ndarray],

@@ -74,11 +74,11 @@ def op_sources(op) -> list[str]:
     return []
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConstEdit:
     value: str
     ops: tuple  # of Op, applied left to right to the original array
-    users: list[tuple[str, int]]  # (node, input index) that must read the edited tensor
+    users: tuple[tuple[str, int], ...]  # (node, input index) that must read the edited tensor
     clone: bool  # other readers exist: write a new constant and rewire `users` to it
     new_name: str = ""  # the name of the clone (or of the edited constant when not cloned)
 
@@ -86,13 +86,13 @@ class ConstEdit:
         return [self.value] + [n for op in self.ops for n in op_sources(op)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Recenter:
     value: str
     axis: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class NewBias:
     """A linear reader with no bias absorbs a CRMS norm's β: add `W β` after `node`."""
 

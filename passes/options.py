@@ -2,7 +2,8 @@
 
 Both frontends (`fold_onnx`, `fold_module`, `fold_for_training`) and the torch.compile backend
 build a `FoldOptions` from their keywords: a bad value is the same one-line `LnfoldError`
-wherever it is given. The verification tolerances per dtype are passes/gate.py's; nothing else
+wherever it is given. What a frontend emits (ONNX targets and devices, the torch `norm=`) is the
+frontend's to name and check, with `check_choice` (onnx_rewrite/targets.py, fx_rewrite/api.py). The verification tolerances per dtype are passes/gate.py's; nothing else
 holds a copy.
 """
 from __future__ import annotations
@@ -13,9 +14,6 @@ from .errors import LnfoldError
 
 MODES = ("rms", "crms")  # RMSNorm, or CRMSNorm with the stream compressed to d-1 features
 DEFER_POLICIES = ("auto", "on", "off")  # deferred normalization (passes/defer.py)
-TARGETS = ("ort", "onnx", "portable")  # the ONNX emissions (onnx_rewrite/emit.py)
-DEVICES = ("cpu", "cuda")  # where the ort target runs
-NORMS = ("auto", "rms_norm", "layer_norm")  # the norm a torch module folded for eager runs calls
 
 
 def check_choice(what: str, value, allowed: tuple) -> str:
@@ -27,22 +25,15 @@ def check_choice(what: str, value, allowed: tuple) -> str:
 
 @dataclass(frozen=True)
 class FoldOptions:
-    """What a fold was asked to do. Each frontend reads the fields it has a use for:
-    `target` and `device` are the ONNX frontend's, `norm` the torch frontend's."""
+    """What any fold was asked to do (the frontend-neutral options)."""
 
     mode: str = "rms"
     defer: str = "off"
     verify: bool = True
-    target: str = "ort"
-    device: str = "cpu"
-    norm: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         check_choice("defer policy", self.defer, DEFER_POLICIES)
-        check_choice("target", self.target, TARGETS)
-        check_choice("device", self.device, DEVICES)
-        check_choice("norm", self.norm, NORMS)
         if self.verify not in (True, False):
             raise LnfoldError(f"verify must be True or False, got {self.verify!r}")
         object.__setattr__(self, "verify", bool(self.verify))

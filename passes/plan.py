@@ -1,48 +1,70 @@
-"""The fold plan: every edit of the fold, derived from the analysis.
+"""The fold plan: every edit of the fold, derived from the analysis and the request.
 
-A plan is data, and it states every decision: which constants change and how (`ConstEdit`s,
-passes/edits.py), where β goes (`betas`, passes/beta.py), which streams get an explicit recenter,
-which Muls by ones disappear, which norms are fused with their residual Add. A frontend only
-executes it: it computes new constants with `edits.compute_constants` (which asks the frontend
-for the original arrays), writes them, rewires the readers of cloned constants, inserts
-recenters and swaps norms.
+`make_plan(view, request)` (passes/request.py says what a request holds) returns a final plan:
+frozen, its lists refusing changes. It is data, and it states every decision: which constants
+change and how (`ConstEdit`s, passes/edits.py), where β goes (`betas`, passes/beta.py), which
+streams get an explicit recenter, which Muls by ones disappear, which norms are fused with their
+residual Add, which are emitted deferred (`deferral`, passes/defer.py), whether the fold trains.
+A frontend only executes it: it computes new constants with `edits.compute_constants` (which
+asks the frontend for the original arrays), writes them, rewires the readers of cloned
+constants, inserts recenters and swaps norms.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from . import beta as betas
 from .analysis import Component, analyze
 from .beta import BetaFold
 from .compress import ComponentCompression, compress
+from .defer import DeferDecision, gamma_edits, plan_deferral
+from .frozen import FrozenList
 from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
                     Recenter, Scale)
-from .options import MODES, check_choice
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
+from .request import Capabilities, PlanRequest
 from .rules import kind_of
 from .view import View
 
 
-@dataclass
+def _frozen_dict() -> Mapping:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
 class Plan:
+    """The complete fold, as `make_plan` decided it; nothing assigns to it afterwards."""
+
     mode: str
-    const_edits: list[ConstEdit] = field(default_factory=list)
-    recenters: list[Recenter] = field(default_factory=list)
-    swaps: list[str] = field(default_factory=list)  # LayerNorm nodes to replace by RMSNorm
-    components: list[Component] = field(default_factory=list)
-    compressions: list[ComponentCompression] = field(default_factory=list)  # mode="crms"
-    new_biases: list[NewBias] = field(default_factory=list)
-    betas: dict[str, BetaFold] = field(default_factory=dict)  # folded RMS norm -> where its β goes
-    fuse_residual: list[str] = field(default_factory=list)  # norms emitted fused with the Add before them
-    drop_muls: list[str] = field(default_factory=list)  # Muls by a LayerScale now all ones: bypassed
+    const_edits: Sequence[ConstEdit] = FrozenList()
+    recenters: Sequence[Recenter] = FrozenList()
+    swaps: Sequence[str] = FrozenList()  # LayerNorm nodes to replace by RMSNorm
+    components: Sequence[Component] = FrozenList()
+    compressions: Sequence[ComponentCompression] = FrozenList()  # mode="crms"
+    new_biases: Sequence[NewBias] = FrozenList()
+    betas: Mapping[str, BetaFold] = field(default_factory=_frozen_dict)  # folded RMS norm -> where its β goes
+    fuse_residual: Sequence[str] = FrozenList()  # norms emitted fused with the Add before them
+    drop_muls: Sequence[str] = FrozenList()  # Muls by a LayerScale now all ones: bypassed
     report: Report = field(default_factory=Report)
-    deferral: Any = None  # a defer.DeferDecision, when a frontend asked for deferred norms
-    origins: dict[str, str] = field(default_factory=dict)  # view node -> its IR node, where they differ
+    deferral: DeferDecision = field(default_factory=DeferDecision)  # the norms emitted deferred (passes/defer.py)
+    origins: Mapping[str, str] = field(default_factory=_frozen_dict)  # view node -> its IR node, where they differ
+    training: bool = False  # the edited constants are trained: edits computed in the graph
+    unswapped: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
 
     @property
     def empty(self) -> bool:
         return not self.swaps
+
+    @property
+    def plain_rms(self) -> list[str]:
+        """The swapped norms emitted as a plain RMSNorm: neither CRMSNorms (exact only on their
+        compressed stream) nor deferred (no norm any more). Verification checks them as RMSNorms
+        where a frontend emits them as a LayerNorm on the centered stream."""
+        crms = {n for cc in self.compressions if cc.compressed for n in cc.norms}
+        deferred = {d.norm for d in self.deferral.deferred}
+        return FrozenList(n for n in self.swaps if n not in crms and n not in deferred)
 
     def origin(self, node: str) -> str:
         """The IR node that view node `node` stands for (a fused op's part: the op)."""
@@ -53,9 +75,35 @@ class Plan:
         bf = self.betas.get(norm)
         return bf is None or bf.emits_add
 
+
+@dataclass
+class _Draft:
+    """The plan while make_plan decides it (the same fields, mutable)."""
+
+    mode: str
+    const_edits: list[ConstEdit] = field(default_factory=list)
+    recenters: list[Recenter] = field(default_factory=list)
+    swaps: list[str] = field(default_factory=list)
+    components: list[Component] = field(default_factory=list)
+    compressions: list[ComponentCompression] = field(default_factory=list)
+    new_biases: list[NewBias] = field(default_factory=list)
+    betas: dict[str, BetaFold] = field(default_factory=dict)
+    fuse_residual: list[str] = field(default_factory=list)
+    drop_muls: list[str] = field(default_factory=list)
+    report: Report = field(default_factory=Report)
+    origins: dict[str, str] = field(default_factory=dict)
+
+    def freeze(self, **decided) -> Plan:
+        F = FrozenList
+        return Plan(mode=self.mode, const_edits=F(self.const_edits), recenters=F(self.recenters),
+                    swaps=F(self.swaps), components=F(self.components), compressions=F(self.compressions),
+                    new_biases=F(self.new_biases), betas=MappingProxyType(self.betas),
+                    fuse_residual=F(self.fuse_residual), drop_muls=F(self.drop_muls), report=self.report,
+                    origins=MappingProxyType(self.origins), **decided)
+
     def keep_beta(self, norm: str, note: str = "") -> None:
-        """Withdraw the β fold of `norm` (an emission that places β itself: deferred norms, the
-        module-level training fold): its bias edits go, β is the norm's own again."""
+        """Withdraw the β fold of `norm` (a deferred emission places β itself): its bias edits
+        go, β is the norm's own again."""
         for v in self.report.norms:
             if v.name == norm:
                 v.beta = note
@@ -67,28 +115,84 @@ class Plan:
         for e in self.const_edits:
             adds = {mine[u] for u in e.users if u in mine}
             if adds:
-                e.ops = tuple(op for op in e.ops if op not in adds)
+                e = replace(e, ops=tuple(op for op in e.ops if op not in adds))
             if e.ops:
                 kept.append(e)
         self.const_edits[:] = kept
 
 
-def make_plan(view: View, mode: str = "rms",
-              refuse: Optional[Callable[[Component], Optional[str]]] = None, *,
-              zero: Optional[Callable[[str], bool]] = None, fuse_residual: bool = False) -> Plan:
-    """The edits that fold every foldable component of `view`.
+def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **fields) -> Plan:
+    """The complete plan that folds every foldable component of `view`, as `request` asks
+    (passes/request.py; a mode name, or PlanRequest's fields as keywords, stand for a request).
 
-    `refuse(component)` lets a frontend keep a foldable component whose edits it cannot apply
-    (the module-level training fold edits parameters, not Python numbers in `forward`); it
-    returns the reason, which the report gives for each of the component's norms.
-    `zero(value)`: whether a constant is all zeros, where its values are fixed (a β of zeros
-    needs neither an Add nor a fold). `fuse_residual`: the target runs a residual Add and the
-    norm after it fastest as one op (onnxruntime's SkipSimplifiedLayerNormalization on CUDA).
+    Decided here, in order: which components fold (the analysis, and the frontend's refusals),
+    their constant edits and recenters, β (into the readers' biases or an Add), compression
+    (mode "crms"), the Muls that go, which norms the target fuses with their residual Add,
+    which norms are emitted deferred (and γ into their readers' weights), and whether the fold
+    trains (its edits then computed in the graph).
     """
-    check_choice("mode", mode, MODES)
+    if isinstance(request, str):
+        request = PlanRequest(mode=request, **fields)
+    elif request is None:
+        request = PlanRequest(**fields)
+    elif fields:
+        request = replace(request, **fields)
+    caps = request.target
+    mode = request.mode if caps.compresses else "rms"
+    plan = _draft(view, mode, request)
+    if mode != request.mode:
+        plan.report.notes.append(f"{caps.name} does not compress (CRMSNorm); folded norms are RMSNorms, "
+                                 "which compute the same values")
+    unswapped = _unswapped(plan, caps)
+    edited = [n for e in plan.const_edits for n in e.sources()]
+    training = request.trainable is not None and any(request.trainable(n) for n in edited)
+    # under autograd the graph computes its edited weights itself: no deferral there
+    deferral = plan_deferral(view, plan, "off" if training else request.defer, caps.costs)
+    _defer(view, plan, deferral)
+    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped)
+
+
+def _unswapped(plan: _Draft, caps: Capabilities) -> list[str]:
+    """The folded norms the target keeps (its stream stays centered), each reported with why."""
+    if caps.swap_refusal is None:
+        return FrozenList()
+    swaps = frozenset(plan.swaps)
+    verdicts = {v.name: v for v in plan.report.norms}
+    out = []
+    for name in plan.swaps:
+        reason = caps.swap_refusal(name, swaps)
+        if reason is not None:
+            verdicts[name].verdict, verdicts[name].reason = "keep", reason
+            out.append(name)
+    plan.swaps[:] = [n for n in plan.swaps if n not in out]
+    return FrozenList(out)
+
+
+def _defer(view: View, plan: _Draft, decision: DeferDecision) -> None:
+    """The deferred norms place β themselves (W β + b after the row scale) and fuse no Add;
+    γ goes into their readers' weights (constant edits, float64, cast once)."""
+    for d in decision.deferred:
+        plan.keep_beta(d.norm, "into the bias of " + ", ".join(f"`{r.node}`" for r in d.readers) + " (deferred)"
+                       if d.beta else "")
+        if d.norm in plan.fuse_residual:
+            plan.fuse_residual.remove(d.norm)
+            for s in plan.report.streams:
+                if d.norm in s.fused:
+                    s.fused.remove(d.norm)
+    for v in plan.report.norms:
+        if v.name in decision.reasons:
+            v.defer_reason = decision.reasons[v.name]
+        elif any(d.norm == v.name for d in decision.deferred):
+            v.deferred = True
+    plan.const_edits.extend(gamma_edits(view, decision))
+
+
+def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
+    """The edits of every foldable component: what the analysis and the request allow."""
+    refuse, zero, caps = request.refuse, request.zero, request.target
     components = analyze(view)
-    plan = Plan(mode=mode, components=components, report=Report(mode=mode),
-                origins={n.name: n.origin for n in view.nodes.values() if n.origin != n.name})
+    plan = _Draft(mode=mode, components=components, report=Report(mode=mode),
+                  origins={n.name: n.origin for n in view.nodes.values() if n.origin != n.name})
 
     verdicts: dict[str, NormVerdict] = {}
     stream_readers: list[set[str]] = []  # per reported stream: the nodes reading its edited constants
@@ -122,7 +226,7 @@ def make_plan(view: View, mode: str = "rms",
         if cc is not None:
             plan.compressions.append(cc)
         shrink = cc is not None and cc.compressed
-        if not shrink:  # (CRMS: β goes with γ into the compressed readers, below)
+        if not shrink and caps.folds_beta:  # (CRMS: β goes with γ into the compressed readers, below)
             for n in comp.norms:
                 bf = plan.betas[n] = betas.decide(view, n, zero)
                 for b, add in bf.edits:
@@ -158,9 +262,10 @@ def make_plan(view: View, mode: str = "rms",
                 else:
                     plan.new_biases.append(NewBias(a.node, add, w.value, w))
 
-    for nb in plan.new_biases:  # W β joins the reader's output: it takes the source edits too
-        w = nb.weight
-        nb.then = tuple(_drop_axis(op, w.axis) for op in uses[(w.value, w.user, w.user_input)][1])
+    # W β joins the reader's output: it takes the source edits too
+    plan.new_biases[:] = [replace(nb, then=tuple(_drop_axis(op, nb.weight.axis) for op in
+                                                 uses[(nb.weight.value, nb.weight.user, nb.weight.user_input)][1]))
+                          for nb in plan.new_biases]
 
     wanted: dict[tuple, list[tuple[str, int]]] = {}
     for (value, user, idx), (reader_ops, source_ops) in uses.items():
@@ -169,7 +274,7 @@ def make_plan(view: View, mode: str = "rms",
         readers = set(view.values[value].consumers)
         users = sorted(set(users))
         clone = readers != set(users)
-        plan.const_edits.append(ConstEdit(value, ops, users, clone))
+        plan.const_edits.append(ConstEdit(value, ops, FrozenList(users), clone))
         if clone:
             others = sorted(readers - set(users))
             note = (f"`{value}`: also read by {view.nodes[others[0][0]].describe()}"
@@ -188,8 +293,8 @@ def make_plan(view: View, mode: str = "rms",
         if name in crms_norms:
             verdicts[name].beta = _crms_beta(view, crms_norms[name])
             continue
-        verdicts[name].beta = plan.betas[name].describe()
-        if fuse_residual and _fusable(view, name, plan):
+        verdicts[name].beta = plan.betas[name].describe() if name in plan.betas else ""
+        if caps.fuses_residual is not None and _fusable(view, name, plan, caps.fuses_residual):
             plan.fuse_residual.append(name)
             plan.report.streams[verdicts[name].stream].fused.append(name)
     for node in view.norms():
@@ -225,9 +330,9 @@ def _bypassable(view: View, name: str) -> bool:
             and view.values[data[0]].shape == out.shape)
 
 
-def _fusable(view: View, name: str, plan: Plan) -> bool:
-    """The norm reads, over its last axis, the sum of two equal-shaped rank-3 tensors (the
-    shape onnxruntime's fused residual kernel takes), which no recenter comes between."""
+def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]) -> bool:
+    """The norm reads, over its last axis, the sum of two equal-shaped tensors of a shape the
+    target fuses (`fuses(shape)`), which no recenter comes between."""
     node = view.nodes[name]
     spec = node.norm
     x = view.values[node.inputs[spec.input]]
@@ -246,7 +351,7 @@ def _fusable(view: View, name: str, plan: Plan) -> bool:
     shapes = [view.values[v].shape for v in add.inputs]
     if any(view.values[v].is_const for v in add.inputs) or shapes[0] is None or shapes[0] != shapes[1]:
         return False
-    return len(shapes[0]) == 3 and all(d is not None for d in shapes[0])
+    return fuses(tuple(shapes[0]))
 
 
 def _center(ref) -> Center:

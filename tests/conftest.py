@@ -43,12 +43,14 @@ def zoo_onnx():
 def missing_one_centering(make_plan, index=None):
     """`make_plan` with a planted bug: one centering edit (the middle one, or `index`) is dropped
     from every plan, so the tests can prove that verification catches a skipped centering."""
+    from dataclasses import replace
+
     from lnfold.passes.plan import Center
 
     def sabotaged(view, mode="rms", **kw):
         plan = make_plan(view, mode, **kw)
         centers = [e for e in plan.const_edits if isinstance(e.ops[-1], Center)]
-        plan.const_edits.remove(centers[len(centers) // 2 if index is None else index])
-        return plan
+        dropped = centers[len(centers) // 2 if index is None else index]
+        return replace(plan, const_edits=[e for e in plan.const_edits if e is not dropped])
 
     return sabotaged

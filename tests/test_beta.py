@@ -7,6 +7,8 @@ folding it must fail verification in both frontends.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -73,14 +75,11 @@ def _dropping_beta(make_plan):
     """`make_plan` with a planted bug: β is dropped (no Add) but the biases do not absorb it."""
     def sabotaged(view, mode="rms", *a, **kw):
         plan = make_plan(view, mode, *a, **kw)
-        dropped = 0
-        for e in plan.const_edits:
-            ops = tuple(op for op in e.ops if not isinstance(op, AddWeightTimes))
-            dropped += len(ops) != len(e.ops)
-            e.ops = ops
-        plan.const_edits[:] = [e for e in plan.const_edits if e.ops]
+        edits = [replace(e, ops=tuple(op for op in e.ops if not isinstance(op, AddWeightTimes)))
+                 for e in plan.const_edits]
+        dropped = sum(len(a.ops) != len(e.ops) for a, e in zip(edits, plan.const_edits))
         assert dropped and any(b.folded for b in plan.betas.values())
-        return plan
+        return replace(plan, const_edits=[e for e in edits if e.ops])
     return sabotaged
 
 
@@ -224,9 +223,10 @@ def test_backend_folds_beta_at_inference_and_in_training():
 
 def test_beta_decisions_on_a_hand_built_view():
     """passes/ alone (no onnx, no torch): ln1's only reader fc1 has a bias, so ln1's β goes into
-    it; ln_f's output is the graph's, so its β stays an Add; withdrawing the fold (a deferred
-    emission places β itself) removes the bias edit and gives the norm its Add back."""
+    it; ln_f's output is the graph's, so its β stays an Add; a target that keeps each norm's β
+    (the module-level training fold) gets no bias edit and the norm's Add."""
     from lnfold.passes import make_plan
+    from lnfold.passes.request import Capabilities
 
     from .test_passes import pre_ln
 
@@ -235,6 +235,6 @@ def test_beta_decisions_on_a_hand_built_view():
     assert plan.betas["ln_f"].why == "`ln_f.y` is a graph output" and plan.emits_beta_add("ln_f")
     assert [n.beta for n in plan.report.norms] == ["into the bias of Linear `fc1`",
                                                    "kept as an Add (`ln_f.y` is a graph output)"]
-    plan.keep_beta("ln1", "moved by the emitter")
-    assert "fc1.bias" not in {e.value for e in plan.const_edits} and plan.emits_beta_add("ln1")
-    assert plan.report.norms[0].beta == "moved by the emitter"
+    kept = make_plan(pre_ln(), target=Capabilities(folds_beta=False))
+    assert "fc1.bias" not in {e.value for e in kept.const_edits} and kept.emits_beta_add("ln1")
+    assert kept.report.norms[0].beta == ""

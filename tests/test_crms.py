@@ -4,6 +4,7 @@ random γ/β, so a missed centering, drop or decompression shows in the outputs.
 from __future__ import annotations
 
 import subprocess
+from dataclasses import replace
 import sys
 
 import numpy as np
@@ -131,10 +132,10 @@ def _sabotaged(kind):
 
     def plan_fn(view, mode="rms", **kw):
         plan = make_plan(view, mode, **kw)
-        for e in plan.const_edits:
+        for k, e in enumerate(plan.const_edits):
             if kind == "decompression" and any(isinstance(op, FoldDecompression) for op in e.ops):
-                e.ops = tuple(Drop(op.axis) if isinstance(op, FoldDecompression) else op for op in e.ops)
-                return plan
+                e = replace(e, ops=tuple(Drop(op.axis) if isinstance(op, FoldDecompression) else op for op in e.ops))
+                return replace(plan, const_edits=[*plan.const_edits[:k], e, *plan.const_edits[k + 1:]])
         raise AssertionError("no edit to sabotage")
 
     return plan_fn

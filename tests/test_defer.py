@@ -6,6 +6,8 @@ plus a floor. Planted bugs (γ not folded; one reader without its row scale) mus
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -59,9 +61,20 @@ def test_onnx_auto_follows_the_cost_model(zoo_onnx):
     assert not any(n.deferred for n in fold_model(model).report.norms)  # the default: off
 
 
+def _without_gamma_edits(make_plan):
+    """`make_plan` with a planted bug: the deferred norms' γ is not folded into their readers' weights."""
+    def sabotaged(view, *a, **kw):
+        plan = make_plan(view, *a, **kw)
+        gammas = {d.gamma for d in plan.deferral.deferred}
+        edits = [e for e in plan.const_edits if not (len(e.ops) == 1 and getattr(e.ops[0], "by", None) in gammas)]
+        assert plan.deferral.deferred and len(edits) < len(plan.const_edits)
+        return replace(plan, const_edits=edits)
+    return sabotaged
+
+
 def test_onnx_planted_bug_gamma_not_folded_fails(zoo_onnx, monkeypatch):
     _, _, model = zoo_onnx("gpt2")
-    monkeypatch.setattr(onnx_api, "add_weight_edits", lambda view, plan, decision: None)
+    monkeypatch.setattr(onnx_api, "make_plan", _without_gamma_edits(onnx_api.make_plan))
     with pytest.raises(VerificationError):
         fold_model(model, defer="on")
 
@@ -146,7 +159,7 @@ def test_backend_nonlinear_reader_is_not_deferred_with_reason():
 
 def test_backend_planted_bug_gamma_not_folded_fails(monkeypatch):
     module, args = zoo.gpt2()
-    monkeypatch.setattr(fx_backend, "add_weight_edits", lambda view, plan, decision: None)
+    monkeypatch.setattr(fx_backend, "make_plan", _without_gamma_edits(fx_backend.make_plan))
     with torch.no_grad(), pytest.raises(Exception) as err:  # Dynamo wraps a backend's exception
         _compile_eager(module, "on", verify=True)(*args)
     assert isinstance(getattr(err.value, "inner_exception", err.value), VerificationError)

@@ -11,6 +11,7 @@ yardstick is the plain fp32 run's own distance from a float64 run. The weights a
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import functools
 import json
 import os
@@ -120,10 +121,8 @@ def test_folded_streams_are_zero_mean_inside_forward():
 def test_planted_bug_rmsnorm_without_centering_trains_differently(monkeypatch, sabotage):
     """The RMSNorm swap is exact only on a centered stream: drop centerings from the plan and
     training leaves the original's; with verification on, the fold refuses and restores."""
-    def no_centering(view, mode="rms", refuse=None):
-        plan = make_plan(view, mode, refuse)
-        plan.const_edits.clear()
-        return plan
+    def no_centering(view, *a, **kw):
+        return replace(make_plan(view, *a, **kw), const_edits=[])
 
     make_plan = train_mod.make_plan
     monkeypatch.setattr(train_mod, "make_plan", missing_one_centering(make_plan) if sabotage == "one centering"

@@ -1,0 +1,111 @@
+"""What Dynamo hands the backend, made fit to fold: the parameters among the graph's inputs,
+a working copy of its graph, the scalars it specialized, concrete sizes for a run."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+
+def constant_inputs(gm: fx.GraphModule, example_inputs: list) -> dict[str, int]:
+    """Placeholders that hold parameters or buffers (name -> position), as Dynamo lifted them."""
+    out = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for k, (node, t) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or _is_module_state(node)):
+            out[node.name] = k
+    return out
+
+
+def _is_module_state(node: fx.Node) -> bool:
+    arg = node.meta.get("grapharg")
+    src = getattr(arg, "source", None)
+    if src is None:
+        return False
+    name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", "")
+    return "._parameters[" in str(name) or "._buffers[" in str(name)
+
+
+def specialize_scalars(gm: fx.GraphModule) -> None:
+    """Put the value in place of every scalar node that Dynamo has specialized.
+
+    Under dynamic shapes (`dynamic=True`, or the recompile after a second shape) Dynamo passes a
+    module's float attributes (a LayerNorm's eps) as 0-d tensor inputs read through `.item()`;
+    where an op needs a plain number it specializes that SymFloat to its value and guards on it
+    (`ln.eps == 1e-05`). The graph still reads the `.item()` node, whose value is that constant:
+    using the number itself is what the guard guarantees, and lets the analysis see a constant
+    eps (otherwise every norm is kept: "its eps is not a constant")."""
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder":
+            continue
+        value = _constant_scalar(node.meta.get("example_value", node.meta.get("val")))
+        if value is None:
+            continue
+        for user in list(node.users):
+            swap = lambda n, node=node, value=value: value if n is node else n  # noqa: E731
+            user.args, user.kwargs = fx.node.map_arg(user.args, swap), fx.node.map_arg(user.kwargs, swap)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+_SYMBOLIC = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}  # -> the Python type of its value
+
+
+def _constant_scalar(v) -> Optional[Any]:
+    """The Python number a specialized SymInt/SymFloat/SymBool stands for, else None."""
+    if type(v) not in _SYMBOLIC or not v.node.expr.is_number:
+        return None
+    return _SYMBOLIC[type(v)](v.node.expr)
+
+
+def concrete_inputs(gm: fx.GraphModule, example_inputs: list) -> Optional[list]:
+    """The example inputs with each symbolic size replaced by the size it stands for in the
+    example tensors (the ones Dynamo is compiling for), else by its hint; None where a symbol
+    has neither (an unbacked size no input tensor carries)."""
+    sizes: dict = {}  # sympy symbol -> the example tensors' size
+    for node, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+        fake = node.meta.get("example_value")
+        if isinstance(x, torch.Tensor) and isinstance(fake, torch.Tensor) and fake.ndim == x.ndim:
+            for d, n in zip(fake.shape, x.shape):
+                if isinstance(d, torch.SymInt) and d.node.expr.is_symbol:
+                    sizes[d.node.expr] = n
+    out = []
+    for x in example_inputs:
+        if type(x) in _SYMBOLIC:
+            if x.node.expr in sizes:
+                x = sizes[x.node.expr]
+            elif x.node.has_hint():
+                x = _SYMBOLIC[type(x)](x.node.hint)
+            else:
+                return None
+        out.append(x)
+    return out
+
+
+def static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The extra inputs as fake tensors of static shape: AOTAutograd would otherwise give the
+    dims of these source-less inputs fresh symbols, and Dynamo cannot guard on those."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode()
+    return [mode.from_tensor(t, static_shapes=True) for t in tensors] if mode is not None else tensors
+
+
+def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph module to edit, with what AOTAutograd reads from the original."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta = dict(gm.meta)
+    for attr in ("_param_name_to_source", "shape_env"):
+        if hasattr(gm, attr):
+            setattr(new, attr, getattr(gm, attr))
+    old_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    new_ph = [n for n in new.graph.nodes if n.op == "placeholder"]
+    for a, b in zip(old_ph, new_ph):
+        if hasattr(a, "_dynamo_source"):
+            b._dynamo_source = a._dynamo_source
+    return new

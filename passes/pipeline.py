@@ -1,0 +1,98 @@
+"""The one pipeline every entry point runs: view → plan → apply → verify → result.
+
+    fold_onnx / lnfold fold ─┐                       ┌─ onnx_rewrite (graphsurgeon, onnxruntime)
+    fold_module ─────────────┤  fold(frontend, ...)  ├─ fx_rewrite.api (torch.export)
+    fold_for_training ───────┤  analyze(frontend)    ├─ fx_rewrite.train (the eager module)
+    backend "lnfold" ────────┘                       └─ fx_rewrite.backend (Dynamo's graph)
+
+A frontend implements `Frontend`: it builds its view, says what it asks of the planner (its
+target's capabilities, its constants' predicates), applies a plan to its IR and emits the
+folded artifact, and runs the original and the folded artifact for the gate (passes/gate.py).
+Every decision is made once, in `make_plan`; verification is decided and recorded here, once.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, ContextManager, Optional, Protocol
+
+from .gate import Verdict
+from .plan import Plan
+from .request import PlanRequest
+from .result import FoldResult
+from .view import View
+
+__all__ = ["Frontend", "fold", "in_memory", "plan", "record", "stage"]
+
+Progress = Optional[Callable[[str], None]]
+Planner = Callable[..., Plan]  # make_plan, or a test's sabotaged copy of it
+
+
+class Frontend(Protocol):
+    def view(self) -> View:
+        """The stream view of the IR (what the analysis reads)."""
+
+    def request(self) -> PlanRequest:
+        """What this fold asks of the planner (after `view`: the predicates read the IR's constants)."""
+
+    def check(self, plan: Plan) -> None:
+        """Raise NothingToFold (in the frontend's words) when the plan folds nothing."""
+
+    def apply(self, plan: Plan) -> Any:
+        """Execute the plan on (a copy of) the IR; the folded artifact."""
+
+    def emit(self, folded: Any) -> ContextManager[Any]:
+        """The folded artifact as verification runs it (a model in memory, or files written
+        beside the output and published only when the block exits without an error)."""
+
+    def verify(self, plan: Plan, artifact: Any) -> Optional[Verdict]:
+        """The gate's verdict on the artifact against the original (raises VerificationError when
+        it fails); None where it cannot be run here."""
+
+    def result(self, plan: Plan, folded: Any) -> FoldResult:
+        """The FoldResult carrying the folded artifact and the plan's report."""
+
+
+def in_memory(folded: Any) -> ContextManager[Any]:
+    """`Frontend.emit` for an artifact that lives in memory: itself."""
+    return contextlib.nullcontext(folded)
+
+
+def plan(frontend: Frontend, planner: Planner) -> tuple[View, Plan]:
+    view = frontend.view()
+    return view, planner(view, frontend.request())
+
+
+def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progress = None) -> FoldResult:
+    """Fold with `frontend` from start to end; the FoldResult with its timings and verdict."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    stage(progress, "analyzing")
+    _, p = plan(frontend, planner)
+    frontend.check(p)
+    timings["analysis"] = time.perf_counter() - t0
+
+    stage(progress, f"editing ({len(p.swaps)} norms, {len(p.const_edits)} constants)")
+    t1 = time.perf_counter()
+    folded = frontend.apply(p)
+    timings["editing"] = time.perf_counter() - t1
+    result = frontend.result(p, folded)
+    result.timings = timings
+    with frontend.emit(folded) as artifact:
+        if verify:
+            t2 = time.perf_counter()
+            verdict = frontend.verify(p, artifact)
+            if verdict is not None:
+                record(result, verdict)
+                timings["verification"] = time.perf_counter() - t2
+    return result
+
+
+def record(result: FoldResult, verdict: Verdict) -> None:
+    result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
+    result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
+
+
+def stage(progress: Progress, msg: str) -> None:
+    if progress is not None:
+        progress(msg)

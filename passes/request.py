@@ -1,0 +1,54 @@
+"""What a fold asks of the planner: everything `make_plan` decides from, in one object.
+
+A frontend builds a `PlanRequest` from the user's options, the view's constants and its
+target's `Capabilities`; `make_plan(view, request)` returns the complete plan. A new decision
+(γ into readers, a stream rotation, quantization, an approximate swap under an error budget)
+is a new field here and a new step in make_plan: every entry point then makes it, none is
+rewired.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .analysis import Component
+from .defer import EAGER, Costs
+from .options import DEFER_POLICIES, MODES, check_choice
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an emission target can do: declared by the frontend that owns the target, asked by
+    the planner. The defaults are a target that emits every fold of the plan one op at a time."""
+
+    name: str = "the target"
+    costs: Costs = EAGER  # the deferral cost model (a measured property of the target)
+    # The target runs a residual Add of two equal-shaped tensors and the norm after it as one op
+    # (onnxruntime's SkipSimplifiedLayerNormalization on CUDA) for sums of this shape; None: it
+    # fuses none. A fused norm's own Add (SkipLayerNormalization's) is always fusable.
+    fuses_residual: Optional[Callable[[tuple], bool]] = None
+    folds_beta: bool = True  # β may move into the readers' biases (False: each norm keeps its β)
+    compresses: bool = True  # it can emit CRMSNorm (False: mode "crms" folds into RMSNorms, with a note)
+    # Why the target cannot swap folded norm `name` given every folded norm (None: it can): the
+    # stream stays centered, the norm stays as it is (exact on a zero-mean input), and is reported kept.
+    swap_refusal: Optional[Callable[[str, frozenset], Optional[str]]] = None
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One fold's question. `zero(value)`: the constant is all zeros where its values are fixed
+    (a β of zeros needs neither an Add nor a fold). `refuse(component)`: why the frontend cannot
+    apply a foldable component's edits (reported for each of its norms). `trainable(value)`: the
+    constant is trained (requires grad with grad mode on): a fold that edits a trained constant
+    computes its edits in the graph and defers no norm."""
+
+    mode: str = "rms"
+    defer: str = "off"
+    target: Capabilities = Capabilities()
+    zero: Optional[Callable[[str], bool]] = None
+    refuse: Optional[Callable[[Component], Optional[str]]] = None
+    trainable: Optional[Callable[[str], bool]] = None
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, MODES)
+        check_choice("defer policy", self.defer, DEFER_POLICIES)

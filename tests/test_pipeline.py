@@ -1,0 +1,126 @@
+"""The plan is final: `make_plan` decides everything (deferral included), nothing changes it after,
+and every entry point runs on such a plan."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lnfold.passes import make_plan
+from lnfold.passes.edits import Scale
+from lnfold.passes.request import Capabilities, PlanRequest
+
+from .test_passes import pre_ln
+
+
+def _assert_final(plan) -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.swaps = []
+    with pytest.raises(TypeError, match="a plan is final"):
+        plan.const_edits.append(plan.const_edits[0])
+    with pytest.raises(TypeError, match="a plan is final"):
+        plan.const_edits[0].users.pop()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.const_edits[0].ops = ()
+    with pytest.raises(TypeError):
+        plan.betas["x"] = None
+
+
+def test_plan_is_frozen_and_carries_its_deferral():
+    plan = make_plan(pre_ln(), PlanRequest(defer="on"))
+    _assert_final(plan)
+    assert [d.norm for d in plan.deferral.deferred] == ["ln1"]  # fc1 reads ln1 only: deferred
+    assert plan.report.norms[0].deferred and plan.plain_rms == ["ln_f"]
+    # γ into fc1's weight is one of the plan's own edits, β goes after the row scale
+    assert [(e.value, e.ops) for e in plan.const_edits if e.value.startswith("fc1")] == \
+        [("fc1.W", (Scale("ln1.g", 0, 1),))]
+    assert "fc1.bias" in {e.value for e in make_plan(pre_ln()).const_edits}  # β folded when not deferred
+
+
+def test_training_request_defers_nothing():
+    """A fold whose edited constants are trained computes its edits in the graph: no deferral."""
+    plan = make_plan(pre_ln(), PlanRequest(defer="on", trainable=lambda name: True))
+    assert plan.training and not plan.deferral.deferred
+    assert not make_plan(pre_ln(), PlanRequest(defer="on")).training
+
+
+def test_target_that_cannot_compress_says_so():
+    plan = make_plan(pre_ln(), PlanRequest(mode="crms", target=Capabilities(name="this target", compresses=False)))
+    assert plan.mode == "rms" and not plan.compressions
+    assert plan.report.notes == ["this target does not compress (CRMSNorm); folded norms are RMSNorms, "
+                                 "which compute the same values"]
+
+
+def test_every_entry_point_runs_on_a_final_plan(monkeypatch):
+    """The frontends' own code paths (ONNX, torch.export, the backend, the training fold) run on
+    the plan make_plan returned, each checked final when it is handed over."""
+    torch = pytest.importorskip("torch")
+    import lnfold
+    from lnfold.fx_rewrite import api as fx_api, backend as fx_backend, train as fx_train
+    from lnfold.onnx_rewrite import api as onnx_api
+
+    from . import onnx_graphs as G
+    from .test_options import IDS, _PreLN
+
+    seen = []
+
+    def checked(make):
+        def plan_fn(view, *a, **kw):
+            plan = make(view, *a, **kw)
+            _assert_final(plan)
+            seen.append(plan)
+            return plan
+        return plan_fn
+
+    for mod in (onnx_api, fx_api, fx_backend, fx_train):
+        monkeypatch.setattr(mod, "make_plan", checked(mod.make_plan))
+    lnfold.fold_onnx(G.pre_ln(), defer="on")
+    lnfold.fold_module(_PreLN(), IDS, defer="on")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(_PreLN(), backend=lnfold.lnfold_backend_with(inner=lambda gm, _: gm.forward, verify=True))(*IDS)
+    torch._dynamo.reset()
+    lnfold.fold_for_training(_PreLN(), IDS)
+    assert len(seen) == 4 and all(p.swaps for p in seen)
+
+
+# --- targets: one place each ----------------------------------------------------------------------
+
+def test_a_new_onnx_target_is_one_entry(monkeypatch):
+    """A target registered in onnx_rewrite/targets.py alone is a choice of fold_onnx, the planner
+    asks its capabilities (here: fuse every rank-3 residual Add, on onnxruntime's CPU), and the
+    folded model passes onnxruntime verification; an unknown name stays a one-line error."""
+    from lnfold.onnx_rewrite import fold_model, targets
+    from lnfold.passes import LnfoldError
+
+    from . import onnx_graphs as G
+
+    fused_cpu = targets.Target("fused-cpu", norm_op="SimplifiedLayerNormalization",
+                               fuses_residual=lambda shape: len(shape) == 3)
+    with pytest.raises(LnfoldError, match="unknown target 'fused-cpu'"):
+        fold_model(G.pre_ln(), target="fused-cpu")
+    monkeypatch.setitem(targets._TARGETS, ("fused-cpu", None), fused_cpu)
+    res = fold_model(G.pre_ln(), target="fused-cpu")
+    ops = [n.op_type for n in res.model.graph.node]
+    assert "SkipSimplifiedLayerNormalization" in ops and res.criterion is not None
+    assert any(s.fused for s in res.report.streams)
+    plain = [n.op_type for n in fold_model(G.pre_ln()).model.graph.node]
+    assert "SkipSimplifiedLayerNormalization" not in plain
+
+
+def test_fusing_is_the_targets_call_not_the_planners():
+    """The IR-neutral planner fuses a residual Add only where the target says it fuses its shape."""
+    from lnfold.passes.view import View
+
+    v = pre_ln()
+    assert isinstance(v, View)
+    seen = []
+
+    def fuses(shape):
+        seen.append(shape)
+        return False
+
+    plan = make_plan(v, target=Capabilities(fuses_residual=fuses))
+    assert seen and not plan.fuse_residual
+    plan = make_plan(pre_ln(), target=Capabilities(fuses_residual=lambda shape: True))
+    assert plan.fuse_residual and not make_plan(pre_ln()).fuse_residual
