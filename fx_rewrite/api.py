@@ -30,7 +30,8 @@ from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
 
 from . import defer as deferred_norm
-from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
+from .apply import ATEN, Applier, AttrConstants, rms_probe
+from .edits import from_numpy, to_numpy, unique_attr
 from .classify import build_view
 from .hf import export_error, fresh, register_caches
 
@@ -197,7 +198,7 @@ def _emit_deferred(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], to
                 return None
             rd = next(r for r in d.readers if r.node == reader)
             t = from_numpy(arr, tensor_of(rd.bias.value if rd.bias is not None else rd.weight.value))
-            name = _unique_attr(gm, f"lnfold_bias_{reader}")
+            name = unique_attr(gm, f"lnfold_bias_{reader}")
             gm.register_buffer(name, t)
             with gm.graph.inserting_before(nodes[reader]):
                 node = gm.graph.get_attr(name)

@@ -51,7 +51,8 @@ from ..passes.plan import ConstEdit
 from ..passes.defer import INDUCTOR_CPU, DeferDecision, add_weight_edits, compute_biases, plan_deferral
 
 from . import defer as deferred_norm
-from .apply import TORCH, Applier, Constants, GraphConstants, from_numpy, to_numpy
+from .apply import TORCH, Applier, Constants, GraphConstants
+from .edits import from_numpy, to_numpy
 from .classify import build_view
 
 log = logging.getLogger("lnfold")

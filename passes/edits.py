@@ -144,7 +144,7 @@ NUMPY = Algebra(
     ones=np.ones_like,
     drop=lambda a, axis: weights.drop_last(a, axis),
     fold_decompression=lambda a, axis: weights.fold_decompression(a, axis),
-    add_weight_times=lambda a, w, axis, v: a + weights.weight_times(w, v, axis).reshape(a.shape),
+    add_weight_times=lambda a, w, axis, v: weights.add_weight_times(a, w, axis, v),
 )
 
 
