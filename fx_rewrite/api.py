@@ -22,7 +22,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from ..passes import FoldResult, NothingToFold, Report, VerificationError, gate, make_plan
 from ..passes.defer import EAGER, add_weight_edits, compute_biases, plan_deferral
@@ -33,7 +32,7 @@ from . import defer as deferred_norm
 from .apply import ATEN, Applier, AttrConstants, rms_probe
 from .edits import from_numpy, to_numpy, unique_attr
 from .classify import build_view
-from .hf import export_error, fresh, register_caches
+from .hf import export_error, fresh, pytree, register_caches
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -149,7 +148,7 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     gm, attrs, view, info, plan = _analyze(module, args, kwargs, opts.mode, dynamic)
-    _check_plan(plan)
+    check_plan(plan)
     plan.deferral = plan_deferral(view, plan, opts.defer, EAGER)
     add_weight_edits(view, plan, plan.deferral)
     timings["analysis"] = time.perf_counter() - t0
@@ -209,7 +208,8 @@ def _emit_deferred(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], to
     gm.graph.lint()
 
 
-def _check_plan(plan: Plan) -> None:
+def check_plan(plan: Plan) -> None:
+    """Raise NothingToFold when the module has no LayerNorm, or none the plan folds."""
     if not plan.report.norms:
         raise NothingToFold("no LayerNorm found in the module: nothing to fold")
     if plan.empty:

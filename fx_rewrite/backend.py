@@ -283,7 +283,7 @@ def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: li
     """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
     the original graph where one can be made). Under dynamic shapes the graphs take symbolic
     sizes among their inputs: they run here with the sizes of the tensors at hand."""
-    from torch.utils import _pytree as pytree
+    from .hf import pytree
 
     from .api import judge_outputs, ref64
 

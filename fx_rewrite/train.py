@@ -46,7 +46,7 @@ from ..passes.plan import Ones, Plan, Scale
 
 from ..passes.edits import apply_ops
 
-from .api import Verifier, _check_plan, exported_view
+from .api import Verifier, check_plan, exported_view
 from .classify import GraphInfo
 from .edits import TENSOR
 
@@ -169,7 +169,7 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
         if not found:
             break
         conflicts |= found
-    _check_plan(plan)
+    check_plan(plan)
     if opts.mode == "crms":  # compression rewrites the readers' weights and shapes: not done on an eager module
         plan.report.notes.append("the module-level training fold does not compress (CRMSNorm); "
                                  "folded norms are RMSNorms, which compute the same values")
