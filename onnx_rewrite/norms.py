@@ -1,15 +1,10 @@
-"""The ONNX ops that are LayerNorms by themselves, and the constants they read.
+"""What the ONNX frontend knows of a LayerNorm in the graph: `NormMatch` (the one result type of
+every norm pattern, norm_patterns.py), and the constants and shapes the patterns read.
 
-- `LayerNormalization` (opset 17+);
-- onnxruntime's `SkipLayerNormalization`: an Add (+ bias) and a LayerNorm in one node;
-- onnxruntime's `EmbedLayerNormalization` (fused.py);
-- tf2onnx's Keras and jax2onnx's flax decomposed LayerNorms (norm_variants.py), matched here
-  over the ONNX graph and seen by the analysis as one `layer_norm` rule like the ops above.
-
-The decomposed form older exporters emit (ReduceMean, Sub, Pow, ReduceMean, [Add eps], Sqrt, Div,
-[Mul γ], [Add β]) is recognized over the view, for both frontends, by passes/patterns.py; the
-emitter sees all three as a `NormMatch`: the graph nodes it covers, its data input, γ/β, eps and
-its axis (or the reason it is not a single-axis LayerNorm, decided in passes/rules.py).
+The patterns themselves are rules of `norm_patterns.PATTERNS` (LayerNormalization, onnxruntime's
+Skip- and EmbedLayerNormalization, tf2onnx's and jax2onnx's decomposed forms); torch's decomposed
+form is matched over the view by passes/patterns.py, and classify.py turns its matches into
+`NormMatch` too (DESIGN §7, "Adding a norm pattern").
 """
 from __future__ import annotations
 
