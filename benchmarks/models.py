@@ -140,14 +140,14 @@ def _export_decode(m, args, names, opset):
 
     import torch
 
-    from lnfold.zoo import _quiet_onnx_logs
+    from lnfold.zoo import quiet_onnx_logs
 
     dyn = {"input_ids": {0: "batch"}, "past": {1: "batch", 3: "past"}}
     outs = ["logits", "present"]
     buf = _io.BytesIO()
     with warnings.catch_warnings(), quiet():
         warnings.simplefilter("ignore")
-        _quiet_onnx_logs()
+        quiet_onnx_logs()
         torch.onnx.export(m, args, buf, opset_version=opset, dynamo=True, input_names=names, output_names=outs,
                           dynamic_axes=dyn)
     return onnx.load_from_string(buf.getvalue())

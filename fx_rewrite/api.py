@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from ..passes import FoldResult, NothingToFold, Report, VerificationError, View, gate, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
@@ -27,9 +26,10 @@ from ..passes.request import Capabilities, PlanRequest
 from ..passes.plan import Plan, first_kept_reason
 
 from . import defer as deferred_norm
-from .apply import ATEN, NORMS, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
+from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
+from .edits import from_numpy, to_numpy, unique_attr
 from .classify import build_view
-from .hf import export_error, register_caches
+from .hf import export_error, pytree, register_caches
 from .verify import Verifier, judge_outputs, ref64  # noqa: F401  (judge_outputs, ref64: the torch frontends' gate)
 
 
@@ -139,7 +139,7 @@ class ExportFrontend:
         return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero)
 
     def check(self, plan: Plan) -> None:
-        _check_plan(plan)
+        check_plan(plan)
 
     def apply(self, plan: Plan) -> fx.GraphModule:
         gm = self.gm
@@ -208,7 +208,7 @@ def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], to
         if arr is None:  # no β: the reader keeps its own bias
             return None
         t = from_numpy(arr, tensor_of(rd.bias.value if rd.bias is not None else rd.weight.value))
-        name = _unique_attr(gm, f"lnfold_bias_{rd.node}")
+        name = unique_attr(gm, f"lnfold_bias_{rd.node}")
         gm.register_buffer(name, t)
         with gm.graph.inserting_before(nodes[rd.node]):
             node = gm.graph.get_attr(name)
@@ -218,7 +218,8 @@ def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], to
     return bias_node
 
 
-def _check_plan(plan: Plan) -> None:
+def check_plan(plan: Plan) -> None:
+    """Raise NothingToFold when the module has no LayerNorm, or none the plan folds."""
     if not plan.report.norms:
         raise NothingToFold("no LayerNorm found in the module: nothing to fold")
     if plan.empty:

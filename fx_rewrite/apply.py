@@ -18,7 +18,7 @@ import copy
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -27,11 +27,12 @@ from torch import fx
 
 from ..passes import Plan, View, compute_constants
 from ..passes.options import check_choice
-from ..passes.edits import Algebra, ConstEdit, apply_ops
+from ..passes.edits import ConstEdit, apply_ops
 
 from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
-from .ops import _ALIASES, canonical
+from .edits import from_numpy, graph_algebra, to_numpy, unique_attr
+from .ops import canonical, set_arg
 
 NORMS = ("rms_norm", "layer_norm")
 aten = torch.ops.aten
@@ -72,43 +73,6 @@ TORCH = Dialect(
 )
 
 
-def center_blocks(x: torch.Tensor, axis: int, block: int, lo: int = 0, hi=None) -> torch.Tensor:
-    """`x` with each run of `block` entries along `axis` in [lo, hi) minus its own mean
-    (passes/weights.center)."""
-    n = x.shape[axis]
-    hi = n if hi is None else hi
-    head, part, tail = x.narrow(axis, 0, lo), x.narrow(axis, lo, hi - lo), x.narrow(axis, hi, n - hi)
-    runs = part.unflatten(axis, (-1, block))
-    low = x.dtype in (torch.float16, torch.bfloat16)
-    mean = runs.mean(axis + 1, keepdim=True, dtype=torch.float32 if low else None).to(x.dtype)
-    return torch.cat([head, (runs - mean).flatten(axis, axis + 1), tail], axis)
-
-
-def profile(by: torch.Tensor, by_axis: int, rank: int, axis: int) -> torch.Tensor:
-    """The 1-D profile of a LayerScale vector, shaped to broadcast along `axis` of a rank-`rank` tensor.
-
-    The same as passes.weights.vector_along, for graphs that compute it (training).
-    """
-    n = by.shape[by_axis]
-    vec = by.movedim(by_axis, -1).reshape(-1, n)[0]
-    shape = [1] * rank
-    shape[axis] = n
-    return vec.reshape(shape)
-
-
-# --- numpy <-> torch, for the float64 weight math of passes/ ---------------------------------------
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().to("cpu")
-    if t.dtype == torch.bfloat16:
-        t = t.float()  # numpy has no bfloat16; the math runs in float64 anyway
-    return t.numpy()
-
-
-def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype=like.dtype, device=like.device)
-
-
 # --- where centered constants come from ------------------------------------------------------------
 
 class Constants:
@@ -136,7 +100,7 @@ class AttrConstants(Constants):
     def node_for(self, applier, edit, k):
         like = self.tensor_of(edit.value)
         t = from_numpy(self.arrays[k], like)
-        name = _unique_attr(self.gm, f"lnfold_{edit.value}")
+        name = unique_attr(self.gm, f"lnfold_{edit.value}")
         if isinstance(like, torch.nn.Parameter):
             self.gm.register_parameter(name, torch.nn.Parameter(t, requires_grad=like.requires_grad))
         else:
@@ -153,29 +117,8 @@ class GraphConstants(Constants):
     def node_for(self, applier, edit, k):
         src = applier.node_named(edit.value)
         with applier.graph.inserting_before(applier.first_user(edit)):
-            return apply_ops(src, edit.ops, applier.node_named, graph_algebra(applier, tuple(meta_val(src).shape)))
-
-
-def graph_algebra(applier: "Applier", shape: tuple) -> Algebra:
-    """The constant edits of passes/edits.py as graph-building functions (the same walk as the
-    float64 one, computed in the forward graph so gradients reach the parameters)."""
-    g, d, rank = applier.graph, applier.dialect, len(shape)
-
-    def center(x, axis):  # axis None: uniform along the features, all shift
-        return d.zeros_like(g, x) if axis is None else d.sub(g, x, d.mean(g, x, axis))
-
-    def blocks(x, axis, block, lo, hi):
-        return center(x, axis) if shape[axis] == 1 else g.call_function(center_blocks, (x, axis, block, lo, hi))
-
-    return Algebra(
-        center=center,
-        center_blocks=blocks,
-        scale=lambda x, by, by_axis, axis: d.mul(g, x, g.call_function(profile, (by, by_axis, rank, axis))),
-        ones=lambda x: d.ones_like(g, x),
-        drop=lambda x, axis: g.call_function(crms.drop_last, (x, axis)),
-        fold_decompression=lambda x, axis: g.call_function(crms.fold_decompression, (x, axis)),
-        add_weight_times=lambda x, w, axis, v: g.call_function(crms.add_weight_times, (x, w, axis, v)),
-    )
+            shape = tuple(meta_val(src).shape)
+            return apply_ops(src, edit.ops, applier.node_named, graph_algebra(applier.graph, applier.dialect, shape))
 
 
 # --- the edits -----------------------------------------------------------------------------------
@@ -231,7 +174,7 @@ class Applier:
     def _const_edit(self, edit: ConstEdit, k: int) -> None:
         if edit.value in self.info.scalars:  # a Python number in the stream: write it in place
             node, arg = self.info.scalars[edit.value]
-            _set_arg(node, arg, _scalar_after(edit, canonical(node).args[arg]))
+            set_arg(node, arg, _scalar_after(edit, canonical(node).args[arg]))
             return
         new = self.constants.node_for(self, edit, k)
         for user, idx in edit.users:
@@ -272,7 +215,7 @@ class Applier:
             return
         if self.norm == "layer_norm":  # the LayerNorm of a zero-mean stream already computes RMSNorm
             if not beta_add:
-                _set_arg(node, "bias", None)
+                set_arg(node, "bias", None)
             return
         swap_norm(self.graph, node, self.dialect, beta_add)
 
@@ -341,25 +284,3 @@ def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed
 def _scalar_after(edit: ConstEdit, value: float) -> float:
     out = compute_constants([edit], lambda _: np.asarray(value, np.float64))
     return float(out[0][1])
-
-
-def _set_arg(node: fx.Node, name: str, value: Any) -> None:
-    """Replace argument `name` (as canonical() bound it) of `node` by `value`."""
-    names = list(canonical(node).args)  # bound positionally first, in order, then by keyword
-    k = names.index(name)
-    if k < len(node.args):
-        args = list(node.args)
-        args[k] = value
-        node.args = tuple(args)
-        return
-    key = next(key for key in node.kwargs if _ALIASES.get(key, key) == name)
-    node.update_kwarg(key, value)
-
-
-def _unique_attr(gm: torch.nn.Module, base: str) -> str:
-    base = base.replace(".", "_")
-    name, k = base, 0
-    while hasattr(gm, name):
-        k += 1
-        name = f"{base}_{k}"
-    return name

@@ -12,7 +12,8 @@ from ..passes import compute_constants
 from ..passes.defer import DeferDecision, Deferral, compute_biases
 from ..passes.edits import ConstEdit
 
-from .apply import Constants, from_numpy, to_numpy
+from .apply import Constants
+from .edits import from_numpy, to_numpy
 from .defer import BiasNode
 
 

@@ -16,7 +16,8 @@ from ..passes.plan import Plan
 
 from .classify import is_tuple_getitem, meta_val, varargs_sizes
 from .defer import erase_unread
-from .ops import canonical
+from .edits import from_numpy, graph_algebra, to_numpy, unique_attr, weight_times
+from .ops import canonical, set_arg
 
 
 def crms_norm(x: torch.Tensor, d: int, eps: float) -> torch.Tensor:
@@ -39,8 +40,6 @@ def decompress(n: torch.Tensor, gamma, beta) -> torch.Tensor:
 
 
 def patch_dims(applier, plan: Plan) -> None:
-    from .apply import _set_arg
-
     for cc in plan.compressions:
         if not cc.compressed:
             continue
@@ -53,7 +52,7 @@ def patch_dims(applier, plan: Plan) -> None:
                 continue
             sizes = list(canonical(node).args[ref.slot])
             sizes[ref.index] = sizes[ref.index] - 1
-            _set_arg(node, ref.slot, sizes)
+            set_arg(node, ref.slot, sizes)
 
 
 def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
@@ -85,15 +84,13 @@ def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
 def add_new_biases(applier, plan: Plan, tensor_of) -> None:
     """Readers without a bias absorb β as an added `W β`: computed once in float64 (`tensor_of`:
     fold_module), or in the graph from the parameters themselves (the backend)."""
-    from .apply import from_numpy, graph_algebra, to_numpy, _unique_attr
-
     g = applier.graph
     for nb in plan.new_biases:
         node = applier.nodes[nb.node]
         if tensor_of is not None:
             like = tensor_of(nb.op.weight)
             t = from_numpy(compute_new_bias(nb, lambda name: to_numpy(tensor_of(name))), like)
-            name = _unique_attr(applier.gm, f"lnfold_bias_{nb.node}")
+            name = unique_attr(applier.gm, f"lnfold_bias_{nb.node}")
             applier.gm.register_buffer(name, t)
             with g.inserting_after(node):
                 c = g.get_attr(name)
@@ -101,25 +98,8 @@ def add_new_biases(applier, plan: Plan, tensor_of) -> None:
             w = applier.node_named(nb.op.weight)
             shape = tuple(n for k, n in enumerate(meta_val(w).shape) if k != nb.op.axis)
             with g.inserting_before(node.next):
-                c = g.call_function(_weight_times, (w, nb.op.axis, applier.node_named(nb.op.vector)))
-                c = apply_ops(c, nb.then, applier.node_named, graph_algebra(applier, shape))
+                c = g.call_function(weight_times, (w, applier.node_named(nb.op.vector), nb.op.axis))
+                c = apply_ops(c, nb.then, applier.node_named, graph_algebra(g, applier.dialect, shape))
         with g.inserting_after(c):
             y = applier.dialect.add(g, node, c)
         node.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
-
-
-def drop_last(a: torch.Tensor, axis: int) -> torch.Tensor:
-    return a.narrow(axis, 0, a.shape[axis] - 1)
-
-
-def fold_decompression(a: torch.Tensor, axis: int) -> torch.Tensor:
-    n = a.shape[axis]
-    return a.narrow(axis, 0, n - 1) - a.narrow(axis, n - 1, 1)
-
-
-def _weight_times(w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
-    return torch.tensordot(v.reshape(-1), w, dims=([0], [axis]))
-
-
-def add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
-    return a + torch.tensordot(v.reshape(-1), w, dims=([0], [axis])).reshape(a.shape)

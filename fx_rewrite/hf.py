@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 import torch
+# torch's pytree utilities are a private module: reached here only (api.py, backend.py import them from here)
 from torch.utils import _pytree as pytree
 
 from ..passes import LnfoldError

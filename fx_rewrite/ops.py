@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-_ALIASES = {"self": "input", "tensor": "input", "train": "training", "split_size_or_sections": "split_size",
+ALIASES = {"self": "input", "tensor": "input", "train": "training", "split_size_or_sections": "split_size",
             "split_sizes": "split_size", "sections": "split_size"}
 
 
@@ -210,15 +210,15 @@ def _bind(params: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
         if k < len(args):
             out[p] = args[k]
     for k, v in kwargs.items():
-        out[_ALIASES.get(k, k)] = v
+        out[ALIASES.get(k, k)] = v
     return out
 
 
 def _bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
     positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
-    out = {_ALIASES.get(name, name): v for name, v in zip(positional, args)}
+    out = {ALIASES.get(name, name): v for name, v in zip(positional, args)}
     for k, v in kwargs.items():
-        out[_ALIASES.get(k, k)] = v
+        out[ALIASES.get(k, k)] = v
     return out
 
 
@@ -256,3 +256,16 @@ def op_name(node: fx.Node) -> str:
     if isinstance(t, torch._ops.OpOverload):
         return str(t)
     return getattr(t, "__name__", str(t))
+
+
+def set_arg(node: fx.Node, name: str, value: Any) -> None:
+    """Replace argument `name` (as canonical() bound it) of `node` by `value`."""
+    names = list(canonical(node).args)  # bound positionally first, in order, then by keyword
+    k = names.index(name)
+    if k < len(node.args):
+        args = list(node.args)
+        args[k] = value
+        node.args = tuple(args)
+        return
+    key = next(key for key in node.kwargs if ALIASES.get(key, key) == name)
+    node.update_kwarg(key, value)

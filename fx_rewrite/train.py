@@ -45,13 +45,15 @@ from ..passes.options import FoldOptions
 from ..passes.request import Capabilities, PlanRequest
 from ..passes.plan import Ones, Plan, Scale
 
-from .api import _check_plan, exported_view
-from .apply import center_blocks, profile
+from ..passes.edits import apply_ops
+
+from .api import check_plan, exported_view
 from .classify import GraphInfo
+from .edits import TENSOR
 from .verify import Verifier
 
 RECORD = "_lnfold_training_fold"  # attribute of the folded root module: what unfolding undoes
-EDITS = "_lnfold_edits"  # attribute of a module with centered attributes: name -> _Recipe
+EDITS = "_lnfold_edits"  # attribute of a module with centered attributes: name -> _EditInForward
 READING = "_lnfold_reading"  # ... and how many of their folded readers' forwards are running
 
 
@@ -84,34 +86,17 @@ class _Holder:
         return self.module._buffers[self.name] if t is None else t
 
 
-@dataclass(frozen=True)
-class _ScaleBy:
-    holder: _Holder  # the LayerScale vector, read raw: its own attribute reads as ones
-    by_axis: int
-    axis: int
-
-
 @dataclass
-class _Recipe:
-    """The edited tensor one attribute reads, computed in forward from the raw tensor."""
+class _EditInForward:
+    """The edited tensor one attribute reads, computed in forward from the raw tensor by the one
+    interpreter of edit ops (passes/edits.apply_ops) over torch tensors; `by` holds the
+    LayerScale vectors its Scale ops read, raw (their own attribute reads as ones)."""
 
-    ops: tuple  # Center / Ones / _ScaleBy, applied left to right
+    ops: tuple
+    by: dict  # constant name -> _Holder
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        for op in self.ops:
-            if isinstance(op, _ScaleBy):
-                x = x * profile(op.holder.raw(), op.by_axis, x.ndim, op.axis)
-            elif isinstance(op, Ones):
-                x = x * 0 + 1  # not ones_like: the parameter keeps a gradient path (DDP, AdamW decay)
-            elif op.axis is None:
-                x = x * 0  # uniform along the features: all of it is a shift
-            elif op.block is not None and x.shape[op.axis] != 1:
-                x = center_blocks(x, op.axis, op.block, op.lo, op.hi)
-            elif x.dtype in (torch.float16, torch.bfloat16):
-                x = x - x.mean(op.axis, keepdim=True, dtype=torch.float32).to(x.dtype)
-            else:
-                x = x - x.mean(op.axis, keepdim=True)
-        return x
+        return apply_ops(x, self.ops, lambda name: self.by[name].raw(), TENSOR)
 
 
 def _edited_attribute(name: str) -> property:
@@ -213,7 +198,7 @@ class _TrainingFrontend:
     def check(self, plan: Plan) -> None:
         if plan.empty and plan.unswapped:
             raise NothingToFold(f"no nn.LayerNorm module can be swapped; first: {plan.report.norms[0].reason}")
-        _check_plan(plan)
+        check_plan(plan)
 
     def apply(self, plan: Plan) -> nn.Module:
         module = self.module
@@ -343,21 +328,16 @@ def _apply_edits(root: nn.Module, plan: Plan, mapper: _Mapper, record: _Fold) ->
     """Give each holder of an edited tensor a property that centers it while one of the plan's
     readers runs: hooks on the reader's module count it in and out. Outside those forwards
     (an uncentered reader of a tied weight, FSDP2's `getattr`, user code) it reads the Parameter."""
-    recipes: dict[int, tuple[nn.Module, dict[str, _Recipe]]] = {}
+    recipes: dict[int, tuple[nn.Module, dict[str, _EditInForward]]] = {}
     readers: dict[int, tuple[nn.Module, dict[int, nn.Module]]] = {}
     ones_holders = {e.value: mapper.holder(e.value, e.users[0][0]) for e in plan.const_edits if e.ops == (Ones(),)}
     for edit in plan.const_edits:
-        ops = []
-        for op in edit.ops:
-            if isinstance(op, Scale):
-                by = ones_holders.get(op.by) or mapper.holder(op.by, mapper.readers(op.by)[0])
-                ops.append(_ScaleBy(by, op.by_axis, op.axis))
-            else:
-                ops.append(op)
+        by = {op.by: ones_holders.get(op.by) or mapper.holder(op.by, mapper.readers(op.by)[0])
+              for op in edit.ops if isinstance(op, Scale)}
         for user, _ in edit.users:
             h = mapper.holder(edit.value, user)
             mod, table = recipes.setdefault(id(h.module), (h.module, {}))
-            table[h.name] = _Recipe(tuple(ops))
+            table[h.name] = _EditInForward(edit.ops, by)
             scope = _scope(root, mapper.nodes[user])
             readers.setdefault(id(scope), (scope, {}))[1][id(h.module)] = h.module
     for mod, table in recipes.values():

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
+from .hf import pytree
 
 from ..passes import VerificationError, gate
 

@@ -11,7 +11,6 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import version_converter
-from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
@@ -22,7 +21,8 @@ from . import read, subgraphs, targets, validate, write
 from . import verify as verification
 from .classify import GraphInfo, build_view
 from .emit import Emitter
-from .norms import const_values, rms_norms
+from .already_rms import rms_norms
+from .norms import const_values
 from .shapes import infer_shapes
 from .targets import Target
 from .write import is_large
@@ -271,7 +271,7 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     shared = subgraphs.hoistable(graph)
     out = gs.export_onnx(graph, do_type_check=False)
     if held:
-        for tp in _all_tensors(out):
+        for tp in read.all_tensors(out):
             arr = held.pop(tp.name, None)
             if arr is not None and not tp.HasField("raw_data"):
                 tp.CopyFrom(onnx.helper.make_tensor(tp.name, tp.data_type, arr.shape, np.ascontiguousarray(arr).tobytes(),

@@ -17,7 +17,8 @@ from ..passes.rules import Rule, rule
 
 from . import fused, guards
 from .computed_shapes import computed_axis_map
-from .norms import NormMatch, const_values, constant_shape, find_norms, is_constant, reduce_axes
+from .norm_patterns import find_norms
+from .norms import NormMatch, const_values, constant_shape, is_constant, reduce_axes
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
 

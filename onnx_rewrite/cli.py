@@ -185,7 +185,7 @@ def main(argv=None) -> int:
                 return cmd_fold(args)
             if args.cmd == "report":
                 return cmd_report(args)
-        from .demo import run_demo
+        from ..demo import run_demo
 
         return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep)
     except LnfoldError as e:

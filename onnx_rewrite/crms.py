@@ -16,7 +16,7 @@ from ..passes.compress import CrmsNorm
 from ..passes.edits import compute_new_bias
 from ..passes.plan import Plan
 
-from .norms import NormMatch, const_values
+from .norms import NormMatch, const_values, dtype_of
 
 
 def patch_dims(em, plan: Plan) -> None:
@@ -79,9 +79,7 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     axis = m.axis
     if skip is not None:
         x = em.residual_sum(x, skip, bias, m.sum_output, m.name)
-    from .emit import _dtype_of
-
-    x_dt = np.dtype(_dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
+    x_dt = np.dtype(dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
     dt = x_dt
     low = x_dt.itemsize < 4  # statistics in fp32, as LayerNormalization's stash_type=1
     sd = np.float32 if low else x_dt

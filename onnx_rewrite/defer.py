@@ -18,14 +18,12 @@ import onnx_graphsurgeon as gs
 
 from ..passes.defer import Deferral
 
-from .norms import NormMatch
+from .norms import NormMatch, dtype_of
 
 
 def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
     """`em` is the onnx_rewrite.emit.Emitter applying the plan."""
-    from .emit import _dtype_of  # emit imports this module
-
-    dtype = np.dtype(_dtype_of(m.x, m.gamma, m.nodes))
+    dtype = np.dtype(dtype_of(m.x, m.gamma, m.nodes))
     x, skip, sk_bias = em.detach(m)
     if skip is not None:  # the fused residual Add stays: its sum is the stream
         x = em.residual_sum(x, skip, sk_bias, m.sum_output, m.name)

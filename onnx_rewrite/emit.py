@@ -21,7 +21,7 @@ from . import fused
 from . import defer as deferred_norm
 from . import crms
 from .classify import GraphInfo
-from .norms import NormMatch, const_values, is_constant
+from .norms import NormMatch, const_values, dtype_of, is_constant, np_dtype
 from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
@@ -153,7 +153,7 @@ class Emitter:
         rewired them; shapes are those of the tensors as matched (edits keep shapes)."""
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
-        dtype = _dtype_of(m.x, m.gamma, m.nodes)
+        dtype = dtype_of(m.x, m.gamma, m.nodes)
         gamma = self._gamma(m, width, dtype)
         x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
@@ -171,10 +171,10 @@ class Emitter:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
         if beta is not None:
             bvals = const_values(beta)
-            if bvals is not None and x.dtype is not None and np.asarray(bvals).dtype != _np(x.dtype):
+            if bvals is not None and x.dtype is not None and np.asarray(bvals).dtype != np_dtype(x.dtype):
                 # TorchScript's fp16 exports give LayerNormalization fp32 γ/β (a model onnxruntime
                 # refuses): the separate β Add must take the stream's dtype to be a valid op
-                beta = self.const(f"{m.name}/lnfold_beta", np.asarray(bvals).astype(_np(x.dtype)))
+                beta = self.const(f"{m.name}/lnfold_beta", np.asarray(bvals).astype(np_dtype(x.dtype)))
             self.node("Add", [normed, beta], [m.output])
 
     def _gamma(self, m: NormMatch, width, dtype) -> gs.Tensor:
@@ -190,7 +190,7 @@ class Emitter:
     def _portable_rms(self, x, gamma, out, axis: int, eps: float, name: str, rank: int) -> None:
         dt = x.dtype
         # x.dtype is None where the exporter wrote no value_info; γ has it
-        x_dt = np.dtype(_np(dt) if dt is not None else _dtype_of(x, gamma))
+        x_dt = np.dtype(np_dtype(dt) if dt is not None else dtype_of(x, gamma))
         # fp16/bf16: statistics in fp32, as LayerNormalization's stash_type=1 computes them (in
         # fp16, x*x overflows past 256 and an eps under 6e-8 rounds to 0: a zero row gives NaN)
         low = x_dt.itemsize < 4
@@ -254,18 +254,3 @@ def _replace_input(node: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
     for i, t in enumerate(node.inputs):
         if t is old:
             node.inputs[i] = new
-
-
-def _np(dtype):
-    return np.dtype(dtype) if dtype is not None else np.float32
-
-
-def _dtype_of(x, gamma, nodes=()):
-    if x.dtype is not None:
-        return _np(x.dtype)
-    v = const_values(gamma) if gamma is not None else None
-    if v is not None:
-        return np.asarray(v).dtype
-    if nodes and nodes[-1].op == "Cast":  # a decomposed fp16 norm casts its fp32 result back
-        return onnx.helper.tensor_dtype_to_np_dtype(int(nodes[-1].attrs["to"]))
-    return np.float32

@@ -1,4 +1,5 @@
-"""Decomposed LayerNorms as tf2onnx and jax2onnx write them (norms.py has torch's form).
+"""Decomposed LayerNorms as tf2onnx and jax2onnx write them (two rules of norm_patterns.PATTERNS;
+passes/patterns.py has torch's form).
 
 tf2onnx, Keras `LayerNormalization` (keras 3: `moments`, `rsqrt`, then `x·inv + (β − μ·inv)`):
 
@@ -23,10 +24,12 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..passes.match import MatchResult, NoMatch, deepest
+from ..passes.match import MatchResult, NoMatch
 from ..passes.rules import norm_axis as _norm_axis
-from .norms import NormMatch, _rank, const_values, reduce_axes
+from .norms import NormMatch, const_values, rank_of, reduce_axes
 from ..passes.axes import Shape
+
+MEANS = ("ReduceMean", "GlobalAveragePool")  # the ops both patterns start at: the mean of x
 
 
 def _scalar(t) -> Optional[float]:
@@ -134,7 +137,7 @@ def _mean_head(mean: gs.Node, shapes: dict[str, Shape], reader_ops: set[str]):
     """Both variants start alike: a keepdims mean μ of x read by exactly one node of each of
     `reader_ops`, one of them the Sub x − μ. (x, rank, axes, axis, rejection, μ, readers by op)."""
     x = mean.inputs[0]
-    rank = _rank(x, shapes)
+    rank = rank_of(x, shapes)
     axes = _mean_axes(mean, rank)
     if axes is None:
         return NoMatch("not a mean over constant axes that keeps its dims (or the rank is unknown)")
@@ -274,14 +277,3 @@ def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> MatchResult[NormMatch]:
                                "(the swap would remove it)", 5)
     # the swap reads x from the first node's input 0 (emit.py): both patterns start at mean(x)
     return m if m.nodes[0].inputs[0] is x else NoMatch("the norm does not start at the mean of its input", 5)
-
-
-def match_variant(node: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchResult[NormMatch]:
-    """tf2onnx's or jax2onnx's LayerNorm starting at this mean of x, or why it is neither."""
-    if node.op not in ("ReduceMean", "GlobalAveragePool"):
-        return NoMatch(f"{node.op} does not start a LayerNorm")
-    keras = match_keras(node, shapes, outputs)
-    if keras:
-        return keras
-    flax = match_flax(node, shapes, outputs)
-    return flax if flax else deepest(keras, flax)

@@ -13,7 +13,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx.external_data_helper import _get_all_tensors, _open_external_data_fd, uses_external_data
+# onnx's private helpers, used here only (the rest of lnfold imports them from this module)
+from onnx.external_data_helper import _get_all_tensors as all_tensors
+from onnx.external_data_helper import _open_external_data_fd, uses_external_data
 
 from ..passes import LnfoldError
 from ..passes.errors import first_line
@@ -66,7 +68,7 @@ def load(path: str | os.PathLike, *, data_files: set | None = None, lazy: bool =
     try:
         if lazy:
             _keep_big_on_disk(model, p.parent)
-        for t in _get_all_tensors(model):
+        for t in all_tensors(model):
             if uses_external_data(t) and not is_lazy(t):
                 onnx.external_data_helper.load_external_data_for_tensor(t, str(p.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as e:
@@ -86,7 +88,7 @@ def is_lazy(t: onnx.TensorProto) -> bool:
 def _drop_basepaths(model: onnx.ModelProto) -> None:
     """External data is read relative to the model's folder, as onnxruntime reads it: a
     `basepath` the input carries (onnx's loader would follow it anywhere) is dropped."""
-    for t in _get_all_tensors(model):
+    for t in all_tensors(model):
         if any(e.key == _BASEPATH for e in t.external_data):
             keep = [(e.key, e.value) for e in t.external_data if e.key != _BASEPATH]
             del t.external_data[:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import onnx
 
 from ..passes import LnfoldError
+from .already_rms import rms_norms
 
 MIN_OPSET = 9
 # Bytes per element of the types whose raw data can be checked against their dims.
@@ -110,8 +111,6 @@ def no_norm_message(model: onnx.ModelProto) -> str:
     if inner:
         return (f"no LayerNorm found in the main graph ({inner} inside If/Loop/Scan subgraphs, "
                 "which lnfold does not fold): nothing to fold")
-    from .norms import rms_norms
-
     rms = rms_norms(model)
     if rms:
         ops = sorted({r.op for r in rms})

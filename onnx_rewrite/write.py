@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Iterator
 
 import onnx
-from onnx.external_data_helper import _get_all_tensors
 
 from ..passes import LnfoldError
 from ..passes.errors import first_line
-from .read import external_info, external_source, is_lazy
+from .read import all_tensors, external_info, external_source, is_lazy
 from .wire import copy_fields, initializer_head
 
 # Protobuf cannot serialize a message over 2 GiB: such models keep their weights beside them.
@@ -32,7 +31,7 @@ _STREAM_BYTES = 2**16
 def tensor_bytes(model: onnx.ModelProto) -> int:
     """Bytes of tensor data in `model`: inline (raw or typed fields) and in external files."""
     total = 0
-    for t in _get_all_tensors(model):
+    for t in all_tensors(model):
         if t.data_location == onnx.TensorProto.EXTERNAL:
             info = external_info(t)
             total += int(info.get("length", 0) or 0)
@@ -56,7 +55,7 @@ def is_large(model: onnx.ModelProto) -> bool:
         return True
     if data < _PROTO_LIMIT // 2:
         return False
-    external = sum(int(external_info(t).get("length", 0) or 0) for t in _get_all_tensors(model)
+    external = sum(int(external_info(t).get("length", 0) or 0) for t in all_tensors(model)
                    if t.data_location == onnx.TensorProto.EXTERNAL)
     return model.ByteSize() + external > _PROTO_LIMIT
 
@@ -158,7 +157,7 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> b
     f = None
     offset = 0
     try:
-        for t in _get_all_tensors(model):
+        for t in all_tensors(model):
             lazy = is_lazy(t)
             if not lazy and not (t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_THRESHOLD):
                 continue

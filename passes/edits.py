@@ -1,8 +1,9 @@
 """Constant edits: what a plan does to a constant, and the one walk that executes them.
 
-An edit is a list of ops applied left to right to the original array. `apply_ops` walks them
-over an `Algebra`: numpy in float64 here (`NUMPY`, cast back once by `compute_constants`), or
-graph-building functions in a frontend that computes the edit inside its graph (training).
+An edit is a list of ops applied left to right to the original array. `apply_ops` is the one
+interpreter of them, over an `Algebra` per backend: numpy in float64 here (`NUMPY`, cast back
+once by `compute_constants`); torch tensors in forward and FX graph nodes in fx_rewrite/edits.py
+(training, where the edit is computed from the parameter itself). Nothing else walks the ops.
 """
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ NUMPY = Algebra(
     ones=np.ones_like,
     drop=lambda a, axis: weights.drop_last(a, axis),
     fold_decompression=lambda a, axis: weights.fold_decompression(a, axis),
-    add_weight_times=lambda a, w, axis, v: a + weights.weight_times(w, v, axis).reshape(a.shape),
+    add_weight_times=lambda a, w, axis, v: weights.add_weight_times(a, w, axis, v),
 )
 
 

@@ -74,6 +74,10 @@ class Rule:
     def __str__(self) -> str:
         return " ".join([self.kind] + [f"{k}={_text(v)}" for k, v in self.params.items()])
 
+    def answers(self, view: View, node: Node) -> Answers:
+        """What `node` (whose rule this is) answers the analysis in `view` (View.answers caches it)."""
+        return answers(view, node)
+
 
 def _text(v) -> str:
     return f"({v})" if isinstance(v, Rule) else repr(v)

@@ -44,10 +44,16 @@ Axes are non-negative ints; every value carries its rank. Nothing here imports a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
-if TYPE_CHECKING:
-    from .rules import Rule
+class Rule(Protocol):
+    """What a node's rule is to the view (passes/rules.Rule): it answers the analysis' questions.
+    The view only calls it, so rules.py (which reads views) is above this module, not beside it."""
+
+    kind: str
+
+    def answers(self, view: "View", node: "Node") -> "Answers": ...
+
 
 # (output index, feature axis of that output)
 AxisMap = list[tuple[int, int]]
@@ -194,7 +200,7 @@ class Node:
     op: str
     inputs: list[str]
     outputs: list[str]
-    rule: Optional["Rule"] = None
+    rule: Optional[Rule] = None
     # The IR node this view node stands for (several view nodes can stand for one fused op, or
     # a view node for one Python-number argument); "" means the node's own name.
     origin: str = ""
@@ -345,9 +351,7 @@ class View:
         """What `node` answers the analysis, from its rule (passes/rules.py) and this view."""
         got = self._answers.get(node.name)
         if got is None:
-            from .rules import answers  # rules reads views: imported on first use
-
-            got = self._answers[node.name] = answers(self, node)
+            got = self._answers[node.name] = node.rule.answers(self, node) if node.rule is not None else Answers()
         return got
 
     def norms(self) -> list[Node]:
@@ -368,7 +372,7 @@ class View:
         v.is_const, v.scalar = True, scalar
         return name
 
-    def add(self, name: str, op: str, rule: Optional["Rule"], inputs: list[str], outputs: dict) -> Node:
+    def add(self, name: str, op: str, rule: Optional[Rule], inputs: list[str], outputs: dict) -> Node:
         """A node reading `inputs` (names added before; "" for an absent optional input) and
         writing `outputs`, {name: shape}."""
         for i in inputs:

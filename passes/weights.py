@@ -63,30 +63,44 @@ def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out
     Used to fold a norm's β into the biases of the linear layers that read the norm, since
     RMSNorm ops take no bias: `W(γ⊙n + β) + b = W(γ⊙n) + (Wβ + b)`.
     """
-    w = np.moveaxis(_f64(weight), in_axis, 0)
-    out = np.tensordot(_f64(beta).reshape(-1), w, axes=([0], [0]))
+    out = weight_times(weight, beta, in_axis)
     if bias is not None:
         out = out + _f64(bias).reshape(out.shape)
     return out.astype(out_dtype)
 
 
-def drop_last(a: np.ndarray, axis: int) -> np.ndarray:
+# --- the CRMS weight math, over any array with numpy-style indexing and `reshape` (numpy in float64
+# here; torch tensors in a graph that computes it, fx_rewrite/edits.py): written once ----------------
+
+def _first(a, axis: int, stop: int, start: int = 0):
+    """`a[start:stop]` along `axis` (a view for numpy and torch alike)."""
+    return a[(slice(None),) * axis + (slice(start, stop),)]
+
+
+def drop_last(a, axis: int):
     """The first n-1 entries of `a` along `axis` (CRMSNorm: the last is minus the sum of the rest)."""
-    return np.take(a, np.arange(a.shape[axis] - 1), axis=axis)
+    return _first(a, axis, a.shape[axis] - 1)
 
 
-def fold_decompression(a: np.ndarray, axis: int) -> np.ndarray:
+def fold_decompression(a, axis: int):
     """`a[:n-1] - a[n-1]` along `axis`: a weight that reads z ∈ R^{n-1} as if it read
     concat(z, -Σz) (seed 001 eq. 6)."""
-    x = _f64(a)
-    n = x.shape[axis]
-    return (np.take(x, np.arange(n - 1), axis=axis) - np.take(x, [n - 1], axis=axis)).astype(a.dtype)
+    n = a.shape[axis]
+    return _first(a, axis, n - 1) - _first(a, axis, n, n - 1)
 
 
-def weight_times(weight: np.ndarray, vec: np.ndarray, in_axis: int) -> np.ndarray:
-    """`W v` (float64) for a weight holding its input features on `in_axis`: the other axes remain."""
-    w = np.moveaxis(_f64(weight), in_axis, 0)
-    return np.tensordot(_f64(vec).reshape(-1), w, axes=([0], [0]))
+def weight_times(weight, vec, in_axis: int, tensordot=None):
+    """`W v` for a weight holding its input features on `in_axis`: the other axes remain.
+
+    numpy in float64 by default; `tensordot` is the array library's own (`torch.tensordot`)."""
+    if tensordot is None:
+        weight, vec, tensordot = _f64(weight), _f64(vec), np.tensordot
+    return tensordot(vec.reshape(-1), weight, ([0], [in_axis]))
+
+
+def add_weight_times(a, weight, in_axis: int, vec, tensordot=None):
+    """`a + W v` (β into a bias: the reader's bias, shaped as `W v`)."""
+    return a + weight_times(weight, vec, in_axis, tensordot).reshape(a.shape)
 
 
 def max_rel_err(ref: np.ndarray, got: np.ndarray) -> float:

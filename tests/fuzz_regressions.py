@@ -259,10 +259,9 @@ class ReluEmbedTiedHead(nn.Module):
     against float64 can be several times the original's: a LayerNorm subtracts the mean of its
     fp16-rounded input, an RMSNorm on the centered stream keeps the rounding's component along
     1, and the head, whose embedding rows have large means, amplifies exactly that direction.
-    Neither sum-preserving rounding of the centered weights nor a second recenter pass removes
-    it (the residual is below one ulp of the stream's elements). Recorded in benchmarks/FUZZ.md;
-    this test pins that no fold here is wrong (only `precision:` findings) and that the fp16 error
-    stays within 20x the bound."""
+    Judged against float64 by the verification gate (passes/gate.py), as every fold is, it passes:
+    the fp16 error stays within 2x the original's own plus the dtype's floor. Recorded in
+    benchmarks/FUZZ.md."""
 
     def __init__(self, d=5, vocab=29):
         super().__init__()
@@ -281,13 +280,12 @@ class ReluEmbedTiedHead(nn.Module):
 
 
 @pytest.mark.parametrize("target", ["ort", "portable"])
-def test_fp16_residual_mean_finding(target):
+def test_fp16_residual_mean_within_the_gate(target):
     m = _adversarial(ReluEmbedTiedHead())
     img, ids = _rand(2, 3, 4, 4), torch.randint(0, 29, (2, 4), generator=G)
     for dtype in (torch.float32, torch.float16):
         case = gen.make_case(m, (img, ids), {"ln1": "fold", "ln2": "fold"}, opset=14, dtype=dtype)
         case.target = target
         out = properties.check_onnx(case)
-        assert all(f.startswith("precision:") for f in out.failures), out.failures
-        assert dtype == torch.float16 or not out.failures
-        assert out.err is not None and out.err < 20 * out.bound
+        assert not out.failures, out.failures
+        assert out.err is not None and out.err <= out.bound

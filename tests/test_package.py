@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import lnfold
-from lnfold.passes.timing import describe_ratio, ratio
+from lnfold.demo.timing import describe_ratio, ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 

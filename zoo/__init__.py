@@ -364,13 +364,13 @@ def export_onnx(module: nn.Module, args: tuple, input_names: list[str], opset: i
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _quiet_onnx_logs()
+        quiet_onnx_logs()
         torch.onnx.export(module, args, buf, opset_version=opset, dynamo=dynamo, input_names=input_names,
                           output_names=["output"], dynamic_axes=dynamic, verbose=False)
     return onnx.load_from_string(buf.getvalue())
 
 
-def _quiet_onnx_logs() -> None:
+def quiet_onnx_logs() -> None:
     import logging
 
     for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript"):

@@ -7,7 +7,9 @@ the original, then two measurements of the folded model in onnxruntime on this m
 - end-to-end time over interleaved rounds, wall and CPU time, with a bootstrap interval on the
   ratio: a model of a few milliseconds on a shared machine is mostly noise, so the demo says
   "within noise" when the interval holds 1 rather than print a speed-up it cannot support.
-Building the GPT-2 needs torch and transformers (`pip install 'lnfold[demo]'`); folding does not.
+Building the GPT-2 needs torch and transformers (`pip install 'lnfold[demo]'`, lnfold.zoo); folding
+does not. The timing statistics (demo/timing.py) are the benchmarks' too: they live here, installed,
+because `lnfold demo` is their one user in the product, and the core (passes/) measures nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..passes import LnfoldError
-from ..passes.timing import describe_ratio, interleaved, ratio
+from .timing import describe_ratio, interleaved, ratio
 
 # Ops whose kernels compute a norm, before (LayerNormalization) and after (the RMS forms) the fold.
 NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
@@ -68,9 +70,9 @@ def norm_kernel_time(path: Path, feeds: dict, runs: int) -> tuple[float, int]:
 
 
 def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None, seconds: float = 6.0) -> int:
-    from .api import fold_model
-    from .verify import session
-    from .write import save
+    from ..onnx_rewrite.api import fold_model
+    from ..onnx_rewrite.verify import session
+    from ..onnx_rewrite.write import save
 
     t0 = time.perf_counter()
     print(f"lnfold demo: GPT-2 with {layers} layers, width {hidden}, random weights made adversarial "

@@ -1,0 +1,118 @@
+"""The constant edits of passes/edits.py over torch: the algebras its one interpreter (`apply_ops`) walks.
+
+- `TENSOR`: eager tensors, in their own dtype (the module-level training fold computes a
+  centered weight in each forward from the Parameter itself, so gradients reach it unchanged);
+- `graph_algebra`: the same ops as nodes of an FX graph (the backend under autograd);
+- `to_numpy` / `from_numpy`: the float64 numpy algebra of passes/ for everything computed once.
+
+The CRMS weight math (drop, fold the decompression, `W v`) is passes/weights.py's own, which is
+written over any array with numpy-style indexing; only centering and the LayerScale profile are
+spelled here, because torch needs its dtype handling (float16/bfloat16 means in float32).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import fx
+
+from ..passes import weights
+from ..passes.edits import Algebra
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def center(x: torch.Tensor, axis, block=None, lo: int = 0, hi=None) -> torch.Tensor:
+    """`x` minus its mean along `axis` (passes/weights.center): `axis` None, all of it is a shift;
+    `block`, each run of `block` entries in [lo, hi) minus its own mean (a per-head norm's rows).
+
+    A float16/bfloat16 mean is taken in float32. Written as `x * 0` rather than zeros so that
+    the Parameter keeps a gradient path (DDP, AdamW decay)."""
+    if axis is None:
+        return x * 0
+    if block is not None and x.shape[axis] != 1:
+        n = x.shape[axis]
+        hi = n if hi is None else hi
+        head, part, tail = x.narrow(axis, 0, lo), x.narrow(axis, lo, hi - lo), x.narrow(axis, hi, n - hi)
+        runs = part.unflatten(axis, (-1, block))
+        return torch.cat([head, center(runs, axis + 1).flatten(axis, axis + 1), tail], axis)
+    mean = x.mean(axis, keepdim=True, dtype=torch.float32).to(x.dtype) if x.dtype in _LOW \
+        else x.mean(axis, keepdim=True)
+    return x - mean
+
+
+def profile(by: torch.Tensor, by_axis: int, rank: int, axis: int) -> torch.Tensor:
+    """The 1-D profile of a LayerScale vector (passes/weights.vector_along), shaped to broadcast
+    along `axis` of a rank-`rank` tensor."""
+    n = by.shape[by_axis]
+    vec = by.movedim(by_axis, -1).reshape(-1, n)[0]
+    shape = [1] * rank
+    shape[axis] = n
+    return vec.reshape(shape)
+
+
+def scale(x: torch.Tensor, by: torch.Tensor, by_axis: int, axis: int) -> torch.Tensor:
+    return x * profile(by, by_axis, x.ndim, axis)
+
+
+def weight_times(w: torch.Tensor, v: torch.Tensor, axis: int) -> torch.Tensor:
+    return weights.weight_times(w, v, axis, torch.tensordot)
+
+
+def add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
+    return weights.add_weight_times(a, w, axis, v, torch.tensordot)
+
+TENSOR = Algebra(
+    center=center,
+    center_blocks=center,
+    scale=scale,
+    ones=lambda x: x * 0 + 1,  # not ones_like: the parameter keeps a gradient path
+    drop=weights.drop_last,
+    fold_decompression=weights.fold_decompression,
+    add_weight_times=add_weight_times,
+)
+
+
+def graph_algebra(graph: fx.Graph, dialect, shape: tuple) -> Algebra:
+    """`TENSOR` as graph-building functions in `dialect` (fx_rewrite/apply.Dialect): nodes inserted
+    where `graph` inserts, for a constant of `shape` (the edit computed in the forward graph)."""
+    g, d = graph, dialect
+
+    def center_(x, axis):  # axis None: uniform along the features, all shift
+        return d.zeros_like(g, x) if axis is None else d.sub(g, x, d.mean(g, x, axis))
+
+    def call(fn):
+        return lambda *args: g.call_function(fn, args)
+
+    return Algebra(
+        center=center_,
+        center_blocks=lambda x, axis, block, lo, hi:
+            center_(x, axis) if shape[axis] == 1 else g.call_function(center, (x, axis, block, lo, hi)),
+        scale=lambda x, by, by_axis, axis: d.mul(g, x, g.call_function(profile, (by, by_axis, len(shape), axis))),
+        ones=lambda x: d.ones_like(g, x),
+        drop=call(weights.drop_last),
+        fold_decompression=call(weights.fold_decompression),
+        add_weight_times=call(add_weight_times),
+    )
+
+
+# --- numpy <-> torch, for the float64 weight math of passes/ ---------------------------------------
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().to("cpu")
+    if t.dtype == torch.bfloat16:
+        t = t.float()  # numpy has no bfloat16; the math runs in float64 anyway
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype=like.dtype, device=like.device)
+
+
+def unique_attr(gm: torch.nn.Module, base: str) -> str:
+    """A fresh attribute name of `gm` for a new constant, from `base`."""
+    base = base.replace(".", "_")
+    name, k = base, 0
+    while hasattr(gm, name):
+        k += 1
+        name = f"{base}_{k}"
+    return name

@@ -1,0 +1,104 @@
+"""How a LayerNorm is spelled in an ONNX graph: one list of rules, `PATTERNS`, in the style of
+onnxscript's rewriter (DESIGN §7, "Adding a norm pattern"). Each `NormPattern` is
+
+- a pattern: the op types (and domains) a match starts at;
+- a check: `match(node, shapes, graph outputs)` returns the one result type, a `NormMatch` (the
+  nodes it covers, its data input and output, γ, β, eps, axes), or a `passes.match.NoMatch` that
+  says why not; a near miss (depth >= 1) is listed in the report;
+- a rewrite: the emitter's (emit.py), which removes the covered nodes and writes the target's
+  RMSNorm from `x` to `output`; only a fused op with outputs of its own (Skip's sum, Embed's
+  mask index) needs more, chosen by `NormMatch.kind`.
+
+The patterns here are the spellings that exist only as ONNX ops. The decomposed form both
+frontends see (torch's ReduceMean, Sub, Pow, ... chain and hand-written modules) is matched once
+over the view, by passes/patterns.py, for every IR; classify.py turns its matches into NormMatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import onnx_graphsurgeon as gs
+
+from ..passes.axes import Shape
+from ..passes.match import MatchResult, NoMatch, deepest
+from . import fused, norm_variants
+from .norms import NormMatch, rank_of, uses_stats
+
+Check = Callable[[gs.Node, dict, set], MatchResult[NormMatch]]
+ONNX_DOMAINS = ("", "ai.onnx")
+
+
+@dataclass(frozen=True)
+class NormPattern:
+    name: str
+    ops: tuple  # the op types a match starts at
+    domains: Optional[tuple]  # ... in these domains (None: any)
+    match: Check
+
+    def starts(self, node: gs.Node) -> bool:
+        return node.op in self.ops and (self.domains is None or (node.domain or "") in self.domains)
+
+
+def match_layernormalization(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> NormMatch:
+    x = node.inputs[0]
+    rank_ = rank_of(x, shapes)
+    axis_attr = int(node.attrs.get("axis", -1))
+    m = NormMatch(
+        node.name, "LayerNormalization", [node], x, node.outputs[0],
+        gamma=node.inputs[1] if len(node.inputs) > 1 and node.inputs[1].name else None,
+        beta=node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None,
+        epsilon=float(node.attrs.get("epsilon", 1e-5)),
+    )
+    if rank_ is not None:
+        first = axis_attr + rank_ if axis_attr < 0 else axis_attr
+        m.axes = list(range(first, rank_))
+    m.stats_used = uses_stats(node.outputs[1:], outputs)
+    return m
+
+
+def match_skip(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> NormMatch:
+    ins = list(node.inputs) + [None] * (5 - len(node.inputs))
+    outs = list(node.outputs) + [None] * (4 - len(node.outputs))
+    x = ins[0]
+    m = NormMatch(
+        node.name, "SkipLayerNormalization", [node], x, outs[0],
+        gamma=ins[2], beta=ins[3] if ins[3] is not None and ins[3].name else None,
+        epsilon=float(node.attrs.get("epsilon", 1e-5)),
+        skip=ins[1], bias=ins[4] if ins[4] is not None and ins[4].name else None,
+        sum_output=outs[3] if outs[3] is not None and outs[3].name else None,
+    )
+    m.stats_used = uses_stats(outs[1:3], outputs)
+    return m
+
+
+PATTERNS = (
+    NormPattern("LayerNormalization", ("LayerNormalization",), ONNX_DOMAINS, match_layernormalization),
+    NormPattern("SkipLayerNormalization", ("SkipLayerNormalization",), (fused.MS,), match_skip),
+    NormPattern("EmbedLayerNormalization", ("EmbedLayerNormalization",), (fused.MS,), fused.match_embed),
+    # tf2onnx's Keras and jax2onnx's flax forms, tried in this order at a mean of x
+    NormPattern("tf2onnx Keras LayerNorm", norm_variants.MEANS, None, norm_variants.match_keras),
+    NormPattern("jax2onnx flax LayerNorm", norm_variants.MEANS, None, norm_variants.match_flax),
+)
+
+
+def find_norms(graph: gs.Graph, shapes: dict[str, Shape], near_misses: Optional[dict] = None) -> list[NormMatch]:
+    """Every match of `PATTERNS` in `graph` (the first pattern that matches at a node wins); where
+    none does, the failure that got furthest goes into `near_misses` (node name -> NoMatch) when
+    it is a near miss."""
+    out = []
+    outputs = {t.name for t in graph.outputs}
+    for node in graph.nodes:
+        tried: list[NoMatch] = []
+        for pattern in PATTERNS:
+            if pattern.starts(node):
+                m = pattern.match(node, shapes, outputs)
+                if m:
+                    out.append(m)
+                    break
+                tried.append(m)
+        else:
+            miss = deepest(*tried) if tried else None
+            if miss is not None and miss.near and near_misses is not None:
+                near_misses[node.name] = miss
+    return out

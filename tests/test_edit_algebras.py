@@ -1,0 +1,72 @@
+"""One interpreter of edit ops (passes/edits.apply_ops), three algebras: numpy in float64 (every
+fold that computes a constant once), torch tensors (the module-level training fold, in forward)
+and FX graph nodes (the backend under autograd). The same ops give the same tensor in all three."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import fx
+
+from lnfold.fx_rewrite.apply import ATEN
+from lnfold.fx_rewrite.edits import TENSOR, graph_algebra
+from lnfold.passes.edits import NUMPY, AddWeightTimes, Center, Drop, FoldDecompression, Ones, Scale, apply_ops
+
+RNG = np.random.default_rng(0)
+CONSTS = {
+    "w": RNG.normal(3.0, 1.0, (6, 8)),  # a large mean: a missed centering shows
+    "ls": np.tile(RNG.normal(1.0, 0.5, (1, 8)), (3, 1)),  # a LayerScale vector along axis 1
+    "v": RNG.normal(size=8),
+    "r": RNG.normal(size=(5, 8)),  # a reader's weight, input features on axis 1
+}
+CASES = {
+    "center": (Center(1),),
+    "center-uniform": (Center(None),),
+    "center-blocks": (Center(0, block=2, lo=2, hi=6),),
+    "scale-then-center": (Scale("ls", 1, 1), Center(1)),
+    "ones": (Ones(),),
+    "drop": (Center(1), Drop(1)),
+    "fold-decompression": (FoldDecompression(1),),
+    "add-weight-times": (Drop(1), AddWeightTimes("r", 1, "v")),
+}
+
+
+def _graph(ops, a):
+    """`ops` built into an FX graph by graph_algebra, then run."""
+    g = fx.Graph()
+    ins = {n: g.placeholder(n) for n in CONSTS}
+    out = apply_ops(ins["w"], ops, ins.__getitem__, graph_algebra(g, ATEN, a.shape))
+    g.output(out)
+    return fx.GraphModule(torch.nn.Module(), g)(**{n: torch.from_numpy(v) for n, v in CONSTS.items()})
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_three_algebras_agree(case):
+    ops = CASES[case]
+    if case == "add-weight-times":  # W v has the reader's output features: edit a bias of that size
+        CONSTS["w"], w = RNG.normal(size=(5, 1)), CONSTS["w"]
+        ops = (AddWeightTimes("r", 1, "v"),)
+    try:
+        a = CONSTS["w"]
+        want = apply_ops(a, ops, CONSTS.__getitem__, NUMPY)
+        t = {n: torch.from_numpy(v) for n, v in CONSTS.items()}
+        eager = apply_ops(t["w"], ops, t.__getitem__, TENSOR)
+        graph = _graph(ops, a)
+    finally:
+        if case == "add-weight-times":
+            CONSTS["w"] = w
+    np.testing.assert_allclose(eager.numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(graph.numpy(), want, rtol=1e-12, atol=1e-12)
+    if any(isinstance(op, Center) for op in ops) and ops[-1] != Drop(1):
+        assert not np.allclose(want, apply_ops(a, ops[:-1], CONSTS.__getitem__, NUMPY))  # the case edits
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_centering_is_judged_against_float64(dtype):
+    """The tensor algebra takes a float16/bfloat16 mean in float32: the centered weight is within
+    two roundings (of the mean, of the difference) of the float64 centering of the same weight."""
+    w = torch.from_numpy(RNG.normal(30.0, 1.0, (4, 4096))).to(dtype)
+    want = apply_ops(w.double().numpy(), (Center(1),), CONSTS.__getitem__, NUMPY)
+    got = apply_ops(w, (Center(1),), CONSTS.__getitem__, TENSOR)
+    bound = 2 * torch.finfo(dtype).eps * w.double().abs().max().item()
+    assert np.abs(got.double().numpy() - want).max() <= bound
