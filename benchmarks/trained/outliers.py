@@ -54,7 +54,7 @@ def gamma_stats(name: str) -> list[tuple[str, float, float]]:
 
 
 def outlier_table(name: str) -> list[str]:
-    lines = [f"**{name}** (residual stream on {harness.manifest(name)['heldout']} held-out inputs' first 32 rows)",
+    lines = [f"**{name}** (residual stream, float32, the first 32 held-out rows)",
              "", "| point | max / median channel max-abs | top channels (max-abs) | median channel max-abs | "
              "mean |token mean| / RMS |", "| --- | --- | --- | --- | --- |"]
     for s in stream_stats(name):
