@@ -246,6 +246,50 @@ def whisper_encoder(seed: int = 0):
     return Logits(m, "last_hidden_state").eval(), (x,)
 
 
+
+class MaskedPixels(nn.Module):
+    """ViT-MAE called with its masking noise as an input (the masking is then a function of the
+    inputs, not of a random draw): (pixel_values, noise) -> one tensor."""
+
+    def __init__(self, model: nn.Module, field: str = "logits") -> None:
+        super().__init__()
+        self.model = model
+        self.field = field
+
+    def forward(self, x, noise):
+        return getattr(self.model(x, noise=noise, return_dict=True), self.field)
+
+
+def vit_mae(seed: int = 0):
+    """ViT-MAE for pre-training: an encoder over the kept patches and a decoder over all of them."""
+    c, m, g = _tiny("ViTMAEConfig", "ViTMAEForPreTraining", seed, dict(
+        _IMG, decoder_hidden_size=W, decoder_num_hidden_layers=2, decoder_num_attention_heads=H,
+        decoder_intermediate_size=4 * W, mask_ratio=0.5))
+    px = torch.randn(2, 3, 32, 32, generator=g)
+    return MaskedPixels(m).eval(), (px, torch.rand(2, (32 // 8) ** 2, generator=g))
+
+
+def esm_token_dropout(seed: int = 0):
+    """ESM with token dropout: mask tokens' embeddings zeroed, every row scaled by a per-sequence
+    ratio of mask tokens; the inputs hold some mask tokens."""
+    c, m, g = _tiny("EsmConfig", "EsmModel", seed, dict(
+        _TXT, token_dropout=True, mask_token_id=V - 1, pad_token_id=1, emb_layer_norm_before=False,
+        position_embedding_type="absolute"))
+    ids = torch.randint(2, V - 1, (2, 9), generator=g)
+    ids[0, 3] = ids[1, 5] = ids[1, 6] = V - 1
+    return Logits(m, "last_hidden_state").eval(), (ids,)
+
+
+def _audio_seq2seq(config: str, model: str, frames: int, **cfg) -> Callable:
+    """A builder for a tiny speech encoder-decoder fed filter-bank frames (B, T, features)."""
+
+    def build(seed: int = 0):
+        c, m, g = _tiny(config, model, seed, cfg)
+        x = torch.randn(2, frames, c.input_feat_per_channel * c.input_channels, generator=g)
+        return Seq2Seq(m).eval(), (x, torch.randint(0, V, (2, 7), generator=g))
+
+    return build
+
 _ENC_DEC = dict(vocab_size=V, d_model=W, encoder_layers=2, decoder_layers=2, encoder_attention_heads=H,
                 decoder_attention_heads=H, encoder_ffn_dim=4 * W, decoder_ffn_dim=4 * W, max_position_embeddings=64)
 _WHISPER = dict(_ENC_DEC, num_mel_bins=16, max_source_positions=16, max_target_positions=32, pad_token_id=1,
@@ -350,6 +394,12 @@ MODELS: dict[str, Callable] = {
     # LayerNorm(head_dim) per head for q and for k (4 + 4) = 10, x 2 + final norm = 21; Pre-LN,
     # and q/k norms fold by centering each head's rows of q_proj/k_proj (and bias): 21
     "stablelm_qk": stablelm_qk,
+    # --- issue 23's architectures ---
+    # XGLM, Pre-LN: 2 x (self_attn_layer_norm, final_layer_norm) + layer_norm = 5. The stream
+    # starts at embed_tokens(ids) * sqrt(d) (a scalar Mul of an embedding: centerable) + the
+    # sinusoidal table (a buffer made at init, index_select'ed: a constant table): 5 fold, 0
+    "xglm": _hf("XGLMConfig", "XGLMModel", "ids", vocab_size=V, d_model=W, num_layers=2, attention_heads=H,
+                ffn_dim=4 * W, max_position_embeddings=64),
 }
 INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 
