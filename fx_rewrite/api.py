@@ -34,6 +34,7 @@ from . import defer as deferred_norm
 from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
 from .classify import build_view
 from .hf import export_error, fresh, register_caches
+from .inline import inline_no_grad_regions
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict):
@@ -111,6 +112,7 @@ def exported_view(module, args, kwargs, dynamic):
     parameter and buffer names (one of them where parameters are tied)."""
     ep = export(module, args, kwargs, dynamic=dynamic)
     gm = ep.module()
+    inline_no_grad_regions(gm)
     gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)
     attrs = {n.name: n.target for n in gm.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}

@@ -49,7 +49,7 @@ def adversarial(model: nn.Module, seed: int = 0) -> nn.Module:
         if isinstance(mod, nn.LayerNorm) or hand_norm:  # hand-written ones too (DeBERTa, Cohere)
             if mod.weight is not None:
                 mod.weight.copy_(1 + 0.5 * rnd(*mod.weight.shape))
-            if mod.bias is not None:
+            if getattr(mod, "bias", None) is not None:  # ImageGPT's has none
                 mod.bias.copy_(0.5 * rnd(*mod.bias.shape))
         elif isinstance(mod, nn.Embedding):
             w = mod.weight
@@ -193,8 +193,8 @@ def _hf(config: str, model: str, inputs: str, field: str = "last_hidden_state", 
         if inputs == "ids":
             x = torch.randint(0, V, (2, 9), generator=g)
         else:
-            side = getattr(c, "image_size", 32)  # MobileViT's patches need 64
-            x = torch.randn(2, 3, side, side, generator=g)
+            side = getattr(c, "image_size", 32)  # MobileViT's patches need 64; YOLOS: (height, width)
+            x = torch.randn(2, 3, *(side if isinstance(side, (list, tuple)) else (side, side)), generator=g)
         return Logits(m, field).eval(), (x,)
 
     return build
@@ -400,6 +400,60 @@ MODELS: dict[str, Callable] = {
     # sinusoidal table (a buffer made at init, index_select'ed: a constant table): 5 fold, 0
     "xglm": _hf("XGLMConfig", "XGLMModel", "ids", vocab_size=V, d_model=W, num_layers=2, attention_heads=H,
                 ffn_dim=4 * W, max_position_embeddings=64),
+    # ViT-MAE for pre-training (mask ratio 0.5, the noise an input): encoder 2 x 2 + layernorm = 5,
+    # decoder 2 x 2 + decoder_norm = 5: 10, Pre-LN. The encoder's stream: patch conv + position
+    # table, rows gathered by `ids_keep.unsqueeze(-1).repeat(1, 1, d)` (whole rows move), the cls
+    # token + its position prepended; the decoder's: decoder_embed (a linear) of the encoder's
+    # output and mask_token repeated over batch and masked positions (a constant, tiled), rows
+    # gathered back by a repeated index, + decoder positions: all centerable, 10 fold, 0 recenters
+    "vit_mae": vit_mae,
+    # ESM with token dropout, emb_layer_norm_before off: 2 x (attention.LayerNorm, LayerNorm) +
+    # emb_layer_norm_after = 5, Pre-LN. The stream starts at word_embeddings(ids), mask tokens'
+    # rows zeroed (masked_fill 0: a zero row is zero-mean), all rows times a per-sequence ratio
+    # (a per-row scalar), + learned positions: centerable, 5 fold, 0 recenters
+    "esm": esm_token_dropout,
+    # M2M100, Pre-LN: encoder 2 x (self_attn_layer_norm, final_layer_norm) + layer_norm = 5,
+    # decoder 2 x 3 + layer_norm = 7: 12. Each side's stream starts at embed_tokens * sqrt(d) + a
+    # sinusoidal table made at init and index_select'ed by a `@torch.no_grad()` forward (a
+    # constant table): 12 fold, 0 recenters
+    "m2m100": _seq2seq("M2M100Config", "M2M100Model", **_ENC_DEC),
+    # YOLOS: ViT layout, 2 x 2 + final layernorm = 5. The stream is cat(cls token, patch conv,
+    # detection tokens) + the position table, whose patch part is resized (bicubic, along the
+    # patch grid) to the image, and the mid position tables added before each later layer, resized
+    # the same way: constants through transparent ops, 5 fold, 0 recenters
+    "yolos": _hf("YolosConfig", "YolosModel", "pixels", hidden_size=W, num_hidden_layers=2, num_attention_heads=H,
+                 intermediate_size=4 * W, image_size=[32, 32], patch_size=8, num_detection_tokens=5),
+    # Speech2Text, Pre-LN: encoder 2 x 2 + layer_norm = 5, decoder 2 x 3 + layer_norm = 7: 12. The
+    # encoder's stream starts at the convolutional subsampler's last GLU (opaque) * sqrt(d) +
+    # sinusoidal positions: 1 recenter buys 5; the decoder's at embed_tokens * sqrt(d) + sinusoidal
+    # positions (centerable): 12 fold, 1 recenter
+    "speech2text": _audio_seq2seq("Speech2TextConfig", "Speech2TextModel", 24, **dict(
+        _ENC_DEC, max_source_positions=64, max_target_positions=64, conv_channels=32, input_feat_per_channel=16,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)),
+    # --- issue 23: ten more, sound and complete as they are (kept so) ---
+    # Phi: parallel attention + MLP, one input_layernorm per layer + final_layernorm = 3; Pre-LN: 3
+    "phi": _hf("PhiConfig", "PhiModel", "ids", **_TXT),
+    # Pegasus, Pre-LN: encoder 2 x 2 + layer_norm = 5, decoder 2 x 3 + layer_norm = 7 over
+    # embed_tokens * sqrt(d) + a sinusoidal table held as an embedding's weight: 12 fold
+    "pegasus": _seq2seq("PegasusConfig", "PegasusModel", **_ENC_DEC),
+    # Blenderbot, Pre-LN, learned positions: 5 + 7 = 12, 12 fold
+    "blenderbot": _seq2seq("BlenderbotConfig", "BlenderbotModel", **_ENC_DEC),
+    # Blenderbot-small, Post-LN as BART: encoder layernorm_embedding + 2 x 2 = 5, decoder
+    # layernorm_embedding (of the scaled tokens, before the positions are added) + 2 x 3 = 7: 12;
+    # the two embedding norms read embeddings (centerable) and fold, the rest read sums that
+    # q/k/v or fc1 read too: 2
+    "blenderbot_small": _seq2seq("BlenderbotSmallConfig", "BlenderbotSmallModel", **_ENC_DEC),
+    "plbart": _seq2seq("PLBartConfig", "PLBartModel", **_ENC_DEC),  # BART layout: 12 / 2
+    "xlm_roberta": _hf("XLMRobertaConfig", "XLMRobertaModel", "ids", **_TXT),  # BERT layout: 5 / 1
+    # MPNet: BERT layout (Post-LN, a relative position bias in the attention scores): 5 / 1
+    "mpnet": _hf("MPNetConfig", "MPNetModel", "ids", **_TXT),
+    # ImageGPT's ImageGPTLayerNorm is x / sqrt(mean(x²) + eps) * γ, an RMSNorm: 0 LayerNorms
+    "imagegpt": _hf("ImageGPTConfig", "ImageGPTModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H,
+                    n_positions=64),
+    # GPT-BigCode (multi-query attention): GPT-2 layout, 5 / 5
+    "gpt_bigcode": _hf("GPTBigCodeConfig", "GPTBigCodeModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H,
+                       n_positions=64),
+    "owlvit_text": _hf("OwlViTTextConfig", "OwlViTTextModel", "ids", **_TXT),  # CLIP text layout: 5 / 5
 }
 INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 

@@ -26,7 +26,11 @@ HAND = {
     "bart": (12, 2, 0), "mbart": (14, 14, 2), "whisper": (12, 12, 1), "whisper_encoder": (5, 5, 1),
     "swin": (7, 4, 0), "convnext": (5, 1, 0), "vitdet": (7, 3, 0), "mobilevit": (21, 21, 0),
     "stablelm_qk": (21, 21, 0),
-    "xglm": (5, 5, 0),
+    "xglm": (5, 5, 0), "esm": (5, 5, 0), "m2m100": (12, 12, 0), "yolos": (5, 5, 0), "speech2text": (12, 12, 1),
+    "vit_mae": (10, 10, 0),
+    "phi": (3, 3, 0), "pegasus": (12, 12, 0), "blenderbot": (12, 12, 0), "blenderbot_small": (12, 2, 0),
+    "plbart": (12, 2, 0), "xlm_roberta": (5, 1, 0), "mpnet": (5, 1, 0), "imagegpt": (0, 0, 0), "gpt_bigcode": (5, 5, 0),
+    "owlvit_text": (5, 5, 0),
 }
 # Where both frontends agree with each other but not with the hand count: what they give, and why.
 KNOWN_GAPS = {
@@ -241,3 +245,110 @@ def test_fold_module_judges_xglm_against_float64():
 
     verdict = verifier.verdict(Planted())
     assert verdict.diff < 1e-4 and not verdict.ok, verdict
+
+
+# --- issue 23: rules for real architectures, each exact against float64 --------------------------
+
+def _adversarial_ln(d: int, g: torch.Generator) -> nn.LayerNorm:
+    ln = nn.LayerNorm(d)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.5 * torch.randn(d, generator=g))
+        ln.bias.copy_(0.5 * torch.randn(d, generator=g))
+    return ln
+
+
+class TokenDropout(nn.Module):
+    """ESM's token dropout: mask tokens' rows filled with `fill`, every row scaled by a
+    per-sequence ratio, then a LayerNorm."""
+
+    def __init__(self, fill: float, d=16, vocab=50):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fill = fill
+        self.emb = nn.Embedding(vocab, d)
+        with torch.no_grad():
+            self.emb.weight.add_(3.0 * torch.randn(vocab, 1, generator=g))
+        self.ln = _adversarial_ln(d, g)
+
+    def forward(self, ids):
+        masked = ids == 0
+        h = self.emb(ids).masked_fill(masked.unsqueeze(-1), self.fill)
+        ratio = masked.sum(-1).float() / ids.shape[1]
+        return self.ln(h * 0.88 / (1 - ratio)[:, None, None])
+
+
+class Resized(nn.Module):
+    """A patch conv's output resized (YOLOS resizes its position table so) along its grid
+    (`feature_axis` 1: the channels are kept), then a LayerNorm over the channels; or (2) resized
+    along its features, which mixes them."""
+
+    def __init__(self, feature_axis: int, d=16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.feature_axis = feature_axis
+        self.conv = nn.Conv2d(3, d, 4, stride=4)
+        with torch.no_grad():
+            self.conv.weight.add_(0.5 * torch.randn(d, 1, 1, 1, generator=g))
+            self.conv.bias.add_(3.0)
+        self.ln = _adversarial_ln(d, g)
+
+    def forward(self, img):
+        x = self.conv(img)
+        if self.feature_axis == 1:
+            x = nn.functional.interpolate(x, scale_factor=2.0, mode="bicubic", align_corners=False)
+            return self.ln(x.flatten(2).transpose(1, 2))
+        x = x.flatten(2)  # (B, d, T) seen as (N, C, L): the features are the resized axis
+        x = nn.functional.interpolate(x.transpose(1, 2), scale_factor=2.0, mode="linear")
+        return self.ln(x[..., ::2])
+
+
+class NoGradPositions(nn.Module):
+    """M2M100's positions: a table looked up by a `@torch.no_grad()` forward, which torch.export
+    wraps in one `wrap_with_set_grad_enabled` call."""
+
+    class Table(nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.register_buffer("weights", table, persistent=False)
+
+        @torch.no_grad()
+        def forward(self, ids):
+            pos = torch.arange(ids.shape[1]) + 2
+            return self.weights.index_select(0, pos).unsqueeze(0).expand(ids.shape[0], -1, -1).detach()
+
+    def __init__(self, d=16, vocab=50):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Embedding(vocab, d)
+        with torch.no_grad():
+            self.emb.weight.add_(3.0 * torch.randn(vocab, 1, generator=g))
+        self.pos = self.Table(torch.randn(20, d, generator=g) + 3.0 * torch.randn(20, 1, generator=g))
+        self.ln = _adversarial_ln(d, g)
+
+    def forward(self, ids):
+        return self.ln(self.emb(ids) * 4.0 + self.pos(ids))
+
+
+@pytest.mark.parametrize("build, args, names, counts", [
+    (NoGradPositions, (torch.tensor([[0, 3, 5, 7], [8, 1, 0, 0]]),), ["ids"], (1, 0)),
+    (lambda: TokenDropout(0.0), (torch.tensor([[0, 3, 5, 7], [8, 1, 0, 0]]),), ["ids"], (1, 0)),
+    # another fill writes rows of mean `fill`: no weight edit centers them, 1 recenter for 1 swap
+    (lambda: TokenDropout(1.0), (torch.tensor([[0, 3, 5, 7], [8, 1, 0, 0]]),), ["ids"], (0, 0)),
+    (lambda: Resized(1), (torch.randn(2, 3, 32, 32),), ["img"], (1, 0)),
+    (lambda: Resized(2), (torch.randn(2, 3, 32, 32),), ["img"], (0, 0)),
+], ids=["no-grad positions", "zeroed rows", "rows of ones", "resized along the grid", "resized along the features"])
+def test_zeroed_rows_and_resized_tables(build, args, names, counts):
+    """A table looked up under no_grad is a table; masked_fill with zeros and a resize along non-feature axes are shift-transparent (both
+    frontends, folded exactly against float64); a non-zero fill and a resize along the features
+    are not (a planted wrong rule would fold them, and the gate would refuse)."""
+    m = build().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx = analyze_module(m, args, dynamic=False)
+        proto = zoo.export_onnx(m, args, names)
+    assert (fx.folded, fx.recentered) == counts, fx.norms
+    assert not properties.report_differences(analyze_model(proto), fx)
+    if counts[0]:
+        res = fold_module(m, args, norm="rms_norm", dynamic=False)
+        assert res.criterion == "float64" and res.exact_err <= 2 * res.original_exact_err + 1e-5
+        assert fold_model(proto).criterion == "float64"
