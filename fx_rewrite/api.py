@@ -290,6 +290,11 @@ class _Float64Everywhere(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable and any(isinstance(x, torch.Tensor) and x.is_floating_point()
+                                           and x.dtype != torch.float64 for x in pytree.tree_leaves((args, kwargs))):
+            # an upcast copy would take the write, not the tensor the module keeps: no float64 run
+            raise RuntimeError(f"{func} writes to a tensor that is not float64")
+
         def up(x):
             if isinstance(x, torch.dtype) and x.is_floating_point:
                 return torch.float64

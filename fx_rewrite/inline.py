@@ -4,12 +4,15 @@ torch.export wraps code run under `torch.no_grad()` (a `@torch.no_grad()` forwar
 Speech2Text's sinusoidal positions) in one `wrap_with_set_grad_enabled(False, submodule, *args)`
 call, which the classifier would see as a single opaque op: the stream it starts would need a
 Recenter where the table it looks up could be centered. Grad mode changes no value, so the
-region's nodes are copied into the graph in place of the call.
+region's nodes are copied into the graph in place of the call, and each of its results is
+detached, as no_grad made it (a module folded for training gets no gradient through the region).
+A region that writes to a tensor stays as it is.
 """
 from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
 
@@ -39,7 +42,7 @@ def inline_no_grad_regions(gm: fx.GraphModule) -> None:
 
 def _inline(gm: fx.GraphModule, call: fx.Node) -> bool:
     sub = getattr(gm, call.args[1].target, None) if isinstance(call.args[1], fx.Node) else None
-    if not isinstance(sub, fx.GraphModule) or any(n.op == "get_attr" for n in sub.graph.nodes):
+    if not isinstance(sub, fx.GraphModule) or any(n.op == "get_attr" or _writes(n) for n in sub.graph.nodes):
         return False
     output = next(n for n in sub.graph.nodes if n.op == "output")
     results = output.args[0]
@@ -52,8 +55,19 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> bool:
         for n in sub.graph.nodes:
             if n.op not in ("placeholder", "output"):
                 env[n] = gm.graph.node_copy(n, lambda a: env[a])
+        detached = {}
+        for u in call.users:
+            r = env[results[u.args[1]]]
+            if r not in detached:
+                detached[r] = gm.graph.call_function(torch.ops.aten.detach.default, (r,))
+                detached[r].meta = dict(r.meta)
     for u in list(call.users):
-        u.replace_all_uses_with(env[results[u.args[1]]])
+        u.replace_all_uses_with(detached[env[results[u.args[1]]]])
         gm.graph.erase_node(u)
     gm.graph.erase_node(call)
     return True
+
+
+def _writes(node: fx.Node) -> bool:
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable

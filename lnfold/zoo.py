@@ -280,6 +280,15 @@ def esm_token_dropout(seed: int = 0):
     return Logits(m, "last_hidden_state").eval(), (ids,)
 
 
+def persimmon(seed: int = 0):
+    """Persimmon with qk_layernorm: one query_key_value linear whose output is viewed as (heads, 3,
+    head_dim), q/k/v selected along the 3; each (head, q/k/v) block of its rows gets its own mean."""
+    c, m, g = _tiny("PersimmonConfig", "PersimmonModel", seed, dict(_TXT, qk_layernorm=True))
+    for k, layer in enumerate(m.layers):
+        per_head_means(layer.self_attn.query_key_value, 3 * H, seed + k)
+    return Logits(m, "last_hidden_state").eval(), (torch.randint(0, V, (2, 9), generator=g),)
+
+
 def _audio_seq2seq(config: str, model: str, frames: int, **cfg) -> Callable:
     """A builder for a tiny speech encoder-decoder fed filter-bank frames (B, T, features)."""
 
@@ -430,6 +439,12 @@ MODELS: dict[str, Callable] = {
     "speech2text": _audio_seq2seq("Speech2TextConfig", "Speech2TextModel", 24, **dict(
         _ENC_DEC, max_source_positions=64, max_target_positions=64, conv_channels=32, input_feat_per_channel=16,
         pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)),
+    # Persimmon, qk_layernorm: per layer input_layernorm + post_attention_layernorm + q_layernorm
+    # and k_layernorm (LayerNorm(head_dim) over every head) = 4, x 2 + final_layernorm = 9; Pre-LN,
+    # and the q/k norms fold by centering each head's q (k) rows of query_key_value: 9 fold, 0. In
+    # the (heads, 3, head_dim) layout those rows are every third run of head_dim: both frontends
+    # keep the 4 (tests/test_differential.py KNOWN_GAPS)
+    "persimmon": persimmon,
     # --- issue 23: ten more, sound and complete as they are (kept so) ---
     # Phi: parallel attention + MLP, one input_layernorm per layer + final_layernorm = 3; Pre-LN: 3
     "phi": _hf("PhiConfig", "PhiModel", "ids", **_TXT),

@@ -27,7 +27,7 @@ HAND = {
     "swin": (7, 4, 0), "convnext": (5, 1, 0), "vitdet": (7, 3, 0), "mobilevit": (21, 21, 0),
     "stablelm_qk": (21, 21, 0),
     "xglm": (5, 5, 0), "esm": (5, 5, 0), "m2m100": (12, 12, 0), "yolos": (5, 5, 0), "speech2text": (12, 12, 1),
-    "vit_mae": (10, 10, 0),
+    "vit_mae": (10, 10, 0), "persimmon": (9, 9, 0),
     "phi": (3, 3, 0), "pegasus": (12, 12, 0), "blenderbot": (12, 12, 0), "blenderbot_small": (12, 2, 0),
     "plbart": (12, 2, 0), "xlm_roberta": (5, 1, 0), "mpnet": (5, 1, 0), "imagegpt": (0, 0, 0), "gpt_bigcode": (5, 5, 0),
     "owlvit_text": (5, 5, 0),
@@ -38,6 +38,10 @@ KNOWN_GAPS = {
                   "channel axis is merged with other axes, then split out again; the rules follow a feature "
                   "axis only through reshapes that keep it whole, so each block recenters after the "
                   "unfolding (exact) instead of centering conv_1x1"),
+    "persimmon": ((9, 5, 0), "Persimmon views its fused q/k/v output as (heads, 3, head_dim) and selects q, k, v "
+                  "along the 3: the rules follow per-head blocks through step-1 slices only (runs in one "
+                  "contiguous range), not through a select of every third run, so v, read by the attention's "
+                  "matmul (not invariant), joins the q/k norms' stream and the 4 per-head q/k norms are kept"),
 }
 # torch.export with a dynamic batch takes a minute on Swin's window partitioning; static: 0.5 s.
 STATIC_EXPORT = {"swin"}
