@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..passes import FoldResult, NothingToFold, Report, VerificationError, gate, make_plan
 from ..passes.defer import EAGER, add_weight_edits, compute_biases, plan_deferral
@@ -33,6 +32,7 @@ from ..passes.plan import Plan, first_kept_reason
 from . import defer as deferred_norm
 from .apply import ATEN, Applier, AttrConstants, _unique_attr, from_numpy, rms_probe, to_numpy
 from .classify import build_view
+from .float64 import Float64Everywhere
 from .hf import export_error, fresh, register_caches
 from .inline import inline_no_grad_regions
 
@@ -259,51 +259,18 @@ def ref64(original: Callable, args, kwargs: dict, ref: list) -> Optional[list]:
     """The leaves of a float64 run of a copy of `original`, or None where it cannot be made (a
     module that does not copy or does not run in float64).
 
-    Computed as onnx_rewrite/verify.py's float64 copy computes a graph: not only the parameters
-    and inputs but every float tensor the module makes at run time and every float dtype it asks
-    for (a cast, `torch.full` with a Python float) is float64 (_Float64Everywhere). `.double()`
-    alone leaves those float32, and transformers' eager attention (`torch.full((),
-    finfo(float64).min)`) then fails, so the gate had no float64 run to judge by."""
+    Every op runs in float64, the tensors the module makes at run time included, as in the ONNX
+    frontend's float64 copy (float64.py says why `.double()` alone is not that)."""
     cast = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     try:
         m64 = copy.deepcopy(original).double()
         # a graph that makes float32 tensors of its own fails here, and torch.fx prints the
         # traceback before raising: an expected, handled failure, not the user's to read
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), _Float64Everywhere():
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), Float64Everywhere():
             out = pytree.tree_leaves(_seeded(m64, pytree.tree_map(cast, tuple(args)), pytree.tree_map(cast, kwargs)))
     except Exception:
         return None
     return out if len(out) == len(ref) else None
-
-
-class _Float64Everywhere(TorchDispatchMode):
-    """Every op runs in float64: float tensor operands are upcast and a float dtype asked for
-    (casts, factories) becomes float64; the default dtype is float64 meanwhile."""
-
-    def __enter__(self):
-        self._default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self._default)
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.is_mutable and any(isinstance(x, torch.Tensor) and x.is_floating_point()
-                                           and x.dtype != torch.float64 for x in pytree.tree_leaves((args, kwargs))):
-            # an upcast copy would take the write, not the tensor the module keeps: no float64 run
-            raise RuntimeError(f"{func} writes to a tensor that is not float64")
-
-        def up(x):
-            if isinstance(x, torch.dtype) and x.is_floating_point:
-                return torch.float64
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
-                return x.double()
-            return x
-
-        args, kwargs = pytree.tree_map(up, (args, kwargs or {}))
-        return func(*args, **kwargs)
 
 
 def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:

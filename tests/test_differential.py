@@ -251,6 +251,27 @@ def test_fold_module_judges_xglm_against_float64():
     assert verdict.diff < 1e-4 and not verdict.ok, verdict
 
 
+def test_float64_run_is_refused_where_the_module_writes_to_a_float32_tensor():
+    """The float64 run upcasts float32 operands to new tensors: a write to a tensor the module
+    keeps outside its buffers would land in the copy, and the run would not be the module's. Such
+    a run is refused (the gate then says it had no float64 run) rather than judged by."""
+    from lnfold.fx_rewrite.api import ref64
+
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.calls = torch.zeros(4)  # a plain attribute: `.double()` leaves it float32
+
+        def forward(self, x):
+            self.calls.add_(1.0)
+            return self.lin(x) + self.calls
+
+    x = torch.randn(2, 4)
+    assert ref64(Counter(), (x,), {}, [x]) is None
+    assert ref64(Counter().lin, (x,), {}, [x]) is not None
+
+
 # --- issue 23: rules for real architectures, each exact against float64 --------------------------
 
 def _adversarial_ln(d: int, g: torch.Generator) -> nn.LayerNorm:
