@@ -30,6 +30,7 @@ from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .edits import from_numpy, to_numpy, unique_attr
 from .classify import build_view
 from .hf import export_error, pytree, register_caches
+from .inline import inline_no_grad_regions
 from .verify import Verifier, judge_outputs, ref64  # noqa: F401  (judge_outputs, ref64: the torch frontends' gate)
 
 
@@ -108,6 +109,7 @@ def exported_view(module, args, kwargs, dynamic):
     parameter and buffer names (one of them where parameters are tied)."""
     ep = export(module, args, kwargs, dynamic=dynamic)
     gm = ep.module()
+    inline_no_grad_regions(gm)
     gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)
     attrs = {n.name: n.target for n in gm.graph.nodes
              if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}

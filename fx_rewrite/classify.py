@@ -139,10 +139,13 @@ Built = Optional[Rule]
 
 
 def _identity(g: GraphInfo, node: fx.Node, call: Call, op: str = "identity") -> Built:
-    """Shape- and value-preserving ops (clone, contiguous, float casts)."""
+    """Shape- and value-preserving ops (clone, contiguous, float casts; a copy of any dtype that
+    keeps it: ViT-MAE's `index.to(device)`, which passes/rules.uniform_along looks through)."""
     x = call.node("input")
     i = g.index(node, x)
-    if i is None or not (_is_float(x) and _is_float(node)):
+    xv, v = meta_val(x), meta_val(node)
+    copy = isinstance(xv, torch.Tensor) and isinstance(v, torch.Tensor) and xv.dtype == v.dtype
+    if i is None or not (copy or (_is_float(x) and _is_float(node))):
         return None
     return rule("elementwise", data=i, op="cast" if call.kind == "identity" and x is not None
                 and meta_val(x).dtype != meta_val(node).dtype else op)
@@ -323,6 +326,27 @@ def _gather(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x, idx = call.node("input"), call.node("index")
     i, j, dim = g.index(node, x), g.index(node, idx), _norm_axis(call.get("dim"), g.rank(x))
     return None if None in (i, j, dim) else rule("gather_rows", data=i, index=j, axis=dim)
+
+
+def _masked_fill(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    """masked_fill with zeros (another value, or a tensor value: opaque)."""
+    i, j, value = g.index(node, call.node("input")), g.index(node, call.node("mask")), call.get("value")
+    zero = isinstance(value, numbers.Number) and not isinstance(value, bool) and value == 0
+    return rule("zero_rows", data=i, mask=j) if zero and None not in (i, j) else None
+
+
+def _repeat(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    """x.repeat(*repeats): tiled along the axes whose count is not 1 (a symbolic count: tiled)."""
+    i, reps, rank = g.index(node, call.node("input")), call.get("repeats"), g.rank(node)
+    if i is None or rank is None or not isinstance(reps, (list, tuple)) or len(reps) != rank:
+        return None
+    return rule("tile", data=i, axes=[k for k, r in enumerate(reps) if not (isinstance(r, int) and r == 1)])
+
+
+def _upsample(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    """upsample_* / F.interpolate: (N, C, spatial...) resampled along the spatial axes."""
+    i, rank = g.index(node, call.node("input")), g.rank(node)
+    return None if i is None or rank is None or rank < 3 else rule("resample", data=i, axes=list(range(2, rank)))
 
 
 def _index(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -521,6 +545,9 @@ KINDS: dict[str, Builder] = {
     "index": _index,
     "index_select": _index_select,
     "gather": _gather,
+    "masked_fill": _masked_fill,
+    "upsample": _upsample,
+    "repeat": _repeat,
     "getitem": _getitem,
     "cat": _cat,
     "split": _split,

@@ -74,6 +74,12 @@ _aten("sqrt", "sqrt")
 _aten("rsqrt", "rsqrt")
 _aten("reciprocal", "reciprocal")
 _aten("gather", "gather")
+_aten("masked_fill", "masked_fill")
+_aten("repeat", "repeat")
+_aten("upsample", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
+      "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_nearest_exact1d",
+      "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa",
+      "_upsample_bicubic2d_aa")
 _aten("numpy_T", "numpy_T")
 _aten("softmax", "softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "argmin")
 _aten("layer_norm", "layer_norm", "native_layer_norm")
@@ -131,6 +137,8 @@ _TORCH: dict[Any, tuple[str, tuple]] = {
     torch.sqrt: ("sqrt", _f("input")), torch.rsqrt: ("rsqrt", _f("input")),
     torch.reciprocal: ("reciprocal", _f("input")),
     torch.gather: ("gather", _f("input", "dim", "index")),
+    torch.masked_fill: ("masked_fill", _f("input", "mask", "value")),
+    F.interpolate: ("upsample", _f("input", "size", "scale_factor", "mode")),
     F.softmax: ("softmax", _f("input", "dim")), torch.softmax: ("softmax", _f("input", "dim")),
     F.log_softmax: ("softmax", _f("input", "dim")), torch.log_softmax: ("softmax", _f("input", "dim")),
     torch.argmax: ("softmax", _f("input", "dim")), torch.argmin: ("softmax", _f("input", "dim")),
@@ -192,6 +200,8 @@ _METHODS: dict[str, tuple[str, tuple]] = {
     "pow": ("pow", _f("input", "exponent")), "__pow__": ("pow", _f("input", "exponent")),
     "sqrt": ("sqrt", _f("input")), "rsqrt": ("rsqrt", _f("input")), "reciprocal": ("reciprocal", _f("input")),
     "gather": ("gather", _f("input", "dim", "index")),
+    "masked_fill": ("masked_fill", _f("input", "mask", "value")),
+    "repeat": ("repeat", _f("input", "*repeats")),
     "softmax": ("softmax", _f("input", "dim")), "log_softmax": ("softmax", _f("input", "dim")),
     "argmax": ("softmax", _f("input", "dim")), "argmin": ("softmax", _f("input", "dim")),
     "roll": ("reorder", _f("input", "shifts", "dims")), "flip": ("reorder", _f("input", "*dims")),

@@ -14,6 +14,7 @@ from .hf import pytree
 from ..passes import VerificationError, gate
 
 from .dynamo import concrete_inputs
+from .float64 import Float64Everywhere
 from .hf import fresh
 
 
@@ -42,14 +43,17 @@ class Verifier:
 
 
 def ref64(original: Callable, args, kwargs: dict, ref: list) -> Optional[list]:
-    """The leaves of a float64 run of a copy of `original` (floats upcast), or None where it
-    cannot be made (a module that does not copy or does not run in float64)."""
+    """The leaves of a float64 run of a copy of `original`, or None where it cannot be made (a
+    module that does not copy or does not run in float64).
+
+    Every op runs in float64, the tensors the module makes at run time included, as in the ONNX
+    frontend's float64 copy (float64.py says why `.double()` alone is not that)."""
     cast = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     try:
         m64 = copy.deepcopy(original).double()
         # a graph that makes float32 tensors of its own fails here, and torch.fx prints the
         # traceback before raising: an expected, handled failure, not the user's to read
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), Float64Everywhere():
             out = pytree.tree_leaves(_seeded(m64, pytree.tree_map(cast, tuple(args)), pytree.tree_map(cast, kwargs)))
     except Exception:
         return None

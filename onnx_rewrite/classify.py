@@ -260,6 +260,40 @@ def _computed_const(t, opset: int, limit: int = 24) -> Optional[np.ndarray]:
         return None
 
 
+def _where(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
+    """Where(mask, 0, x) or Where(mask, x, 0): masked_fill with zeros (torch.onnx's export of it)."""
+    for zero, data in ((1, 2), (2, 1)):
+        v = const_values(node.inputs[zero])
+        if v is not None and not np.any(np.asarray(v)) and not is_constant(node.inputs[data]):
+            return rule("zero_rows", data=data, mask=0)
+    return None
+
+
+def _resize(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
+    """Resize along the axes whose size it changes. tf_crop_and_resize writes a constant
+    (extrapolation_value) outside the crop: opaque."""
+    mode = node.attrs.get("coordinate_transformation_mode", "half_pixel")
+    if isinstance(mode, bytes):
+        mode = mode.decode()
+    src, dst = info.shape(node.inputs[0]), info.shape(node.outputs[0])
+    if mode == "tf_crop_and_resize" or src is None or dst is None or len(src) != len(dst):
+        return None
+    axes = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b or not isinstance(a, int)]
+    return rule("resample", data=0, axes=axes)
+
+
+def _tile(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
+    """Tile along the axes whose repeat count is not 1: read from the repeats where constant (or
+    computed from constants), else from the shapes (a size that changes or is symbolic: tiled)."""
+    reps = const_values(node.inputs[1]) if len(node.inputs) > 1 else None
+    if reps is not None:
+        return rule("tile", data=0, axes=[k for k, r in enumerate(np.asarray(reps).reshape(-1)) if r != 1])
+    src, dst = info.shape(node.inputs[0]), info.shape(node.outputs[0])
+    if src is None or dst is None or len(src) != len(dst):
+        return None
+    return rule("tile", data=0, axes=[k for k, (a, b) in enumerate(zip(src, dst)) if a != b or not isinstance(a, int)])
+
+
 def _split_axis(info, node):
     r = info.rank(node.inputs[0])
     return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
@@ -300,6 +334,9 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Gather": lambda info, n, _: _gather(info, n),
     "GatherElements": lambda info, n, _: _gather_elements(info, n),
     "GatherND": lambda info, n, _: _gather_nd(info, n),
+    "Where": lambda info, n, _: _where(info, n),
+    "Resize": lambda info, n, _: _resize(info, n),
+    "Tile": lambda info, n, _: _tile(info, n),
     "ReduceMean": lambda info, n, _: _reduce(info, n),
     "ReduceSum": lambda info, n, _: _reduce(info, n),
     "Softmax": _softmax,

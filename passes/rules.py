@@ -34,6 +34,11 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                index, select/unbind with q = 0)
 - `gather_rows(data, index, axis)` out[.., t, .., f] = x[.., index[.., t, .., f], .., f]
                                (GatherElements, torch.gather)
+- `tile(data, axes)`            repeat/Tile: copies along the output `axes` (new leading axes too),
+                               the input right-aligned (None: not known)
+- `resample(data, axes)`        interpolation (nearest, linear, cubic) along `axes`, every axis in place
+- `zero_rows(data, mask)`       masked_fill(x, mask, 0): where `mask` is one value along an axis,
+                               whole rows along it are x's or zeros
 - `reduce(data, axes, keepdims, op)` mean/sum over `axes` (None: not known)
 - `invariant_along(data, axis)` softmax / argmax over `axis`
 - `metadata(sized)`            reads shapes or dtypes only (`sized`: its result depends on the
@@ -112,7 +117,7 @@ def _kind(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
 # Ops that do not act along the feature axis (or only scale rows by a per-row factor): a shift
 # per block of the feature axis passes through them as it is, the axis' size unchanged.
 _BLOCK_AGNOSTIC = frozenset(("elementwise", "broadcast", "scale", "permute", "along", "pad", "take",
-                             "gather_rows", "reduce", "clamp"))
+                             "gather_rows", "zero_rows", "resample", "tile", "reduce", "clamp"))
 # Sources whose `centering` refs hold the output features in order along their axis.
 _CENTER_IN_ORDER = frozenset(("linear", "matmul", "embedding", "conv"))
 
@@ -404,6 +409,11 @@ def uniform_along(view: View, value: str, axis: int) -> bool:
         return s is not None and (k < 0 or s[k] == 1 or uniform_along(view, p.inputs[d], k))
     if kind == "elementwise":
         return uniform_along(view, p.inputs[prm.get("data", 0)], axis)
+    if kind == "tile" and prm.get("axes") is not None:  # `idx.unsqueeze(-1).repeat(1, 1, d)`
+        d = prm.get("data", 0)
+        s = _shape(view, p, d)
+        k = None if s is None else axis - (len(v.shape) - len(s))
+        return s is not None and (k < 0 or s[k] == 1 or (axis not in prm["axes"] and uniform_along(view, p.inputs[d], k)))
     return False
 
 
@@ -418,6 +428,63 @@ def _gather_rows(view, node, data=0, index=1, axis=0):
 
     return dict(transfer=lambda i, b: [(0, b)] if i == data and keeps_rows(b) else None,
                 backward=lambda o, a: [(data, a)] if o == 0 and keeps_rows(a) else None)
+
+
+def _tile(view, node, data=0, axes=None):
+    """repeat / Tile (ViT-MAE repeats its mask token over the batch and the masked positions):
+    the output is copies of the input along `axes` and along new leading axes; an axis not
+    tiled keeps its place (counted from the end), and its rows are the input's, shift included."""
+    xs, R = _shape(view, node, data), _out_rank(view, node)
+    if xs is None or R is None or axes is None or R < len(xs):
+        return {}
+    d = R - len(xs)
+
+    def transfer(i, b):
+        return [(0, b + d)] if i == data and b + d not in axes else None
+
+    def backward(o, a):
+        return [(data, a - d)] if o == 0 and a >= d and a not in axes else None
+
+    return dict(transfer=transfer, backward=backward)
+
+
+def _resample(view, node, data=0, axes=None):
+    """Interpolation along `axes` (YOLOS resizes its patch position table to the image): each
+    output row is a sum of input rows along those axes, with weights that are the same for every
+    entry of the other axes. With the feature axis not among them, a per-row shift a·1 becomes
+    (Σ w·a)·1, again a per-row scalar, and zero-mean rows sum to zero-mean rows: shift-transparent
+    (DESIGN §1). It computes new values, so it is no layout op."""
+    return same_axes_rules([data], [0], None if axes is None else set(axes))
+
+
+def _zero_rows(view, node, data=0, mask=1):
+    """masked_fill(x, mask, 0) (ESM's token dropout zeroes the mask tokens' embeddings): where the
+    mask is the same for every feature of a row, each output row is x's row, carrying its shift,
+    or zeros. A shift α·1 per row becomes α·(1 − mask)·1, again a per-row scalar, and a zero-mean
+    row stays zero-mean (a zero row is): shift-transparent (DESIGN §1). Another fill value c
+    would write c·1, a row of mean c: opaque."""
+    R = _out_rank(view, node)
+
+    def along_rows(a):  # the mask is one value along output axis a
+        ms = _shape(view, node, mask)
+        if ms is None or R is None:
+            return False
+        k = a - (R - len(ms))
+        return k < 0 or ms[k] == 1 or uniform_along(view, node.inputs[mask], k)
+
+    def offset():
+        xs = _shape(view, node, data)
+        return None if xs is None or R is None else R - len(xs)
+
+    def transfer(i, b):
+        d = offset()
+        return [(0, b + d)] if i == data and d is not None and along_rows(b + d) else None
+
+    def backward(o, a):
+        d = offset()
+        return [(data, a - d)] if o == 0 and d is not None and a >= d and along_rows(a) else None
+
+    return dict(transfer=transfer, backward=backward)
 
 
 def _reduce(view, node, data=0, axes=None, keepdims=True, op="mean"):
@@ -638,6 +705,9 @@ RULES: dict[str, Callable[..., dict]] = {
     "pad": _pad,
     "take": _take,
     "gather_rows": _gather_rows,
+    "zero_rows": _zero_rows,
+    "resample": _resample,
+    "tile": _tile,
     "reduce": _reduce,
     "invariant_along": _invariant_along,
     "metadata": _metadata,

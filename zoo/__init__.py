@@ -49,7 +49,7 @@ def adversarial(model: nn.Module, seed: int = 0) -> nn.Module:
         if isinstance(mod, nn.LayerNorm) or hand_norm:  # hand-written ones too (DeBERTa, Cohere)
             if mod.weight is not None:
                 mod.weight.copy_(1 + 0.5 * rnd(*mod.weight.shape))
-            if mod.bias is not None:
+            if getattr(mod, "bias", None) is not None:  # ImageGPT's has none
                 mod.bias.copy_(0.5 * rnd(*mod.bias.shape))
         elif isinstance(mod, nn.Embedding):
             w = mod.weight
@@ -193,8 +193,8 @@ def _hf(config: str, model: str, inputs: str, field: str = "last_hidden_state", 
         if inputs == "ids":
             x = torch.randint(0, V, (2, 9), generator=g)
         else:
-            side = getattr(c, "image_size", 32)  # MobileViT's patches need 64
-            x = torch.randn(2, 3, side, side, generator=g)
+            side = getattr(c, "image_size", 32)  # MobileViT's patches need 64; YOLOS: (height, width)
+            x = torch.randn(2, 3, *(side if isinstance(side, (list, tuple)) else (side, side)), generator=g)
         return Logits(m, field).eval(), (x,)
 
     return build
@@ -245,6 +245,59 @@ def whisper_encoder(seed: int = 0):
     x = torch.randn(2, c.num_mel_bins, 2 * c.max_source_positions, generator=torch.Generator().manual_seed(seed))
     return Logits(m, "last_hidden_state").eval(), (x,)
 
+
+
+class MaskedPixels(nn.Module):
+    """ViT-MAE called with its masking noise as an input (the masking is then a function of the
+    inputs, not of a random draw): (pixel_values, noise) -> one tensor."""
+
+    def __init__(self, model: nn.Module, field: str = "logits") -> None:
+        super().__init__()
+        self.model = model
+        self.field = field
+
+    def forward(self, x, noise):
+        return getattr(self.model(x, noise=noise, return_dict=True), self.field)
+
+
+def vit_mae(seed: int = 0):
+    """ViT-MAE for pre-training: an encoder over the kept patches and a decoder over all of them."""
+    c, m, g = _tiny("ViTMAEConfig", "ViTMAEForPreTraining", seed, dict(
+        _IMG, decoder_hidden_size=W, decoder_num_hidden_layers=2, decoder_num_attention_heads=H,
+        decoder_intermediate_size=4 * W, mask_ratio=0.5))
+    px = torch.randn(2, 3, 32, 32, generator=g)
+    return MaskedPixels(m).eval(), (px, torch.rand(2, (32 // 8) ** 2, generator=g))
+
+
+def esm_token_dropout(seed: int = 0):
+    """ESM with token dropout: mask tokens' embeddings zeroed, every row scaled by a per-sequence
+    ratio of mask tokens; the inputs hold some mask tokens."""
+    c, m, g = _tiny("EsmConfig", "EsmModel", seed, dict(
+        _TXT, token_dropout=True, mask_token_id=V - 1, pad_token_id=1, emb_layer_norm_before=False,
+        position_embedding_type="absolute"))
+    ids = torch.randint(2, V - 1, (2, 9), generator=g)
+    ids[0, 3] = ids[1, 5] = ids[1, 6] = V - 1
+    return Logits(m, "last_hidden_state").eval(), (ids,)
+
+
+def persimmon(seed: int = 0):
+    """Persimmon with qk_layernorm: one query_key_value linear whose output is viewed as (heads, 3,
+    head_dim), q/k/v selected along the 3; each (head, q/k/v) block of its rows gets its own mean."""
+    c, m, g = _tiny("PersimmonConfig", "PersimmonModel", seed, dict(_TXT, qk_layernorm=True))
+    for k, layer in enumerate(m.layers):
+        per_head_means(layer.self_attn.query_key_value, 3 * H, seed + k)
+    return Logits(m, "last_hidden_state").eval(), (torch.randint(0, V, (2, 9), generator=g),)
+
+
+def _audio_seq2seq(config: str, model: str, frames: int, **cfg) -> Callable:
+    """A builder for a tiny speech encoder-decoder fed filter-bank frames (B, T, features)."""
+
+    def build(seed: int = 0):
+        c, m, g = _tiny(config, model, seed, cfg)
+        x = torch.randn(2, frames, c.input_feat_per_channel * c.input_channels, generator=g)
+        return Seq2Seq(m).eval(), (x, torch.randint(0, V, (2, 7), generator=g))
+
+    return build
 
 _ENC_DEC = dict(vocab_size=V, d_model=W, encoder_layers=2, decoder_layers=2, encoder_attention_heads=H,
                 decoder_attention_heads=H, encoder_ffn_dim=4 * W, decoder_ffn_dim=4 * W, max_position_embeddings=64)
@@ -350,6 +403,72 @@ MODELS: dict[str, Callable] = {
     # LayerNorm(head_dim) per head for q and for k (4 + 4) = 10, x 2 + final norm = 21; Pre-LN,
     # and q/k norms fold by centering each head's rows of q_proj/k_proj (and bias): 21
     "stablelm_qk": stablelm_qk,
+    # --- issue 23's architectures ---
+    # XGLM, Pre-LN: 2 x (self_attn_layer_norm, final_layer_norm) + layer_norm = 5. The stream
+    # starts at embed_tokens(ids) * sqrt(d) (a scalar Mul of an embedding: centerable) + the
+    # sinusoidal table (a buffer made at init, index_select'ed: a constant table): 5 fold, 0
+    "xglm": _hf("XGLMConfig", "XGLMModel", "ids", vocab_size=V, d_model=W, num_layers=2, attention_heads=H,
+                ffn_dim=4 * W, max_position_embeddings=64),
+    # ViT-MAE for pre-training (mask ratio 0.5, the noise an input): encoder 2 x 2 + layernorm = 5,
+    # decoder 2 x 2 + decoder_norm = 5: 10, Pre-LN. The encoder's stream: patch conv + position
+    # table, rows gathered by `ids_keep.unsqueeze(-1).repeat(1, 1, d)` (whole rows move), the cls
+    # token + its position prepended; the decoder's: decoder_embed (a linear) of the encoder's
+    # output and mask_token repeated over batch and masked positions (a constant, tiled), rows
+    # gathered back by a repeated index, + decoder positions: all centerable, 10 fold, 0 recenters
+    "vit_mae": vit_mae,
+    # ESM with token dropout, emb_layer_norm_before off: 2 x (attention.LayerNorm, LayerNorm) +
+    # emb_layer_norm_after = 5, Pre-LN. The stream starts at word_embeddings(ids), mask tokens'
+    # rows zeroed (masked_fill 0: a zero row is zero-mean), all rows times a per-sequence ratio
+    # (a per-row scalar), + learned positions: centerable, 5 fold, 0 recenters
+    "esm": esm_token_dropout,
+    # M2M100, Pre-LN: encoder 2 x (self_attn_layer_norm, final_layer_norm) + layer_norm = 5,
+    # decoder 2 x 3 + layer_norm = 7: 12. Each side's stream starts at embed_tokens * sqrt(d) + a
+    # sinusoidal table made at init and index_select'ed by a `@torch.no_grad()` forward (a
+    # constant table): 12 fold, 0 recenters
+    "m2m100": _seq2seq("M2M100Config", "M2M100Model", **_ENC_DEC),
+    # YOLOS: ViT layout, 2 x 2 + final layernorm = 5. The stream is cat(cls token, patch conv,
+    # detection tokens) + the position table, whose patch part is resized (bicubic, along the
+    # patch grid) to the image, and the mid position tables added before each later layer, resized
+    # the same way: constants through transparent ops, 5 fold, 0 recenters
+    "yolos": _hf("YolosConfig", "YolosModel", "pixels", hidden_size=W, num_hidden_layers=2, num_attention_heads=H,
+                 intermediate_size=4 * W, image_size=[32, 32], patch_size=8, num_detection_tokens=5),
+    # Speech2Text, Pre-LN: encoder 2 x 2 + layer_norm = 5, decoder 2 x 3 + layer_norm = 7: 12. The
+    # encoder's stream starts at the convolutional subsampler's last GLU (opaque) * sqrt(d) +
+    # sinusoidal positions: 1 recenter buys 5; the decoder's at embed_tokens * sqrt(d) + sinusoidal
+    # positions (centerable): 12 fold, 1 recenter
+    "speech2text": _audio_seq2seq("Speech2TextConfig", "Speech2TextModel", 24, **dict(
+        _ENC_DEC, max_source_positions=64, max_target_positions=64, conv_channels=32, input_feat_per_channel=16,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)),
+    # Persimmon, qk_layernorm: per layer input_layernorm + post_attention_layernorm + q_layernorm
+    # and k_layernorm (LayerNorm(head_dim) over every head) = 4, x 2 + final_layernorm = 9; Pre-LN,
+    # and the q/k norms fold by centering each head's q (k) rows of query_key_value: 9 fold, 0. In
+    # the (heads, 3, head_dim) layout those rows are every third run of head_dim: both frontends
+    # keep the 4 (tests/test_differential.py KNOWN_GAPS)
+    "persimmon": persimmon,
+    # --- issue 23: ten more, sound and complete as they are (kept so) ---
+    # Phi: parallel attention + MLP, one input_layernorm per layer + final_layernorm = 3; Pre-LN: 3
+    "phi": _hf("PhiConfig", "PhiModel", "ids", **_TXT),
+    # Pegasus, Pre-LN: encoder 2 x 2 + layer_norm = 5, decoder 2 x 3 + layer_norm = 7 over
+    # embed_tokens * sqrt(d) + a sinusoidal table held as an embedding's weight: 12 fold
+    "pegasus": _seq2seq("PegasusConfig", "PegasusModel", **_ENC_DEC),
+    # Blenderbot, Pre-LN, learned positions: 5 + 7 = 12, 12 fold
+    "blenderbot": _seq2seq("BlenderbotConfig", "BlenderbotModel", **_ENC_DEC),
+    # Blenderbot-small, Post-LN as BART: encoder layernorm_embedding + 2 x 2 = 5, decoder
+    # layernorm_embedding (of the scaled tokens, before the positions are added) + 2 x 3 = 7: 12;
+    # the two embedding norms read embeddings (centerable) and fold, the rest read sums that
+    # q/k/v or fc1 read too: 2
+    "blenderbot_small": _seq2seq("BlenderbotSmallConfig", "BlenderbotSmallModel", **_ENC_DEC),
+    "plbart": _seq2seq("PLBartConfig", "PLBartModel", **_ENC_DEC),  # BART layout: 12 / 2
+    "xlm_roberta": _hf("XLMRobertaConfig", "XLMRobertaModel", "ids", **_TXT),  # BERT layout: 5 / 1
+    # MPNet: BERT layout (Post-LN, a relative position bias in the attention scores): 5 / 1
+    "mpnet": _hf("MPNetConfig", "MPNetModel", "ids", **_TXT),
+    # ImageGPT's ImageGPTLayerNorm is x / sqrt(mean(x²) + eps) * γ, an RMSNorm: 0 LayerNorms
+    "imagegpt": _hf("ImageGPTConfig", "ImageGPTModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H,
+                    n_positions=64),
+    # GPT-BigCode (multi-query attention): GPT-2 layout, 5 / 5
+    "gpt_bigcode": _hf("GPTBigCodeConfig", "GPTBigCodeModel", "ids", vocab_size=V, n_embd=W, n_layer=2, n_head=H,
+                       n_positions=64),
+    "owlvit_text": _hf("OwlViTTextConfig", "OwlViTTextModel", "ids", **_TXT),  # CLIP text layout: 5 / 5
 }
 INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_ids"], "gpt_neox": ["input_ids"]}
 

@@ -1,0 +1,43 @@
+"""The float64 run of a torch module, made as onnx_rewrite/verify.py makes a float64 copy of a graph.
+
+The ONNX copy turns float initializers, constants, Casts and inputs into double: every float tensor
+of the computation is float64. For a module, `.double()` converts parameters and buffers only; the
+tensors it makes at run time keep their float32 (a cast, `torch.full((), finfo(float64).min)` with
+the default dtype: transformers' eager attention overflows there). Under this dispatch mode every op
+computes in float64.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Float64Everywhere(TorchDispatchMode):
+    """Every op runs in float64: float tensor operands are upcast and a float dtype asked for
+    (casts, factories) becomes float64; the default dtype is float64 meanwhile."""
+
+    def __enter__(self):
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._default)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable and any(isinstance(x, torch.Tensor) and x.is_floating_point()
+                                           and x.dtype != torch.float64 for x in pytree.tree_leaves((args, kwargs))):
+            # an upcast copy would take the write, not the tensor the module keeps: no float64 run
+            raise RuntimeError(f"{func} writes to a tensor that is not float64")
+
+        def up(x):
+            if isinstance(x, torch.dtype) and x.is_floating_point:
+                return torch.float64
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64:
+                return x.double()
+            return x
+
+        args, kwargs = pytree.tree_map(up, (args, kwargs or {}))
+        return func(*args, **kwargs)
