@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from ..passes import FoldResult, NothingToFold, Report, VerificationError, gate, make_plan
+from ..passes import FoldResult, NothingToFold, Report, gate, make_plan
 from ..passes.defer import EAGER, add_weight_edits, compute_biases, plan_deferral
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
@@ -248,7 +248,7 @@ class Verifier:
     def check(self, folded: torch.nn.Module) -> gate.Verdict:
         v = self.verdict(folded)
         if not v.ok:
-            raise VerificationError(v.message())
+            raise v.error()
         return v
 
 

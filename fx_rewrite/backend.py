@@ -297,7 +297,7 @@ def _verify(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: li
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
     verdict = judge_outputs(ref, got, ref64(original, example_inputs, {}, ref))
     if not verdict.ok:
-        raise VerificationError(f"lnfold: {verdict.message()}")
+        raise verdict.error("lnfold: ")
 
 
 def _static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 from onnx.external_data_helper import _get_all_tensors as _all_tensors
 
-from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, make_plan
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, make_plan
 from ..passes.defer import ORT_CPU, add_weight_edits, plan_deferral
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
@@ -218,7 +218,7 @@ def check_equivalent(original, folded, *, inputs=None, dims=None):
     """The gate's verdict (passes/gate.py); raises VerificationError when the fold fails it."""
     verdict = verification.check(original, folded, inputs=inputs, dims=dims)
     if not verdict.ok:
-        raise VerificationError(verdict.message())
+        raise verdict.error()
     return verdict
 
 

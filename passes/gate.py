@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .errors import LnfoldError, VerificationError
 from .weights import max_rel_err
 
 FACTOR = 2.0
@@ -71,9 +72,21 @@ class Verdict:
     folded_err: Optional[float] = None  # worst relative error of the folded model vs float64
     original_err: Optional[float] = None  # the same for the original model
     failure: str = ""  # what failed, one line
+    # False: the original's outputs are not finite on the inputs used, so no comparison with them
+    # proves anything (NaN equals NaN in the measure); `failure` then says why
+    judged: bool = True
+    input_broken: bool = False  # the original's float outputs are all NaN: the input model is at fault
 
     def message(self) -> str:
+        if not self.judged:
+            return f"verification could not judge the fold: {self.failure}"
         return f"verification failed: {self.failure}"
+
+    def error(self, prefix: str = "") -> LnfoldError:
+        """The exception a frontend raises for a verdict that is not ok: exit code 2 where the input
+        model itself computes nothing but NaN, 1 otherwise (a failed or unjudged verification)."""
+        kind = LnfoldError if self.input_broken else VerificationError
+        return kind(prefix + self.message())
 
     def summary(self) -> str:
         """One line for the command's output."""
@@ -96,6 +109,9 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     original's run is not what its users get (onnx's reference evaluator computes an fp16
     LayerNorm in fp16, where it overflows), so its error cannot widen the bound: the folded
     model's error against float64 must then be within TOLERANCE."""
+    unjudged = _non_finite(outputs)
+    if unjudged is not None:
+        return unjudged
     diff = max((max_rel_err(o.original, o.folded) for o in outputs), default=0.0)
     if len(outputs) and all(o.exact is not None for o in outputs):
         return _judge_exact(outputs, diff, original_is_faithful)
@@ -139,6 +155,9 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str) -> Verdi
     the original's, relative to its largest value. `folded_err` is that difference (the folded
     model's error against a float64 run of the original); the original has no error to measure."""
     bound = COPIES_REL + _floor(storage_dtype)
+    unjudged = _non_finite(outputs)
+    if unjudged is not None:
+        return unjudged
     diff, failure = 0.0, ""
     for o in outputs:
         d = max_rel_err(o.original, o.folded)
@@ -149,6 +168,27 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str) -> Verdi
                        f"{storage_dtype})")
     criterion = f"float64 copies, within {COPIES_REL:g} + {_floor(storage_dtype):g} ({storage_dtype} weights)"
     return Verdict(not failure, criterion, diff, diff, None, failure)
+
+
+def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
+    """A verdict that nothing could be judged, where an output of the original is NaN or infinite
+    on these inputs (a comparison of NaN with NaN passes, and proves nothing); None otherwise."""
+    floats = [o for o in outputs if o.dtype in FLOOR]
+    bad = [(o, np.asarray(o.original, dtype=np.float64)) for o in floats]
+    bad = [(o, a) for o, a in bad if not np.isfinite(a).all()]
+    if not bad:
+        return None
+    if all(np.isnan(np.asarray(o.original, dtype=np.float64)).all() for o in floats):
+        return Verdict(False, "not judged", float("nan"), judged=False, input_broken=True,
+                       failure="the input model's outputs are all NaN on these inputs: it computes nothing "
+                               "to compare a fold with")
+    o, a = bad[0]
+    nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
+    what = ", ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (inf, "infinite")) if n)
+    return Verdict(False, "not judged", float("nan"), judged=False,
+                   failure=f"output {o.name} of the original model is not finite on these inputs ({what} of "
+                           f"{a.size} values), and a comparison with non-finite values proves nothing; give "
+                           "inputs on which it is finite")
 
 
 def _off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:

@@ -1,0 +1,88 @@
+"""Issue 23, the last mile of real-world coverage: a verification that proves nothing says so
+(item 7), and the files of other people's tools that used to be refused or mis-typed (items 1-5;
+the files are in tests/corpus/, built by tests/corpus/build.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto
+
+from lnfold.fx_rewrite import fold_module
+from lnfold.onnx_rewrite import fold_model
+from lnfold.onnx_rewrite.cli import main as cli_main
+from lnfold.passes import LnfoldError, VerificationError, gate
+from tests import onnx_graphs as G
+
+
+# --- item 7: non-finite outputs of the original prove nothing ------------------------------------
+
+def nan_epsilon_onnx(finite_output: bool):
+    """Embedding + positions -> LayerNorm(epsilon=NaN) -> head: every logit is NaN. With
+    `finite_output`, a second output that does not depend on the norm stays finite."""
+    b = G.Builder(0)
+    ids = b.input("ids", G.INT64, [2, G.T])
+    n = b.layernorm(b.embed(ids), eps=float("nan"))
+    b.output(b.op("MatMul", [n, b.weight("head", (G.D, G.VOCAB))]), shape=[2, G.T, G.VOCAB])
+    if finite_output:
+        b.output(b.op("Cast", [ids], to=TensorProto.FLOAT), shape=[2, G.T])
+    return b.model()
+
+
+class NanEpsilon(torch.nn.Module):
+    def __init__(self, finite_output: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(G.VOCAB, G.D)
+        self.fc = torch.nn.Linear(G.D, G.D)
+        self.ln = torch.nn.LayerNorm(G.D, eps=float("nan"))
+        self.head = torch.nn.Linear(G.D, G.VOCAB)
+        self.finite_output = finite_output
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.fc(self.emb(ids))
+        y = self.head(self.ln(h))
+        return (y, ids.float()) if self.finite_output else y
+
+
+def test_nan_outputs_cannot_judge_onnx(tmp_path, capsys):
+    """Used to be 'verified ... difference 0.00e+00' (NaN compared with NaN), exit 0."""
+    path = G.save_model(nan_epsilon_onnx(finite_output=False), tmp_path / "nan.onnx")
+    assert cli_main(["fold", str(path), "-o", str(tmp_path / "out.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "could not judge" in err and "all NaN" in err and not (tmp_path / "out.onnx").exists()
+
+    path = G.save_model(nan_epsilon_onnx(finite_output=True), tmp_path / "half.onnx")
+    assert cli_main(["fold", str(path), "-o", str(tmp_path / "out.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert "could not judge" in err and "not finite" in err and not (tmp_path / "out.onnx").exists()
+    with pytest.raises(VerificationError, match="could not judge"):
+        fold_model(nan_epsilon_onnx(finite_output=True))
+
+
+def test_nan_outputs_cannot_judge_torch():
+    ids = torch.randint(0, G.VOCAB, (2, G.T))
+    with pytest.raises(LnfoldError, match="all NaN") as e:
+        fold_module(NanEpsilon(finite_output=False), (ids,))
+    assert e.value.exit_code == 2
+    with pytest.raises(VerificationError, match="could not judge"):
+        fold_module(NanEpsilon(finite_output=True), (ids,))
+
+
+def test_gate_judges_finite_outputs_only():
+    """The gate: a NaN or an infinity in the original's output is 'not judged', whatever the
+    folded model computes; finite outputs are judged as before (a planted difference fails)."""
+    exact = np.linspace(1, 2, 12).reshape(3, 4)
+    for bad in (np.nan, np.inf):
+        orig = exact.copy()
+        orig[1, 2] = bad
+        v = gate.judge([gate.Output("y", "float32", orig, orig.copy(), exact)])
+        assert not v.ok and not v.judged and not v.input_broken and isinstance(v.error(), VerificationError)
+        v = gate.judge_float64_copies([gate.Output("y", "float64", orig, orig.copy())], "float16")
+        assert not v.ok and not v.judged
+    nan = np.full((3, 4), np.nan)
+    v = gate.judge([gate.Output("y", "float32", nan, nan.copy())])
+    assert v.input_broken and type(v.error()) is LnfoldError and v.error().exit_code == 2
+    assert gate.judge([gate.Output("y", "float32", exact, exact * (1 + 1e-7), exact)]).ok
+    assert not gate.judge([gate.Output("y", "float32", exact, exact * (1 + 1e-2), exact)]).ok
