@@ -46,6 +46,7 @@ class Emitter:
         self.target = target
         self.nodes = {n.name: n for n in graph.nodes}
         self._names = {t for t in graph.tensors()} | set(self.nodes)
+        self.retyped: dict[str, tuple] = {}  # norm -> (its input's dtype, its γ/β's other dtype)
 
     def unique(self, base: str) -> str:
         name, k = base, 0
@@ -87,6 +88,12 @@ class Emitter:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
                 self._swap(matches[name], plan.emits_beta_add(name), name in fuse)
+        if self.retyped:
+            (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
+            plan.report.notes.append(
+                f"the input model is ill-typed: LayerNorm `{first}`{f' and {more} more' if more else ''} take(s) a "
+                f"{stream} input with {given} scale/bias, which onnxruntime refuses to load; repaired in the "
+                f"folded norms, whose γ and β are stored in {stream}, the stream's dtype")
         crms.patch_dims(self, plan)
         crms.add_new_biases(self, plan)
         crms.forget_shapes(self, plan)
@@ -166,7 +173,7 @@ class Emitter:
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
         dtype = _dtype_of(m.x, m.gamma, m.nodes)
-        gamma = self._gamma(m, width, dtype)
+        gamma = self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma")
         x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)
@@ -185,12 +192,18 @@ class Emitter:
         else:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
         if beta is not None:
-            bvals = const_values(beta)
-            if bvals is not None and x.dtype is not None and np.asarray(bvals).dtype != _np(x.dtype):
-                # TorchScript's fp16 exports give LayerNormalization fp32 γ/β (a model onnxruntime
-                # refuses): the separate β Add must take the stream's dtype to be a valid op
-                beta = self.const(f"{m.name}/lnfold_beta", np.asarray(bvals).astype(_np(x.dtype)))
-            self.node("Add", [normed, beta], [m.output])
+            self.node("Add", [normed, self._in_stream_dtype(beta, dtype, m.name, "beta")], [m.output])
+
+    def _in_stream_dtype(self, t, dtype, name: str, what: str):
+        """γ or β as the emitted norm and its β Add take them: in the stream's dtype. TorchScript's
+        fp16 exports of models that keep their LayerNorms in fp32 give LayerNormalization an fp16
+        input with fp32 γ/β, a model onnxruntime refuses ("bound to different types"); the folded
+        norm repairs it (the rounding of γ, β to fp16 is within the fp16 output's own)."""
+        vals = const_values(t) if t is not None else None
+        if vals is None or np.asarray(vals).dtype == dtype or np.asarray(vals).dtype.kind != "f":
+            return t
+        self.retyped[name] = (np.dtype(dtype).name, np.asarray(vals).dtype.name)
+        return self.const(f"{name}/lnfold_{what}", np.asarray(vals).astype(dtype))
 
     def _gamma(self, m: NormMatch, width, dtype) -> gs.Tensor:
         if m.gamma is None:
@@ -275,11 +288,34 @@ def _np(dtype):
 
 
 def _dtype_of(x, gamma, nodes=()):
-    if x.dtype is not None:
-        return _np(x.dtype)
+    found = _float_dtype(x)
+    if found is not None:
+        return found
     v = const_values(gamma) if gamma is not None else None
     if v is not None:
         return np.asarray(v).dtype
     if nodes and nodes[-1].op == "Cast":  # a decomposed fp16 norm casts its fp32 result back
         return onnx.helper.tensor_dtype_to_np_dtype(int(nodes[-1].attrs["to"]))
     return np.float32
+
+
+def _float_dtype(t, seen=None):
+    """The float dtype of tensor `t`: declared, or (where the exporter wrote no value_info) the
+    first float one among its producer's inputs, walking back (each tensor once); a Cast says its
+    own. None where the walk finds none. γ is no witness: an fp16 stream can carry an fp32 γ."""
+    seen = set() if seen is None else seen
+    if t is None or not t.name or t.name in seen:
+        return None
+    seen.add(t.name)
+    v = const_values(t) if is_constant(t) else None
+    dt = np.asarray(v).dtype if v is not None else (np.dtype(t.dtype) if t.dtype is not None else None)
+    if dt is not None:
+        return dt if dt.kind == "f" else None
+    if len(t.inputs) != 1:
+        return None
+    node = t.inputs[0]
+    if node.op == "Cast":
+        return onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
+    # the data input decides: LayerNormalization's X, not its (possibly fp32) scale
+    first = node.inputs[:1] if node.op in ("LayerNormalization", "Gather") else node.inputs
+    return next((d for d in (_float_dtype(i, seen) for i in first) if d is not None), None)

@@ -4,7 +4,11 @@ the files are in tests/corpus/, built by tests/corpus/build.py).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto
@@ -86,3 +90,29 @@ def test_gate_judges_finite_outputs_only():
     assert v.input_broken and type(v.error()) is LnfoldError and v.error().exit_code == 2
     assert gate.judge([gate.Output("y", "float32", exact, exact * (1 + 1e-7), exact)]).ok
     assert not gate.judge([gate.Output("y", "float32", exact, exact * (1 + 1e-2), exact)]).ok
+
+
+# --- item 2: TorchScript fp16 exports with fp32 LayerNorm scale/bias ----------------------------
+
+CORPUS = Path(__file__).parent / "corpus"
+
+
+@pytest.mark.parametrize("name", ["torchscript_op17_fp16_fp32ln_gpt2.onnx", "torchscript_op17_fp16_fp32ln_vit.onnx"])
+def test_ill_typed_fp16_layernorm_is_said_and_repaired(name):
+    """torch.onnx.export of an fp16 model whose LayerNorms stayed fp32: onnxruntime refuses the
+    input ("bound to different types"). The folded model is well typed (onnx's full checker,
+    onnxruntime loads it), its norms take γ/β in fp16, and the report says both in one note.
+    Before: a β Add of fp32 to fp16, "verification failed: Input type mismatch"."""
+    model = onnx.load(str(CORPUS / name))
+    with pytest.raises(Exception, match="bound to different types"):
+        ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    result = fold_model(model)
+    assert result.report.folded == 5
+    note, = [n for n in result.report.notes if "ill-typed" in n]
+    assert "float16 input with float32 scale/bias" in note and "repaired" in note
+    ort.InferenceSession(result.model.SerializeToString(), providers=["CPUExecutionProvider"])
+    onnx.checker.check_model(fold_model(model, target="onnx").model, full_check=True)
+    for node in result.model.graph.node:
+        if node.op_type == "SimplifiedLayerNormalization":
+            gamma, = [t for t in result.model.graph.initializer if t.name == node.input[1]]
+            assert gamma.data_type == TensorProto.FLOAT16

@@ -401,7 +401,7 @@ MODEL_NAME = {"gpt2": "GPT-2 (GPT2LMHeadModel, tied head)", "opt": "OPT (OPTForC
               "whisper_dec": "Whisper decoder (encoder_hidden_states input)", "bart_dec": "BART decoder (Post-LN)"}
 
 
-def torch_export(key, opset, dtype, dynamo, fname):
+def torch_export(key, opset, dtype, dynamo, fname, norms_fp32=False):
     import torch
     import warnings
 
@@ -419,6 +419,10 @@ def torch_export(key, opset, dtype, dynamo, fname):
     if dtype == "fp16":
         mod = mod.half()
         args = tuple(a.half() if a.is_floating_point() else a for a in args)
+    if norms_fp32:   # LayerNorms kept in fp32 (transformers' _keep_in_fp32_modules, mixed precision)
+        for m in mod.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.float()
     path = OUT / fname
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -432,19 +436,23 @@ def torch_export(key, opset, dtype, dynamo, fname):
     return path
 
 
-def do_torch(key, opset, dtype, dynamo):
+def do_torch(key, opset, dtype, dynamo, norms_fp32=False):
     kind = "dynamo" if dynamo else "torchscript"
-    fname = f"{kind}_op{opset}_{dtype}_{key}.onnx"
+    fname = f"{kind}_op{opset}_{dtype}{'_fp32ln' if norms_fp32 else ''}_{key}.onnx"
 
     @step(fname)
     def go():
-        path = torch_export(key, opset, dtype, dynamo, fname)
+        path = torch_export(key, opset, dtype, dynamo, fname, norms_fp32)
         ekey = key
         if key == "whisper_enc" and dtype == "fp16":
             ekey = "whisper_enc_fp16"
         prod = f"torch {VER['torch']} torch.onnx.export(dynamo={dynamo}, opset_version={opset})" + \
-               (", model.half()" if dtype == "fp16" else "")
-        record(path, prod, MODEL_NAME.get(ekey, key), dtype, ekey)
+               (", model.half()" if dtype == "fp16" else "") + \
+               (" with every nn.LayerNorm kept in fp32 (fp16 input, fp32 scale/bias)" if norms_fp32 else "")
+        note = ("issue 23: onnxruntime refuses to load it (Type parameter (T) of Optype (LayerNormalization) bound "
+                "to different types); the folded norms take γ/β in fp16, and onnxruntime loads the folded model"
+                if norms_fp32 else None)
+        record(path, prod, MODEL_NAME.get(ekey, key), dtype, ekey, note=note)
         return path
     return go()
 
@@ -836,6 +844,8 @@ def main():
             do_torch(key, 23, "fp32", dynamo=True)
         for key in ["gpt2", "bloom", "whisper_enc"]:
             do_torch(key, 18, "fp16", dynamo=True)
+        for key in ["gpt2", "vit"]:     # issue 23: fp16 model, fp32 LayerNorms
+            do_torch(key, 17, "fp16", dynamo=False, norms_fp32=True)
 
     # 2. Optimum
     past = ["--dim past_sequence_length=N (attention_mask is past_sequence_length + sequence_length)"]
