@@ -45,10 +45,13 @@ FLOOR = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 LOOSE = 10.0
 # Float64 copies of original and folded model: float64 arithmetic (~1e-16 per op; 1e-9 leaves
-# room for cancellation in a LayerNorm on a large-mean stream and for depth), plus FLOOR of the
-# storage dtype, the rounding of the edited weights (measured on onnxconverter-common's fp16 GPT-2
-# and ViT: 1.5e-4 to 3.1e-4, under FLOOR["float16"] = 4e-3; a missed centering: 0.09 to 0.47).
+# room for cancellation in a LayerNorm on a large-mean stream and for depth), plus what storing
+# the edited weights back in the model's dtype can do: FACTOR x the model's own sensitivity to one
+# unit roundoff of its stored weights (rounding_bound; DESIGN §4 derives it).
 COPIES_REL = 1e-9
+# Unit roundoff (half an ulp, relative) of each storage dtype: round-to-nearest moves a value by
+# at most this fraction of itself.
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 # Fallback: largest |mean| / RMS of a folded norm's input row (a centered fp32 stream: ~1e-6).
 MEAN_TOL = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 
@@ -149,12 +152,24 @@ def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verd
                    original_worst, failure)
 
 
-def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str) -> Verdict:
+def rounding_bound(storage_dtype: str, sensitivity: Optional[float]) -> float:
+    """How far a correct fold's float64 copy may be from the original's (DESIGN §4): the fold is
+    exact algebra but for storing each weight it edits back in `storage_dtype`, which moves it by
+    at most one unit roundoff. `sensitivity` is how far the original's outputs move when every
+    weight stored in that dtype is moved by one unit roundoff (a random sign each): the fold's
+    roundings touch fewer weights by at most as much, so FACTOR x sensitivity bounds them. This
+    follows the model: a CLIP whose logits are exp(logit_scale) x cosines near 0 amplifies
+    roundings that a GPT-2 does not. Without a measure (None): FLOOR of the dtype."""
+    return COPIES_REL + (_floor(storage_dtype) if sensitivity is None else FACTOR * sensitivity)
+
+
+def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str,
+                         sensitivity: Optional[float] = None) -> Verdict:
     """The verdict where only float64 copies of the two models run (`Output.original` and
-    `.folded` are their float64 runs): every output within COPIES_REL + FLOOR[storage_dtype] of
-    the original's, relative to its largest value. `folded_err` is that difference (the folded
-    model's error against a float64 run of the original); the original has no error to measure."""
-    bound = COPIES_REL + _floor(storage_dtype)
+    `.folded` are their float64 runs): every output within rounding_bound of the original's,
+    relative to its largest value. `folded_err` is that difference (the folded model's error
+    against a float64 run of the original); the original has no error to measure."""
+    bound = rounding_bound(storage_dtype, sensitivity)
     unjudged = _non_finite(outputs)
     if unjudged is not None:
         return unjudged
@@ -166,7 +181,9 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str) -> Verdi
             failure = (f"output {o.name}: the float64 copies of the folded and the original model differ by {d:.3g} "
                        f"(relative), above {bound:.3g} (float64 arithmetic plus the rounding of the edited weights to "
                        f"{storage_dtype})")
-    criterion = f"float64 copies, within {COPIES_REL:g} + {_floor(storage_dtype):g} ({storage_dtype} weights)"
+    how = f"{_floor(storage_dtype):g}" if sensitivity is None else \
+        f"{FACTOR:g} x {sensitivity:.3g}, the outputs' move under one {storage_dtype} rounding of every weight"
+    criterion = f"float64 copies, within {COPIES_REL:g} + {how}"
     return Verdict(not failure, criterion, diff, diff, None, failure)
 
 

@@ -116,3 +116,35 @@ def test_ill_typed_fp16_layernorm_is_said_and_repaired(name):
         if node.op_type == "SimplifiedLayerNormalization":
             gamma, = [t for t in result.model.graph.initializer if t.name == node.input[1]]
             assert gamma.data_type == TensorProto.FLOAT16
+
+
+# --- item 3: onnxconverter-common's fp16 files: the kind of refusal, and a derived bound ---------
+
+@pytest.mark.parametrize("name", ["occfp16_opt_model.onnx", "occfp16_bart_decoder_model.onnx"])
+def test_fp16_decoder_refused_for_the_same_kind_of_reason(name):
+    """onnxruntime refuses input and folded model for the same kind of reason (a Cast whose
+    declared type is wrong), at another Cast: the fold moved nodes, and onnxruntime names the
+    first it meets. Before: "refuses to load the folded model for a reason the input does not
+    have". (A new kind of refusal still fails: test_verify's ..._refused_for_a_new_reason_fails.)"""
+    result = fold_model(onnx.load(str(CORPUS / name)))
+    assert "refuses the folded model for the same reason" in result.criterion
+
+
+def test_fp16_clip_bound_is_the_models_own_rounding_sensitivity():
+    """A whole CLIP (logits = exp(logit_scale) x cosines) through onnxconverter-common: the bound
+    is FACTOR x how far one fp16 rounding of every stored weight moves its logits, measured on the
+    model — above the old fixed 4e-3 for this model, and the fold is well inside it (a missed
+    centering fails: test_corpus's planted-bug test runs on this file)."""
+    result = fold_model(onnx.load(str(CORPUS / "occfp16_ts_op17_fp32_clip.onnx")))
+    assert result.report.folded == 11 and result.report.recentered == 1
+    sens = float(result.criterion.split(f"{gate.FACTOR:g} x ")[1].split(",")[0])
+    assert gate.rounding_bound("float16", sens) > gate.FLOOR["float16"] + gate.COPIES_REL
+    assert result.exact_err <= gate.rounding_bound("float16", sens)
+
+
+def test_rounding_bound_unit():
+    assert gate.rounding_bound("float16", None) == gate.COPIES_REL + gate.FLOOR["float16"]
+    assert gate.rounding_bound("float16", 0.01) == gate.COPIES_REL + gate.FACTOR * 0.01
+    out = np.linspace(-1, 1, 8)
+    assert gate.judge_float64_copies([gate.Output("y", "float64", out, out + 0.015)], "float16", 0.01).ok
+    assert not gate.judge_float64_copies([gate.Output("y", "float64", out, out + 0.025)], "float16", 0.01).ok

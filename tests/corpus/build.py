@@ -92,6 +92,11 @@ EXPECT = {
     "clip_vision_lhs": (2 * L + 2, 1, 0,
                         "pre_layrnorm folds; but last_hidden_state (the residual stream itself, before "
                         "post_layernorm) is a graph output: non-invariant sink blocks the other 2L+1"),
+    "clip": (4 * L + 3, 4 * L + 3, 1,
+             "text tower: token + position Gathers and out_proj/fc2 write the stream, read by layer_norm1/2 per "
+             "layer and final_layer_norm (EOS row -> text_projection): 2L+1 fold, no recenter; vision tower as "
+             "clip_vision_pooled: pre_layrnorm folds, its affine output starts the stream (opaque), 1 recenter buys "
+             "2L+1 (layer_norm1/2 + post_layernorm); logits = exp(logit_scale) * cosine similarities"),
     "whisper_enc": (2 * L + 1, 2 * L + 1, 1,
                     "stream starts at GELU(conv2) (opaque) + embed_positions: 1 recenter buys 2L+1 swaps "
                     "(self_attn_layer_norm, final_layer_norm per layer + encoder layer_norm)"),
@@ -266,6 +271,13 @@ def hf_model(name):
         cfg = T.CLIPVisionConfig(num_hidden_layers=L, hidden_size=D, num_attention_heads=H, intermediate_size=FF,
                                  image_size=32, patch_size=8, projection_dim=D, **kw)
         m = T.CLIPVisionModel(cfg)
+    elif name == "clip":   # text + vision towers, logits = exp(logit_scale) * cosine similarities
+        cfg = T.CLIPConfig(text_config=dict(num_hidden_layers=L, hidden_size=D, num_attention_heads=H,
+                                            intermediate_size=FF, vocab_size=V, max_position_embeddings=P),
+                           vision_config=dict(num_hidden_layers=L, hidden_size=D, num_attention_heads=H,
+                                              intermediate_size=FF, image_size=32, patch_size=8),
+                           projection_dim=D, logit_scale_init_value=4.6052, **kw)   # a trained CLIP's: exp = 100
+        m = T.CLIPModel(cfg)
     elif name == "whisper":
         cfg = T.WhisperConfig(encoder_layers=L, decoder_layers=L, d_model=D, encoder_attention_heads=H,
                               decoder_attention_heads=H, encoder_ffn_dim=FF, decoder_ffn_dim=FF, vocab_size=V,
@@ -360,6 +372,20 @@ def wrapped(model, out_key, mask=False, **fixed):
     return W().eval()
 
 
+def clip_logits(model):
+    import torch
+
+    class W(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, px):
+            return self.m(input_ids=ids, pixel_values=px, attention_mask=torch.ones_like(ids)).logits_per_image
+
+    return W().eval()
+
+
 def torch_cases():
     """(key, module factory, example args, input names, output names, dynamic axes)."""
     import torch
@@ -385,6 +411,10 @@ def torch_cases():
                 ["last_hidden_state"], {"pixel_values": {0: "batch"}, "last_hidden_state": {0: "batch"}}),
         "clip_vision_pooled": (lambda: wrapped(hf_model("clip_vision"), "pooler_output"), (px,), ["pixel_values"],
                                ["pooler_output"], {"pixel_values": {0: "batch"}, "pooler_output": {0: "batch"}}),
+        # issue 23: the whole CLIP (both towers, logits_per_image); image height/width dynamic
+        "clip": (lambda: clip_logits(hf_model("clip")), (ids, px), ["input_ids", "pixel_values"], ["logits_per_image"],
+                 {"input_ids": tok, "pixel_values": {0: "batch", 2: "height", 3: "width"},
+                  "logits_per_image": {0: "batch", 1: "texts"}}),
         "whisper_enc": (lambda: wrapped(hf_model("whisper").model.encoder, "last_hidden_state"), (feats,),
                         ["input_features"], ["last_hidden_state"],
                         {"input_features": {0: "batch"}, "last_hidden_state": {0: "batch"}}),
@@ -397,6 +427,7 @@ MODEL_NAME = {"gpt2": "GPT-2 (GPT2LMHeadModel, tied head)", "opt": "OPT (OPTForC
               "falcon": "Falcon (parallel_attn, 1 LN/layer)", "bert": "BERT (BertModel, Post-LN)",
               "vit": "ViT (ViTModel)", "clip_vision_pooled": "CLIP vision (pooler_output only)",
               "clip_vision_lhs": "CLIP vision (last_hidden_state + pooler_output)",
+              "clip": "CLIP (CLIPModel: text + vision, logits_per_image)",
               "whisper_enc": "Whisper encoder", "whisper_enc_fp16": "Whisper encoder",
               "whisper_dec": "Whisper decoder (encoder_hidden_states input)", "bart_dec": "BART decoder (Post-LN)"}
 
@@ -901,6 +932,15 @@ def main():
                     "torchscript_op14_fp32_whisper_enc.onnx"]:
             if have(src):
                 do_sim(OUT / src)
+
+    # 3b. issue 23: onnxconverter-common fp16 decoders and CLIP, an onnxsim'd CLIP with dynamic image size
+    if want("issue23"):
+        do_torch("clip", 17, "fp32", dynamo=False)
+        for src in ["optimum_opt_model.onnx", "optimum_bart_decoder_model.onnx", "torchscript_op17_fp32_clip.onnx"]:
+            if (OUT / src).exists():
+                do_occ_fp16(OUT / src, keep_io_types=False)
+        if (OUT / "torchscript_op17_fp32_clip.onnx").exists():
+            do_sim(OUT / "torchscript_op17_fp32_clip.onnx")
 
     # 4. Keras / flax.nnx / PaddleOCR
     if want("keras"):
