@@ -148,3 +148,65 @@ def test_rounding_bound_unit():
     out = np.linspace(-1, 1, 8)
     assert gate.judge_float64_copies([gate.Output("y", "float64", out, out + 0.015)], "float16", 0.01).ok
     assert not gate.judge_float64_copies([gate.Output("y", "float64", out, out + 0.025)], "float16", 0.01).ok
+
+
+# --- item 1: Einsum with a constant operand is a linear layer (both frontends) -------------------
+
+def test_keras_einsum_attention_and_sliced_positions_fold():
+    """tf2onnx of a Keras model with Keras' own MultiHeadAttention (its output projections kept as
+    Einsum abcd,cde->abe) and a position table sliced to the length. Before: "no LayerNorm can be
+    folded" (tf2onnx's Erfc hid every shape after the first GELU); with shapes but no Einsum rule,
+    2 needless recenters. Now as the hand count: 5/5, none."""
+    model = onnx.load(str(CORPUS / "tf2onnx_op13_keras_posemb_einsum.onnx"))
+    assert sum(n.op_type == "Einsum" for n in model.graph.node) == 2
+    result = fold_model(model)
+    assert (result.report.folded, result.report.recentered) == (5, 0)
+    centered = " ".join(c for s in result.report.streams for c in s.centered)
+    assert "Einsum" in centered and "posemb" in centered
+
+
+class EinsumPreLN(torch.nn.Module):
+    """Keras/flax-style attention output: per-head values [b, t, h, d] projected by a constant
+    kernel [h, d, e] with torch.einsum; positions sliced from a table."""
+
+    def __init__(self, heads=2, hd=4, d=8, vocab=11):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(vocab, d, generator=g) + 3 * torch.randn(vocab, 1, generator=g))
+        self.pos = torch.nn.Parameter(torch.randn(16, d, generator=g) + 3 * torch.randn(16, 1, generator=g))
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        for ln in (self.ln1, self.ln2):
+            ln.weight.data = 1 + 0.5 * torch.randn(d, generator=g)
+            ln.bias.data = 0.5 * torch.randn(d, generator=g)
+        self.qkv = torch.nn.Parameter(torch.randn(d, heads, hd, generator=g))
+        self.out = torch.nn.Parameter(torch.randn(heads, hd, d, generator=g) + 3 * torch.randn(1, 1, d, generator=g))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.emb[ids] + self.pos[: ids.shape[1]]
+        v = torch.einsum("btd,dhk->bthk", self.ln1(x), self.qkv)
+        x = x + torch.einsum("bthk,hke->bte", torch.tanh(v), self.out)
+        return self.head(self.ln2(x))
+
+
+def test_torch_einsum_projection_is_a_source():
+    """torch.compile(backend="lnfold") sees torch.einsum itself: its constant kernel is centered
+    along e, no recenter (before: a recenter of the einsum's output)."""
+    seen = []
+    module, ids = EinsumPreLN().eval(), torch.randint(0, 11, (2, 5))
+    with torch.no_grad():
+        want = module(ids)
+        got = torch.compile(module, backend="lnfold", options={"lnfold.on_report": seen.append})(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert [(r.folded, r.recentered) for r in seen] == [(2, 0)]
+
+
+def test_einsum_weight_axes():
+    from lnfold.passes.rules import einsum_weight_axes
+
+    assert einsum_weight_axes("abcd,cde->abe", 1) == {2: 2}        # Keras' attention output
+    assert einsum_weight_axes("abc,cde->abde", 1) == {2: 1, 3: 2}   # its q/k/v projections
+    assert einsum_weight_axes("abcd,cde->abe", 0) == {0: 0, 1: 1}   # were the other operand the constant
+    assert einsum_weight_axes("bte,bse->bts", 1) == {2: 1}
+    assert einsum_weight_axes("abc,cdd->abd", 1) == {}              # a diagonal of the kernel: not a row
+    assert einsum_weight_axes("...c,ce->...e", 1) == {} and einsum_weight_axes("abc,cd", 1) == {}

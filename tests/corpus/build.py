@@ -117,6 +117,11 @@ EXPECT = {
     "keras_block": (2 * L + 1, 2 * L + 1, 0,
                     "Keras Pre-LN: Embedding + position Embedding, per block LN->MHA->Add, LN->Dense->Dense->Add; "
                     "final LN; logits Dense"),
+    "keras_posemb": (2 * L + 1, 2 * L + 1, 0,
+                     "Keras Pre-LN: Embedding + Slice of a position table (a constant source), per block "
+                     "LN->MultiHeadAttention->Add, LN->Dense->Dense->Add; final LN. The attention output "
+                     "projections write the stream as Einsum abcd,cde->abe with a constant kernel (a linear "
+                     "layer: its kernel centered along e); tf2onnx's GELU writes Erfc (no ONNX op)"),
     "nnx_block": (2 * L + 1, 2 * L + 1, 0,
                   "flax.nnx Pre-LN: nnx.Embed + position table, per block LN->attention(Linear)->Add, "
                   "LN->MLP->Add; final LN; logits Linear"),
@@ -132,7 +137,7 @@ def versions() -> dict:
     import importlib.metadata as md
     out = {}
     for p in ["torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "onnxscript", "onnxslim",
-              "onnxsim", "onnxconverter-common", "tensorflow-cpu", "tf2onnx", "jax", "flax", "jax2onnx",
+              "onnxsim", "onnxconverter-common", "tensorflow-cpu", "tf2onnx", "keras", "jax", "flax", "jax2onnx",
               "rapidocr-onnxruntime"]:
         try:
             out[p] = md.version(p)
@@ -726,6 +731,55 @@ opset = int(sys.argv[2])
 tf2onnx.convert.from_keras(model, input_signature=spec, opset=opset, output_path=sys.argv[1])
 '''
 
+# issue 23: a dynamic sequence length and a hand-written position layer slicing its table to it
+# (strided_slice of a constant); at opset 13 tf2onnx keeps one attention output projection as an
+# Einsum ("abcd,cde->abe": its input's rank is unknown to tf2onnx after the unsupported Erfc).
+KERAS_POSEMB_SRC = r'''import sys, numpy as np, tensorflow as tf, tf2onnx, keras
+L, D, H, FF, V, P = %(L)d, %(D)d, %(H)d, %(FF)d, %(V)d, %(P)d
+rng = np.random.default_rng(0)
+
+class PosEmb(keras.layers.Layer):
+    """A learned position table sliced to the sequence length (the usual hand-written Keras layer)."""
+    def build(self, shape):
+        self.table = self.add_weight(shape=(P, D), name="table")
+    def call(self, x):
+        return x + self.table[None, : keras.ops.shape(x)[1]]
+
+ids = keras.Input((None,), dtype="int32", name="input_ids")
+x = keras.layers.Embedding(V, D, name="tok")(ids)
+x = PosEmb(name="posemb")(x)
+for i in range(L):
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln1_{i}")(x)
+    h = keras.layers.MultiHeadAttention(H, D // H, name=f"mha_{i}")(h, h, use_causal_mask=True)
+    x = x + h
+    h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln2_{i}")(x)
+    h = keras.layers.Dense(FF, activation="gelu", name=f"fc1_{i}")(h)
+    x = x + keras.layers.Dense(D, name=f"fc2_{i}")(h)
+x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
+out = keras.layers.Dense(V, name="head")(x)
+model = keras.Model(ids, out)
+for layer in model.layers:
+    ws = layer.get_weights()
+    if not ws:
+        continue
+    if isinstance(layer, keras.layers.LayerNormalization):
+        ws = [1 + 0.5 * rng.standard_normal(w.shape) for w in ws[:1]] + [0.5 * rng.standard_normal(w.shape) for w in ws[1:]]
+    elif isinstance(layer, (keras.layers.Embedding, PosEmb)):
+        w = ws[0]; ws = [w + 3.0 * (w.std() + .02) * rng.standard_normal((w.shape[0], 1))]
+    else:
+        new = []
+        for w in ws:
+            if w.ndim >= 2:
+                shape = [w.shape[0]] + [1] * (w.ndim - 1)
+                new.append(w + 3.0 * (w.std() + .02) * rng.standard_normal(shape))
+            else:
+                new.append(0.2 * rng.standard_normal(w.shape) + 0.3)
+        ws = new
+    layer.set_weights([np.asarray(w, np.float32) for w in ws])
+spec = (tf.TensorSpec((None, None), tf.int32, name="input_ids"),)
+tf2onnx.convert.from_keras(model, input_signature=spec, opset=int(sys.argv[2]), output_path=sys.argv[1])
+'''
+
 NNX_SRC = r'''
 import sys, jax, jax.numpy as jnp, numpy as np
 from flax import nnx
@@ -800,6 +854,18 @@ def do_keras(opset):
         record(p, f"tf2onnx {VER['tf2onnx']} tf2onnx.convert.from_keras(opset={opset}); "
                f"tensorflow-cpu {VER['tensorflow-cpu']}", "Keras Pre-LN block (2 blocks, MHA causal)", "fp32",
                "keras_block")
+    go()
+
+
+def do_keras_posemb(opset):
+    fname = f"tf2onnx_op{opset}_keras_posemb_einsum.onnx"
+
+    @step(fname)
+    def go():
+        p = sub_build(KERAS_POSEMB_SRC, fname, opset)
+        record(p, f"tf2onnx {VER['tf2onnx']} tf2onnx.convert.from_keras(opset={opset}); tensorflow-cpu "
+               f"{VER['tensorflow-cpu']}, keras {VER.get('keras')}", "Keras Pre-LN block (2 blocks, Keras MHA, "
+               "sliced position table, dynamic length)", "fp32", "keras_posemb")
     go()
 
 
@@ -946,6 +1012,8 @@ def main():
     if want("keras"):
         do_keras(17)
         do_keras(13 + 2)
+    if want("keras_posemb"):
+        do_keras_posemb(13)
     if want("nnx"):
         do_nnx(17)
         do_nnx(21)
