@@ -210,3 +210,17 @@ def test_einsum_weight_axes():
     assert einsum_weight_axes("bte,bse->bts", 1) == {2: 1}
     assert einsum_weight_axes("abc,cdd->abd", 1) == {}              # a diagonal of the kernel: not a row
     assert einsum_weight_axes("...c,ce->...e", 1) == {} and einsum_weight_axes("abc,cd", 1) == {}
+
+
+# --- item 4: sizes an optimizer baked into the graph ---------------------------------------------
+
+def test_onnxsim_clip_made_up_image_fits_the_folded_position_table():
+    """onnxsim folds CLIP's position lookup into a [1, 17, D] Constant added to the patch tokens,
+    while pixel_values keeps a dynamic height and width. The made-up image must give 16 patches
+    + the class token: side 32. Before: "cannot verify: ... broadcast ... 5 by 17"."""
+    from lnfold.onnx_rewrite import inputs as synth
+
+    model = onnx.load(str(CORPUS / "onnxsim_ts_op17_fp32_clip.onnx"))
+    assert 32 in synth.facts(model).image_sides
+    result = fold_model(model)
+    assert (result.report.folded, result.report.recentered) == (11, 1) and result.criterion == "float64"
