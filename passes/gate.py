@@ -188,24 +188,23 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str,
 
 
 def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
-    """A verdict that nothing could be judged, where an output of the original is NaN or infinite
-    on these inputs (a comparison of NaN with NaN passes, and proves nothing); None otherwise."""
-    floats = [o for o in outputs if o.dtype in FLOOR]
-    bad = [(o, np.asarray(o.original, dtype=np.float64)) for o in floats]
-    bad = [(o, a) for o, a in bad if not np.isfinite(a).all()]
-    if not bad:
+    """A verdict that nothing could be judged, where a float output of the original has no finite
+    value on these inputs (NaN compared with NaN "agrees": such an output proves nothing); None
+    otherwise. An output with some non-finite values is judged on the others, and must keep its
+    NaNs and infinities where they are (max_rel_err): NaN weights in one embedding row."""
+    floats = [(o, np.asarray(o.original, dtype=np.float64)) for o in outputs if o.dtype in FLOOR]
+    blind = [(o, a) for o, a in floats if a.size and not np.isfinite(a).any()]
+    if not blind:
         return None
-    if all(np.isnan(np.asarray(o.original, dtype=np.float64)).all() for o in floats):
+    if all(np.isnan(a).all() for _, a in floats):
         return Verdict(False, "not judged", float("nan"), judged=False, input_broken=True,
                        failure="the input model's outputs are all NaN on these inputs: it computes nothing "
                                "to compare a fold with")
-    o, a = bad[0]
-    nan, inf = int(np.isnan(a).sum()), int(np.isinf(a).sum())
-    what = ", ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (inf, "infinite")) if n)
+    o, a = blind[0]
+    what = "NaN" if np.isnan(a).all() else "NaN or infinite"
     return Verdict(False, "not judged", float("nan"), judged=False,
-                   failure=f"output {o.name} of the original model is not finite on these inputs ({what} of "
-                           f"{a.size} values), and a comparison with non-finite values proves nothing; give "
-                           "inputs on which it is finite")
+                   failure=f"output {o.name} of the original model is {what} everywhere on these inputs, and a "
+                           "comparison with it proves nothing; give inputs on which it is finite")
 
 
 def _off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:
