@@ -143,8 +143,8 @@ def find_norms(graph: gs.Graph, shapes: dict[str, Shape], near_misses: Optional[
             from .fused import match_embed
 
             out.append(match_embed(node, shapes, outputs))
-        elif node.op in ("ReduceMean", "GlobalAveragePool"):
-            # tf2onnx's and jax2onnx's forms (norm_variants.py); torch's is passes/patterns.py's
+        elif node.op in ("ReduceMean", "GlobalAveragePool", "ReduceSum"):
+            # tf2onnx's, jax2onnx's and jax2tf's forms (norm_variants.py); torch's is passes/patterns.py's
             from .norm_variants import match_variant
 
             m = match_variant(node, shapes, outputs)

@@ -60,7 +60,7 @@ def test_nan_outputs_cannot_judge_onnx(tmp_path, capsys):
     path = G.save_model(nan_epsilon_onnx(finite_output=True), tmp_path / "half.onnx")
     assert cli_main(["fold", str(path), "-o", str(tmp_path / "out.onnx")]) == 1
     err = capsys.readouterr().err
-    assert "could not judge" in err and "not finite" in err and not (tmp_path / "out.onnx").exists()
+    assert "could not judge" in err and "NaN everywhere" in err and not (tmp_path / "out.onnx").exists()
     with pytest.raises(VerificationError, match="could not judge"):
         fold_model(nan_epsilon_onnx(finite_output=True))
 
@@ -75,16 +75,22 @@ def test_nan_outputs_cannot_judge_torch():
 
 
 def test_gate_judges_finite_outputs_only():
-    """The gate: a NaN or an infinity in the original's output is 'not judged', whatever the
-    folded model computes; finite outputs are judged as before (a planted difference fails)."""
+    """The gate: an output of the original with no finite value is 'not judged', whatever the
+    folded model computes. One with some NaN/inf (NaN weights in one embedding row) is judged on
+    its finite values, and its NaNs must stay where they are."""
     exact = np.linspace(1, 2, 12).reshape(3, 4)
     for bad in (np.nan, np.inf):
-        orig = exact.copy()
-        orig[1, 2] = bad
-        v = gate.judge([gate.Output("y", "float32", orig, orig.copy(), exact)])
+        orig = np.full((3, 4), bad)
+        v = gate.judge([gate.Output("y", "float32", orig, orig.copy()), gate.Output("z", "float32", exact, exact)])
         assert not v.ok and not v.judged and not v.input_broken and isinstance(v.error(), VerificationError)
         v = gate.judge_float64_copies([gate.Output("y", "float64", orig, orig.copy())], "float16")
         assert not v.ok and not v.judged
+        part = exact.copy()
+        part[1, 2] = bad
+        assert gate.judge([gate.Output("y", "float32", part, part.copy(), part)]).ok
+        moved = part.copy()
+        moved[1, 2], moved[0, 0] = 1.5, bad
+        assert not gate.judge([gate.Output("y", "float32", part, moved, part)]).ok
     nan = np.full((3, 4), np.nan)
     v = gate.judge([gate.Output("y", "float32", nan, nan.copy())])
     assert v.input_broken and type(v.error()) is LnfoldError and v.error().exit_code == 2
@@ -224,3 +230,22 @@ def test_onnxsim_clip_made_up_image_fits_the_folded_position_table():
     assert 32 in synth.facts(model).image_sides
     result = fold_model(model)
     assert (result.report.folded, result.report.recentered) == (11, 1) and result.criterion == "float64"
+
+
+# --- item 5: flax.linen's default LayerNorm through jax2tf + tf2onnx ------------------------------
+
+def test_flax_linen_fast_variance_through_jax2tf_is_found_and_folded(monkeypatch):
+    """var = max(0, E[x²] - E[x]²) with ReduceSums scaled by 1/n, Sqrt + Reciprocal and the mean
+    broadcast back by Reshape + Expand. Before: "no LayerNorm found in the model" (2 there). A
+    missed centering fails the verification."""
+    from lnfold.onnx_rewrite import api
+    from tests.conftest import missing_one_centering
+
+    model = onnx.load(str(CORPUS / "jax2tf_tf2onnx_op17_linen_mlp.onnx"))
+    result = fold_model(model)
+    assert [n.name.split("/")[-3] for n in result.report.norms] == ["ln1", "ln_f"]
+    assert (result.report.folded, result.report.recentered) == (2, 0) and result.criterion == "float64"
+    assert not any(n.op_type in ("ReduceSum", "Max", "Sqrt") for n in result.model.graph.node)
+    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=0))
+    with pytest.raises(VerificationError, match="float64"):
+        fold_model(model)

@@ -28,6 +28,11 @@ per-row mean; every Linear/Conv weight a large mean along its output axis and it
 mean; cls tokens / class embeddings / position tables a large per-row mean. A missed centering
 then breaks equivalence. (Same idea as `adversarial()` in fx_rewrite/zoo.py, copied.)
 
+Issue 23's builders: `--only issue23` (onnxconverter-common fp16 decoders and a whole CLIP, onnxsim's
+CLIP), `--only fp32ln` (TorchScript fp16 with fp32 LayerNorms), `--only keras_posemb`, `--only jax2tf`
+(needs LNFOLD_JAX2TF_PYTHON, see JAX2TF_SRC). They were built with the project's transformers 5.24 and
+keras 3.15.1 (not 4.57.6), onnxsim 0.8.1, onnxconverter-common 1.16.0.
+
 Every file gets a manifest entry (manifest.json beside the files) with the hand-derived count of
 LayerNorms that DESIGN §1 says fold: see EXPECT below for the derivations.
 """
@@ -122,6 +127,10 @@ EXPECT = {
                      "LN->MultiHeadAttention->Add, LN->Dense->Dense->Add; final LN. The attention output "
                      "projections write the stream as Einsum abcd,cde->abe with a constant kernel (a linear "
                      "layer: its kernel centered along e); tf2onnx's GELU writes Erfc (no ONNX op)"),
+    "linen_mlp": (2, 2, 0,
+                  "flax.linen default LayerNorm (use_fast_variance: var = max(0, E[x²] - E[x]²), ReduceSum·1/n, "
+                  "Sqrt + Reciprocal, BroadcastTo mean) x2: ln1 and ln_f; the stream is written by the stem Dense + "
+                  "position table and fc2 (MatMul + bias): both fold, no recenter"),
     "nnx_block": (2 * L + 1, 2 * L + 1, 0,
                   "flax.nnx Pre-LN: nnx.Embed + position table, per block LN->attention(Linear)->Add, "
                   "LN->MLP->Add; final LN; logits Linear"),
@@ -188,6 +197,15 @@ def count_layernorms(model) -> dict:
                       (c.op_type == "Mul" and list(c.input) == [d, d])]
                 m = prod.get(n.input[1])
                 centered = m is not None and m.op_type == "ReduceMean" and m.input and m.input[0] == n.input[0]
+                # jax2tf: x - BroadcastTo(Reshape(ReduceSum(x) * 1/n)) (flax.linen's mean, axis dropped)
+                t, chain = n.input[1], True
+                for op in ("Expand", "Reshape", "Mul", "ReduceSum"):
+                    p = prod.get(t)
+                    if p is None or p.op_type != op:
+                        chain = False
+                        break
+                    t = p.input[0]
+                centered = centered or (chain and t == n.input[0])
                 if sq or centered:     # flax: var = E[x^2] - E[x]^2, then (x - E[x]) * rsqrt(var + eps)
                     dec += 1
     if dec:
@@ -780,6 +798,52 @@ spec = (tf.TensorSpec((None, None), tf.int32, name="input_ids"),)
 tf2onnx.convert.from_keras(model, input_signature=spec, opset=int(sys.argv[2]), output_path=sys.argv[1])
 '''
 
+# issue 23: flax.linen's default LayerNorm (fast variance) through jax2tf + tf2onnx. jax2tf's graph
+# serialization (native_serialization=False, enable_xla=False: plain TF ops tf2onnx converts) is
+# gone from recent jax (only XlaCallModule, which tf2onnx cannot convert), so this one runs in its
+# own venv: LNFOLD_JAX2TF_PYTHON=/path/to/python with jax==0.4.30 jaxlib==0.4.30 flax==0.8.5
+# tensorflow-cpu==2.21.0 tf2onnx==1.17.0 numpy==2.4.6. No nn.Embed: jnp.take's default mode
+# "fill" becomes mask * rows + NaN * (1 - mask) in tf2onnx, NaN everywhere.
+JAX2TF_SRC = r'''import sys, numpy as np, jax, jax.numpy as jnp, tensorflow as tf, tf2onnx
+from jax.experimental import jax2tf
+import flax.linen as nn
+D, FF, V, S, F = %(D)d, %(FF)d, %(V)d, 7, 16
+rng = np.random.default_rng(0)
+
+class Model(nn.Module):
+    """A Pre-LN residual MLP over feature sequences: stem Dense + position table, one block
+    LN -> Dense -> gelu -> Dense -> Add, final LN, head Dense (two flax.linen LayerNorms)."""
+    @nn.compact
+    def __call__(self, feats):
+        x = nn.Dense(D, name="stem")(feats) + self.param("pos", nn.initializers.normal(0.02), (S, D))
+        h = nn.LayerNorm(name="ln1")(x)
+        x = x + nn.Dense(D, name="fc2")(nn.gelu(nn.Dense(FF, name="fc1")(h)))
+        return nn.Dense(V, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+m = Model()
+params = m.init(jax.random.PRNGKey(0), jnp.zeros((2, S, F), jnp.float32))
+def adv(path, w):
+    name = "/".join(str(getattr(p, "key", p)) for p in path)
+    w = np.asarray(w)
+    if name.endswith("scale"):
+        return 1 + 0.5 * rng.standard_normal(w.shape)
+    if "/ln" in name and name.endswith("bias"):
+        return 0.5 * rng.standard_normal(w.shape)
+    if name.endswith("pos"):
+        return w + 3.0 * (w.std() + .02) * rng.standard_normal((w.shape[0], 1))
+    if name.endswith("kernel"):
+        return w + 3.0 * (w.std() + .02) * rng.standard_normal([w.shape[0]] + [1] * (w.ndim - 1))
+    if name.endswith("bias"):
+        return 0.2 * rng.standard_normal(w.shape) + 0.3
+    return w
+params = jax.tree_util.tree_map_with_path(lambda p, w: jnp.asarray(adv(p, w), jnp.float32), params)
+f = jax2tf.convert(lambda x: m.apply(params, x), native_serialization=False, enable_xla=False,
+                   polymorphic_shapes=["(b, 7, 16)"])
+spec = [tf.TensorSpec((None, S, F), tf.float32, name="features")]
+tf2onnx.convert.from_function(tf.function(f, autograph=False), input_signature=spec, opset=int(sys.argv[2]),
+                              output_path=sys.argv[1])
+'''
+
 NNX_SRC = r'''
 import sys, jax, jax.numpy as jnp, numpy as np
 from flax import nnx
@@ -835,10 +899,10 @@ to_onnx(m, [jax.ShapeDtypeStruct(("B", S), jnp.int32)], return_mode="file", outp
 '''
 
 
-def sub_build(src, fname, opset):
+def sub_build(src, fname, opset, python=None):
     code = src % dict(L=L, D=D, H=H, FF=FF, V=V, P=P)
-    r = subprocess.run([sys.executable, "-c", code, str(OUT / fname), str(opset)], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run([python or sys.executable, "-c", code, str(OUT / fname), str(opset)], capture_output=True,
+                       text=True, timeout=900)
     if r.returncode or not (OUT / fname).exists():
         tail = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
         raise RuntimeError(tail[-1] if tail else f"exit {r.returncode}")
@@ -866,6 +930,22 @@ def do_keras_posemb(opset):
         record(p, f"tf2onnx {VER['tf2onnx']} tf2onnx.convert.from_keras(opset={opset}); tensorflow-cpu "
                f"{VER['tensorflow-cpu']}, keras {VER.get('keras')}", "Keras Pre-LN block (2 blocks, Keras MHA, "
                "sliced position table, dynamic length)", "fp32", "keras_posemb")
+    go()
+
+
+def do_flax_jax2tf(opset):
+    fname = f"jax2tf_tf2onnx_op{opset}_linen_mlp.onnx"
+
+    @step(fname)
+    def go():
+        py = os.environ.get("LNFOLD_JAX2TF_PYTHON", sys.executable)
+        ver = subprocess.run([py, "-c", "import jax, flax, tf2onnx, tensorflow as tf; print(jax.__version__, "
+                              "flax.__version__, tf2onnx.__version__, tf.__version__)"], capture_output=True,
+                             text=True).stdout.split()
+        p = sub_build(JAX2TF_SRC, fname, opset, python=py)
+        record(p, f"tf2onnx {ver[2]} tf2onnx.convert.from_function(opset={opset}) of jax2tf.convert("
+               f"native_serialization=False, enable_xla=False); jax {ver[0]}, flax {ver[1]}, tensorflow-cpu {ver[3]}",
+               "flax.linen Pre-LN residual MLP (1 block, default LayerNorm)", "fp32", "linen_mlp")
     go()
 
 
@@ -1014,6 +1094,8 @@ def main():
         do_keras(13 + 2)
     if want("keras_posemb"):
         do_keras_posemb(13)
+    if want("jax2tf"):
+        do_flax_jax2tf(17)
     if want("nnx"):
         do_nnx(17)
         do_nnx(21)
