@@ -121,6 +121,29 @@ def _rsqrt(v: gs.Tensor, nodes: list, depth: int) -> MatchResult[tuple[gs.Tensor
     return sqrt.outputs[0], eps
 
 
+def _inverse_std(v: gs.Tensor, nodes: list) -> MatchResult[tuple[gs.Tensor, float]]:
+    """[Add eps] -> Sqrt -> Reciprocal (TF's rsqrt): returns (1/std, eps)."""
+    got = _rsqrt(v, nodes, 3)
+    if not got:
+        return got
+    s, eps = got
+    rec = _one(s, "Reciprocal")
+    if rec is None:
+        return NoMatch(f"the standard deviation `{s.name}` is read by {_what_reads(s)}, not by one Reciprocal", 3)
+    nodes.append(rec)
+    return rec.outputs[0], eps
+
+
+def _affine_after(t: gs.Tensor, op: str, axis, rank, nodes: list) -> tuple:
+    """An optional γ (Mul) or β (Add) that alone reads `t`: (the constant or None, the output)."""
+    n = _one(t, op)
+    c = _other(n, t) if n is not None else None
+    if c is None or not _affine_const(c, axis, rank):
+        return None, t
+    nodes.append(n)
+    return c, n.outputs[0]
+
+
 def _affine_const(t, axis, rank) -> bool:
     return t is not None and const_values(t) is not None and _affine_along(t, axis, rank)
 
@@ -171,15 +194,10 @@ def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchR
         return NoMatch(f"the square `{sq.outputs[0].name}` is not averaged over the mean's axes {axes} "
                        f"(read by {_what_reads(sq.outputs[0])})", 2)
     nodes = [mean, neg, sub, sq, var]
-    got = _rsqrt(var.outputs[0], nodes, 3)
+    got = _inverse_std(var.outputs[0], nodes)
     if not got:
         return got
-    s, eps = got
-    rec = _one(s, "Reciprocal")
-    if rec is None:
-        return NoMatch(f"the standard deviation `{s.name}` is read by {_what_reads(s)}, not by one Reciprocal", 3)
-    nodes.append(rec)
-    inv = rec.outputs[0]
+    inv, eps = got
     gamma = None
     if len(_readers(inv)) == 1:  # γ: inv = rsqrt(...) * γ
         mul_g = _one(inv, "Mul")
@@ -252,16 +270,8 @@ def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRe
         return NoMatch(f"the standard deviation `{s.name}` does not divide x - mean alone "
                        f"(it is read by {_what_reads(s)})", 3)
     nodes.append(div)
-    out = div.outputs[0]
-    gamma = beta = None
-    mul = _one(out, "Mul")
-    if mul is not None and _affine_const(_other(mul, out), axis, rank):
-        gamma, out = _other(mul, out), mul.outputs[0]
-        nodes.append(mul)
-    add = _one(out, "Add")
-    if add is not None and _affine_const(_other(add, out), axis, rank):
-        beta, out = _other(add, out), add.outputs[0]
-        nodes.append(add)
+    gamma, out = _affine_after(div.outputs[0], "Mul", axis, rank, nodes)
+    beta, out = _affine_after(out, "Add", axis, rank, nodes)
     return _finish(NormMatch(mean.name, "decomposed", nodes, x, out, gamma=gamma, beta=beta, epsilon=eps,
                              axis=axis, rejection=rejection, axes=list(axes)), x, outputs)
 
@@ -326,20 +336,11 @@ def match_jax2tf(first: gs.Node, shapes: dict[str, Shape], outputs: set) -> Matc
     mb = _restored(back, nodes)
     if vb is None or mb is None:
         return NoMatch("the mean or the variance is not broadcast back (Reshape, Expand) to x's rank", 3)
-    got = _rsqrt(vb, nodes, 3)
+    got = _inverse_std(vb, nodes)
     if not got:
         return got
-    s, eps = got
-    rec = _one(s, "Reciprocal")
-    if rec is None:
-        return NoMatch(f"the standard deviation `{s.name}` is read by {_what_reads(s)}, not by one Reciprocal", 3)
-    nodes.append(rec)
-    inv = rec.outputs[0]
-    gamma = None
-    mul_g = _one(inv, "Mul")
-    if mul_g is not None and _other(mul_g, inv) is not None and _affine_const(_other(mul_g, inv), axis, rank):
-        gamma, inv = _other(mul_g, inv), mul_g.outputs[0]
-        nodes.append(mul_g)
+    inv, eps = got
+    gamma, inv = _affine_after(inv, "Mul", axis, rank, nodes)
     sub = _one(mb, "Sub")
     if sub is None or list(sub.inputs) != [x, mb]:
         return NoMatch(f"the broadcast mean `{mb.name}` is read by {_what_reads(mb)}, not by x - mean", 4)
@@ -347,11 +348,7 @@ def match_jax2tf(first: gs.Node, shapes: dict[str, Shape], outputs: set) -> Matc
     if final is None or _other(final, sub.outputs[0]) is not inv or len(_readers(inv)) != 1:
         return NoMatch(f"x - mean is read by {_what_reads(sub.outputs[0])}, not by one Mul by the inverse std", 4)
     nodes += [sub, final]
-    out, beta = final.outputs[0], None
-    add = _one(out, "Add")
-    if add is not None and _affine_const(_other(add, out), axis, rank):
-        beta, out = _other(add, out), add.outputs[0]
-        nodes.append(add)
+    beta, out = _affine_after(final.outputs[0], "Add", axis, rank, nodes)
     axis_, rejection = _norm_axis([axis], rank)
     return _finish(NormMatch(first.name, "decomposed", nodes, x, out, gamma=gamma, beta=beta, epsilon=eps,
                              axis=axis_, rejection=rejection, axes=[axis]), x, outputs)
