@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from ..passes import FoldResult, NothingToFold, Report, VerificationError, View, gate, make_plan, pipeline
+from ..passes import FoldResult, NothingToFold, Report, View, gate, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
 from ..passes.options import FoldOptions, check_choice
 from ..passes.request import Capabilities, PlanRequest

@@ -480,6 +480,13 @@ def _matmul(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     return None if r is None or None in r.values() else rule("matmul", **r)
 
 
+def _einsum(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    ops = [g.index(node, t) for t in call.get("tensors") or ()]
+    if not isinstance(call.get("equation"), str) or len(ops) != 2 or None in ops:
+        return None
+    return rule("einsum", equation=call.get("equation"), operands=ops)
+
+
 def _embedding(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     # max_norm renormalizes the looked-up rows: centering them first would change that.
     table, idx = call.node("weight"), call.args.get("indices")
@@ -558,6 +565,7 @@ KINDS: dict[str, Builder] = {
     "linear": _linear,
     "addmm": _addmm,
     "matmul": _matmul,
+    "einsum": _einsum,
     "embedding": _embedding,
     "conv": _conv,
     "conv_transpose": _conv,

@@ -9,7 +9,7 @@ computes in float64.
 from __future__ import annotations
 
 import torch
-from torch.utils import _pytree as pytree
+from .hf import pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 

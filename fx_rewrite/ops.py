@@ -86,6 +86,7 @@ _aten("layer_norm", "layer_norm", "native_layer_norm")
 _aten("linear", "linear")
 _aten("addmm", "addmm")
 _aten("matmul", "mm", "matmul", "bmm")
+_aten("einsum", "einsum")
 _aten("embedding", "embedding")
 _aten("conv", "convolution", "conv1d", "conv2d", "conv3d", "_convolution")
 _aten("conv_transpose", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
@@ -145,6 +146,7 @@ _TORCH: dict[Any, tuple[str, tuple]] = {
     F.layer_norm: ("layer_norm", _f("input", "normalized_shape", "weight", "bias", "eps")),
     torch.layer_norm: ("layer_norm", _f("input", "normalized_shape", "weight", "bias", "eps")),
     F.linear: ("linear", _f("input", "weight", "bias")),
+    torch.einsum: ("einsum", _f("equation", "*tensors")),
     torch.addmm: ("addmm", _f("input", "mat1", "mat2")),
     torch.mm: ("matmul", _f("input", "other")), torch.matmul: ("matmul", _f("input", "other")),
     torch.bmm: ("matmul", _f("input", "other")), operator.matmul: ("matmul", _f("input", "other")),

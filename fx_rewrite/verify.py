@@ -38,7 +38,7 @@ class Verifier:
     def check(self, folded: torch.nn.Module) -> gate.Verdict:
         v = self.verdict(folded)
         if not v.ok:
-            raise VerificationError(v.message())
+            raise v.error()
         return v
 
 
@@ -104,4 +104,4 @@ def check_graph(original: fx.GraphModule, folded: fx.GraphModule, example_inputs
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
     verdict = judge_outputs(ref, got, ref64(original, example_inputs, {}, ref))
     if not verdict.ok:
-        raise VerificationError(f"lnfold: {verdict.message()}")
+        raise verdict.error("lnfold: ")

@@ -249,7 +249,7 @@ def check_equivalent(original, folded, *, inputs=None, dims=None):
     """The gate's verdict (passes/gate.py); raises VerificationError when the fold fails it."""
     verdict = verification.check(original, folded, inputs=inputs, dims=dims)
     if not verdict.ok:
-        raise VerificationError(verdict.message())
+        raise verdict.error()
     return verdict
 
 

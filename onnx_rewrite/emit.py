@@ -34,6 +34,7 @@ class Emitter:
         self.target = target
         self.nodes = {n.name: n for n in graph.nodes}
         self._names = {t for t in graph.tensors()} | set(self.nodes)
+        self.retyped: dict[str, tuple] = {}  # norm -> (its input's dtype, its γ/β's other dtype)
 
     def unique(self, base: str) -> str:
         name, k = base, 0
@@ -75,6 +76,12 @@ class Emitter:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
                 self._swap(matches[name], plan.emits_beta_add(name), name in fuse)
+        if self.retyped:
+            (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
+            plan.report.notes.append(
+                f"the input model is ill-typed: LayerNorm `{first}`{f' and {more} more' if more else ''} take(s) a "
+                f"{stream} input with {given} scale/bias, which onnxruntime refuses to load; repaired in the "
+                f"folded norms, whose γ and β are stored in {stream}, the stream's dtype")
         crms.patch_dims(self, plan)
         crms.add_new_biases(self, plan)
         crms.forget_shapes(self, plan)
@@ -154,7 +161,7 @@ class Emitter:
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
         dtype = dtype_of(m.x, m.gamma, m.nodes)
-        gamma = self._gamma(m, width, dtype)
+        gamma = self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma")
         x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)
@@ -170,12 +177,18 @@ class Emitter:
         else:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
         if beta is not None:
-            bvals = const_values(beta)
-            if bvals is not None and x.dtype is not None and np.asarray(bvals).dtype != np_dtype(x.dtype):
-                # TorchScript's fp16 exports give LayerNormalization fp32 γ/β (a model onnxruntime
-                # refuses): the separate β Add must take the stream's dtype to be a valid op
-                beta = self.const(f"{m.name}/lnfold_beta", np.asarray(bvals).astype(np_dtype(x.dtype)))
-            self.node("Add", [normed, beta], [m.output])
+            self.node("Add", [normed, self._in_stream_dtype(beta, dtype, m.name, "beta")], [m.output])
+
+    def _in_stream_dtype(self, t, dtype, name: str, what: str):
+        """γ or β as the emitted norm and its β Add take them: in the stream's dtype. TorchScript's
+        fp16 exports of models that keep their LayerNorms in fp32 give LayerNormalization an fp16
+        input with fp32 γ/β, a model onnxruntime refuses ("bound to different types"); the folded
+        norm repairs it (the rounding of γ, β to fp16 is within the fp16 output's own)."""
+        vals = const_values(t) if t is not None else None
+        if vals is None or np.asarray(vals).dtype == dtype or np.asarray(vals).dtype.kind != "f":
+            return t
+        self.retyped[name] = (np.dtype(dtype).name, np.asarray(vals).dtype.name)
+        return self.const(f"{name}/lnfold_{what}", np.asarray(vals).astype(dtype))
 
     def _gamma(self, m: NormMatch, width, dtype) -> gs.Tensor:
         if m.gamma is None:

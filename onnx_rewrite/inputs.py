@@ -153,7 +153,7 @@ def facts(model: onnx.ModelProto) -> GraphFacts:
                 elif n.op_type == "Conv" and n.input[0] == name and len(n.input) > 1 and shape(n.input[1]) and len(axes) > 1:
                     group = next((a.i for a in n.attribute if a.name == "group"), 1)
                     f.fixed.setdefault((s.name, axes[1]), shape(n.input[1])[1] * group)
-                    f.image_sides.extend(_conv_sides(n, shape(n.input[1]), inits))
+                    f.image_sides.extend(_conv_sides(n, shape(n.input[1]), consts))
                 elif n.op_type == "MatMul" and n.input[0] == name and shape(n.input[1]) and len(shape(n.input[1])) >= 2:
                     f.fixed.setdefault((s.name, axes[-1]), shape(n.input[1])[-2])
                 elif n.op_type == "Gemm" and n.input[0] == name and shape(n.input[1]):
@@ -175,14 +175,15 @@ def _computed_index(name: str, producer: dict, position_inputs: set[str], depth:
     return any(_computed_index(i, producer, position_inputs, depth + 1) for i in n.input if i)
 
 
-def _conv_sides(conv: onnx.NodeProto, w_shape: list, inits: dict) -> list[int]:
+def _conv_sides(conv: onnx.NodeProto, w_shape: list, consts: dict) -> list[int]:
     """Image sides for a patch-embedding conv whose token count a position table fixes:
     `stride * sqrt(N) + (kernel - stride)` for each square N (or N - 1, a cls token) among the
-    row counts of the graph's 2-D/3-D tables."""
+    row counts of the graph's 2-D/3-D tables, initializers or Constant nodes (onnxsim and
+    onnxslim fold the position lookup into a [1, N, D] Constant)."""
     kernel = w_shape[2] if len(w_shape) > 2 else 1
     stride = next((a.ints[0] for a in conv.attribute if a.name == "strides" and a.ints), 1)
     sides = []
-    for t in inits.values():
+    for t in consts.values():
         if len(t.dims) in (2, 3) and len(t.dims) and t.dims[-2] > 1:
             rows = t.dims[-2]
             for n in (rows, rows - 1):

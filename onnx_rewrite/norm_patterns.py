@@ -79,6 +79,8 @@ PATTERNS = (
     # tf2onnx's Keras and jax2onnx's flax forms, tried in this order at a mean of x
     NormPattern("tf2onnx Keras LayerNorm", norm_variants.MEANS, None, norm_variants.match_keras),
     NormPattern("jax2onnx flax LayerNorm", norm_variants.MEANS, None, norm_variants.match_flax),
+    # flax.linen's fast variance through jax2tf + tf2onnx: its means are ReduceSum · 1/n
+    NormPattern("jax2tf flax.linen LayerNorm", ("ReduceSum",), None, norm_variants.match_jax2tf),
 )
 
 

@@ -12,9 +12,17 @@ jax2onnx, flax `LayerNorm` (flax's fast variance, E[x²] − E[x]², clipped at 
     μ = ReduceMean(x);  v = Max(Sub(ReduceMean(Mul(x, x)), Mul(μ, μ)), 0)
     y = Div(Sub(x, μ), Sqrt(Add(v, eps)))  [· γ] [+ β]
 
-Both compute (x − μ)/sqrt(var + eps)·γ + β, so both equal an RMSNorm of x (same eps, γ, β) once
+jax2tf + tf2onnx, flax.linen `LayerNorm` (the same fast variance, spelled with sums and TF's
+broadcasts: ReduceSum drops the axis, Reshape + Expand put it back):
+
+    μ = Mul(ReduceSum(x), 1/n);  v = Max(0, Sub(Mul(ReduceSum(Mul(x, x)), 1/n), Mul(μ, μ)))
+    inv = Reciprocal(Sqrt(Add(Expand(Reshape(v)), eps)))  [· γ]
+    y = Mul(Sub(x, Expand(Reshape(μ))), inv)  [+ β]
+
+All compute (x − μ)/sqrt(var + eps)·γ + β, so both equal an RMSNorm of x (same eps, γ, β) once
 x is zero-mean: μ = 0 turns the first into x·γ/sqrt(E[x²] + eps) + β and the second's variance
-into E[x²] (the Max is then a no-op: E[x²] ≥ 0). Each match covers every node of the pattern, and
+into E[x²] (the Max is then a no-op: E[x²] ≥ 0). (The sums' 1/n must be 1/width: then they are
+means.) Each match covers every node of the pattern, and
 no tensor inside it may be read from outside (the swap removes them all).
 """
 from __future__ import annotations
@@ -116,6 +124,29 @@ def _rsqrt(v: gs.Tensor, nodes: list, depth: int) -> MatchResult[tuple[gs.Tensor
     return sqrt.outputs[0], eps
 
 
+def _inverse_std(v: gs.Tensor, nodes: list) -> MatchResult[tuple[gs.Tensor, float]]:
+    """[Add eps] -> Sqrt -> Reciprocal (TF's rsqrt): returns (1/std, eps)."""
+    got = _rsqrt(v, nodes, 3)
+    if not got:
+        return got
+    s, eps = got
+    rec = _one(s, "Reciprocal")
+    if rec is None:
+        return NoMatch(f"the standard deviation `{s.name}` is read by {_what_reads(s)}, not by one Reciprocal", 3)
+    nodes.append(rec)
+    return rec.outputs[0], eps
+
+
+def _affine_after(t: gs.Tensor, op: str, axis, rank, nodes: list) -> tuple:
+    """An optional γ (Mul) or β (Add) that alone reads `t`: (the constant or None, the output)."""
+    n = _one(t, op)
+    c = _other(n, t) if n is not None else None
+    if c is None or not _affine_const(c, axis, rank):
+        return None, t
+    nodes.append(n)
+    return c, n.outputs[0]
+
+
 def _affine_const(t, axis, rank) -> bool:
     return t is not None and const_values(t) is not None and _affine_along(t, axis, rank)
 
@@ -166,15 +197,10 @@ def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchR
         return NoMatch(f"the square `{sq.outputs[0].name}` is not averaged over the mean's axes {axes} "
                        f"(read by {_what_reads(sq.outputs[0])})", 2)
     nodes = [mean, neg, sub, sq, var]
-    got = _rsqrt(var.outputs[0], nodes, 3)
+    got = _inverse_std(var.outputs[0], nodes)
     if not got:
         return got
-    s, eps = got
-    rec = _one(s, "Reciprocal")
-    if rec is None:
-        return NoMatch(f"the standard deviation `{s.name}` is read by {_what_reads(s)}, not by one Reciprocal", 3)
-    nodes.append(rec)
-    inv = rec.outputs[0]
+    inv, eps = got
     gamma = None
     if len(_readers(inv)) == 1:  # γ: inv = rsqrt(...) * γ
         mul_g = _one(inv, "Mul")
@@ -247,18 +273,88 @@ def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRe
         return NoMatch(f"the standard deviation `{s.name}` does not divide x - mean alone "
                        f"(it is read by {_what_reads(s)})", 3)
     nodes.append(div)
-    out = div.outputs[0]
-    gamma = beta = None
-    mul = _one(out, "Mul")
-    if mul is not None and _affine_const(_other(mul, out), axis, rank):
-        gamma, out = _other(mul, out), mul.outputs[0]
-        nodes.append(mul)
-    add = _one(out, "Add")
-    if add is not None and _affine_const(_other(add, out), axis, rank):
-        beta, out = _other(add, out), add.outputs[0]
-        nodes.append(add)
+    gamma, out = _affine_after(div.outputs[0], "Mul", axis, rank, nodes)
+    beta, out = _affine_after(out, "Add", axis, rank, nodes)
     return _finish(NormMatch(mean.name, "decomposed", nodes, x, out, gamma=gamma, beta=beta, epsilon=eps,
                              axis=axis, rejection=rejection, axes=list(axes)), x, outputs)
+
+
+def _sum_mean(node: Optional[gs.Node], shapes: dict[str, Shape]):
+    """ReduceSum(t) over one axis without keepdims, times 1/width: (t, axis, rank, mean output),
+    or why not (a str)."""
+    if node is None or node.op != "ReduceSum" or int(node.attrs.get("keepdims", 1)) != 0:
+        return "not a sum that drops its axis"
+    t = node.inputs[0]
+    rank, axes = rank_of(t, shapes), reduce_axes(node)
+    if rank is None or not axes or len(axes) != 1:
+        return "a sum over axes that are not one known axis"
+    axis = axes[0] + rank if axes[0] < 0 else axes[0]
+    width = (shapes.get(t.name) or [None] * rank)[axis]
+    scale = _one(node.outputs[0], "Mul")
+    if scale is None or not isinstance(width, int) or _scalar(_other(scale, node.outputs[0])) is None:
+        return f"the sum `{node.outputs[0].name}` is read by {_what_reads(node.outputs[0])}, not by one Mul by 1/width"
+    if not np.isclose(_scalar(_other(scale, node.outputs[0])), 1.0 / width, rtol=1e-6, atol=0):
+        return f"{_desc(scale)} scales the sum by something other than 1/{width}: not a mean"
+    return t, axis, rank, scale
+
+
+def _restored(r: Optional[gs.Node], nodes: list) -> Optional[gs.Tensor]:
+    """Reshape `r` -> Expand: the dropped axis put back (jax2tf's broadcast_in_dim); its output."""
+    e = _one(r.outputs[0], "Expand") if r is not None and r.op == "Reshape" else None
+    if e is None:
+        return None
+    nodes += [r, e]
+    return e.outputs[0]
+
+
+def match_jax2tf(first: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchResult[NormMatch]:
+    head = _sum_mean(first, shapes)
+    if isinstance(head, str):
+        return NoMatch(head)
+    x, axis, rank, mean = head
+    mu = mean.outputs[0]
+    readers = _readers(mu)
+    square_mu = next((n for n in readers if n.op == "Mul" and list(n.inputs) == [mu, mu]), None)
+    back = next((n for n in readers if n.op == "Reshape"), None)
+    if square_mu is None or back is None or len(readers) != 2:
+        return NoMatch(f"its mean is read by {_what_reads(mu)}, not by its square and a broadcast back")
+    xx = next((n for n in _readers(x) if n.op == "Mul" and list(n.inputs) == [x, x]), None)
+    if xx is None:
+        return NoMatch(f"the mean is squared but `{x.name}` is not (no E[x²] - E[x]² variance)", 1)
+    sum2 = _one(xx.outputs[0], "ReduceSum")
+    head2 = _sum_mean(sum2, shapes)
+    if isinstance(head2, str) or head2[1] != axis:
+        return NoMatch(f"x² is not averaged over the mean's axis {axis} (read by {_what_reads(xx.outputs[0])})", 2)
+    m2 = head2[3]
+    var = _one(m2.outputs[0], "Sub")
+    if var is None or list(var.inputs) != [m2.outputs[0], square_mu.outputs[0]] or len(_readers(square_mu.outputs[0])) != 1:
+        return NoMatch("the variance is not E[x²] - E[x]²", 2)
+    nodes = [first, mean, square_mu, xx, sum2, m2, var]
+    v = var.outputs[0]
+    mx = _one(v, "Max")
+    if mx is None or _scalar(_other(mx, v)) != 0.0:
+        return NoMatch(f"the variance `{v.name}` is not clipped at 0 by one Max (flax's fast variance)", 3)
+    nodes.append(mx)
+    vb = _restored(_one(mx.outputs[0], "Reshape"), nodes)
+    mb = _restored(back, nodes)
+    if vb is None or mb is None:
+        return NoMatch("the mean or the variance is not broadcast back (Reshape, Expand) to x's rank", 3)
+    got = _inverse_std(vb, nodes)
+    if not got:
+        return got
+    inv, eps = got
+    gamma, inv = _affine_after(inv, "Mul", axis, rank, nodes)
+    sub = _one(mb, "Sub")
+    if sub is None or list(sub.inputs) != [x, mb]:
+        return NoMatch(f"the broadcast mean `{mb.name}` is read by {_what_reads(mb)}, not by x - mean", 4)
+    final = _one(sub.outputs[0], "Mul")
+    if final is None or _other(final, sub.outputs[0]) is not inv or len(_readers(inv)) != 1:
+        return NoMatch(f"x - mean is read by {_what_reads(sub.outputs[0])}, not by one Mul by the inverse std", 4)
+    nodes += [sub, final]
+    beta, out = _affine_after(final.outputs[0], "Add", axis, rank, nodes)
+    axis_, rejection = _norm_axis([axis], rank)
+    return _finish(NormMatch(first.name, "decomposed", nodes, x, out, gamma=gamma, beta=beta, epsilon=eps,
+                             axis=axis_, rejection=rejection, axes=[axis]), x, outputs)
 
 
 def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> MatchResult[NormMatch]:

@@ -97,13 +97,36 @@ def np_dtype(dtype):
 
 
 def dtype_of(x, gamma, nodes=()):
-    """The dtype a norm computes in: its input's, else its γ's, else the Cast a decomposed
-    float16 norm ends with."""
-    if x.dtype is not None:
-        return np_dtype(x.dtype)
+    """The dtype a norm computes in: its input's (declared, or found walking back), else its
+    γ's, else the Cast a decomposed float16 norm ends with."""
+    found = float_dtype(x)
+    if found is not None:
+        return found
     v = const_values(gamma) if gamma is not None else None
     if v is not None:
         return np.asarray(v).dtype
     if nodes and nodes[-1].op == "Cast":  # a decomposed fp16 norm casts its fp32 result back
         return onnx.helper.tensor_dtype_to_np_dtype(int(nodes[-1].attrs["to"]))
     return np.float32
+
+
+def float_dtype(t, seen=None):
+    """The float dtype of tensor `t`: declared, or (where the exporter wrote no value_info) the
+    first float one among its producer's inputs, walking back (each tensor once); a Cast says its
+    own. None where the walk finds none. γ is no witness: an fp16 stream can carry an fp32 γ."""
+    seen = set() if seen is None else seen
+    if t is None or not t.name or t.name in seen:
+        return None
+    seen.add(t.name)
+    v = const_values(t) if is_constant(t) else None
+    dt = np.asarray(v).dtype if v is not None else (np.dtype(t.dtype) if t.dtype is not None else None)
+    if dt is not None:
+        return dt if dt.kind == "f" else None
+    if len(t.inputs) != 1:
+        return None
+    node = t.inputs[0]
+    if node.op == "Cast":
+        return onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
+    # the data input decides: LayerNormalization's X, not its (possibly fp32) scale
+    first = node.inputs[:1] if node.op in ("LayerNormalization", "Gather") else node.inputs
+    return next((d for d in (float_dtype(i, seen) for i in first) if d is not None), None)

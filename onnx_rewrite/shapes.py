@@ -24,13 +24,24 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
         else:
             small.append(init)
     skel_graph = helper.make_graph(
-        list(g.node), g.name or "g", list(g.input) + fake_inputs, list(g.output), small,
+        [_shaped_like_onnx(n) for n in g.node], g.name or "g", list(g.input) + fake_inputs, list(g.output), small,
         value_info=list(g.value_info),
     )
     skel_graph.sparse_initializer.extend(g.sparse_initializer)
     skel = helper.make_model(skel_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     skel.functions.extend(model.functions)
     return skel
+
+
+def _shaped_like_onnx(node: onnx.NodeProto) -> onnx.NodeProto:
+    """tf2onnx writes Erfc (its GELU), which is not an ONNX op: inference would stop at it and know
+    no shape downstream. For shapes and types it is Erf (elementwise, same type)."""
+    if node.op_type != "Erfc" or node.domain not in ("", "ai.onnx"):
+        return node
+    shaped = onnx.NodeProto()
+    shaped.CopyFrom(node)
+    shaped.op_type = "Erf"
+    return shaped
 
 
 def infer_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:

@@ -360,24 +360,55 @@ def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _Refu
     if len(rb) != len(ra):
         raise VerificationError(f"verification failed: the folded model has {len(rb)} outputs, the original {len(ra)}")
     names = [o.name for o in skel.graph.output]
+    storage = _storage_dtype(skel)
     verdict = gate.judge_float64_copies([gate.Output(n, "float64", a, b) for n, a, b in zip(names, ra, rb)],
-                                        _storage_dtype(skel))
+                                        storage, _rounding_sensitivity(original, folded, storage, feeds, ra, rb))
     verdict.criterion += (f"; onnxruntime refuses to load the input ({load_error}), {same}, and onnx's reference "
                           f"evaluator cannot run it in its own dtype; both run as float64 in {how}")
     return verdict
 
 
+def _rounding_sensitivity(original: ModelLike, folded: ModelLike, storage: str, feeds: dict, ra: list,
+                          rb: list) -> Optional[float]:
+    """How far one rounding to `storage` of its stored weights moves a model's outputs, for the
+    folded model (its edited weights are what the fold rounded) and the original (the same weights
+    before centering: a fold that missed one cannot widen its own bound), the smaller of the two
+    (gate.rounding_bound); `ra`, `rb`: their float64 copies' outputs. None where one cannot run."""
+    elem = {v: k for k, v in _FLOAT_NAMES.items()}[storage]
+    worst = []
+    for model, exact in ((folded, rb), (original, ra)):
+        rng = np.random.default_rng(0)
+        m = float64_copy(_proto(model))
+        for t, kept in zip(m.graph.initializer, _proto(model).graph.initializer):
+            if kept.data_type == elem:  # each weight one unit roundoff away, in a random direction
+                a = numpy_helper.to_array(t)
+                step = gate.UNIT_ROUNDOFF[storage] * rng.choice([-1.0, 1.0], size=a.shape)
+                t.CopyFrom(numpy_helper.from_array(a * (1 + step), t.name))
+        try:
+            moved, _ = _Float64(m).run(feeds)
+        except RuntimeError:
+            return None
+        worst.append(max((max_rel_err(a, b) for a, b in zip(exact, moved)), default=0.0))
+    return min(worst)
+
+
 def _refusal(e: BaseException) -> str:
-    """onnxruntime's reason for refusing to load a model, without the file it was loaded from."""
-    return re.sub(r"^(\[ONNXRuntimeError\] : \d+ : \w+ : )?Load model (from .*? )?failed:\s*", "",
+    """The kind of onnxruntime's reason for refusing to load a model: without the file it was loaded
+    from and without the names of the node and tensor it stopped at (the first in its order: a
+    fold that moves nodes makes it stop at another Cast with the same wrong declared type)."""
+    text = re.sub(r"^(\[ONNXRuntimeError\] : \d+ : \w+ : )?Load model (from .*? )?failed:\s*", "",
                   " ".join(str(e).split()))
+    return re.sub(r"\b(arg|node|Node) \([^()]*\)", r"\1 (…)", text)
+
+
+_FLOAT_NAMES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
+                onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64"}
 
 
 def _storage_dtype(model: onnx.ModelProto) -> str:
     """The narrowest float type of the model's weights: the fold stores the weights it edits
     back in it."""
-    names = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16",
-             onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64"}
+    names = _FLOAT_NAMES
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
                                                for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
     found = {names[t.data_type] for t in tensors if t.data_type in names}

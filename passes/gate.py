@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .errors import LnfoldError, VerificationError
 from .weights import max_rel_err
 
 FACTOR = 2.0
@@ -44,10 +45,13 @@ FLOOR = {"float64": 1e-12, "float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 LOOSE = 10.0
 # Float64 copies of original and folded model: float64 arithmetic (~1e-16 per op; 1e-9 leaves
-# room for cancellation in a LayerNorm on a large-mean stream and for depth), plus FLOOR of the
-# storage dtype, the rounding of the edited weights (measured on onnxconverter-common's fp16 GPT-2
-# and ViT: 1.5e-4 to 3.1e-4, under FLOOR["float16"] = 4e-3; a missed centering: 0.09 to 0.47).
+# room for cancellation in a LayerNorm on a large-mean stream and for depth), plus what storing
+# the edited weights back in the model's dtype can do: FACTOR x the model's own sensitivity to one
+# unit roundoff of its stored weights (rounding_bound; DESIGN §4 derives it).
 COPIES_REL = 1e-9
+# Unit roundoff (half an ulp, relative) of each storage dtype: round-to-nearest moves a value by
+# at most this fraction of itself.
+UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
 # Fallback: largest |mean| / RMS of a folded norm's input row (a centered fp32 stream: ~1e-6).
 MEAN_TOL = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 
@@ -71,9 +75,21 @@ class Verdict:
     folded_err: Optional[float] = None  # worst relative error of the folded model vs float64
     original_err: Optional[float] = None  # the same for the original model
     failure: str = ""  # what failed, one line
+    # False: the original's outputs are not finite on the inputs used, so no comparison with them
+    # proves anything (NaN equals NaN in the measure); `failure` then says why
+    judged: bool = True
+    input_broken: bool = False  # the original's float outputs are all NaN: the input model is at fault
 
     def message(self) -> str:
+        if not self.judged:
+            return f"verification could not judge the fold: {self.failure}"
         return f"verification failed: {self.failure}"
+
+    def error(self, prefix: str = "") -> LnfoldError:
+        """The exception a frontend raises for a verdict that is not ok: exit code 2 where the input
+        model itself computes nothing but NaN, 1 otherwise (a failed or unjudged verification)."""
+        kind = LnfoldError if self.input_broken else VerificationError
+        return kind(prefix + self.message())
 
     def summary(self) -> str:
         """One line for the command's output."""
@@ -96,6 +112,9 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     original's run is not what its users get (onnx's reference evaluator computes an fp16
     LayerNorm in fp16, where it overflows), so its error cannot widen the bound: the folded
     model's error against float64 must then be within TOLERANCE."""
+    unjudged = _non_finite(outputs)
+    if unjudged is not None:
+        return unjudged
     diff = max((max_rel_err(o.original, o.folded) for o in outputs), default=0.0)
     if len(outputs) and all(o.exact is not None for o in outputs):
         return _judge_exact(outputs, diff, original_is_faithful)
@@ -133,12 +152,27 @@ def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verd
                    original_worst, failure)
 
 
-def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str) -> Verdict:
+def rounding_bound(storage_dtype: str, sensitivity: Optional[float]) -> float:
+    """How far a correct fold's float64 copy may be from the original's (DESIGN §4): the fold is
+    exact algebra but for storing each weight it edits back in `storage_dtype`, which moves it by
+    at most one unit roundoff. `sensitivity` is how far the original's outputs move when every
+    weight stored in that dtype is moved by one unit roundoff (a random sign each): the fold's
+    roundings touch fewer weights by at most as much, so FACTOR x sensitivity bounds them. This
+    follows the model: a CLIP whose logits are exp(logit_scale) x cosines near 0 amplifies
+    roundings that a GPT-2 does not. Without a measure (None): FLOOR of the dtype."""
+    return COPIES_REL + (_floor(storage_dtype) if sensitivity is None else FACTOR * sensitivity)
+
+
+def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str,
+                         sensitivity: Optional[float] = None) -> Verdict:
     """The verdict where only float64 copies of the two models run (`Output.original` and
-    `.folded` are their float64 runs): every output within COPIES_REL + FLOOR[storage_dtype] of
-    the original's, relative to its largest value. `folded_err` is that difference (the folded
-    model's error against a float64 run of the original); the original has no error to measure."""
-    bound = COPIES_REL + _floor(storage_dtype)
+    `.folded` are their float64 runs): every output within rounding_bound of the original's,
+    relative to its largest value. `folded_err` is that difference (the folded model's error
+    against a float64 run of the original); the original has no error to measure."""
+    bound = rounding_bound(storage_dtype, sensitivity)
+    unjudged = _non_finite(outputs)
+    if unjudged is not None:
+        return unjudged
     diff, failure = 0.0, ""
     for o in outputs:
         d = max_rel_err(o.original, o.folded)
@@ -147,8 +181,30 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str) -> Verdi
             failure = (f"output {o.name}: the float64 copies of the folded and the original model differ by {d:.3g} "
                        f"(relative), above {bound:.3g} (float64 arithmetic plus the rounding of the edited weights to "
                        f"{storage_dtype})")
-    criterion = f"float64 copies, within {COPIES_REL:g} + {_floor(storage_dtype):g} ({storage_dtype} weights)"
+    how = f"{_floor(storage_dtype):g}" if sensitivity is None else \
+        f"{FACTOR:g} x {sensitivity:.3g}, the outputs' move under one {storage_dtype} rounding of every weight"
+    criterion = f"float64 copies, within {COPIES_REL:g} + {how}"
     return Verdict(not failure, criterion, diff, diff, None, failure)
+
+
+def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
+    """A verdict that nothing could be judged, where a float output of the original has no finite
+    value on these inputs (NaN compared with NaN "agrees": such an output proves nothing); None
+    otherwise. An output with some non-finite values is judged on the others, and must keep its
+    NaNs and infinities where they are (max_rel_err): NaN weights in one embedding row."""
+    floats = [(o, np.asarray(o.original, dtype=np.float64)) for o in outputs if o.dtype in FLOOR]
+    blind = [(o, a) for o, a in floats if a.size and not np.isfinite(a).any()]
+    if not blind:
+        return None
+    if all(np.isnan(a).all() for _, a in floats):
+        return Verdict(False, "not judged", float("nan"), judged=False, input_broken=True,
+                       failure="the input model's outputs are all NaN on these inputs: it computes nothing "
+                               "to compare a fold with")
+    o, a = blind[0]
+    what = "NaN" if np.isnan(a).all() else "NaN or infinite"
+    return Verdict(False, "not judged", float("nan"), judged=False,
+                   failure=f"output {o.name} of the original model is {what} everywhere on these inputs, and a "
+                           "comparison with it proves nothing; give inputs on which it is finite")
 
 
 def _off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:

@@ -50,6 +50,9 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                (+ bias); input `data` is read along `in_axis`; alpha·x·W + beta·b
 - `matmul(a, b, bias_after)`   a @ b, either side possibly a constant; `bias_after`: the frontend
                                emits a lone constant Add after it as the product's bias (ONNX)
+- `einsum(equation, operands)` a two-operand einsum (ONNX Einsum, torch.einsum); where one operand
+                               is a constant, each output axis whose letter only it carries holds
+                               its rows along that axis (Keras' and flax's attention projections)
 - `embedding(table, q)`        rows of a constant table (or the sum of several: a list) looked up
                                by a rank-q index
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
@@ -633,6 +636,33 @@ def _matmul(view, node, a=0, b=1, bias_after=False):
     return dict(centering=centering, linear=linear)
 
 
+def einsum_weight_axes(equation: str, weight: int) -> dict[int, int]:
+    """{output axis: axis of operand `weight`} for the output letters that only that operand
+    carries, once (explicit two-operand equations without an ellipsis; else {}). Centering the
+    operand along such an axis centers the output along it: out[.., e, ..] = Σ x[..] W[.., e, ..]."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return {}
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2:
+        return {}
+    w, x = ops[weight], ops[1 - weight]
+    return {k: w.index(c) for k, c in enumerate(out) if w.count(c) == 1 and c not in x and out.count(c) == 1}
+
+
+def _einsum(view, node, equation, operands=(0, 1)):
+    def centering(o, a):
+        for k in (0, 1):  # the constant operand (through layout ops only it reads: const_ref)
+            axes = einsum_weight_axes(equation, k)
+            ref = const_ref(view, node, operands[k], axes[a]) if o == 0 and a in axes else None
+            if ref is not None:
+                return [ref]
+        return None
+
+    return dict(centering=centering)
+
+
 def _embedding(view, node, table, q):
     tables = table if isinstance(table, list) else [table]
 
@@ -715,6 +745,7 @@ RULES: dict[str, Callable[..., dict]] = {
     "nonfinite_test": _nonfinite_test,
     "linear": _linear,
     "matmul": _matmul,
+    "einsum": _einsum,
     "embedding": _embedding,
     "conv": _conv,
     "layer_norm": _layer_norm,

@@ -28,6 +28,11 @@ per-row mean; every Linear/Conv weight a large mean along its output axis and it
 mean; cls tokens / class embeddings / position tables a large per-row mean. A missed centering
 then breaks equivalence. (Same idea as `adversarial()` in fx_rewrite/zoo.py, copied.)
 
+Issue 23's builders: `--only issue23` (onnxconverter-common fp16 decoders and a whole CLIP, onnxsim's
+CLIP), `--only fp32ln` (TorchScript fp16 with fp32 LayerNorms), `--only keras_posemb`, `--only jax2tf`
+(needs LNFOLD_JAX2TF_PYTHON, see JAX2TF_SRC). They were built with the project's transformers 5.24 and
+keras 3.15.1 (not 4.57.6), onnxsim 0.8.1, onnxconverter-common 1.16.0.
+
 Every file gets a manifest entry (manifest.json beside the files) with the hand-derived count of
 LayerNorms that DESIGN §1 says fold: see EXPECT below for the derivations.
 """
@@ -92,6 +97,11 @@ EXPECT = {
     "clip_vision_lhs": (2 * L + 2, 1, 0,
                         "pre_layrnorm folds; but last_hidden_state (the residual stream itself, before "
                         "post_layernorm) is a graph output: non-invariant sink blocks the other 2L+1"),
+    "clip": (4 * L + 3, 4 * L + 3, 1,
+             "text tower: token + position Gathers and out_proj/fc2 write the stream, read by layer_norm1/2 per "
+             "layer and final_layer_norm (EOS row -> text_projection): 2L+1 fold, no recenter; vision tower as "
+             "clip_vision_pooled: pre_layrnorm folds, its affine output starts the stream (opaque), 1 recenter buys "
+             "2L+1 (layer_norm1/2 + post_layernorm); logits = exp(logit_scale) * cosine similarities"),
     "whisper_enc": (2 * L + 1, 2 * L + 1, 1,
                     "stream starts at GELU(conv2) (opaque) + embed_positions: 1 recenter buys 2L+1 swaps "
                     "(self_attn_layer_norm, final_layer_norm per layer + encoder layer_norm)"),
@@ -112,6 +122,15 @@ EXPECT = {
     "keras_block": (2 * L + 1, 2 * L + 1, 0,
                     "Keras Pre-LN: Embedding + position Embedding, per block LN->MHA->Add, LN->Dense->Dense->Add; "
                     "final LN; logits Dense"),
+    "keras_posemb": (2 * L + 1, 2 * L + 1, 0,
+                     "Keras Pre-LN: Embedding + Slice of a position table (a constant source), per block "
+                     "LN->MultiHeadAttention->Add, LN->Dense->Dense->Add; final LN. The attention output "
+                     "projections write the stream as Einsum abcd,cde->abe with a constant kernel (a linear "
+                     "layer: its kernel centered along e); tf2onnx's GELU writes Erfc (no ONNX op)"),
+    "linen_mlp": (2, 2, 0,
+                  "flax.linen default LayerNorm (use_fast_variance: var = max(0, E[x²] - E[x]²), ReduceSum·1/n, "
+                  "Sqrt + Reciprocal, BroadcastTo mean) x2: ln1 and ln_f; the stream is written by the stem Dense + "
+                  "position table and fc2 (MatMul + bias): both fold, no recenter"),
     "nnx_block": (2 * L + 1, 2 * L + 1, 0,
                   "flax.nnx Pre-LN: nnx.Embed + position table, per block LN->attention(Linear)->Add, "
                   "LN->MLP->Add; final LN; logits Linear"),
@@ -127,7 +146,7 @@ def versions() -> dict:
     import importlib.metadata as md
     out = {}
     for p in ["torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "onnxscript", "onnxslim",
-              "onnxsim", "onnxconverter-common", "tensorflow-cpu", "tf2onnx", "jax", "flax", "jax2onnx",
+              "onnxsim", "onnxconverter-common", "tensorflow-cpu", "tf2onnx", "keras", "jax", "flax", "jax2onnx",
               "rapidocr-onnxruntime"]:
         try:
             out[p] = md.version(p)
@@ -178,6 +197,15 @@ def count_layernorms(model) -> dict:
                       (c.op_type == "Mul" and list(c.input) == [d, d])]
                 m = prod.get(n.input[1])
                 centered = m is not None and m.op_type == "ReduceMean" and m.input and m.input[0] == n.input[0]
+                # jax2tf: x - BroadcastTo(Reshape(ReduceSum(x) * 1/n)) (flax.linen's mean, axis dropped)
+                t, chain = n.input[1], True
+                for op in ("Expand", "Reshape", "Mul", "ReduceSum"):
+                    p = prod.get(t)
+                    if p is None or p.op_type != op:
+                        chain = False
+                        break
+                    t = p.input[0]
+                centered = centered or (chain and t == n.input[0])
                 if sq or centered:     # flax: var = E[x^2] - E[x]^2, then (x - E[x]) * rsqrt(var + eps)
                     dec += 1
     if dec:
@@ -266,6 +294,13 @@ def hf_model(name):
         cfg = T.CLIPVisionConfig(num_hidden_layers=L, hidden_size=D, num_attention_heads=H, intermediate_size=FF,
                                  image_size=32, patch_size=8, projection_dim=D, **kw)
         m = T.CLIPVisionModel(cfg)
+    elif name == "clip":   # text + vision towers, logits = exp(logit_scale) * cosine similarities
+        cfg = T.CLIPConfig(text_config=dict(num_hidden_layers=L, hidden_size=D, num_attention_heads=H,
+                                            intermediate_size=FF, vocab_size=V, max_position_embeddings=P),
+                           vision_config=dict(num_hidden_layers=L, hidden_size=D, num_attention_heads=H,
+                                              intermediate_size=FF, image_size=32, patch_size=8),
+                           projection_dim=D, logit_scale_init_value=4.6052, **kw)   # a trained CLIP's: exp = 100
+        m = T.CLIPModel(cfg)
     elif name == "whisper":
         cfg = T.WhisperConfig(encoder_layers=L, decoder_layers=L, d_model=D, encoder_attention_heads=H,
                               decoder_attention_heads=H, encoder_ffn_dim=FF, decoder_ffn_dim=FF, vocab_size=V,
@@ -360,6 +395,20 @@ def wrapped(model, out_key, mask=False, **fixed):
     return W().eval()
 
 
+def clip_logits(model):
+    import torch
+
+    class W(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, ids, px):
+            return self.m(input_ids=ids, pixel_values=px, attention_mask=torch.ones_like(ids)).logits_per_image
+
+    return W().eval()
+
+
 def torch_cases():
     """(key, module factory, example args, input names, output names, dynamic axes)."""
     import torch
@@ -385,6 +434,10 @@ def torch_cases():
                 ["last_hidden_state"], {"pixel_values": {0: "batch"}, "last_hidden_state": {0: "batch"}}),
         "clip_vision_pooled": (lambda: wrapped(hf_model("clip_vision"), "pooler_output"), (px,), ["pixel_values"],
                                ["pooler_output"], {"pixel_values": {0: "batch"}, "pooler_output": {0: "batch"}}),
+        # issue 23: the whole CLIP (both towers, logits_per_image); image height/width dynamic
+        "clip": (lambda: clip_logits(hf_model("clip")), (ids, px), ["input_ids", "pixel_values"], ["logits_per_image"],
+                 {"input_ids": tok, "pixel_values": {0: "batch", 2: "height", 3: "width"},
+                  "logits_per_image": {0: "batch", 1: "texts"}}),
         "whisper_enc": (lambda: wrapped(hf_model("whisper").model.encoder, "last_hidden_state"), (feats,),
                         ["input_features"], ["last_hidden_state"],
                         {"input_features": {0: "batch"}, "last_hidden_state": {0: "batch"}}),
@@ -397,11 +450,12 @@ MODEL_NAME = {"gpt2": "GPT-2 (GPT2LMHeadModel, tied head)", "opt": "OPT (OPTForC
               "falcon": "Falcon (parallel_attn, 1 LN/layer)", "bert": "BERT (BertModel, Post-LN)",
               "vit": "ViT (ViTModel)", "clip_vision_pooled": "CLIP vision (pooler_output only)",
               "clip_vision_lhs": "CLIP vision (last_hidden_state + pooler_output)",
+              "clip": "CLIP (CLIPModel: text + vision, logits_per_image)",
               "whisper_enc": "Whisper encoder", "whisper_enc_fp16": "Whisper encoder",
               "whisper_dec": "Whisper decoder (encoder_hidden_states input)", "bart_dec": "BART decoder (Post-LN)"}
 
 
-def torch_export(key, opset, dtype, dynamo, fname):
+def torch_export(key, opset, dtype, dynamo, fname, norms_fp32=False):
     import torch
     import warnings
 
@@ -419,6 +473,10 @@ def torch_export(key, opset, dtype, dynamo, fname):
     if dtype == "fp16":
         mod = mod.half()
         args = tuple(a.half() if a.is_floating_point() else a for a in args)
+    if norms_fp32:   # LayerNorms kept in fp32 (transformers' _keep_in_fp32_modules, mixed precision)
+        for m in mod.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.float()
     path = OUT / fname
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -432,19 +490,23 @@ def torch_export(key, opset, dtype, dynamo, fname):
     return path
 
 
-def do_torch(key, opset, dtype, dynamo):
+def do_torch(key, opset, dtype, dynamo, norms_fp32=False):
     kind = "dynamo" if dynamo else "torchscript"
-    fname = f"{kind}_op{opset}_{dtype}_{key}.onnx"
+    fname = f"{kind}_op{opset}_{dtype}{'_fp32ln' if norms_fp32 else ''}_{key}.onnx"
 
     @step(fname)
     def go():
-        path = torch_export(key, opset, dtype, dynamo, fname)
+        path = torch_export(key, opset, dtype, dynamo, fname, norms_fp32)
         ekey = key
         if key == "whisper_enc" and dtype == "fp16":
             ekey = "whisper_enc_fp16"
         prod = f"torch {VER['torch']} torch.onnx.export(dynamo={dynamo}, opset_version={opset})" + \
-               (", model.half()" if dtype == "fp16" else "")
-        record(path, prod, MODEL_NAME.get(ekey, key), dtype, ekey)
+               (", model.half()" if dtype == "fp16" else "") + \
+               (" with every nn.LayerNorm kept in fp32 (fp16 input, fp32 scale/bias)" if norms_fp32 else "")
+        note = ("issue 23: onnxruntime refuses to load it (Type parameter (T) of Optype (LayerNormalization) bound "
+                "to different types); the folded norms take γ/β in fp16, and onnxruntime loads the folded model"
+                if norms_fp32 else None)
+        record(path, prod, MODEL_NAME.get(ekey, key), dtype, ekey, note=note)
         return path
     return go()
 
@@ -646,15 +708,10 @@ def do_sim(src: Path):
 # --------------------------------------------------------------------------------------------
 # Keras via tf2onnx, flax.nnx via jax2onnx  (run in subprocesses: TF and JAX are heavy)
 # --------------------------------------------------------------------------------------------
-KERAS_SRC = r'''
-import sys, numpy as np, tensorflow as tf, tf2onnx, keras
-L, D, H, FF, V, P, S = %(L)d, %(D)d, %(H)d, %(FF)d, %(V)d, %(P)d, 7
-rng = np.random.default_rng(0)
-ids = keras.Input((S,), dtype="int32", name="input_ids")
-tok = keras.layers.Embedding(V, D, name="tok")
-pos = keras.layers.Embedding(P, D, name="pos")
-x = tok(ids) + pos(keras.ops.arange(S)[None, :])
-for i in range(L):
+# Both Keras sources: L Pre-LN blocks (Keras' MultiHeadAttention, a GELU MLP), final LN, head; then
+# the weights made adversarial: γ, β random; every table a mean per row; kernels [in, ..., out] a
+# mean constant along the output axes; biases large
+KERAS_BODY = r'''for i in range(L):
     h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln1_{i}")(x)
     h = keras.layers.MultiHeadAttention(H, D // H, name=f"attn_{i}")(h, h, use_causal_mask=True)
     x = x + h
@@ -664,13 +721,14 @@ for i in range(L):
 x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_f")(x)
 out = keras.layers.Dense(V, name="head")(x)
 model = keras.Model(ids, out)
-for layer in model.layers:
+'''
+KERAS_WEIGHTS = r'''for layer in model.layers:
     ws = layer.get_weights()
     if not ws:
         continue
     if isinstance(layer, keras.layers.LayerNormalization):
         ws = [1 + 0.5 * rng.standard_normal(w.shape) for w in ws[:1]] + [0.5 * rng.standard_normal(w.shape) for w in ws[1:]]
-    elif isinstance(layer, keras.layers.Embedding):
+    elif isinstance(layer, keras.layers.Embedding) or layer.name == "posemb":   # a table: a mean per row
         w = ws[0]; ws = [w + 3.0 * (w.std() + .02) * rng.standard_normal((w.shape[0], 1))]
     else:   # Dense / attention kernels: [in, ..., out...]; shift constant along the output axes, biases large
         new = []
@@ -682,9 +740,90 @@ for layer in model.layers:
                 new.append(0.2 * rng.standard_normal(w.shape) + 0.3)
         ws = new
     layer.set_weights([np.asarray(w, np.float32) for w in ws])
-spec = (tf.TensorSpec((None, S), tf.int32, name="input_ids"),)
+'''
+
+KERAS_SRC = r'''
+import sys, numpy as np, tensorflow as tf, tf2onnx, keras
+L, D, H, FF, V, P, S = %(L)d, %(D)d, %(H)d, %(FF)d, %(V)d, %(P)d, 7
+rng = np.random.default_rng(0)
+ids = keras.Input((S,), dtype="int32", name="input_ids")
+tok = keras.layers.Embedding(V, D, name="tok")
+pos = keras.layers.Embedding(P, D, name="pos")
+x = tok(ids) + pos(keras.ops.arange(S)[None, :])
+%(keras_body)sspec = (tf.TensorSpec((None, S), tf.int32, name="input_ids"),)
 opset = int(sys.argv[2])
 tf2onnx.convert.from_keras(model, input_signature=spec, opset=opset, output_path=sys.argv[1])
+'''
+
+# issue 23: a dynamic sequence length and a hand-written position layer slicing its table to it
+# (strided_slice of a constant); at opset 13 tf2onnx keeps attention output projections as Einsum
+# ("abcd,cde->abe": their input's rank is unknown to tf2onnx after the unsupported Erfc). Not
+# reproducible run to run: tf2onnx 1.17 kept both, one or neither in three builds; where it
+# decomposes one (Gemm by Reshape(kernel, a computed shape)), lnfold recenters it (a needless
+# recenter, not a wrong fold: the runtime-reshaped kernel is not followed). The committed file
+# keeps both.
+KERAS_POSEMB_SRC = r'''import sys, numpy as np, tensorflow as tf, tf2onnx, keras
+L, D, H, FF, V, P = %(L)d, %(D)d, %(H)d, %(FF)d, %(V)d, %(P)d
+rng = np.random.default_rng(0)
+
+class PosEmb(keras.layers.Layer):
+    """A learned position table sliced to the sequence length (the usual hand-written Keras layer)."""
+    def build(self, shape):
+        self.table = self.add_weight(shape=(P, D), name="table")
+    def call(self, x):
+        return x + self.table[None, : keras.ops.shape(x)[1]]
+
+ids = keras.Input((None,), dtype="int32", name="input_ids")
+x = keras.layers.Embedding(V, D, name="tok")(ids)
+x = PosEmb(name="posemb")(x)
+%(keras_body)sspec = (tf.TensorSpec((None, None), tf.int32, name="input_ids"),)
+tf2onnx.convert.from_keras(model, input_signature=spec, opset=int(sys.argv[2]), output_path=sys.argv[1])
+'''
+
+# issue 23: flax.linen's default LayerNorm (fast variance) through jax2tf + tf2onnx. jax2tf's graph
+# serialization (native_serialization=False, enable_xla=False: plain TF ops tf2onnx converts) is
+# gone from recent jax (only XlaCallModule, which tf2onnx cannot convert), so this one runs in its
+# own venv: LNFOLD_JAX2TF_PYTHON=/path/to/python with jax==0.4.30 jaxlib==0.4.30 flax==0.8.5
+# tensorflow-cpu==2.21.0 tf2onnx==1.17.0 numpy==2.4.6. No nn.Embed: jnp.take's default mode
+# "fill" becomes mask * rows + NaN * (1 - mask) in tf2onnx, NaN everywhere.
+JAX2TF_SRC = r'''import sys, numpy as np, jax, jax.numpy as jnp, tensorflow as tf, tf2onnx
+from jax.experimental import jax2tf
+import flax.linen as nn
+D, FF, V, S, F = %(D)d, %(FF)d, %(V)d, 7, 16
+rng = np.random.default_rng(0)
+
+class Model(nn.Module):
+    """A Pre-LN residual MLP over feature sequences: stem Dense + position table, one block
+    LN -> Dense -> gelu -> Dense -> Add, final LN, head Dense (two flax.linen LayerNorms)."""
+    @nn.compact
+    def __call__(self, feats):
+        x = nn.Dense(D, name="stem")(feats) + self.param("pos", nn.initializers.normal(0.02), (S, D))
+        h = nn.LayerNorm(name="ln1")(x)
+        x = x + nn.Dense(D, name="fc2")(nn.gelu(nn.Dense(FF, name="fc1")(h)))
+        return nn.Dense(V, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+m = Model()
+params = m.init(jax.random.PRNGKey(0), jnp.zeros((2, S, F), jnp.float32))
+def adv(path, w):
+    name = "/".join(str(getattr(p, "key", p)) for p in path)
+    w = np.asarray(w)
+    if name.endswith("scale"):
+        return 1 + 0.5 * rng.standard_normal(w.shape)
+    if "/ln" in name and name.endswith("bias"):
+        return 0.5 * rng.standard_normal(w.shape)
+    if name.endswith("pos"):
+        return w + 3.0 * (w.std() + .02) * rng.standard_normal((w.shape[0], 1))
+    if name.endswith("kernel"):
+        return w + 3.0 * (w.std() + .02) * rng.standard_normal([w.shape[0]] + [1] * (w.ndim - 1))
+    if name.endswith("bias"):
+        return 0.2 * rng.standard_normal(w.shape) + 0.3
+    return w
+params = jax.tree_util.tree_map_with_path(lambda p, w: jnp.asarray(adv(p, w), jnp.float32), params)
+f = jax2tf.convert(lambda x: m.apply(params, x), native_serialization=False, enable_xla=False,
+                   polymorphic_shapes=["(b, 7, 16)"])
+spec = [tf.TensorSpec((None, S, F), tf.float32, name="features")]
+tf2onnx.convert.from_function(tf.function(f, autograph=False), input_signature=spec, opset=int(sys.argv[2]),
+                              output_path=sys.argv[1])
 '''
 
 NNX_SRC = r'''
@@ -742,10 +881,10 @@ to_onnx(m, [jax.ShapeDtypeStruct(("B", S), jnp.int32)], return_mode="file", outp
 '''
 
 
-def sub_build(src, fname, opset):
-    code = src % dict(L=L, D=D, H=H, FF=FF, V=V, P=P)
-    r = subprocess.run([sys.executable, "-c", code, str(OUT / fname), str(opset)], capture_output=True, text=True,
-                       timeout=900)
+def sub_build(src, fname, opset, python=None):
+    code = src % dict(L=L, D=D, H=H, FF=FF, V=V, P=P, keras_body=KERAS_BODY + KERAS_WEIGHTS)
+    r = subprocess.run([python or sys.executable, "-c", code, str(OUT / fname), str(opset)], capture_output=True,
+                       text=True, timeout=900)
     if r.returncode or not (OUT / fname).exists():
         tail = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
         raise RuntimeError(tail[-1] if tail else f"exit {r.returncode}")
@@ -761,6 +900,34 @@ def do_keras(opset):
         record(p, f"tf2onnx {VER['tf2onnx']} tf2onnx.convert.from_keras(opset={opset}); "
                f"tensorflow-cpu {VER['tensorflow-cpu']}", "Keras Pre-LN block (2 blocks, MHA causal)", "fp32",
                "keras_block")
+    go()
+
+
+def do_keras_posemb(opset):
+    fname = f"tf2onnx_op{opset}_keras_posemb_einsum.onnx"
+
+    @step(fname)
+    def go():
+        p = sub_build(KERAS_POSEMB_SRC, fname, opset)
+        record(p, f"tf2onnx {VER['tf2onnx']} tf2onnx.convert.from_keras(opset={opset}); tensorflow-cpu "
+               f"{VER['tensorflow-cpu']}, keras {VER.get('keras')}", "Keras Pre-LN block (2 blocks, Keras MHA, "
+               "sliced position table, dynamic length)", "fp32", "keras_posemb")
+    go()
+
+
+def do_flax_jax2tf(opset):
+    fname = f"jax2tf_tf2onnx_op{opset}_linen_mlp.onnx"
+
+    @step(fname)
+    def go():
+        py = os.environ.get("LNFOLD_JAX2TF_PYTHON", sys.executable)
+        ver = subprocess.run([py, "-c", "import jax, flax, tf2onnx, tensorflow as tf; print(jax.__version__, "
+                              "flax.__version__, tf2onnx.__version__, tf.__version__)"], capture_output=True,
+                             text=True).stdout.split()
+        p = sub_build(JAX2TF_SRC, fname, opset, python=py)
+        record(p, f"tf2onnx {ver[2]} tf2onnx.convert.from_function(opset={opset}) of jax2tf.convert("
+               f"native_serialization=False, enable_xla=False); jax {ver[0]}, flax {ver[1]}, tensorflow-cpu {ver[3]}",
+               "flax.linen Pre-LN residual MLP (1 block, default LayerNorm)", "fp32", "linen_mlp")
     go()
 
 
@@ -836,6 +1003,8 @@ def main():
             do_torch(key, 23, "fp32", dynamo=True)
         for key in ["gpt2", "bloom", "whisper_enc"]:
             do_torch(key, 18, "fp16", dynamo=True)
+        for key in ["gpt2", "vit"]:     # issue 23: fp16 model, fp32 LayerNorms
+            do_torch(key, 17, "fp16", dynamo=False, norms_fp32=True)
 
     # 2. Optimum
     past = ["--dim past_sequence_length=N (attention_mask is past_sequence_length + sequence_length)"]
@@ -892,10 +1061,23 @@ def main():
             if have(src):
                 do_sim(OUT / src)
 
+    # 3b. issue 23: onnxconverter-common fp16 decoders and CLIP, an onnxsim'd CLIP with dynamic image size
+    if want("issue23"):
+        do_torch("clip", 17, "fp32", dynamo=False)
+        for src in ["optimum_opt_model.onnx", "optimum_bart_decoder_model.onnx", "torchscript_op17_fp32_clip.onnx"]:
+            if (OUT / src).exists():
+                do_occ_fp16(OUT / src, keep_io_types=False)
+        if (OUT / "torchscript_op17_fp32_clip.onnx").exists():
+            do_sim(OUT / "torchscript_op17_fp32_clip.onnx")
+
     # 4. Keras / flax.nnx / PaddleOCR
     if want("keras"):
         do_keras(17)
         do_keras(13 + 2)
+    if want("keras_posemb"):
+        do_keras_posemb(13)
+    if want("jax2tf"):
+        do_flax_jax2tf(17)
     if want("nnx"):
         do_nnx(17)
         do_nnx(21)
