@@ -47,6 +47,7 @@ from ..passes.plan import Ones, Plan, Scale
 from .api import Verifier, _check_plan, exported_view
 from .apply import center_blocks, profile
 from .classify import GraphInfo
+from .hf import register_caches
 
 RECORD = "_lnfold_training_fold"  # attribute of the folded root module: what unfolding undoes
 EDITS = "_lnfold_edits"  # attribute of a module with centered attributes: name -> _Recipe
@@ -171,6 +172,7 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
     if RECORD in module.__dict__:
         raise LnfoldError("the module is already folded for training (unfold it first)")
     args, kwargs = tuple(args), dict(kwargs or {})
+    register_caches(module)  # before the original's run: its cache outputs flatten as the folded module's will
     verifier = Verifier(module, args, kwargs) if opts.verify else None  # runs (and copies) it before it is edited
 
     gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
@@ -184,7 +186,10 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
         if not found:
             break
         conflicts |= found
-    _check_plan(plan)
+    try:
+        _check_plan(plan)
+    except NothingToFold as e:
+        raise NothingToFold(f"{e}{_dropout_advice(module, plan, mapper.nodes)}") from None
     if opts.mode == "crms":  # compression rewrites the readers' weights and shapes: not done on an eager module
         plan.report.notes.append("the module-level training fold does not compress (CRMSNorm); "
                                  "folded norms are RMSNorms, which compute the same values")
@@ -371,6 +376,26 @@ def _norm_modules(root: nn.Module, plan: Plan, info: GraphInfo) -> list[nn.Modul
     if not out:
         raise NothingToFold(f"no nn.LayerNorm module can be swapped; first: {plan.report.norms[0].reason}")
     return list(out.values())
+
+
+def _dropout_advice(root: nn.Module, plan: Plan, nodes: dict) -> str:
+    """What to set when train-mode Dropout starts the residual stream (it drops entries, so the
+    stream's mean is not zero and nothing folds: correctly); '' where none does."""
+    names = {id(m): n for n, m in root.named_modules()}
+    drops = {names[id(m)]: None for comp in plan.components for o in comp.opaque
+             for m in [_scope(root, nodes.get(o.value))]
+             if isinstance(m, nn.Dropout) and m.training and m.p > 0 and id(m) in names}
+    if not drops:
+        return ""
+    shown = ", ".join(f"`{n}`" for n in list(drops)[:3]) + (f" and {len(drops) - 3} more" if len(drops) > 3 else "")
+    config = getattr(root, "config", None)
+    fields = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
+              if "drop" in k and isinstance(v, float) and v > 0}
+    now = "; this config's: " + ", ".join(f"{k}={v}" for k, v in fields.items()) if fields else ""
+    return (f". Train-mode Dropout writes into the residual stream ({shown}) and breaks its zero mean: set "
+            "their p to 0 to train the folded model (a transformers config's residual and embedding dropout, "
+            f"e.g. GPT-2's resid_pdrop=0, embd_pdrop=0{now}; attention dropout may stay), or, for inference, "
+            "fold_module(model.eval(), ...)")
 
 
 def is_folded(module: nn.Module) -> bool:
