@@ -121,7 +121,9 @@ def _analyze(module, args, kwargs, mode, dynamic):
     gm, attrs, view, info = exported_view(module, args, kwargs, dynamic)
     # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
     zero = lambda name: name in attrs and not bool(_attr(gm, attrs[name]).any())  # noqa: E731
-    return gm, attrs, view, info, make_plan(view, mode, zero=zero)
+    plan = make_plan(view, mode, zero=zero)
+    plan.report.rename(attrs)  # the weights by their state_dict names
+    return gm, attrs, view, info, plan
 
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,

@@ -186,6 +186,7 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
         if not found:
             break
         conflicts |= found
+    plan.report.rename(attrs)  # the weights by their state_dict names
     try:
         _check_plan(plan)
     except NothingToFold as e:

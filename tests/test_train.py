@@ -186,6 +186,7 @@ def test_default_gpt2_says_which_dropout_to_set_and_folds_once_set():
     assert model.training and model.config.attn_pdrop == 0.1
     result = lnfold.fold_for_training(model, (IDS,), {"labels": IDS})
     assert result.report.folded == 5 and result.criterion == "float64"
+    assert any(c.startswith("`transformer.h.0.attn.c_proj.weight`") for c in result.report.streams[0].centered)
 
 
 _USE_CACHE = """
