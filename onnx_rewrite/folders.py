@@ -29,7 +29,8 @@ FOLDED_SUFFIX = ".folded"
 def default_output(src: Path) -> Path:
     """`X.onnx` -> `X.folded.onnx` beside it; a folder `DIR` -> `DIR.folded` beside it."""
     if src.is_dir():
-        return src.parent / (src.name.rstrip("/") + FOLDED_SUFFIX)
+        full = src.resolve()  # (`lnfold fold .` has no name of its own)
+        return full.parent / (full.name + FOLDED_SUFFIX)
     stem = src.name[:-len(".onnx")] if src.name.lower().endswith(".onnx") else src.name
     return src.parent / f"{stem}{FOLDED_SUFFIX}.onnx"
 
