@@ -167,19 +167,20 @@ class ExportFrontend:
         return verdict
 
     def result(self, plan: Plan, gm: fx.GraphModule) -> FoldResult:
-        return FoldResult(report=plan.report, module=gm)
+        return FoldResult(report=plan.report.renamed(self.attrs), module=gm)  # weights by state_dict names
 
 
 def _analyze(module, args, kwargs, mode, dynamic):
     frontend = ExportFrontend(module, args, kwargs, FoldOptions(mode=mode), dynamic=dynamic)
-    return pipeline.plan(frontend, make_plan)[1]
+    return frontend, pipeline.plan(frontend, make_plan)[1]
 
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
                    mode: str = "rms", dynamic: bool = True) -> Report:
     """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one."""
     opts = FoldOptions(mode=mode)
-    return _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic).report
+    frontend, plan = _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic)
+    return plan.report.renamed(frontend.attrs)  # the weights by their state_dict names
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",

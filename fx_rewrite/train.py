@@ -50,6 +50,7 @@ from ..passes.edits import apply_ops
 from .api import check_plan, exported_view
 from .classify import GraphInfo
 from .edits import TENSOR
+from .hf import register_caches
 from .verify import Verifier
 
 RECORD = "_lnfold_training_fold"  # attribute of the folded root module: what unfolding undoes
@@ -167,12 +168,13 @@ class _TrainingFrontend:
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, dynamic: bool) -> None:
         self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
+        register_caches(module)  # before the original's run: its cache outputs flatten as the folded module's will
         # runs (and copies) the module before it is edited
         self.verifier = Verifier(module, args, kwargs) if opts.verify else None
 
     def view(self) -> View:
-        gm, attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
-        self.mapper = _Mapper(self.module, gm, attrs, self.info)
+        gm, self.attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
+        self.mapper = _Mapper(self.module, gm, self.attrs, self.info)
         return view
 
     def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
@@ -198,7 +200,10 @@ class _TrainingFrontend:
     def check(self, plan: Plan) -> None:
         if plan.empty and plan.unswapped:
             raise NothingToFold(f"no nn.LayerNorm module can be swapped; first: {plan.report.norms[0].reason}")
-        check_plan(plan)
+        try:
+            check_plan(plan)
+        except NothingToFold as e:
+            raise NothingToFold(f"{e}{_dropout_advice(self.module, plan, self.mapper.nodes)}") from None
 
     def apply(self, plan: Plan) -> nn.Module:
         module = self.module
@@ -221,7 +226,7 @@ class _TrainingFrontend:
             raise
 
     def result(self, plan: Plan, module: nn.Module) -> "TrainingFold":
-        return TrainingFold(report=plan.report, module=module)
+        return TrainingFold(report=plan.report.renamed(self.attrs), module=module)  # weights by state_dict names
 
 
 def unfold_for_training(module: nn.Module) -> nn.Module:
@@ -366,6 +371,26 @@ def _swap_refusal(root: nn.Module, info: GraphInfo, name: str, swaps: frozenset)
     if not set(calls) <= swaps:
         return "its nn.LayerNorm module is also called where the stream cannot be folded"
     return None
+
+
+def _dropout_advice(root: nn.Module, plan: Plan, nodes: dict) -> str:
+    """What to set when train-mode Dropout starts the residual stream (it drops entries, so the
+    stream's mean is not zero and nothing folds: correctly); '' where none does."""
+    names = {id(m): n for n, m in root.named_modules()}
+    drops = {names[id(m)]: None for comp in plan.components for o in comp.opaque
+             for m in [_scope(root, nodes.get(o.value))]
+             if isinstance(m, nn.Dropout) and m.training and m.p > 0 and id(m) in names}
+    if not drops:
+        return ""
+    shown = ", ".join(f"`{n}`" for n in list(drops)[:3]) + (f" and {len(drops) - 3} more" if len(drops) > 3 else "")
+    config = getattr(root, "config", None)
+    fields = {k: v for k, v in (config.to_dict() if hasattr(config, "to_dict") else {}).items()
+              if "drop" in k and isinstance(v, float) and v > 0}
+    now = "; this config's: " + ", ".join(f"{k}={v}" for k, v in fields.items()) if fields else ""
+    return (f". Train-mode Dropout writes into the residual stream ({shown}) and breaks its zero mean: set "
+            "their p to 0 to train the folded model (a transformers config's residual and embedding dropout, "
+            f"e.g. GPT-2's resid_pdrop=0, embd_pdrop=0{now}; attention dropout may stay), or, for inference, "
+            "fold_module(model.eval(), ...)")
 
 
 def is_folded(module: nn.Module) -> bool:

@@ -79,10 +79,11 @@ class OnnxFrontend:
     verified in memory, or from the files written for `output` (the CLI; models over 2 GB)."""
 
     def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs=None, dims=None,
-                 progress: Progress = None, output=None, source=None) -> None:
+                 progress: Progress = None, output=None, source=None, layout=None) -> None:
         self.model, self.opts, self.target = model, opts, target
         self.inputs, self.dims, self.progress = inputs, dims, progress
         self.output, self.source = output, source  # write to `output`, verify against the file `source`
+        self.layout = layout  # where `output` keeps its weights (write.data_layout: the input's layout)
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
 
     def view(self) -> View:
@@ -129,7 +130,7 @@ class OnnxFrontend:
         if self.output is None:
             return pipeline.in_memory(folded)
         pipeline.stage(self.progress, f"saving {self.output}")
-        return write.staged(folded, self.output)
+        return write.staged(folded, self.output, layout=self.layout)
 
     def verify(self, plan: Plan, artifact):
         if self.output is not None:  # the files just written, against the input's
@@ -216,15 +217,17 @@ def fold_model(
 
 def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str = "off", verify: bool = True,
               target: str = "ort", device: str = "cpu", inputs=None, dims: Optional[dict] = None,
-              progress: Progress = None) -> FoldResult:
-    """`fold_model` of `model` (loaded from the file `src`), written to `dst` atomically: the
-    written files are verified against `src` (any size: onnxruntime reads them) and published
-    only when verification passes (the `lnfold fold` command)."""
+              progress: Progress = None, layout=None) -> FoldResult:
+    """`fold_model` of `model` (loaded from the file `src`), written to `dst` atomically (its
+    weights as `layout` says: write.data_layout): the written files are verified against `src`
+    (any size: onnxruntime reads them) and published only when verification passes (the
+    `lnfold fold` command)."""
     opts = FoldOptions(mode=mode, defer=defer, verify=verify)
     tgt = targets.resolve(target, device)
     if opts.verify:
         inputs, dims = check_verify_args(model, inputs, dims)
-    return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src),
+    return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
+                                  layout=layout),
                  progress)
 
 

@@ -59,8 +59,11 @@ def _parser() -> argparse.ArgumentParser:
                            help="`lnfold COMMAND --help` lists a command's options")
 
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
-    f.add_argument("input", help="the ONNX model to fold (external data beside it is read too)")
-    f.add_argument("-o", "--output", required=True, help="where to write the folded model")
+    f.add_argument("input", help="the ONNX model to fold (external data beside it is read too), or an exporter's "
+                                 "folder (Optimum's encoder/decoder files: each ONNX file folded, the rest copied)")
+    f.add_argument("-o", "--output",
+                   help="where to write the folded model (default: X.folded.onnx beside X.onnx; for a folder "
+                        "DIR, DIR.folded); a model with external data comes back with its data file")
     f.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
     f.add_argument("--target", choices=target_names(), default="ort", help=_TARGET_HELP)
     f.add_argument("--device", choices=DEVICES, default="cpu",
@@ -113,11 +116,14 @@ def _progress_for(path: Path):
 
 
 def cmd_fold(args) -> int:
-    from .api import fold_file
-    from .inputs import parse_dims
-    from .read import load
+    src = Path(args.input)
+    if src.is_dir():  # an exporter's folder: every ONNX file in it, one report (folders.py)
+        from .folders import fold_folder
 
-    src, dst = Path(args.input), Path(args.output)
+        return fold_folder(src, Path(args.output) if args.output else None, args, fold_file)
+    from .folders import default_output, fold_summary, verification_line
+
+    dst = Path(args.output) if args.output else default_output(src)
     if dst.exists() and dst.is_dir():
         raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
     if src.resolve() == dst.resolve() or (src.exists() and dst.exists() and os.path.samefile(src, dst)):
@@ -127,38 +133,45 @@ def cmd_fold(args) -> int:
         raise LnfoldError(f"{out_dir}: not a directory, cannot write {dst.name} into it")
     if not out_dir.is_dir():
         raise LnfoldError(f"{out_dir}: output directory does not exist")
-    progress = _progress_for(src)
     t0 = time.perf_counter()
+    result = fold_file(src, dst, args)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"output": str(dst), **fold_summary(result, args, elapsed)}, indent=2))
+        return 0
+    print(result.report.table())
+    print(f"\nlnfold: verification: {verification_line(result, args)}")
+    print(f"lnfold: wrote {dst} (target {args.target}) in {elapsed:.2f} s")
+    return 0
+
+
+def fold_file(src: Path, dst: Path, args):
+    """Fold the ONNX file `src` into `dst` (checked, then renamed into place), its weights in the
+    input's layout (one file, or a data file beside it: onnx_rewrite/write.py `data_layout`).
+    The one pipeline (passes/pipeline.py) verifies the written files before they are published."""
+    import onnx
+
+    from .api import fold_file as fold_to_file
+    from .inputs import parse_dims
+    from .read import load
+    from .write import data_layout
+
+    progress = _progress_for(src)
     if progress:
         progress(f"loading {src}")
     inputs = {src.resolve()}
     # big weights stay in the input's data file: read where the fold edits them, copied on save
     model = load(src, data_files=inputs, lazy=True)
-    for out in (dst, dst.parent / (dst.name + ".data")):
+    layout = data_layout(onnx.load(str(src), load_external_data=False), src, dst)
+    data_out = dst.parent / (layout.location if layout is not None else dst.name + ".data")
+    for out in (dst, data_out):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
-    result = fold_file(src, model, dst, mode=args.mode, target=args.target, device=args.device, defer=args.defer,
-                       verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim), progress=progress)
-    elapsed = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps({"output": str(dst), "target": args.target, "report": result.report.to_dict(),
-                          "verified": not args.no_verify, "max_rel_err": result.max_rel_err,
-                          "exact_err": result.exact_err, "original_exact_err": result.original_exact_err,
-                          "criterion": result.criterion,
-                          "seconds": round(elapsed, 3), "timings": result.timings}, indent=2))
-        return 0
-    print(result.report.table())
-    ver = "skipped (--no-verify)" if args.no_verify else \
-        f"max relative output difference {result.max_rel_err:.2e}; {_summary(result)}"
-    print(f"\nlnfold: verification: {ver}")
-    print(f"lnfold: wrote {dst} (target {args.target}) in {elapsed:.2f} s")
-    return 0
-
-
-def _summary(result) -> str:
-    return gate.Verdict(True, result.criterion, result.max_rel_err, result.exact_err,
-                        result.original_exact_err).summary()
+    result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
+                          defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
+                          progress=progress, layout=layout)
+    return result
 
 
 def cmd_report(args) -> int:

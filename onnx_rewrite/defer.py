@@ -63,7 +63,7 @@ def _row_scale(em, x: gs.Tensor, dt: np.dtype, shape, axis: int, eps: float, nam
         em.node("Div", [ss, em.const(f"{name}/lnfold_d", np.array(width, sd))], [ms])
     else:
         sq = em.var(f"{name}/lnfold_sq", sd)
-        em.node("Mul", [xs, xs], [sq])
+        em.square(xs, sq)
         em._reduce_mean(sq, [axis], ms)
     mse, rms, inv = (em.var(f"{name}/lnfold_{k}", sd) for k in ("mse", "rms", "rowscale"))
     em.node("Add", [ms, em.const(f"{name}/lnfold_eps", np.array(eps, sd))], [mse])

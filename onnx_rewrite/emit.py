@@ -45,12 +45,23 @@ class Emitter:
         return name
 
     def const(self, base: str, values: np.ndarray) -> gs.Constant:
-        return gs.Constant(self.unique(base), np.ascontiguousarray(values))
+        # (np.ascontiguousarray makes a scalar 1-d: onnxruntime's optimizer wants a scalar ε)
+        values = np.ascontiguousarray(values) if np.ndim(values) else np.asarray(values)
+        return gs.Constant(self.unique(base), values)
 
     def node(self, op: str, inputs: list, outputs: list, domain: str = "", **attrs) -> gs.Node:
         n = gs.Node(op, name=self.unique(f"lnfold/{op}"), attrs=attrs, inputs=inputs, outputs=outputs, domain=domain)
         self.graph.nodes.append(n)
+        if op in _ORT_ONLY_NORMS:
+            _type_outputs(n)
         return n
+
+    def square(self, x, out) -> gs.Node:
+        """x² as Pow(x, 2): onnxruntime's transformer optimizer fuses Pow -> ReduceMean -> ... into
+        its RMS op, while the same chain squared by Mul(x, x) crashes it (fusion_simplified_layernorm
+        indexes the Mul node itself: "'NodeProto' object is not subscriptable", onnxruntime 1.32)."""
+        dt = out.dtype if out.dtype is not None else np.float32
+        return self.node("Pow", [x, self.const("lnfold/two", np.array(2.0, np_dtype(dt)))], [out])
 
     def var(self, base: str, dtype=None) -> gs.Variable:
         return gs.Variable(self.unique(base), dtype=dtype)
@@ -214,7 +225,7 @@ class Emitter:
         sd = np.float32 if low else dt
         sq, ms, ms_eps, rms, inv = (self.var(f"{name}/lnfold_{k}", sd) for k in ("sq", "ms", "mse", "rms", "inv"))
         n = out if gamma is None else self.var(f"{name}/lnfold_n", dt)
-        self.node("Mul", [xs, xs], [sq])
+        self.square(xs, sq)
         self._reduce_mean(sq, [axis], ms)
         self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, np.float32 if low else x_dt))], [ms_eps])
         self.node("Sqrt", [ms_eps], [rms])
@@ -260,6 +271,24 @@ class Emitter:
         add.inputs.clear()
         outs = [out, gs.Variable.empty(), gs.Variable.empty()] + ([x] if keep_sum else [])
         self.node("SkipSimplifiedLayerNormalization", [a, b, gamma], outs, domain="com.microsoft", epsilon=float(eps))
+
+
+# onnxruntime's RMS ops, which onnx's shape inference does not know (onnx.shape_inference leaves
+# their outputs untyped, and so every tensor after them): onnxruntime's quantizer then stops
+# with "Unable to find data type for weight_name=...". Their outputs get a type (value_info).
+_ORT_ONLY_NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def _type_outputs(n: gs.Node) -> None:
+    """Give `n`'s outputs their element type where it is known and the exporter wrote none: the
+    plain RMS op's Y is typed as its scale γ (V), the fused op's outputs as the stream (T)."""
+    x = n.inputs[0]
+    gamma = n.inputs[1] if n.op == "SimplifiedLayerNormalization" else None
+    gamma_dtype = np.asarray(const_values(gamma)).dtype if gamma is not None and is_constant(gamma) else None
+    for i, out in enumerate(n.outputs):
+        if not out.name or out.dtype is not None or i in (1, 2):  # 1, 2: mean and inv std (training)
+            continue
+        out.dtype = gamma_dtype if gamma_dtype is not None else x.dtype
 
 
 def _replace_input(node: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -43,6 +44,33 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class DataLayout:
+    """Where a model keeps its weights beside it: the data file's name (relative to the model's
+    folder) and the size from which a tensor goes there."""
+
+    location: str
+    threshold: int
+
+
+def data_layout(model: onnx.ModelProto, src: Path, dst: Path) -> "DataLayout | None":
+    """The layout of `model` (read from `src` without its data) for its fold written to `dst`:
+    None when its weights are inside it. The data file keeps its name (`model.onnx_data`, as
+    Optimum writes it), or, for an output named otherwise, takes the output's name in place of
+    the input's (`model.onnx.data` -> `model.folded.onnx.data`); a model whose weights were spread
+    over several files gets one, named after the first."""
+    infos = [external_info(t) for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+    locations = [i["location"] for i in infos if i.get("location")]
+    if not locations:
+        return None
+    location = Path(locations[0]).name  # (a data file in a subfolder comes back beside the model)
+    if dst.name != src.name:
+        location = dst.name + location[len(src.name):] if location.startswith(src.name) \
+            else f"{Path(dst.name).stem}.{location}"
+    threshold = min([_EXTERNAL_THRESHOLD] + [int(i.get("length", 0) or 0) for i in infos])
+    return DataLayout(location, threshold)
+
+
 def is_large(model: onnx.ModelProto) -> bool:
     """Would `model`, with every tensor inline, pass protobuf's 2 GiB limit?
 
@@ -60,15 +88,18 @@ def is_large(model: onnx.ModelProto) -> bool:
     return model.ByteSize() + external > _PROTO_LIMIT
 
 
-def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None) -> None:
+def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None,
+         layout: "DataLayout | None" = None) -> None:
     """Write `model` to `path` atomically (see `staged`)."""
-    with staged(model, path, external=external):
+    with staged(model, path, external=external, layout=layout):
         pass
 
 
 @contextlib.contextmanager
-def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None) -> Iterator[Path]:
-    """Write `model` for `path` atomically; weights go to `<name>.data` beside it when large.
+def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None,
+           layout: "DataLayout | None" = None) -> Iterator[Path]:
+    """Write `model` for `path` atomically; weights go to `<name>.data` beside it when large, or
+    as `layout` says (the input's: its data file's name and which tensors it held).
 
     Everything is written into a temporary folder beside the target, whose model file the block
     receives (to verify it from files: the pipeline's check of a model over 2 GB), and only
@@ -82,7 +113,9 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
     out_dir = p.parent if str(p.parent) else Path(".")
     if not out_dir.is_dir():
         raise LnfoldError(f"{out_dir}: output directory does not exist")
-    if external is None:
+    if layout is not None:
+        external = True
+    elif external is None:
         external = is_large(model)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=out_dir))
@@ -90,10 +123,11 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
         raise LnfoldError(f"{p}: cannot write into {out_dir}: {first_line(e)}") from None
     try:
         target = tmp / p.name
-        location = p.name + ".data"
+        location = layout.location if layout is not None else p.name + ".data"
+        threshold = layout.threshold if layout is not None else _EXTERNAL_THRESHOLD
         wrote_data = False
         if external:
-            wrote_data = _write_external(model, tmp / location, location)
+            wrote_data = _write_external(model, tmp / location, location, threshold)
             onnx.save_model(model, str(target))
         else:
             _write_inline(model, target)
@@ -149,9 +183,10 @@ def _write_inline(model: onnx.ModelProto, target: Path) -> None:
                 f.seek(pos + length)
 
 
-def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> bool:
+def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
+                    threshold: int = _EXTERNAL_THRESHOLD) -> bool:
     """Stream every tensor of `model` worth it into `data_path`, one at a time: inline ones
-    (≥ 1 KiB of raw data) are written and dropped from the proto, lazily loaded ones copied from
+    (≥ `threshold` bytes of raw data, 1 KiB unless the input's layout says less) are written and dropped from the proto, lazily loaded ones copied from
     the input's data file; each gets external_data pointing at its new place. Returns whether
     a data file was written (not when every tensor is small)."""
     f = None
@@ -159,7 +194,7 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str) -> b
     try:
         for t in all_tensors(model):
             lazy = is_lazy(t)
-            if not lazy and not (t.HasField("raw_data") and len(t.raw_data) >= _EXTERNAL_THRESHOLD):
+            if not lazy and not (t.HasField("raw_data") and len(t.raw_data) >= max(threshold, 1)):
                 continue
             if f is None:
                 f = open(data_path, "wb")

@@ -277,9 +277,12 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         plan.const_edits.append(ConstEdit(value, ops, FrozenList(users), clone))
         if clone:
             others = sorted(readers - set(users))
+            # exporters de-duplicate equal initializers: one all-zero tensor is then a bias and a β
+            shared = (" (one all-zero tensor the exporter shared between them)"
+                      if zero is not None and zero(value) and any(view.nodes[o].norm for o, _ in others) else "")
             note = (f"`{value}`: also read by {view.nodes[others[0][0]].describe()}"
-                    + (f" and {len(others) - 1} more, which keep" if len(others) > 1 else ", which keeps")
-                    + " the original")
+                    + (f" and {len(others) - 1} more" if len(others) > 1 else "") + shared
+                    + (", which keep" if len(others) > 1 else ", which keeps") + " the original")
             for s, readers_of_s in zip(plan.report.streams, stream_readers):
                 if any(u[0] in readers_of_s for u in users) and note not in s.cloned:
                     s.cloned.append(note)

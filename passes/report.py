@@ -3,6 +3,7 @@ every blocker, in the JSON), for each folded stream what was edited to make it z
 chains that almost were a LayerNorm (and why not), and the norms that are RMSNorms already."""
 from __future__ import annotations
 
+import copy
 import json
 import re
 import textwrap
@@ -104,6 +105,28 @@ class Report:
             "rms_norms": [asdict(r) for r in self.rms_norms],
         }
 
+    def renamed(self, names: dict[str, str]) -> "Report":
+        """A copy that says `names[x]` wherever this report quotes `x`: the torch frontend's graph
+        names its weights after their module path with the dots mangled
+        (`transformer_h_0_attn_c_proj_weight`), the user knows them by their state_dict names
+        (`transformer.h.0.attn.c_proj.weight`). A copy: the plan's own report stays as planned."""
+        def sub(text: str) -> str:
+            return re.sub(r"`([^`]*)`", lambda m: f"`{names.get(m[1], m[1])}`", text)
+
+        r = copy.deepcopy(self)
+        for n in r.norms:
+            n.reason, n.beta, n.defer_reason = sub(n.reason), sub(n.beta), sub(n.defer_reason)
+            n.blockers = [sub(b) for b in n.blockers]
+        for s in r.streams:
+            for f in ("centered", "cloned", "scaled", "recentered", "dropped"):
+                setattr(s, f, [sub(t) for t in getattr(s, f)])
+        for c in r.compression:
+            c.reason = sub(c.reason)
+        for m in r.near_misses:
+            m.reason = sub(m.reason)
+        r.notes = [sub(t) for t in r.notes]
+        return r
+
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
 
@@ -124,10 +147,11 @@ class Report:
         rows += [(r.name, "rms", f"already RMSNorm ({r.op})") for r in self.rms_norms]
         w = min(max(len("norm"), *(len(name) for name, _, _ in rows)), NAME_WIDTH)
         lines = [f"{'norm':<{w}}  verdict  reason / how", f"{'-' * w}  -------  {'-' * 12}"]
-        for name, verdict, how in rows:  # a long reason wraps under its column
+        shown = clip_apart([name for name, _, _ in rows], w)
+        for (name, verdict, how), short in zip(rows, shown):  # a long reason wraps under its column
             how = re.sub(r"`([^`]*)`", lambda m: f"`{clip_middle(m[1], NAME_WIDTH)}`", how)  # pairs, left to right
             how_lines = textwrap.wrap(how, max(width - w - 11, 60), break_on_hyphens=False) or [""]
-            lines.append(f"{clip_middle(name, w):<{w}}  {verdict:<7}  {how_lines[0]}")
+            lines.append(f"{short:<{w}}  {verdict:<7}  {how_lines[0]}")
             lines.extend(" " * (w + 11) + more for more in how_lines[1:])
         lines.append("")
         lines.append(self.summary())
@@ -199,3 +223,42 @@ def clip_middle(text: str, width: int) -> str:
         return text[:width]
     head = (width - 1 + 1) // 2
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def clip_apart(names: list[str], width: int) -> list[str]:
+    """Each name cut to `width` as clip_middle does, but where it cuts: so that the part where a
+    name differs from the others stays visible (two norms of one block, `…/layers.0/self_attn_layer_norm/
+    LayerNormalization` and `…/layers.0/final_layer_norm/…`, must not read alike), at a separator
+    where possible, else nearest the middle."""
+    others = sorted(set(names))
+    return [_clip_apart(n, others, width) for n in names]
+
+
+def _clip_apart(name: str, others: list[str], width: int) -> str:
+    if len(name) <= width or width < 3:
+        return clip_middle(name, width)
+    # each other name: the lengths of the prefix and the suffix it shares with `name`; the cut
+    # `head…tail` tells them apart when the head or the tail reaches past the shared part
+    shared = [(_common(name, o), _common(name[::-1], o[::-1])) for o in others if o != name]
+    middle = (width - 1 + 1) // 2
+
+    def score(h: int) -> tuple:
+        t = width - 1 - h
+        apart = sum(h > p or t > q for p, q in shared)
+        at_separators = (name[h - 1] in _SEPARATORS) + (name[len(name) - t - 1] in _SEPARATORS)
+        return apart, at_separators, -abs(h - middle)
+
+    h = max(range(1, width - 1), key=score)
+    return name[:h] + "…" + name[len(name) - (width - 1 - h):]
+
+
+_SEPARATORS = "/._:"
+
+
+def _common(a: str, b: str) -> int:
+    """The length of the prefix `a` and `b` share."""
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k

@@ -546,3 +546,18 @@ def test_keyword_arguments_dict_outputs_and_per_token_mask():
     ids, mask = torch.randint(0, 11, (3, 7)), torch.rand(3, 7)
     with torch.no_grad():
         assert _rel(m(ids, mask=mask)["out"], res.module(ids, mask=mask)["out"]) < RTOL
+
+
+def test_report_names_weights_by_their_state_dict_names():
+    """The exported graph names a weight `model_transformer_h_0_attn_c_proj_weight`; the report says
+    `model.transformer.h.0.attn.c_proj.weight`, a key of the module's state_dict, as the ONNX path does."""
+    import re
+
+    model, args = zoo.gpt2()
+    keys = set(model.state_dict())
+    for report in (analyze_module(model.eval(), args), fold_module(model.eval(), args).report):
+        (stream,) = report.streams
+        named = [re.match(r"`([^`]*)`", c)[1] for c in stream.centered + stream.cloned]
+        assert "model.transformer.h.0.attn.c_proj.weight" in named, named
+        assert set(named) <= keys, set(named) - keys
+        assert "_weight`" not in report.table()

@@ -268,3 +268,42 @@ def test_fx_analyze_module_gives_the_same_kind_of_reasons():
     assert "which is also read by aten.linear.default" in kept[0].reason and "a Post-LN block" in kept[0].reason
     assert "shift-invariant" not in kept[0].reason
     assert [m.reason.split(":")[0] for m in report.near_misses] == ["the variance is not of the centered input"]
+
+
+def test_clone_of_an_all_zero_tensor_an_exporter_shared_says_so():
+    """torch.onnx de-duplicates equal initializers: a zero bias writing into the stream and a zero
+    β become one tensor. The bias is centered, the LayerNorm keeps the original: the clone's note
+    says why a β is "also" a reader of a bias."""
+    from tests.onnx_graphs import Builder, INT64, T as TOKENS, VOCAB
+
+    b = Builder(seed=3)
+    zeros = b.const("zeros", np.zeros(D, np.float32))
+    h = b.embed(b.input("ids", INT64, [2, TOKENS]))
+    n = b.layernorm(h, beta=zeros)
+    first = b.nodes[-1].name
+    mlp = b.op("MatMul", [b.op("Relu", [b.linear(n, D, 2 * D)]), b.weight("W2", (2 * D, D), mean=2.0)])
+    h = b.op("Add", [h, b.op("Add", [mlp, zeros])])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, VOCAB))]), shape=[2, TOKENS, VOCAB])
+    model = b.model(17)
+    cloned = [c for s in analyze_model(model).streams for c in s.cloned]
+    assert cloned == [f"`{zeros}`: also read by LayerNormalization `{first}` (one all-zero tensor "
+                      "the exporter shared between them), which keeps the original"], cloned
+    fold_model(model)  # and the fold is exact (verified)
+
+
+def test_table_cuts_long_names_where_they_differ():
+    """Optimum's Whisper decoder names its norms `/model/decoder/layers.0/self_attn_layer_norm/
+    LayerNormalization`, `.../encoder_attn_layer_norm/...`, `.../final_layer_norm/...`: cut in the
+    middle, the three of a block read alike; the table keeps each row's distinguishing part."""
+    from pathlib import Path
+
+    from lnfold.passes.report import NAME_WIDTH, clip_middle
+
+    model = onnx.load(str(Path(__file__).parent / "corpus" / "optimum_whisper_decoder_model.onnx"))
+    report = analyze_model(model)
+    names = [n.name for n in report.norms]
+    assert len({clip_middle(n, NAME_WIDTH) for n in names}) < len(names)  # the cut this replaces
+    rows = [r for r in report.table().splitlines()[2:] if r and not r.startswith(" ")][:len(names)]
+    shown = [r.split("  ")[0] for r in rows]
+    assert len(set(shown)) == len(names) and all(len(s) <= NAME_WIDTH for s in shown), shown
+    assert any(s.startswith("/model/decoder/layers.0/") and "…" in s for s in shown), shown

@@ -168,6 +168,46 @@ def test_train_mode_dropout_on_the_stream_keeps_the_norms():
         lnfold.fold_for_training(model.train(), (IDS,))
 
 
+def test_default_gpt2_says_which_dropout_to_set_and_folds_once_set():
+    """A default GPT2LMHeadModel (dropout 0.1) folds nothing, correctly; the error names the stream's
+    Dropout modules and the config fields to set; with them at 0 (attention dropout left at 0.1) the
+    train-mode model folds and verifies."""
+    import transformers
+
+    cfg = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
+    with pytest.raises(NothingToFold) as e:
+        lnfold.fold_for_training(model, (IDS,))
+    msg = str(e.value)
+    assert "\n" not in msg and "`transformer.h.0.attn.resid_dropout`" in msg
+    assert "resid_pdrop=0," in msg and "embd_pdrop=0" in msg and "resid_pdrop=0.1" in msg  # what to set; what it is
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg, resid_pdrop=0.0, embd_pdrop=0.0))
+    assert model.training and model.config.attn_pdrop == 0.1
+    result = lnfold.fold_for_training(model, (IDS,), {"labels": IDS})
+    assert result.report.folded == 5 and result.criterion == "float64"
+    assert any(c.startswith("`transformer.h.0.attn.c_proj.weight`") for c in result.report.streams[0].centered)
+
+
+_USE_CACHE = """
+import torch, transformers, lnfold
+cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=101, n_positions=32, bos_token_id=0,
+                              eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = transformers.GPT2LMHeadModel(cfg).eval()
+assert model.config.use_cache
+r = lnfold.fold_for_training(model, (torch.randint(0, 101, (2, 8)),))
+print(r.report.folded, r.criterion)
+"""
+
+
+def test_use_cache_outputs_verify_in_a_fresh_process():
+    """use_cache=True returns a DynamicCache. The original ran before its type was registered with
+    torch.export's pytree (one leaf), the folded module after (four): "verification failed: 5 outputs
+    instead of 2". A fresh process, since the registration is global and another test may have made it."""
+    r = subprocess.run([sys.executable, "-c", _USE_CACHE], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["5", "float64"]
+
+
 # --- training: alone, ViT, LayerScale, activation checkpointing, per-block compile ---------------------
 
 def test_vit_trains_exactly():

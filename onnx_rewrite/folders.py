@@ -1,0 +1,151 @@
+"""`lnfold fold` on a folder, and where an output goes when `-o` is not given.
+
+An exporter's folder (Optimum writes `encoder_model.onnx`, `decoder_model.onnx`,
+`decoder_with_past_model.onnx`, `decoder_model_merged.onnx`, with `config.json` and the
+tokenizer's files beside them) is folded file by file into a new folder: each ONNX file folded
+and verified as `lnfold fold FILE` would, one with nothing to fold copied as it is, every other
+file copied. The new folder is built beside the output under a temporary name and renamed into
+place once every file is written, so a failure leaves nothing behind.
+
+A `transformers` checkpoint folder (config.json with safetensors, no ONNX file) is another kind
+of folder: it is told apart by its contents, and refused in one line for now.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..passes import LnfoldError, NothingToFold, gate
+from ..passes.errors import first_line
+
+FOLDED_SUFFIX = ".folded"
+
+
+def default_output(src: Path) -> Path:
+    """`X.onnx` -> `X.folded.onnx` beside it; a folder `DIR` -> `DIR.folded` beside it."""
+    if src.is_dir():
+        full = src.resolve()  # (`lnfold fold .` has no name of its own)
+        return full.parent / (full.name + FOLDED_SUFFIX)
+    stem = src.name[:-len(".onnx")] if src.name.lower().endswith(".onnx") else src.name
+    return src.parent / f"{stem}{FOLDED_SUFFIX}.onnx"
+
+
+def onnx_files(folder: Path) -> list[Path]:
+    """The ONNX files of `folder` and its subfolders, in a stable order."""
+    return sorted(p for p in folder.rglob("*.onnx") if p.is_file())
+
+
+def check_onnx_folder(folder: Path) -> list[Path]:
+    """The ONNX files of an exporter's folder, or a one-line error saying what the folder is."""
+    found = onnx_files(folder)
+    if found:
+        return found
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        raise LnfoldError(f"{folder}: a transformers checkpoint (config.json, safetensors), not ONNX files: export "
+                          "it to ONNX first (optimum-cli export onnx), or fold it in PyTorch (lnfold.fold_module)")
+    raise LnfoldError(f"{folder}: is a directory with no ONNX file in it")
+
+
+def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
+    """Fold every ONNX file of `src` into `dst` (default `src.folded`), copy the rest; print one
+    report (a table per folded file, then what was copied), or one JSON object with `--json`."""
+    files = check_onnx_folder(src)
+    dst = dst if dst is not None else default_output(src)
+    _check_destination(src, dst)
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # (mkdtemp's folder is the owner's alone; the output is an ordinary folder)
+    try:
+        folded, unchanged, data_files = {}, {}, set()
+        for f in files:
+            rel = f.relative_to(src)
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            t1 = time.perf_counter()
+            try:
+                folded[rel] = (fold_file(f, tmp / rel, args), time.perf_counter() - t1)
+            except NothingToFold as e:  # (a file of a folder: copied as it is, and said so)
+                unchanged[rel] = str(e)
+                shutil.copy2(f, tmp / rel)
+                for d in _data_files_of(f):
+                    shutil.copy2(d, tmp / d.relative_to(src.resolve()))
+            data_files |= _data_files_of(f)
+        if not folded:
+            raise NothingToFold(f"{src}: nothing to fold in its {len(files)} ONNX file(s); first: "
+                                f"{next(iter(unchanged.values()))}")
+        copied = []
+        for p in sorted(src.rglob("*")):
+            rel = p.relative_to(src)
+            if p.is_file() and p.suffix != ".onnx" and p.resolve() not in data_files:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(p, tmp / rel)
+                copied.append(rel)
+        os.replace(tmp, dst)  # (an empty folder at dst is replaced; _check_destination refused a full one)
+    except OSError as e:
+        raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _print_report(src, dst, folded, unchanged, copied, args, time.perf_counter() - t0)
+    return 0
+
+
+def _check_destination(src: Path, dst: Path) -> None:
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise LnfoldError(f"{dst}: the output folder would be inside the input folder; choose another path")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise LnfoldError(f"{dst}: exists; choose another output folder or remove it")
+    parent = dst.parent if str(dst.parent) else Path(".")
+    if not parent.is_dir():
+        raise LnfoldError(f"{parent}: output directory does not exist")
+
+
+def _data_files_of(model_file: Path) -> set[Path]:
+    """The external-data files `model_file` refers to (resolved)."""
+    import onnx
+
+    from .read import external_files
+
+    try:
+        return external_files(model_file, onnx.load(str(model_file), load_external_data=False))
+    except Exception:  # not readable as ONNX: fold_file said why already, or it is no model of ours
+        return set()
+
+
+def fold_summary(result, args, elapsed: float) -> dict:
+    """One file's fold for `--json`: the report, the verification, timings."""
+    return {"target": args.target, "report": result.report.to_dict(),
+            "verified": not args.no_verify, "max_rel_err": result.max_rel_err,
+            "exact_err": result.exact_err, "original_exact_err": result.original_exact_err,
+            "criterion": result.criterion, "seconds": round(elapsed, 3), "timings": result.timings}
+
+
+def verification_line(result, args) -> str:
+    if args.no_verify:
+        return "skipped (--no-verify)"
+    verdict = gate.Verdict(True, result.criterion, result.max_rel_err, result.exact_err, result.original_exact_err)
+    return f"max relative output difference {result.max_rel_err:.2e}; {verdict.summary()}"
+
+
+def _print_report(src: Path, dst: Path, folded: dict, unchanged: dict, copied: list, args, elapsed: float) -> None:
+    if args.json:
+        print(json.dumps({"output": str(dst), "target": args.target, "seconds": round(elapsed, 3),
+                          "folded": {str(rel): fold_summary(r, args, s) for rel, (r, s) in folded.items()},
+                          "unchanged": {str(rel): why for rel, why in unchanged.items()},
+                          "copied": [str(rel) for rel in copied]}, indent=2))
+        return
+    for rel, (result, _) in folded.items():
+        print(f"== {rel}")
+        print(result.report.table())
+        print(f"lnfold: verification: {verification_line(result, args)}\n")
+    for rel, why in unchanged.items():
+        print(f"== {rel}: copied unchanged, nothing to fold: {why}")
+    if copied:
+        print(f"copied: {', '.join(str(c) for c in copied)}")
+    print(f"lnfold: wrote {dst} (target {args.target}): {len(folded)} folded, {len(unchanged)} unchanged, "
+          f"{len(copied)} other file(s) copied, in {elapsed:.2f} s")
