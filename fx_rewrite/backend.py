@@ -59,6 +59,7 @@ from .verify import check_graph
 log = logging.getLogger("lnfold")
 OPTION_PREFIX = "lnfold."
 
+
 def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str] = None,
                    options: Optional[dict] = None, **kwargs) -> Callable:
     """torch.compile backend "lnfold" (see the module docstring for `mode` and `options`)."""
