@@ -35,7 +35,7 @@ from .outliers import outlier_table
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # held-out rows scored per model: a multiple of harness.logits' batch (no odd last batch to recompile)
-LIMIT = {"gpt2_stdlib": 32, "bert_stdlib": 32, "vit_digits": 352}
+LIMIT = {"gpt2_stdlib": 16, "bert_stdlib": 16, "vit_digits": 352}
 CLI_VARIANTS = [("fp32", ["--target", "ort"]), ("fp32", ["--target", "onnx"]), ("fp32", ["--target", "portable"]),
                 ("fp32", ["--target", "ort", "--mode", "crms"]), ("fp32", ["--target", "ort", "--defer", "on"]),
                 ("fp16", ["--target", "ort"]), ("bf16", ["--target", "ort"])]
