@@ -7,7 +7,7 @@ Two figures, each from onnxruntime on CPU:
 - end-to-end time over interleaved rounds (passes/timing.py): original, folded, and the original
   again in a second session (an A/A pair), wall and CPU time, medians, the ratio of the medians
   with its bootstrap interval, in three repeats with fresh sessions; a difference is claimed only
-  when every repeat shows it beyond its A/A spread and the pooled interval lies beyond twice the
+  when every repeat shows it beyond its A/A spread and the pooled interval lies beyond three times the
   largest spread (timing.compare_repeats), so that a rerun does not contradict it.
 """
 from __future__ import annotations

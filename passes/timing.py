@@ -82,9 +82,11 @@ def compare(stats: dict[str, dict], num: str, den: str, control: str, *, key: st
     return {**r, "aa": aa, "spread": spread, "within_noise": not claimed}
 
 
-# How far beyond the largest A/A spread the pooled interval must lie: two runs of the demo's
-# model, each with an A/A spread of ±0.5%, measured folded/original at 0.979 and 0.995.
-MARGIN = 2.0
+# How far beyond the largest A/A spread the pooled interval must lie. Measured on the demo's
+# model (2 shared cores, busy): with one block, two runs with A/A spreads of ±0.5% gave 0.979
+# and 0.995; with three repeats and 2x the spread, five runs gave CPU ratios 0.968-0.977 (A/A
+# ±1.0-2.4%) and one of them claimed "2.6% less", the other four not.
+MARGIN = 3.0
 
 
 def compare_repeats(blocks: list[dict[str, dict]], num: str, den: str, control: str, *,
