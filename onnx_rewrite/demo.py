@@ -72,8 +72,8 @@ def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None, second
         print("\nwhat the fold changes, onnxruntime CPU, batch 1 x 128 tokens (`lnfold bench` measures your own model):")
         for line in describe(measure(orig_path, fold_path, feeds, threads=1, seconds=seconds)):
             print(f"  {line}")
-    print("  (norms are a few % of this model's time: an end-to-end difference inside the A/A spread "
-          "is not a result; `python -m benchmarks run` measures properly)")
+    print("  (the norms' share of the kernel time, above, bounds what the fold can change end to end; "
+          "`python -m benchmarks run` measures bigger models)")
     where = f"models in {out_dir}; " if keep else ""
     print(f"\n{where}demo took {time.perf_counter() - t0:.1f} s")
     return 0
