@@ -138,11 +138,11 @@ def log(msg: str) -> None:
 
 
 def timed(fns: dict, *, rounds: int, warmup: int = 2) -> dict:
-    """demo.timing.interleaved: wall and process CPU time (all threads of this process) per call.
+    """onnx_rewrite.timing.interleaved: wall and process CPU time (all threads of this process) per call.
 
     On a machine shared with other work, wall time also counts the time other processes hold the
     cores; CPU time counts only our own work, so its ratios survive contention much better.
     """
-    from lnfold.demo.timing import interleaved
+    from lnfold.onnx_rewrite.timing import interleaved
 
     return interleaved(fns, rounds=rounds, warmup=warmup)

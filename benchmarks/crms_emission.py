@@ -9,7 +9,7 @@ normalized vector a linear reader consumes:
 - decompress + SimplifiedLayerNormalization: concat(z, −Σz) then the fused RMS kernel over d,
   which then needs the uncompressed reader weights (it gives up the d-1 saving downstream).
 Plus the plain RMS op over d (what `--mode rms` runs) as the reference. Interleaved, medians, CPU
-time beside wall time (demo/timing.py).
+time beside wall time (onnx_rewrite/timing.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from lnfold.demo.timing import describe_ratio, interleaved, ratio
+from lnfold.onnx_rewrite.timing import describe_ratio, interleaved, ratio
 
 D, EPS, SHAPE = 768, 1e-5, (8, 128)
 

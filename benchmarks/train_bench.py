@@ -7,7 +7,7 @@ RMSNorm modules); `torch.compile` (default: Inductor) of the original; `torch.co
 folded module. GPT-2 small (12 layers, 768, vocab 50257) on `--seq` tokens, ViT-S (12 layers,
 384, 6 heads, patch 16) on images of `--seq`+1 tokens. Dropout off (p=0, train mode): dropout on
 the residual stream would keep every norm, correctly. Each row owns its copy of the model and its
-optimizer; the rows run in alternation (demo.timing.interleaved) after one warm-up step each
+optimizer; the rows run in alternation (onnx_rewrite.timing.interleaved) after one warm-up step each
 (the compiles). Prints one JSON line and a markdown row per variant.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 import lnfold
 from lnfold import zoo
-from lnfold.demo.timing import interleaved
+from lnfold.onnx_rewrite.timing import interleaved
 
 
 def build(name: str, batch: int, seq: int):

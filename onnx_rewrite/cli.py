@@ -1,4 +1,4 @@
-"""The `lnfold` command: fold, report, demo.
+"""The `lnfold` command: fold, report, bench, demo.
 
 Exit codes: 0 done; 1 the folded model failed verification (nothing written); 2 bad input or
 nothing to fold (one line on stderr, input untouched, nothing written); 3 an internal error
@@ -36,7 +36,7 @@ _TARGET_HELP = ("ort (default): onnxruntime's SimplifiedLayerNormalization, the 
                 "(--device cuda); onnx: the standard RMSNormalization (opset 23; older models are "
                 "converted); portable: primitive ops (ReduceMean, Sqrt, Reciprocal, Mul, Add) any runtime runs")
 
-_HINT = "lnfold: give a command: fold, report or demo (`lnfold demo` folds a small GPT-2 end to end)"
+_HINT = "lnfold: give a command: fold, report, bench or demo (`lnfold demo` folds a small GPT-2 end to end)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,6 +86,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     r.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+
+    b = sub.add_parser("bench", help="time a model against its folded copy in onnxruntime (CPU)")
+    b.add_argument("original", help="the ONNX model before the fold")
+    b.add_argument("folded", help="the folded model (`lnfold fold`'s output); it must take the same inputs")
+    b.add_argument("--threads", type=int, default=1,
+                   help="onnxruntime intra-op threads for the end-to-end timing (default 1, the steadiest figure; "
+                        "0: onnxruntime's default); the profiled norm kernels always run on 1")
+    b.add_argument("--seconds", type=float, default=8.0, help="about how long the end-to-end rounds run (default 8)")
+    b.add_argument("--inputs", metavar="FILE.npz", help="run on these inputs instead of made-up ones")
+    b.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                   help="size of a symbolic input dim for the made-up inputs (repeatable)")
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")
@@ -198,6 +209,12 @@ def main(argv=None) -> int:
                 return cmd_fold(args)
             if args.cmd == "report":
                 return cmd_report(args)
+            if args.cmd == "bench":
+                from .bench import run_bench
+                from .inputs import parse_dims
+
+                return run_bench(args.original, args.folded, threads=args.threads, seconds=args.seconds,
+                                 inputs=args.inputs, dims=parse_dims(args.dim))
         from ..demo import run_demo
 
         return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep)

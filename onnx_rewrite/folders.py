@@ -128,7 +128,8 @@ def fold_summary(result, args, elapsed: float) -> dict:
 def verification_line(result, args) -> str:
     if args.no_verify:
         return "skipped (--no-verify)"
-    verdict = gate.Verdict(True, result.criterion, result.max_rel_err, result.exact_err, result.original_exact_err)
+    verdict = gate.Verdict(True, result.criterion, result.max_rel_err, result.exact_err, result.original_exact_err,
+                           no_float64=result.no_float64)
     return f"max relative output difference {result.max_rel_err:.2e}; {verdict.summary()}"
 
 

@@ -30,6 +30,9 @@ _DIM_PASSTHROUGH = {"Cast", "Identity", "Add", "Sub", "Mul", "Div", "Relu", "Sig
 _COMPUTED_INDEX_OPS = {"Range", "CumSum"}
 
 _BATCH = 2
+# An image already gives the float64 run hundreds of rows (a ViT-base: 197 tokens): one is enough
+# to judge the fold, and its float64 run costs half of two.
+_IMAGE_BATCH = 1
 _SEQ, _PAST = 5, 3  # default sequence and past lengths; past + seq fits a position table of 8
 _BAKED_SIZES = [(7, 7), (1, 1), (16, 16), (8, 8), (16, 1), (7, 1)]  # (sequence, past) tried next
 
@@ -217,23 +220,25 @@ def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, se
         seq = max(1, f.length_limit - past)
     tried = set()
     sides = f.image_sides or [None]
-    plans = [(seq, past, side) for side in sides]
+    plans = [(seq, past, side, _IMAGE_BATCH if side else _BATCH) for side in sides]
     # then sizes exporters often bake into a graph traced at them (a Reshape to [7, 1] in a
     # TorchScript export, `past + 16` in Optimum's), within the tables
     for s_, p_ in _BAKED_SIZES:
         if f.length_limit is None or s_ + p_ <= f.length_limit:
-            plans.append((s_, p_, sides[0]))
-    for seq_, past_, side in plans:
-        key = (seq_, past_, side)
-        if key in tried:
+            plans.append((s_, p_, sides[0], plans[0][3]))
+    plans.append((seq, past, sides[0], _BATCH))  # an image model that needs a batch of 2
+    for plan in plans:
+        if plan in tried:
             continue
-        tried.add(key)
-        sizes = _assign(f, dims, seq_, past_, side)
-        yield f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else ""), \
+        tried.add(plan)
+        seq_, past_, side, batch = plan
+        sizes = _assign(f, dims, seq_, past_, side, batch)
+        yield f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else "") + f", batch {batch}", \
             _values(f, sizes, past_, seed)
 
 
-def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Optional[int]) -> dict[tuple[str, int], int]:
+def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Optional[int],
+            batch: int = _BATCH) -> dict[tuple[str, int], int]:
     named: dict[str, int] = dict(user)
     # sizes the weights fix win over the name heuristics, and are shared by name
     for s in f.specs:
@@ -255,7 +260,7 @@ def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Opti
                     part = part.strip()
                     total += int(part) if part.isdigit() else named.setdefault(part, past if _is_past(part) else seq)
                 return total
-            named[d] = _BATCH if _is_batch(d) else past if _is_past(d) else seq
+            named[d] = batch if _is_batch(d) else past if _is_past(d) else seq
             return named[d]
         return seq
 
@@ -267,7 +272,7 @@ def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Opti
                     and not (isinstance(d, str) and d in user):
                 sizes[(s.name, k)] = side
             elif k == 0 and d is None and len(s.dims) > 1:
-                sizes[(s.name, k)] = _BATCH
+                sizes[(s.name, k)] = batch
             else:
                 sizes[(s.name, k)] = size_of(s, k, d)
     return sizes

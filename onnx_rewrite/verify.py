@@ -9,6 +9,13 @@ is run with the reference evaluator throughout. Where the reference evaluator ca
 own dtype either (onnxconverter-common's fp16 files type a Cast's output against what its readers
 expect), float64 copies of both models are compared (gate.judge_float64_copies), and the folded
 model must be refused by onnxruntime for the same reason as the input, not a new one.
+
+Cost (issue 24): each model is read once and each session built once; a model given as a path
+is loaded by onnxruntime from the file, without a serialized copy. The folded model's norm
+inputs (needed only by the gate's fallback) are added as outputs only when no float64 run was
+possible. A float64 copy runs in onnxruntime even where a few of its ops have no double kernel
+(Conv, Erf on CPU): those run in onnx's reference evaluator, the rest in onnxruntime, segment by
+segment, instead of the whole model in the reference evaluator.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 
 from ..passes import LnfoldError, VerificationError
 from ..passes import gate
@@ -39,19 +47,51 @@ _QUIET = ort.RunOptions()
 _QUIET.log_severity_level = 4
 
 
-def session(model: ModelLike) -> ort.InferenceSession:
+class _Source:
+    """A model as given, a ModelProto or a path, read at most once: its graph without external
+    weights (`skeleton`) first, the weights (`proto`) only if something needs them; onnxruntime
+    loads a path itself."""
+
+    def __init__(self, model: ModelLike) -> None:
+        self.path = None if isinstance(model, onnx.ModelProto) else str(model)
+        self._proto = model if isinstance(model, onnx.ModelProto) else None
+        self._skeleton: Optional[onnx.ModelProto] = None
+
+    @staticmethod
+    def of(model: Union[ModelLike, "_Source"]) -> "_Source":
+        return model if isinstance(model, _Source) else _Source(model)
+
+    @property
+    def skeleton(self) -> onnx.ModelProto:
+        if self._proto is not None:
+            return self._proto
+        if self._skeleton is None:
+            self._skeleton = onnx.load(self.path, load_external_data=False)
+        return self._skeleton
+
+    @property
+    def proto(self) -> onnx.ModelProto:
+        if self._proto is None:  # the skeleton, its external weights read in
+            load_external_data_for_model(self.skeleton, os.path.dirname(os.path.abspath(self.path)))
+            self._proto = self.skeleton
+        return self._proto
+
+
+def session(model: Union[ModelLike, _Source]) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
+    if isinstance(model, _Source):
+        model = model.path if model.path is not None else model.proto
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
-def _proto(model: ModelLike) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+def _proto(model: Union[ModelLike, _Source]) -> onnx.ModelProto:
+    return _Source.of(model).proto
 
 
-def _skeleton(model: ModelLike) -> onnx.ModelProto:
-    return model if isinstance(model, onnx.ModelProto) else onnx.load(str(model), load_external_data=False)
+def _skeleton(model: Union[ModelLike, _Source]) -> onnx.ModelProto:
+    return _Source.of(model).skeleton
 
 
 # --- runners -------------------------------------------------------------------------------------
@@ -122,19 +162,31 @@ def _contrib_ops() -> list:
 _ERFC = np.vectorize(math.erfc, otypes=[np.float64])
 
 
-def float64_copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same graph computing in float64: float weights, constants, casts, inputs and outputs
-    become double (value_info is dropped: onnxruntime re-infers it)."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+def float64_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The same graph computing in float64 (float constants, casts, inputs and outputs become
+    double; value_info is dropped: onnxruntime re-infers it), and its float weights in float64.
+    The weights become inputs of the copy, fed with its inputs: onnxruntime takes them from numpy
+    without a serialized copy (a GPT-2's 1 GB in float64 took longer to serialize and parse than
+    to run)."""
+    g = model.graph
+    weights = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in g.initializer if t.data_type in _FLOATS}
+    declared = {i.name for i in g.input}
+    inputs = list(g.input) + [helper.make_tensor_value_info(name, onnx.TensorProto.DOUBLE, w.shape)
+                              for name, w in weights.items() if name not in declared]
+    graph = helper.make_graph(g.node, g.name, inputs, g.output,
+                              [t for t in g.initializer if t.name not in weights], sparse_initializer=g.sparse_initializer)
+    out = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
+                            functions=model.functions)
     _graph_to_f64(out.graph)
-    return out
+    return out, weights
 
 
 def _tensor_to_f64(t: onnx.TensorProto) -> None:
     if t.data_type in _FLOATS:
-        arr = numpy_helper.to_array(t).astype(np.float64)
-        t.CopyFrom(numpy_helper.from_array(arr, t.name))
+        raw = np.ascontiguousarray(numpy_helper.to_array(t), dtype="<f8").tobytes()
+        for field in ("float_data", "int32_data", "raw_data"):
+            t.ClearField(field)
+        t.data_type, t.raw_data = onnx.TensorProto.DOUBLE, raw
 
 
 def _graph_to_f64(g: onnx.GraphProto) -> None:
@@ -170,25 +222,39 @@ def _float_elems(model: onnx.ModelProto) -> int:
 
 
 class _Float64:
-    """A float64 copy of a model, run in onnxruntime or, where onnxruntime cannot (no double
-    kernel for one of its ops, or it refuses the model), onnx's reference evaluator."""
+    """A float64 copy of a model, run in onnxruntime; where onnxruntime has no double kernel for
+    some of its ops, those run in onnx's reference evaluator and the rest in onnxruntime
+    (_Segments); where that fails too (or onnxruntime refuses the model), the whole copy runs in
+    onnx's reference evaluator."""
 
     def __init__(self, model: ModelLike) -> None:
-        self.model = float64_copy(_proto(model))
-        self.ref, self.why = None, ""
+        self.model, self.weights = float64_copy(_proto(model))
+        self.ref, self.why, self.sess, self.segments = None, "", None, None
+        lacking = _without_double_kernel(self.model)
         try:
-            self.sess = session(self.model)
+            if not lacking:
+                self.sess = session(self.model)
+            elif _segmentable(self.model):
+                self.segments = _Segments(self.model, lacking)
+            else:
+                self.why = f"no double kernel in onnxruntime for {', '.join(sorted({n.op_type for n in lacking}))}"
         except Exception as e:
-            self.sess, self.why = None, _first_line(e)
+            self.sess, self.segments, self.why = None, None, _first_line(e)
 
     def run(self, feeds: dict) -> tuple[list[np.ndarray], str]:
         """(outputs, what ran them) on `feeds` with floats upcast; raises RuntimeError saying why
         neither could run it."""
         f64 = {k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v for k, v in feeds.items()}
+        f64.update(self.weights)
         why = self.why
         if self.sess is not None:
             try:
                 return self.sess.run(None, f64, _QUIET), "onnxruntime"
+            except Exception as e:
+                why = _first_line(e)
+        if self.segments is not None:
+            try:
+                return self.segments.run(f64), self.segments.describe()
             except Exception as e:
                 why = _first_line(e)
         try:
@@ -203,13 +269,103 @@ class _Float64:
 def exact_run(model: ModelLike, feeds: dict) -> tuple[Optional[list[np.ndarray]], str]:
     """The outputs of a float64 copy of `model` on `feeds` (floats upcast), and how they were
     computed; (None, why) where no float64 run was possible."""
-    skel = _skeleton(model)
-    if _float_elems(skel) > EXACT_MAX_ELEMS:
-        return None, f"more than {EXACT_MAX_ELEMS} float weights"
+    if _float_elems(_skeleton(model)) > EXACT_MAX_ELEMS:
+        return None, f"a float64 copy would hold more than {EXACT_MAX_ELEMS} float weights"
     try:
         return _Float64(model).run(feeds)
     except RuntimeError as e:
         return None, str(e)
+
+
+def _without_double_kernel(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes of a float64 copy whose op onnxruntime's CPU provider has no double kernel for
+    (its kernel registry, by op, domain and opset); empty when the registry cannot be read."""
+    try:
+        from onnxruntime.capi.onnxruntime_pybind11_state import get_all_opkernel_def
+        defs = get_all_opkernel_def()
+    except Exception:  # an onnxruntime without the registry: try the whole copy, as before
+        return []
+    opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
+    floats, double = set(), set()  # ops with a kernel for some float type; for double
+    for d in defs:
+        lo, hi = d.version_range
+        domain = d.domain or "ai.onnx"
+        if d.provider != "CPUExecutionProvider" or not lo <= opsets.get(domain, 0) <= hi:
+            continue
+        types = {t for ts in d.type_constraints.values() for t in ts}
+        if types & {"tensor(float)", "tensor(float16)", "tensor(bfloat16)"}:
+            floats.add((domain, d.op_name))
+        if "tensor(double)" in types:
+            double.add((domain, d.op_name))
+    # (an op on other types only, And or Shape, is not touched by the float64 copy)
+    return [n for n in model.graph.node if (n.domain or "ai.onnx", n.op_type) in floats - double]
+
+
+def _segmentable(model: onnx.ModelProto) -> bool:
+    """Can the graph be cut into runs of nodes? Not with subgraphs (their outer-scope reads) or
+    model-local functions."""
+    return not model.functions and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                                           for n in model.graph.node for a in n.attribute)
+
+
+class _Segments:
+    """A float64 copy run as consecutive runs of nodes (the graph's topological order): each run
+    of nodes onnxruntime has double kernels for in one session, each other run in onnx's reference
+    evaluator. The sessions are built on the first call, from the dtypes of the values then."""
+
+    def __init__(self, model: onnx.ModelProto, lacking: list[onnx.NodeProto]) -> None:
+        self.model, self.ref_ops = model, sorted({n.op_type for n in lacking})
+        ids = {id(n) for n in lacking}
+        self.runs: list[tuple[bool, list[onnx.NodeProto]]] = []  # (in the reference evaluator, nodes)
+        for n in model.graph.node:
+            ref = id(n) in ids
+            if self.runs and self.runs[-1][0] == ref:
+                self.runs[-1][1].append(n)
+            else:
+                self.runs.append((ref, [n]))
+        self.runners: list = [None] * len(self.runs)
+
+    def describe(self) -> str:
+        return (f"onnxruntime, with {', '.join(self.ref_ops)} in onnx's reference evaluator "
+                "(onnxruntime has no double kernel for them)")
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        g = self.model.graph
+        inits = {t.name: t for t in g.initializer}
+        outputs = [o.name for o in g.output]
+        later: list[set] = [set(outputs)] * (len(self.runs) + 1)  # values read by runs k.. or output
+        for k in range(len(self.runs) - 1, -1, -1):
+            later[k] = later[k + 1] | {i for n in self.runs[k][1] for i in n.input if i}
+        values = dict(feeds)
+        for k, (ref, nodes) in enumerate(self.runs):
+            made = {o for n in nodes for o in n.output if o}
+            wanted = [o for o in dict.fromkeys(o for n in nodes for o in n.output if o) if o in later[k + 1]]
+            if not wanted:
+                continue  # nothing reads what this run computes
+            if self.runners[k] is None:
+                self.runners[k] = self._build(k, values, inits, made, wanted)
+            runner, reads = self.runners[k]
+            got = runner.run(None, {i: values[i] for i in reads}, *(() if ref else (_QUIET,)))
+            values.update(zip(wanted, (np.asarray(x) for x in got)))
+            for name in [v for v in values if v not in later[k + 1] and v not in feeds]:
+                del values[name]  # nothing after this run reads it
+        return [values[o] for o in outputs]
+
+    def _build(self, k: int, values: dict, inits: dict, made: set, wanted: list) -> tuple:
+        """(runner, the names it is fed) for run k: what it reads from earlier runs or the
+        inputs becomes its inputs (typed by their values now), the weights it reads its own."""
+        ref, nodes = self.runs[k]
+        reads = [i for i in dict.fromkeys(i for n in nodes for i in n.input if i) if i not in made]
+        fed = [i for i in reads if i in values]
+        graph = helper.make_graph(nodes, f"segment{k}", [_value_info(i, values[i]) for i in fed],
+                                  [onnx.ValueInfoProto(name=o) for o in wanted],
+                                  [inits[i] for i in reads if i not in values and i in inits])
+        sub = helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=self.model.ir_version)
+        return (_reference(sub) if ref else session(sub)), fed
+
+
+def _value_info(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype), None)
 
 
 # --- running the original on inputs it accepts ----------------------------------------------------
@@ -229,7 +385,8 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
 
     Raises LnfoldError naming the input(s) and the op that failed when no attempt runs.
     """
-    skel = _skeleton(original)
+    original = _Source.of(original)
+    skel = original.skeleton
     try:
         runner = _Runner(original, allow_reference=True)
     except Exception as e:  # neither onnxruntime nor the reference evaluator can load it
@@ -292,13 +449,17 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
           dims: Optional[dict] = None, seed: int = 0) -> gate.Verdict:
     """The gate's verdict on `folded` (passes/gate.py). Raises LnfoldError when the original cannot
     be run (nothing to compare with) and VerificationError when only the folded model fails."""
+    original, folded = _Source.of(original), _Source.of(folded)
     try:
         runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
     except _RefusedAndUnrunnable as e:
         return _check_float64_copies(original, folded, e, inputs=inputs, dims=dims, seed=seed)
-    norm_names = _new_rms_inputs(_skeleton(original), _skeleton(folded))
+    exact, how = exact_run(original, feeds)
+    # the folded norms' inputs are read only by the gate's fallback without float64
+    norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
     try:
-        fr = _Runner(_with_outputs(_proto(folded), norm_names), allow_reference=runner.sess is None)
+        fr = _Runner(_with_outputs(folded.proto, norm_names) if norm_names else folded,
+                     allow_reference=runner.sess is None)
         rb_all = fr.run(feeds)
     except Exception as e:
         raise VerificationError(f"verification failed: {'onnxruntime' if runner.sess is not None else 'the reference evaluator'} "
@@ -307,17 +468,17 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
     if len(rb_all) != len(ra) + len(norm_names):
         raise VerificationError(f"verification failed: the folded model has {len(rb_all) - len(norm_names)} outputs, "
                                 f"the original {len(ra)}")
-    exact, how = exact_run(original, feeds)
-    compute = _compute_dtype(_skeleton(original))
+    compute = _compute_dtype(original.skeleton)
     outs = [gate.Output(name, _narrower(_dtype_name(a), compute), a, b, None if exact is None else exact[k])
             for k, (name, a, b) in enumerate(zip(runner.names, ra, rb))]
     norm_inputs = {}
     for (name, axis, _), val in zip(norm_names, extra):
         norm_inputs[name] = np.moveaxis(np.asarray(val), axis, -1)
-    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs), original_is_faithful=runner.sess is not None)
+    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs), original_is_faithful=runner.sess is not None,
+                         no_float64=how if exact is None else "")
     if runner.sess is None:
         erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
-            if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in _skeleton(original).graph.node) else ""
+            if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
         verdict.criterion += (f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
                               f"reference evaluator{erfc})")
     return verdict
@@ -329,7 +490,7 @@ def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _Refu
     runs in its own dtype (onnxconverter-common's fp16 files): float64 copies of both, where the
     fold is exact algebra but for the rounding of the weights it edits (gate.judge_float64_copies).
     The folded model must be refused by onnxruntime for the input's reason, not a new one."""
-    skel, why = _skeleton(original), str(refused)
+    skel, why = original.skeleton, str(refused)
     if _float_elems(skel) > EXACT_MAX_ELEMS:
         raise LnfoldError(f"{why}; a float64 copy of it is too big (more than {EXACT_MAX_ELEMS} float weights)")
     load_error, refusal = refused.runner.load_error, refused.runner.refusal
@@ -378,14 +539,13 @@ def _rounding_sensitivity(original: ModelLike, folded: ModelLike, storage: str, 
     worst = []
     for model, exact in ((folded, rb), (original, ra)):
         rng = np.random.default_rng(0)
-        m = float64_copy(_proto(model))
-        for t, kept in zip(m.graph.initializer, _proto(model).graph.initializer):
-            if kept.data_type == elem:  # each weight one unit roundoff away, in a random direction
-                a = numpy_helper.to_array(t)
-                step = gate.UNIT_ROUNDOFF[storage] * rng.choice([-1.0, 1.0], size=a.shape)
-                t.CopyFrom(numpy_helper.from_array(a * (1 + step), t.name))
+        m = _Float64(model)  # its float weights are inputs of the copy, in float64 (float64_copy)
+        for t in _proto(model).graph.initializer:
+            if t.data_type == elem and t.name in m.weights:  # each one unit roundoff away, in a random direction
+                a = m.weights[t.name]
+                m.weights[t.name] = a * (1 + gate.UNIT_ROUNDOFF[storage] * rng.choice([-1.0, 1.0], size=a.shape))
         try:
-            moved, _ = _Float64(m).run(feeds)
+            moved, _ = m.run(feeds)
         except RuntimeError:
             return None
         worst.append(max((max_rel_err(a, b) for a, b in zip(exact, moved)), default=0.0))
@@ -474,7 +634,7 @@ def compare(original: ModelLike, folded: ModelLike, *, seed: int = 0, inputs: Op
     their dtypes) on the same inputs: a measure for tests and tools, not the gate."""
     runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
     try:
-        rb = _Runner(folded, allow_reference=runner.sess is None).run(feeds)
+        rb = _Runner(_Source.of(folded), allow_reference=runner.sess is None).run(feeds)
     except Exception as e:
         raise VerificationError(f"verification failed: cannot run the folded model ({_first_line(e)})") from None
     fp32 = gate.TOLERANCE["float32"]  # outputs of other types are held to float32's

@@ -79,6 +79,7 @@ class Verdict:
     # proves anything (NaN equals NaN in the measure); `failure` then says why
     judged: bool = True
     input_broken: bool = False  # the original's float outputs are all NaN: the input model is at fault
+    no_float64: str = ""  # why no float64 run was made, where none was
 
     def message(self) -> str:
         if not self.judged:
@@ -98,7 +99,8 @@ class Verdict:
         if self.criterion.startswith("float64"):
             return (f"error vs float64: folded {self.folded_err:.2e}, original {self.original_err:.2e} "
                     f"(folded vs original {self.diff:.2e})")
-        return f"folded vs original {self.diff:.2e} (no float64 run; criterion: {self.criterion})"
+        why = f": {self.no_float64}" if self.no_float64 else ""
+        return f"folded vs original {self.diff:.2e} (no float64 run{why}; criterion: {self.criterion})"
 
 
 def _floor(dtype: str) -> float:
@@ -106,12 +108,13 @@ def _floor(dtype: str) -> float:
 
 
 def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]] = None,
-          norm_dtype: str = "float32", original_is_faithful: bool = True) -> Verdict:
+          norm_dtype: str = "float32", original_is_faithful: bool = True, no_float64: str = "") -> Verdict:
     """The verdict on a fold. `norm_inputs` (folded norm -> its input in the folded model, feature
     axis last) is used only by the fallback without float64. `original_is_faithful=False`: the
     original's run is not what its users get (onnx's reference evaluator computes an fp16
     LayerNorm in fp16, where it overflows), so its error cannot widen the bound: the folded
-    model's error against float64 must then be within TOLERANCE."""
+    model's error against float64 must then be within TOLERANCE. `no_float64`: why the frontend
+    could not make a float64 run, said in the verdict's summary and failure."""
     unjudged = _non_finite(outputs)
     if unjudged is not None:
         return unjudged
@@ -121,20 +124,22 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     worst = max(outputs, key=lambda o: max_rel_err(o.original, o.folded) / TOLERANCE.get(o.dtype, 1.0),
                 default=None)
     if worst is None or all(max_rel_err(o.original, o.folded) <= TOLERANCE.get(o.dtype, 0.0) for o in outputs):
-        return Verdict(True, "tolerance", diff)
+        return Verdict(True, "tolerance", diff, no_float64=no_float64)
     tol = TOLERANCE.get(worst.dtype, 0.0)
     too_far = f"output {worst.name} differs from the original's by {max_rel_err(worst.original, worst.folded):.3g} " \
-              f"(relative), above {tol:g}, and no float64 run of the model was possible"
+              f"(relative), above {tol:g}, and no float64 run of the model was possible" + \
+              (f" ({no_float64})" if no_float64 else "")
     if not norm_inputs:
-        return Verdict(False, "tolerance", diff, failure=too_far)
+        return Verdict(False, "tolerance", diff, failure=too_far, no_float64=no_float64)
     bad = _off_center(norm_inputs, norm_dtype)
     if bad:
-        return Verdict(False, "zero-mean norm inputs", diff,
+        return Verdict(False, "zero-mean norm inputs", diff, no_float64=no_float64,
                        failure=f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS "
                                f"(above {MEAN_TOL.get(norm_dtype, 1e-4):g})")
     if any(max_rel_err(o.original, o.folded) > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o in outputs):
-        return Verdict(False, "zero-mean norm inputs", diff, failure=f"{too_far}, even {LOOSE:g}x that")
-    return Verdict(True, "zero-mean norm inputs", diff)
+        return Verdict(False, "zero-mean norm inputs", diff, failure=f"{too_far}, even {LOOSE:g}x that",
+                       no_float64=no_float64)
+    return Verdict(True, "zero-mean norm inputs", diff, no_float64=no_float64)
 
 
 def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verdict:

@@ -91,6 +91,7 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
 def record(result: FoldResult, verdict: Verdict) -> None:
     result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
     result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
+    result.no_float64 = verdict.no_float64
 
 
 def stage(progress: Progress, msg: str) -> None:

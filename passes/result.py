@@ -21,4 +21,5 @@ class FoldResult:
     exact_err: Optional[float] = None
     original_exact_err: Optional[float] = None
     criterion: Optional[str] = None
+    no_float64: str = ""  # why verification made no float64 run, where it made none
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage

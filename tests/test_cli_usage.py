@@ -29,7 +29,7 @@ def test_bare_lnfold_prints_the_help_and_a_hint():
     assert run.returncode == 2
     assert "required" not in run.stderr, run.stderr  # not argparse's "the following arguments are required: cmd"
     assert run.stderr.startswith("usage: lnfold"), run.stderr
-    for command in ("fold", "report", "demo"):
+    for command in ("fold", "report", "bench", "demo"):
         assert f"\n    {command} " in run.stderr, command  # the command list with its one-line help
     assert run.stderr.rstrip().splitlines()[-1].startswith("lnfold: give a command:")
 
@@ -45,7 +45,8 @@ def test_every_option_of_every_command_has_help():
     missing = [f"{path} {action.option_strings or action.dest}"
                for path, p in _parsers(_parser()) for action in p._actions if not (action.help or "").strip()]
     assert not missing, missing
-    assert {path for path, _ in _parsers(_parser())} == {"lnfold", "lnfold fold", "lnfold report", "lnfold demo"}
+    assert {path for path, _ in _parsers(_parser())} == {"lnfold", "lnfold fold", "lnfold report", "lnfold bench",
+                                                      "lnfold demo"}
 
 
 def test_target_help_names_the_ops_each_target_emits(zoo_onnx):
