@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import warnings
@@ -85,6 +86,7 @@ class OnnxFrontend:
         self.output, self.source = output, source  # write to `output`, verify against the file `source`
         self.layout = layout  # where `output` keeps its weights (write.data_layout: the input's layout)
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
+        self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
 
     def view(self) -> View:
         need = self.target.opset
@@ -118,12 +120,16 @@ class OnnxFrontend:
             raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
     def apply(self, plan: Plan) -> onnx.ModelProto:
-        emitter = Emitter(self.graph, self.info, self.opset, self.target)
+        emitters = [Emitter(self.graph, self.info, self.opset, self.target)]
         if self.scopes:
-            subgraphs.apply(plan, emitter, self.matches, self.scopes,
-                            lambda g, i: Emitter(g, i, self.opset, self.target))
+            def branch_emitter(g, i) -> Emitter:
+                emitters.append(Emitter(g, i, self.opset, self.target))
+                return emitters[-1]
+
+            subgraphs.apply(plan, emitters[0], self.matches, self.scopes, branch_emitter)
         else:
-            emitter.apply(plan, self.matches)
+            emitters[0].apply(plan, self.matches)
+        self.notes = [n for e in emitters for n in e.notes]
         return _export(self.graph, self.work)
 
     def emit(self, folded: onnx.ModelProto):
@@ -142,7 +148,7 @@ class OnnxFrontend:
         return check_equivalent(self.model, artifact, inputs=self.inputs, dims=self.dims)
 
     def result(self, plan: Plan, folded: onnx.ModelProto) -> FoldResult:
-        return FoldResult(report=plan.report, model=folded)
+        return FoldResult(report=plan.report.with_notes(self.notes), model=folded)
 
 
 def _analyze(model: onnx.ModelProto, mode: str):
@@ -162,8 +168,7 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
     model = _as_model(model)
     with _graphsurgeon_errors_only():
         report = _analyze(model, opts.mode)[4].report
-    report.rms_norms = rms_norms(model)  # a folded model's: listed as already RMSNorm
-    return report
+    return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
 
 def fold_model(

@@ -35,6 +35,7 @@ class Emitter:
         self.nodes = {n.name: n for n in graph.nodes}
         self._names = {t for t in graph.tensors()} | set(self.nodes)
         self.retyped: dict[str, tuple] = {}  # norm -> (its input's dtype, its γ/β's other dtype)
+        self.notes: list[str] = []  # what the emission tells the report (the plan's own report stays as planned)
 
     def unique(self, base: str) -> str:
         name, k = base, 0
@@ -89,7 +90,7 @@ class Emitter:
                 self._swap(matches[name], plan.emits_beta_add(name), name in fuse)
         if self.retyped:
             (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
-            plan.report.notes.append(
+            self.notes.append(
                 f"the input model is ill-typed: LayerNorm `{first}`{f' and {more} more' if more else ''} take(s) a "
                 f"{stream} input with {given} scale/bias, which onnxruntime refuses to load; repaired in the "
                 f"folded norms, whose γ and β are stored in {stream}, the stream's dtype")

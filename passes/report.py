@@ -7,7 +7,7 @@ import copy
 import json
 import re
 import textwrap
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 
@@ -104,6 +104,10 @@ class Report:
             "near_misses": [asdict(m) for m in self.near_misses],
             "rms_norms": [asdict(r) for r in self.rms_norms],
         }
+
+    def with_notes(self, notes) -> "Report":
+        """This report with `notes` added (a copy where there are any: a plan's report stays as planned)."""
+        return replace(self, notes=self.notes + list(notes)) if notes else self
 
     def renamed(self, names: dict[str, str]) -> "Report":
         """A copy that says `names[x]` wherever this report quotes `x`: the torch frontend's graph
