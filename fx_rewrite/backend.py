@@ -145,14 +145,17 @@ class DynamoFrontend:
             return make_plan(view, request)
 
     def check(self, plan: Plan) -> None:
-        """Every graph's report is told (the log, `on_report`, `reports`), folded or not."""
-        reports.append(plan.report)
-        if self.on_report is not None:
-            self.on_report(plan.report)
-        log.info("lnfold: %s", plan.report.summary())
         _say_if_fragment(plan, self._view)
         if plan.empty:
+            self._tell(plan.report)
             raise _Unfolded()
+
+    def _tell(self, report: Report) -> None:
+        """Every graph's report is told once (the log, `on_report`, `reports`), folded or not."""
+        reports.append(report)
+        if self.on_report is not None:
+            self.on_report(report)
+        log.info("lnfold: %s", report.summary())
 
     def apply(self, plan: Plan) -> fx.GraphModule:
         with self._unfolded_on_failure("editing the graph failed", plan):
@@ -164,6 +167,7 @@ class DynamoFrontend:
             t = time.perf_counter()
             self.extra = [] if plan.training else self.constants(self.example_inputs)  # float64 centering, once
             self.centering = time.perf_counter() - t
+        self._tell(plan.report)
         return self.work
 
     emit = staticmethod(pipeline.in_memory)
@@ -180,8 +184,8 @@ class DynamoFrontend:
             yield
         except Exception as e:
             log.warning("lnfold: %s, compiling unfolded: %s", what, e)
-            if plan is not None:
-                plan.report.notes.append(f"the fold failed ({e}); this graph was compiled unfolded")
+            if plan is not None:  # (a copy: the plan's own report stays as planned)
+                self._tell(plan.report.with_notes([f"the fold failed ({e}); this graph was compiled unfolded"]))
             raise _Unfolded() from e
 
 

@@ -84,6 +84,38 @@ def test_every_entry_point_runs_on_a_final_plan(monkeypatch):
     assert len(seen) == 4 and all(p.swaps for p in seen)
 
 
+def test_backend_failure_is_told_in_a_copy_of_the_report(monkeypatch):
+    """A fold that fails while editing Dynamo's graph compiles the graph unfolded and says so in the
+    report it tells (`on_report`), a copy: the plan's own report stays as make_plan wrote it."""
+    torch = pytest.importorskip("torch")
+    import lnfold
+    from lnfold.fx_rewrite import backend as fx_backend
+
+    from .test_options import IDS, _PreLN
+
+    plans, told = [], []
+
+    def planned(view, *a, **kw):
+        plans.append(make_plan(view, *a, **kw))
+        return plans[-1]
+
+    def broken(self, plan):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(fx_backend, "make_plan", planned)
+    monkeypatch.setattr(fx_backend.Applier, "apply", broken)
+    module = _PreLN()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = module(*IDS)
+        got = torch.compile(module, backend=lnfold.lnfold_backend_with(inner=lambda gm, _: gm.forward,
+                                                                       on_report=told.append))(*IDS)
+    torch._dynamo.reset()
+    assert torch.equal(want, got)  # compiled unfolded
+    assert len(told) == 1 and told[0].notes == ["the fold failed (planted); this graph was compiled unfolded"]
+    assert plans and plans[-1].report.notes == [] and told[0] is not plans[-1].report
+
+
 # --- targets: one place each ----------------------------------------------------------------------
 
 def test_a_new_onnx_target_is_one_entry(monkeypatch):
