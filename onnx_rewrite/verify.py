@@ -241,11 +241,11 @@ class _Float64:
         except Exception as e:
             self.sess, self.segments, self.why = None, None, _first_line(e)
 
-    def run(self, feeds: dict) -> tuple[list[np.ndarray], str]:
-        """(outputs, what ran them) on `feeds` with floats upcast; raises RuntimeError saying why
-        neither could run it."""
+    def run(self, feeds: dict, weights: Optional[dict] = None) -> tuple[list[np.ndarray], str]:
+        """(outputs, what ran them) on `feeds` with floats upcast, with the model's float weights or
+        `weights` in their place; raises RuntimeError saying why neither could run it."""
         f64 = {k: v.astype(np.float64) if np.issubdtype(v.dtype, np.floating) else v for k, v in feeds.items()}
-        f64.update(self.weights)
+        f64.update(self.weights if weights is None else weights)
         why = self.why
         if self.sess is not None:
             try:
@@ -523,29 +523,30 @@ def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _Refu
     names = [o.name for o in skel.graph.output]
     storage = _storage_dtype(skel)
     verdict = gate.judge_float64_copies([gate.Output(n, "float64", a, b) for n, a, b in zip(names, ra, rb)],
-                                        storage, _rounding_sensitivity(original, folded, storage, feeds, ra, rb))
+                                        storage, _rounding_sensitivity(((orig64, original), (fold64, folded)),
+                                                                       storage, feeds, ra, rb))
     verdict.criterion += (f"; onnxruntime refuses to load the input ({load_error}), {same}, and onnx's reference "
                           f"evaluator cannot run it in its own dtype; both run as float64 in {how}")
     return verdict
 
 
-def _rounding_sensitivity(original: ModelLike, folded: ModelLike, storage: str, feeds: dict, ra: list,
-                          rb: list) -> Optional[float]:
+def _rounding_sensitivity(copies, storage: str, feeds: dict, ra: list, rb: list) -> Optional[float]:
     """How far one rounding to `storage` of its stored weights moves a model's outputs, for the
     folded model (its edited weights are what the fold rounded) and the original (the same weights
     before centering: a fold that missed one cannot widen its own bound), the smaller of the two
-    (gate.rounding_bound); `ra`, `rb`: their float64 copies' outputs. None where one cannot run."""
+    (gate.rounding_bound). `copies`: ((original's _Float64, original), (folded's, folded)), run
+    again with their weights moved; `ra`, `rb`: their outputs as they are. None where one cannot run."""
     elem = {v: k for k, v in _FLOAT_NAMES.items()}[storage]
     worst = []
-    for model, exact in ((folded, rb), (original, ra)):
+    for (m, model), exact in zip(copies, (ra, rb)):
         rng = np.random.default_rng(0)
-        m = _Float64(model)  # its float weights are inputs of the copy, in float64 (float64_copy)
-        for t in _proto(model).graph.initializer:
-            if t.data_type == elem and t.name in m.weights:  # each one unit roundoff away, in a random direction
-                a = m.weights[t.name]
-                m.weights[t.name] = a * (1 + gate.UNIT_ROUNDOFF[storage] * rng.choice([-1.0, 1.0], size=a.shape))
+        moved_weights = dict(m.weights)  # (float64_copy: the float weights are inputs of the copy)
+        for t in _skeleton(model).graph.initializer:
+            if t.data_type == elem and t.name in moved_weights:  # each one unit roundoff away, in a random direction
+                a = moved_weights[t.name]
+                moved_weights[t.name] = a * (1 + gate.UNIT_ROUNDOFF[storage] * rng.choice([-1.0, 1.0], size=a.shape))
         try:
-            moved, _ = m.run(feeds)
+            moved, _ = m.run(feeds, moved_weights)
         except RuntimeError:
             return None
         worst.append(max((max_rel_err(a, b) for a, b in zip(exact, moved)), default=0.0))
