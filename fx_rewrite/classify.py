@@ -306,14 +306,17 @@ def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> Built:
 def _select(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i, dim = g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x))
-    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0)
+    k = call.get("index")
+    k = [k] if isinstance(k, int) and not isinstance(k, bool) else None  # a SymInt: not known
+    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, index=k)
 
 
 def _unbind(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     x = call.node("input")
     i, dim = g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x))
     n = len(meta_val(node) or ())
-    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, outs=list(range(n)))
+    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, outs=list(range(n)),
+                                                      index=list(range(n)))
 
 
 def _index_select(g: GraphInfo, node: fx.Node, call: Call) -> Built:

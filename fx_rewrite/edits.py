@@ -21,14 +21,21 @@ from ..passes.edits import Algebra
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def center(x: torch.Tensor, axis, block=None, lo: int = 0, hi=None) -> torch.Tensor:
+def center(x: torch.Tensor, axis, block=None, lo: int = 0, hi=None, stride=None) -> torch.Tensor:
     """`x` minus its mean along `axis` (passes/weights.center): `axis` None, all of it is a shift;
-    `block`, each run of `block` entries in [lo, hi) minus its own mean (a per-head norm's rows).
+    `block`, each run of `block` entries in [lo, hi) minus its own mean (a per-head norm's rows);
+    `stride`, the runs start every `stride` entries from `lo` (Persimmon's q rows).
 
     A float16/bfloat16 mean is taken in float32. Written as `x * 0` rather than zeros so that
     the Parameter keeps a gradient path (DDP, AdamW decay)."""
     if axis is None:
         return x * 0
+    if block is not None and stride not in (None, block) and x.shape[axis] != 1:
+        periods = x.unflatten(axis, (-1, stride))  # [.., periods, stride, ..]: a run is [lo, lo + block)
+        n = stride
+        head, part, tail = periods.narrow(axis + 1, 0, lo), periods.narrow(axis + 1, lo, block), \
+            periods.narrow(axis + 1, lo + block, n - lo - block)
+        return torch.cat([head, center(part, axis + 1), tail], axis + 1).flatten(axis, axis + 1)
     if block is not None and x.shape[axis] != 1:
         n = x.shape[axis]
         hi = n if hi is None else hi
@@ -85,8 +92,8 @@ def graph_algebra(graph: fx.Graph, dialect, shape: tuple) -> Algebra:
 
     return Algebra(
         center=center_,
-        center_blocks=lambda x, axis, block, lo, hi:
-            center_(x, axis) if shape[axis] == 1 else g.call_function(center, (x, axis, block, lo, hi)),
+        center_blocks=lambda x, axis, block, lo, hi, stride:
+            center_(x, axis) if shape[axis] == 1 else g.call_function(center, (x, axis, block, lo, hi, stride)),
         scale=lambda x, by, by_axis, axis: d.mul(g, x, g.call_function(profile, (by, by_axis, len(shape), axis))),
         ones=lambda x: d.ones_like(g, x),
         drop=call(weights.drop_last),

@@ -98,7 +98,8 @@ def _gather(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     g = _norm_axis(int(node.attrs.get("axis", 0)), r)
     if info.is_const(data):  # an embedding table
         return rule("embedding", table=0, q=q) if g == 0 else None
-    return rule("take", data=0, start=g, stop=g + 1, q=q)
+    k = const_values(idx) if q == 0 else None  # a scalar index: a select
+    return rule("take", data=0, start=g, stop=g + 1, q=q, index=None if k is None else [int(np.asarray(k).reshape(-1)[0])])
 
 
 def _gather_nd(info: GraphInfo, node: gs.Node) -> Optional[Rule]:

@@ -111,7 +111,9 @@ def _fmt_blocks(block: Optional[Blocks]) -> str:
     if block is None:
         return "the whole axis"
     span = "" if not block.lo and block.hi is None else f" in entries [{block.lo}, {block.hi if block.hi is not None else 'end'})"
-    return f"block of {block.size}{span}"
+    every = "" if block.step == block.size else f" every {block.step} entries"
+    row = "" if block.row is None else f" at index {block.row[1]} of axis {block.row[0]}"
+    return f"block of {block.size}{every}{span}{row}"
 
 
 class _ComponentBuilder:
@@ -192,7 +194,17 @@ class _ComponentBuilder:
             self.block(value, f"would be centered per block of {block.size} along axis {axis}, whose size "
                               f"{size} is not a multiple of it")
             return False
-        block = Blocks(block.size, block.lo, None if hi == size else hi)
+        stride = block.step
+        if stride != block.size and block.lo + stride >= hi:  # one run: a contiguous span
+            stride = block.size
+        elif stride != block.size and (stride % block.size or size % stride or block.hi is not None
+                                       or block.lo + block.size > stride):
+            self.block(value, f"would be centered in runs of {block.size} every {stride} entries from "
+                              f"{block.lo} along axis {axis} of size {size}: they do not tile it")
+            return False
+        if stride != block.size:
+            return replace(block, hi=None)
+        block = Blocks(block.size, block.lo, None if hi == size else hi, row=block.row)
         return None if block == Blocks(size) else block
 
     def run(self, start: str, axis: int) -> Component:
@@ -260,11 +272,15 @@ class _ComponentBuilder:
         """A constant edited in part of its axis must hold that part itself: one broadcast along
         the axis (a scalar bias) also feeds the rows no norm reads (v's, of a fused q/k/v)."""
         b = ref.block
-        if b is None or (not b.lo and b.hi is None):
+        if b is not None and b.row is not None:  # a constant edited in one row of another axis: no such edit
+            self.block(None, f"{_fmt_value(ref.value)} would be centered only at index {b.row[1]} of its axis "
+                             f"{b.row[0]}, which no constant edit does")
+            return False
+        if b is None or (not b.lo and b.hi is None and b.step == b.size):
             return True
         shape = self.view.values[ref.value].shape
         size = None if shape is None or ref.axis is None or ref.axis >= len(shape) else shape[ref.axis]
-        if isinstance(size, int) and size > 1 and size % b.size == 0 and (b.hi or 0) <= size:
+        if isinstance(size, int) and size > 1 and size % b.step == 0 and (b.hi or 0) <= size:
             return True
         self.block(None, f"{_fmt_value(ref.value)} would be centered in part ({_fmt_blocks(b)}) but is broadcast "
                          "along the feature axis to the rest too")
@@ -428,5 +444,10 @@ def _block_shared(components: list[Component]) -> None:
 def _disjoint(a: Optional[Blocks], b: Optional[Blocks]) -> bool:
     if a is None or b is None or a.size != b.size:
         return False
+    if a.row is not None or b.row is not None:  # two selections of the same axis, different rows
+        return a.row is not None and b.row is not None and a.row[0] == b.row[0] and a.row[1] != b.row[1]
     big = float("inf")
-    return (a.hi if a.hi is not None else big) <= b.lo or (b.hi if b.hi is not None else big) <= a.lo
+    if (a.hi if a.hi is not None else big) <= b.lo or (b.hi if b.hi is not None else big) <= a.lo:
+        return True
+    # runs every `step` entries, whole runs only (_normalized): apart where their phases differ
+    return a.step == b.step != a.size and (a.lo - b.lo) % a.step != 0

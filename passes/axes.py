@@ -117,3 +117,50 @@ def reshape_block_axis(src: Shape, dst: Shape, axis: int, block: Optional[int]) 
         if later == t and isinstance(dst[j], int) and dst[j] % block == 0:
             return j, block
     return None
+
+
+def split_periodic_runs(src: Shape, dst: Shape, axis: int, size: int, lo: int, stride: int) -> Optional[tuple[int, int, int]]:
+    """(feature axis j of `dst`, row axis j - 1, row index) after a reshape that splits `src`'s
+    `axis` so that its runs of `size` entries every `stride` from `lo` fill axis j whole, at one
+    index of axis j - 1, or None. Persimmon: (B, T, H·3·hd) -> (B, T, H, 3, hd) holds q's runs
+    (hd entries every 3·hd, from 0) as axis 4 whole at index 0 of axis 3.
+
+    Row-major, with static dims after `axis` of product t, entry e of the axis sits at
+    (e // size) % (stride // size) along j - 1 and e % size along j when dst[j] = size,
+    dst[j - 1] = stride // size and the dims after j multiply to t (the axis' size a multiple
+    of `stride`, so that the entries before it do not shift that phase).
+    """
+    if src is None or dst is None or not 0 <= axis < len(src) or stride % size or lo % size or lo + size > stride:
+        return None
+    n, tail = src[axis], src[axis + 1:]
+    if not isinstance(n, int) or not _static(tail) or n % stride:
+        return None
+    t = prod(tail)
+    for j in range(len(dst) - 1, 0, -1):
+        if not _static(dst[j + 1:]) or prod(dst[j + 1:]) > t:
+            return None
+        if prod(dst[j + 1:]) == t:
+            if dst[j] == size and dst[j - 1] == stride // size:
+                return j, j - 1, lo // size
+            return None
+    return None
+
+
+def merge_row_runs(src: Shape, dst: Shape, axis: int, row: int, index: int) -> Optional[tuple[int, int, int]]:
+    """(axis j of `dst`, lo, stride): where `src`'s `axis` (whole, only at `index` of the axis
+    `row` just before it) lands after a reshape that merges those two axes into a wider one:
+    runs of src[axis] entries every src[row]·src[axis] from index·src[axis]; or None (the
+    inverse of `split_periodic_runs`)."""
+    if src is None or dst is None or row != axis - 1 or not 0 < axis < len(src):
+        return None
+    size, k, tail = src[axis], src[row], src[axis + 1:]
+    if not isinstance(size, int) or not isinstance(k, int) or not _static(tail):
+        return None
+    t = prod(tail)
+    for j in range(len(dst) - 1, -1, -1):
+        if not _static(dst[j + 1:]) or prod(dst[j + 1:]) > t:
+            return None
+        if prod(dst[j + 1:]) == t:
+            ok = isinstance(dst[j], int) and dst[j] > 0 and dst[j] % (k * size) == 0
+            return (j, index * size, k * size) if ok else None
+    return None

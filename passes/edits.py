@@ -24,6 +24,7 @@ class Center:
     block: Optional[int] = None
     lo: int = 0
     hi: Optional[int] = None
+    stride: Optional[int] = None  # runs every `stride` entries from lo (None: back to back)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class Algebra:
     """The array operations an edit is made of, over some array type (numpy, graph nodes)."""
 
     center: Callable  # (a, axis) -> a minus its mean along axis (axis None: zeros)
-    center_blocks: Callable  # (a, axis, block, lo, hi)
+    center_blocks: Callable  # (a, axis, block, lo, hi, stride)
     scale: Callable  # (a, by, by_axis, axis): a times the profile of `by` along by_axis
     ones: Callable  # (a,)
     drop: Callable  # (a, axis)
@@ -121,7 +122,8 @@ def apply_ops(a: Any, ops: Iterable, source: Callable[[str], Any], alg: Algebra)
     """`a` after `ops`; `source(name)` gives the other constants the ops read."""
     for op in ops:
         if isinstance(op, Center):
-            a = alg.center(a, op.axis) if op.block is None else alg.center_blocks(a, op.axis, op.block, op.lo, op.hi)
+            a = (alg.center(a, op.axis) if op.block is None
+                 else alg.center_blocks(a, op.axis, op.block, op.lo, op.hi, op.stride))
         elif isinstance(op, Scale):
             a = alg.scale(a, source(op.by), op.by_axis, op.axis)
         elif isinstance(op, Ones):
@@ -140,7 +142,7 @@ def apply_ops(a: Any, ops: Iterable, source: Callable[[str], Any], alg: Algebra)
 # (looked up at each call, so a test can plant a bug in passes/weights and see it caught)
 NUMPY = Algebra(
     center=lambda a, axis: weights.center(a, axis),
-    center_blocks=lambda a, axis, block, lo, hi: weights.center(a, axis, block, lo, hi),
+    center_blocks=lambda a, axis, block, lo, hi, stride: weights.center(a, axis, block, lo, hi, stride),
     scale=lambda a, by, by_axis, axis: weights.scale(a, weights.vector_along(by, by_axis), axis),
     ones=np.ones_like,
     drop=lambda a, axis: weights.drop_last(a, axis),

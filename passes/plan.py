@@ -359,7 +359,7 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
 
 def _center(ref) -> Center:
     b = ref.block
-    return Center(ref.axis) if b is None else Center(ref.axis, b.size, b.lo, b.hi)
+    return Center(ref.axis) if b is None else Center(ref.axis, b.size, b.lo, b.hi, b.stride)
 
 
 def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
@@ -387,7 +387,7 @@ def _drop_axis(op, gone: int):
     if isinstance(op, Scale):
         return Scale(op.by, op.by_axis, shift(op.axis))
     if isinstance(op, Center):
-        return Center(shift(op.axis), op.block, op.lo, op.hi)
+        return Center(shift(op.axis), op.block, op.lo, op.hi, op.stride)
     if isinstance(op, Drop):
         return type(op)(shift(op.axis))
     return op

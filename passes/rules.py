@@ -66,10 +66,11 @@ expand, reshape, permute, along, pad, take), `regroups` (reshape), `linear` (lin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from .axes import broadcast_rules, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules
+from .axes import (broadcast_rules, merge_row_runs, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules,
+                   split_periodic_runs)
 from .guards import is_overflow_guard
 from .view import Answers, Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
 
@@ -125,10 +126,16 @@ _BLOCK_AGNOSTIC = frozenset(("elementwise", "broadcast", "scale", "permute", "al
 _CENTER_IN_ORDER = frozenset(("linear", "matmul", "embedding", "conv"))
 
 
-def _carry_block(answer):
+def _carry_block(answer, row_axis=None):
+    """A per-block shift carried as it is along the feature axis that `answer` maps; a block
+    restricted to one row of another axis only where `row_axis(k, r)` says where that axis goes
+    (None: it is not followed: the op could mix or move that axis' rows)."""
     def blocked(k, axis, block):
         got = answer(k, axis)
-        return None if got is None else [(j, a, block) for j, a in got]
+        if got is None or block is None or block.row is None:
+            return None if got is None else [(j, a, block) for j, a in got]
+        r = None if row_axis is None else row_axis(k, block.row[0])
+        return None if r is None else [(j, a, replace(block, row=(r, block.row[1]))) for j, a in got]
 
     return blocked
 
@@ -181,8 +188,11 @@ _COPIES = ("identity", "cast", "dropout")
 
 
 def _elementwise(view, node, data=0, op="identity"):
-    return dict(transfer=lambda i, b: [(0, b)] if i == data else None,
-                backward=lambda o, a: [(data, a)] if o == 0 else None, layout=op in _COPIES)
+    transfer = lambda i, b: [(0, b)] if i == data else None  # noqa: E731
+    backward = lambda o, a: [(data, a)] if o == 0 else None  # noqa: E731
+    same = lambda k, r: r  # noqa: E731  (every axis stays where it is)
+    return dict(transfer=transfer, backward=backward, layout=op in _COPIES,
+                transfer_block=_carry_block(transfer, same), backward_block=_carry_block(backward, same))
 
 
 def _broadcast(view, node, data, minus=(), sizes=None, slot=None, fixed=False):
@@ -294,7 +304,18 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
         return None if axis is None else [(data, axis)]
 
     def regroup(src, dst, axis, block):
-        """Only whole runs regroup: a reshape of partly edited rows is not followed."""
+        """Only whole runs regroup: a reshape of partly edited rows is not followed, except runs
+        at one index of the axis just before (Persimmon's (heads, 3, head_dim): q at index 0)
+        merged into, or split back out of, runs every few entries of one wider axis."""
+        if block is not None and block.row is not None:
+            if block.lo or block.hi is not None or block.step != block.size or src is None \
+                    or axis >= len(src) or src[axis] != block.size:
+                return None
+            got = merge_row_runs(src, dst, axis, *block.row)
+            return None if got is None else (got[0], Blocks(block.size, got[1], None, got[2]))
+        if block is not None and block.step != block.size:
+            got = split_periodic_runs(src, dst, axis, block.size, block.lo, block.step)
+            return None if got is None else (got[0], Blocks(block.size, row=got[1:]))
         if block is not None and (block.lo or block.hi is not None):
             return None
         got = reshape_block_axis(src, dst, axis, None if block is None else block.size)
@@ -314,7 +335,12 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
 
 
 def _permute(view, node, perm, data=0):
-    return dict(permute_rules(list(perm), data), layout=True)
+    perm = list(perm)
+    got = permute_rules(perm, data)
+    to_out = lambda k, r: perm.index(r) if r in perm else None  # noqa: E731
+    to_in = lambda k, r: perm[r] if r < len(perm) else None  # noqa: E731
+    return dict(got, layout=True, transfer_block=_carry_block(got["transfer"], to_out),
+                backward_block=_carry_block(got["backward"], to_in))
 
 
 def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False):
@@ -346,8 +372,8 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         if b != cut:
             return carry[0](i, b, block)
         block = whole(None, b, block)
-        if i != data[0] or block is None:
-            return None
+        if i != data[0] or block is None or block.step != block.size or block.row is not None:
+            return None  # runs every few entries, cut into slices: not followed
         got = []
         for k, (o, start, n) in enumerate(zip(outs, starts, lengths)):
             if start % block.size or n % block.size:
@@ -364,7 +390,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
             return None
         k = outs.index(o)
         block = whole(k, a, block)
-        if block is None or starts[k] % block.size:
+        if block is None or starts[k] % block.size or block.step != block.size or block.row is not None:
             return None
         hi = lengths[k] if block.hi is None else block.hi
         return [(data[0], a, Blocks(block.size, starts[k] + block.lo, starts[k] + hi))]
@@ -382,18 +408,69 @@ def _pad(view, node, data=0, axes=None, zero=True):
     return _along(view, node, [data], [0], axes) if zero else dict(layout=True)
 
 
-def _take(view, node, data, start, stop, q, outs=(0,)):
+def _take(view, node, data, start, stop, q, outs=(0,), index=None):
+    """gather / index / select / unbind along input axes [start, stop). `index`: for a select
+    (q = 0, one axis), the index each output takes along `start` (None: not known)."""
+
     def transfer(i, b):
         if i != data or start <= b < stop:
             return None
         return [(o, b if b < start else b - (stop - start) + q) for o in outs]
 
-    def backward(o, a):
+    def plain_backward(o, a):
         if o not in outs or start <= a < start + q:
             return None
         return [(data, a if a < start else a + (stop - start) - q)]
 
-    return dict(transfer=transfer, backward=backward, layout=True)
+    def row_of(o) -> Optional[tuple[int, int]]:
+        """(axis, index) that output `o` selects, where it is one known index."""
+        xs = _shape(view, node, data)
+        if index is None or q != 0 or stop != start + 1 or o not in outs or xs is None or start >= len(xs):
+            return None
+        n, k = xs[start], index[outs.index(o)]
+        if not isinstance(n, int) or not isinstance(k, int):
+            return None
+        k = k + n if k < 0 else k
+        return (start, k) if 0 <= k < n else None
+
+    def backward_block(o, a, block):
+        """A select's input holds the stream at the selected index only: the other rows (v's, of
+        Persimmon's (heads, 3, head_dim) view) are not the stream, whatever reads them."""
+        got, row = plain_backward(o, a), row_of(o)
+        if got is None or (block is not None and block.row is not None):
+            return None
+        if row is None:
+            return [(j, b, block) for j, b in got]
+        (j, b), = got
+        xs = _shape(view, node, data)
+        size = block.size if block is not None else xs[b]
+        if not isinstance(size, int):
+            return None
+        return [(j, b, replace(block, row=row) if block is not None else Blocks(size, row=row))]
+
+    def transfer_block(i, b, block):
+        got = transfer(i, b)
+        if got is None or block is None or block.row is None:
+            return None if got is None else [(o, a, block) for o, a in got]
+        if block.row[0] != start or index is None:
+            return None  # another axis' rows moved or mixed: not followed
+        return [(o, a, replace(block, row=None)) for o, a in got if row_of(o) == block.row]
+
+    def backward(o, a):
+        """As `plain_backward`, except where only the selected rows of a reshape's regrouped
+        axis are the stream: there the input is followed per block (`backward_block`)."""
+        got, row = plain_backward(o, a), row_of(o)
+        if got is None or row is None:
+            return got
+        x = view.values[node.inputs[data]]
+        p = view.nodes.get(x.producer) if x.producer else None
+        if p is None or _kind(p.rule)[0] != "reshape" or p.backward(0, got[0][1]) is not None:
+            return got
+        rows = backward_block(o, a, None)
+        return got if rows is None or p.backward_block(0, got[0][1], rows[0][2]) is None else None
+
+    return dict(transfer=transfer, backward=backward, layout=True,
+                transfer_block=transfer_block, backward_block=backward_block)
 
 
 def uniform_along(view: View, value: str, axis: int) -> bool:

@@ -62,17 +62,32 @@ AxisMap = list[tuple[int, int]]
 @dataclass(frozen=True)
 class Blocks:
     """Runs of `size` entries along a feature axis, each centered on its own; only the runs in
-    entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection)."""
+    entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection).
+
+    `stride`: the runs start every `stride` entries from `lo` (None: every `size`, back to back);
+    Persimmon's fused q/k/v, viewed as (heads, 3, head_dim), holds q's runs of head_dim every
+    3·head_dim entries. `row` (axis, index): only the entries at `index` along that other axis
+    are in the stream (that (heads, 3, head_dim) view before q is selected along the 3)."""
 
     size: int
     lo: int = 0
     hi: Optional[int] = None
+    stride: Optional[int] = None
+    row: Optional[tuple[int, int]] = None
+
+    @property
+    def step(self) -> int:
+        return self.size if self.stride is None else self.stride
 
     def shifted(self, start: int, length: int) -> Optional["Blocks"]:
         """The runs as seen by a slice [start, start + length), None where it reads none of them."""
         hi = start + length if self.hi is None else min(self.hi, start + length)
         lo = max(self.lo, start)
         return Blocks(self.size, lo - start, hi - start) if lo < hi else None
+
+    def runs(self, n: int) -> set[int]:
+        """Where the edited runs start along an axis of `n` entries."""
+        return set(range(self.lo, n if self.hi is None else self.hi, self.step))
 
 
 @dataclass(frozen=True)

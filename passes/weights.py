@@ -11,19 +11,29 @@ def _f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None) -> np.ndarray:
+def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None) -> np.ndarray:
     """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1.
 
     `axis=None` is a tensor that lacks the feature axis (a scalar, or a table broadcast along the
     features): it is uniform along them, so centering leaves nothing. `block`: each run of
     `block` entries along `axis` minus its own mean (the rows of one head for a per-head norm),
-    only the runs in entries [lo, hi) (the q rows of a fused q/k/v projection).
+    only the runs in entries [lo, hi) (the q rows of a fused q/k/v projection); `stride`: the
+    runs start every `stride` entries from `lo` (Persimmon's q rows, every third head_dim).
     """
     if axis is None:
         return np.zeros_like(a)
     n = a.shape[axis]
-    if block is not None and n == 1 and (lo or hi is not None):
+    if block is not None and n == 1 and (lo or hi is not None or stride not in (None, block)):
         raise ValueError("cannot center part of an axis a constant is broadcast along")
+    if block is not None and stride not in (None, block) and n != 1:
+        if n % stride or lo + block > stride or hi is not None:
+            raise ValueError(f"cannot center runs of {block} every {stride} from {lo} along an axis of {n}")
+        out = a.copy()
+        periods = out.reshape(a.shape[:axis] + (n // stride, stride) + a.shape[axis + 1:])  # a view of `out`
+        part = [slice(None)] * periods.ndim
+        part[axis + 1] = slice(lo, lo + block)
+        periods[tuple(part)] = center(periods[tuple(part)], axis + 1)
+        return out
     if block is not None and n != 1 and (block, lo, hi) != (n, 0, None):
         hi = n if hi is None else hi
         if n % block or lo % block or hi % block or not 0 <= lo < hi <= n:

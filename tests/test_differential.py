@@ -38,10 +38,6 @@ KNOWN_GAPS = {
                   "channel axis is merged with other axes, then split out again; the rules follow a feature "
                   "axis only through reshapes that keep it whole, so each block recenters after the "
                   "unfolding (exact) instead of centering conv_1x1"),
-    "persimmon": ((9, 5, 0), "Persimmon views its fused q/k/v output as (heads, 3, head_dim) and selects q, k, v "
-                  "along the 3: the rules follow per-head blocks through step-1 slices only (runs in one "
-                  "contiguous range), not through a select of every third run, so v, read by the attention's "
-                  "matmul (not invariant), joins the q/k norms' stream and the 4 per-head q/k norms are kept"),
 }
 # torch.export with a dynamic batch takes a minute on Swin's window partitioning; static: 0.5 s.
 STATIC_EXPORT = {"swin"}

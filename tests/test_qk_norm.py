@@ -58,8 +58,8 @@ def _whole_axis_center(center):
 def _skip_first_head(center):
     """The planted bug: every head's block centered but the first."""
 
-    def bad(a, axis, block=None, lo=0, hi=None):
-        out = center(a, axis, block, lo, hi)
+    def bad(a, axis, block=None, lo=0, hi=None, stride=None):
+        out = center(a, axis, block, lo, hi, stride)
         if block is not None and axis is not None and a.shape[axis] not in (1, block):
             first = [slice(None)] * a.ndim
             first[axis] = slice(lo, lo + block)
@@ -199,7 +199,7 @@ def test_fused_qkv_q_and_k_norms_fold_v_rows_untouched(split):
 
 
 @pytest.mark.parametrize("plant", [
-    lambda center: lambda a, axis, block=None, lo=0, hi=None: center(a, axis, block),  # v's rows centered too
+    lambda center: lambda a, axis, block=None, lo=0, hi=None, stride=None: center(a, axis, block),  # v's rows centered too
     _skip_first_head,  # q's first head left as it was
 ], ids=["whole-range", "skip-head"])
 def test_planted_fused_bug_fails_verification(monkeypatch, plant):
