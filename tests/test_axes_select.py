@@ -1,0 +1,143 @@
+"""Per-head blocks followed through a periodic selection (issue 23, Persimmon): a fused q/k/v
+output viewed as (heads, 3, head_dim) and q, k, v selected along the 3. q's rows are runs of
+head_dim every 3·head_dim; centering those (and k's) folds the per-head q/k norms, and v's rows,
+read by the attention's matmul, stay as they were. Layouts that do not keep the runs whole
+(head_dim interleaved with the 3, a select along the heads) must stay kept or recentered."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lnfold import zoo
+from lnfold.fx_rewrite import analyze_module, fold_module
+from lnfold.fx_rewrite.edits import center as torch_center
+from lnfold.onnx_rewrite import analyze_model, fold_model
+from lnfold.passes import VerificationError, gate, weights
+from lnfold.passes.axes import merge_row_runs, split_periodic_runs
+
+from .conftest import export_quiet
+
+H, HD = 4, 8
+D = H * HD
+
+
+def _exact(res):
+    assert res.criterion == "float64"
+    assert res.exact_err <= 2 * res.original_exact_err + gate.FLOOR["float32"], (res.exact_err, res.original_exact_err)
+
+
+# --- the axis maps ----------------------------------------------------------------------------
+
+def test_split_and_merge_of_every_third_run_are_inverse():
+    fused, heads = ("B", "T", 3 * D), ("B", "T", H, 3, HD)
+    for k in range(3):
+        assert split_periodic_runs(fused, heads, 2, HD, k * HD, 3 * HD) == (4, 3, k)
+        assert merge_row_runs(heads, fused, 4, 3, k) == (2, k * HD, 3 * HD)
+
+
+def test_other_layouts_are_not_periodic_runs():
+    fused = ("B", "T", 3 * D)
+    assert split_periodic_runs(fused, ("B", "T", 3, H, HD), 2, HD, 0, 3 * HD) is None  # (3, heads, hd)
+    assert split_periodic_runs(fused, ("B", "T", H, HD, 3), 2, HD, 0, 3 * HD) is None  # hd interleaved
+    assert split_periodic_runs(fused, ("B", "T", H, 3 * HD), 2, HD, 0, 3 * HD) is None  # runs not one axis
+    assert merge_row_runs(("B", "T", H, 3, HD), fused, 4, 2, 0) is None  # the row axis is the heads'
+    assert merge_row_runs(("B", "T", H, HD, 3), fused, 3, 4, 0) is None  # the row axis after the features
+
+
+# --- the edit -----------------------------------------------------------------------------------
+
+def test_center_every_third_run_numpy_and_torch_agree():
+    a = np.random.default_rng(0).normal(3.0, 1.0, (3 * D, 5))
+    for k in range(3):
+        got = weights.center(a, 0, HD, k * HD, None, 3 * HD)
+        runs = got.reshape(H, 3, HD, 5)
+        assert np.allclose(runs[:, k].mean(axis=1), 0)
+        others = [j for j in range(3) if j != k]
+        assert np.array_equal(runs[:, others], a.reshape(H, 3, HD, 5)[:, others])  # v's rows untouched
+        t = torch_center(torch.from_numpy(a), 0, HD, k * HD, None, 3 * HD).numpy()
+        assert np.allclose(t, got)
+    with pytest.raises(ValueError):
+        weights.center(a, 0, HD, 0, None, 5 * HD)  # 96 rows are not whole periods of 40
+
+
+# --- the architectures --------------------------------------------------------------------------
+
+class HeadsThreeHeadDim(nn.Module):
+    """Persimmon's attention in small: qkv viewed as (heads, 3, head_dim) (`layout` "h3d"), per-head
+    LayerNorm(head_dim) on q and k. "hd3": (heads, head_dim, 3), q's entries every third one, not
+    runs; "head": the norm reads one head's (3, head_dim) rows, q, k and v of it."""
+
+    def __init__(self, layout="h3d"):
+        super().__init__()
+        self.layout = layout
+        self.qkv = nn.Linear(D, 3 * D)
+        self.q_norm = nn.LayerNorm(HD)
+        self.k_norm = nn.LayerNorm(HD)
+        zoo.adversarial(self)
+        with torch.no_grad():
+            zoo.per_head_means(self.qkv, 3 * H)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        qkv = self.qkv(x)
+        if self.layout == "hd3":
+            qkv = qkv.view(B, T, H, HD, 3)
+            q, k, v = qkv[..., 0], qkv[..., 1], qkv[..., 2]
+        else:
+            qkv = qkv.view(B, T, H, 3, HD)
+            q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        if self.layout == "head":
+            q = q + self.q_norm(qkv[:, :, 0]).mean(2, keepdim=True)  # head 0's q, k and v rows, normalized
+        else:
+            q = self.q_norm(q)
+        k = self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / HD ** 0.5, -1)
+        return (att @ v).transpose(1, 2).reshape(B, T, D)
+
+
+def _both(module):
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx = fold_module(module, (x,))
+    return fx, fold_model(export_quiet(module, (x,), ["x"]))
+
+
+def test_heads_three_head_dim_q_and_k_norms_fold_v_rows_untouched():
+    for res in _both(HeadsThreeHeadDim().eval()):
+        assert [n.verdict for n in res.report.norms] == ["fold", "fold"], res.report.norms
+        assert res.report.recentered == 0
+        _exact(res)
+
+
+def _analyses(module):
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx = analyze_module(module, (x,))
+    return fx, analyze_model(export_quiet(module, (x,), ["x"]))
+
+
+@pytest.mark.parametrize("layout", ["hd3", "head"])
+def test_selections_that_do_not_keep_runs_whole_are_not_block_folded(layout):
+    """(heads, head_dim, 3): q's features are every third entry, no run of the projection's
+    rows; one head's (3, head_dim) rows: v's among them. Neither is a per-block centering."""
+    for rep in _analyses(HeadsThreeHeadDim(layout).eval()):
+        q = [n for n in rep.norms if "q_norm" in n.name or n.name.endswith("layer_norm")][0]
+        assert q.verdict == "keep" or rep.recentered, rep.norms
+
+
+def test_planted_contiguous_runs_bug_fails_verification(monkeypatch):
+    """Centering q's runs as if back to back (the stride ignored) edits k's and v's rows: the
+    float64 check must refuse it."""
+    model = export_quiet(HeadsThreeHeadDim().eval(), (torch.randn(2, 5, D),), ["x"])
+    real = weights.center
+    monkeypatch.setattr(weights, "center", lambda a, axis, block=None, lo=0, hi=None, stride=None:
+                        real(a, axis, block, lo, None if stride is None else lo + (a.shape[axis] // stride) * block))
+    with pytest.raises(VerificationError, match="float64"):
+        fold_model(model)
