@@ -113,7 +113,8 @@ def _fmt_blocks(block: Optional[Blocks]) -> str:
     span = "" if not block.lo and block.hi is None else f" in entries [{block.lo}, {block.hi if block.hi is not None else 'end'})"
     every = "" if block.step == block.size else f" every {block.step} entries"
     row = "" if block.row is None else f" at index {block.row[1]} of axis {block.row[0]}"
-    return f"block of {block.size}{every}{span}{row}"
+    apart = "" if block.spacing is None else f" entries {block.spacing} apart (a merged axis)"
+    return f"block of {block.size}{apart}{every}{span}{row}"
 
 
 class _ComponentBuilder:
@@ -187,6 +188,8 @@ class _ComponentBuilder:
     def _normalized(self, value: str, axis: int, block: Blocks):
         """`block` with its span clipped to the axis; None where it is one run over the whole
         axis; False (and a blocker) where the runs do not tile the axis."""
+        if block.spacing is not None:  # a merged axis (the reshape proved the grouping): taken as it is
+            return block
         shape = self.view.values[value].shape
         size = shape[axis] if shape is not None and axis < len(shape) else None
         hi = size if block.hi is None else block.hi
@@ -272,6 +275,10 @@ class _ComponentBuilder:
         """A constant edited in part of its axis must hold that part itself: one broadcast along
         the axis (a scalar bias) also feeds the rows no norm reads (v's, of a fused q/k/v)."""
         b = ref.block
+        if b is not None and b.spacing is not None:
+            self.block(None, f"{_fmt_value(ref.value)} would be centered along an axis that merges the features "
+                             "with other axes, which no constant edit here does")
+            return False
         if b is not None and b.row is not None:  # a constant edited in one row of another axis: no such edit
             self.block(None, f"{_fmt_value(ref.value)} would be centered only at index {b.row[1]} of its axis "
                              f"{b.row[0]}, which no constant edit does")
@@ -443,6 +450,8 @@ def _block_shared(components: list[Component]) -> None:
 
 def _disjoint(a: Optional[Blocks], b: Optional[Blocks]) -> bool:
     if a is None or b is None or a.size != b.size:
+        return False
+    if a.spacing is not None or b.spacing is not None:
         return False
     if a.row is not None or b.row is not None:  # two selections of the same axis, different rows
         return a.row is not None and b.row is not None and a.row[0] == b.row[0] and a.row[1] != b.row[1]

@@ -164,3 +164,94 @@ def merge_row_runs(src: Shape, dst: Shape, axis: int, row: int, index: int) -> O
             ok = isinstance(dst[j], int) and dst[j] > 0 and dst[j] % (k * size) == 0
             return (j, index * size, k * size) if ok else None
     return None
+
+
+# --- a feature axis merged with the axes before it, and split back out (MobileViT's unfolding) ----
+
+def _strip(s: str) -> str:
+    """`s` without parentheses that enclose all of it."""
+    s = s.strip()
+    while s.startswith("(") and s.endswith(")"):
+        depth = 0
+        for k, ch in enumerate(s):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and k < len(s) - 1:
+                return s
+        s = s[1:-1].strip()
+    return s
+
+
+def _product(dims) -> Optional[tuple[int, tuple]]:
+    """A product of sizes as (integer coefficient, sorted symbolic factors), or None where one is
+    unknown. Symbolic sizes are split at their top-level `*` ("128*batch": 128 and `batch`)."""
+    coef, atoms = 1, []
+    for d in dims:
+        if isinstance(d, bool) or d is None:
+            return None
+        if isinstance(d, int):
+            coef *= d
+            continue
+        parts, depth, cur = [], 0, ""
+        for ch in _strip(str(d)):
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "*" and depth == 0:
+                parts.append(cur)
+                cur = ""
+            else:
+                cur += ch
+        for p in parts + [cur]:
+            p = _strip(p)
+            if p.isdigit():
+                coef *= int(p)
+            elif p:
+                atoms.append(p)
+    return coef, tuple(sorted(atoms))
+
+
+def _quotient(num, den) -> Optional[tuple[int, tuple]]:
+    """num / den where it is a product again (den's factors among num's, coefficients dividing)."""
+    if num is None or den is None or den[0] == 0 or num[0] % den[0]:
+        return None
+    atoms = list(num[1])
+    for a in den[1]:
+        if a not in atoms:
+            return None
+        atoms.remove(a)
+    return num[0] // den[0], tuple(atoms)
+
+
+def regroup_factor(src: Shape, dst: Shape, axis: int, size: int, spacing: int) -> Optional[tuple[int, int]]:
+    """(axis k of `dst`, spacing) that holds `src`'s feature entries after a reshape, where along
+    `src`'s `axis` the feature index is (e // spacing) % size (spacing 1 and size src[axis]: the
+    axis itself); spacing None in the answer: dst[k] is the feature axis, whole again.
+
+    Row-major order keeps the number of entries before a feature group: O = the product of the
+    dims before `axis` times src[axis] / (size·spacing). The features are then at dst axis k where
+    the dims before k multiply to O and dst[k] = size, or inside dst axis k where those multiply
+    to a divisor of O and dst[k] = (O / them)·size·s' for a whole s' (MobileViT: (B, C, H, W) ->
+    (B·C·nph, ph, npw, pw) has O = B and s' = nph). Equal element counts on both sides (a reshape
+    that runs) put each feature group at the same flat stride numel / (O·size) in both.
+    """
+    if src is None or dst is None or not 0 <= axis < len(src) or size < 2 or spacing < 1:
+        return None
+    outer = _quotient(_product(list(src[:axis]) + [src[axis]]), (size * spacing, ()))
+    if outer is None:
+        return None
+    for k in range(len(dst)):
+        before = _product(dst[:k])
+        rest = _quotient(outer, before)
+        if before is None or rest is None:
+            return None
+        d = _product([dst[k]])
+        if d is None:
+            return None
+        if rest == (1, ()) and d == (size, ()):
+            return k, None
+        s = _quotient(d, (rest[0] * size, rest[1]))
+        if s is not None and not s[1] and s[0] >= 1:
+            return k, s[0]
+        if _quotient(rest, d) is None:  # dst[k] holds more than the entries before the features
+            return None
+    return None

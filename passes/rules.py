@@ -69,8 +69,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from .axes import (broadcast_rules, merge_row_runs, permute_rules, reshape_axis, reshape_block_axis, same_axes_rules,
-                   split_periodic_runs)
+from .axes import (broadcast_rules, merge_row_runs, permute_rules, regroup_factor, reshape_axis, reshape_block_axis,
+                   same_axes_rules, split_periodic_runs)
 from .guards import is_overflow_guard
 from .view import Answers, Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
 
@@ -132,6 +132,8 @@ def _carry_block(answer, row_axis=None):
     (None: it is not followed: the op could mix or move that axis' rows)."""
     def blocked(k, axis, block):
         got = answer(k, axis)
+        if got is not None and block is not None and block.spacing is not None and row_axis is None:
+            return None  # a merged feature axis through an op that may not only move its entries
         if got is None or block is None or block.row is None:
             return None if got is None else [(j, a, block) for j, a in got]
         r = None if row_axis is None else row_axis(k, block.row[0])
@@ -303,6 +305,16 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
             axis = next((k for k, v in axis_map.items() if v == a), None)
         return None if axis is None else [(data, axis)]
 
+    def merged(got, size, dst):
+        """The blocks `regroup_factor` found: the feature axis whole, groups of `size` in a
+        run (a static axis: the runs of a head_dim merge), or groups `spacing` apart."""
+        if got is None:
+            return None
+        k, spacing = got
+        if spacing is None or (spacing == 1 and isinstance(dst[k], int)):
+            return k, Blocks(size)
+        return k, Blocks(size, spacing=spacing)
+
     def regroup(src, dst, axis, block):
         """Only whole runs regroup: a reshape of partly edited rows is not followed, except runs
         at one index of the axis just before (Persimmon's (heads, 3, head_dim): q at index 0)
@@ -313,12 +325,18 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
                 return None
             got = merge_row_runs(src, dst, axis, *block.row)
             return None if got is None else (got[0], Blocks(block.size, got[1], None, got[2]))
+        if block is not None and block.spacing is not None:
+            if block.lo or block.hi is not None or block.stride is not None or block.row is not None:
+                return None
+            return merged(regroup_factor(src, dst, axis, block.size, block.spacing), block.size, dst)
         if block is not None and block.step != block.size:
             got = split_periodic_runs(src, dst, axis, block.size, block.lo, block.step)
             return None if got is None else (got[0], Blocks(block.size, row=got[1:]))
         if block is not None and (block.lo or block.hi is not None):
             return None
         got = reshape_block_axis(src, dst, axis, None if block is None else block.size)
+        if got is None and block is None and src is not None and 0 <= axis < len(src) and isinstance(src[axis], int):
+            return merged(regroup_factor(src, dst, axis, src[axis], 1), src[axis], dst)  # merged with the axes before
         return None if got is None else (got[0], Blocks(got[1]))
 
     def transfer_block(i, b, block):
@@ -372,7 +390,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         if b != cut:
             return carry[0](i, b, block)
         block = whole(None, b, block)
-        if i != data[0] or block is None or block.step != block.size or block.row is not None:
+        if i != data[0] or block is None or block.step != block.size or block.row is not None or block.spacing:
             return None  # runs every few entries, cut into slices: not followed
         got = []
         for k, (o, start, n) in enumerate(zip(outs, starts, lengths)):
@@ -390,7 +408,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
             return None
         k = outs.index(o)
         block = whole(k, a, block)
-        if block is None or starts[k] % block.size or block.step != block.size or block.row is not None:
+        if block is None or starts[k] % block.size or block.step != block.size or block.row is not None or block.spacing:
             return None
         hi = lengths[k] if block.hi is None else block.hi
         return [(data[0], a, Blocks(block.size, starts[k] + block.lo, starts[k] + hi))]

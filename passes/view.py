@@ -67,13 +67,17 @@ class Blocks:
     `stride`: the runs start every `stride` entries from `lo` (None: every `size`, back to back);
     Persimmon's fused q/k/v, viewed as (heads, 3, head_dim), holds q's runs of head_dim every
     3·head_dim entries. `row` (axis, index): only the entries at `index` along that other axis
-    are in the stream (that (heads, 3, head_dim) view before q is selected along the 3)."""
+    are in the stream (that (heads, 3, head_dim) view before q is selected along the 3).
+    `spacing`: one run is `size` entries `spacing` apart (None: adjacent), on an axis that merges
+    the feature axis with axes around it (MobileViT's (B·C·nph, ...) unfolding: C channels, nph
+    apart); only layout ops follow such a run, and a reshape that splits the features back out."""
 
     size: int
     lo: int = 0
     hi: Optional[int] = None
     stride: Optional[int] = None
     row: Optional[tuple[int, int]] = None
+    spacing: Optional[int] = None
 
     @property
     def step(self) -> int:
