@@ -113,7 +113,7 @@ def _fmt_blocks(block: Optional[Blocks]) -> str:
     span = "" if not block.lo and block.hi is None else f" in entries [{block.lo}, {block.hi if block.hi is not None else 'end'})"
     every = "" if block.step == block.size else f" every {block.step} entries"
     row = "" if block.row is None else f" at index {block.row[1]} of axis {block.row[0]}"
-    apart = "" if block.spacing is None else f" entries {block.spacing} apart (a merged axis)"
+    apart = "" if block.spacing is None else f" entries {'*'.join([str(block.spacing[0]), *block.spacing[1]])} apart (a merged axis)"
     return f"block of {block.size}{apart}{every}{span}{row}"
 
 

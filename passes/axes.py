@@ -222,10 +222,12 @@ def _quotient(num, den) -> Optional[tuple[int, tuple]]:
     return num[0] // den[0], tuple(atoms)
 
 
-def regroup_factor(src: Shape, dst: Shape, axis: int, size: int, spacing: int) -> Optional[tuple[int, int]]:
+def regroup_factor(src: Shape, dst: Shape, axis: int, size: int, spacing) -> Optional[tuple[int, Optional[tuple]]]:
     """(axis k of `dst`, spacing) that holds `src`'s feature entries after a reshape, where along
     `src`'s `axis` the feature index is (e // spacing) % size (spacing 1 and size src[axis]: the
-    axis itself); spacing None in the answer: dst[k] is the feature axis, whole again.
+    axis itself); spacing None in the answer: dst[k] is the feature axis, whole again. A spacing
+    is a product (`_product`'s (coefficient, symbolic factors); an int for a plain one): with
+    dynamic image sizes MobileViT's nph is `s53//2`.
 
     Row-major order keeps the number of entries before a feature group: O = the product of the
     dims before `axis` times src[axis] / (size·spacing). The features are then at dst axis k where
@@ -234,9 +236,10 @@ def regroup_factor(src: Shape, dst: Shape, axis: int, size: int, spacing: int) -
     (B·C·nph, ph, npw, pw) has O = B and s' = nph). Equal element counts on both sides (a reshape
     that runs) put each feature group at the same flat stride numel / (O·size) in both.
     """
-    if src is None or dst is None or not 0 <= axis < len(src) or size < 2 or spacing < 1:
+    spacing = (spacing, ()) if isinstance(spacing, int) else spacing
+    if src is None or dst is None or not 0 <= axis < len(src) or size < 2 or spacing[0] < 1:
         return None
-    outer = _quotient(_product(list(src[:axis]) + [src[axis]]), (size * spacing, ()))
+    outer = _quotient(_product(list(src[:axis]) + [src[axis]]), (size * spacing[0], spacing[1]))
     if outer is None:
         return None
     for k in range(len(dst)):
@@ -250,8 +253,8 @@ def regroup_factor(src: Shape, dst: Shape, axis: int, size: int, spacing: int) -
         if rest == (1, ()) and d == (size, ()):
             return k, None
         s = _quotient(d, (rest[0] * size, rest[1]))
-        if s is not None and not s[1] and s[0] >= 1:
-            return k, s[0]
+        if s is not None and s[0] >= 1:
+            return k, s
         if _quotient(rest, d) is None:  # dst[k] holds more than the entries before the features
             return None
     return None

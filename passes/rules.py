@@ -311,7 +311,7 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
         if got is None:
             return None
         k, spacing = got
-        if spacing is None or (spacing == 1 and isinstance(dst[k], int)):
+        if spacing is None or (spacing == (1, ()) and isinstance(dst[k], int)):
             return k, Blocks(size)
         return k, Blocks(size, spacing=spacing)
 

@@ -77,7 +77,7 @@ class Blocks:
     hi: Optional[int] = None
     stride: Optional[int] = None
     row: Optional[tuple[int, int]] = None
-    spacing: Optional[int] = None
+    spacing: Optional[tuple] = None  # (integer coefficient, symbolic factors): passes/axes._product
 
     @property
     def step(self) -> int:

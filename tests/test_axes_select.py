@@ -141,3 +141,88 @@ def test_planted_contiguous_runs_bug_fails_verification(monkeypatch):
                         real(a, axis, block, lo, None if stride is None else lo + (a.shape[axis] // stride) * block))
     with pytest.raises(VerificationError, match="float64"):
         fold_model(model)
+
+
+# --- a feature axis merged with the batch and split back out (issue 23, MobileViT) ---------------
+
+def test_regroup_factor_follows_mobilevits_unfolding():
+    """(B, C, H, W) -> (B·C·nph, ph, npw, pw): the C channels sit nph apart along axis 0; after
+    a transpose of the other axes, (B·C·nph, npw, ph, pw) -> (B, C, npw·nph, ph·pw) has them
+    whole at axis 1 again; symbolic batch sizes as the frontends spell them."""
+    from lnfold.passes.axes import regroup_factor
+
+    assert regroup_factor(("batch", 32, 8, 8), ("128*batch", 2, 4, 2), 1, 32, 1) == (0, (4, ()))
+    assert regroup_factor(("128*batch", 4, 2, 2), ("batch", 32, 16, 4), 0, 32, 4) == (1, None)
+    assert regroup_factor(("s77", 64, 4, 4), ("64*s77", 2, 2, 2), 1, 64, 1) == (0, (1, ()))  # nph = 1: a run
+    # torch.export's dynamic image sizes: nph = s53//2
+    nph = (1, ("s53//2",))
+    assert regroup_factor(("s77", 8, "s53", "s0"), ("8*s77*((s53//2))", "(s53//((s53//2)))", "(s0//2)", 2), 1, 8, 1) \
+        == (0, nph)
+    assert regroup_factor(("8*s77*((s53//2))", "(s0//2)", 2, 2), ("s77", 8, "((s0//2))*((s53//2))", 4), 0, 8, nph) \
+        == (1, None)
+    # (B, H, C, W) -> (B, H·C·W): C entries W apart along axis 1
+    assert regroup_factor(("B", 8, 32, 4), ("B", 8 * 32 * 4), 2, 32, 1) == (1, (4, ()))
+
+
+def test_regroup_factor_refuses_reshapes_that_do_not_keep_the_channels():
+    from lnfold.passes.axes import regroup_factor
+
+    assert regroup_factor(("B", 32, 8, 8), ("B", 16, 16, 8), 1, 32, 1) is None  # the channels split in two
+    assert regroup_factor(("B", 32, 64), ("B", 64, 32), 2, 64, 1) is None  # spatial features, no channel
+    assert regroup_factor(("B", 32, 8, 8), ("2*B", 16, 64), 1, 32, 1) is None  # half the channels per row
+    assert regroup_factor((None, 32, 8, 8), ("128*B", 2, 4, 2), 1, 32, 1) is None  # a size before it unknown
+    # the sizes after the channels never enter: equal element counts fix them (a reshape that runs)
+    assert regroup_factor(("B", 32, 8, None), ("128*B", 2, 4, 2), 1, 32, 1) == (0, (4, ()))
+
+
+class Unfolding(nn.Module):
+    """MobileViT's block in small: conv_1x1 -> unfold (B, C, H, W) -> (B·C·nph, ph, npw, pw) ->
+    (B·pa, P, C) -> one pre-LN block -> LayerNorm -> fold back -> conv. `mix`: the unfolded
+    patches are read as (B, P·pa, C) by a reshape, not a transpose: the last axis holds
+    spatial entries, not the channels, and no centering of conv_1x1 makes it zero-mean."""
+
+    def __init__(self, c=8, mix=False):
+        super().__init__()
+        self.c, self.mix = c, mix
+        self.conv_1x1 = nn.Conv2d(c, c, 1, bias=False)
+        self.ln1, self.fc, self.ln2 = nn.LayerNorm(c), nn.Linear(c, c), nn.LayerNorm(c)
+        self.proj = nn.Conv2d(c, c, 1)
+        zoo.adversarial(self)
+        with torch.no_grad():
+            self.conv_1x1.weight.add_(1.5)  # a large mean across channels
+
+    def forward(self, x):
+        B, C, H, W = x.shape
+        ph = pw = 2
+        nph, npw = H // ph, W // pw
+        f = self.conv_1x1(x)
+        p = f.reshape(B * C * nph, ph, npw, pw).transpose(1, 2).reshape(B, C, nph * npw, ph * pw)
+        t = p.reshape(B * ph * pw, nph * npw, C) if self.mix else p.transpose(1, 3).reshape(B * ph * pw, nph * npw, C)
+        t = t + self.fc(torch.relu(self.ln1(t)))
+        t = self.ln2(t)
+        back = t.reshape(B, ph * pw, nph * npw, C).transpose(1, 3).reshape(B * C * nph, npw, ph, pw)
+        back = back.transpose(1, 2).reshape(B, C, H, W)
+        return self.proj(back)
+
+
+def _unfold_both(module, fold):
+    x = torch.randn(2, 8, 8, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fx = (fold_module if fold else analyze_module)(module, (x,))
+    onnx_model = export_quiet(module, (x,), ["x"])
+    return fx, (fold_model if fold else analyze_model)(onnx_model)
+
+
+def test_unfolded_stream_folds_by_centering_conv_1x1():
+    for res in _unfold_both(Unfolding().eval(), fold=True):
+        assert [n.verdict for n in res.report.norms] == ["fold", "fold"], res.report.norms
+        assert res.report.recentered == 0
+        assert any("conv_1x1" in c for s in res.report.streams for c in s.centered), res.report.streams
+        _exact(res)
+
+
+def test_unfolding_that_mixes_channels_with_space_is_not_centered():
+    for rep in _unfold_both(Unfolding(mix=True).eval(), fold=False):
+        assert rep.recentered or all(n.verdict == "keep" for n in rep.norms), rep.norms
+        assert not any("conv_1x1" in c for s in rep.streams for c in s.centered), rep.streams

@@ -34,10 +34,6 @@ HAND = {
 }
 # Where both frontends agree with each other but not with the hand count: what they give, and why.
 KNOWN_GAPS = {
-    "mobilevit": ((21, 21, 3), "MobileViT's unfolding reshapes (B, C, H, W) to (B*C*nph, ph, npw, pw): the "
-                  "channel axis is merged with other axes, then split out again; the rules follow a feature "
-                  "axis only through reshapes that keep it whole, so each block recenters after the "
-                  "unfolding (exact) instead of centering conv_1x1"),
 }
 # torch.export with a dynamic batch takes a minute on Swin's window partitioning; static: 0.5 s.
 STATIC_EXPORT = {"swin"}
