@@ -320,7 +320,7 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
         at one index of the axis just before (Persimmon's (heads, 3, head_dim): q at index 0)
         merged into, or split back out of, runs every few entries of one wider axis."""
         if block is not None and block.row is not None:
-            if block.lo or block.hi is not None or block.step != block.size or src is None \
+            if block.lo or block.hi is not None or block.step != block.size or block.spacing is not None or src is None \
                     or axis >= len(src) or src[axis] != block.size:
                 return None
             got = merge_row_runs(src, dst, axis, *block.row)
@@ -455,7 +455,7 @@ def _take(view, node, data, start, stop, q, outs=(0,), index=None):
         """A select's input holds the stream at the selected index only: the other rows (v's, of
         Persimmon's (heads, 3, head_dim) view) are not the stream, whatever reads them."""
         got, row = plain_backward(o, a), row_of(o)
-        if got is None or (block is not None and block.row is not None):
+        if got is None or (block is not None and (block.row is not None or (row is not None and block.spacing))):
             return None
         if row is None:
             return [(j, b, block) for j, b in got]
