@@ -226,3 +226,60 @@ def test_unfolding_that_mixes_channels_with_space_is_not_centered():
     for rep in _unfold_both(Unfolding(mix=True).eval(), fold=False):
         assert rep.recentered or all(n.verdict == "keep" for n in rep.norms), rep.norms
         assert not any("conv_1x1" in c for s in rep.streams for c in s.centered), rep.streams
+
+
+# --- the same on a hand-built view (passes/ alone) ---------------------------------------------
+
+def _fused_view(index_known=True, layout=(H, 3, HD)):
+    """x -> Linear(3D) -> view (B, T, *layout) -> select q, k, v along the 3 -> q/k norms; v and
+    the norms' outputs read by a MatMul (not invariant)."""
+    from lnfold.passes import View
+    from lnfold.passes.rules import rule
+
+    v = View()
+    v.input("x", (2, 5, D))
+    v.const("W", (D, 3 * D))
+    v.const("b", (3 * D,))
+    v.add("qkv", "Linear", rule("linear", weight=1, w_axis=1, bias=2, data=0), ["x", "W", "b"], {"f": (2, 5, 3 * D)})
+    v.add("view", "Reshape", rule("reshape", data=0), ["f"], {"f5": (2, 5, *layout)})
+    three = layout.index(3) + 2
+    sel = [d for k, d in enumerate((2, 5, *layout)) if k != three]
+    for k, name in enumerate("qkv"):
+        v.add(f"sel_{name}", "Gather", rule("take", data=0, start=three, stop=three + 1, q=0,
+                                            index=[k] if index_known else None), ["f5"], {name: tuple(sel)})
+    for name in "qk":
+        v.const(f"{name}.g", (HD,))
+        v.const(f"{name}.bb", (HD,))
+        v.add(f"{name}_norm", "LayerNormalization", rule("layer_norm", axes=[-1], gamma=1, beta=2, eps=1e-5),
+              [name, f"{name}.g", f"{name}.bb"], {f"{name}n": tuple(sel)})
+    v.add("att", "MatMul", rule("matmul"), ["qn", "kn"], {"s": (2, 5, H, H)})
+    v.add("out", "MatMul", rule("matmul"), ["s", "v"], {"o": (2, 5, H, HD)})
+    v.output("o")
+    return v
+
+
+def test_view_periodic_runs_center_q_and_k_rows_of_the_fused_projection():
+    from lnfold.passes import compute_constants, make_plan
+
+    view = _fused_view()
+    plan = make_plan(view)
+    assert sorted(plan.swaps) == ["k_norm", "q_norm"] and plan.recenters == []
+    rng = np.random.default_rng(0)
+    arrays = {"W": rng.normal(2.0, 1.0, (D, 3 * D)), "b": rng.normal(2.0, 1.0, 3 * D)}
+    got = {e.value: a for e, a in compute_constants(plan.const_edits, arrays.__getitem__)}
+    assert set(got) == {"W", "b"}
+    for name, a in got.items():  # q's and k's runs centered (both edits of one constant), v's as they were
+        runs, was = (t.reshape(*t.shape[:-1], H, 3, HD) for t in (a, arrays[name]))
+        assert np.allclose(runs[..., 0, :].mean(-1), 0) and np.allclose(runs[..., 1, :].mean(-1), 0)
+        assert np.array_equal(runs[..., 2, :], was[..., 2, :])
+
+
+@pytest.mark.parametrize("case", ["index unknown", "(3, heads, head_dim)", "(heads, head_dim, 3)"])
+def test_view_selections_not_known_to_keep_runs_stay_kept(case):
+    from lnfold.passes import make_plan
+
+    view = {"index unknown": lambda: _fused_view(index_known=False),
+            "(3, heads, head_dim)": lambda: _fused_view(layout=(3, H, HD)),
+            "(heads, head_dim, 3)": lambda: _fused_view(layout=(H, HD, 3))}[case]()
+    plan = make_plan(view)
+    assert plan.swaps == [] and plan.const_edits == [], (plan.swaps, plan.const_edits)
