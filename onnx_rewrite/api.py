@@ -162,12 +162,24 @@ def _all_zero(info: GraphInfo, name: str) -> bool:
     return v is not None and not np.any(np.asarray(v))
 
 
-def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
-    """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
+def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None, angles: bool = False,
+                  dims: Optional[dict] = None) -> Report:
+    """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one.
+
+    With `calibration` (a dict name -> array, or an .npz path) or `angles=True` (made-up inputs)
+    `report.geometry` holds each norm's angle to 1 before and, for folded norms, after the fold
+    (passes/geometry.py)."""
     opts = FoldOptions(mode=mode)
     model = _as_model(model)
     with _graphsurgeon_errors_only():
-        report = _analyze(model, opts.mode)[4].report
+        frontend = OnnxFrontend(model, opts, targets.resolve("ort", "cpu"))
+        view, plan = pipeline.plan(frontend, make_plan)
+        report = plan.report
+        if calibration is not None or angles:
+            from . import geometry
+
+            report = dataclasses.replace(report, geometry=geometry.measure(
+                model, view, report.verdicts(), lambda: fold_model(model, verify=False).model, calibration, dims=dims))
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
 
