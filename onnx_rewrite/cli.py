@@ -86,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     r.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    r.add_argument("--calibrate", metavar="FILE.npz",
+                   help="measure each norm's input on these inputs (an .npz, one array per model input): its angle "
+                        "to the uniform vector 1 (mean, spread, worst) and |mean|/rms, before and after the fold")
+    r.add_argument("--angles", action="store_true",
+                   help="the same angles on made-up inputs when there is no --calibrate (they then mean little)")
+    r.add_argument("--plot", metavar="FILE.svg|png",
+                   help="draw the angles per norm, before and after the fold (needs matplotlib: lnfold[plot])")
 
     b = sub.add_parser("bench", help="time a model against its folded copy in onnxruntime (CPU)")
     b.add_argument("original", help="the ONNX model before the fold")
@@ -190,11 +197,20 @@ def cmd_report(args) -> int:
     from .read import load
     from .validate import no_norm_message
 
+    if args.plot:
+        from ..passes.geometry_plot import check_path
+
+        check_path(args.plot)  # a bad path is the user's error before any work
     model = load(args.input, lazy=True)
-    report = analyze_model(model, mode=args.mode)
+    report = analyze_model(model, mode=args.mode, calibration=args.calibrate,
+                           angles=bool(args.angles or args.plot))
     # a folded model's RMSNorms, or chains that almost are LayerNorms: something to report (exit 0)
     if not report.norms and not report.rms_norms and not report.near_misses:
         raise LnfoldError(no_norm_message(model))
+    if args.plot and report.geometry is not None:
+        from ..passes.geometry_plot import plot
+
+        plot(report.geometry, args.plot, Path(args.input).stem)
     print(report.to_json(indent=2) if args.json else report.table())
     return 0
 
