@@ -164,6 +164,12 @@ class Applier:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:
                 self._swap(self.nodes[name], plan.emits_beta_add(name))
+        for name in plan.approx:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
+            node = self.nodes[name]
+            if node.name in self.info.decomposed:
+                self._swap(node, True)
+            else:  # even where folded norms stay layer_norm: on this stream only rms_norm is the swap
+                swap_norm(self.graph, node, self.dialect, True)
         crms.patch_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))

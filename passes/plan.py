@@ -23,6 +23,7 @@ from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
                     Recenter, Scale)
+from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
 from .rules import kind_of
@@ -52,10 +53,11 @@ class Plan:
     origins: Mapping[str, str] = field(default_factory=_frozen_dict)  # view node -> its IR node, where they differ
     training: bool = False  # the edited constants are trained: edits computed in the graph
     unswapped: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
+    approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
 
     @property
     def empty(self) -> bool:
-        return not self.swaps
+        return not self.swaps and not self.approx
 
     @property
     def plain_rms(self) -> list[str]:
@@ -149,7 +151,29 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     # under autograd the graph computes its edited weights itself: no deferral there
     deferral = plan_deferral(view, plan, "off" if training else request.defer, caps.costs)
     _defer(view, plan, deferral)
-    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped)
+    approx = approximate(view, plan.report, request.approx)
+    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx)
+
+
+def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
+    """Mode "rms-approx": the kept norms of `names` become RMSNorms with their β (not exact; the
+    choice and its measured error are passes/approx.py's). A folded norm is exact already; a norm
+    that is no single-axis LayerNorm cannot be swapped."""
+    if not names:
+        return FrozenList()
+    verdicts = {v.name: v for v in report.norms}
+    unknown = sorted(n for n in names if n not in verdicts)
+    if unknown:
+        raise LnfoldError(f"approximate swap: `{unknown[0]}` is not a LayerNorm of the model")
+    out = []
+    for node in view.norms():
+        v = verdicts[node.name]
+        if node.name in names and v.verdict == "keep" and not node.norm_rejection:
+            v.verdict = "approx"
+            v.reason = "swapped to RMSNorm although its input keeps its mean: NOT exact (" + v.reason + ")"
+            v.beta = "kept as an Add"
+            out.append(node.name)
+    return FrozenList(out)
 
 
 def _unswapped(plan: _Draft, caps: Capabilities) -> list[str]:

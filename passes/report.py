@@ -207,7 +207,7 @@ class Report:
 
     def _how(self, n: NormVerdict) -> str:
         """A kept norm's reason; for a folded one, what the fold edited."""
-        if n.verdict == "keep":
+        if n.verdict in ("keep", "approx"):  # approx: swapped, not exact (its reason says so)
             return n.reason
         s = self.streams[n.stream] if n.stream is not None and n.stream < len(self.streams) else None
         parts = [f"stream {n.stream + 1}" if n.stream is not None else "folded"]

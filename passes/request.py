@@ -48,6 +48,9 @@ class PlanRequest:
     zero: Optional[Callable[[str], bool]] = None
     refuse: Optional[Callable[[Component], Optional[str]]] = None
     trainable: Optional[Callable[[str], bool]] = None
+    # mode "rms-approx" (passes/approx.py): kept norms to swap for RMSNorm although they cannot be
+    # folded exactly (NOT exact; chosen under a measured error budget). Empty: exact folds only.
+    approx: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
