@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..passes import LnfoldError, VerificationError, gate
+from ..passes.approx import MODE as APPROX_MODE
 from ..passes.options import DEFER_POLICIES, MODES
 from .targets import DEVICES, names as target_names
 
@@ -64,7 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("-o", "--output",
                    help="where to write the folded model (default: X.folded.onnx beside X.onnx; for a folder "
                         "DIR, DIR.folded); a model with external data comes back with its data file")
-    f.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    f.add_argument("--mode", choices=MODES + (APPROX_MODE,), default="rms",
+                   help=_MODE_HELP + f"; {APPROX_MODE}: NOT exact — after the exact fold, norms that cannot be folded "
+                                     "are swapped to RMSNorm while the outputs' relative error on --calibrate stays "
+                                     "within --budget (the written model's metadata says so)")
+    f.add_argument("--calibrate", metavar="FILE.npz",
+                   help=f"--mode {APPROX_MODE}: the inputs the budget is measured on (its batch's second half, or "
+                        "--heldout, only reports)")
+    f.add_argument("--budget", type=float, metavar="B",
+                   help=f"--mode {APPROX_MODE}: the largest relative output error allowed (0: exact folds only)")
+    f.add_argument("--heldout", metavar="FILE.npz", help=f"--mode {APPROX_MODE}: held-out inputs the error is reported on")
     f.add_argument("--target", choices=target_names(), default="ort", help=_TARGET_HELP)
     f.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
@@ -186,10 +196,25 @@ def fold_file(src: Path, dst: Path, args):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
+    if args.mode == APPROX_MODE or args.budget is not None or args.calibrate:
+        return _fold_approx(src, model, dst, args, progress, layout)
     result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
                           defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
                           progress=progress, layout=layout)
     return result
+
+
+def _fold_approx(src: Path, model, dst: Path, args, progress, layout):
+    from ..passes import approx
+    from .api import fold_approx
+
+    if args.mode != APPROX_MODE:
+        raise LnfoldError(f"--calibrate and --budget belong to --mode {APPROX_MODE}")
+    approx.check_budget(args.budget)
+    approx.check_calibration(args.calibrate)
+    return fold_approx(model, calibration=args.calibrate, budget=args.budget, heldout=args.heldout, defer=args.defer,
+                       verify=not args.no_verify, target=args.target, device=args.device, progress=progress,
+                       output=dst, source=src, layout=layout)
 
 
 def cmd_report(args) -> int:
