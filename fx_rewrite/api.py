@@ -223,9 +223,12 @@ def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     pristine = copy.deepcopy(base.gm)
 
     def build(names: frozenset) -> FoldResult:
+        # each try edits its own copy of the exported graph, classified anew (the view's info
+        # holds the graph's nodes): one export for all tries
         trial = copy.copy(base)
         trial.gm, trial.approx = copy.deepcopy(pristine), names
-        p = make_plan(view, trial.request())
+        trial._view, trial.info = build_view(trial.gm.graph, set(base.attrs))
+        p = make_plan(trial._view, trial.request())
         return trial.result(p, trial.apply(p))
 
     measure = metric or approx.relative_error
