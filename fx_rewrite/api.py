@@ -13,19 +13,23 @@ centered stream (same speed as the original, and exact); `norm="rms_norm"` emits
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 from typing import Any, Callable, Optional
 
 import torch
 from torch import fx
 
-from ..passes import FoldResult, NothingToFold, Report, View, gate, make_plan, pipeline
+from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, make_plan, pipeline
+from ..passes.geometry import geometry as measured, norm_inputs
 from ..passes.defer import EAGER, compute_biases
 from ..passes.options import FoldOptions, check_choice
 from ..passes.request import Capabilities, PlanRequest
 from ..passes.plan import Plan, first_kept_reason
 
 from . import defer as deferred_norm
+from . import geometry
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .edits import from_numpy, to_numpy, unique_attr
 from .classify import build_view
@@ -126,6 +130,7 @@ class ExportFrontend:
         self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
         # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
         self.norm = "layer_norm" if norm == "auto" else norm
+        self.approx: frozenset = frozenset()  # mode "rms-approx": kept norms to swap (passes/approx.py)
 
     def view(self) -> View:
         self.gm, self.attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
@@ -140,7 +145,7 @@ class ExportFrontend:
         zero = lambda name: name in self.attrs and not bool(self.tensor(name).any())  # noqa: E731
         return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero,
                            gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
-                           seed=self.opts.seed)
+                           seed=self.opts.seed, approx=self.approx)
 
     def check(self, plan: Plan) -> None:
         check_plan(plan)
@@ -159,7 +164,9 @@ class ExportFrontend:
 
     emit = staticmethod(pipeline.in_memory)
 
-    def verify(self, plan: Plan, gm: fx.GraphModule) -> gate.Verdict:
+    def verify(self, plan: Plan, gm: fx.GraphModule) -> Optional[gate.Verdict]:
+        if plan.approx:  # not exact by design: its error was measured against the budget (fold_approx)
+            return None
         verifier = Verifier(self.module, self.args, self.kwargs)
         verdict = verifier.check(gm)
         # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well (it must pass
@@ -180,16 +187,77 @@ def _analyze(module, args, kwargs, mode, dynamic):
 
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
-                   mode: str = "rms", dynamic: bool = True) -> Report:
-    """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one."""
+                   mode: str = "rms", dynamic: bool = True, calibration=None, angles: bool = False) -> Report:
+    """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one.
+
+    With `calibration` (an args tuple, or a list of them) or `angles=True` (on `args`, which then
+    mean little) `report.geometry` holds each norm's angle to 1 before and, for folded norms,
+    after the fold (passes/geometry.py)."""
     opts = FoldOptions(mode=mode)
     frontend, plan = _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic)
-    return plan.report.renamed(frontend.attrs)  # the weights by their state_dict names
+    report = plan.report.renamed(frontend.attrs)  # the weights by their state_dict names
+    if calibration is None and not angles:
+        return report
+    batches, synthetic = geometry.batches_of(calibration, tuple(args))
+    names = [ni.value for ni in norm_inputs(frontend._view)]
+    before = geometry.capture(frontend.gm, names, batches)
+    verdicts = plan.report.verdicts()
+    after = None
+    if not plan.empty:
+        folded = fold_module(module, args, kwargs, verify=False, dynamic=dynamic).module
+        after = geometry.capture(folded, names, batches)
+    return dataclasses.replace(report, geometry=measured(frontend._view, verdicts, before, after, synthetic=synthetic))
+
+
+def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, calibration, budget,
+                heldout=None, metric=None, defer: str = "off", verify: bool = True, dynamic: bool = True) -> FoldResult:
+    """`fold_module(mode="rms-approx")`: the exact fold (verified), then the kept norms swapped to
+    RMSNorm (β kept; NOT exact) while the relative output error on `calibration` (an args tuple or
+    a list of them) stays <= `budget` (passes/approx.choose). The error on `heldout` (default: the
+    second half of the calibration data, which then does not decide) is in `report.approx`."""
+    budget = approx.check_budget(budget)
+    approx.check_calibration(calibration)
+    opts = FoldOptions(defer=defer, verify=verify)
+    batches, held = geometry.split(geometry.batches_of(calibration, tuple(args))[0], heldout)
+    base = ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm="auto", dynamic=dynamic)
+    view = base.view()
+    plan = make_plan(view, base.request())
+    if plan.swaps and opts.verify:  # the exact part is judged by the gate, as in every fold
+        fold_module(module, args, kwargs, defer=defer, dynamic=dynamic)
+    pristine = copy.deepcopy(base.gm)
+
+    def build(names: frozenset) -> FoldResult:
+        # each try edits its own copy of the exported graph, classified anew (the view's info
+        # holds the graph's nodes): one export for all tries
+        trial = copy.copy(base)
+        trial.gm, trial.approx = copy.deepcopy(pristine), names
+        trial._view, trial.info = build_view(trial.gm.graph, set(base.attrs))
+        p = make_plan(trial._view, trial.request())
+        return trial.result(p, trial.apply(p))
+
+    measure = metric or approx.relative_error
+    reference = geometry.outputs(module, batches)
+    verdicts = plan.report.verdicts()
+    candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]
+    selection = approx.choose(candidates, lambda names: measure(reference, geometry.outputs(build(names).module, batches)),
+                              budget, "relative output error" if metric is None else getattr(metric, "__name__", "metric"))
+    selection.calibration_rows = sum(len(b[0]) for b in batches if b and hasattr(b[0], "__len__"))
+    result = build(selection.names)
+    if not plan.swaps and not selection.names:
+        raise NothingToFold(f"no LayerNorm can be folded, and none swapped within budget {budget:g}")
+    if held:
+        selection.heldout = measure(geometry.outputs(module, held), geometry.outputs(result.module, held))
+        selection.heldout_rows = sum(len(b[0]) for b in held if b and hasattr(b[0], "__len__"))
+    result.report = dataclasses.replace(result.report, approx=selection)
+    result.criterion = "approximate: not verified as equivalent; its error measured against the budget"
+    return result
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",
                 defer: str = "off", verify: bool = True, norm: str = "auto", dynamic: bool = True,
-                gamma_into_readers: bool = False, rotate: Optional[str] = None, seed: int = 0) -> FoldResult:
+                gamma_into_readers: bool = False, rotate: Optional[str] = None, seed: int = 0,
+                calibration=None, budget: Optional[float] = None, heldout=None,
+                metric: Optional[Callable] = None) -> FoldResult:
     """Fold every foldable LayerNorm of `module`; the module and its parameters are not modified.
 
     Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
@@ -204,6 +272,10 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     when no LayerNorm can be folded and VerificationError when the folded module's outputs on
     `args` differ from the original's.
     """
+    if mode == approx.MODE:  # NOT exact: see fold_approx
+        approx.check_not_rotated(gamma_into_readers, rotate)
+        return fold_approx(module, args, kwargs, calibration=calibration, budget=budget, heldout=heldout,
+                           metric=metric, defer=defer, verify=verify, dynamic=dynamic)
     opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
                        rotate=rotate, seed=seed)
     check_choice("norm", norm, ("auto",) + NORMS)

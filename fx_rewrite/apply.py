@@ -165,6 +165,12 @@ class Applier:
             else:
                 self._swap(self.nodes[name], plan.emits_beta_add(name), name in plan.unit_gamma,
                            name in plan.rotated_norms)
+        for name in plan.approx:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
+            node = self.nodes[name]
+            if node.name in self.info.decomposed:
+                self._swap(node, True, False, False)
+            else:  # even where folded norms stay layer_norm: on this stream only rms_norm is the swap
+                swap_norm(self.graph, node, self.dialect, True)
         crms.patch_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))

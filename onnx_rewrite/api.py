@@ -17,7 +17,10 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, Report, Verificatio
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest
+from ..passes import approx
+from ..passes.approx import METADATA_KEY as APPROX_KEY, MODE as APPROX_MODE
 
+from . import approx as approx_io
 from . import read, subgraphs, targets, validate, write
 from . import verify as verification
 from .classify import GraphInfo, build_view
@@ -87,6 +90,7 @@ class OnnxFrontend:
         self.layout = layout  # where `output` keeps its weights (write.data_layout: the input's layout)
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
         self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
+        self.approx: frozenset = frozenset()  # mode "rms-approx": the kept norms to swap (onnx_rewrite/approx.py)
 
     def view(self) -> View:
         need = self.target.opset
@@ -113,7 +117,7 @@ class OnnxFrontend:
         return PlanRequest(self.opts.mode, self.opts.defer, self.target.capabilities(),
                            zero=lambda name: _all_zero(self.info, name),
                            gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
-                           seed=self.opts.seed)
+                           seed=self.opts.seed, approx=self.approx)
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms:
@@ -132,7 +136,12 @@ class OnnxFrontend:
         else:
             emitters[0].apply(plan, self.matches)
         self.notes = [n for e in emitters for n in e.notes]
-        return _export(self.graph, self.work)
+        out = _export(self.graph, self.work)
+        if plan.approx:  # whoever loads the file can tell it is not the original's function
+            out.metadata_props.append(onnx.StringStringEntryProto(key=APPROX_KEY, value=(
+                f"NOT exactly equivalent: {len(plan.approx)} LayerNorm(s) that cannot be folded were swapped to "
+                f"RMSNorm under a measured error budget (lnfold --mode rms-approx): {', '.join(plan.approx)}")))
+        return out
 
     def emit(self, folded: onnx.ModelProto):
         if self.output is None:
@@ -141,6 +150,8 @@ class OnnxFrontend:
         return write.staged(folded, self.output, layout=self.layout)
 
     def verify(self, plan: Plan, artifact):
+        if plan.approx:  # not exact by design: its error was measured against the budget (approx.py)
+            return None
         if self.output is not None:  # the files just written, against the input's
             pipeline.stage(self.progress, "verifying in onnxruntime")
             return check_equivalent(self.source, artifact, inputs=self.inputs, dims=self.dims)
@@ -164,12 +175,24 @@ def _all_zero(info: GraphInfo, name: str) -> bool:
     return v is not None and not np.any(np.asarray(v))
 
 
-def analyze_model(model: onnx.ModelProto, *, mode: str = "rms") -> Report:
-    """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one."""
+def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None, angles: bool = False,
+                  dims: Optional[dict] = None) -> Report:
+    """The report alone: every LayerNorm of `model`, its verdict and the reason for each kept one.
+
+    With `calibration` (a dict name -> array, or an .npz path) or `angles=True` (made-up inputs)
+    `report.geometry` holds each norm's angle to 1 before and, for folded norms, after the fold
+    (passes/geometry.py)."""
     opts = FoldOptions(mode=mode)
     model = _as_model(model)
     with _graphsurgeon_errors_only():
-        report = _analyze(model, opts.mode)[4].report
+        frontend = OnnxFrontend(model, opts, targets.resolve("ort", "cpu"))
+        view, plan = pipeline.plan(frontend, make_plan)
+        report = plan.report
+        if calibration is not None or angles:
+            from . import geometry
+
+            report = dataclasses.replace(report, geometry=geometry.measure(
+                model, view, report.verdicts(), lambda: fold_model(model, verify=False).model, calibration, dims=dims))
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
 
@@ -188,6 +211,10 @@ def fold_model(
     gamma_into_readers: bool = False,
     rotate: Optional[str] = None,
     seed: int = 0,
+    calibration=None,
+    budget: Optional[float] = None,
+    heldout=None,
+    metric: Optional[Callable] = None,
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
@@ -216,6 +243,12 @@ def fold_model(
     readers can all absorb it by an orthogonal Q drawn from `seed` (passes/rotate.py;
     `report.streams[k].rotation` says which were and why not). Both are exact and verified.
 
+    `mode="rms-approx"` (NOT exact; passes/approx.py): after the exact fold, norms that cannot be
+    folded are swapped for RMSNorm (β kept) while the outputs' relative error on `calibration`
+    (a dict or an .npz path) stays <= `budget`, greedily by measured effect; `metric(reference
+    outputs, outputs) -> error` replaces the relative error; the error on `heldout` (default: the
+    calibration batch's second half, which then does not decide) is in `report.approx`.
+
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
     model is less exact than the original allows. Models over 2 GB are verified by `fold_file`
     from the files it writes (`verify` is ignored for them here). `verify_outputs` is the old
@@ -224,6 +257,10 @@ def fold_model(
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
         verify = verify_outputs
+    if mode == APPROX_MODE:
+        approx.check_not_rotated(gamma_into_readers, rotate)
+        return fold_approx(_as_model(model), calibration=calibration, budget=budget, heldout=heldout, metric=metric,
+                           defer=defer, verify=verify, target=target, device=device, progress=progress)
     opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
                        rotate=rotate, seed=seed)
     tgt = targets.resolve(target, device)
@@ -249,6 +286,49 @@ def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str
     return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
                                   layout=layout),
                  progress)
+
+
+def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, metric=None, defer: str = "off",
+                verify: bool = True, target: str = "ort", device: str = "cpu", progress: Progress = None,
+                output=None, source=None, layout=None) -> FoldResult:
+    """Mode "rms-approx" (see fold_model): the exact fold, verified as always, then the kept norms
+    swapped under the budget (passes/approx.choose decides; each try is a plan with
+    `PlanRequest.approx`, applied and run in onnxruntime). Written to `output` when given."""
+    budget = approx.check_budget(budget)
+    approx.check_calibration(calibration)
+    opts = FoldOptions(defer=defer, verify=verify)
+    tgt = targets.resolve(target, device)
+    feeds, held = approx_io.calibration_split(model, calibration, heldout)
+    measure = metric or approx.relative_error
+
+    def build(names: frozenset) -> onnx.ModelProto:
+        frontend = OnnxFrontend(model, FoldOptions(defer=defer, verify=False), tgt)
+        frontend.approx = names
+        return _fold(frontend, None).model
+
+    with _graphsurgeon_errors_only():
+        view, plan = pipeline.plan(OnnxFrontend(model, opts, tgt), make_plan)
+    if plan.swaps and opts.verify:  # the exact part is judged by the gate, as in every fold
+        pipeline.stage(progress, "verifying the exact fold")
+        _fold(OnnxFrontend(model, opts, tgt, inputs=feeds), None)
+    verdicts = plan.report.verdicts()
+    candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]
+    reference = approx_io.run(model, feeds)
+    pipeline.stage(progress, f"measuring {len(candidates)} candidate norm(s) on the calibration inputs")
+    selection = approx.choose(candidates, lambda names: measure(reference, approx_io.run(build(names), feeds)),
+                              budget, "relative output error" if metric is None else getattr(metric, "__name__", "metric"))
+    selection.calibration_rows = len(next(iter(feeds.values()))) if feeds else 0
+    frontend = OnnxFrontend(model, FoldOptions(defer=defer, verify=False), tgt, output=output, source=source,
+                            layout=layout, progress=progress)
+    frontend.approx = selection.names
+    result = _fold(frontend, progress)
+    if held is not None:
+        folded = result.model if output is None else read.load(output)
+        selection.heldout = measure(approx_io.run(model, held), approx_io.run(folded, held))
+        selection.heldout_rows = len(next(iter(held.values()))) if held else 0
+    result.report = dataclasses.replace(result.report, approx=selection)
+    result.criterion = "approximate: not verified as equivalent; its error measured against the budget"
+    return result
 
 
 def _fold(frontend: OnnxFrontend, progress: Progress) -> FoldResult:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..passes import LnfoldError, VerificationError, gate
+from ..passes.approx import MODE as APPROX_MODE
 from ..passes.options import DEFER_POLICIES, MODES, ROTATIONS
 from .targets import DEVICES, names as target_names
 
@@ -64,7 +65,16 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("-o", "--output",
                    help="where to write the folded model (default: X.folded.onnx beside X.onnx; for a folder "
                         "DIR, DIR.folded); a model with external data comes back with its data file")
-    f.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    f.add_argument("--mode", choices=MODES + (APPROX_MODE,), default="rms",
+                   help=_MODE_HELP + f"; {APPROX_MODE}: NOT exact — after the exact fold, norms that cannot be folded "
+                                     "are swapped to RMSNorm while the outputs' relative error on --calibrate stays "
+                                     "within --budget (the written model's metadata says so)")
+    f.add_argument("--calibrate", metavar="FILE.npz",
+                   help=f"--mode {APPROX_MODE}: the inputs the budget is measured on (its batch's second half, or "
+                        "--heldout, only reports)")
+    f.add_argument("--budget", type=float, metavar="B",
+                   help=f"--mode {APPROX_MODE}: the largest relative output error allowed (0: exact folds only)")
+    f.add_argument("--heldout", metavar="FILE.npz", help=f"--mode {APPROX_MODE}: held-out inputs the error is reported on")
     f.add_argument("--target", choices=target_names(), default="ort", help=_TARGET_HELP)
     f.add_argument("--device", choices=DEVICES, default="cpu",
                    help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
@@ -94,6 +104,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
     r.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    r.add_argument("--calibrate", metavar="FILE.npz",
+                   help="measure each norm's input on these inputs (an .npz, one array per model input): its angle "
+                        "to the uniform vector 1 (mean, spread, worst) and |mean|/rms, before and after the fold")
+    r.add_argument("--angles", action="store_true",
+                   help="the same angles on made-up inputs when there is no --calibrate (they then mean little)")
+    r.add_argument("--plot", metavar="FILE.svg|png",
+                   help="draw the angles per norm, before and after the fold (needs matplotlib: lnfold[plot])")
 
     b = sub.add_parser("bench", help="time a model against its folded copy in onnxruntime (CPU)")
     b.add_argument("original", help="the ONNX model before the fold")
@@ -187,6 +204,8 @@ def fold_file(src: Path, dst: Path, args):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
+    if args.mode == APPROX_MODE or args.budget is not None or args.calibrate:
+        return _fold_approx(src, model, dst, args, progress, layout)
     result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
                           defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
                           progress=progress, layout=layout, gamma_into_readers=args.gamma_into_readers,
@@ -194,16 +213,39 @@ def fold_file(src: Path, dst: Path, args):
     return result
 
 
+def _fold_approx(src: Path, model, dst: Path, args, progress, layout):
+    from ..passes import approx
+    from .api import fold_approx
+
+    if args.mode != APPROX_MODE:
+        raise LnfoldError(f"--calibrate and --budget belong to --mode {APPROX_MODE}")
+    approx.check_budget(args.budget)
+    approx.check_calibration(args.calibrate)
+    approx.check_not_rotated(args.gamma_into_readers, args.rotate)
+    return fold_approx(model, calibration=args.calibrate, budget=args.budget, heldout=args.heldout, defer=args.defer,
+                       verify=not args.no_verify, target=args.target, device=args.device, progress=progress,
+                       output=dst, source=src, layout=layout)
+
+
 def cmd_report(args) -> int:
     from .api import analyze_model
     from .read import load
     from .validate import no_norm_message
 
+    if args.plot:
+        from ..passes.geometry_plot import check_path
+
+        check_path(args.plot)  # a bad path is the user's error before any work
     model = load(args.input, lazy=True)
-    report = analyze_model(model, mode=args.mode)
+    report = analyze_model(model, mode=args.mode, calibration=args.calibrate,
+                           angles=bool(args.angles or args.plot))
     # a folded model's RMSNorms, or chains that almost are LayerNorms: something to report (exit 0)
     if not report.norms and not report.rms_norms and not report.near_misses:
         raise LnfoldError(no_norm_message(model))
+    if args.plot and report.geometry is not None:
+        from ..passes.geometry_plot import plot
+
+        plot(report.geometry, args.plot, Path(args.input).stem)
     print(report.to_json(indent=2) if args.json else report.table())
     return 0
 

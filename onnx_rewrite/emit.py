@@ -88,6 +88,8 @@ class Emitter:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
                 self._swap(matches[name], plan.emits_beta_add(name), name in fuse, name in plan.unit_gamma)
+        for name in plan.approx:  # not exact (passes/approx.py): an RMSNorm on the uncentered stream, β kept
+            self._swap(matches[name], True, False, False)
         if self.retyped:
             (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
             self.notes.append(

@@ -126,6 +126,12 @@ def fold_summary(result, args, elapsed: float) -> dict:
 
 
 def verification_line(result, args) -> str:
+    if result.report.approx is not None:  # not exact by design: what was measured instead
+        a = result.report.approx
+        held = "" if a.heldout is None else f", held-out {a.heldout:.3g}"
+        return (f"APPROXIMATE, not equivalent: relative output error {a.total:.3g} on the calibration inputs "
+                f"(budget {a.budget:g}){held}; the exact fold " + ("not verified (--no-verify)" if args.no_verify
+                                                                    else "verified before the swap"))
     if args.no_verify:
         return "skipped (--no-verify)"
     verdict = gate.Verdict(True, result.criterion, result.max_rel_err, result.exact_err, result.original_exact_err,

@@ -195,7 +195,8 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
                     recenters=tuple(replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)),
                     betas={local(n): b for n, b in plan.betas.items() if mine(n)},
                     fuse_residual=tuple(local(n) for n in plan.fuse_residual if mine(n)),
-                    gammas={local(n): g for n, g in plan.gammas.items() if mine(n)}, **main)
+                    gammas={local(n): g for n, g in plan.gammas.items() if mine(n)},
+                    approx=tuple(local(n) for n in plan.approx if mine(n)), **main)
         em.apply(part, matches if sc is None else sc.matches)
 
 

@@ -26,6 +26,7 @@ from .gamma import GammaFold
 from .rotate import StreamRotation, plan_rotation
 from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
                     Recenter, Rotate, Scale)
+from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
 from .rules import kind_of
@@ -68,10 +69,11 @@ class Plan:
         """The norms of rotated streams whose input is no longer zero-mean (Q·1 ≠ 1): they must be
         emitted as RMSNorms, never as a LayerNorm on the (formerly) centered stream."""
         return frozenset(n for r in self.rotations if r.rotated and not r.keeps_mean for n in r.norms)
+    approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
 
     @property
     def empty(self) -> bool:
-        return not self.swaps
+        return not self.swaps and not self.approx
 
     @property
     def plain_rms(self) -> list[str]:
@@ -172,7 +174,29 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
         plan.report.notes.append("deferred normalization is off: γ goes into the readers (gamma_into_readers)")
     deferral = plan_deferral(view, plan, defer, caps.costs)
     _defer(view, plan, deferral)
-    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped)
+    approx = approximate(view, plan.report, request.approx)
+    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx)
+
+
+def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
+    """Mode "rms-approx": the kept norms of `names` become RMSNorms with their β (not exact; the
+    choice and its measured error are passes/approx.py's). A folded norm is exact already; a norm
+    that is no single-axis LayerNorm cannot be swapped."""
+    if not names:
+        return FrozenList()
+    verdicts = {v.name: v for v in report.norms}
+    unknown = sorted(n for n in names if n not in verdicts)
+    if unknown:
+        raise LnfoldError(f"approximate swap: `{unknown[0]}` is not a LayerNorm of the model")
+    out = []
+    for node in view.norms():
+        v = verdicts[node.name]
+        if node.name in names and v.verdict == "keep" and not node.norm_rejection:
+            v.verdict = "approx"
+            v.reason = "swapped to RMSNorm although its input keeps its mean: NOT exact (" + v.reason + ")"
+            v.beta = "kept as an Add"
+            out.append(node.name)
+    return FrozenList(out)
 
 
 def _unswapped(plan: _Draft, caps: Capabilities) -> list[str]:

@@ -76,6 +76,8 @@ class Report:
     compression: list[CompressionVerdict] = field(default_factory=list)  # mode="crms", per component
     near_misses: list[NearMiss] = field(default_factory=list)
     rms_norms: list[RmsNorm] = field(default_factory=list)  # already RMSNorm (the ONNX frontend's analyze_model)
+    geometry: Optional[object] = None  # passes/geometry.Geometry: each norm's angle to 1 (report --calibrate)
+    approx: Optional[object] = None  # passes/approx.Selection: the norms swapped without being exact
 
     @property
     def compressed(self) -> int:
@@ -89,6 +91,11 @@ class Report:
     @property
     def kept(self) -> int:
         return sum(n.verdict == "keep" for n in self.norms)
+
+    @property
+    def approximated(self) -> int:
+        """Norms swapped to RMSNorm without an exact fold (mode "rms-approx", passes/approx.py)."""
+        return sum(n.verdict == "approx" for n in self.norms)
 
     def verdicts(self) -> dict[str, str]:
         return {n.name: n.verdict for n in self.norms}
@@ -105,6 +112,8 @@ class Report:
             "compression": [asdict(c) for c in self.compression],
             "near_misses": [asdict(m) for m in self.near_misses],
             "rms_norms": [asdict(r) for r in self.rms_norms],
+            **({"geometry": self.geometry.to_dict()} if self.geometry is not None else {}),
+            **({"approximate": self.approx.to_dict()} if self.approx is not None else {}),
         }
 
     def with_notes(self, notes) -> "Report":
@@ -139,8 +148,9 @@ class Report:
 
     def summary(self) -> str:
         rms = f"; {len(self.rms_norms)} already RMSNorm" if self.rms_norms else ""
+        approx = f" exactly, {self.approximated} swapped approximately (NOT exact)" if self.approximated else ""
         return (
-            f"{len(self.norms)} LayerNorm(s): {self.folded} folded, {self.kept} kept, "
+            f"{len(self.norms)} LayerNorm(s): {self.folded} folded{approx}, {self.kept} kept, "
             f"{self.recentered} recenter(s) inserted{rms}"
         )
 
@@ -179,6 +189,10 @@ class Report:
         if self.near_misses:
             lines.append(self._near_miss_lines(width))
         lines.extend(f"note: {t}" for t in self.notes)
+        if self.approx is not None:
+            lines.append(self.approx.table())
+        if self.geometry is not None:
+            lines.append(self.geometry.table(lambda s: clip_middle(s, NAME_WIDTH).ljust(min(w, NAME_WIDTH))))
         return "\n".join(lines)
 
     def near_miss_hint(self) -> str:
@@ -198,7 +212,7 @@ class Report:
 
     def _how(self, n: NormVerdict) -> str:
         """A kept norm's reason; for a folded one, what the fold edited."""
-        if n.verdict == "keep":
+        if n.verdict in ("keep", "approx"):  # approx: swapped, not exact (its reason says so)
             return n.reason
         s = self.streams[n.stream] if n.stream is not None and n.stream < len(self.streams) else None
         parts = [f"stream {n.stream + 1}" if n.stream is not None else "folded"]

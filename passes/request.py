@@ -51,6 +51,9 @@ class PlanRequest:
     gamma_into_readers: bool = False  # γ (and β) into the readers' weights (passes/gamma.py)
     rotate: Optional[str] = None  # a stream rotation (passes/rotate.py); implies gamma_into_readers
     seed: int = 0
+    # mode "rms-approx" (passes/approx.py): kept norms to swap for RMSNorm although they cannot be
+    # folded exactly (NOT exact; chosen under a measured error budget). Empty: exact folds only.
+    approx: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)

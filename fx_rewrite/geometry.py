@@ -1,0 +1,73 @@
+"""Capture each LayerNorm's input in an FX graph (passes/geometry.py computes the angles), and run
+a graph module on calibration batches (the approximate swap's measurements)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import fx
+
+from .hf import pytree
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, names: set[str]) -> None:
+        super().__init__(gm)
+        self.names, self.seen = names, {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.name in self.names and isinstance(out, torch.Tensor):
+            self.seen[n.name] = out.detach().to(torch.float64).cpu().numpy()
+        return out
+
+
+def capture(gm: fx.GraphModule, names: list[str], batches: list[tuple]) -> dict[str, list[np.ndarray]]:
+    """name -> one array per batch: the values of nodes `names` when `gm` runs on each args tuple."""
+    out: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    with torch.no_grad():
+        for args in batches:
+            rec = _Recorder(gm, set(names))
+            rec.run(*args)
+            for n, v in rec.seen.items():
+                out[n].append(v)
+    return {n: v for n, v in out.items() if v}
+
+
+def batches_of(calibration, args: tuple) -> tuple[list[tuple], bool]:
+    """(list of args tuples, synthetic): calibration as one args tuple or a list of them; None:
+    the example `args` (not data the model was trained on: the report says the figures mean little)."""
+    if calibration is None:
+        return [tuple(args)], True
+    if isinstance(calibration, tuple):
+        return [calibration], False
+    return [tuple(c) if isinstance(c, (tuple, list)) else (c,) for c in calibration], False
+
+
+def outputs(module, batches: list[tuple]) -> list[np.ndarray]:
+    """The module's float outputs (flattened) over the batches, each joined along its first axis."""
+    parts = []
+    with torch.no_grad():
+        for args in batches:
+            leaves = [t for t in pytree.tree_leaves(module(*args)) if isinstance(t, torch.Tensor)]
+            parts.append([t.detach().to(torch.float64).cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
+                          for t in leaves])
+    return [np.concatenate(o, axis=0) if np.ndim(o[0]) else np.stack(o) for o in zip(*parts)]
+
+
+def split(batches: list[tuple], heldout: Optional[list]) -> tuple[list[tuple], Optional[list[tuple]]]:
+    """(calibration, held-out): the held-out batches given, else the second half of the batches,
+    or of each batch's rows where there is one batch (None: a single row)."""
+    if heldout is not None:
+        return batches, batches_of(heldout, ())[0]
+    if len(batches) >= 2:
+        h = (len(batches) + 1) // 2
+        return batches[:h], batches[h:]
+    (args,) = batches
+    rows = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.ndim}
+    if len(rows) != 1 or min(rows) < 2:
+        return batches, None
+    h = (rows.pop() + 1) // 2
+    cut = lambda lo, hi: tuple(a[lo:hi] if isinstance(a, torch.Tensor) and a.ndim else a for a in args)  # noqa: E731
+    return [cut(0, h)], [cut(h, None)]

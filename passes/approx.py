@@ -1,0 +1,152 @@
+"""The approximate swap (mode "rms-approx"): LayerNorms that cannot be folded, swapped for RMSNorm
+anyway, only where the measured error stays within a budget. NOT exact, and every place it shows
+says so.
+
+Where a norm's stream cannot be centered (a Post-LN block: a linear layer reads the sum), its
+input still has a mean, and RMSNorm(x) differs from LN(x) by that mean (DESIGN §1, Lemma 2). In
+trained models the mean is small (seed 003: the inputs are nearly orthogonal to 1; our angles:
+passes/geometry.py), so the swap may cost little. How little is measured, never assumed:
+
+- the user gives calibration inputs and a budget: the largest relative error of the outputs
+  (`relative_error`: ‖y' − y‖ / ‖y‖ per output, the worst output), or a metric of their own;
+- `choose` measures each candidate norm swapped alone, then adds them greedily, smallest effect
+  first, keeping a norm only while the error of the whole selection stays within the budget
+  (so the result never exceeds it on the calibration data); budget 0 swaps nothing;
+- the error on a held-out part of the inputs (not used to choose) is reported next to the budget.
+
+The choice is a set of norm names: the plan's `PlanRequest.approx` (make_plan marks them
+"approx", keeps their β as an Add, and lists them in `Plan.approx`); the frontends apply it like
+a swap, and write that the model is not exactly equivalent (ONNX: metadata_props
+`lnfold_approximate`). The exact fold of the foldable norms stays as it is and stays verified.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from .errors import LnfoldError
+
+MODE = "rms-approx"
+METADATA_KEY = "lnfold_approximate"
+
+# metric(reference outputs, approximate outputs) -> error (0 = the same); the default is `relative_error`
+Metric = Callable[[Sequence[np.ndarray], Sequence[np.ndarray]], float]
+
+
+def check_budget(budget) -> float:
+    """The budget as a float >= 0; a missing or bad one is a one-line error (the approximate swap
+    never runs without one)."""
+    if budget is None:
+        raise LnfoldError(f"--mode {MODE} needs an error budget (--budget B, e.g. 0.01; API: budget=): "
+                          "it swaps norms that cannot be folded exactly, and only within a measured budget")
+    try:
+        b = float(budget)
+    except (TypeError, ValueError):
+        raise LnfoldError(f"budget must be a number >= 0, got {budget!r}") from None
+    if not math.isfinite(b) or b < 0:
+        raise LnfoldError(f"budget must be a finite number >= 0, got {budget!r}")
+    return b
+
+
+def check_calibration(calibration) -> None:
+    if calibration is None:
+        raise LnfoldError(f"--mode {MODE} needs calibration inputs (--calibrate FILE.npz; API: calibration=): "
+                          "the error budget is measured on them")
+
+
+def check_not_rotated(gamma_into_readers, rotate) -> None:
+    """The approximate swap keeps β and γ on kept norms' uncentered streams; it is not combined
+    with γ into the readers or a rotation (both assume every swapped norm's input is zero-mean)."""
+    if rotate is not None or gamma_into_readers:
+        raise LnfoldError(f"--mode {MODE} is not combined with --gamma-into-readers or --rotate "
+                          "(they need exactly folded norms)")
+
+
+def relative_error(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
+    """The worst output's ‖y' − y‖ / ‖y‖ (float64; non-float outputs are skipped)."""
+    worst = 0.0
+    for y, z in zip(reference, outputs):
+        y, z = np.asarray(y), np.asarray(z)
+        if not np.issubdtype(y.dtype, np.floating):
+            continue
+        y, z = y.astype(np.float64), z.astype(np.float64)
+        ok = np.isfinite(y)
+        den = float(np.linalg.norm(y[ok]))
+        num = float(np.linalg.norm(z[ok] - y[ok]))
+        worst = max(worst, num / den if den > 0 else num)
+    return worst
+
+
+@dataclass
+class Swap:
+    name: str
+    alone: float  # the error with this norm alone swapped
+    added: float = 0.0  # how much the total grew when it joined the selection
+    total: float = 0.0  # the selection's error right after it joined (or when it was tried)
+    reason: str = ""  # refused: why
+
+
+@dataclass
+class Selection:
+    """What the approximate swap decided and measured."""
+
+    budget: float
+    metric: str
+    swapped: list[Swap] = field(default_factory=list)  # in the order they joined
+    refused: list[Swap] = field(default_factory=list)
+    total: float = 0.0  # calibration error of the selection (<= budget)
+    heldout: Optional[float] = None  # its error on the held-out inputs (None: none given / split)
+    calibration_rows: int = 0
+    heldout_rows: int = 0
+
+    @property
+    def names(self) -> frozenset:
+        return frozenset(s.name for s in self.swapped)
+
+    def to_dict(self) -> dict:
+        return {"exact": False, **asdict(self)}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def table(self) -> str:
+        held = "no held-out inputs" if self.heldout is None else f"held-out error {self.heldout:.3g} ({self.heldout_rows} rows)"
+        lines = [f"APPROXIMATE (not exactly equivalent): {len(self.swapped)} kept LayerNorm(s) swapped to RMSNorm; "
+                 f"{self.metric} on calibration {self.total:.3g} <= budget {self.budget:g} ({self.calibration_rows} rows); "
+                 f"{held}"]
+        for s in self.swapped:
+            lines.append(f"  swapped  {s.name}: alone {s.alone:.3g}, added {s.added:.3g} (total {s.total:.3g})")
+        for s in self.refused:
+            lines.append(f"  kept     {s.name}: {s.reason}")
+        return "\n".join(lines)
+
+
+def choose(candidates: Iterable[str], error: Callable[[frozenset], float], budget: float,
+           metric: str = "relative output error") -> Selection:
+    """Greedy by measured effect: each candidate alone, then smallest first, each kept only while
+    the error of everything chosen so far stays <= `budget` (measured, not added up)."""
+    budget = check_budget(budget)
+    sel = Selection(budget, metric)
+    candidates = list(dict.fromkeys(candidates))
+    if budget == 0:  # exact only: nothing is measured, nothing swapped
+        sel.refused = [Swap(n, float("nan"), reason="budget 0: exact folds only") for n in candidates]
+        return sel
+    alone = {n: error(frozenset([n])) for n in candidates}
+    chosen: list[str] = []
+    for n in sorted(candidates, key=lambda n: (not math.isfinite(alone[n]), alone[n])):
+        if not alone[n] <= budget:
+            sel.refused.append(Swap(n, alone[n], reason=f"alone it costs {alone[n]:.3g} > budget {budget:g}"))
+            continue
+        total = alone[n] if not chosen else error(frozenset(chosen + [n]))
+        if total <= budget:
+            sel.swapped.append(Swap(n, alone[n], total - sel.total, total))
+            sel.total = total
+            chosen.append(n)
+        else:
+            sel.refused.append(Swap(n, alone[n], total=total, reason=f"with the {len(chosen)} swapped before it the "
+                                                                     f"error would be {total:.3g} > budget {budget:g}"))
+    return sel

@@ -1,0 +1,160 @@
+"""Where each LayerNorm's input points: its angle to the uniform vector 1 (seed 003).
+
+LayerNorm removes the component of its input along `1`; seed 003 (its Figure 3) measures, per
+layer of trained LLMs, the angle between the hidden vector reaching a norm and `1`: ≈ 90° with a
+spread of a few degrees, i.e. the mean subtraction removes almost nothing. For one row `x ∈ ℝᵈ`
+
+    cos θ = 1ᵀx / (‖1‖ ‖x‖) = μ(x) √d / ‖x‖ = μ(x) / rms(x)
+
+so the angle and |mean|/rms are one quantity seen two ways: 90° ⇔ a zero mean. A folded norm
+reads a zero-mean stream (DESIGN §1), so after the fold its angle is 90° by construction: a
+built-in sanity check. Statistics only: the frontends capture each norm's input on calibration
+data (onnx_rewrite/geometry.py, fx_rewrite/geometry.py) and hand the arrays here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+
+from .view import View
+
+# Made-up inputs (random token ids, noise pixels) are not what the model was trained on.
+SYNTHETIC_NOTE = ("no calibration data: the inputs were made up (random ids / noise), so these angles say "
+                  "little about the model on real data; pass --calibrate FILE.npz")
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """A norm's input as the view names it: the value to capture and its feature axis."""
+
+    norm: str
+    value: str
+    axis: int
+
+
+@dataclass
+class AngleStats:
+    """Over the rows (tokens) of one norm's input: the angle to 1 in degrees and |mean|/rms."""
+
+    rows: int
+    mean_deg: float
+    std_deg: float
+    worst_deg: float  # the row farthest from 90°
+    mean_over_rms: float  # mean over rows of |μ(x)| / rms(x)
+
+    def line(self) -> str:
+        return f"{self.mean_deg:6.2f}° ± {self.std_deg:4.2f}  worst {self.worst_deg:6.2f}°  |μ|/rms {self.mean_over_rms:.3f}"
+
+
+@dataclass
+class NormGeometry:
+    name: str
+    verdict: str  # the plan's: "fold", "keep" (or "approx")
+    before: Optional[AngleStats] = None
+    after: Optional[AngleStats] = None  # folded norms: the folded model's input to the norm
+    note: str = ""
+
+
+@dataclass
+class Geometry:
+    """Every norm's angle statistics in graph order; `synthetic`: the inputs were made up."""
+
+    norms: list[NormGeometry] = field(default_factory=list)
+    synthetic: bool = False
+    rows: int = 0
+
+    def to_dict(self) -> dict:
+        return {"synthetic": self.synthetic, "rows": self.rows, "note": SYNTHETIC_NOTE if self.synthetic else "",
+                "norms": [asdict(n) for n in self.norms]}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def table(self, clip=lambda s: s) -> str:
+        lines = [f"angle between each norm's input and 1 over {self.rows} row(s) (90° = zero mean; seed 003)"]
+        for n in self.norms:
+            before = n.before.line() if n.before else f"not measured ({n.note})"
+            lines.append(f"  {clip(n.name)}  {n.verdict:<6} before {before}")
+            if n.after is not None:
+                lines.append(f"  {' ' * len(clip(n.name))}  {'':<6} after  {n.after.line()}")
+        if self.synthetic:
+            lines.append(f"note: {SYNTHETIC_NOTE}")
+        return "\n".join(lines)
+
+
+def norm_inputs(view: View) -> list[NormInput]:
+    """Each LayerNorm of the view, in graph order, with the value it normalizes and its axis."""
+    out = []
+    for node in view.norms():
+        spec = node.norm
+        x = node.inputs[spec.input]
+        rank = view.values[x].rank
+        axis = spec.axis if rank is None or spec.axis >= 0 else spec.axis + rank
+        out.append(NormInput(node.name, x, axis))
+    return out
+
+
+def angle_stats(rows: Iterable[np.ndarray], axis: int = -1) -> AngleStats:
+    """The angle statistics of the rows of `x` along `axis` (the feature axis), in float64. Rows
+    of all zeros (padding) have no direction and are left out."""
+    cos = []
+    for x in rows:
+        x = np.moveaxis(np.asarray(x, dtype=np.float64), axis, -1)
+        x = x.reshape(-1, x.shape[-1])
+        mean = x.mean(axis=1)
+        rms = np.sqrt((x * x).mean(axis=1))
+        ok = rms > 0
+        cos.append(mean[ok] / rms[ok])
+    c = np.clip(np.concatenate(cos) if cos else np.zeros(0), -1.0, 1.0)
+    if c.size == 0:
+        return AngleStats(0, float("nan"), float("nan"), float("nan"), float("nan"))
+    deg = np.degrees(np.arccos(c))
+    worst = deg[np.argmax(np.abs(deg - 90.0))]
+    return AngleStats(int(c.size), float(deg.mean()), float(deg.std()), float(worst), float(np.abs(c).mean()))
+
+
+def geometry(view: View, verdicts: dict[str, str], before: dict[str, list], after: Optional[dict[str, list]] = None,
+             *, synthetic: bool = False) -> Geometry:
+    """The report's geometry: `before[value]` / `after[value]` are the captured batches of each
+    norm input (the folded model's values for its folded norms), `verdicts` the plan's."""
+    g = Geometry(synthetic=synthetic)
+    for ni in norm_inputs(view):
+        verdict = verdicts.get(ni.norm, "keep")
+        ng = NormGeometry(ni.norm, verdict)
+        if before.get(ni.value):
+            ng.before = angle_stats(before[ni.value], ni.axis)
+            g.rows = max(g.rows, ng.before.rows)
+        else:
+            ng.note = f"its input `{ni.value}` is not a tensor the model computes by itself (a fused op's part)"
+        if after is not None and verdict == "fold" and after.get(ni.value):
+            ng.after = angle_stats(after[ni.value], ni.axis)
+        g.norms.append(ng)
+    return g
+
+
+def batch_rows(feeds: dict) -> Optional[int]:
+    """The first axis all inputs share (the batch), or None when they do not share one."""
+    sizes = {np.shape(a)[0] for a in feeds.values() if np.ndim(a) >= 1}
+    return sizes.pop() if len(sizes) == 1 and all(np.ndim(a) >= 1 for a in feeds.values()) else None
+
+
+def chunks(feeds: dict, rows: int = 16) -> list[dict]:
+    """`feeds` cut along the batch axis into pieces of at most `rows` (memory: each norm's input
+    is kept); whole where the inputs share no batch axis."""
+    n = batch_rows(feeds)
+    if n is None or n <= rows:
+        return [feeds]
+    return [{k: a[i:i + rows] for k, a in feeds.items()} for i in range(0, n, rows)]
+
+
+def split_heldout(feeds: dict) -> tuple[dict, Optional[dict]]:
+    """(calibration, held-out): the batch's first half decides, the second half only reports.
+    No held-out part where the batch has fewer than two rows or there is no shared batch axis."""
+    n = batch_rows(feeds)
+    if n is None or n < 2:
+        return feeds, None
+    h = (n + 1) // 2
+    return {k: a[:h] for k, a in feeds.items()}, {k: a[h:] for k, a in feeds.items()}
