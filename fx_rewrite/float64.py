@@ -9,7 +9,7 @@ computes in float64.
 from __future__ import annotations
 
 import torch
-from .hf import pytree
+from .hf import disable_dispatch_modes, pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -41,3 +41,10 @@ class Float64Everywhere(TorchDispatchMode):
 
         args, kwargs = pytree.tree_map(up, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def suspended():
+    """A block in which no dispatch mode runs (Float64Everywhere included): a checkpoint's tensors
+    are read from their files there, in their stored dtype, while a float64 run is under way
+    (fx_rewrite/checkpoint_verify.py loads each module's weights as the module is reached)."""
+    return disable_dispatch_modes()
