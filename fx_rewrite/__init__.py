@@ -9,7 +9,7 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, Report, Verificatio
 
 from .api import analyze_module, check_equivalent, fold_module
 from .backend import lnfold_backend, lnfold_backend_with, register
-from .checkpoint import fold_checkpoint
+from .checkpoint_fold import fold_checkpoint
 from .train import TrainingFold, fold_for_training, unfold_for_training
 
 register()

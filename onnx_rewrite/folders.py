@@ -9,7 +9,7 @@ place once every file is written, so a failure leaves nothing behind.
 
 A `transformers` checkpoint folder (config.json with model.safetensors or a shard index, no ONNX
 file) is another kind of folder, told apart by its contents: the torch frontend folds it shard by
-shard (fx_rewrite/checkpoint.py, `fold_checkpoint_folder` below; issue 25).
+shard (fx_rewrite/checkpoint_fold.py, `fold_checkpoint_folder` below; issue 25).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def is_transformers_checkpoint(folder: Path) -> bool:
 def fold_checkpoint_folder(src: Path, dst: Path | None, args) -> int:
     """`lnfold fold CHECKPOINT_DIR`: the torch frontend folds it shard by shard (issue 25)."""
     try:
-        from ..fx_rewrite.checkpoint import fold_checkpoint
+        from ..fx_rewrite.checkpoint_fold import fold_checkpoint
     except ImportError as e:
         raise LnfoldError(f"{src}: a transformers checkpoint: folding it needs torch and transformers "
                           f"(pip install 'lnfold[torch]' transformers accelerate): {first_line(e)}") from None
