@@ -23,6 +23,9 @@ from ..passes import gate
 from ..passes.weights import max_rel_err
 from .checkpoint import Checkpoint, CheckpointPlan, FirstOutput, skeleton, stored_names
 from .float64 import Float64Everywhere, suspended
+from .safetensors_io import DTYPES
+
+SLICE_BYTES = 64 << 20  # a tensor is read and converted this many float64 bytes at a time
 
 TOKENS = (2, 8)  # made-up token ids: the smallest batch that judges a fold
 
@@ -32,13 +35,9 @@ class Streamed:
     parameters loads them (in `dtype`, or as stored) before it runs and frees them after."""
 
     def __init__(self, ck: Checkpoint, dtype: Optional[torch.dtype]) -> None:
-        from safetensors import safe_open
-
         self.ck, self.dtype = ck, dtype
         self.model = skeleton(ck.config)
         self.stored = stored_names(self.model, ck)
-        self.files = contextlib.ExitStack()
-        self.handles = {f: self.files.enter_context(safe_open(str(ck.folder / f), framework="pt")) for f in ck.shards}
         stored_dtype = self._stored_dtype()
         run = dtype or stored_dtype
         holder = torch.empty(0, dtype=run)  # what a parameter is between its module's runs: cpu, the run's dtype
@@ -63,20 +62,34 @@ class Streamed:
             for e in h.entries.values():
                 if e.dtype in ("F16", "BF16", "F32", "F64"):
                     counts[e.dtype] = counts.get(e.dtype, 0) + 1
-        from .safetensors_io import DTYPES
-
         return DTYPES[max(counts, key=counts.get)] if counts else torch.float32
 
-    def _load(self, name: str) -> torch.Tensor:
+    def _load(self, name: str, keep_dtype: bool = False) -> torch.Tensor:
+        """The tensor, read into memory of its own (no mapping of the file outlives the call), in
+        the run's dtype, converted a slice at a time (no second full copy of it)."""
         key = self.stored[name]
-        with suspended():  # (read in the stored dtype, outside the float64 run's dispatch mode)
-            t = self.handles[self.ck.where[key]].get_tensor(key)
-            return t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t
+        file = self.ck.where[key]
+        e = self.ck.shards[file].entries[key]
+        stored = DTYPES[e.dtype]
+        run = stored if keep_dtype or self.dtype is None or not stored.is_floating_point else self.dtype
+        with suspended():  # (outside the float64 run's dispatch mode: these are the file's own values)
+            out = torch.empty(e.shape, dtype=run)
+            flat, size = out.view(-1), stored.itemsize
+            step = max(1, SLICE_BYTES // 8)
+            with open(self.ck.folder / file, "rb") as f:
+                f.seek(self.ck.shards[file].data_start + e.begin)
+                for lo in range(0, flat.numel(), step):
+                    n = min(step, flat.numel() - lo)
+                    flat[lo:lo + n] = torch.frombuffer(bytearray(f.read(n * size)), dtype=stored)
+            return out
 
     def _loader(self, path: str, own: list):
+        lookup = isinstance(self.model.get_submodule(path), torch.nn.Embedding)  # (float64.py: rows, then upcast)
+
         def pre(mod, args):
             for k in own:
-                mod._parameters[k] = torch.nn.Parameter(self._load(f"{path}.{k}" if path else k), requires_grad=False)
+                t = self._load(f"{path}.{k}" if path else k, keep_dtype=lookup)
+                mod._parameters[k] = torch.nn.Parameter(t, requires_grad=False)
         return pre
 
     @staticmethod
@@ -106,7 +119,6 @@ class Streamed:
     def close(self) -> None:
         for h in self.hooks:
             h.remove()
-        self.files.close()
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
