@@ -9,12 +9,13 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, Report, Verificatio
 
 from .api import analyze_module, check_equivalent, fold_module
 from .backend import lnfold_backend, lnfold_backend_with, register
+from .checkpoint_fold import fold_checkpoint
 from .train import TrainingFold, fold_for_training, unfold_for_training
 
 register()
 
 __all__ = [
     "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
-    "TrainingFold", "analyze_module", "check_equivalent", "fold_for_training", "fold_module", "lnfold_backend",
+    "TrainingFold", "analyze_module", "check_equivalent", "fold_checkpoint", "fold_for_training", "fold_module", "lnfold_backend",
     "lnfold_backend_with", "unfold_for_training",
 ]

@@ -9,7 +9,7 @@ computes in float64.
 from __future__ import annotations
 
 import torch
-from .hf import pytree
+from .hf import disable_dispatch_modes, pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -39,5 +39,17 @@ class Float64Everywhere(TorchDispatchMode):
                 return x.double()
             return x
 
+        if func is torch.ops.aten.embedding.default:
+            # a lookup picks rows, and rounds nothing: the rows picked, then upcast, are the rows of
+            # the upcast table, without a float64 copy of the whole table (a checkpoint's 50k x 2k
+            # embedding streamed in bounded memory: fx_rewrite/checkpoint_verify.py)
+            return up(func(*args, **(kwargs or {})))
         args, kwargs = pytree.tree_map(up, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def suspended():
+    """A block in which no dispatch mode runs (Float64Everywhere included): a checkpoint's tensors
+    are read from their files there, in their stored dtype, while a float64 run is under way
+    (fx_rewrite/checkpoint_verify.py loads each module's weights as the module is reached)."""
+    return disable_dispatch_modes()

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 # torch's pytree utilities are a private module: reached here only (api.py, backend.py import them from here)
 from torch.utils import _pytree as pytree
+# (and the context that suspends dispatch modes: fx_rewrite/float64.py `suspended`)
+from torch.utils._python_dispatch import _disable_current_modes as disable_dispatch_modes  # noqa: E402
 
 from ..passes import LnfoldError
 

@@ -14,6 +14,8 @@ PyTorch (``pip install 'lnfold[torch]'``)::
     compiled = torch.compile(module, backend="lnfold")
     lnfold.fold_for_training(module, args)               # training at scale: folds the eager module
                                                          # in place, then DDP / fully_shard / compile
+    lnfold.fold_checkpoint("opt-1.3b/", "opt-1.3b.folded/")  # a sharded transformers checkpoint, shard
+                                                         # by shard, in bounded memory
 
 Both frontends return the same `FoldResult` and `Report`; user errors are `LnfoldError`s
 (`NothingToFold`, `VerificationError`) with a one-line message.
@@ -32,8 +34,8 @@ if TYPE_CHECKING:
     from .onnx_rewrite import fold_model as fold_onnx
     from .onnx_rewrite import load as load_onnx
     from .onnx_rewrite import save as save_onnx
-    from .fx_rewrite import (analyze_module, fold_for_training, fold_module, lnfold_backend, lnfold_backend_with,
-                             unfold_for_training)
+    from .fx_rewrite import (analyze_module, fold_checkpoint, fold_for_training, fold_module, lnfold_backend,
+                             lnfold_backend_with, unfold_for_training)
 
 
 
@@ -46,12 +48,12 @@ def _installed_version() -> str:
     except PackageNotFoundError:  # imported from a source tree that was never installed
         return "0+unknown"
 
-_TORCH_NAMES = ("analyze_module", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
+_TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
                 "unfold_for_training")
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
-    "analyze_module", "analyze_onnx", "fold_for_training", "fold_module", "fold_onnx", "lnfold_backend",
+    "analyze_module", "analyze_onnx", "fold_checkpoint", "fold_for_training", "fold_module", "fold_onnx", "lnfold_backend",
     "lnfold_backend_with", "load_onnx", "save_onnx", "unfold_for_training",
 ]
 

@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too")
     f.add_argument("--seed", type=int, default=0, help="the rotation's seed (default 0)")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
+    f.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="a transformers checkpoint folder: fold N shards at a time in worker processes (default 1)")
     f.add_argument("--json", action="store_true",
                    help="print one JSON object (report, verification, output, timings) instead of the table")
     f.add_argument("--inputs", metavar="FILE.npz",
@@ -154,7 +156,10 @@ def _progress_for(path: Path):
 def cmd_fold(args) -> int:
     src = Path(args.input)
     if src.is_dir():  # an exporter's folder: every ONNX file in it, one report (folders.py)
-        from .folders import fold_folder
+        from .folders import fold_checkpoint_folder, fold_folder, is_transformers_checkpoint
+
+        if is_transformers_checkpoint(src):  # a transformers checkpoint: shard by shard (issue 25)
+            return fold_checkpoint_folder(src, Path(args.output) if args.output else None, args)
 
         return fold_folder(src, Path(args.output) if args.output else None, args, fold_file)
     from .folders import default_output, fold_summary, verification_line

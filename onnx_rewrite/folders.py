@@ -7,8 +7,9 @@ and verified as `lnfold fold FILE` would, one with nothing to fold copied as it 
 file copied. The new folder is built beside the output under a temporary name and renamed into
 place once every file is written, so a failure leaves nothing behind.
 
-A `transformers` checkpoint folder (config.json with safetensors, no ONNX file) is another kind
-of folder: it is told apart by its contents, and refused in one line for now.
+A `transformers` checkpoint folder (config.json with model.safetensors or a shard index, no ONNX
+file) is another kind of folder, told apart by its contents: the torch frontend folds it shard by
+shard (fx_rewrite/checkpoint_fold.py, `fold_checkpoint_folder` below; issue 25).
 """
 from __future__ import annotations
 
@@ -46,9 +47,39 @@ def check_onnx_folder(folder: Path) -> list[Path]:
     if found:
         return found
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
-        raise LnfoldError(f"{folder}: a transformers checkpoint (config.json, safetensors), not ONNX files: export "
-                          "it to ONNX first (optimum-cli export onnx), or fold it in PyTorch (lnfold.fold_module)")
+        raise LnfoldError(f"{folder}: a transformers checkpoint (config.json, safetensors) with neither "
+                          "model.safetensors nor model.safetensors.index.json, and no ONNX files")
     raise LnfoldError(f"{folder}: is a directory with no ONNX file in it")
+
+
+def is_transformers_checkpoint(folder: Path) -> bool:
+    """config.json with model.safetensors or its shard index, and no ONNX file: a checkpoint."""
+    return (folder / "config.json").is_file() and any(
+        (folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")) and not onnx_files(folder)
+
+
+def fold_checkpoint_folder(src: Path, dst: Path | None, args) -> int:
+    """`lnfold fold CHECKPOINT_DIR`: the torch frontend folds it shard by shard (issue 25)."""
+    try:
+        from ..fx_rewrite.checkpoint_fold import fold_checkpoint
+    except ImportError as e:
+        raise LnfoldError(f"{src}: a transformers checkpoint: folding it needs torch and transformers "
+                          f"(pip install 'lnfold[torch]' transformers accelerate): {first_line(e)}") from None
+
+    t0 = time.perf_counter()
+    result = fold_checkpoint(src, dst, mode=args.mode, verify=not args.no_verify, jobs=args.jobs)
+    if args.json:
+        print(json.dumps({"output": str(result.model), **fold_summary(result, args, time.perf_counter() - t0)},
+                         indent=2))
+        return 0
+    print(result.report.table())
+    print(f"lnfold: verification: {verification_line(result, args)}")
+    t = result.timings
+    print(f"lnfold: wrote {result.model} (a checkpoint for the stock class; its folded LayerNorms read a zero-mean "
+          f"stream, where they compute RMSNorm) in {time.perf_counter() - t0:.2f} s: analysis "
+          f"{t.get('analysis', 0):.2f} s, editing {t.get('editing', 0):.2f} s"
+          + (f", verification {t['verification']:.2f} s" if "verification" in t else ""))
+    return 0
 
 
 def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
@@ -119,7 +150,7 @@ def _data_files_of(model_file: Path) -> set[Path]:
 
 def fold_summary(result, args, elapsed: float) -> dict:
     """One file's fold for `--json`: the report, the verification, timings."""
-    return {"target": args.target, "report": result.report.to_dict(),
+    return {"target": getattr(args, "target", None), "report": result.report.to_dict(),
             "verified": not args.no_verify, "max_rel_err": result.max_rel_err,
             "exact_err": result.exact_err, "original_exact_err": result.original_exact_err,
             "criterion": result.criterion, "seconds": round(elapsed, 3), "timings": result.timings}

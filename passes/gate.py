@@ -131,7 +131,7 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
               (f" ({no_float64})" if no_float64 else "")
     if not norm_inputs:
         return Verdict(False, "tolerance", diff, failure=too_far, no_float64=no_float64)
-    bad = _off_center(norm_inputs, norm_dtype)
+    bad = off_center(norm_inputs, norm_dtype)
     if bad:
         return Verdict(False, "zero-mean norm inputs", diff, no_float64=no_float64,
                        failure=f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS "
@@ -212,7 +212,7 @@ def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
                            "comparison with it proves nothing; give inputs on which it is finite")
 
 
-def _off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:
+def off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:
     """The first folded norm whose input is not zero-mean along its last axis, and how far."""
     tol = MEAN_TOL.get(dtype, 1e-4)
     for name, x in norm_inputs.items():

@@ -1,0 +1,278 @@
+"""A `transformers` checkpoint folder, and the plan of its fold from its structure alone (issue 25).
+
+    lnfold fold CHECKPOINT_DIR -o OUT_DIR        lnfold.fold_checkpoint(src, dst)
+
+The plan comes from the model's structure alone: the model is built from its config.json with
+no weights (`accelerate.init_empty_weights`: every parameter on the meta device), exported and
+analysed by the torch frontend exactly as `fold_module` does (fx_rewrite/api.py `ExportFrontend`,
+`make_plan`), and the plan's constant edits are turned into edits of the checkpoint's tensors by
+name. fx_rewrite/checkpoint_fold.py streams the shards through those edits.
+
+What the output is: the same architecture, loaded by `from_pretrained` in its stock class. Its
+LayerNorms stay LayerNorms, but every folded one now reads a zero-mean stream, where a LayerNorm
+computes what an RMSNorm does (DESIGN §1, Lemma 2): exact in the stock class, and an RMSNorm
+model for whoever swaps the op. Hence the target's capabilities: β stays the norm's own (the stock
+LayerNorm has its bias), no CRMS compression (the stock class cannot drop a feature), and a
+stream that would need a `Recenter` op (BLOOM's embedding LayerNorm starts its stream) is kept,
+with its reason: the stock class has no such op. A tied table edited for one reader only (the
+embedding centered, the lm_head reading it is not a source) is untied: config.json says
+`tie_word_embeddings: false` and the lm_head gets its own tensor.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..passes import LnfoldError, NothingToFold, make_plan
+from ..passes.analysis import Component
+from ..passes.errors import first_line
+from ..passes.options import FoldOptions
+from ..passes.report import Report
+from ..passes.request import Capabilities, PlanRequest
+from ..passes.shards import TensorJob, untie
+from .safetensors_io import read_header
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+STOCK = Capabilities(name="a transformers checkpoint (the stock class's LayerNorms)", folds_beta=False,
+                     compresses=False)
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """A `transformers` checkpoint folder: config.json with model.safetensors or a shard index."""
+    return (folder / "config.json").is_file() and ((folder / SINGLE).is_file() or (folder / INDEX).is_file())
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder, read and checked: its config, its shards' headers, where each tensor is."""
+
+    folder: Path
+    config: object  # transformers.PretrainedConfig
+    config_dict: dict
+    shards: dict  # file name -> safetensors_io.Header
+    where: dict[str, str]  # tensor name -> file name
+    index_meta: dict = field(default_factory=dict)
+
+    @property
+    def largest_shard(self) -> int:
+        return max((self.folder / f).stat().st_size for f in self.shards)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard (memory-mapped)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.folder / self.where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def read_checkpoint(folder: Path) -> Checkpoint:
+    """The checkpoint in `folder`, or a one-line LnfoldError saying what is wrong with it (a missing
+    shard, an index naming a tensor no shard has, a truncated file, an unreadable config)."""
+    import transformers
+
+    folder = Path(folder)
+    try:
+        config_dict = json.loads((folder / "config.json").read_text())
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+    except Exception as e:  # (transformers raises ValueError, OSError, KeyError for a config it cannot read)
+        raise LnfoldError(f"{folder / 'config.json'}: cannot read it as a transformers config: {first_line(e)}") from None
+    if (folder / INDEX).is_file():
+        try:
+            index = json.loads((folder / INDEX).read_text())
+            weight_map = dict(index["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise LnfoldError(f"{folder / INDEX}: not a shard index ({first_line(e)})") from None
+        files = sorted(set(weight_map.values()))
+        meta = index.get("metadata", {}) or {}
+    else:
+        weight_map, files, meta = None, [SINGLE], {}
+    for f in files:
+        if not (folder / f).is_file():
+            raise LnfoldError(f"{folder / f}: missing: the shard index names it and the folder does not have it")
+    shards = {f: read_header(folder / f) for f in files}
+    where = {n: f for f, h in shards.items() for n in h.entries}
+    if weight_map is not None:
+        for name, f in weight_map.items():
+            if where.get(name) != f:
+                raise LnfoldError(f"{folder / INDEX}: names tensor {name} in {f}, which has no such tensor")
+    return Checkpoint(folder, config, config_dict, shards, where, meta)
+
+
+# --- the plan, from the structure alone ----------------------------------------------------------------------
+
+class FirstOutput(torch.nn.Module):
+    """model(input_ids) -> its first output (the logits, or the last hidden state): what the
+    analysis exports and verification compares."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        extra = {"use_cache": False} if getattr(self.model.config, "use_cache", None) is not None else {}
+        return self.model(input_ids=ids, return_dict=False, **extra)[0]
+
+
+def model_class(config):
+    """The class config.json names (`architectures`), else the causal-LM class of its type."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def skeleton(config, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The model built from `config` with no weights: parameters on the meta device, buffers (rotary
+    tables, masks) real. Eager attention: the one every exporter and the float64 run can trace."""
+    from accelerate import init_empty_weights
+
+    config = copy.deepcopy(config)
+    config._attn_implementation = "eager"
+    cls = model_class(config)
+    try:
+        with init_empty_weights():
+            m = cls._from_config(config, torch_dtype=dtype) if dtype is not None else cls._from_config(config)
+    except Exception as e:
+        raise LnfoldError(f"cannot build {cls.__name__} from config.json on the meta device: {first_line(e)}") from None
+    if hasattr(m, "tie_weights"):  # (from_pretrained ties after loading; a model built empty is not tied yet)
+        m.tie_weights()
+    return m.eval()
+
+
+def tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The parameter names that share one tensor (a tied embedding and lm_head)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def stored_names(model: torch.nn.Module, ck: Checkpoint) -> dict[str, str]:
+    """Model parameter/buffer name -> the checkpoint's name of its tensor: the same name, or
+    with/without the base model's prefix (`model.` in older files), or a tied alias's."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def find(name: str) -> Optional[str]:
+        for cand in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
+            if cand in ck.where:
+                return cand
+        return None
+
+    out = {n: s for n in model.state_dict() if (s := find(n)) is not None}
+    for group in tied_groups(model):
+        found = next((out[n] for n in group if n in out), None)
+        if found is not None:
+            out.update({n: found for n in group})
+    return out
+
+
+@dataclass
+class CheckpointPlan:
+    report: Report
+    in_place: dict  # checkpoint tensor name -> ops
+    new: list  # TensorJob: tensors the output gains (an untied table's second half)
+    untied: list  # the tied groups broken
+    norms: dict  # folded norm (its module path) -> ...
+    stored: dict  # model name -> checkpoint name
+    edits: int = 0
+
+
+def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
+    """The fold of `ck` as edits of its tensors, from its structure alone (no weight is read)."""
+    from .api import ExportFrontend
+
+    model = skeleton(ck.config)
+    stored = stored_names(model, ck)
+    wrapper = FirstOutput(model)
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    frontend = ExportFrontend(wrapper, (ids,), {}, FoldOptions(mode=mode))
+    try:
+        view = frontend.view()
+    except LnfoldError as e:
+        raise LnfoldError(f"cannot trace {type(model).__name__} on the meta device: {e}") from None
+    except Exception as e:
+        raise LnfoldError(f"cannot trace {type(model).__name__} on the meta device (torch.export): "
+                          f"{type(e).__name__}: {first_line(e)}") from None
+    names = {a: t.removeprefix("model.") for a, t in frontend.attrs.items()}  # (FirstOutput's own prefix)
+
+    def refuse(c: Component) -> Optional[str]:
+        if c.opaque:
+            return (f"its stream starts at {c.opaque[0].what}, which would need a Recenter op; "
+                    "the stock class has none to load")
+        for s in c.sources:
+            for r in list(s.refs) + list(s.scales):
+                if names.get(r.value) not in stored:
+                    return f"it edits `{r.value}`, which is not a tensor of the checkpoint"
+        return None
+
+    plan = make_plan(view, PlanRequest(mode, "off", STOCK, refuse=refuse))
+    if plan.recenters or plan.new_biases or any(cc.compressed for cc in plan.compressions) or plan.deferral.deferred:
+        raise LnfoldError("internal: the plan asks for ops a checkpoint cannot hold")  # pragma: no cover
+    modules = {n.name: _module_path(n) for n in frontend.gm.graph.nodes}
+    report = plan.report.renamed(names)
+    for v in report.norms:
+        v.name = modules.get(v.name) or v.name
+    if not report.norms:
+        raise NothingToFold(f"{ck.folder}: no LayerNorm found in {type(model).__name__}: nothing to fold")
+    if plan.empty:
+        kept = next((v for v in report.norms if v.verdict == "keep"), None)
+        raise NothingToFold(f"{ck.folder}: no LayerNorm can be folded; first kept: {kept.name}: {kept.reason}")
+    groups = tied_groups(model)
+    edits = _edits_by_name(plan, names, groups, {n.name: n for n in frontend.gm.graph.nodes})
+    in_place, new, untied = untie(groups, stored, edits)
+    # an op's other constants (a LayerScale folded into its source) by their checkpoint names
+    sources = {a: stored[n] for a, n in names.items() if n in stored}
+    in_place = {k: _named_ops(ops, sources) for k, ops in in_place.items()}
+    new = [TensorJob(t.name, t.source, _named_ops(t.ops, sources)) for t in new]
+    folded = {modules.get(s, s): s for s in plan.swaps}
+    return CheckpointPlan(report, in_place, new, untied, folded, stored, len(plan.const_edits))
+
+
+def _edits_by_name(plan, names: dict, groups: list[list[str]], nodes: dict) -> dict[str, tuple]:
+    """Model parameter name -> ops. torch.export names a tied tensor once; an edit of it that is
+    cloned (its other readers keep the original) belongs to the tied names whose modules are its
+    users (the embedding, not the lm_head)."""
+    group_of = {n: g for g in groups for n in g}
+    out: dict[str, tuple] = {}
+    for e in plan.const_edits:
+        name = names[e.value]
+        members = group_of.get(name, [name])
+        if not e.clone:
+            out.update({m: e.ops for m in members})
+            continue
+        users = {_module_path(nodes[plan.origin(u)]) for u, _ in e.users if plan.origin(u) in nodes}
+        mine = [m for m in members if m.rpartition(".")[0] in users]
+        if not mine:
+            raise LnfoldError(f"the fold edits {name} for some of its readers only ({', '.join(sorted(users))}), "
+                              "and the checkpoint has no tensor of theirs alone to write it to")
+        out.update({m: e.ops for m in mine})
+    return out
+
+
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("model.")
+
+
+def _named_ops(ops: tuple, sources: dict) -> tuple:
+    """`ops` with the constants they read renamed from the graph's names to the checkpoint's."""
+    from dataclasses import fields, replace
+
+    out = []
+    for op in ops:
+        changes = {f.name: sources[getattr(op, f.name)] for f in fields(op)
+                   if f.name in ("by", "weight", "vector") and getattr(op, f.name) in sources}
+        out.append(replace(op, **changes) if changes else op)
+    return tuple(out)

@@ -1,0 +1,223 @@
+"""`lnfold.fold_checkpoint`: stream a checkpoint's shards through the plan, verify, publish (issue 25).
+
+fx_rewrite/checkpoint.py reads the folder and makes the plan from its config alone; here each shard
+is written (fx_rewrite/safetensors_io.py): a tensor no edit touches copied byte for byte, an edited
+one read memory-mapped (`safetensors.safe_open`), edited in float64 by the one edit interpreter
+(passes/edits.py `apply_ops`), a block of rows at a time where its ops allow (passes/shards.py),
+and cast back; shards in parallel worker processes with `jobs > 1`. The new folder is built under
+a temporary name beside the output, verified (fx_rewrite/checkpoint_verify.py), and renamed into
+place: a failure leaves nothing behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..passes import FoldResult, LnfoldError, pipeline
+from ..passes.edits import NUMPY, apply_ops
+from ..passes.errors import first_line
+from ..passes.options import FoldOptions
+from ..passes.shards import ShardJob, chunk_axis, shard_work
+from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
+    skeleton, tied_groups
+from .checkpoint_verify import verify_checkpoint
+from .safetensors_io import ShardWriter, edited_pieces, itemsize, read_header, tensor_bytes
+
+SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by rows
+
+
+# --- streaming the edits -------------------------------------------------------------------------------------
+
+def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict) -> dict:
+    """Write one output shard: every tensor of `job`, copied or edited in float64. Returns its
+    new tensor names with their sizes (for the index). Top level: run in worker processes."""
+    from safetensors import safe_open
+
+    folder_p, header = Path(folder), read_header(Path(folder) / job.file)
+    handles: dict[str, object] = {}
+
+    def handle(file: str):
+        if file not in handles:
+            handles[file] = stack.enter_context(safe_open(str(folder_p / file), framework="pt"))
+        return handles[file]
+
+    def source(name: str) -> np.ndarray:  # another constant an op reads (small: a LayerScale vector)
+        return handle(where[name]).get_tensor(name).to(torch.float64).numpy()
+
+    layout = []
+    for t in job.tensors:
+        e = read_header(folder_p / where[t.source]).entries[t.source] if t.source not in header.entries \
+            else header.entries[t.source]
+        layout.append((t.name, e.dtype, e.shape))
+    sizes = {}
+    with contextlib.ExitStack() as stack:
+        raw = stack.enter_context(open(folder_p / job.file, "rb"))
+        writer = ShardWriter(Path(out) / job.file, layout, header.metadata or {"format": "pt"})
+        try:
+            for t, (_, code, shape) in zip(job.tensors, layout):
+                nbytes = _nbytes(code, shape)
+                sizes[t.name] = nbytes
+                if not t.ops and t.source in header.entries:
+                    e = header.entries[t.source]
+                    writer.copy(t.name, raw, header.data_start + e.begin, e.end - e.begin)
+                    continue
+                x = handle(where[t.source]).get_tensor(t.source)
+                if not t.ops:
+                    writer.put(t.name, [tensor_bytes(x)], nbytes)
+                    continue
+                edit = _editor(t.ops, source, x.dtype)
+                writer.put(t.name, edited_pieces(x, chunk_axis(t.ops, x.ndim), edit, SLICE_BYTES), nbytes)
+        finally:
+            writer.f.close()
+        writer.close()
+    return sizes
+
+
+def _editor(ops: tuple, source: Callable, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    def edit(x: torch.Tensor) -> torch.Tensor:
+        a = apply_ops(x.to(torch.float64).numpy(), ops, source, NUMPY)  # (passes/edits.py: the one interpreter)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+
+    return edit
+
+
+def _nbytes(code: str, shape: tuple) -> int:
+    n = itemsize(code)
+    for s in shape:
+        n *= s
+    return n
+
+
+def write_shards(ck: Checkpoint, jobs_list: list[ShardJob], out: Path, jobs: int) -> dict[str, int]:
+    """Every output shard, `jobs` at a time in worker processes; tensor name -> its size."""
+    args = [(str(ck.folder), str(out), j, ck.where, ck.shards[j.file].metadata) for j in jobs_list]
+    sizes: dict[str, int] = {}
+    if jobs > 1 and len(args) > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(min(jobs, len(args))) as pool:
+            for s in pool.starmap(fold_shard, args):
+                sizes.update(s)
+    else:
+        for a in args:
+            sizes.update(fold_shard(*a))
+    return sizes
+
+
+def _write_index(ck: Checkpoint, jobs_list: list[ShardJob], sizes: dict, out: Path) -> None:
+    if (ck.folder / INDEX).is_file():
+        meta = dict(ck.index_meta)
+        meta["total_size"] = sum(sizes.values())
+        weight_map = {t.name: j.file for j in jobs_list for t in j.tensors}
+        (out / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))},
+                                            indent=2) + "\n")
+
+
+def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> list[str]:
+    """config, tokenizer, generation files: copied; config.json unties the embedding where the fold did."""
+    weights = set(ck.shards) | {INDEX}
+    copied = []
+    for p in sorted(ck.folder.rglob("*")):
+        rel = p.relative_to(ck.folder)
+        if not p.is_file() or str(rel) in weights:
+            continue
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        if str(rel) == "config.json" and untied:
+            cfg = dict(ck.config_dict)
+            cfg["tie_word_embeddings"] = False
+            (out / rel).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copy2(p, out / rel)
+        copied.append(str(rel))
+    return copied
+
+
+def _check_untie(ck: Checkpoint, plan: CheckpointPlan) -> None:
+    """An untied group must stay untied when the stock class loads the output."""
+    if not plan.untied:
+        return
+    cfg = copy.deepcopy(ck.config)
+    cfg.tie_word_embeddings = False
+    left = {frozenset(g) for g in tied_groups(skeleton(cfg))}
+    for g in plan.untied:
+        if frozenset(g) in left or any(set(g) & set(h) for h in left):
+            raise LnfoldError(f"the fold must untie {', '.join(g)}, and {type(skeleton(cfg)).__name__} ties them "
+                              "whatever config.json says")
+
+
+def destination(src: Path, dst: Optional[Path]) -> Path:
+    dst = Path(dst) if dst is not None else src.resolve().parent / (src.resolve().name + ".folded")
+    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
+        raise LnfoldError(f"{dst}: the output folder would be inside the input folder; choose another path")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise LnfoldError(f"{dst}: exists; choose another output folder or remove it")
+    if not dst.parent.is_dir():
+        raise LnfoldError(f"{dst.parent}: output directory does not exist")
+    return dst
+
+
+def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: int = 1,
+                    progress: Optional[Callable[[str], None]] = None) -> FoldResult:
+    """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
+
+    The plan comes from config.json alone (meta device); each shard is streamed and edited in
+    float64; with `verify` the output is checked block by block against the original in bounded
+    memory (fx_rewrite/checkpoint_verify.py, the gate of passes/gate.py) before it is renamed into
+    place. Returns a FoldResult with the report, `model` = the output folder, and the timings.
+    Raises LnfoldError (one line) for a bad folder, NothingToFold, VerificationError."""
+    opts = FoldOptions(mode=mode, verify=verify)
+    if not isinstance(jobs, int) or jobs < 1:
+        raise LnfoldError(f"jobs must be a positive integer, not {jobs!r}")
+    src = Path(src)
+    if not is_checkpoint(src):
+        raise LnfoldError(f"{src}: not a transformers checkpoint folder (config.json with {SINGLE} or {INDEX})")
+    dst = destination(src, dst)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    pipeline.stage(progress, "reading the checkpoint's headers")
+    ck = read_checkpoint(src)
+    pipeline.stage(progress, "analyzing (the model built on the meta device)")
+    plan = plan_checkpoint(ck, opts.mode)
+    _check_untie(ck, plan)
+    timings["analysis"] = time.perf_counter() - t0
+    files = {f: list(h.entries) for f, h in ck.shards.items()}
+    work = shard_work(files, plan.in_place, plan.new)
+    tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=dst.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    result = FoldResult(report=plan.report, model=dst)
+    try:
+        t1 = time.perf_counter()
+        pipeline.stage(progress, f"editing {sum(j.edited for j in work)} tensors in {len(work)} shard(s)")
+        sizes = write_shards(ck, work, tmp, jobs)
+        _write_index(ck, work, sizes, tmp)
+        _copy_others(ck, tmp, bool(plan.untied))
+        timings["editing"] = time.perf_counter() - t1
+        if opts.verify:
+            t2 = time.perf_counter()
+            pipeline.stage(progress, "verifying block by block in float64")
+            verdict = verify_checkpoint(ck, read_checkpoint(tmp), plan)
+            pipeline.record(result, verdict)
+            timings["verification"] = time.perf_counter() - t2
+        os.replace(tmp, dst)
+    except OSError as e:
+        raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if plan.untied:
+        result.report.notes.append("untied " + "; ".join(" / ".join(g) for g in plan.untied) +
+                                   ": the embedding is centered, its other reader is not a stream source "
+                                   "(config.json: tie_word_embeddings false)")
+    result.timings = timings
+    return result

@@ -1,0 +1,158 @@
+"""Reading and writing safetensors files a tensor at a time (a checkpoint fold in bounded memory).
+
+The format (huggingface/safetensors): an 8-byte little-endian header length, a JSON header
+(name -> dtype, shape, [begin, end) data offsets; `__metadata__`), then the data. Tensors are read
+with `safetensors.safe_open` (memory-mapped); a file is written from its header and then one
+tensor's bytes after another, so that writing a shard never holds the shard in memory. A tensor
+nobody edits is copied byte for byte, as `cp` would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable
+
+import torch
+
+from ..passes import LnfoldError
+from ..passes.errors import first_line
+
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+CODES = {v: k for k, v in DTYPES.items()}
+COPY_BLOCK = 64 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    dtype: str
+    shape: tuple
+    begin: int  # data offsets, relative to the end of the header
+    end: int
+
+
+@dataclass
+class Header:
+    path: Path
+    data_start: int  # where the data begins in the file
+    entries: dict[str, Entry]  # in file order
+    metadata: dict
+
+
+def read_header(path: Path) -> Header:
+    """The header of a safetensors file, checked against the file's size (a truncated file is a
+    one-line LnfoldError naming it, before anything is written)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("shorter than a header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 << 20:
+                raise ValueError("header longer than the file")
+            raw = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise LnfoldError(f"{path}: not a readable safetensors file ({first_line(e)}); truncated?") from None
+    meta = raw.pop("__metadata__", None) or {}
+    entries = {}
+    try:
+        for name, v in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            entries[name] = Entry(v["dtype"], tuple(v["shape"]), *v["data_offsets"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise LnfoldError(f"{path}: not a readable safetensors file (bad header entry: {first_line(e)})") from None
+    data = size - 8 - n
+    end = max((e.end for e in entries.values()), default=0)
+    if end > data:
+        raise LnfoldError(f"{path}: truncated: its header describes {end} bytes of data, the file holds {data}")
+    return Header(path, 8 + n, entries, meta)
+
+
+def itemsize(code: str) -> int:
+    return torch.empty((), dtype=DTYPES[code]).element_size() if code in DTYPES else 1
+
+
+class ShardWriter:
+    """Writes one safetensors file: the header first (every tensor's name, dtype and shape are
+    known before any data is), then `put` / `copy` each tensor in that order."""
+
+    def __init__(self, path: Path, layout: list[tuple[str, str, tuple]], metadata: dict) -> None:
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        self.order = []
+        for name, code, shape in layout:
+            nbytes = itemsize(code)
+            for s in shape:
+                nbytes *= s
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.order.append((name, nbytes))
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.f: BinaryIO = open(path, "wb")
+        self.f.write(struct.pack("<Q", len(text)) + text)
+        self.next = 0
+
+    def _expect(self, name: str, nbytes: int) -> None:
+        want, size = self.order[self.next]
+        if (want, size) != (name, nbytes):  # pragma: no cover - the writer's own bookkeeping
+            raise RuntimeError(f"shard writer: {name} ({nbytes} bytes) where {want} ({size}) was due")
+        self.next += 1
+
+    def put(self, name: str, pieces: Iterable[bytes | memoryview], nbytes: int) -> None:
+        self._expect(name, nbytes)
+        for p in pieces:
+            self.f.write(p)
+
+    def copy(self, name: str, src: BinaryIO, start: int, nbytes: int) -> None:
+        """The tensor's bytes from `src` as they are (os.sendfile where the system has it)."""
+        self._expect(name, nbytes)
+        self.f.flush()
+        done = 0
+        try:
+            while done < nbytes:
+                sent = os.sendfile(self.f.fileno(), src.fileno(), start + done, nbytes - done)
+                if sent == 0:
+                    raise OSError("short read")
+                done += sent
+            self.f.seek(0, os.SEEK_END)
+            return
+        except (AttributeError, OSError):
+            pass
+        src.seek(start + done)
+        while done < nbytes:
+            block = src.read(min(COPY_BLOCK, nbytes - done))
+            if not block:
+                raise LnfoldError(f"{getattr(src, 'name', 'input')}: ended early (truncated?)")
+            self.f.write(block)
+            done += len(block)
+
+    def close(self) -> None:
+        if self.next != len(self.order):  # pragma: no cover
+            raise RuntimeError("shard writer: closed before every tensor was written")
+        self.f.close()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor (bf16 included)."""
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.dtype != torch.bool else memoryview(t.numpy())
+
+
+def edited_pieces(t: torch.Tensor, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget: int):
+    """`edit` applied to slices of `t` along `axis` (a few of `budget` bytes in float64 each; the
+    whole tensor where axis is None), each slice's bytes as soon as it is done: the bytes in file
+    order only when slicing along the first axis, so other axes are first moved there."""
+    if axis is None:
+        yield tensor_bytes(edit(t))
+        return
+    if axis != 0:  # the file holds row-major bytes: slices along axis 0 are contiguous there
+        raise ValueError("edited_pieces streams along axis 0 only")
+    per_row = max(1, t[0].numel() * 8)
+    step = max(1, budget // per_row)
+    for lo in range(0, t.shape[0], step):
+        yield tensor_bytes(edit(t[lo:lo + step]))

@@ -1,0 +1,192 @@
+"""Issue 25: `lnfold fold CHECKPOINT_DIR` / `lnfold.fold_checkpoint` on a sharded `transformers`
+checkpoint, folded shard by shard from a plan made on the meta device.
+
+The checkpoints are OPTs (tied lm_head) with adversarial weights (lnfold.zoo: randomized γ/β, a
+large mean on every stream source), saved by `save_pretrained` in several shards. The output must
+load with `from_pretrained` in the stock class, be as exact as the original against float64 on
+other inputs than verification's, generate the same tokens, and have every folded norm read a
+zero-mean stream; a planted bug must be refused; bad folders are one-line errors with nothing
+written.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import lnfold
+from lnfold.passes import LnfoldError, VerificationError, gate
+from lnfold.passes import weights as weights_mod
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from lnfold.zoo import adversarial  # noqa: E402
+
+VOCAB = 101
+
+
+def build(folder: Path, dtype: torch.dtype, shard: str = "60KB", layers: int = 3) -> Path:
+    cfg = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, ffn_dim=256,
+                                 num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)
+    torch.manual_seed(0)
+    m = adversarial(transformers.OPTForCausalLM(cfg)).to(dtype)
+    m.save_pretrained(folder, max_shard_size=shard)
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp16(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("ck") / "opt16", torch.float16)
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory) -> Path:
+    return build(tmp_path_factory.mktemp("ck") / "opt32", torch.float32)
+
+
+def shards(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def logits(folder: Path, ids, dtype=None):
+    m = transformers.OPTForCausalLM.from_pretrained(folder).eval()
+    if dtype is not None:
+        m = m.to(dtype)
+    with torch.no_grad():
+        return m(ids).logits
+
+
+def lnfold_cli(capsys, *args):
+    """`lnfold ARGS` in this process (the command's own main: exit code, stdout, stderr), sparing
+    the suite a fresh interpreter's torch import per call."""
+    from lnfold.onnx_rewrite.cli import main
+
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
+def test_sharded_fp16_checkpoint_folds_loads_and_is_exact(fp16, tmp_path):
+    assert len(shards(fp16)) >= 3 and "lm_head.weight" not in json.loads(
+        (fp16 / "model.safetensors.index.json").read_text())["weight_map"]  # tied: stored once
+    out = tmp_path / "folded"
+    res = lnfold.fold_checkpoint(fp16, out)
+    assert res.report.folded == 7 and res.report.kept == 0 and res.criterion == "float64"
+    assert res.exact_err <= gate.FACTOR * res.original_exact_err + gate.FLOOR["float16"]
+    assert shards(out) == shards(fp16) and (out / "tokenizer_config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False  # untied, said so
+    assert any("untied" in n for n in res.report.notes)
+
+    folded = transformers.OPTForCausalLM.from_pretrained(out).eval()  # the stock class
+    original = transformers.OPTForCausalLM.from_pretrained(fp16).eval()
+    emb = folded.model.decoder.embed_tokens.weight.double()
+    assert emb.mean(1).abs().max() < 1e-3 * emb.abs().max()  # centered rows (fp16 rounding)
+    assert original.model.decoder.embed_tokens.weight.double().mean(1).abs().max() > 0.05  # it was not
+    assert torch.equal(folded.lm_head.weight, original.lm_head.weight)  # the head reads the original table
+
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(7))  # not verification's
+    with torch.no_grad():
+        exact = original.double()(ids).logits
+        original = transformers.OPTForCausalLM.from_pretrained(fp16).eval()
+        a, b = original(ids).logits, folded(ids).logits
+    verdict = gate.judge([gate.Output("logits", "float16", a.numpy(), b.numpy(), exact.numpy())])
+    assert verdict.ok and verdict.criterion == "float64", verdict.failure
+    with torch.no_grad():
+        kw = dict(max_new_tokens=8, do_sample=False)
+        assert torch.equal(original.generate(ids[:1], **kw), folded.generate(ids[:1], **kw))
+
+
+def test_fp32_through_the_command_line(fp32, tmp_path, capsys):
+    out = tmp_path / "out"
+    r = lnfold_cli(capsys, "fold", fp32, "-o", out, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    assert summary["report"]["folded"] == 7 and summary["criterion"] == "float64"
+    assert set(summary["timings"]) == {"analysis", "editing", "verification"}
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    exact = logits(fp32, ids, torch.float64)
+    a, b = logits(fp32, ids), logits(out, ids)
+    own, now = weights_mod.max_rel_err(exact.numpy(), a.numpy()), weights_mod.max_rel_err(exact.numpy(), b.numpy())
+    assert now <= gate.FACTOR * own + gate.FLOOR["float32"]
+
+
+def test_a_skipped_centering_is_refused(fp32, tmp_path, monkeypatch):
+    """LayerNorm hides a missed centering from the logits (it is shift-invariant): the check that
+    every folded norm reads a zero-mean stream must catch it, and nothing is written."""
+    real = weights_mod.center
+    calls = []
+
+    def skip_second(a, axis, *rest):
+        calls.append(axis)
+        return a if len(calls) == 2 else real(a, axis, *rest)
+
+    monkeypatch.setattr(weights_mod, "center", skip_second)
+    with pytest.raises(VerificationError, match="not an RMSNorm"):
+        lnfold.fold_checkpoint(fp32, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".lnfold-*"))
+
+
+def test_a_wrong_edit_is_refused_by_the_logits(fp32, tmp_path, monkeypatch):
+    real = weights_mod.center
+    monkeypatch.setattr(weights_mod, "center", lambda a, axis, *rest: real(a, 1 - axis if axis in (0, 1) and a.ndim == 2
+                                                                          else axis, *rest))
+    with pytest.raises(VerificationError, match="away from a float64 run"):
+        lnfold.fold_checkpoint(fp32, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing shard", "missing: the shard index names it"),
+    ("index names a tensor no shard has", "which has no such tensor"),
+    ("truncated shard", "truncated"),
+    ("untraceable architecture", "cannot trace ViTModel on the meta device"),
+])
+def test_bad_checkpoints_are_one_line_errors_and_write_nothing(fp32, tmp_path, capsys, case, message):
+    src = _copy(fp32, tmp_path / "in")
+    index = src / "model.safetensors.index.json"
+    if case == "missing shard":
+        (src / shards(src)[1]).unlink()
+    elif case == "index names a tensor no shard has":
+        data = json.loads(index.read_text())
+        data["weight_map"]["model.decoder.layers.9.fc1.weight"] = shards(src)[0]
+        index.write_text(json.dumps(data))
+    elif case == "truncated shard":
+        f = src / shards(src)[0]
+        f.write_bytes(f.read_bytes()[:-100])
+    else:  # an image model: the meta build cannot trace it on token ids
+        cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                                     image_size=16, patch_size=8)
+        for p in list(src.iterdir()):
+            p.unlink()
+        transformers.ViTModel(cfg).save_pretrained(src)
+    out = tmp_path / "out"
+    with pytest.raises(LnfoldError, match=message) as e:
+        lnfold.fold_checkpoint(src, out)
+    assert len(str(e.value).splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".lnfold-*"))
+    if case == "truncated shard":  # the command line: one line on stderr, exit code 2, nothing written
+        r = lnfold_cli(capsys, "fold", src, "-o", out)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not out.exists()
+
+
+@pytest.mark.slow
+def test_parallel_shards_write_the_same_bytes(fp32, tmp_path):
+    lnfold.fold_checkpoint(fp32, tmp_path / "one", verify=False)
+    lnfold.fold_checkpoint(fp32, tmp_path / "two", verify=False, jobs=2)
+    for name in shards(fp32) + ["model.safetensors.index.json", "config.json"]:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
