@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .onnx_rewrite import save as save_onnx
     from .fx_rewrite import (analyze_module, fold_for_training, fold_module, lnfold_backend, lnfold_backend_with,
                              unfold_for_training)
+    from .fx_rewrite import fold_to_rmsnorm, restore_rmsnorm
 
 
 
@@ -47,12 +48,13 @@ def _installed_version() -> str:
         return "0+unknown"
 
 _TORCH_NAMES = ("analyze_module", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
-                "unfold_for_training")
+                "unfold_for_training", "fold_to_rmsnorm", "restore_rmsnorm")
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
     "analyze_module", "analyze_onnx", "fold_for_training", "fold_module", "fold_onnx", "lnfold_backend",
     "lnfold_backend_with", "load_onnx", "save_onnx", "unfold_for_training",
+    "fold_to_rmsnorm", "restore_rmsnorm",
 ]
 
 
