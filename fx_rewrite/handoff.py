@@ -226,6 +226,8 @@ class HandoffFrontend(ExportFrontend):
                         self.undo.append(lambda p=parent, a=attr, old=ln: p._modules.__setitem__(a, old))
             self.done.rmsnorm.append(names[id(ln)])
             self.done.eps[names[id(ln)]] = float(ln.eps)
+        order = {n: k for k, n in enumerate(names.values())}
+        self.done.rmsnorm.sort(key=order.__getitem__)  # in the module's order
         for name in plan.unswapped:
             m = scope_of(self.module, self.info.nodes[name])
             why = next(v.reason for v in plan.report.norms if v.name == name)
