@@ -32,7 +32,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -82,29 +82,38 @@ class HandoffResult(FoldResult):
     handoff: Handoff = field(default_factory=Handoff)
 
 
-def fold_to_rmsnorm(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, verify: bool = True,
-                    dynamic: bool = True, **fold_options: Any) -> HandoffResult:
+def fold_to_rmsnorm(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, rotate: Optional[str] = None,
+                    seed: int = 0, gamma_into_readers: bool = True, verify: bool = True,
+                    dynamic: bool = True) -> HandoffResult:
     """Fold `module` in place into an RMSNorm model its class still runs (see the module docstring).
 
-    `fold_options` are passed to the planner as `fold_module` takes them (γ into the readers,
-    rotation, where this version has them). Returns a HandoffResult (`.module`: `module`;
-    `.handoff`: what changed, by name; `.report`: the fold's report). Raises NothingToFold when no
-    LayerNorm module can become an RMSNorm, and VerificationError (the module restored) when the
-    edited module's outputs on `args` differ from the original's beyond what float64 allows.
+    `gamma_into_readers` (default): each norm's γ moves into the weights of the layers that read
+    it, leaving a unit-weight RMSNorm (False: the RMSNorm keeps γ). `rotate` ("hadamard" or
+    "orthogonal", with `seed`): each folded stream is rotated as `fold_module(rotate=...)` does,
+    exactly (the "-keep-ln" rotations are for models that keep their LayerNorms: fold_module).
+    Returns a HandoffResult (`.module`: `module`; `.handoff`: what changed, by name; `.report`:
+    the fold's report). Raises NothingToFold when no LayerNorm module can become an RMSNorm, and
+    VerificationError (the module restored) when the edited module's outputs on `args` differ
+    from the original's beyond what float64 allows.
     """
-    opts = FoldOptions(mode="rms", defer="off", verify=verify)
-    frontend = HandoffFrontend(module, tuple(args), dict(kwargs or {}), opts, dynamic=dynamic, **fold_options)
+    if rotate is not None and rotate.endswith("-keep-ln"):
+        raise LnfoldError(f"rotate={rotate!r} keeps the LayerNorms; the hand-off makes them RMSNorms: use "
+                          "fold_module(..., rotate=...) for it, or rotate='hadamard' / 'orthogonal' here")
+    opts = FoldOptions(mode="rms", defer="off", verify=verify, gamma_into_readers=gamma_into_readers or bool(rotate),
+                       rotate=rotate, seed=seed)
+    frontend = HandoffFrontend(module, tuple(args), dict(kwargs or {}), opts, dynamic=dynamic)
     return pipeline.fold(frontend, verify=opts.verify, planner=frontend.plan)
 
 
 class HandoffFrontend(ExportFrontend):
     """fold_module's frontend (export, view, request), its plan applied to the eager module."""
 
-    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *, dynamic: bool = True,
-                 **fold_options: Any) -> None:
-        super().__init__(module, args, kwargs, opts, norm="rms_norm", dynamic=dynamic, **fold_options)
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
+                 dynamic: bool = True) -> None:
+        super().__init__(module, args, kwargs, opts, norm="rms_norm", dynamic=dynamic)
         # runs (and copies, for float64) the module before it is edited
         self.verifier = Verifier(module, args, kwargs) if opts.verify else None
+        self.rotation = None if opts.rotate is None else {"kind": opts.rotate, "seed": opts.seed}
         self.undo: list[Callable[[], None]] = []
 
     def view(self) -> View:
@@ -217,8 +226,10 @@ class HandoffFrontend(ExportFrontend):
         """Each folded LayerNorm module becomes a torch.nn.RMSNorm with its ε and its (baked) γ."""
         names = self._names()
         norms = {id(m): m for m in (scope_of(self.module, self.info.nodes[n]) for n in plan.swaps)}
+        unit = {id(scope_of(self.module, self.info.nodes[n])) for n in plan.unit_gamma}
         for ln in norms.values():
-            rms = rmsnorm_like(ln)
+            # γ moved into the readers: a unit weight (the module's own γ Parameter is left alone)
+            rms = rmsnorm_like(ln, torch.ones_like(ln.weight) if id(ln) in unit and ln.weight is not None else None)
             for parent in list(self.module.modules()):
                 for attr, child in list(parent._modules.items()):
                     if child is ln:
@@ -245,7 +256,8 @@ class HandoffFrontend(ExportFrontend):
                 continue
             cfg = model.config
             record = {"rmsnorm": [rel(n) for n in norms], "eps": {rel(n): self.done.eps[n] for n in norms},
-                      "new_biases": [rel(n) for n in self.done.new_biases if mine(n)]}
+                      "new_biases": [rel(n) for n in self.done.new_biases if mine(n)],
+                      "rotation": self.rotation}
             self._config(cfg, CONFIG_KEY, record)
             self.done.config.append(f"{names[id(model)] or type(model).__name__}.config.{CONFIG_KEY}")
             epss = {self.done.eps[n] for n in norms}

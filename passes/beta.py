@@ -5,9 +5,7 @@ every reader of a norm's output is a linear layer with a constant weight and a b
 (possibly behind reshapes that keep the feature axis last), `W(γ⊙n + β) + b = W(γ⊙n) + (Wβ + b)`:
 β becomes an edit of each bias (`AddWeightTimes`), and the norm emits no Add. A reader without a
 bias keeps β as an Add in both frontends (a new bias is a new op in ONNX; folding into one
-would give the two IRs of one model different emissions), unless the target gives such a reader
-a bias of its own (`Capabilities.new_biases`: the eager RMSNorm hand-off, whose norms are plain
-`nn.RMSNorm` modules without a β): then that reader's new bias is `W β` (a `NewBias` of the plan).
+would give the two IRs of one model different emissions).
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Optional
 
-from .edits import AddWeightTimes, NewBias
+from .edits import AddWeightTimes
 from .readers import LinearReader, linear_readers
 from .view import ConstRef, View
 
@@ -28,7 +26,8 @@ class BetaFold:
     beta: Optional[str]  # the β constant, None when the norm has none
     readers: list[str] = field(default_factory=list)  # described readers whose biases absorb β
     edits: list[tuple[ConstRef, AddWeightTimes]] = field(default_factory=list)  # (bias, b + W β)
-    new: list[NewBias] = field(default_factory=list)  # readers without a bias that get one: W β
+    # readers with no bias that get one, W β (gamma_into_readers only): (reader node, W β, its weight)
+    new: list[tuple[str, AddWeightTimes, ConstRef]] = field(default_factory=list)
     zero: bool = False  # β is all zeros: the norm emits no Add and nothing is edited
     why: str = ""  # why β stays an Add
 
@@ -46,13 +45,15 @@ class BetaFold:
         if self.zero:
             return "is zero"
         if self.folded:
-            return "into the bias of " + ", ".join(self.readers)
+            return "into the bias of " + ", ".join(self.readers) + (f" ({len(self.new)} new)" if self.new else "")
         return f"kept as an Add ({self.why})"
 
 
-def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None, new_biases: bool = False) -> BetaFold:
+def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None,
+           into_readers: bool = False) -> BetaFold:
     """β of the folded norm `norm`: zero, into its readers' biases, or kept (with the reason).
-    `new_biases`: a linear reader without a bias gets one (else β stays an Add)."""
+    `into_readers` (γ goes into the readers too, passes/gamma.py): readers reached through any
+    layout op that keeps the features last, and a reader without a bias gets one (W β)."""
     node = view.nodes[norm]
     spec = node.norm
     beta = spec.beta
@@ -65,14 +66,14 @@ def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None, 
     if not view.values[beta].is_const:
         out.why = f"β `{beta}` is not a constant"
         return out
-    found, why = linear_readers(view, node.outputs[0], spec.axis, row_copies=True)
+    found, why = linear_readers(view, node.outputs[0], spec.axis, through_layout=into_readers)
+    new: list = []
     if why is None:
-        edits, new, why = _bias_edits(view, beta, found, new_biases)
+        edits, new, why = _bias_edits(view, beta, found, into_readers)
     if why is not None:
         out.why = why
         return out
-    out.readers = [view.nodes[r.node].describe() + (" (a new bias)" if any(nb.node == r.node for nb in new) else "")
-                   for r in found]
+    out.readers = [view.nodes[r.node].describe() for r in found]
     out.edits, out.new = edits, new
     return out
 
@@ -82,16 +83,18 @@ def _bias_edits(view: View, beta: str, found: list[LinearReader], new_biases: bo
     d = _numel(view, beta)
     for r in found:
         w, b, name = r.weight, r.bias, r.node
-        if b is None and not new_biases:
-            return [], [], f"{view.nodes[name].describe()} has no bias to absorb it"
         ws = view.values[w.value].shape
-        bn = ws[1 - w.axis] if b is None and ws is not None and len(ws) == 2 else _numel(view, b.value) if b else None
+        if b is None:
+            if not new_biases:
+                return [], [], f"{view.nodes[name].describe()} has no bias to absorb it"
+            if ws is None or d is None or ws[w.axis] != d:
+                return [], [], f"the sizes of {view.nodes[name].describe()}'s weight and β are not known to fit"
+            new.append((name, AddWeightTimes(w.value, w.axis, beta), w))
+            continue
+        bn = _numel(view, b.value)
         if ws is None or len(ws) != 2 or d is None or ws[w.axis] != d or bn != ws[1 - w.axis]:
             return [], [], f"the sizes of {view.nodes[name].describe()}'s weight and bias are not known to fit β"
-        if b is None:
-            new.append(NewBias(name, AddWeightTimes(w.value, w.axis, beta), w.value, w))
-        else:
-            edits.append((b, AddWeightTimes(w.value, w.axis, beta)))
+        edits.append((b, AddWeightTimes(w.value, w.axis, beta)))
     return edits, new, None
 
 

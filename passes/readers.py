@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .rules import kind_of, writes_product
+from .rules import writes_product
 from .view import ConstRef, View
 
 
@@ -21,18 +21,13 @@ class LinearReader:
     out_width: Optional[int]  # output features (None: unknown)
 
 
-# Ops that only copy rows of one input (each output element is an input element of the same
-# feature): a per-feature affine map (β, γ) passes through them, a per-row scale does not.
-ROW_COPIES = ("along", "take", "gather_rows", "tile")
-
-
 def linear_readers(view: View, value: str, axis: int, products_only: bool = False,
-                   row_copies: bool = False) -> tuple[list[LinearReader], Optional[str]]:
+                   through_layout: bool = False) -> tuple[list[LinearReader], Optional[str]]:
     """Every linear layer that reads `value` along its feature axis `axis`, directly or through
     reshapes that keep that axis whole and last; or why some reader is not one. `products_only`:
     only readers whose output is their product (not a fused attention that starts with one).
-    `row_copies`: also through ops that select or copy rows of `value` alone (a slice of the
-    last tokens before an lm_head: GPT-2's `logits_to_keep`), for per-feature edits (β)."""
+    `through_layout`: through any layout op that keeps the feature axis whole and last (a slice or
+    gather of rows: fine for a per-feature edit, γ or β, not for a per-row scale)."""
     v = view.values[value]
     if v.is_graph_output:
         return [], f"`{value}` is a graph output"
@@ -49,13 +44,11 @@ def linear_readers(view: View, value: str, axis: int, products_only: bool = Fals
             width = o.shape[-1] if o is not None and o.shape and isinstance(o.shape[-1], int) else None
             out.append(LinearReader(name, i, lin.weight, lin.bias, v.rank, width))
             continue
-        copies = (row_copies and kind_of(node.rule)[0] in ROW_COPIES
-                  and [x for x in node.inputs if x and not view.values[x].is_const] == [value])
-        if (node.regroups or copies) and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1:
+        if (node.regroups or (through_layout and node.layout)) and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1:
             o = view.values[node.outputs[0]]
             # the features stay whole and last; only the rows regroup
             if o.rank is not None and node.transfer(i, axis) == [(0, o.rank - 1)]:
-                sub, why = linear_readers(view, o.name, o.rank - 1, products_only, row_copies)
+                sub, why = linear_readers(view, o.name, o.rank - 1, products_only, through_layout)
                 if why is not None:
                     return [], why
                 out += sub
