@@ -44,11 +44,11 @@ BUILDERS = {"gpt2": zoo.gpt2, "opt": _opt, "vit": _vit}
 
 
 @functools.lru_cache(maxsize=None)
-def handed_off(name: str):
-    """(hand-off result, original copy, args), one fold per architecture for every test."""
+def handed_off(name: str, rotate=None):
+    """(hand-off result, original copy, args), one fold per architecture and rotation for every test."""
     module, args = BUILDERS[name]()
     original = copy.deepcopy(module)
-    return lnfold.fold_to_rmsnorm(module, args), original, args
+    return lnfold.fold_to_rmsnorm(module, args, rotate=rotate), original, args
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,9 +60,15 @@ def _class_named_rmsnorm(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if "RMSNorm" in type(m).__name__]
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_handoff_is_the_users_module_with_plain_rmsnorms_and_exact(name):
-    result, original, args = handed_off(name)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name,rotate", [pytest.param("gpt2", None, marks=SLOW), ("gpt2", "hadamard"), ("opt", "hadamard"),
+                                         ("vit", "hadamard"), pytest.param("opt", None, marks=SLOW),
+                                         pytest.param("vit", None, marks=SLOW),
+                                         pytest.param("opt", "orthogonal", marks=SLOW)])
+def test_handoff_is_the_users_module_with_plain_rmsnorms_and_exact(name, rotate):
+    result, original, args = handed_off(name, rotate)
     module, hf = result.module, result.module.model
     assert type(hf) is type(original.model)  # the user's own class (and object: folded in place)
     assert result.criterion == "float64" and result.exact_err <= max(2 * result.original_exact_err, 1e-6)
@@ -72,15 +78,19 @@ def test_handoff_is_the_users_module_with_plain_rmsnorms_and_exact(name):
     assert found == result.handoff.rmsnorm and len(found) == 5  # every LayerNorm of these Pre-LN models
     assert all(type(module.get_submodule(n)) is nn.RMSNorm for n in found)
     assert not [m for m in module.modules() if isinstance(m, nn.LayerNorm)]
-    assert all(module.get_submodule(n).weight is not None for n in found)  # elementwise_affine, γ inside
+    # elementwise_affine, with a unit weight: γ moved into the readers
+    assert all(torch.equal(module.get_submodule(n).weight, torch.ones(64)) for n in found)
     assert hf.config.rms_norm_eps == result.handoff.eps[found[0]]
     assert hf.config.lnfold["rmsnorm"] == [n.removeprefix("model.") for n in found]
     # β went into the readers: a bias-free reader got one (GPT-2's and OPT's lm_head; ViT's classifier has one)
     assert ("model.lm_head" in result.handoff.new_biases) == (name != "vit")
+    streams = [s.rotation for s in result.report.streams]
+    assert all(s.startswith(f"rotated by a {rotate} Q") for s in streams) if rotate else not any(streams)
+    assert hf.config.lnfold["rotation"] == (rotate and {"kind": rotate, "seed": 0})
 
 
 def test_a_tie_the_fold_breaks_is_said_and_not_restored_on_load():
-    result, original, _ = handed_off("gpt2")
+    result, original, _ = handed_off("gpt2", "hadamard")
     hf = result.module.model
     assert original.model.lm_head.weight is original.model.transformer.wte.weight
     assert hf.lm_head.weight is not hf.transformer.wte.weight  # wte centered, lm_head not
@@ -90,7 +100,7 @@ def test_a_tie_the_fold_breaks_is_said_and_not_restored_on_load():
 
 
 def test_save_pretrained_from_pretrained_and_state_dict_round_trips(tmp_path):
-    result, _, args = handed_off("gpt2")
+    result, _, args = handed_off("gpt2", "hadamard")
     module = result.module
     with torch.no_grad():
         want = module(*args)
@@ -113,7 +123,7 @@ def test_save_pretrained_from_pretrained_and_state_dict_round_trips(tmp_path):
 
 def test_torch_dynamic_quantization_takes_the_handoff():
     """One real torch quantizer on the result (not exact: int8 weights; the error is said, not hidden)."""
-    result, original, args = handed_off("opt")
+    result, original, args = handed_off("opt", "hadamard")
     q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(result.module), {nn.Linear}, dtype=torch.qint8)
     assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in q.modules())
     assert len(_class_named_rmsnorm(q)) == 5
@@ -145,3 +155,33 @@ def test_a_norm_whose_beta_cannot_move_stays_a_layernorm_with_the_reason():
     assert list(result.handoff.kept) == ["model.layernorm"]
     assert "is a graph output" in result.handoff.kept["model.layernorm"]
     assert isinstance(module.model.layernorm, nn.LayerNorm) and len(result.handoff.rmsnorm) == 4
+
+
+def _one_rotation_dropped(make_plan):
+    """`make_plan` with a planted bug: the rotation of one constant (a reader's or a writer's) is left out."""
+    from dataclasses import replace
+
+    from lnfold.passes.edits import Rotate
+
+    def sabotaged(view, request):
+        plan = make_plan(view, request)
+        edits = list(plan.const_edits)
+        k = max(i for i, e in enumerate(edits) if any(isinstance(op, Rotate) for op in e.ops))
+        edits[k] = replace(edits[k], ops=tuple(op for op in edits[k].ops if not isinstance(op, Rotate)))
+        return replace(plan, const_edits=edits)
+
+    return sabotaged
+
+
+def test_a_constant_left_unrotated_is_refused(monkeypatch):
+    module, args = _opt()
+    monkeypatch.setattr(handoff_mod, "make_plan", _one_rotation_dropped(handoff_mod.make_plan))
+    with pytest.raises(VerificationError):
+        lnfold.fold_to_rmsnorm(module, args, rotate="hadamard")
+    assert not _class_named_rmsnorm(module)
+
+
+def test_keep_ln_rotations_are_fold_modules():
+    module, args = _opt()
+    with pytest.raises(lnfold.LnfoldError, match="keeps the LayerNorms"):
+        lnfold.fold_to_rmsnorm(module, args, rotate="hadamard-keep-ln")
