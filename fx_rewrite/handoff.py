@@ -45,6 +45,7 @@ from ..passes.request import PlanRequest
 
 from .api import ExportFrontend, check_plan
 from .edits import from_numpy, to_numpy
+from .hf import register_caches
 from .holders import Holder, ModuleMap, layernorm_module_refusal, scope_of
 from .verify import Verifier
 
@@ -111,6 +112,7 @@ class HandoffFrontend(ExportFrontend):
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
                  dynamic: bool = True) -> None:
         super().__init__(module, args, kwargs, opts, norm="rms_norm", dynamic=dynamic)
+        register_caches(module)  # before the original's run: its cache outputs flatten as the edited module's
         # runs (and copies, for float64) the module before it is edited
         self.verifier = Verifier(module, args, kwargs) if opts.verify else None
         self.rotation = None if opts.rotate is None else {"kind": opts.rotate, "seed": opts.seed}

@@ -6,7 +6,8 @@ Per trained model: the original (fp32), the original through torch's own dynamic
 quantization (`torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)`:
 int8 weights per tensor, activations quantized per batch at run time), the hand-off
 (`lnfold.fold_to_rmsnorm`, fp32: exact, verified against float64), the hand-off quantized the
-same way, and the rotated hand-off quantized (where this version has `rotate=`). torchao's
+same way: γ moved into the readers (the default, unit-weight RMSNorms), γ kept in the RMSNorm,
+and rotated (a randomized Hadamard, seed 0). torchao's
 weight-only `quantize_` too where torchao imports. Quantization is not exact: these are
 measurements of each quantized model's metric, not verified folds.
 
@@ -77,6 +78,11 @@ def handoff(name: str, **options):
     return result.module, result
 
 
+# the hand-offs quantized: γ into the readers (the default), γ kept in the RMSNorm, rotated
+VARIANTS = {"hand-off": {}, "hand-off γ in norm": {"gamma_into_readers": False},
+            "hand-off rotated": {"rotate": "hadamard", "seed": 0}}
+
+
 def row(name: str, limit: Optional[int], quantizers: dict[str, Callable]) -> list[str]:
     metric = lambda m: harness.evaluate(name, harness.torch_runner(m), limit)  # noqa: E731
     original = conv1d_as_linear(harness.logits_module(name))
@@ -89,25 +95,18 @@ def row(name: str, limit: Optional[int], quantizers: dict[str, Callable]) -> lis
     if folded is None:
         cells = [f"{columns['fp32'].value:.4f}", "—"]
         for q in quantizers:
-            cells += [f"{columns[f'original {q}'].value:.4f}", "—", "—"]
+            cells += [f"{columns[f'original {q}'].value:.4f}"] + ["—"] * len(VARIANTS)
         return [f"| {name} | " + " | ".join(cells) + f" | no hand-off: {result} |"]
     conv1d_as_linear(folded)
     columns["hand-off fp32"] = metric(folded)
-    for q, quantize in quantizers.items():
-        columns[f"hand-off {q}"] = metric(quantize(folded))
-    rotated = {}
-    try:
-        rfolded, rresult = handoff(name, rotate="hadamard", seed=0)
-    except TypeError:  # this version has no rotate=
-        rfolded, rresult = None, "rotate= not in this version"
-    if rfolded is not None:
-        conv1d_as_linear(rfolded)
-        for q, quantize in quantizers.items():
-            rotated[q] = metric(quantize(rfolded))
     cells = [f"{columns['fp32'].value:.4f}", f"{columns['hand-off fp32'].value:.4f}"]
+    quantized = {}
+    for variant, options in VARIANTS.items():
+        m = folded if not options else conv1d_as_linear(handoff(name, **options)[0])
+        for q, quantize in quantizers.items():
+            quantized[(variant, q)] = metric(quantize(m))
     for q in quantizers:
-        cells += [f"{columns[f'original {q}'].value:.4f}", f"{columns[f'hand-off {q}'].value:.4f}",
-                  f"{rotated[q].value:.4f}" if q in rotated else "—"]
+        cells += [f"{columns[f'original {q}'].value:.4f}"] + [f"{quantized[(v, q)].value:.4f}" for v in VARIANTS]
     h = result.handoff
     note = (f"{len(h.rmsnorm)} RMSNorm, {len(h.kept)} kept, {len(h.new_biases)} new bias; "
             f"fold {fold_s:.1f} s; exact err {result.exact_err:.1e} (original {result.original_exact_err:.1e})")
@@ -127,7 +126,7 @@ def main(argv=None) -> None:
             quantizers[f"torchao {kind} wo"] = q
     head = ["model", "fp32", "hand-off fp32"]
     for q in quantizers:
-        head += [f"orig. {q}", f"hand-off {q}", f"rotated {q}"]
+        head += [f"orig. {q}"] + [f"{v} {q}" for v in VARIANTS]
     print(f"{time.strftime('%Y-%m-%d')}, {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; `python -m benchmarks.trained.handoff_bench`")
     print("| " + " | ".join(head) + " | hand-off |")
