@@ -37,10 +37,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
-from ..passes.analysis import Component
 from ..passes.options import FoldOptions
 from ..passes.request import Capabilities, PlanRequest
 from ..passes.plan import Ones, Plan, Scale
@@ -48,9 +47,9 @@ from ..passes.plan import Ones, Plan, Scale
 from ..passes.edits import apply_ops
 
 from .api import check_plan, exported_view
-from .classify import GraphInfo
 from .edits import TENSOR
 from .hf import register_caches
+from .holders import Holder, ModuleMap, layernorm_module_refusal, scope_of
 from .verify import Verifier
 
 RECORD = "_lnfold_training_fold"  # attribute of the folded root module: what unfolding undoes
@@ -75,18 +74,6 @@ class LayerNormAsRMSNorm(nn.Module):
         return f"{tuple(self.normalized_shape)}, eps={self.eps} (folded LayerNorm)"
 
 
-@dataclass(frozen=True)
-class _Holder:
-    """Where a parameter or buffer lives: `module._parameters[name]` or `module._buffers[name]`."""
-
-    module: nn.Module
-    name: str
-
-    def raw(self) -> torch.Tensor:
-        t = self.module._parameters.get(self.name)
-        return self.module._buffers[self.name] if t is None else t
-
-
 @dataclass
 class _EditInForward:
     """The edited tensor one attribute reads, computed in forward from the raw tensor by the one
@@ -94,7 +81,7 @@ class _EditInForward:
     LayerScale vectors its Scale ops read, raw (their own attribute reads as ones)."""
 
     ops: tuple
-    by: dict  # constant name -> _Holder
+    by: dict  # constant name -> Holder
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return apply_ops(x, self.ops, lambda name: self.by[name].raw(), TENSOR)
@@ -102,7 +89,7 @@ class _EditInForward:
 
 def _edited_attribute(name: str) -> property:
     def get(self):
-        raw = _Holder(self, name).raw()
+        raw = Holder(self, name).raw()
         return self._lnfold_edits[name](raw) if self._lnfold_reading else raw
 
     return property(get, doc=f"`{name}` centered while a folded reader's forward runs, else the Parameter")
@@ -174,28 +161,22 @@ class _TrainingFrontend:
 
     def view(self) -> View:
         gm, self.attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
-        self.mapper = _Mapper(self.module, gm, self.attrs, self.info)
+        self.mapper = ModuleMap(self.module, gm, self.attrs, self.info)
         return view
 
     def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
         # The LayerNorm modules stay (their class swapped) and keep their own β; compression would
         # rewrite the readers' weights and shapes: not done on an eager module.
         target = Capabilities(name="the module-level training fold", folds_beta=False, compresses=False,
-                              swap_refusal=functools.partial(_swap_refusal, self.module, self.info))
+                              swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
         return PlanRequest(self.opts.mode, target=target,
                            refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
 
     def plan(self, view: View, request: PlanRequest) -> Plan:
         """make_plan, asked again with more refusals while a tied tensor is read centered and
         uncentered through one attribute."""
-        conflicts: frozenset = frozenset()
-        while True:
-            plan = make_plan(view, request)
-            found = {e.value for e in plan.const_edits if self.mapper.conflict(e.value, e.users)}
-            if not found:
-                return plan
-            conflicts |= found
-            request = self.request(conflicts)
+        return self.mapper.plan(view, lambda conflicts: self.request(conflicts) if conflicts else request,
+                                planner=make_plan)  # (looked up here: a test plants a bug in it)
 
     def check(self, plan: Plan) -> None:
         if plan.empty and plan.unswapped:
@@ -207,7 +188,7 @@ class _TrainingFrontend:
 
     def apply(self, plan: Plan) -> nn.Module:
         module = self.module
-        norms = list({id(m): m for m in (_scope(module, self.info.nodes[n]) for n in plan.swaps)}.values())
+        norms = list({id(m): m for m in (scope_of(module, self.info.nodes[n]) for n in plan.swaps)}.values())
         record = _Fold()
         module.__dict__[RECORD] = record
         _apply_edits(module, plan, self.mapper, record)
@@ -243,93 +224,7 @@ def unfold_for_training(module: nn.Module) -> nn.Module:
     return module
 
 
-# --- from the exported graph back to the module ---------------------------------------------------
-
-class _Mapper:
-    """Maps the plan's constants (graph values) to where the module holds them, per reader.
-
-    A reader (a graph node) reads a tensor through the attribute of the module it runs in
-    (`nn_module_stack`), or of the one module below it that holds the tensor; a tied tensor has
-    one holder per module that holds it (GPT-2: `wte.weight` and `lm_head.weight`)."""
-
-    def __init__(self, module: nn.Module, gm: fx.GraphModule, attrs: dict[str, str], info: GraphInfo) -> None:
-        self.module = module
-        self.attrs = attrs
-        self.info = info
-        self.nodes = {n.name: n for n in gm.graph.nodes}
-
-    def tensor(self, value: str) -> Optional[torch.Tensor]:
-        target = self.attrs.get(value)
-        if target is None:
-            return None
-        owner, _, name = target.rpartition(".")
-        try:
-            mod = self.module.get_submodule(owner)
-        except AttributeError:
-            return None
-        t = mod._parameters.get(name)
-        return mod._buffers.get(name) if t is None else t
-
-    def holder(self, value: str, reader: str) -> Optional[_Holder]:
-        t = self.tensor(value)
-        scope = _scope(self.module, self.nodes.get(reader))
-        if t is None or scope is None:
-            return None
-        own = [n for n, x in (*scope._parameters.items(), *scope._buffers.items()) if x is t]
-        if len(own) == 1:
-            return _Holder(scope, own[0])
-        below = {(id(m), n): _Holder(m, n) for _, m in scope.named_modules(remove_duplicate=False)
-                 for n, x in (*m._parameters.items(), *m._buffers.items()) if x is t}
-        return next(iter(below.values())) if len(below) == 1 else None
-
-    def readers(self, value: str) -> list[str]:
-        node = self.nodes.get(value)
-        return [u.name for u in node.users] if node is not None else []
-
-    def refusal(self, comp: Component, conflicts: set[str]) -> Optional[str]:
-        """Why the module-level fold cannot edit this component, or None."""
-        if comp.opaque:
-            return (f"needs a recenter of {comp.opaque[0].what}, which the module-level training fold "
-                    "does not insert (fold_module or the lnfold backend do)")
-        for src in comp.sources:
-            for ref in (*src.refs, *src.scales):
-                if ref.value in self.info.scalars:
-                    node, _ = self.info.scalars[ref.value]
-                    return (f"a Python number in forward (`{node.name}`) writes into the stream; the "
-                            "module-level training fold edits only parameters and buffers")
-                if self.tensor(ref.value) is None:
-                    return (f"`{ref.value}` writes into the stream but is not a parameter or buffer of the "
-                            "module (a tensor made in forward?); the module-level training fold cannot edit it")
-                if self.holder(ref.value, ref.user) is None:
-                    return f"cannot tell through which attribute `{ref.user}` reads `{self.attrs[ref.value]}`"
-                if ref.value in conflicts:
-                    return (f"`{self.attrs[ref.value]}` is read centered and uncentered through one module "
-                            "attribute (or through one that cannot be told)")
-        return None
-
-    def conflict(self, value: str, users: list[tuple[str, int]]) -> bool:
-        """Some reader's attribute is unknown, or a centered and an uncentered reader share one."""
-        users_ = {u for u, _ in users}
-        centered = {self.holder(value, u) for u in users_}
-        uncentered = {self.holder(value, r) for r in self.readers(value) if r not in users_}
-        return None in centered | uncentered or bool(centered & uncentered)
-
-
-def _scope(root: nn.Module, node: Optional[fx.Node]) -> Optional[nn.Module]:
-    """The innermost module whose forward ran `node` (the root where export recorded none)."""
-    if node is None:
-        return None
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return root
-    path = list(stack.values())[-1][0]
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def _apply_edits(root: nn.Module, plan: Plan, mapper: _Mapper, record: _Fold) -> None:
+def _apply_edits(root: nn.Module, plan: Plan, mapper: ModuleMap, record: _Fold) -> None:
     """Give each holder of an edited tensor a property that centers it while one of the plan's
     readers runs: hooks on the reader's module count it in and out. Outside those forwards
     (an uncentered reader of a tied weight, FSDP2's `getattr`, user code) it reads the Parameter."""
@@ -343,7 +238,7 @@ def _apply_edits(root: nn.Module, plan: Plan, mapper: _Mapper, record: _Fold) ->
             h = mapper.holder(edit.value, user)
             mod, table = recipes.setdefault(id(h.module), (h.module, {}))
             table[h.name] = _EditInForward(edit.ops, by)
-            scope = _scope(root, mapper.nodes[user])
+            scope = scope_of(root, mapper.nodes[user])
             readers.setdefault(id(scope), (scope, {}))[1][id(h.module)] = h.module
     for mod, table in recipes.values():
         record.classes.append((mod, type(mod)))
@@ -356,29 +251,12 @@ def _apply_edits(root: nn.Module, plan: Plan, mapper: _Mapper, record: _Fold) ->
         record.hooks.append(scope.register_forward_hook(functools.partial(_stop_reading, hs), always_call=True))
 
 
-def _swap_refusal(root: nn.Module, info: GraphInfo, name: str, swaps: frozenset) -> Optional[str]:
-    """Why folded norm `name` has no nn.LayerNorm module to swap (None: it has one).
-
-    A LayerNorm module swaps only when every call of it in the graph folds; an F.layer_norm in
-    some module's forward has no module to swap (its stream is still centered: it stays exact)."""
-    m = _scope(root, info.nodes[name])
-    if m is None or not isinstance(m, nn.LayerNorm) or type(m).forward is not nn.LayerNorm.forward:
-        where = "" if m is None else f" in `{type(m).__name__}.forward`"
-        what = "a LayerNorm written as several ops" if name in info.decomposed else "a functional layer_norm"
-        return f"no nn.LayerNorm module to swap ({what}{where}); its stream is centered"
-    calls = [n for n, node in info.nodes.items()
-             if node.op == "call_function" and "layer_norm" in str(node.target) and _scope(root, node) is m]
-    if not set(calls) <= swaps:
-        return "its nn.LayerNorm module is also called where the stream cannot be folded"
-    return None
-
-
 def _dropout_advice(root: nn.Module, plan: Plan, nodes: dict) -> str:
     """What to set when train-mode Dropout starts the residual stream (it drops entries, so the
     stream's mean is not zero and nothing folds: correctly); '' where none does."""
     names = {id(m): n for n, m in root.named_modules()}
     drops = {names[id(m)]: None for comp in plan.components for o in comp.opaque
-             for m in [_scope(root, nodes.get(o.value))]
+             for m in [scope_of(root, nodes.get(o.value))]
              if isinstance(m, nn.Dropout) and m.training and m.p > 0 and id(m) in names}
     if not drops:
         return ""

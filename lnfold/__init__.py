@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .onnx_rewrite import save as save_onnx
     from .fx_rewrite import (analyze_module, fold_checkpoint, fold_for_training, fold_module, lnfold_backend,
                              lnfold_backend_with, unfold_for_training)
+    from .fx_rewrite import fold_to_rmsnorm, restore_rmsnorm
 
 
 
@@ -48,13 +49,14 @@ def _installed_version() -> str:
     except PackageNotFoundError:  # imported from a source tree that was never installed
         return "0+unknown"
 
-_TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_module", "lnfold_backend", "lnfold_backend_with",
-                "unfold_for_training")
+_TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_module", "lnfold_backend",
+                "lnfold_backend_with", "unfold_for_training", "fold_to_rmsnorm", "restore_rmsnorm")
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
     "analyze_module", "analyze_onnx", "fold_checkpoint", "fold_for_training", "fold_module", "fold_onnx", "lnfold_backend",
     "lnfold_backend_with", "load_onnx", "save_onnx", "unfold_for_training",
+    "fold_to_rmsnorm", "restore_rmsnorm",
 ]
 
 

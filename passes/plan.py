@@ -131,6 +131,7 @@ class _Draft:
         bf = self.betas.pop(norm, None)
         if bf is None or not bf.folded:
             return
+        self.new_biases[:] = [nb for nb in self.new_biases if (nb.node, nb.op) not in {(n, add) for n, add, _ in bf.new}]
         mine = {(b.user, b.user_input): add for b, add in bf.edits}
         kept = []
         for e in self.const_edits:
@@ -201,16 +202,21 @@ def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
 
 def _unswapped(plan: _Draft, caps: Capabilities) -> list[str]:
     """The folded norms the target keeps (its stream stays centered), each reported with why."""
-    if caps.swap_refusal is None:
+    if caps.swap_refusal is None and caps.norm_beta:
         return FrozenList()
     swaps = frozenset(plan.swaps)
     verdicts = {v.name: v for v in plan.report.norms}
     out = []
     for name in plan.swaps:
-        reason = caps.swap_refusal(name, swaps)
+        reason = caps.swap_refusal(name, swaps) if caps.swap_refusal is not None else None
+        bf = plan.betas.get(name)
+        if reason is None and not caps.norm_beta and bf is not None and bf.emits_add:
+            reason = (f"its β stays ({bf.why}) and {caps.name}'s RMSNorm has no β; it stays a LayerNorm on "
+                      "its centered stream")
         if reason is not None:
             verdicts[name].verdict, verdicts[name].reason = "keep", reason
             out.append(name)
+            plan.keep_beta(name)  # the norm it keeps adds its own β
     plan.swaps[:] = [n for n in plan.swaps if n not in out]
     return FrozenList(out)
 
@@ -275,7 +281,9 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         shrink = cc is not None and cc.compressed
         if not shrink and caps.folds_beta:  # (CRMS: β goes with γ into the compressed readers, below)
             for n in comp.norms:
-                bf = plan.betas[n] = betas.decide(view, n, zero, into_readers=request.gamma_into_readers)
+                # (the hand-off's nn.RMSNorm has no β: it asks for new biases even with γ kept)
+                bf = plan.betas[n] = betas.decide(view, n, zero,
+                                                  into_readers=request.gamma_into_readers or caps.new_biases)
                 for b, add in bf.edits:
                     use(b.value, b.user, b.user_input)[0].append(add)
                 plan.new_biases.extend(NewBias(node, add, w.value, w) for node, add, w in bf.new)
@@ -314,8 +322,8 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         _gamma_and_rotation(view, plan, request, use, verdicts)
 
     # W β joins the reader's output: it takes the source edits too
-    plan.new_biases[:] = [replace(nb, then=tuple(_drop_axis(op, nb.weight.axis) for op in
-                                                 uses[(nb.weight.value, nb.weight.user, nb.weight.user_input)][1]))
+    plan.new_biases[:] = [replace(nb, then=tuple(_drop_axis(op, nb.weight.axis) for op in uses.get(
+                              (nb.weight.value, nb.weight.user, nb.weight.user_input), ([], []))[1]))
                           for nb in plan.new_biases]
 
     wanted: dict[tuple, list[tuple[str, int]]] = {}

@@ -28,6 +28,11 @@ class Capabilities:
     # fuses none. A fused norm's own Add (SkipLayerNormalization's) is always fusable.
     fuses_residual: Optional[Callable[[tuple], bool]] = None
     folds_beta: bool = True  # β may move into the readers' biases (False: each norm keeps its β)
+    # A linear reader without a bias may be given one for β (W β; the eager RMSNorm hand-off)
+    new_biases: bool = False
+    # Its RMSNorm can add β (False: a folded norm whose β cannot move into its readers is not
+    # swapped: it stays a LayerNorm on its centered stream, exact, and is reported kept)
+    norm_beta: bool = True
     compresses: bool = True  # it can emit CRMSNorm (False: mode "crms" folds into RMSNorms, with a note)
     # Why the target cannot swap folded norm `name` given every folded norm (None: it can): the
     # stream stays centered, the norm stays as it is (exact on a zero-mean input), and is reported kept.

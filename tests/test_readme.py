@@ -113,6 +113,7 @@ def test_every_lnfold_command_line_in_the_readme_parses(capsys):
 ONNX_BLOCK = 'lnfold.load_onnx("model.onnx")'
 TORCH_BLOCK = "lnfold.fold_module(model, args)"
 TRAINING_BLOCK = "lnfold.fold_for_training(model, args)"
+HANDOFF_BLOCK = "lnfold.fold_to_rmsnorm(model, args"
 
 
 def _block(phrase: str) -> str:
@@ -122,7 +123,7 @@ def _block(phrase: str) -> str:
 
 def test_every_python_block_has_a_test():
     for block in _blocks("python"):
-        assert sum(p in block for p in (ONNX_BLOCK, TORCH_BLOCK, TRAINING_BLOCK)) == 1, block
+        assert sum(p in block for p in (ONNX_BLOCK, TORCH_BLOCK, TRAINING_BLOCK, HANDOFF_BLOCK)) == 1, block
 
 
 def _run(script: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -192,3 +193,10 @@ def test_readme_training_example_runs(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "trained and unfolded" in run.stdout and (tmp_path / "ckpt.pt").is_file()
     assert run.stderr == "", run.stderr
+
+
+@pytest.mark.slow
+def test_readme_handoff_example_runs(tmp_path):
+    run = _run(_block(HANDOFF_BLOCK) + "\nprint('handed off')", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "torch.nn.RMSNorm modules" in run.stdout and "handed off" in run.stdout

@@ -1,0 +1,383 @@
+"""The eager RMSNorm hand-off: the user's own module, folded, for the tools that expect RMSNorm.
+
+Rotation-based quantizers and their exporters (QuaRot, SpinQuant, ModelOpt, llm-compressor,
+Brevitas) find a model's norms by class name ("RMSNorm") and read `config.rms_norm_eps`; they do
+not take a graph. `fold_to_rmsnorm(module, args)` runs the one pipeline (torch.export, make_plan,
+β into the readers) and applies its plan to the module itself:
+
+- every edited constant (centered tables and writers, biases with `W β`) is computed once in
+  float64 (passes/edits.compute_constants) and baked into the Parameter or buffer the reader
+  reads, by attribute (fx_rewrite/holders.py: from graph node to module). A tensor held by several
+  attributes (a tied embedding / lm_head) stays tied where every holder gets the same values; where
+  the fold makes them differ (GPT-2's wte is centered, lm_head reads the norm's output and is not)
+  the tie is broken and the report says so (and `config.tie_word_embeddings` becomes False, so that
+  `from_pretrained` does not tie them again);
+- a reader Linear without a bias gets one (`W β`: `Capabilities.new_biases`);
+- each folded `nn.LayerNorm` becomes a plain `torch.nn.RMSNorm` (elementwise_affine=True; its
+  weight is γ), exact because its input is zero-mean now (DESIGN §1). A folded norm whose β cannot
+  move into its readers (its output is a graph output, a reader is not linear) stays an
+  `nn.LayerNorm` on its centered stream (exact as well) and is reported kept;
+- transformers models: `config.rms_norm_eps` is set where every swapped norm has one ε, and
+  `config.lnfold` lists the swapped norms and the new biases, for `restore_rmsnorm` after
+  `from_pretrained`.
+
+The result is judged like every fold (passes/gate.py, against a float64 run of the original on
+the same inputs): a hand-off whose outputs differ is undone and refused (VerificationError).
+The module is edited in place (big models: no second copy); the original is kept only for
+verification's float64 run.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
+from ..passes.edits import compute_constants, compute_new_bias
+from ..passes.options import FoldOptions
+from ..passes.plan import Plan
+from ..passes.request import PlanRequest
+
+from .api import ExportFrontend, check_plan
+from .edits import from_numpy, to_numpy
+from .hf import register_caches
+from .holders import Holder, ModuleMap, layernorm_module_refusal, scope_of
+from .verify import Verifier
+
+HANDOFF = "the eager RMSNorm hand-off"
+CONFIG_KEY = "lnfold"  # config.lnfold: what restore_rmsnorm needs after from_pretrained
+
+
+@dataclass
+class Handoff:
+    """What the hand-off did to the module, by the module's own names."""
+
+    rmsnorm: list[str] = field(default_factory=list)  # modules now torch.nn.RMSNorm
+    eps: dict[str, float] = field(default_factory=dict)  # their ε
+    kept: dict[str, str] = field(default_factory=dict)  # LayerNorm modules left as they are: why
+    parameters: list[str] = field(default_factory=list)  # state_dict names whose values changed
+    new_biases: list[str] = field(default_factory=list)  # Linear modules given a bias (W β)
+    untied: list[str] = field(default_factory=list)  # ties the fold broke, and why
+    config: list[str] = field(default_factory=list)  # config fields set, per transformers model
+
+    def table(self) -> str:
+        lines = [f"{len(self.rmsnorm)} torch.nn.RMSNorm modules, {len(self.parameters)} parameters baked, "
+                 f"{len(self.new_biases)} new biases"]
+        lines += [f"  rmsnorm  {n} (eps={self.eps[n]:g})" for n in self.rmsnorm]
+        lines += [f"  kept     {n}: {why}" for n, why in self.kept.items()]
+        lines += [f"  bias     {n} (new: β moved in)" for n in self.new_biases]
+        lines += [f"  untied   {t}" for t in self.untied]
+        lines += [f"  config   {c}" for c in self.config]
+        return "\n".join(lines)
+
+
+@dataclass
+class HandoffResult(FoldResult):
+    """FoldResult of `fold_to_rmsnorm`: `.module` is the user's module, edited in place."""
+
+    handoff: Handoff = field(default_factory=Handoff)
+
+
+def fold_to_rmsnorm(module: nn.Module, args: tuple, kwargs: Optional[dict] = None, *, rotate: Optional[str] = None,
+                    seed: int = 0, gamma_into_readers: bool = True, verify: bool = True,
+                    dynamic: bool = True) -> HandoffResult:
+    """Fold `module` in place into an RMSNorm model its class still runs (see the module docstring).
+
+    `gamma_into_readers` (default): each norm's γ moves into the weights of the layers that read
+    it, leaving a unit-weight RMSNorm (False: the RMSNorm keeps γ). `rotate` ("hadamard" or
+    "orthogonal", with `seed`): each folded stream is rotated as `fold_module(rotate=...)` does,
+    exactly (the "-keep-ln" rotations are for models that keep their LayerNorms: fold_module).
+    Returns a HandoffResult (`.module`: `module`; `.handoff`: what changed, by name; `.report`:
+    the fold's report). Raises NothingToFold when no LayerNorm module can become an RMSNorm, and
+    VerificationError (the module restored) when the edited module's outputs on `args` differ
+    from the original's beyond what float64 allows.
+    """
+    if rotate is not None and rotate.endswith("-keep-ln"):
+        raise LnfoldError(f"rotate={rotate!r} keeps the LayerNorms; the hand-off makes them RMSNorms: use "
+                          "fold_module(..., rotate=...) for it, or rotate='hadamard' / 'orthogonal' here")
+    opts = FoldOptions(mode="rms", defer="off", verify=verify, gamma_into_readers=gamma_into_readers or bool(rotate),
+                       rotate=rotate, seed=seed)
+    frontend = HandoffFrontend(module, tuple(args), dict(kwargs or {}), opts, dynamic=dynamic)
+    return pipeline.fold(frontend, verify=opts.verify, planner=frontend.plan)
+
+
+class HandoffFrontend(ExportFrontend):
+    """fold_module's frontend (export, view, request), its plan applied to the eager module."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
+                 dynamic: bool = True) -> None:
+        super().__init__(module, args, kwargs, opts, norm="rms_norm", dynamic=dynamic)
+        register_caches(module)  # before the original's run: its cache outputs flatten as the edited module's
+        # runs (and copies, for float64) the module before it is edited
+        self.verifier = Verifier(module, args, kwargs) if opts.verify else None
+        self.rotation = None if opts.rotate is None else {"kind": opts.rotate, "seed": opts.seed}
+        self.undo: list[Callable[[], None]] = []
+
+    def view(self) -> View:
+        view = super().view()
+        self.mapper = ModuleMap(self.module, self.gm, self.attrs, self.info, who=HANDOFF)
+        return view
+
+    def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
+        base = super().request()
+        target = replace(base.target, name=HANDOFF, compresses=False, new_biases=True, norm_beta=False,
+                         swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
+        return replace(base, mode="rms", defer="off", target=target,
+                       refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
+
+    def plan(self, view: View, request: PlanRequest) -> Plan:
+        return self.mapper.plan(view, lambda conflicts: self.request(conflicts) if conflicts else request,
+                                planner=make_plan)  # (looked up here: a test plants a bug in it)
+
+    def check(self, plan: Plan) -> None:
+        if plan.empty and plan.unswapped:
+            first = next(v for v in plan.report.norms if v.name == plan.unswapped[0])
+            raise NothingToFold(f"no nn.LayerNorm module can become an RMSNorm; first: {first.reason}")
+        check_plan(plan)
+
+    def apply(self, plan: Plan) -> nn.Module:
+        self.done = Handoff()
+        try:
+            self._bake(plan)
+            self._new_biases(plan)
+            self._swap(plan)
+            self._configure(plan)
+        except Exception:
+            self.restore()
+            raise
+        return self.module
+
+    emit = staticmethod(pipeline.in_memory)
+
+    def verify(self, plan: Plan, module: nn.Module):
+        try:
+            return self.verifier.check(module)
+        except VerificationError:
+            self.restore()
+            raise
+
+    def result(self, plan: Plan, module: nn.Module) -> HandoffResult:
+        report = plan.report.renamed(self.attrs)
+        for name, why in self.done.kept.items():
+            report.notes.append(f"`{name}` stays an nn.LayerNorm: {why}")
+        return HandoffResult(report=report, module=module, handoff=self.done)
+
+    def restore(self) -> None:
+        """Undo every edit made so far, last first."""
+        while self.undo:
+            self.undo.pop()()
+
+    # --- the edits, each recorded for `restore` -------------------------------------------------
+    def _set(self, h: Holder, t: torch.Tensor) -> None:
+        table = h.module._parameters if h.name in h.module._parameters else h.module._buffers
+        old = table[h.name]
+        table[h.name] = t
+        self.undo.append(lambda: table.__setitem__(h.name, old))
+
+    def _names(self) -> dict[int, str]:
+        return {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+
+    def _bake(self, plan: Plan) -> None:
+        """Every edited constant, computed once in float64 from the originals, into the attribute
+        each of its readers reads. Equal edits of one tensor stay one (tied) Parameter."""
+        names = self._names()
+        edited = {id(t): t for t in (self.mapper.tensor(e.value) for e in plan.const_edits) if t is not None}
+        tied = {k: hs for k, hs in _holders_of(self.module, edited).items() if len(hs) > 1}
+        made: dict[tuple, torch.Tensor] = {}
+        assigned: dict[Holder, tuple] = {}
+        for edit, arr in compute_constants(list(plan.const_edits), lambda n: to_numpy(self.tensor(n))):
+            old = self.mapper.tensor(edit.value)
+            for user, _ in edit.users:
+                h = self.mapper.holder(edit.value, user)
+                key = (id(old), edit.ops)
+                if assigned.setdefault(h, key) != key:
+                    raise LnfoldError(f"`{_qualified(names, h)}` would need two different edits (read by `{user}` "
+                                      f"and another reader); {HANDOFF} cannot bake both")
+                if key not in made:
+                    t = from_numpy(arr, old)
+                    made[key] = nn.Parameter(t, requires_grad=old.requires_grad) \
+                        if isinstance(old, nn.Parameter) else t
+                self._set(h, made[key])
+        self.done.parameters = sorted({_qualified(names, h) for h in assigned})
+        for hs in tied.values():  # one tensor, several attributes, now different values: the tie is broken
+            if len({id(h.raw()) for h in hs}) > 1:
+                self.done.untied.append(" / ".join(_qualified(names, h) for h in hs)
+                                        + ": the fold makes them differ (each holds its own tensor now)")
+
+    def _new_biases(self, plan: Plan) -> None:
+        """A reader Linear without a bias gets `W β` as its bias (float64, the weight's dtype)."""
+        names = self._names()
+        for nb in plan.new_biases:
+            h = self.mapper.holder(nb.op.weight, nb.node)
+            m = h.module if h is not None else None
+            if m is None or h.name != "weight" or "bias" not in m._parameters or m._parameters["bias"] is not None:
+                raise LnfoldError(f"`{nb.node}` reads a folded norm through a layer that cannot take a new bias; "
+                                  f"{HANDOFF} needs a bias there for β")
+            w = self.tensor(nb.op.weight)
+            b = from_numpy(compute_new_bias(nb, lambda n: to_numpy(self.tensor(n))), w)
+            m._parameters["bias"] = nn.Parameter(b, requires_grad=w.requires_grad)
+            self.undo.append(lambda m=m: m._parameters.__setitem__("bias", None))
+            self.done.new_biases.append(names[id(m)])
+
+    def _swap(self, plan: Plan) -> None:
+        """Each folded LayerNorm module becomes a torch.nn.RMSNorm with its ε and its (baked) γ."""
+        names = self._names()
+        norms = {id(m): m for m in (scope_of(self.module, self.info.nodes[n]) for n in plan.swaps)}
+        unit = {id(scope_of(self.module, self.info.nodes[n])) for n in plan.unit_gamma}
+        for ln in norms.values():
+            # γ moved into the readers: a unit weight (the module's own γ Parameter is left alone)
+            rms = rmsnorm_like(ln, torch.ones_like(ln.weight) if id(ln) in unit and ln.weight is not None else None)
+            for parent in list(self.module.modules()):
+                for attr, child in list(parent._modules.items()):
+                    if child is ln:
+                        parent._modules[attr] = rms
+                        self.undo.append(lambda p=parent, a=attr, old=ln: p._modules.__setitem__(a, old))
+            self.done.rmsnorm.append(names[id(ln)])
+            self.done.eps[names[id(ln)]] = float(ln.eps)
+        order = {n: k for k, n in enumerate(names.values())}
+        self.done.rmsnorm.sort(key=order.__getitem__)  # in the module's order
+        for name in plan.unswapped:
+            m = scope_of(self.module, self.info.nodes[name])
+            why = next(v.reason for v in plan.report.norms if v.name == name)
+            self.done.kept[names.get(id(m), name)] = why
+
+    def _configure(self, plan: Plan) -> None:
+        """transformers models: rms_norm_eps where one ε serves every swapped norm, the hand-off's
+        record for restore_rmsnorm, and no re-tying of a tie the fold broke."""
+        names = self._names()
+        for prefix, model in _hf_models(self.module):
+            mine = lambda n: n == prefix[:-1] or n.startswith(prefix)  # noqa: E731
+            rel = lambda n: n[len(prefix):]  # noqa: E731
+            norms = [n for n in self.done.rmsnorm if mine(n)]
+            if not norms:
+                continue
+            cfg = model.config
+            record = {"rmsnorm": [rel(n) for n in norms], "eps": {rel(n): self.done.eps[n] for n in norms},
+                      "new_biases": [rel(n) for n in self.done.new_biases if mine(n)],
+                      "rotation": self.rotation}
+            self._config(cfg, CONFIG_KEY, record)
+            self.done.config.append(f"{names[id(model)] or type(model).__name__}.config.{CONFIG_KEY}")
+            epss = {self.done.eps[n] for n in norms}
+            if len(epss) == 1:
+                self._config(cfg, "rms_norm_eps", epss.pop())
+                self.done.config.append(f"rms_norm_eps={cfg.rms_norm_eps:g}")
+            else:
+                self.done.config.append(f"rms_norm_eps not set: the norms have {len(epss)} different ε")
+            if self.done.untied and getattr(cfg, "tie_word_embeddings", False):
+                self._config(cfg, "tie_word_embeddings", False)
+                self.done.config.append("tie_word_embeddings=False (the fold broke the tie)")
+
+    def _config(self, cfg, key: str, value) -> None:
+        had = key in cfg.__dict__
+        old = cfg.__dict__.get(key)
+        setattr(cfg, key, value)
+        self.undo.append(lambda: setattr(cfg, key, old) if had else cfg.__dict__.pop(key, None))
+
+
+def rmsnorm_like(ln: nn.LayerNorm, weight: Optional[torch.Tensor] = None) -> nn.RMSNorm:
+    """A torch.nn.RMSNorm with `ln`'s shape, ε, device and dtype, weight `weight` (default: `ln`'s
+    γ, ones where it has none)."""
+    w = ln.weight if weight is None else weight
+    like = w if w is not None else (ln.bias if ln.bias is not None else torch.empty(0))
+    rms = nn.RMSNorm(ln.normalized_shape, eps=ln.eps, elementwise_affine=True, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        if w is not None:
+            rms.weight.copy_(w)
+    rms.train(ln.training)
+    return rms
+
+
+def _qualified(names: dict[int, str], h: Holder) -> str:
+    owner = names[id(h.module)]
+    return f"{owner}.{h.name}" if owner else h.name
+
+
+def _holders_of(root: nn.Module, tensors: dict[int, torch.Tensor]) -> dict[int, list[Holder]]:
+    """Every attribute (module, name) that holds one of `tensors` (by identity)."""
+    out: dict[int, list[Holder]] = {}
+    for m in root.modules():
+        for n, t in (*m._parameters.items(), *m._buffers.items()):
+            if t is not None and id(t) in tensors:
+                out.setdefault(id(t), []).append(Holder(m, n))
+    return out
+
+
+def _hf_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models in `root` (name prefix with its dot, model)."""
+    out: list[tuple[str, nn.Module]] = []
+    for name, m in root.named_modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or not hasattr(cfg, "to_dict") or not hasattr(m, "save_pretrained"):
+            continue
+        if any(name.startswith(p) or p == "" for p, _ in out):
+            continue
+        out.append((f"{name}." if name else "", m))
+    return out
+
+
+# --- after from_pretrained -------------------------------------------------------------------------
+
+def restore_rmsnorm(model: nn.Module, folder: Optional[str] = None) -> nn.Module:
+    """Make a transformers model loaded from a hand-off's folder the hand-off again, in place.
+
+    `from_pretrained` builds the model's own class, with LayerNorm modules and bias-free Linears
+    where the hand-off has `torch.nn.RMSNorm`s and new biases. This swaps the norms that
+    `config.lnfold` lists for RMSNorms (their weights are the loaded ones), gives the listed
+    Linears their bias, and reads those biases (which `from_pretrained` skipped as unexpected)
+    from `folder` (default: the folder the model was loaded from). Without a folder (a model
+    built from its config) the biases are zeros: load the hand-off's state_dict after this.
+
+        model = AutoModelForCausalLM.from_pretrained(path)
+        lnfold.fx_rewrite.restore_rmsnorm(model)
+    """
+    found = False
+    for prefix, hf in _hf_models(model):
+        record = getattr(hf.config, CONFIG_KEY, None)
+        if not record:
+            continue
+        found = True
+        for name in record["rmsnorm"]:
+            ln = hf.get_submodule(name)
+            if isinstance(ln, nn.RMSNorm):
+                continue
+            if not isinstance(ln, nn.LayerNorm):
+                raise LnfoldError(f"`{name}` is a {type(ln).__name__}, not the LayerNorm config.{CONFIG_KEY} names")
+            parent, _, attr = name.rpartition(".")
+            hf.get_submodule(parent)._modules[attr] = rmsnorm_like(ln)
+        for name in record["new_biases"]:
+            lin = hf.get_submodule(name)
+            if lin._parameters.get("bias") is None:
+                w = lin.weight
+                lin.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
+                                        requires_grad=w.requires_grad)
+        path = folder if folder is not None else getattr(hf.config, "_name_or_path", None)
+        if record["new_biases"] and path and os.path.isdir(path):
+            _load_tensors(hf, path, [f"{n}.bias" for n in record["new_biases"]])
+    if not found:
+        raise LnfoldError(f"the model has no config.{CONFIG_KEY}: it was not saved from fold_to_rmsnorm's result")
+    return model
+
+
+def _load_tensors(model: nn.Module, folder: str, keys: list[str]) -> None:
+    """Copy tensors `keys` of a save_pretrained folder (safetensors, sharded or not) into `model`."""
+    from safetensors import safe_open
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            where = json.load(f)["weight_map"]
+    else:
+        where = {k: "model.safetensors" for k in keys}
+    params = dict(model.named_parameters())
+    for key in keys:
+        file = os.path.join(folder, where.get(key, "model.safetensors"))
+        with safe_open(file, framework="pt") as f:
+            if key not in f.keys():
+                raise LnfoldError(f"`{key}` is not in {folder}: not a folder saved from fold_to_rmsnorm's result")
+            with torch.no_grad():
+                params[key].copy_(f.get_tensor(key))
