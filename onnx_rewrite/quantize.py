@@ -177,6 +177,11 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
 def _quantize(prepared, nodes, weights, activations, calibration, block_size, per_channel) -> onnx.ModelProto:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+    # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
+    # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
+    inits = {t.name: t for t in prepared.graph.initializer}
+    by_name = {n.name: n for n in prepared.graph.node}
+    extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
     if weights == "int4":
         MatMulNBitsQuantizer = _nbits_quantizer()
         q = MatMulNBitsQuantizer(_copy(prepared), bits=4, block_size=block_size, is_symmetric=True,
@@ -187,25 +192,29 @@ def _quantize(prepared, nodes, weights, activations, calibration, block_size, pe
         out = Path(tmp) / "quantized.onnx"
         if activations is None:
             quantize_dynamic(_copy(prepared), out, weight_type=QuantType.QInt8, per_channel=per_channel,
-                             nodes_to_quantize=nodes)
+                             nodes_to_quantize=nodes, extra_options=extra)
         else:
             quantize_static(_copy(prepared), out, _calibration_reader(calibration), quant_format=QuantFormat.QDQ,
                             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=per_channel,
-                            nodes_to_quantize=nodes)
+                            nodes_to_quantize=nodes, extra_options=extra)
         return onnx.load(str(out))
 
 
 @contextlib.contextmanager
 def _quiet_quantizers():
-    """onnxruntime's quantizers log every node at INFO and advice at WARNING: errors only while
-    they run for lnfold; the caller's logging is put back after."""
-    log = logging.getLogger("onnxruntime.quantization")
-    before = log.level
-    log.setLevel(logging.ERROR)
+    """onnxruntime's quantizers log every node at INFO and advice at WARNING (a bare
+    `logging.warning`, which installs a handler on the root logger): errors only while they run
+    for lnfold, and the caller's logging as it was after."""
+    root = logging.getLogger()
+    handlers, disabled = list(root.handlers), logging.root.manager.disable
+    logging.disable(logging.WARNING)
     try:
         yield
     finally:
-        log.setLevel(before)
+        logging.disable(disabled)
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
 
 
 def _nbits_quantizer():
@@ -226,9 +235,15 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type for n in model.graph.node)
 
 
+def _is_scores(output: str) -> bool:
+    """An output whose last axis scores classes (top-1 agreement means something there)."""
+    low = output.lower()
+    return "logit" in low or "prob" in low or "score" in low or low == "output"
+
+
 def output_errors(original: onnx.ModelProto, quantized: onnx.ModelProto, *, inputs=None, dims=None) -> dict:
     """Per float output of the original: max relative error of the quantized model against it,
-    and (for outputs with a class axis last) the share of rows whose argmax agrees."""
+    and, for outputs that score classes (logits), the share of rows whose argmax agrees."""
     runner, feeds, ref = verify.original_run(original, inputs=inputs, dims=dims)
     try:
         got = verify.session(quantized).run(None, feeds)
@@ -240,7 +255,7 @@ def output_errors(original: onnx.ModelProto, quantized: onnx.ModelProto, *, inpu
         if not np.issubdtype(a.dtype, np.floating):
             continue
         entry = {"max_rel_err": max_rel_err(a, b)}
-        if a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
+        if _is_scores(name) and a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
             entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1)).mean())
         errors[name] = entry
     described = "the given inputs" if inputs is not None else "made-up inputs (" + ", ".join(
