@@ -138,7 +138,9 @@ class ExportFrontend:
     def request(self) -> PlanRequest:
         # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
         zero = lambda name: name in self.attrs and not bool(self.tensor(name).any())  # noqa: E731
-        return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero)
+        return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero,
+                           gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
+                           seed=self.opts.seed)
 
     def check(self, plan: Plan) -> None:
         check_plan(plan)
@@ -162,8 +164,10 @@ class ExportFrontend:
         verdict = verifier.check(gm)
         # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well (it must pass
         # too; the result reports the module returned).
-        if self.norm != "rms_norm" and plan.plain_rms:
-            verifier.check(rms_probe(gm, list(plan.plain_rms), ATEN, self.info.decomposed))
+        # (the norms of a rotated stream are RMSNorms already: their input is not zero-mean)
+        probed = [n for n in plan.plain_rms if n not in plan.rotated_norms]
+        if self.norm != "rms_norm" and probed:
+            verifier.check(rms_probe(gm, probed, ATEN, self.info.decomposed))
         return verdict
 
     def result(self, plan: Plan, gm: fx.GraphModule) -> FoldResult:
@@ -184,7 +188,8 @@ def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] 
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",
-                defer: str = "off", verify: bool = True, norm: str = "auto", dynamic: bool = True) -> FoldResult:
+                defer: str = "off", verify: bool = True, norm: str = "auto", dynamic: bool = True,
+                gamma_into_readers: bool = False, rotate: Optional[str] = None, seed: int = 0) -> FoldResult:
     """Fold every foldable LayerNorm of `module`; the module and its parameters are not modified.
 
     Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
@@ -192,10 +197,15 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     them; `defer="on"` emits the folded norms read only by linear layers as deferred
     normalization, "auto" asks the cost model, which defers nothing in eager mode). `norm`:
     "auto" (eager: keep the fused LayerNorm kernel on the centered stream), "rms_norm" or
-    "layer_norm". Raises NothingToFold when no LayerNorm can be folded and
-    VerificationError when the folded module's outputs on `args` differ from the original's.
+    "layer_norm". `gamma_into_readers`, `rotate`, `seed` mean what they mean for `fold_onnx`
+    (γ into the readers' weights; a rotation of each folded stream): the norms of a stream rotated
+    by a Q with Q·1 ≠ 1 are emitted as `aten.rms_norm` whatever `norm` says (a LayerNorm is exact
+    only on a zero-mean input); "-keep-ln" rotations keep `norm`'s choice. Raises NothingToFold
+    when no LayerNorm can be folded and VerificationError when the folded module's outputs on
+    `args` differ from the original's.
     """
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify)
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
+                       rotate=rotate, seed=seed)
     check_choice("norm", norm, ("auto",) + NORMS)
     frontend = ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm=norm, dynamic=dynamic)
     return pipeline.fold(frontend, verify=opts.verify, planner=make_plan)

@@ -163,7 +163,8 @@ class Applier:
             if name in crms_norms:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:
-                self._swap(self.nodes[name], plan.emits_beta_add(name))
+                self._swap(self.nodes[name], plan.emits_beta_add(name), name in plan.unit_gamma,
+                           name in plan.rotated_norms)
         crms.patch_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
@@ -203,8 +204,10 @@ class Applier:
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, node: fx.Node, beta_add: bool) -> None:
-        """The norm as RMSNorm; `beta_add` False: the plan moved β into the readers' biases."""
+    def _swap(self, node: fx.Node, beta_add: bool, unit_gamma: bool = False, rotated: bool = False) -> None:
+        """The norm as RMSNorm; `beta_add` False: the plan moved β into the readers' biases;
+        `unit_gamma`: γ too, into their weights (the norm's weight goes); `rotated`: its stream is
+        rotated and no longer zero-mean (an RMSNorm, never a LayerNorm, whatever `self.norm`)."""
         decomposed = self.info.decomposed.get(node.name)
         if decomposed is not None:  # an RMSNorm once its mean subtraction goes
             drop_mean(self.graph, node, decomposed.centered, self.nodes)
@@ -212,8 +215,16 @@ class Applier:
                 add, scale = (self.nodes[n] for n in decomposed.nodes[-1:-3:-1])
                 add.replace_all_uses_with(scale)
                 self.graph.erase_node(add)
+            if unit_gamma and decomposed.gamma is not None:  # its γ Mul reads through
+                mul = next(self.nodes[n] for n in decomposed.nodes
+                           if decomposed.gamma in self.view.nodes[n].inputs and n in self.nodes)
+                (data,) = [a for a in mul.all_input_nodes if a.name != decomposed.gamma]
+                mul.replace_all_uses_with(data)
+                self.graph.erase_node(mul)
             return
-        if self.norm == "layer_norm":  # the LayerNorm of a zero-mean stream already computes RMSNorm
+        if unit_gamma:
+            set_arg(node, "weight", None)
+        if self.norm == "layer_norm" and not rotated:  # the LayerNorm of a zero-mean stream computes RMSNorm
             if not beta_add:
                 set_arg(node, "bias", None)
             return

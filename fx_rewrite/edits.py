@@ -69,6 +69,8 @@ TENSOR = Algebra(
     drop=weights.drop_last,
     fold_decompression=weights.fold_decompression,
     add_weight_times=add_weight_times,
+    # a stream rotation's edit (passes/rotate.py), in the tensor's own dtype
+    rotate=lambda x, q, axis: weights.rotate(x, torch.from_numpy(np.asarray(q)).to(x.dtype), axis, torch.matmul),
 )
 
 

@@ -111,7 +111,9 @@ class OnnxFrontend:
 
     def request(self) -> PlanRequest:
         return PlanRequest(self.opts.mode, self.opts.defer, self.target.capabilities(),
-                           zero=lambda name: _all_zero(self.info, name))
+                           zero=lambda name: _all_zero(self.info, name),
+                           gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
+                           seed=self.opts.seed)
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms:
@@ -183,6 +185,9 @@ def fold_model(
     dims: Optional[dict] = None,
     progress: Progress = None,
     verify_outputs: Optional[bool] = None,
+    gamma_into_readers: bool = False,
+    rotate: Optional[str] = None,
+    seed: int = 0,
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
@@ -204,6 +209,13 @@ def fold_model(
     each product; passes/defer.py). Default "off": it never beat the RMS emission in a measurement
     (benchmarks/RESULTS.md); "auto" asks the traffic cost model per norm.
 
+    `gamma_into_readers`: move each folded norm's γ (and β) into the weights (biases) of the linear
+    layers that read it, leaving unit-weight RMSNorms (passes/gamma.py; `report.norms[i].gamma`
+    says where γ went or why it stayed). `rotate` ("hadamard", "orthogonal", "hadamard-keep-ln",
+    "orthogonal-keep-ln"; implies gamma_into_readers) rotates each folded stream whose writers and
+    readers can all absorb it by an orthogonal Q drawn from `seed` (passes/rotate.py;
+    `report.streams[k].rotation` says which were and why not). Both are exact and verified.
+
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
     model is less exact than the original allows. Models over 2 GB are verified by `fold_file`
     from the files it writes (`verify` is ignored for them here). `verify_outputs` is the old
@@ -212,7 +224,8 @@ def fold_model(
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
         verify = verify_outputs
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify)
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
+                       rotate=rotate, seed=seed)
     tgt = targets.resolve(target, device)
     model = _as_model(model)
     if opts.verify:  # bad inputs or dims are the user's error: say so before any work
@@ -222,12 +235,14 @@ def fold_model(
 
 def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str = "off", verify: bool = True,
               target: str = "ort", device: str = "cpu", inputs=None, dims: Optional[dict] = None,
-              progress: Progress = None, layout=None) -> FoldResult:
+              progress: Progress = None, layout=None, gamma_into_readers: bool = False,
+              rotate: Optional[str] = None, seed: int = 0) -> FoldResult:
     """`fold_model` of `model` (loaded from the file `src`), written to `dst` atomically (its
     weights as `layout` says: write.data_layout): the written files are verified against `src`
     (any size: onnxruntime reads them) and published only when verification passes (the
     `lnfold fold` command)."""
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify)
+    opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
+                       rotate=rotate, seed=seed)
     tgt = targets.resolve(target, device)
     if opts.verify:
         inputs, dims = check_verify_args(model, inputs, dims)

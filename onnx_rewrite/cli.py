@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..passes import LnfoldError, VerificationError, gate
-from ..passes.options import DEFER_POLICIES, MODES
+from ..passes.options import DEFER_POLICIES, MODES, ROTATIONS
 from .targets import DEVICES, names as target_names
 
 # Above this size the command reports its stages on stderr.
@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
                         "the row scale on their products): off (default: it never won in the measurements, "
                         "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where "
                         "the readers' outputs are narrower than d/2); on: wherever it is exact")
+    f.add_argument("--gamma-into-readers", action="store_true",
+                   help="move each folded norm's γ (and β) into the weights (biases) of the linear layers that "
+                        "read it, leaving unit-weight RMSNorms (exact; the report says where it could not)")
+    f.add_argument("--rotate", choices=ROTATIONS, default=None,
+                   help="rotate each folded stream by an orthogonal Q (exact; implies --gamma-into-readers): "
+                        "hadamard (a randomized Hadamard where the width allows one, else orthogonal), orthogonal "
+                        "(random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too")
+    f.add_argument("--seed", type=int, default=0, help="the rotation's seed (default 0)")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
     f.add_argument("--json", action="store_true",
                    help="print one JSON object (report, verification, output, timings) instead of the table")
@@ -185,7 +193,8 @@ def fold_file(src: Path, dst: Path, args):
                               "choose another path")
     result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
                           defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
-                          progress=progress, layout=layout)
+                          progress=progress, layout=layout, gamma_into_readers=args.gamma_into_readers,
+                          rotate=args.rotate, seed=args.seed)
     return result
 
 

@@ -87,7 +87,7 @@ class Emitter:
             elif name in crms_norms:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
-                self._swap(matches[name], plan.emits_beta_add(name), name in fuse)
+                self._swap(matches[name], plan.emits_beta_add(name), name in fuse, name in plan.unit_gamma)
         if self.retyped:
             (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
             self.notes.append(
@@ -165,15 +165,19 @@ class Emitter:
             _replace_input(r, x, centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, m: NormMatch, beta_add: bool, fuse_residual: bool) -> None:
+    def _swap(self, m: NormMatch, beta_add: bool, fuse_residual: bool, unit_gamma: bool = False) -> None:
         """Replace one LayerNorm by an RMSNorm, followed by its β Add where the plan kept one.
 
         The norm's inputs are read from its slots: the plan's constant edits and recenters
-        rewired them; shapes are those of the tensors as matched (edits keep shapes)."""
+        rewired them; shapes are those of the tensors as matched (edits keep shapes). `unit_gamma`:
+        the plan moved γ into the readers' weights (passes/gamma.py): the RMSNorm's weight is ones."""
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
         dtype = dtype_of(m.x, m.gamma, m.nodes)
-        gamma = self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma")
+        if unit_gamma and not isinstance(width, int):
+            raise ValueError(f"{m.name}: γ moved into the readers but the feature size is unknown")
+        gamma = (self.const(f"{m.name}/lnfold_unit_gamma", np.ones([width], dtype)) if unit_gamma
+                 else self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma"))
         x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)

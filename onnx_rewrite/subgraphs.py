@@ -194,7 +194,8 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
         part = Plan(mode=plan.mode, swaps=tuple(local(n) for n in plan.swaps if mine(n)),
                     recenters=tuple(replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)),
                     betas={local(n): b for n, b in plan.betas.items() if mine(n)},
-                    fuse_residual=tuple(local(n) for n in plan.fuse_residual if mine(n)), **main)
+                    fuse_residual=tuple(local(n) for n in plan.fuse_residual if mine(n)),
+                    gammas={local(n): g for n, g in plan.gammas.items() if mine(n)}, **main)
         em.apply(part, matches if sc is None else sc.matches)
 
 

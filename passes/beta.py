@@ -26,12 +26,14 @@ class BetaFold:
     beta: Optional[str]  # the β constant, None when the norm has none
     readers: list[str] = field(default_factory=list)  # described readers whose biases absorb β
     edits: list[tuple[ConstRef, AddWeightTimes]] = field(default_factory=list)  # (bias, b + W β)
+    # readers with no bias that get one, W β (gamma_into_readers only): (reader node, W β, its weight)
+    new: list[tuple[str, AddWeightTimes, ConstRef]] = field(default_factory=list)
     zero: bool = False  # β is all zeros: the norm emits no Add and nothing is edited
     why: str = ""  # why β stays an Add
 
     @property
     def folded(self) -> bool:
-        return bool(self.edits)
+        return bool(self.edits or self.new)
 
     @property
     def emits_add(self) -> bool:
@@ -43,12 +45,15 @@ class BetaFold:
         if self.zero:
             return "is zero"
         if self.folded:
-            return "into the bias of " + ", ".join(self.readers)
+            return "into the bias of " + ", ".join(self.readers) + (f" ({len(self.new)} new)" if self.new else "")
         return f"kept as an Add ({self.why})"
 
 
-def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None) -> BetaFold:
-    """β of the folded norm `norm`: zero, into its readers' biases, or kept (with the reason)."""
+def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None,
+           into_readers: bool = False) -> BetaFold:
+    """β of the folded norm `norm`: zero, into its readers' biases, or kept (with the reason).
+    `into_readers` (γ goes into the readers too, passes/gamma.py): readers reached through any
+    layout op that keeps the features last, and a reader without a bias gets one (W β)."""
     node = view.nodes[norm]
     spec = node.norm
     beta = spec.beta
@@ -61,29 +66,36 @@ def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None) 
     if not view.values[beta].is_const:
         out.why = f"β `{beta}` is not a constant"
         return out
-    found, why = linear_readers(view, node.outputs[0], spec.axis)
+    found, why = linear_readers(view, node.outputs[0], spec.axis, through_layout=into_readers)
+    new: list = []
     if why is None:
-        edits, why = _bias_edits(view, beta, found)
+        edits, new, why = _bias_edits(view, beta, found, into_readers)
     if why is not None:
         out.why = why
         return out
     out.readers = [view.nodes[r.node].describe() for r in found]
-    out.edits = edits
+    out.edits, out.new = edits, new
     return out
 
 
-def _bias_edits(view: View, beta: str, found: list[LinearReader]):
-    edits = []
+def _bias_edits(view: View, beta: str, found: list[LinearReader], new_biases: bool):
+    edits, new = [], []
     d = _numel(view, beta)
     for r in found:
         w, b, name = r.weight, r.bias, r.node
+        ws = view.values[w.value].shape
         if b is None:
-            return [], f"{view.nodes[name].describe()} has no bias to absorb it"
-        ws, bn = view.values[w.value].shape, _numel(view, b.value)
+            if not new_biases:
+                return [], [], f"{view.nodes[name].describe()} has no bias to absorb it"
+            if ws is None or d is None or ws[w.axis] != d:
+                return [], [], f"the sizes of {view.nodes[name].describe()}'s weight and β are not known to fit"
+            new.append((name, AddWeightTimes(w.value, w.axis, beta), w))
+            continue
+        bn = _numel(view, b.value)
         if ws is None or len(ws) != 2 or d is None or ws[w.axis] != d or bn != ws[1 - w.axis]:
-            return [], f"the sizes of {view.nodes[name].describe()}'s weight and bias are not known to fit β"
+            return [], [], f"the sizes of {view.nodes[name].describe()}'s weight and bias are not known to fit β"
         edits.append((b, AddWeightTimes(w.value, w.axis, beta)))
-    return edits, None
+    return edits, new, None
 
 
 def _numel(view: View, value: str) -> Optional[int]:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 
-from . import weights
+from . import orthogonal, weights
 from .view import ConstRef
 
 
@@ -63,7 +63,19 @@ class AddWeightTimes:
     vector: str
 
 
-Op = Union[Center, Scale, Ones, Drop, FoldDecompression, AddWeightTimes]
+@dataclass(frozen=True)
+class Rotate:
+    """`a ×_axis Q`: entry j along `axis` becomes Σᵢ aᵢ Q[i, j], Q = orthogonal.matrix(kind, dim, seed)
+    (passes/rotate.py). The same op rotates a writer's output side (its rows then write x·Q) and a
+    reader's input side (W·Q reads x·Q as W read x)."""
+
+    axis: int
+    kind: str
+    dim: int
+    seed: int = 0
+
+
+Op = Union[Center, Scale, Ones, Drop, FoldDecompression, AddWeightTimes, Rotate]
 
 
 def op_sources(op) -> list[str]:
@@ -115,6 +127,8 @@ class Algebra:
     drop: Callable  # (a, axis)
     fold_decompression: Callable  # (a, axis)
     add_weight_times: Callable  # (a, weight, axis, vector)
+    # (a, q, axis) with q the float64 numpy matrix; None: this algebra cannot rotate (training)
+    rotate: Optional[Callable] = None
 
 
 def apply_ops(a: Any, ops: Iterable, source: Callable[[str], Any], alg: Algebra) -> Any:
@@ -132,6 +146,10 @@ def apply_ops(a: Any, ops: Iterable, source: Callable[[str], Any], alg: Algebra)
             a = alg.fold_decompression(a, op.axis)
         elif isinstance(op, AddWeightTimes):
             a = alg.add_weight_times(a, source(op.weight), op.axis, source(op.vector))
+        elif isinstance(op, Rotate):
+            if alg.rotate is None:
+                raise TypeError("this algebra cannot rotate (the plan rotates no trained constant)")
+            a = alg.rotate(a, orthogonal.matrix(op.kind, op.dim, op.seed), op.axis)
         else:  # pragma: no cover - Op is closed
             raise TypeError(op)
     return a
@@ -146,6 +164,7 @@ NUMPY = Algebra(
     drop=lambda a, axis: weights.drop_last(a, axis),
     fold_decompression=lambda a, axis: weights.fold_decompression(a, axis),
     add_weight_times=lambda a, w, axis, v: weights.add_weight_times(a, w, axis, v),
+    rotate=lambda a, q, axis: weights.rotate(a, q, axis),
 )
 
 

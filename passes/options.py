@@ -9,11 +9,26 @@ holds a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import LnfoldError
 
 MODES = ("rms", "crms")  # RMSNorm, or CRMSNorm with the stream compressed to d-1 features
 DEFER_POLICIES = ("auto", "on", "off")  # deferred normalization (passes/defer.py)
+# stream rotations (passes/rotate.py, passes/orthogonal.py); "-keep-ln": Q·1 = 1, stock LayerNorms stay exact
+ROTATIONS = ("hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln")
+
+
+def check_rotation(rotate, seed, gamma_into_readers, mode: str) -> None:
+    """The rotation options (FoldOptions and PlanRequest alike): a bad one is a one-line LnfoldError."""
+    if rotate is not None:
+        check_choice("rotation", rotate, ROTATIONS)
+        if mode != "rms":
+            raise LnfoldError(f"rotate={rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise LnfoldError(f"seed must be a non-negative integer, got {seed!r}")
+    if gamma_into_readers not in (True, False):
+        raise LnfoldError(f"gamma_into_readers must be True or False, got {gamma_into_readers!r}")
 
 
 def check_choice(what: str, value, allowed: tuple) -> str:
@@ -30,6 +45,10 @@ class FoldOptions:
     mode: str = "rms"
     defer: str = "off"
     verify: bool = True
+    # γ (and β) of each folded norm into its readers' weights (passes/gamma.py); a rotation implies it
+    gamma_into_readers: bool = False
+    rotate: Optional[str] = None  # one of ROTATIONS (passes/rotate.py)
+    seed: int = 0  # the rotation's random signs / Gaussian matrix
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
@@ -37,3 +56,6 @@ class FoldOptions:
         if self.verify not in (True, False):
             raise LnfoldError(f"verify must be True or False, got {self.verify!r}")
         object.__setattr__(self, "verify", bool(self.verify))
+        check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
+        if self.rotate is not None:
+            object.__setattr__(self, "gamma_into_readers", True)

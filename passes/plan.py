@@ -16,13 +16,16 @@ from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 from . import beta as betas
+from . import gamma as gammas
 from .analysis import Component, analyze
 from .beta import BetaFold
 from .compress import ComponentCompression, compress
 from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
+from .gamma import GammaFold
+from .rotate import StreamRotation, plan_rotation
 from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
-                    Recenter, Scale)
+                    Recenter, Rotate, Scale)
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
 from .rules import kind_of
@@ -52,6 +55,19 @@ class Plan:
     origins: Mapping[str, str] = field(default_factory=_frozen_dict)  # view node -> its IR node, where they differ
     training: bool = False  # the edited constants are trained: edits computed in the graph
     unswapped: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
+    gammas: Mapping[str, GammaFold] = field(default_factory=_frozen_dict)  # gamma_into_readers: per folded norm
+    rotations: Sequence[StreamRotation] = FrozenList()  # rotate=: per folded stream, rotated or why not
+
+    @property
+    def unit_gamma(self) -> frozenset:
+        """The folded norms whose γ moved into their readers: emitted with unit weight."""
+        return frozenset(n for n, g in self.gammas.items() if g.moved)
+
+    @property
+    def rotated_norms(self) -> frozenset:
+        """The norms of rotated streams whose input is no longer zero-mean (Q·1 ≠ 1): they must be
+        emitted as RMSNorms, never as a LayerNorm on the (formerly) centered stream."""
+        return frozenset(n for r in self.rotations if r.rotated and not r.keeps_mean for n in r.norms)
 
     @property
     def empty(self) -> bool:
@@ -92,6 +108,8 @@ class _Draft:
     drop_muls: list[str] = field(default_factory=list)
     report: Report = field(default_factory=Report)
     origins: dict[str, str] = field(default_factory=dict)
+    gammas: dict[str, GammaFold] = field(default_factory=dict)
+    rotations: list[StreamRotation] = field(default_factory=list)
 
     def freeze(self, **decided) -> Plan:
         F = FrozenList
@@ -99,7 +117,8 @@ class _Draft:
                     swaps=F(self.swaps), components=F(self.components), compressions=F(self.compressions),
                     new_biases=F(self.new_biases), betas=MappingProxyType(self.betas),
                     fuse_residual=F(self.fuse_residual), drop_muls=F(self.drop_muls), report=self.report,
-                    origins=MappingProxyType(self.origins), **decided)
+                    origins=MappingProxyType(self.origins), gammas=MappingProxyType(self.gammas),
+                    rotations=F(self.rotations), **decided)
 
     def keep_beta(self, norm: str, note: str = "") -> None:
         """Withdraw the β fold of `norm` (a deferred emission places β itself): its bias edits
@@ -146,8 +165,12 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     unswapped = _unswapped(plan, caps)
     edited = [n for e in plan.const_edits for n in e.sources()]
     training = request.trainable is not None and any(request.trainable(n) for n in edited)
-    # under autograd the graph computes its edited weights itself: no deferral there
-    deferral = plan_deferral(view, plan, "off" if training else request.defer, caps.costs)
+    # under autograd the graph computes its edited weights itself: no deferral there; γ into the
+    # readers (and a rotation) place γ themselves: no deferral either
+    defer = "off" if training or request.gamma_into_readers else request.defer
+    if request.gamma_into_readers and request.defer != "off":
+        plan.report.notes.append("deferred normalization is off: γ goes into the readers (gamma_into_readers)")
+    deferral = plan_deferral(view, plan, defer, caps.costs)
     _defer(view, plan, deferral)
     return plan.freeze(deferral=deferral, training=training, unswapped=unswapped)
 
@@ -228,9 +251,10 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         shrink = cc is not None and cc.compressed
         if not shrink and caps.folds_beta:  # (CRMS: β goes with γ into the compressed readers, below)
             for n in comp.norms:
-                bf = plan.betas[n] = betas.decide(view, n, zero)
+                bf = plan.betas[n] = betas.decide(view, n, zero, into_readers=request.gamma_into_readers)
                 for b, add in bf.edits:
                     use(b.value, b.user, b.user_input)[0].append(add)
+                plan.new_biases.extend(NewBias(node, add, w.value, w) for node, add, w in bf.new)
         for src in comp.sources:
             for s in src.scales:
                 scaled_by.setdefault(s.user, k)
@@ -261,6 +285,9 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                     use(b.value, b.user, b.user_input)[0].append(add)
                 else:
                     plan.new_biases.append(NewBias(a.node, add, w.value, w))
+
+    if request.gamma_into_readers:
+        _gamma_and_rotation(view, plan, request, use, verdicts)
 
     # W β joins the reader's output: it takes the source edits too
     plan.new_biases[:] = [replace(nb, then=tuple(_drop_axis(op, nb.weight.axis) for op in
@@ -311,6 +338,36 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
             list(cc.norms), "compressed" if cc.compressed else "rms", cc.reason, cc.width,
             cc.decompressions))
     return plan
+
+
+def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, verdicts) -> None:
+    """γ into the readers' weights (passes/gamma.py), then each folded stream's rotation
+    (passes/rotate.py): reader ops (Scale by γ, then Rotate of the input side) and source ops
+    (after the centering: Rotate of the output side), all float64 with the other edits."""
+    caps = request.target
+    swaps = frozenset(plan.swaps)
+    refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
+    crms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
+    plan.gammas.update(gammas.decide_all(view, list(plan.swaps), plan.betas, refusal, crms))
+    for n, g in plan.gammas.items():
+        if g.moved and request.trainable is not None and any(request.trainable(r.weight.value) for r in g.readers):
+            g.why = "its readers' weights are trained (the training fold computes no γ edit)"
+        verdicts[n].gamma = g.describe(view)
+        for ref, op in g.edits(view):
+            use(ref.value, ref.user, ref.user_input)[0].append(op)
+    if request.rotate is None:
+        return
+    for comp in (c for c in plan.components if c.norms and all(n in swaps for n in c.norms)):
+        rot = plan_rotation(view, comp, verdicts[comp.norms[0]].stream, request.rotate, request.seed, plan.gammas)
+        if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
+            rot.why = "its writers are trained (the training fold computes no rotation)"
+            rot.writers, rot.readers = [], []
+        plan.rotations.append(rot)
+        plan.report.streams[rot.stream].rotation = rot.describe()
+        for ref, op in rot.readers:
+            use(ref.value, ref.user, ref.user_input)[0].append(op)
+        for ref, op in rot.writers:
+            use(ref.value, ref.user, ref.user_input)[1].append(op)
 
 
 def _crms_beta(view: View, c) -> str:
@@ -390,6 +447,8 @@ def _drop_axis(op, gone: int):
         return Center(shift(op.axis), op.block, op.lo, op.hi)
     if isinstance(op, Drop):
         return type(op)(shift(op.axis))
+    if isinstance(op, Rotate):
+        return replace(op, axis=shift(op.axis))
     return op
 
 

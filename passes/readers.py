@@ -21,11 +21,13 @@ class LinearReader:
     out_width: Optional[int]  # output features (None: unknown)
 
 
-def linear_readers(view: View, value: str, axis: int,
-                   products_only: bool = False) -> tuple[list[LinearReader], Optional[str]]:
+def linear_readers(view: View, value: str, axis: int, products_only: bool = False,
+                   through_layout: bool = False) -> tuple[list[LinearReader], Optional[str]]:
     """Every linear layer that reads `value` along its feature axis `axis`, directly or through
     reshapes that keep that axis whole and last; or why some reader is not one. `products_only`:
-    only readers whose output is their product (not a fused attention that starts with one)."""
+    only readers whose output is their product (not a fused attention that starts with one).
+    `through_layout`: through any layout op that keeps the feature axis whole and last (a slice or
+    gather of rows: fine for a per-feature edit, γ or β, not for a per-row scale)."""
     v = view.values[value]
     if v.is_graph_output:
         return [], f"`{value}` is a graph output"
@@ -42,11 +44,11 @@ def linear_readers(view: View, value: str, axis: int,
             width = o.shape[-1] if o is not None and o.shape and isinstance(o.shape[-1], int) else None
             out.append(LinearReader(name, i, lin.weight, lin.bias, v.rank, width))
             continue
-        if node.regroups and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1:
+        if (node.regroups or (through_layout and node.layout)) and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1:
             o = view.values[node.outputs[0]]
             # the features stay whole and last; only the rows regroup
             if o.rank is not None and node.transfer(i, axis) == [(0, o.rank - 1)]:
-                sub, why = linear_readers(view, o.name, o.rank - 1, products_only)
+                sub, why = linear_readers(view, o.name, o.rank - 1, products_only, through_layout)
                 if why is not None:
                     return [], why
                 out += sub

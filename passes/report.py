@@ -22,6 +22,7 @@ class NormVerdict:
     deferred: bool = False  # emitted as deferred normalization (passes/defer.py)
     defer_reason: str = ""  # why a folded norm was considered for deferral and not deferred
     blockers: list[str] = field(default_factory=list)  # kept: every reason its stream cannot fold
+    gamma: str = ""  # gamma_into_readers: where γ went ("into the weight of …") or why it stayed
 
 
 @dataclass
@@ -51,6 +52,7 @@ class StreamEdits:
     recentered: list[str] = field(default_factory=list)  # stream starts given an explicit x - mean(x)
     dropped: list[str] = field(default_factory=list)  # Muls by a LayerScale folded to ones, bypassed
     fused: list[str] = field(default_factory=list)  # norms emitted fused with their residual Add
+    rotation: str = ""  # rotate=: "rotated by a hadamard Q (d=…)" or "not rotated: <the blocking node>"
 
 
 @dataclass
@@ -119,11 +121,12 @@ class Report:
 
         r = copy.deepcopy(self)
         for n in r.norms:
-            n.reason, n.beta, n.defer_reason = sub(n.reason), sub(n.beta), sub(n.defer_reason)
+            n.reason, n.beta, n.defer_reason, n.gamma = sub(n.reason), sub(n.beta), sub(n.defer_reason), sub(n.gamma)
             n.blockers = [sub(b) for b in n.blockers]
         for s in r.streams:
             for f in ("centered", "cloned", "scaled", "recentered", "dropped"):
                 setattr(s, f, [sub(t) for t in getattr(s, f)])
+            s.rotation = sub(s.rotation)
         for c in r.compression:
             c.reason = sub(c.reason)
         for m in r.near_misses:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from .analysis import Component
 from .defer import EAGER, Costs
-from .options import DEFER_POLICIES, MODES, check_choice
+from .options import DEFER_POLICIES, MODES, check_choice, check_rotation
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,13 @@ class PlanRequest:
     zero: Optional[Callable[[str], bool]] = None
     refuse: Optional[Callable[[Component], Optional[str]]] = None
     trainable: Optional[Callable[[str], bool]] = None
+    gamma_into_readers: bool = False  # γ (and β) into the readers' weights (passes/gamma.py)
+    rotate: Optional[str] = None  # a stream rotation (passes/rotate.py); implies gamma_into_readers
+    seed: int = 0
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         check_choice("defer policy", self.defer, DEFER_POLICIES)
+        check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
+        if self.rotate is not None:
+            object.__setattr__(self, "gamma_into_readers", True)

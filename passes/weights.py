@@ -57,6 +57,15 @@ def scale(a: np.ndarray, vec: np.ndarray, axis: int) -> np.ndarray:
     return (x * v).astype(a.dtype)
 
 
+def rotate(a, q, axis: int, matmul=None):
+    """`a ×_axis q`: along `axis`, entry j becomes Σᵢ aᵢ q[i, j] (a stream rotation's edit of a
+    writer's output side or a reader's input side; passes/rotate.py). numpy in float64 by default."""
+    if matmul is None:
+        a, q = _f64(a), _f64(q)
+        return np.moveaxis(np.moveaxis(a, axis, -1) @ q, -1, axis)
+    return matmul(a.movedim(axis, -1), q).movedim(-1, axis)
+
+
 def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out_dtype) -> np.ndarray:
     """`W β + b` for a linear layer whose weight has its input features on `in_axis`.
 

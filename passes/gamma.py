@@ -1,0 +1,87 @@
+"""γ into the readers (issue 22; DESIGN §6b): which folded norms leave a unit-weight RMSNorm.
+
+Where every reader of a folded norm's output is a linear layer with a constant weight (the same
+readers β goes into, passes/readers.py), `W(γ⊙n + β) + b = (W·diag γ) n + (W β + b)`: γ becomes
+an edit of each reader's weight (`Scale` along its input-feature axis) and the norm's own γ
+becomes ones. β must go into the readers' biases too (passes/beta.py) or be zero: a β Add after a
+unit-γ norm would be scaled by the readers' γ. A stream rotation (passes/rotate.py) needs this
+of every norm of the stream: an RMSNorm with unit γ commutes with an orthogonal Q, one with γ
+does not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .beta import BetaFold
+from .edits import Scale
+from .readers import LinearReader, linear_readers
+from .view import ConstRef, View
+
+
+@dataclass
+class GammaFold:
+    """One folded norm's γ: moved into the weights of `readers`, or kept (`why`)."""
+
+    norm: str
+    gamma: Optional[str]
+    readers: list[LinearReader] = field(default_factory=list)
+    why: str = ""
+
+    @property
+    def moved(self) -> bool:
+        return not self.why
+
+    def edits(self, view: View) -> list[tuple[ConstRef, Scale]]:
+        """(reader weight, W·diag γ along its input axis) for each reader; none where γ is absent."""
+        if self.gamma is None or not self.moved:
+            return []
+        g_axis = (view.values[self.gamma].rank or 1) - 1
+        return [(r.weight, Scale(self.gamma, g_axis, r.weight.axis)) for r in self.readers]
+
+    def describe(self, view: View) -> str:
+        if not self.moved:
+            return f"kept in the norm ({self.why})"
+        if self.gamma is None:
+            return "none (unit weight already)"
+        return "into the weight of " + ", ".join(view.nodes[r.node].describe() for r in self.readers)
+
+
+def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Optional[str] = None,
+           compressed: bool = False) -> GammaFold:
+    """Whether the folded norm `norm` can leave its γ to its readers, and why not."""
+    spec = view.nodes[norm].norm
+    out = GammaFold(norm, spec.gamma)
+    if compressed:
+        out.why = "it is emitted as CRMSNorm, whose readers absorb γ already"
+    elif kept_by_target is not None:
+        out.why = f"the target keeps this norm ({kept_by_target})"
+    elif spec.gamma is not None and not view.values[spec.gamma].is_const:
+        out.why = f"γ `{spec.gamma}` is not a constant"
+    elif spec.beta is not None and (beta is None or beta.emits_add):
+        out.why = ("β stays with the norm (" + (beta.why if beta is not None else "the target folds no β")
+                   + "), and a β Add after a unit-γ norm would be scaled by γ in the readers")
+    if out.why:
+        return out
+    x = view.values[view.nodes[norm].inputs[spec.input]].shape
+    if x is None or spec.axis >= len(x) or not isinstance(x[spec.axis], int):
+        out.why = "its feature size is not known (a unit weight needs it)"
+        return out
+    readers, why = linear_readers(view, view.nodes[norm].outputs[0], spec.axis, through_layout=True)
+    if why is not None:
+        out.why = why
+        return out
+    if spec.gamma is not None:
+        d = view.values[spec.gamma].shape
+        for r in readers:
+            ws = view.values[r.weight.value].shape
+            if ws is None or d is None or ws[r.weight.axis] != d[-1]:
+                out.why = f"the sizes of {view.nodes[r.node].describe()}'s weight and γ are not known to fit"
+                return out
+    out.readers = readers
+    return out
+
+
+def decide_all(view: View, norms: list[str], betas: dict[str, BetaFold],
+               kept_by_target: Callable[[str], Optional[str]], compressed: set[str]) -> dict[str, GammaFold]:
+    return {n: decide(view, n, betas.get(n), kept_by_target(n), n in compressed) for n in norms}

@@ -1,0 +1,145 @@
+"""The orthogonal matrices a stream rotation applies (passes/rotate.py), in float64, from a seed.
+
+- `hadamard(n)`: a Hadamard matrix of order n (entries ±1, H Hᵀ = n I) where one is known here:
+  n = 2ᵏ·m with m = 1 (Sylvester), m = q + 1 for a prime q ≡ 3 mod 4 (Paley I) or m = 2(q + 1)
+  for a prime q ≡ 1 mod 4 (Paley II); None otherwise. 768 = 2⁶·12 (Paley I, q = 11),
+  5120 = 2⁸·20 (Paley I, q = 19), 1536 = 2⁷·12.
+- `matrix(kind, d, seed)`: the Q of a rotation kind. "hadamard": H/√d times a random ±1 diagonal
+  (falls back to "orthogonal" where no Hadamard order fits: `resolved_kind` says which);
+  "orthogonal": the Q of a Gaussian matrix's QR, signs fixed by R's diagonal (Haar-distributed);
+  "…-keep-ln": the same followed by a Householder reflection that maps Q·1 back to 1, so that
+  Q·1 = 1 and Qᵀ·1 = 1: the rotation commutes with centering (DESIGN §6b).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+import numpy as np
+
+KINDS = ("hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln")
+
+
+def _is_prime(q: int) -> bool:
+    if q < 2:
+        return False
+    k = 2
+    while k * k <= q:
+        if q % k == 0:
+            return False
+        k += 1
+    return True
+
+
+def _jacobsthal(q: int) -> np.ndarray:
+    """Q[i, j] = χ(j − i), χ the quadratic character of the prime field GF(q)."""
+    squares = {(x * x) % q for x in range(1, q)}
+    chi = np.array([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=np.int64)
+    idx = (np.arange(q)[None, :] - np.arange(q)[:, None]) % q
+    return chi[idx]
+
+
+def _paley1(q: int) -> np.ndarray:
+    """Order q + 1, q ≡ 3 mod 4 prime: H = I + S, S = [[0, 1ᵀ], [−1, Q]] (skew)."""
+    n = q + 1
+    s = np.zeros((n, n), dtype=np.int64)
+    s[0, 1:] = 1
+    s[1:, 0] = -1
+    s[1:, 1:] = _jacobsthal(q)
+    return np.eye(n, dtype=np.int64) + s
+
+
+def _paley2(q: int) -> np.ndarray:
+    """Order 2(q + 1), q ≡ 1 mod 4 prime: C = [[0, 1ᵀ], [1, Q]] (symmetric conference matrix),
+    H = C ⊗ [[1, 1], [1, −1]] + I ⊗ [[1, −1], [−1, −1]]."""
+    n = q + 1
+    c = np.zeros((n, n), dtype=np.int64)
+    c[0, 1:] = 1
+    c[1:, 0] = 1
+    c[1:, 1:] = _jacobsthal(q)
+    return np.kron(c, np.array([[1, 1], [1, -1]])) + np.kron(np.eye(n, dtype=np.int64), np.array([[1, -1], [-1, -1]]))
+
+
+def _base(m: int) -> Optional[np.ndarray]:
+    if m == 1:
+        return np.ones((1, 1), dtype=np.int64)
+    if m == 2:
+        return np.array([[1, 1], [1, -1]], dtype=np.int64)
+    if m % 4 == 0 and _is_prime(m - 1) and (m - 1) % 4 == 3:
+        return _paley1(m - 1)
+    if m % 4 == 0 and m % 2 == 0 and _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
+        return _paley2(m // 2 - 1)
+    return None
+
+
+def hadamard_factors(n: int) -> Optional[tuple[int, int]]:
+    """(2ᵏ, m) with n = 2ᵏ·m and a Hadamard matrix of order m constructible here; the largest
+    power of two that works. None: no known construction for n."""
+    if n < 1:
+        return None
+    k = 0
+    while n % (2 ** (k + 1)) == 0:
+        k += 1
+    for j in range(k, -1, -1):
+        if _base(n // 2 ** j) is not None:
+            return 2 ** j, n // 2 ** j
+    return None
+
+
+@lru_cache(maxsize=16)
+def hadamard(n: int) -> Optional[np.ndarray]:
+    """A Hadamard matrix of order n (float64 ±1, H Hᵀ = n I), or None where none is known here."""
+    f = hadamard_factors(n)
+    if f is None:
+        return None
+    p, m = f
+    h = _base(m).astype(np.float64)
+    syl = np.ones((1, 1))
+    while syl.shape[0] < p:
+        syl = np.block([[syl, syl], [syl, -syl]])
+    return np.kron(syl, h)
+
+
+def resolved_kind(kind: str, d: int) -> str:
+    """The kind a rotation of width d gets: "hadamard" where no Hadamard order fits d is "orthogonal"."""
+    if kind.startswith("hadamard") and hadamard(d) is None:
+        return kind.replace("hadamard", "orthogonal")
+    return kind
+
+
+@lru_cache(maxsize=16)
+def _matrix(kind: str, d: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, d])
+    base = kind.replace("-keep-ln", "")
+    h = hadamard(d) if base == "hadamard" else None
+    if h is not None:
+        signs = rng.choice([-1.0, 1.0], size=d)
+        q = signs[:, None] * h / np.sqrt(d)  # D H / √d: orthogonal, entries ±1/√d
+    else:
+        g = rng.standard_normal((d, d))
+        q, r = np.linalg.qr(g)
+        q = q * np.sign(np.diag(r))[None, :]
+    if kind.endswith("-keep-ln"):
+        q = _keep_ones(q)
+    q.setflags(write=False)
+    return q
+
+
+def _keep_ones(q: np.ndarray) -> np.ndarray:
+    """R·Q with R the Householder reflection taking w = Q·u to u = 1/√d (so (R·Q)·1 = 1)."""
+    d = q.shape[0]
+    u = np.full(d, 1.0 / np.sqrt(d))
+    w = q @ u
+    z = w - u
+    nz = float(z @ z)
+    if nz < 1e-30:  # Q already maps 1 to itself
+        return q
+    return q - np.outer(z, (2.0 / nz) * (z @ q))
+
+
+def matrix(kind: str, d: int, seed: int = 0) -> np.ndarray:
+    """The rotation Q (d × d, float64, read-only) of `kind` for a stream of width d: a row x of the
+    stream becomes x·Q. Deterministic in (kind, d, seed)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown rotation {kind!r}")
+    return _matrix(resolved_kind(kind, d), int(d), int(seed))

@@ -1,0 +1,132 @@
+"""Stream rotation (issue 22; DESIGN §6b): which folded streams can carry x·Q instead of x, and the
+edits that make them.
+
+Once a stream is centered and every norm reading it is an RMSNorm with unit weight (γ in the
+readers, passes/gamma.py), any orthogonal Q leaves the model's function unchanged
+(computational invariance): the writers (linear layers, embedding and position tables, constants
+added to the stream) produce x·Q — a `Rotate` of their output side —, every op on the stream
+between them commutes with a map of the feature axis (the shift-transparent ops of DESIGN §1:
+sums, per-row scalars, layout on other axes), RMSNorm(x·Q) = RMSNorm(x)·Q because ‖x·Q‖ = ‖x‖,
+and each norm's readers take Qᵀ back — a `Rotate` of their input side (W·Q read x·Q as W read x).
+All in float64, one matrix per stream width (passes/orthogonal.py).
+
+A stream is kept unrotated, with the node that blocks it named, where any of that fails: a
+graph output or an op other than a transparent op or one of its norms reads a stream tensor (a
+Softmax over the features, a per-channel op), a norm's γ could not move, the stream is started
+by a recentered (opaque) tensor, or its norms normalize blocks of features.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import orthogonal
+from .analysis import Component
+from .edits import Rotate
+from .gamma import GammaFold
+from .rules import kind_of
+from .view import ConstRef, View
+
+# readers that see no values of the stream, or none a rotation of finite values changes: shapes and
+# dtypes (an assert, Shape), isinf/isnan (finite in, finite out)
+_BLIND = ("metadata", "nonfinite_test")
+
+
+@dataclass
+class StreamRotation:
+    """One folded stream: rotated by Q of `kind` (width `dim`), or kept (`why`)."""
+
+    stream: int  # index into Report.streams
+    norms: list[str]
+    kind: str = ""  # resolved: "hadamard" where d allows one, else "orthogonal" (and "-keep-ln")
+    dim: Optional[int] = None
+    seed: int = 0
+    why: str = ""
+    writers: list[tuple[ConstRef, Rotate]] = field(default_factory=list)  # output side
+    readers: list[tuple[ConstRef, Rotate]] = field(default_factory=list)  # input side
+
+    @property
+    def rotated(self) -> bool:
+        return not self.why
+
+    @property
+    def keeps_mean(self) -> bool:
+        """Q·1 = 1: the rotated stream stays zero-mean (a LayerNorm on it stays exact)."""
+        return self.kind.endswith("-keep-ln")
+
+    def describe(self) -> str:
+        if not self.rotated:
+            return f"not rotated: {self.why}"
+        return (f"rotated by a {self.kind} Q (d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
+                f"constant(s), {len(self.readers)} reader weight(s)")
+
+
+def plan_rotation(view: View, comp: Component, stream: int, kind: str, seed: int,
+                  gammas: dict[str, GammaFold]) -> StreamRotation:
+    """The rotation of one folded component, or why it stays as it is (pure, on the view)."""
+    out = StreamRotation(stream, list(comp.norms), seed=seed)
+    why = _blocker(view, comp, gammas)
+    d = None
+    if why is None:
+        d, why = _width(view, comp)
+    if why is not None:
+        out.why = why
+        return out
+    out.kind, out.dim = orthogonal.resolved_kind(kind, d), d
+    for src in comp.sources:
+        for ref in src.refs:
+            if ref.axis is None or _size(view, ref.value, ref.axis) == 1:
+                continue  # uniform along the features: centered to zero, nothing to rotate
+            out.writers.append((ref, Rotate(ref.axis, out.kind, d, seed)))
+    for n in comp.norms:
+        for r in gammas[n].readers:
+            out.readers.append((r.weight, Rotate(r.weight.axis, out.kind, d, seed)))
+    return out
+
+
+def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optional[str]:
+    if comp.blocks:
+        return "its norms normalize blocks of the features (per-head norms)"
+    if comp.opaque:
+        return f"{comp.opaque[0].what} starts the stream (recentered: no constant writer to rotate)"
+    for n in comp.norms:
+        g = gammas.get(n)
+        if g is None or not g.moved:
+            return f"the γ of {view.nodes[n].describe()} stays in the norm ({g.why if g else 'not asked'})"
+    norms = set(comp.norms)
+    for value in comp.axes:
+        v = view.values[value]
+        if v.is_graph_output:
+            return f"the stream tensor `{value}` is a graph output"
+        for name, i in v.consumers:
+            node = view.nodes[name]
+            if name in norms and node.inputs[node.norm.input] == value:
+                continue
+            if any(o in comp.axes for o in node.outputs):
+                continue  # a transparent op: it commutes with a map of the feature axis
+            if node.rule is not None and kind_of(node.rule)[0] in _BLIND:
+                continue
+            return f"{node.describe()} reads the stream tensor `{value}` and is neither one of its norms nor transparent"
+    for src in comp.sources:
+        for ref in src.refs:
+            if ref.block is not None:
+                return f"`{ref.value}` is centered in blocks"
+    return None
+
+
+def _width(view: View, comp: Component) -> tuple[Optional[int], Optional[str]]:
+    widths = set()
+    for value, axis in comp.axes.items():
+        s = view.values[value].shape
+        w = s[axis] if s is not None and axis is not None and axis < len(s) else None
+        if not isinstance(w, int):
+            return None, f"the width of the stream tensor `{value}` is not known"
+        widths.add(w)
+    if len(widths) != 1:
+        return None, f"its tensors have different widths {sorted(widths)}"
+    return widths.pop(), None
+
+
+def _size(view: View, value: str, axis: int):
+    s = view.values[value].shape
+    return s[axis] if s is not None and axis < len(s) else None
