@@ -23,7 +23,6 @@ user's). So do the model's metadata and the command's output.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import tempfile
@@ -37,6 +36,7 @@ import numpy as np
 import onnx
 
 from ..passes import FoldResult, LnfoldError, NothingToFold
+from ..passes.options import ROTATIONS
 from ..passes.weights import max_rel_err
 from . import inputs as synth
 from . import verify
@@ -47,7 +47,6 @@ from .read import load
 
 WEIGHTS = ("int8", "int4")
 ACTIVATIONS = ("int8",)
-ROTATIONS = ("hadamard", "orthogonal")
 CALIBRATION_BATCH = 8  # rows per calibration run, where the inputs have a batch axis
 METADATA_KEY = "lnfold.quantize"
 
@@ -93,20 +92,6 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
         raise LnfoldError(f"seed {seed!r}: a non-negative integer")
 
 
-def _fold_kwargs(rotate: Optional[str], seed: int, gamma_into_readers: bool) -> dict:
-    """fold_model's options for γ into the readers and the rotation (issue 22's plan edits)."""
-    want = {}
-    if gamma_into_readers:
-        want["gamma_into_readers"] = True
-    if rotate is not None:
-        want.update(rotate=rotate, seed=seed)
-    missing = [k for k in want if k not in inspect.signature(fold_model).parameters]
-    if missing:
-        raise LnfoldError(f"this lnfold cannot {'rotate' if rotate else 'move γ into the readers'} yet "
-                          f"(fold_onnx has no {', '.join(missing)})")
-    return want
-
-
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
             gamma_into_readers: Optional[bool] = None, inputs=None, dims=None) -> Prepared:
     """The exact steps: fold (verified), γ into readers and rotation where asked, Gemm → MatMul."""
@@ -119,8 +104,8 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     work = model
     if fold:
         try:
-            result = fold_model(model, target="ort", inputs=inputs, dims=dims,
-                                **_fold_kwargs(rotate, seed, gamma))
+            result = fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
+                                rotate=rotate, seed=seed)
             work = result.model
         except NothingToFold as e:
             if rotate or gamma:
@@ -306,7 +291,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
         fold_verified=f.criterion if f else None, fold_max_rel_err=f.max_rel_err if f else None,
         gamma_into_readers=bool(f) and (bool(rotate) if gamma_into_readers is None else gamma_into_readers),
-        rotate=rotate, seed=seed if rotate else None, rotation=_rotation_summary(f),
+        rotate=rotate, seed=seed if rotate else None, rotation=_rotation_summary(f), rotated_streams=rotated_streams(f),
         linear_layers=len(linear_layers(prepared.model)), ops_before=dict(op_counts(prepared.model)),
         ops_after=dict(op_counts(quantized)), bytes_before=model.ByteSize(), bytes_after=quantized.ByteSize(),
         errors=measured["errors"], error_inputs=measured["inputs"], notes=prepared.notes,
@@ -315,12 +300,14 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     return QuantizeResult(quantized, report, f)
 
 
+def rotated_streams(fold: Optional[FoldResult]) -> int:
+    return sum(s.rotation.startswith("rotated") for s in fold.report.streams) if fold else 0
+
+
 def _rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
-    """What the fold's report says about rotated streams, where it says anything."""
-    if fold is None:
-        return None
-    rot = getattr(fold.report, "rotation", None) or getattr(fold.report, "rotations", None)
-    return None if rot is None else str(rot)
+    """The fold report's word on each folded stream's rotation (rotated by what, or its blocker)."""
+    said = [f"stream {k}: {s.rotation}" for k, s in enumerate(fold.report.streams) if s.rotation] if fold else []
+    return "; ".join(said) or None
 
 
 def _stamp(model: onnx.ModelProto, report: QuantizeReport) -> None:

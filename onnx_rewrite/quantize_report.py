@@ -29,7 +29,8 @@ class QuantizeReport:
     gamma_into_readers: bool
     rotate: Optional[str]
     seed: Optional[int]
-    rotation: Optional[str]  # the fold report's word on the rotated streams
+    rotation: Optional[str]  # the fold report's word on each stream's rotation
+    rotated_streams: int  # streams the rotation applied to (0 where every one was blocked)
     linear_layers: int  # MatMuls with a constant weight handed to the quantizer
     ops_before: dict  # op kind -> count, the float model given to the quantizer
     ops_after: dict  # the same, quantized
@@ -56,7 +57,8 @@ class QuantizeReport:
             return "fold: none (the model went to the quantizer as given)"
         extra = ", γ into the readers" if self.gamma_into_readers else ""
         if self.rotate:
-            extra += f", rotated ({self.rotate}, seed {self.seed})"
+            extra += (f", {self.rotated_streams} stream(s) rotated ({self.rotate}, seed {self.seed})"
+                      if self.rotated_streams else f", rotation {self.rotate} asked, no stream rotated")
         err = f", max rel. diff {self.fold_max_rel_err:.1e}" if self.fold_max_rel_err is not None else ""
         return (f"fold: {self.folded} LayerNorm(s) folded, {self.kept} kept{extra}: exact, verified "
                 f"({self.fold_verified}{err})")
@@ -75,13 +77,15 @@ class QuantizeReport:
                      f"{k} {a} -> {b}" for k, (a, b) in self.changed_ops().items()),
                  f"size: {self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
                  f"({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
+        if self.rotation:
+            lines.append(f"rotation: {self.rotation}")
         lines += [f"note: {n}" for n in self.notes]
         lines.append(f"NOT exact (quantization): against the float model on {self.error_inputs}: {self.error_line()}")
         return "\n".join(lines)
 
     def metadata(self) -> str:
         """One line for the model's metadata_props."""
-        rot = f", rotated {self.rotate} (seed {self.seed})" if self.rotate else ""
+        rot = f", {self.rotated_streams} stream(s) rotated {self.rotate} (seed {self.seed})" if self.rotated_streams else ""
         fold = f"{self.folded} LayerNorm(s) folded exactly{rot}; " if self.fold_verified else ""
         return (f"{fold}then quantized: {self.scheme}. NOT exact: max rel. error {self.max_rel_err:.2e} against the "
                 f"float model on {self.error_inputs}")

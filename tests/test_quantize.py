@@ -174,10 +174,13 @@ def test_gemm_that_is_not_a_plain_linear_layer_is_kept():
     assert [n.op_type for n in model.graph.node] == ["Gemm"]
 
 
-# ------------------------------------------------------------------ rotation (needs issue 22 item 2)
+# ------------------------------------------------------------------ rotation (issue 22 item 2) + quantization
+
+NORM_WEIGHTS = {"LayerNormalization": (1, 2), "SkipLayerNormalization": (2, 3)}  # γ, β inputs
+
 
 def _plant_outliers(model: onnx.ModelProto, factor: float = 60.0, channels=(3, 17)) -> onnx.ModelProto:
-    """Outlier channels in what the linear layers read, exactly: for each LayerNormalization all of
+    """Outlier channels in what the linear layers read, exactly: for each (Skip)LayerNormalization all of
     whose readers (through a Reshape) are MatMuls or untransposed Gemms with initializer weights,
     γ and β of `channels` times `factor`, the readers' rows of those channels divided by it."""
     out = onnx.ModelProto()
@@ -193,10 +196,11 @@ def _plant_outliers(model: onnx.ModelProto, factor: float = 60.0, channels=(3, 1
         plain = r.op_type == "MatMul" or (r.op_type == "Gemm" and not any(a.i for a in r.attribute if "trans" in a.name))
         return plain and r.input[1] in inits
 
-    for ln in [n for n in g.node if n.op_type == "LayerNormalization"]:
+    for ln in [n for n in g.node if n.op_type in NORM_WEIGHTS]:
+        gamma, beta = (ln.input[k] for k in NORM_WEIGHTS[ln.op_type])
         rs = readers.get(ln.output[0], [])
         rs = [x for r in rs for x in (readers.get(r.output[0], []) if r.op_type == "Reshape" else [r])]
-        if not rs or not all(linear(r) for r in rs) or len(ln.input) < 3:
+        if not rs or not all(linear(r) for r in rs) or not beta:
             continue
 
         def edit(name, fn):
@@ -205,8 +209,8 @@ def _plant_outliers(model: onnx.ModelProto, factor: float = 60.0, channels=(3, 1
             inits[name].CopyFrom(numpy_helper.from_array(a, name))
 
         for c in channels:
-            edit(ln.input[1], lambda a: a.__setitem__(c, a[c] * factor))
-            edit(ln.input[2], lambda a: a.__setitem__(c, a[c] * factor))
+            edit(gamma, lambda a: a.__setitem__(c, a[c] * factor))
+            edit(beta, lambda a: a.__setitem__(c, a[c] * factor))
             for r in rs:
                 edit(r.input[1], lambda a: a.__setitem__(c, a[c] / factor))
         planted += 1
@@ -216,34 +220,29 @@ def _plant_outliers(model: onnx.ModelProto, factor: float = 60.0, channels=(3, 1
 
 @pytest.fixture(scope="module")
 def outlier_model():
-    return _plant_outliers(onnx.load(str(OPTIMUM)))
+    """The ORT-optimizer GPT-2 (fused SkipLayerNormalization) with planted outliers. (In the
+    Optimum and TorchScript GPT-2 files a Shape reads each norm's output, and the γ step keeps
+    γ/β in the norm there: no stream is rotated, the report says why.)"""
+    return _plant_outliers(onnx.load(str(ORTOPT)))
 
 
 def test_planted_outliers_are_exact_and_hurt_quantization(outlier_model):
-    feeds = _feeds(OPTIMUM)
-    a = verify.session(str(OPTIMUM)).run(None, feeds)[0]
+    feeds = _feeds(ORTOPT)
+    a = verify.session(str(ORTOPT)).run(None, feeds)[0]
     b = verify.session(outlier_model).run(None, feeds)[0]
     assert np.abs(a - b).max() / np.abs(a).max() < 1e-5
-    plain = lnfold.quantize_onnx(OPTIMUM, weights="int8").report.max_rel_err
+    plain = lnfold.quantize_onnx(ORTOPT, weights="int8").report.max_rel_err
     planted = lnfold.quantize_onnx(outlier_model, weights="int8").report.max_rel_err
     assert planted > 2 * plain
 
 
-def _rotation_available() -> bool:
-    import inspect
-
-    from lnfold.onnx_rewrite.api import fold_model
-
-    return "rotate" in inspect.signature(fold_model).parameters
-
-
-@pytest.mark.skipif(not _rotation_available(), reason="the stream rotation (issue 22 item 2) is not in this build")
 @pytest.mark.parametrize("rotate", ["hadamard", "orthogonal"])
 def test_rotation_then_quantize_beats_no_rotation_on_planted_outliers(outlier_model, rotate):
     plain = lnfold.quantize_onnx(outlier_model, weights="int8")
     rotated = lnfold.quantize_onnx(outlier_model, weights="int8", rotate=rotate, seed=1)
     rep = rotated.report
     assert rep.rotate == rotate and rep.gamma_into_readers and rep.exact is False
-    assert rep.max_rel_err < plain.report.max_rel_err, (rep.errors, plain.report.errors)
+    # measured: 2.1 without rotation, 7.7e-3 (hadamard) and 1.2e-2 (orthogonal) with
+    assert rep.max_rel_err < plain.report.max_rel_err / 10, (rep.errors, plain.report.errors)
     meta = {p.key: p.value for p in rotated.model.metadata_props}[q.METADATA_KEY]
-    assert f"rotated {rotate}" in meta and "NOT exact" in meta
+    assert f"stream(s) rotated {rotate}" in meta and "NOT exact" in meta and rep.rotated_streams == 1
