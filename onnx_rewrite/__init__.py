@@ -2,10 +2,11 @@
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
 
 from .api import analyze_model, check_equivalent, fold_model
+from .quantize import quantize_model
 from .read import load
 from .write import save
 
 __all__ = [
     "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
-    "analyze_model", "check_equivalent", "fold_model", "load", "save",
+    "analyze_model", "check_equivalent", "fold_model", "load", "quantize_model", "save",
 ]

@@ -1,4 +1,4 @@
-"""The `lnfold` command: fold, report, bench, demo.
+"""The `lnfold` command: fold, report, quantize, bench, demo.
 
 Exit codes: 0 done; 1 the folded model failed verification (nothing written); 2 bad input or
 nothing to fold (one line on stderr, input untouched, nothing written); 3 an internal error
@@ -37,7 +37,7 @@ _TARGET_HELP = ("ort (default): onnxruntime's SimplifiedLayerNormalization, the 
                 "(--device cuda); onnx: the standard RMSNormalization (opset 23; older models are "
                 "converted); portable: primitive ops (ReduceMean, Sqrt, Reciprocal, Mul, Add) any runtime runs")
 
-_HINT = "lnfold: give a command: fold, report, bench or demo (`lnfold demo` folds a small GPT-2 end to end)"
+_HINT = "lnfold: give a command: fold, report, quantize, bench or demo (`lnfold demo` folds a small GPT-2 end to end)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,6 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--inputs", metavar="FILE.npz", help="run on these inputs instead of made-up ones")
     b.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
+
+    from .quantize_cli import add_parser as add_quantize  # issue 22: onnx_rewrite/quantize_cli.py
+
+    add_quantize(sub)
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")
@@ -265,6 +269,10 @@ def main(argv=None) -> int:
                 return cmd_fold(args)
             if args.cmd == "report":
                 return cmd_report(args)
+            if args.cmd == "quantize":
+                from .quantize_cli import run as cmd_quantize
+
+                return cmd_quantize(args)
             if args.cmd == "bench":
                 from .bench import run_bench
                 from .inputs import parse_dims

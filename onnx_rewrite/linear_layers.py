@@ -1,0 +1,84 @@
+"""The linear layers of an ONNX graph as onnxruntime's quantizers want to see them.
+
+onnxruntime's weight-only int4 quantizer (MatMulNBitsQuantizer) and its dynamic quantizer
+(quantize_dynamic: MatMulInteger) take only MatMul nodes with a constant B: a Gemm (what torch's
+exporter makes of GPT-2's Conv1D, `addmm`) stays float. `gemm_to_matmul` rewrites each Gemm whose
+weight is an initializer, with alpha = beta = 1 and no transposed A, into MatMul (+ Add of C):
+the same products and the same bias, so the same function (a transposed B is stored transposed;
+the rounding is at most the summation order's). Other Gemms are left as they are and counted.
+
+`linear_layers` names the MatMul nodes with a constant 2-D float weight: what lnfold asks the
+quantizers to quantize (attention's activation x activation MatMuls and embedding tables stay
+float; see onnx_rewrite/quantize.py).
+"""
+from __future__ import annotations
+
+import onnx
+from onnx import helper, numpy_helper
+
+_FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node of the main graph a unique name (the quantizers select nodes by name)."""
+    seen: set[str] = set()
+    for k, node in enumerate(model.graph.node):
+        if not node.name or node.name in seen:
+            node.name = f"{node.op_type}_{k}" if not node.name else f"{node.name}_{k}"
+        seen.add(node.name)
+
+
+def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
+    """Rewrite, in place, the main graph's Gemms with an initializer weight into MatMul (+ Add).
+    Returns (how many were rewritten, [why each other Gemm was kept])."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    uses: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    rewritten, kept, nodes = 0, [], []
+    for node in g.node:
+        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        a = _attrs(node)
+        b = node.input[1]
+        c = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        why = ("its weight is not an initializer" if b not in inits else
+               "alpha is not 1" if a.get("alpha", 1.0) != 1.0 else
+               "beta is not 1" if c is not None and a.get("beta", 1.0) != 1.0 else
+               "A is transposed" if a.get("transA", 0) else None)
+        if why:
+            kept.append(f"{node.name}: {why}")
+            nodes.append(node)
+            continue
+        if a.get("transB", 0):  # MatMul takes B as [K, N]: store the transposed weight
+            w = numpy_helper.to_array(inits[b]).T.copy()
+            new = numpy_helper.from_array(w, f"{b}__transposed")
+            if uses[b] == 1:
+                g.initializer.remove(inits[b])
+            g.initializer.append(new)
+            b = new.name
+        out = node.output[0]
+        mm_out = f"{out}__matmul" if c is not None else out
+        nodes.append(helper.make_node("MatMul", [node.input[0], b], [mm_out], name=f"{node.name}__matmul"))
+        if c is not None:
+            nodes.append(helper.make_node("Add", [mm_out, c], [out], name=f"{node.name}__bias"))
+        rewritten += 1
+    if rewritten:
+        del g.node[:]
+        g.node.extend(nodes)
+    return rewritten, kept
+
+
+def linear_layers(model: onnx.ModelProto) -> list[str]:
+    """Names of the main graph's MatMul nodes whose B is a 2-D float initializer."""
+    inits = {t.name: t for t in model.graph.initializer}
+    return [n.name for n in model.graph.node
+            if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+            and n.input[1] in inits and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].data_type in _FLOAT]

@@ -1,0 +1,81 @@
+"""`lnfold quantize IN -o OUT --weights int8|int4 ...`: the command line of onnx_rewrite/quantize.py.
+
+cli.py adds the subcommand (`add_parser`) and runs it (`run`); its error handling (one line,
+exit 2 for bad input, nothing written) is the fold's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from ..passes import LnfoldError
+from .quantize import ACTIVATIONS, ROTATIONS, WEIGHTS
+
+_DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their weights into the readers and "
+                "rotate the residual stream (exact, verified), then quantize the linear layers with "
+                "onnxruntime's own quantizer. The quantized model is NOT exact: the command prints its error "
+                "against the float model on the verification inputs.")
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    q = sub.add_parser("quantize", help="fold exactly, then quantize with onnxruntime's quantizers (not exact)",
+                       description=_DESCRIPTION)
+    q.add_argument("input", help="the float ONNX model")
+    q.add_argument("-o", "--output", required=True, help="where to write the quantized model")
+    q.add_argument("--weights", choices=WEIGHTS, required=True,
+                   help="int8: onnxruntime quantize_dynamic (activations quantized at run time) or, with "
+                        "--activations int8, quantize_static (QDQ); int4: MatMulNBitsQuantizer, weight-only")
+    q.add_argument("--activations", choices=ACTIVATIONS,
+                   help="int8: static int8 activations (W8A8, QDQ), calibrated on --calibrate")
+    q.add_argument("--calibrate", metavar="FILE.npz",
+                   help="calibration inputs for --activations int8: one array per model input, rows along "
+                        "the first axis")
+    q.add_argument("--rotate", choices=ROTATIONS,
+                   help="rotate each folded residual stream (γ moved into the readers first): hadamard (a "
+                        "randomized Hadamard where the width has one, else a random orthogonal matrix) or "
+                        "orthogonal; exact, verified; spreads outlier channels before quantization")
+    q.add_argument("--seed", type=int, default=0, help="the rotation's random seed (default 0)")
+    q.add_argument("--block-size", type=int, default=128,
+                   help="int4: weights per quantization block along K (a power of two >= 16; default 128, "
+                        "onnxruntime's)")
+    q.add_argument("--per-channel", action="store_true",
+                   help="int8: one weight scale per output channel (onnxruntime's per_channel)")
+    q.add_argument("--inputs", metavar="FILE.npz",
+                   help="verify the fold and measure the quantized model's error on these inputs instead of "
+                        "made-up ones")
+    q.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                   help="size of a symbolic input dim for the made-up inputs (repeatable)")
+    q.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    return q
+
+
+def run(args) -> int:
+    from .inputs import parse_dims
+    from .quantize import quantize_model
+    from .write import save
+
+    src, dst = Path(args.input), Path(args.output)
+    if not src.is_file():
+        raise LnfoldError(f"{src}: no such ONNX file")
+    if dst.is_dir():
+        raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
+    if dst.exists() and os.path.samefile(src, dst):
+        raise LnfoldError(f"{dst}: output would overwrite the input; choose another path")
+    out_dir = dst.parent if str(dst.parent) else Path(".")
+    if not out_dir.is_dir():
+        raise LnfoldError(f"{out_dir}: output directory does not exist")
+    t0 = time.perf_counter()
+    result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
+                            rotate=args.rotate, seed=args.seed, block_size=args.block_size,
+                            per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim))
+    save(result.model, dst)  # temp file + rename: nothing half-written
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"output": str(dst), "seconds": elapsed, **result.report.as_dict()}, indent=2))
+        return 0
+    print(result.report.table())
+    print(f"lnfold: wrote {dst} in {elapsed:.2f} s (quantized: NOT exact; error above)")
+    return 0
