@@ -7,6 +7,8 @@ ONNX (the plain install; torch is not needed and not imported)::
     print(lnfold.analyze_onnx(model).table())            # every LayerNorm, its verdict, why
     result = lnfold.fold_onnx(model)                     # folds, verifies, never edits `model`
     lnfold.save_onnx(result.model, "model.folded.onnx")
+    quantized = lnfold.quantize_onnx(model, weights="int8", rotate="hadamard")  # NOT exact:
+    print(quantized.report.table())                      # onnxruntime's quantizer after the fold; its error
 
 PyTorch (``pip install 'lnfold[torch]'``)::
 

@@ -154,7 +154,10 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
     """onnxruntime's quantizer for the scheme, on the linear layers of `prepared` (not edited)."""
     nodes = linear_layers(prepared)
     if not nodes:
-        raise LnfoldError("no linear layer to quantize (no MatMul or Gemm with a constant 2-D weight)")
+        branches = any(a.type == onnx.AttributeProto.GRAPH for n in prepared.graph.node for a in n.attribute)
+        raise LnfoldError("no linear layer to quantize in the main graph" + (
+            " (its layers are inside If/Loop branches, as in a merged decoder: quantize the decoder files "
+            "before merging)" if branches else " (no MatMul or Gemm with a constant 2-D weight)"))
     with _quiet_quantizers():
         return _quantize(prepared, nodes, weights, activations, calibration, block_size, per_channel)
 

@@ -92,7 +92,10 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
     for n in comp.norms:
         g = gammas.get(n)
         if g is None or not g.moved:
-            return f"the γ of {view.nodes[n].describe()} stays in the norm ({g.why if g else 'not asked'})"
+            why = g.why if g else "not asked"
+            hint = ("; a model's hidden states as its output: fold it with the head that reads them"
+                    if "is a graph output" in why else "")
+            return f"the γ of {view.nodes[n].describe()} stays in the norm ({why}){hint}"
     norms = set(comp.norms)
     for value in comp.axes:
         v = view.values[value]
