@@ -152,6 +152,7 @@ def fold_summary(result, args, elapsed: float) -> dict:
     """One file's fold for `--json`: the report, the verification, timings."""
     return {"target": getattr(args, "target", None), "report": result.report.to_dict(),
             "verified": not args.no_verify, "max_rel_err": result.max_rel_err,
+            "approximate": result.report.approx is not None,  # mode rms-approx: NOT equivalent (report.approximate)
             "exact_err": result.exact_err, "original_exact_err": result.original_exact_err,
             "criterion": result.criterion, "seconds": round(elapsed, 3), "timings": result.timings}
 

@@ -98,3 +98,24 @@ def test_torch_frontend_budget_and_planted_mean():
     assert planted.report.approximated == 0
     with pytest.raises(LnfoldError, match="needs an error budget"):
         lnfold.fold_module(PostLN(0.0), (x[:2],), mode="rms-approx", calibration=(x,))
+
+
+def test_swap_for_training_keeps_parameters_and_names():
+    import torch
+
+    from lnfold.fx_rewrite.approx_train import RMSNormWithBias, swap_for_training
+
+    m = PostLN(0.0)
+    keys, ln1 = list(m.state_dict()), m.ln1
+    x = ids(2)
+    before = m(x).detach()
+    assert swap_for_training(m, ["ln1"]) == ["ln1"]
+    assert isinstance(m.ln1, RMSNormWithBias) and m.ln1.weight is ln1.weight and m.ln1.bias is ln1.bias
+    assert list(m.state_dict()) == keys  # checkpoints and optimizers see the same parameters
+    after = m(x)
+    assert 0 < relative_error([before.double().numpy()], [after.detach().double().numpy()]) < 0.2  # not exact
+    after.sum().backward()
+    assert ln1.weight.grad is not None
+    with pytest.raises(LnfoldError, match="not an nn.LayerNorm"):
+        swap_for_training(m, ["fc"])
+    assert isinstance(m.fc, torch.nn.Linear)

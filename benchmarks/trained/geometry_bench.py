@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import lnfold
@@ -61,24 +60,13 @@ def angles(out: Path) -> list[str]:
     return lines
 
 
-class RMSWithBias(nn.Module):
-    """The approximate swap in an eager model: RMSNorm with the LayerNorm's γ, eps and β (kept)."""
-
-    def __init__(self, ln: nn.LayerNorm) -> None:
-        super().__init__()
-        self.weight, self.bias, self.eps, self.shape = ln.weight, ln.bias, ln.eps, ln.normalized_shape
-
-    def forward(self, x):
-        return F.rms_norm(x, self.shape, self.weight, self.eps) + self.bias
-
-
 def swap_eager(model: nn.Module, indices: set[int]) -> nn.Module:
-    """Replace the LayerNorm modules at these positions (graph order = module order in BERT)."""
-    lns = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
-    for k, (n, m) in enumerate(lns):
-        if k in indices:
-            parent, _, attr = n.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, RMSWithBias(m))
+    """Swap the LayerNorm modules at these positions (graph order = module order in BERT) with
+    lnfold's training-time swap (fx_rewrite/approx_train.py)."""
+    from lnfold.fx_rewrite.approx_train import swap_for_training
+
+    lns = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    swap_for_training(model, [n for k, n in enumerate(lns) if k in indices])
     return model
 
 
