@@ -244,7 +244,8 @@ class _ComponentBuilder:
             # Sibling outputs (a Split's) join when the inputs' readers are visited.
             return
         ins = node.backward_block(o, axis, None)
-        if ins is not None:  # the feature axis is a split-off part of an input axis (head_dim)
+        if ins is not None and all(self._splits_back_out(node.inputs[i], a, b) for i, a, b in ins):
+            # the feature axis is a split-off part of an input axis (head_dim)
             for i, in_axis, in_block in ins:
                 self._stream_input(node, i, in_axis, in_block)
             return
@@ -261,6 +262,21 @@ class _ComponentBuilder:
             self._add_source(CenteredSource(node.name, list(refs)))
             return
         self._add_opaque(value, axis, node.describe())
+
+    def _splits_back_out(self, value: str, axis: int, block: Optional[Blocks], depth: int = 32) -> bool:
+        """Does a feature axis merged with other axes (`block.spacing`) come out whole again
+        upstream, through layout ops and reshapes only (MobileViT's unfolding of conv_1x1's
+        output)? Where it does not, the merged tensor is no stream to follow: the value stays an
+        opaque start that a recenter can center, as it was before (an interleaved head_dim)."""
+        if block is None or block.spacing is None:
+            return True
+        v = self.view.values[value]
+        node = self.view.nodes.get(v.producer) if v.producer is not None else None
+        if node is None or depth == 0:
+            return False
+        ins = node.backward_block(node.outputs.index(value), axis, block)
+        return ins is not None and all(not self.view.values[node.inputs[i]].is_const
+                                       and self._splits_back_out(node.inputs[i], a, b, depth - 1) for i, a, b in ins)
 
     def _stream_input(self, node: Node, i: int, axis: int, block: Optional[Blocks] = None) -> None:
         name = node.inputs[i]

@@ -123,6 +123,7 @@ def _analyses(module):
     return fx, analyze_model(export_quiet(module, (x,), ["x"]))
 
 
+@pytest.mark.slow  # the hand-built views below check the same refusals in milliseconds
 @pytest.mark.parametrize("layout", ["hd3", "head"])
 def test_selections_that_do_not_keep_runs_whole_are_not_block_folded(layout):
     """(heads, head_dim, 3): q's features are every third entry, no run of the projection's
@@ -214,6 +215,7 @@ def _unfold_both(module, fold):
     return fx, (fold_model if fold else analyze_model)(onnx_model)
 
 
+@pytest.mark.slow  # torch.export with dynamic image sizes: ~20-35 s on a shared CPU
 def test_unfolded_stream_folds_by_centering_conv_1x1():
     for res in _unfold_both(Unfolding().eval(), fold=True):
         assert [n.verdict for n in res.report.norms] == ["fold", "fold"], res.report.norms
@@ -222,6 +224,7 @@ def test_unfolded_stream_folds_by_centering_conv_1x1():
         _exact(res)
 
 
+@pytest.mark.slow  # torch.export with dynamic image sizes: ~20-35 s on a shared CPU
 def test_unfolding_that_mixes_channels_with_space_is_not_centered():
     for rep in _unfold_both(Unfolding(mix=True).eval(), fold=False):
         assert rep.recentered or all(n.verdict == "keep" for n in rep.norms), rep.norms
