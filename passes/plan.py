@@ -61,7 +61,14 @@ class Plan:
     @property
     def unit_gamma(self) -> frozenset:
         """The folded norms whose γ moved into their readers: emitted with unit weight."""
-        return frozenset(n for n, g in self.gammas.items() if g.moved)
+        return frozenset([n for n, g in self.gammas.items() if g.moved] + list(self.readouts))
+
+    @property
+    def readouts(self) -> dict:
+        """Norm -> (kind, dim, seed, γ) of the rotated streams' norms that un-rotate their output
+        (passes/rotate.readout_matrix): emitted with unit weight, then `· Qᵀ·diag γ`."""
+        return {n: (r.kind, r.dim, r.seed, self.gammas[n].gamma)
+                for r in self.rotations if r.rotated for n in r.readouts}
 
     @property
     def rotated_norms(self) -> frozenset:
