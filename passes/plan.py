@@ -371,6 +371,8 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
             rot.writers, rot.readers = [], []
         plan.rotations.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
+        for n in rot.readouts:
+            verdicts[n].gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for ref, op in rot.readers:
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:
