@@ -340,3 +340,17 @@ def test_rotation_keeps_the_trained_models_metric(name):
         assert after.count == before.count and abs(after.loss - before.loss) <= 1e-5 * before.loss, (before, after)
         if name == "vit_digits":
             assert after.value == before.value
+
+
+@pytest.mark.slow
+def test_per_head_norm_streams_stay_unrotated_and_the_main_stream_rotates():
+    """StableLM's q/k LayerNorms (one per head) are components of their own, centered in blocks:
+    not rotated, with the reason; the residual stream rotates, its q/k projections' weights edited
+    on both sides (γ and Qᵀ on the input axis, the per-head centering on the output axis)."""
+    m, args = zoo.stablelm_qk()
+    res = lnfold.fold_module(m, args, rotate="hadamard")
+    rotations = [s.rotation for s in res.report.streams]
+    assert rotations[0].startswith("rotated (hadamard, d=64")
+    assert rotations[1:] and all(r == "not rotated: its norms normalize blocks of the features (per-head norms)"
+                                 for r in rotations[1:])
+    assert res.criterion == "float64"
