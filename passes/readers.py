@@ -21,6 +21,23 @@ class LinearReader:
     out_width: Optional[int]  # output features (None: unknown)
 
 
+def _copies_rows_of(view: View, node, i: int) -> bool:
+    """Each output row of the layout op `node` is a copy of one row of its input `i` (a slice,
+    gather, transpose, expand): a per-feature edit (γ, β, Q) moved past it reaches exactly the rows
+    it reached before. Not a Pad (its new zero rows would get β) nor a Concat with other data (its
+    other rows would get γ, β and Q too)."""
+    rule = node.rule
+    while rule is not None and rule.kind == "in_branch":
+        rule = rule.params["op"]
+    if not node.layout or (rule is not None and rule.kind == "pad"):
+        return False
+    for j, x in enumerate(node.inputs):
+        other = view.values.get(x) if j != i else None
+        if other is not None and other.rank and node.transfer(j, other.rank - 1):
+            return False  # another input's features reach the output too
+    return True
+
+
 def linear_readers(view: View, value: str, axis: int, products_only: bool = False,
                    through_layout: bool = False) -> tuple[list[LinearReader], Optional[str]]:
     """Every linear layer that reads `value` along its feature axis `axis`, directly or through
@@ -36,6 +53,8 @@ def linear_readers(view: View, value: str, axis: int, products_only: bool = Fals
     out: list[LinearReader] = []
     for name, i in v.consumers:
         node = view.nodes[name]
+        if node.shape_only:  # a Shape/Size reads no values: β, γ, a row scale or Q never reach it
+            continue
         lin = node.linear(i, axis) if writes_product(node) or not products_only else None
         if lin is not None:
             if lin.weight.axis is None:
@@ -44,7 +63,8 @@ def linear_readers(view: View, value: str, axis: int, products_only: bool = Fals
             width = o.shape[-1] if o is not None and o.shape and isinstance(o.shape[-1], int) else None
             out.append(LinearReader(name, i, lin.weight, lin.bias, v.rank, width))
             continue
-        if (node.regroups or (through_layout and node.layout)) and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1:
+        if ((node.regroups or (through_layout and _copies_rows_of(view, node, i)))
+                and len(node.outputs) == 1 and v.rank is not None and axis == v.rank - 1):
             o = view.values[node.outputs[0]]
             # the features stay whole and last; only the rows regroup
             if o.rank is not None and node.transfer(i, axis) == [(0, o.rank - 1)]:
