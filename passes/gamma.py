@@ -58,9 +58,6 @@ def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Opti
         out.why = f"the target keeps this norm ({kept_by_target})"
     elif spec.gamma is not None and not view.values[spec.gamma].is_const:
         out.why = f"γ `{spec.gamma}` is not a constant"
-    elif spec.beta is not None and (beta is None or beta.emits_add):
-        out.why = ("β stays with the norm (" + (beta.why if beta is not None else "the target folds no β")
-                   + "), and a β Add after a unit-γ norm would be scaled by γ in the readers")
     if out.why:
         return out
     x = view.values[view.nodes[norm].inputs[spec.input]].shape
@@ -68,6 +65,9 @@ def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Opti
         out.why = "its feature size is not known (a unit weight needs it)"
         return out
     readers, why = linear_readers(view, view.nodes[norm].outputs[0], spec.axis, through_layout=True)
+    if why is None and spec.beta is not None and (beta is None or beta.emits_add):
+        why = ("β stays with the norm (" + (beta.why if beta is not None else "the target folds no β")
+               + "), and a β Add after a unit-γ norm would be scaled by γ in the readers")
     if why is not None:
         out.why = why
         return out

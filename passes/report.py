@@ -170,6 +170,8 @@ class Report:
                 if items:
                     lines.extend(textwrap.wrap(f"{label} ({len(items)}): " + "; ".join(items), width,
                                                initial_indent="  ", subsequent_indent="      "))
+            if s.rotation:
+                lines.extend(textwrap.wrap(s.rotation, width, initial_indent="  ", subsequent_indent="      "))
         for c in self.compression:
             what = (f"compressed to {c.width - 1} features, {c.decompressions} decompression(s)"
                     if c.verdict == "compressed" else f"RMSNorm: {c.reason}")
@@ -210,6 +212,8 @@ class Report:
                 parts[0] += f" ({', '.join(edits)})"
         elif n.recentered:
             parts.append("with a recenter")
+        if n.gamma:
+            parts.append(f"γ {n.gamma}")
         if n.beta:
             parts.append(f"β {n.beta}")
         if n.deferred:

@@ -57,7 +57,7 @@ class StreamRotation:
     def describe(self) -> str:
         if not self.rotated:
             return f"not rotated: {self.why}"
-        return (f"rotated by a {self.kind} Q (d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
+        return (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
                 f"constant(s), {len(self.readers)} reader weight(s)")
 
 
