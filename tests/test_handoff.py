@@ -133,7 +133,7 @@ def test_torch_dynamic_quantization_takes_the_handoff():
 
 
 def test_a_planted_bug_is_refused_and_the_module_restored(monkeypatch):
-    module, args = zoo.gpt2(seed=1)
+    module, args = _opt()
     before = {k: v.clone() for k, v in module.state_dict().items()}
     with torch.no_grad():
         want = module(*args)
@@ -142,7 +142,7 @@ def test_a_planted_bug_is_refused_and_the_module_restored(monkeypatch):
         lnfold.fold_to_rmsnorm(module, args)
     after = module.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    assert module.model.lm_head.weight is module.model.transformer.wte.weight  # the tie is back
+    assert module.model.lm_head.weight is module.model.model.decoder.embed_tokens.weight  # the tie is back
     assert not _class_named_rmsnorm(module) and not hasattr(module.model.config, "lnfold")
     with torch.no_grad():
         assert torch.equal(module(*args), want)
