@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..passes import Plan, View, compute_constants
+from ..passes import LnfoldError, Plan, View, compute_constants
 from ..passes.options import check_choice
 from ..passes.edits import ConstEdit, apply_ops
+from ..passes.rotate import readout_matrix
 
 from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
@@ -164,7 +165,7 @@ class Applier:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:
                 self._swap(self.nodes[name], plan.emits_beta_add(name), name in plan.unit_gamma,
-                           name in plan.rotated_norms)
+                           name in plan.rotated_norms, self._readout(plan, name))
         crms.patch_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
@@ -204,11 +205,32 @@ class Applier:
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, node: fx.Node, beta_add: bool, unit_gamma: bool = False, rotated: bool = False) -> None:
+    def _readout(self, plan: Plan, name: str) -> Optional[fx.Node]:
+        """A rotated stream's norm that un-rotates its output: `Qᵀ·diag γ` as a buffer
+        (passes/rotate.readout_matrix, float64, cast to the stream's dtype)."""
+        if name not in plan.readouts:
+            return None
+        kind, dim, seed, gamma = plan.readouts[name]
+        like = self.constants.tensor_of(gamma) if gamma is not None else None
+        arr = readout_matrix(kind, dim, seed, None if like is None else to_numpy(like))
+        t = torch.from_numpy(arr).to(like.dtype if like is not None else torch.float32)
+        attr = unique_attr(self.gm, f"lnfold_unrotate_{name}")
+        self.gm.register_buffer(attr, t)
+        with self.graph.inserting_before(self.nodes[name]):
+            node = self.graph.get_attr(attr)
+        node.meta["val"] = t
+        return node
+
+    def _swap(self, node: fx.Node, beta_add: bool, unit_gamma: bool = False, rotated: bool = False,
+              readout: Optional[fx.Node] = None) -> None:
         """The norm as RMSNorm; `beta_add` False: the plan moved β into the readers' biases;
         `unit_gamma`: γ too, into their weights (the norm's weight goes); `rotated`: its stream is
-        rotated and no longer zero-mean (an RMSNorm, never a LayerNorm, whatever `self.norm`)."""
+        rotated and no longer zero-mean (an RMSNorm, never a LayerNorm, whatever `self.norm`);
+        `readout`: its unit-weight output is multiplied by this constant (Qᵀ·diag γ) before β."""
         decomposed = self.info.decomposed.get(node.name)
+        if decomposed is not None and readout is not None and decomposed.gamma is None:
+            raise LnfoldError(f"{node.name}: un-rotating a written-out norm without γ is not supported; "
+                              "fold without rotate=")
         if decomposed is not None:  # an RMSNorm once its mean subtraction goes
             drop_mean(self.graph, node, decomposed.centered, self.nodes)
             if decomposed.beta is not None and not beta_add:  # its last op adds β, after γ
@@ -219,16 +241,19 @@ class Applier:
                 mul = next(self.nodes[n] for n in decomposed.nodes
                            if decomposed.gamma in self.view.nodes[n].inputs and n in self.nodes)
                 (data,) = [a for a in mul.all_input_nodes if a.name != decomposed.gamma]
+                if readout is not None:
+                    with self.graph.inserting_after(mul):
+                        data = self.graph.call_function(torch.ops.aten.matmul.default, (data, readout))
                 mul.replace_all_uses_with(data)
                 self.graph.erase_node(mul)
             return
         if unit_gamma:
             set_arg(node, "weight", None)
-        if self.norm == "layer_norm" and not rotated:  # the LayerNorm of a zero-mean stream computes RMSNorm
+        if self.norm == "layer_norm" and not rotated and readout is None:  # a LayerNorm of a zero-mean stream is an RMSNorm
             if not beta_add:
                 set_arg(node, "bias", None)
             return
-        swap_norm(self.graph, node, self.dialect, beta_add)
+        swap_norm(self.graph, node, self.dialect, beta_add, readout)
 
 
 def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> None:
@@ -242,9 +267,11 @@ def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> N
         graph.erase_node(mean)
 
 
-def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool = True) -> fx.Node:
+def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool = True,
+              readout: Optional[fx.Node] = None) -> fx.Node:
     """Replace a LayerNorm node by rms_norm(x, γ) (+ β unless it went into the readers' biases):
-    exact once its input is zero-mean."""
+    exact once its input is zero-mean. `readout`: a rotated stream's un-rotation, `· Qᵀ·diag γ`
+    between the unit-weight norm and β."""
     call = canonical(node)
     x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias") if beta_add else None
     shape = call.get("normalized_shape")
@@ -255,6 +282,8 @@ def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool =
     out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node
     with graph.inserting_before(node):
         y = dialect.rms_norm(graph, x, shape, w, eps)
+        if readout is not None:
+            y = graph.call_function(torch.ops.aten.matmul.default, (y, readout))
         if b is not None:
             y = dialect.add(graph, y, b)
     if out is not None:

@@ -14,6 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes import Plan, compute_constants
+from ..passes.rotate import readout_matrix
 from ..passes.defer import compute_biases
 from ..passes.edits import Ones
 
@@ -87,7 +88,8 @@ class Emitter:
             elif name in crms_norms:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
-                self._swap(matches[name], plan.emits_beta_add(name), name in fuse, name in plan.unit_gamma)
+                self._swap(matches[name], plan.emits_beta_add(name), name in fuse, name in plan.unit_gamma,
+                           plan.readouts.get(name))
         if self.retyped:
             (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
             self.notes.append(
@@ -165,12 +167,15 @@ class Emitter:
             _replace_input(r, x, centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, m: NormMatch, beta_add: bool, fuse_residual: bool, unit_gamma: bool = False) -> None:
+    def _swap(self, m: NormMatch, beta_add: bool, fuse_residual: bool, unit_gamma: bool = False,
+              readout=None) -> None:
         """Replace one LayerNorm by an RMSNorm, followed by its β Add where the plan kept one.
 
         The norm's inputs are read from its slots: the plan's constant edits and recenters
         rewired them; shapes are those of the tensors as matched (edits keep shapes). `unit_gamma`:
-        the plan moved γ into the readers' weights (passes/gamma.py): the RMSNorm's weight is ones."""
+        the plan moved γ into the readers' weights (passes/gamma.py): the RMSNorm's weight is ones.
+        `readout` (kind, dim, seed, γ): a rotated stream's norm whose output is un-rotated by a
+        constant MatMul, `· Qᵀ·diag γ` (passes/rotate.readout_matrix), before its β."""
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
         dtype = dtype_of(m.x, m.gamma, m.nodes)
@@ -178,9 +183,16 @@ class Emitter:
             raise ValueError(f"{m.name}: γ moved into the readers but the feature size is unknown")
         gamma = (self.const(f"{m.name}/lnfold_unit_gamma", np.ones([width], dtype)) if unit_gamma
                  else self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma"))
+        unrotate = None
+        if readout is not None:
+            kind, dim, seed, _ = readout
+            g = const_values(m.gamma) if m.gamma is not None else None
+            unrotate = self.const(f"{m.name}/lnfold_unrotate", readout_matrix(kind, dim, seed, g).astype(dtype))
         x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)
+        if unrotate is not None:
+            final, normed = normed, self.var(f"{m.name}/lnfold_rotated", m.output.dtype)
         last = m.axis == rank - 1
         if skip is not None:
             self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, m.epsilon, m.name, rank, fuse_residual)
@@ -192,6 +204,9 @@ class Emitter:
             self._norm_op(x, gamma, normed, m.epsilon)
         else:
             self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
+        if unrotate is not None:
+            self.node("MatMul", [normed, unrotate], [final])
+            normed = final
         if beta is not None:
             self.node("Add", [normed, self._in_stream_dtype(beta, dtype, m.name, "beta")], [m.output])
 

@@ -27,6 +27,7 @@ class GammaFold:
     gamma: Optional[str]
     readers: list[LinearReader] = field(default_factory=list)
     why: str = ""
+    by_readers: bool = False  # kept because of what reads the norm (a graph output, a non-linear reader)
 
     @property
     def moved(self) -> bool:
@@ -65,6 +66,7 @@ def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Opti
         out.why = "its feature size is not known (a unit weight needs it)"
         return out
     readers, why = linear_readers(view, view.nodes[norm].outputs[0], spec.axis, through_layout=True)
+    out.by_readers = why is not None
     if why is None and spec.beta is not None and (beta is None or beta.emits_add):
         why = ("β stays with the norm (" + (beta.why if beta is not None else "the target folds no β")
                + "), and a β Add after a unit-γ norm would be scaled by γ in the readers")

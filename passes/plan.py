@@ -61,7 +61,14 @@ class Plan:
     @property
     def unit_gamma(self) -> frozenset:
         """The folded norms whose γ moved into their readers: emitted with unit weight."""
-        return frozenset(n for n, g in self.gammas.items() if g.moved)
+        return frozenset([n for n, g in self.gammas.items() if g.moved] + list(self.readouts))
+
+    @property
+    def readouts(self) -> dict:
+        """Norm -> (kind, dim, seed, γ) of the rotated streams' norms that un-rotate their output
+        (passes/rotate.readout_matrix): emitted with unit weight, then `· Qᵀ·diag γ`."""
+        return {n: (r.kind, r.dim, r.seed, self.gammas[n].gamma)
+                for r in self.rotations if r.rotated for n in r.readouts}
 
     @property
     def rotated_norms(self) -> frozenset:
@@ -372,6 +379,8 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
             rot.writers, rot.readers = [], []
         plan.rotations.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
+        for n in rot.readouts:
+            verdicts[n].gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for ref, op in rot.readers:
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 from . import orthogonal
 from .analysis import Component
 from .edits import Rotate
@@ -44,6 +46,10 @@ class StreamRotation:
     why: str = ""
     writers: list[tuple[ConstRef, Rotate]] = field(default_factory=list)  # output side
     readers: list[tuple[ConstRef, Rotate]] = field(default_factory=list)  # input side
+    # norms whose γ stayed because of what reads them (a graph output, a non-linear reader): emitted
+    # with unit weight followed by a constant `· Qᵀ·diag γ` (`readout_matrix`), which un-rotates
+    # their output exactly, at the cost of one d×d MatMul each
+    readouts: list[str] = field(default_factory=list)
 
     @property
     def rotated(self) -> bool:
@@ -57,8 +63,12 @@ class StreamRotation:
     def describe(self) -> str:
         if not self.rotated:
             return f"not rotated: {self.why}"
-        return (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
+        text = (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
                 f"constant(s), {len(self.readers)} reader weight(s)")
+        if self.readouts:
+            text += (f"; un-rotated after {', '.join(f'`{n}`' for n in self.readouts)} by a constant "
+                     f"{self.dim}×{self.dim} MatMul (Qᵀ·diag γ: exact, one GEMM more)")
+        return text
 
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: str, seed: int,
@@ -81,7 +91,25 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: str, seed: int
     for n in comp.norms:
         for r in gammas[n].readers:
             out.readers.append((r.weight, Rotate(r.weight.axis, out.kind, d, seed)))
+    out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
     return out
+
+
+def _readout(view: View, g: GammaFold) -> bool:
+    """The norm keeps γ because of its readers, γ is a constant (or absent) and the features are
+    its output's last axis (a MatMul's): it can un-rotate its output."""
+    node = view.nodes[g.norm]
+    rank = view.values[node.outputs[0]].rank
+    return (not g.moved and g.by_readers and rank is not None and node.norm.axis == rank - 1
+            and (g.gamma is None or view.values[g.gamma].is_const))
+
+
+def readout_matrix(kind: str, dim: int, seed: int, gamma) -> np.ndarray:
+    """`Qᵀ·diag γ` (float64): a unit-weight RMSNorm of the rotated stream times it is the original
+    norm's `γ ⊙ RMSNorm(x)` (its β, if any, is added after, as before)."""
+    q = orthogonal.matrix(kind, dim, seed)
+    g = np.ones(dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
+    return q.T * g[None, :]
 
 
 def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optional[str]:
@@ -91,8 +119,11 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
         return f"{comp.opaque[0].what} starts the stream (recentered: no constant writer to rotate)"
     for n in comp.norms:
         g = gammas.get(n)
-        if g is None or not g.moved:
-            return f"the γ of {view.nodes[n].describe()} stays in the norm ({g.why if g else 'not asked'})"
+        if g is None or (not g.moved and not _readout(view, g)):
+            why = g.why if g else "not asked"
+            hint = ("; a model's hidden states as its output: fold it with the head that reads them"
+                    if "is a graph output" in why else "")
+            return f"the γ of {view.nodes[n].describe()} stays in the norm ({why}){hint}"
     norms = set(comp.norms)
     for value in comp.axes:
         v = view.values[value]

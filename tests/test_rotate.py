@@ -140,11 +140,15 @@ def _blank_onnx():
 
 
 BLOCKS = {  # planted blocker -> words its reason must contain
+    "softmax": "neither one of its norms nor transparent",
+    "opaque": "starts the stream",
+}
+# a norm whose readers cannot take γ and Qᵀ (a graph output, a non-linear reader, a conv over the
+# tokens): the stream rotates all the same, that norm un-rotating its output by a constant MatMul
+UNROTATED = {
     "final_output": "is a graph output",
     "nonlinear_reader": "is not a linear layer",
     "conv_reader": "is not a linear layer",
-    "softmax": "neither one of its norms nor transparent",
-    "opaque": "starts the stream",
 }
 
 
@@ -201,13 +205,27 @@ def test_each_blocking_reason_keeps_the_stream_unrotated_and_exact(block):
     assert block == "opaque" or res.criterion == "float64"
 
 
+@pytest.mark.parametrize("block", sorted(UNROTATED))
+def test_a_norm_that_keeps_gamma_unrotates_its_output_exactly(block):
+    m, args = _toy(block)
+    res = lnfold.fold_module(m, args, rotate="hadamard")
+    (stream,) = res.report.streams
+    assert stream.rotation.startswith("rotated (hadamard") and "un-rotated after `layer_norm_2`" in stream.rotation
+    assert UNROTATED[block] in res.report.norms[-1].gamma
+    assert res.criterion == "float64"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("block", ["final_output", "softmax", "opaque"])
 def test_blocking_reasons_are_the_same_in_onnx(block):
     m, args = _toy(block)
     res = lnfold.fold_onnx(_toy_onnx(block), rotate="hadamard", verify=block != "opaque")
     (stream,) = res.report.streams
-    assert stream.rotation.startswith("not rotated: ") and BLOCKS[block] in stream.rotation, stream.rotation
+    if block in UNROTATED:
+        assert stream.rotation.startswith("rotated (hadamard") and "un-rotated after" in stream.rotation
+        assert res.criterion == "float64"
+    else:
+        assert stream.rotation.startswith("not rotated: ") and BLOCKS[block] in stream.rotation, stream.rotation
 
 
 def _one_reader_unrotated(real):
@@ -275,17 +293,21 @@ def _with_head(name: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, rotated", [("gpt2", [True]), ("opt", [True]), ("vit", [True]),
-                                           ("whisper", [False, True])])
+                                           ("whisper", [False, True]), ("bare_vit", [True])])
 def test_zoo_rotation_is_exact_in_both_frontends(name, rotated):
     """Whisper: its encoder stream starts at GELU(conv) (recentered: not rotatable), its decoder's
     rotates on its own (each stream is independent)."""
     if name == "gpt2":
         m, args = zoo.gpt2()
         names = ["input_ids"]
+    elif name == "bare_vit":  # last_hidden_state out: the final norm un-rotates its output
+        m, args = zoo.vit()
+        names = ["pixel_values"]
     else:
         m, args, names = _with_head(name)
     t = lnfold.fold_module(m, args, rotate="hadamard")
     assert [s.rotation.startswith("rotated") for s in t.report.streams] == rotated, _rotations(t.report)
+    assert ("un-rotated after" in t.report.streams[-1].rotation) == (name == "bare_vit")
     assert t.criterion == "float64"
     if name == "whisper":  # the ONNX export of the seq2seq model costs more than the rest of the file
         return
@@ -318,3 +340,17 @@ def test_rotation_keeps_the_trained_models_metric(name):
         assert after.count == before.count and abs(after.loss - before.loss) <= 1e-5 * before.loss, (before, after)
         if name == "vit_digits":
             assert after.value == before.value
+
+
+@pytest.mark.slow
+def test_per_head_norm_streams_stay_unrotated_and_the_main_stream_rotates():
+    """StableLM's q/k LayerNorms (one per head) are components of their own, centered in blocks:
+    not rotated, with the reason; the residual stream rotates, its q/k projections' weights edited
+    on both sides (γ and Qᵀ on the input axis, the per-head centering on the output axis)."""
+    m, args = zoo.stablelm_qk()
+    res = lnfold.fold_module(m, args, rotate="hadamard")
+    rotations = [s.rotation for s in res.report.streams]
+    assert rotations[0].startswith("rotated (hadamard, d=64")
+    assert rotations[1:] and all(r == "not rotated: its norms normalize blocks of the features (per-head norms)"
+                                 for r in rotations[1:])
+    assert res.criterion == "float64"
