@@ -185,3 +185,12 @@ def test_keep_ln_rotations_are_fold_modules():
     module, args = _opt()
     with pytest.raises(lnfold.LnfoldError, match="keeps the LayerNorms"):
         lnfold.fold_to_rmsnorm(module, args, rotate="hadamard-keep-ln")
+
+
+@pytest.mark.slow
+def test_a_stream_that_would_need_an_unrotating_matmul_stays_unrotated():
+    module, args = zoo.vit()  # the final norm keeps γ (its output is the model's): fold_module un-rotates it
+    result = lnfold.fold_to_rmsnorm(module, args, rotate="hadamard")  # an nn.RMSNorm cannot: not rotated
+    (stream,) = [s.rotation for s in result.report.streams]
+    assert stream.startswith("not rotated") and "un-rotated by a constant MatMul" in stream
+    assert result.criterion == "float64" and len(result.handoff.rmsnorm) == 4
