@@ -125,7 +125,7 @@ class HandoffFrontend(ExportFrontend):
 
     def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
         base = super().request()
-        target = replace(base.target, name=HANDOFF, compresses=False, new_biases=True, norm_beta=False,
+        target = replace(base.target, name=HANDOFF, compresses=False, new_biases=True, norm_beta=False, readouts=False,
                          swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
         return replace(base, mode="rms", defer="off", target=target,
                        refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
