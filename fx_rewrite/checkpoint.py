@@ -160,11 +160,14 @@ def stored_names(model: torch.nn.Module, ck: Checkpoint) -> dict[str, str]:
     """Model parameter/buffer name -> the checkpoint's name of its tensor: the same name, or
     with/without the base model's prefix (`model.` in older files), or a tied alias's."""
     prefix = getattr(model, "base_model_prefix", "") or ""
+    renamed = {loaded_name(model, k): k for k in ck.where}  # (GPT-NeoX's file says embed_out, the model lm_head)
 
     def find(name: str) -> Optional[str]:
         for cand in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
             if cand in ck.where:
                 return cand
+            if cand in renamed:
+                return renamed[cand]
         return None
 
     out = {n: s for n in model.state_dict() if (s := find(n)) is not None}
@@ -173,6 +176,28 @@ def stored_names(model: torch.nn.Module, ck: Checkpoint) -> dict[str, str]:
         if found is not None:
             out.update({n: found for n in group})
     return out
+
+
+def loaded_name(model: torch.nn.Module, key: str) -> str:
+    """The model's name for checkpoint tensor `key`: transformers renames some on loading (its
+    conversion mapping's `WeightRenaming`s, applied in order; transformers >= 5)."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
+    except ImportError:
+        return key
+    cache = model.__dict__.setdefault("_lnfold_renamings", [])
+    if not cache:
+        for w in get_model_conversion_mapping(model):
+            if isinstance(w, WeightRenaming):
+                for src in w.source_patterns:
+                    cache.append((re.compile(src), w.target_patterns[0]))
+        cache.append((None, None))  # (computed: possibly empty)
+    for pattern, target in cache:
+        if pattern is not None and pattern.search(key):
+            key = pattern.sub(target, key)
+    return key
 
 
 @dataclass

@@ -8,8 +8,10 @@ folded checkpoint in their stored dtype, and both in float64 (every op, fx_rewri
 The gate is the one of every fold (passes/gate.py, DESIGN §4): the folded model's output error
 against the float64 run of the original may not exceed the original's own, times FACTOR, plus
 the dtype's floor. And per folded norm, from the float64 runs: its output is the original's
-(within the rounding of the edited weights to the stored dtype, `gate.rounding_bound`), and its
-input is zero-mean (within the dtype's `MEAN_TOL`): what makes it an RMSNorm.
+(within the dtype's fixed `TOLERANCE`: the edited weights were rounded to the stored dtype), and
+its input is zero-mean (within the dtype's `MEAN_TOL`): what makes it an RMSNorm. In the stock
+class a missed centering does not show at the output (a LayerNorm ignores its input's mean); the
+zero-mean check is what sees it.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class Streamed:
                 continue
             for k in own:
                 mod._parameters[k] = torch.nn.Parameter(holder, requires_grad=False)
+            if self._big_linear(mod, path, run):  # (an lm_head: its rows a block at a time instead)
+                mod.forward = self._blocked_linear(path, mod.bias is not None)
+                continue
             self.hooks.append(mod.register_forward_pre_hook(self._loader(path, own)))
             self.hooks.append(mod.register_forward_hook(self._dropper(own, holder)))
 
@@ -64,20 +69,50 @@ class Streamed:
                     counts[e.dtype] = counts.get(e.dtype, 0) + 1
         return DTYPES[max(counts, key=counts.get)] if counts else torch.float32
 
-    def _load(self, name: str, keep_dtype: bool = False) -> torch.Tensor:
-        """The tensor, read into memory of its own (no mapping of the file outlives the call), in
-        the run's dtype, converted a slice at a time (no second full copy of it)."""
+    def _entry(self, name: str):
         key = self.stored[name]
         file = self.ck.where[key]
-        e = self.ck.shards[file].entries[key]
+        return file, self.ck.shards[file].entries[key]
+
+    def _big_linear(self, mod: torch.nn.Module, path: str, run: torch.dtype) -> bool:
+        if not isinstance(mod, torch.nn.Linear) or f"{path}.weight" not in self.stored:
+            return False
+        _, e = self._entry(f"{path}.weight")
+        return len(e.shape) == 2 and e.shape[0] * e.shape[1] * run.itemsize > SLICE_BYTES
+
+    def _blocked_linear(self, path: str, has_bias: bool):
+        """A linear layer's forward that reads its weight a block of output rows at a time: each
+        output feature is its own row's product, so the blocks' outputs side by side are the
+        layer's, and a float64 run never holds the whole matrix (a 50k-token head: 0.8–29 GB)."""
+        def forward(x):
+            _, e = self._entry(f"{path}.weight")
+            rows, cols = e.shape
+            step = max(1, SLICE_BYTES // (cols * 8))
+            bias = self._load(f"{path}.bias") if has_bias else None
+            outs = [torch.nn.functional.linear(x, self._load(f"{path}.weight", rows=(lo, min(rows, lo + step))),
+                                               None if bias is None else bias[lo:lo + step])
+                    for lo in range(0, rows, step)]
+            return torch.cat(outs, dim=-1)
+        return forward
+
+    def _load(self, name: str, keep_dtype: bool = False, rows: Optional[tuple] = None) -> torch.Tensor:
+        """The tensor (or its rows [lo, hi)), read into memory of its own (no mapping of the file
+        outlives the call), in the run's dtype, converted a slice at a time (no second full copy)."""
+        file, e = self._entry(name)
         stored = DTYPES[e.dtype]
         run = stored if keep_dtype or self.dtype is None or not stored.is_floating_point else self.dtype
+        shape, skip = tuple(e.shape), 0
+        if rows is not None:
+            per_row = 1
+            for s in shape[1:]:
+                per_row *= s
+            shape, skip = (rows[1] - rows[0],) + shape[1:], rows[0] * per_row * stored.itemsize
         with suspended():  # (outside the float64 run's dispatch mode: these are the file's own values)
-            out = torch.empty(e.shape, dtype=run)
+            out = torch.empty(shape, dtype=run)
             flat, size = out.view(-1), stored.itemsize
             step = max(1, SLICE_BYTES // 8)
             with open(self.ck.folder / file, "rb") as f:
-                f.seek(self.ck.shards[file].data_start + e.begin)
+                f.seek(self.ck.shards[file].data_start + e.begin + skip)
                 for lo in range(0, flat.numel(), step):
                     n = min(step, flat.numel() - lo)
                     flat[lo:lo + n] = torch.frombuffer(bytearray(f.read(n * size)), dtype=stored)
@@ -155,7 +190,10 @@ def verify_checkpoint(original: Checkpoint, folded: Checkpoint, plan: Checkpoint
 def _norm_failure(orig64, fold64, norms: list[str], dtype: str) -> str:
     """Why a folded norm is not what the fold promises (empty: each is), from the float64 runs:
     its output is the original's, and its input is zero-mean."""
-    bound = gate.rounding_bound(dtype, None)
+    # (float64 runs of two models whose edited weights differ by their rounding to the stored dtype:
+    # gate.rounding_bound's floor is too tight for a 2048-wide fp16 model, 5e-3 measured on
+    # Pythia-1B; without a measured sensitivity the gate's fixed tolerance of the dtype bounds it)
+    bound = gate.TOLERANCE.get(dtype, 1e-4)
     for n in norms:
         a, b = orig64[2][n].numpy(), fold64[2][n].numpy()
         d = max_rel_err(a, b)

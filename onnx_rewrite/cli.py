@@ -61,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fold", help="fold an ONNX model and write the result")
     f.add_argument("input", help="the ONNX model to fold (external data beside it is read too), or an exporter's "
-                                 "folder (Optimum's encoder/decoder files: each ONNX file folded, the rest copied)")
+                                 "folder (Optimum's encoder/decoder files: each ONNX file folded, the rest copied), or a "
+                                 "transformers checkpoint folder (config.json + safetensors shards: folded shard by "
+                                 "shard, for the stock class; needs torch)")
     f.add_argument("-o", "--output",
                    help="where to write the folded model (default: X.folded.onnx beside X.onnx; for a folder "
                         "DIR, DIR.folded); a model with external data comes back with its data file")

@@ -142,6 +142,29 @@ def test_a_wrong_edit_is_refused_by_the_logits(fp32, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_gpt_neox_whose_file_names_differ_from_the_model(tmp_path, monkeypatch):
+    """Pythia's file says `embed_out`, transformers' model `lm_head` (its conversion mapping):
+    parallel residual, rotary positions, an untied head; fp16. Verification reads in slices of 4 kB
+    here, so that the head runs a block of rows at a time as a 50k-token head does."""
+    from lnfold.fx_rewrite import checkpoint_verify
+
+    monkeypatch.setattr(checkpoint_verify, "SLICE_BYTES", 4096)
+    cfg = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, rotary_pct=0.25, max_position_embeddings=64,
+                                     use_parallel_residual=True, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    adversarial(transformers.GPTNeoXForCausalLM(cfg)).half().save_pretrained(tmp_path / "in", max_shard_size="100KB")
+    res = lnfold.fold_checkpoint(tmp_path / "in", tmp_path / "out")
+    assert res.report.folded == 5 and res.criterion == "float64" and not res.report.notes
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        original = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "in").eval()
+        exact = original.double()(ids).logits
+        a = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "in").eval()(ids).logits
+        b = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits
+    assert gate.judge([gate.Output("logits", "float16", a.numpy(), b.numpy(), exact.numpy())]).ok
+
+
 def _copy(src: Path, dst: Path) -> Path:
     import shutil
 

@@ -114,6 +114,7 @@ ONNX_BLOCK = 'lnfold.load_onnx("model.onnx")'
 TORCH_BLOCK = "lnfold.fold_module(model, args)"
 TRAINING_BLOCK = "lnfold.fold_for_training(model, args)"
 HANDOFF_BLOCK = "lnfold.fold_to_rmsnorm(model, args"
+CHECKPOINT_BLOCK = 'lnfold.fold_checkpoint("opt-1.3b/"'
 
 
 def _block(phrase: str) -> str:
@@ -123,7 +124,7 @@ def _block(phrase: str) -> str:
 
 def test_every_python_block_has_a_test():
     for block in _blocks("python"):
-        assert sum(p in block for p in (ONNX_BLOCK, TORCH_BLOCK, TRAINING_BLOCK, HANDOFF_BLOCK)) == 1, block
+        assert sum(p in block for p in (ONNX_BLOCK, TORCH_BLOCK, TRAINING_BLOCK, HANDOFF_BLOCK, CHECKPOINT_BLOCK)) == 1, block
 
 
 def _run(script: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -200,3 +201,20 @@ def test_readme_handoff_example_runs(tmp_path):
     run = _run(_block(HANDOFF_BLOCK) + "\nprint('handed off')", tmp_path)
     assert run.returncode == 0, run.stderr
     assert "torch.nn.RMSNorm modules" in run.stdout and "handed off" in run.stdout
+
+
+def test_readme_checkpoint_example_runs(tmp_path):
+    """Issue 25's block, on a tiny sharded OPT saved under the name the README uses."""
+    import torch
+    import transformers
+
+    from lnfold.zoo import adversarial
+
+    cfg = transformers.OPTConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
+                                 max_position_embeddings=32, word_embed_proj_dim=32)
+    torch.manual_seed(0)
+    adversarial(transformers.OPTForCausalLM(cfg)).save_pretrained(tmp_path / "opt-1.3b", max_shard_size="20KB")
+    r = _run(_block(CHECKPOINT_BLOCK) + "\nassert result.report.folded == 5 and result.criterion == 'float64'\n",
+             tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "opt-1.3b.folded" / "model.safetensors.index.json").is_file()
