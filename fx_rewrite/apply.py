@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..passes import LnfoldError, Plan, View, compute_constants
+from ..passes import Plan, View, compute_constants
 from ..passes.options import check_choice
 from ..passes.edits import ConstEdit, apply_ops
 from ..passes.rotate import readout_matrix
@@ -234,15 +234,18 @@ class Applier:
         rotated and no longer zero-mean (an RMSNorm, never a LayerNorm, whatever `self.norm`);
         `readout`: its unit-weight output is multiplied by this constant (Qᵀ·diag γ) before β."""
         decomposed = self.info.decomposed.get(node.name)
-        if decomposed is not None and readout is not None and decomposed.gamma is None:
-            raise LnfoldError(f"{node.name}: un-rotating a written-out norm without γ is not supported; "
-                              "fold without rotate=")
         if decomposed is not None:  # an RMSNorm once its mean subtraction goes
             drop_mean(self.graph, node, decomposed.centered, self.nodes)
-            if decomposed.beta is not None and not beta_add:  # its last op adds β, after γ
-                add, scale = (self.nodes[n] for n in decomposed.nodes[-1:-3:-1])
-                add.replace_all_uses_with(scale)
+            # its last op adds β (after γ, where it has one); `normed` is what that Add reads
+            normed = self.nodes[decomposed.nodes[-2 if decomposed.beta is not None else -1]]
+            if decomposed.beta is not None and not beta_add:
+                add = self.nodes[decomposed.nodes[-1]]
+                add.replace_all_uses_with(normed)
                 self.graph.erase_node(add)
+            if readout is not None and decomposed.gamma is None:  # un-rotate the unit-weight output: · Qᵀ
+                with self.graph.inserting_after(normed):
+                    mm = self.graph.call_function(torch.ops.aten.matmul.default, (normed, readout))
+                normed.replace_all_uses_with(mm, delete_user_cb=lambda user: user is not mm)
             if unit_gamma and decomposed.gamma is not None:  # its γ Mul reads through
                 mul = next(self.nodes[n] for n in decomposed.nodes
                            if decomposed.gamma in self.view.nodes[n].inputs and n in self.nodes)

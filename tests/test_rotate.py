@@ -356,3 +356,35 @@ def test_per_head_norm_streams_stay_unrotated_and_the_main_stream_rotates():
     assert rotations[1:] and all(r == "not rotated: its norms normalize blocks of the features (per-head norms)"
                                  for r in rotations[1:])
     assert res.criterion == "float64"
+
+
+class _WrittenOutFinalNorm(nn.Module):
+    """A stream whose last norm is written out by hand, with no γ or β, and is the model's output
+    (DeBERTa's embedding norm, hand-written modules): the rotated stream is un-rotated after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.emb = nn.Embedding(11, 8)
+        self.proj = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(11, 8, generator=g) + 4.0)
+            self.proj.bias.copy_(torch.randn(8, generator=g) + 3.0)
+            self.ln.weight.copy_(torch.rand(8, generator=g) + 0.5)
+            self.ln.bias.copy_(torch.randn(8, generator=g))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.proj(torch.relu(self.ln(h)))
+        mu = h.mean(-1, keepdim=True)
+        return (h - mu) / torch.sqrt(((h - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
+
+
+def test_written_out_norm_without_gamma_is_unrotated_in_torch():
+    m, args = _WrittenOutFinalNorm().eval(), (torch.randint(0, 11, (2, 5)),)
+    res = lnfold.fold_module(m, args, rotate="hadamard")
+    assert res.criterion == "float64" and res.report.folded == 2
+    (stream,) = res.report.streams
+    assert stream.rotation.startswith("rotated") and "un-rotated after" in stream.rotation, stream.rotation
+    torch.testing.assert_close(res.module(*args), m(*args), rtol=1e-4, atol=1e-4)
