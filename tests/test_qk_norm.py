@@ -52,7 +52,7 @@ def test_qk_norms_fold_on_both_frontends_exactly():
 
 def _whole_axis_center(center):
     """The planted bug: center the whole row range, not each head's block."""
-    return lambda a, axis, block=None, lo=0, hi=None: center(a, axis)
+    return lambda a, axis, block=None, lo=0, hi=None, stride=None: center(a, axis)
 
 
 def _skip_first_head(center):
