@@ -17,6 +17,12 @@ from tests.fuzz import gen, properties, truth
 G = torch.Generator().manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def inputs_independent_of_test_order():
+    """Each test draws its inputs from G seeded afresh, whatever ran before it (pytest -n 2)."""
+    G.manual_seed(0)
+
+
 def _rand(*shape):
     return torch.randn(*shape, generator=G)
 
