@@ -30,6 +30,7 @@ import torch
 
 from ..passes import LnfoldError, NothingToFold, make_plan
 from ..passes.analysis import Component
+from ..passes.depth import SHALLOW, Blocks, NotExtensible
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.report import Report
@@ -206,16 +207,84 @@ class CheckpointPlan:
     in_place: dict  # checkpoint tensor name -> ops
     new: list  # TensorJob: tensors the output gains (an untied table's second half)
     untied: list  # the tied groups broken
-    norms: dict  # folded norm (its module path) -> ...
+    norms: list  # the folded norms' module paths
     stored: dict  # model name -> checkpoint name
-    edits: int = 0
+    traced: str = ""  # how much of the model the analysis exported ("every block", or a shallow copy's)
 
 
 def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
-    """The fold of `ck` as edits of its tensors, from its structure alone (no weight is read)."""
+    """The fold of `ck` as edits of its tensors, from its structure alone (no weight is read).
+
+    A deep stack of like blocks is planned on a copy with passes/depth.py's SHALLOW blocks and the
+    plan extended by name to the full depth, where the blocks allow it (`repeated_blocks`);
+    otherwise, or where the shallow plan cannot stand for the deep one, the whole model."""
+    model = skeleton(ck.config)
+    path = repeated_blocks(model, ck.config)
+    if path is not None:
+        shallow = skeleton(with_depth(ck.config, SHALLOW))
+        if same_blocks(model, shallow, path):
+            blocks = Blocks(path, len(model.get_submodule(path)))
+            plan = _plan_of(shallow, ck, mode)
+            try:
+                return CheckpointPlan(
+                    blocks.extend_report(plan.report), blocks.extend_dict(plan.in_place), blocks.extend(plan.new),
+                    blocks.extend(plan.untied), blocks.extend(plan.norms), stored_names(model, ck),
+                    traced=f"{SHALLOW} of {blocks.depth} blocks ({path}.1 … {blocks.depth - 2} planned as {path}.1)")
+            except NotExtensible:
+                pass
+    return _plan_of(model, ck, mode)
+
+
+def repeated_blocks(model: torch.nn.Module, config) -> Optional[str]:
+    """The path of the model's one ModuleList of `config.num_hidden_layers` blocks, where a copy of
+    the model with SHALLOW of them can be planned instead: more blocks than that, and no list in
+    the config as long as the stack (a per-block setting: sliding-window or MoE layer lists)."""
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth <= SHALLOW + 1:
+        return None
+    stacks = [p for p, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == depth]
+    if len(stacks) != 1 or _per_block_setting(config.to_dict(), depth):
+        return None
+    return stacks[0]
+
+
+def _per_block_setting(d, depth: int) -> bool:
+    if isinstance(d, dict):
+        return any(_per_block_setting(v, depth) for v in d.values())
+    return isinstance(d, (list, tuple)) and len(d) in (depth, depth + 1)
+
+
+def with_depth(config, depth: int):
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = depth
+    return config
+
+
+def same_blocks(model: torch.nn.Module, shallow: torch.nn.Module, path: str) -> bool:
+    """The shallow copy is the model with fewer like blocks: its first, middle and last blocks
+    have the full model's modules and parameter shapes, every middle block of the full model is
+    like the first middle one, and nothing outside the blocks differs."""
+    full, short = model.get_submodule(path), shallow.get_submodule(path)
+    sig = [_signature(b) for b in full]
+    if len(short) != SHALLOW or len(set(sig[1:-1])) != 1:
+        return False
+    want = [sig[0], sig[1], sig[1], sig[-1]]
+    if [_signature(b) for b in short] != want:
+        return False
+    outside = lambda m: {(n, tuple(t.shape)) for n, t in m.state_dict(keep_vars=True).items()  # noqa: E731
+                         if not n.startswith(path + ".")}
+    return outside(model) == outside(shallow)
+
+
+def _signature(block: torch.nn.Module) -> tuple:
+    params = tuple((n, tuple(t.shape), t.dtype) for n, t in block.state_dict(keep_vars=True).items())
+    return params + tuple(f"{n}:{type(m).__name__}" for n, m in block.named_modules())
+
+
+def _plan_of(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPlan:
+    """The plan of `model` (the checkpoint's model or a shallow copy of it), traced whole."""
     from .api import ExportFrontend
 
-    model = skeleton(ck.config)
     stored = stored_names(model, ck)
     wrapper = FirstOutput(model)
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
@@ -243,9 +312,13 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     if plan.recenters or plan.new_biases or any(cc.compressed for cc in plan.compressions) or plan.deferral.deferred:
         raise LnfoldError("internal: the plan asks for ops a checkpoint cannot hold")  # pragma: no cover
     modules = {n.name: _module_path(n) for n in frontend.gm.graph.nodes}
-    report = plan.report.renamed(names)
+    # (the report names graph nodes by the module that made them: the export's node names,
+    # `linear_9`, mean nothing to whoever reads a checkpoint's report)
+    report = plan.report.renamed({**{k: v for k, v in modules.items() if v}, **names})
     for v in report.norms:
         v.name = modules.get(v.name) or v.name
+    for s in report.streams:
+        s.norms = [modules.get(n) or n for n in s.norms]
     if not report.norms:
         raise NothingToFold(f"{ck.folder}: no LayerNorm found in {type(model).__name__}: nothing to fold")
     if plan.empty:
@@ -258,8 +331,8 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     sources = {a: stored[n] for a, n in names.items() if n in stored}
     in_place = {k: _named_ops(ops, sources) for k, ops in in_place.items()}
     new = [TensorJob(t.name, t.source, _named_ops(t.ops, sources)) for t in new]
-    folded = {modules.get(s, s): s for s in plan.swaps}
-    return CheckpointPlan(report, in_place, new, untied, folded, stored, len(plan.const_edits))
+    folded = [modules.get(s, s) for s in plan.swaps]
+    return CheckpointPlan(report, in_place, new, untied, folded, stored, traced="every block")
 
 
 def _edits_by_name(plan, names: dict, groups: list[list[str]], nodes: dict) -> dict[str, tuple]:
