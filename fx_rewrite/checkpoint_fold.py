@@ -31,6 +31,7 @@ from ..passes.shards import ShardJob, chunk_axis, shard_work
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
     skeleton, tied_groups
 from .checkpoint_verify import verify_checkpoint
+from .edits import rounded
 from .safetensors_io import ShardWriter, edited_pieces, itemsize, read_header, tensor_bytes
 
 SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by rows
@@ -96,24 +97,6 @@ def _editor(ops: tuple, source: Callable, dtype: torch.dtype) -> Callable[[torch
         return rounded(np.ascontiguousarray(a, dtype=np.float64), dtype)
 
     return edit
-
-
-def rounded(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """Float64 `a` rounded once to `dtype` (to nearest, ties to even). torch's own float64 ->
-    float16/bfloat16 conversion goes through float32 and so rounds twice: one entry in ~50,000 of
-    a centered fp16 weight lands one unit off. numpy rounds float64 -> float16 directly; for
-    bfloat16, rounding to float32 *to odd* first keeps the second rounding exact (24 >= 8 + 2 bits)."""
-    if dtype in (torch.float16, torch.float32, torch.float64):
-        return torch.from_numpy(a.astype(torch.empty((), dtype=dtype).numpy().dtype))
-    if dtype != torch.bfloat16:
-        return torch.from_numpy(a).to(dtype)
-    f = a.astype(np.float32)
-    inexact = f.astype(np.float64) != a
-    bits = f.view(np.uint32)
-    even = (bits & 1) == 0
-    fix = inexact & even  # move to the odd neighbour on a's side
-    f[fix] = np.nextafter(f[fix], np.where(a[fix] > f[fix], np.inf, -np.inf).astype(np.float32))
-    return torch.from_numpy(f).to(torch.bfloat16)
 
 
 def _nbytes(code: str, shape: tuple) -> int:
