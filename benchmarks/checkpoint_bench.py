@@ -2,16 +2,17 @@
 "Checkpoints (issue 25)").
 
     python -m benchmarks.checkpoint_bench [--models opt-1.3b:float32,opt-1.3b:float16,pythia-1b:float16]
-                                          [--root /tmp/i25/bench] [--keep]
+                                          [--root /tmp/i25/bench] [--keep] [--jobs 2]
 
 For each model: a random checkpoint with adversarial weights (lnfold.zoo: large stream means,
 randomized γ/β) saved by `save_pretrained(max_shard_size="300MB")`; then, each in a fresh
 process whose peak RSS (getrusage) and import baseline (RSS after importing lnfold's torch
 frontend, transformers and accelerate) are recorded:
-  cp      `cp -r` of the folder (the floor: reading and writing the bytes), 3 runs, median
-  fold    lnfold.fold_checkpoint(verify=False)
-  fold+v  lnfold.fold_checkpoint(verify=True)
-  whole   from_pretrained + fold_module(verify=False) + save_pretrained (the model in memory)
+  cp      `cp -r` of the folder + `sync` (the floor: reading and writing the bytes), 3 runs, median
+  fold    lnfold.fold_checkpoint(verify=False, jobs=--jobs) + `sync`
+  fold+v  lnfold.fold_checkpoint(verify=True, jobs=--jobs) + `sync`
+  whole   from_pretrained + fold_module(verify=False) + save_pretrained (the model in memory) + `sync`
+Every time ends with the bytes on disk (the fold fsyncs its output before renaming it into place).
 The folders are deleted at the end (unless --keep). The numbers are printed as one JSON line per
 model and a markdown table.
 """
@@ -39,7 +40,7 @@ CONFIGS = {
 }
 
 PROLOGUE = """
-import json, resource, sys, time, psutil
+import json, os, resource, sys, time, psutil
 import torch, transformers, accelerate, lnfold, lnfold.fx_rewrite
 base = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
@@ -50,7 +51,8 @@ peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"wall": wall, "base": base, "peak": peak, **extra}))
 """
 FOLD = """
-r = lnfold.fold_checkpoint(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "1")
+r = lnfold.fold_checkpoint(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "1", jobs=int(sys.argv[4]))
+os.sync()
 extra = {"timings": r.timings, "exact_err": r.exact_err, "original_exact_err": r.original_exact_err,
          "folded": r.report.folded, "kept": r.report.kept}
 """
@@ -59,6 +61,7 @@ from lnfold.fx_rewrite.checkpoint import FirstOutput
 m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="eager").eval()
 res = lnfold.fold_module(FirstOutput(m), (torch.zeros(1, 8, dtype=torch.long),), verify=False)
 m.save_pretrained(sys.argv[2], max_shard_size="300MB")
+os.sync()
 extra = {"folded": res.report.folded}
 """
 
@@ -91,7 +94,7 @@ def cp(src: Path, dst: Path) -> float:
     return t
 
 
-def measure(name: str, dtype: str, root: Path) -> dict:
+def measure(name: str, dtype: str, root: Path, jobs: int) -> dict:
     src = root / f"{name}-{dtype}"
     if not src.exists():
         build(name, dtype, src)
@@ -102,7 +105,7 @@ def measure(name: str, dtype: str, root: Path) -> dict:
     row["cp"] = statistics.median(cp(src, root / "cp") for _ in range(3))
     for key, verify in (("fold", "0"), ("fold_verify", "1")):
         out = root / "out"
-        row[key] = run(FOLD, src, out, verify)
+        row[key] = run(FOLD, src, out, verify, jobs)
         shutil.rmtree(out)
     out = root / "whole"
     try:
@@ -137,13 +140,14 @@ def main() -> None:
     ap.add_argument("--models", default="opt-1.3b:float32,opt-1.3b:float16,pythia-1b:float16")
     ap.add_argument("--root", default="/tmp/i25/bench")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--jobs", type=int, default=2, help="fold_checkpoint's shard threads")
     a = ap.parse_args()
     root = Path(a.root)
     root.mkdir(parents=True, exist_ok=True)
     rows = []
     for spec in a.models.split(","):
         name, dtype = spec.split(":")
-        rows.append(measure(name, dtype, root))
+        rows.append(measure(name, dtype, root, a.jobs))
         print(json.dumps(rows[-1]), flush=True)
         if not a.keep:
             shutil.rmtree(root / f"{name}-{dtype}")

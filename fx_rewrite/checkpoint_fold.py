@@ -78,9 +78,9 @@ def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict
                     continue
                 edit = _editor(t.ops, source, x.dtype)
                 writer.put(t.name, edited_pieces(x, chunk_axis(t.ops, x.ndim), edit, SLICE_BYTES), nbytes)
+            writer.close()
         finally:
             writer.f.close()
-        writer.close()
     return sizes
 
 

@@ -132,8 +132,12 @@ class ShardWriter:
             done += len(block)
 
     def close(self) -> None:
+        """Finish the file, on disk: a shard written while the next is edited goes to the disk
+        then, not all at the end (the fold fsyncs its folder before publishing it anyway)."""
         if self.next != len(self.order):  # pragma: no cover
             raise RuntimeError("shard writer: closed before every tensor was written")
+        self.f.flush()
+        os.fsync(self.f.fileno())
         self.f.close()
 
 

@@ -73,11 +73,16 @@ def lnfold_cli(capsys, *args):
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
 
 
-def test_sharded_fp16_checkpoint_folds_loads_and_is_exact(fp16, tmp_path):
+@pytest.fixture(scope="module")
+def fp16_folded(fp16, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ck") / "folded16"
+    return out, lnfold.fold_checkpoint(fp16, out)
+
+
+def test_sharded_fp16_checkpoint_folds_loads_and_is_exact(fp16, fp16_folded):
     assert len(shards(fp16)) >= 3 and "lm_head.weight" not in json.loads(
         (fp16 / "model.safetensors.index.json").read_text())["weight_map"]  # tied: stored once
-    out = tmp_path / "folded"
-    res = lnfold.fold_checkpoint(fp16, out)
+    out, res = fp16_folded
     assert res.report.folded == 7 and res.report.kept == 0 and res.criterion == "float64"
     assert res.exact_err <= gate.FACTOR * res.original_exact_err + gate.FLOOR["float16"]
     assert shards(out) == shards(fp16) and (out / "tokenizer_config.json").is_file()
@@ -109,7 +114,7 @@ def test_fp32_through_the_command_line(fp32, tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert summary["report"]["folded"] == 7 and summary["criterion"] == "float64"
-    assert set(summary["timings"]) == {"analysis", "editing", "verification"}
+    assert set(summary["timings"]) == {"analysis", "editing", "verification", "flush"}
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
     exact = logits(fp32, ids, torch.float64)
     a, b = logits(fp32, ids), logits(out, ids)
@@ -133,13 +138,72 @@ def test_a_skipped_centering_is_refused(fp32, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".lnfold-*"))
 
 
-def test_a_wrong_edit_is_refused_by_the_logits(fp32, tmp_path, monkeypatch):
+def test_a_wrong_edit_is_refused_at_the_first_norm_it_breaks(fp32, tmp_path, monkeypatch):
     real = weights_mod.center
     monkeypatch.setattr(weights_mod, "center", lambda a, axis, *rest: real(a, 1 - axis if axis in (0, 1) and a.ndim == 2
                                                                           else axis, *rest))
-    with pytest.raises(VerificationError, match="away from a float64 run"):
+    with pytest.raises(VerificationError, match="output of folded norm model.decoder.layers.0.self_attn_layer_norm "
+                                                r"\(float32\) is .* away from a float64 run"):
         lnfold.fold_checkpoint(fp32, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tensor,change,message", [
+    # one norm's γ off by 5%: its own output is refused, by name (not the first norm's, not the logits')
+    ("model.decoder.layers.1.final_layer_norm.weight", lambda w: w * 1.05,
+     r"output of folded norm model.decoder.layers.1.final_layer_norm \(float16\) is .* away from a float64 run"),
+    # a constant on the stream (≈ its RMS): no output shows it, a LayerNorm ignores its input's mean;
+    # the next norm's input is no longer zero-mean within fp16's MEAN_TOL (the correct fold: ~2e-4)
+    ("model.decoder.layers.0.fc2.bias", lambda b: b + 0.3,
+     "folded norm model.decoder.layers.1.self_attn_layer_norm: its input has mean .* not an RMSNorm there"),
+], ids=["a norm's gamma", "a stream's mean"])
+def test_verification_names_the_folded_norm_at_fault(fp16, fp16_folded, tmp_path, tensor, change, message):
+    """The folded fp16 checkpoint (which passed verification as folded) altered in one tensor of
+    its files."""
+    from safetensors.torch import load_file, save_file
+
+    from lnfold.fx_rewrite.checkpoint import plan_checkpoint, read_checkpoint
+    from lnfold.fx_rewrite.checkpoint_verify import verify_checkpoint
+
+    bad = _copy(fp16_folded[0], tmp_path / "bad")
+    shard = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][tensor]
+    tensors = load_file(shard)
+    tensors[tensor] = change(tensors[tensor])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    original = read_checkpoint(fp16)
+    plan = plan_checkpoint(original)
+    with pytest.raises(VerificationError, match=message):
+        verify_checkpoint(original, read_checkpoint(bad), plan)
+
+
+def test_verification_reuses_only_memory_nothing_refers_to(monkeypatch):
+    """Its pool of weight memory (fx_rewrite/checkpoint_verify.py `_Pool`): a module's dropped weight
+    makes room for the next of its size, a tensor still alive keeps its memory, and the pool never
+    holds more than 4 x SLICE_BYTES."""
+    from lnfold.fx_rewrite import checkpoint_verify as cv
+
+    if cv._use_count is None:
+        pytest.skip("this torch has no storage use count: every tensor gets memory of its own")
+    monkeypatch.setattr(cv, "SLICE_BYTES", 1 << 16)  # pooled: 1 kB to 256 kB in all
+    pool = cv._Pool()
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    a = pool.empty((64, 64), torch.float32)  # 16 kB
+    first, row = ptr(a), a[3]
+    del a
+    b = pool.empty((64, 64), torch.float32)
+    assert ptr(b) != first  # a's row is still alive
+    del row
+    c = pool.empty((32, 64), torch.float64)  # the same size: a's memory, now free
+    assert ptr(c) == first and c.dtype == torch.float64 and c.shape == (32, 64)
+    big = [pool.empty((128, 64), torch.float32) for _ in range(8)]  # 32 kB each: room for 7 beside b, c
+    assert sum(e[0] for e in pool.bufs) <= 4 * cv.SLICE_BYTES
+    assert len({ptr(t) for t in big + [b, c]}) == 10  # the last one in memory of its own
+    pooled = {ptr(t) for t in big[:7]}
+    del big
+    assert ptr(pool.empty((128, 64), torch.float32)) in pooled  # one of those freed
+    d = pool.empty((256, 64), torch.float32)  # 64 kB: free ones of other sizes unmapped to make room
+    assert ptr(d) in {ptr(e[1]) for e in pool.bufs} and sum(e[0] for e in pool.bufs) <= 4 * cv.SLICE_BYTES
+    assert ptr(b) in {ptr(e[1]) for e in pool.bufs} and ptr(c) in {ptr(e[1]) for e in pool.bufs}  # alive: kept
 
 
 def test_gpt_neox_whose_file_names_differ_from_the_model(tmp_path, monkeypatch):
