@@ -202,16 +202,18 @@ def destination(src: Path, dst: Optional[Path]) -> Path:
     return dst
 
 
-def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: int = 1,
+def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: Optional[int] = None,
                     progress: Optional[Callable[[str], None]] = None) -> FoldResult:
     """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
 
     The plan comes from config.json alone (meta device); each shard is streamed and edited in
-    float64; with `verify` the output is checked block by block against the original in bounded
+    float64, `jobs` shards at a time (threads; default 2 where there are 2 cores); with `verify` the output is checked block by block against the original in bounded
     memory (fx_rewrite/checkpoint_verify.py, the gate of passes/gate.py) before it is renamed into
     place. Returns a FoldResult with the report, `model` = the output folder, and the timings.
     Raises LnfoldError (one line) for a bad folder, NothingToFold, VerificationError."""
     opts = FoldOptions(mode=mode, verify=verify)
+    if jobs is None:  # (two: one edits while the other waits for the disk)
+        jobs = min(2, os.cpu_count() or 1)
     if not isinstance(jobs, int) or jobs < 1:
         raise LnfoldError(f"jobs must be a positive integer, not {jobs!r}")
     src = Path(src)

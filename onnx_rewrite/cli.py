@@ -95,8 +95,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too")
     f.add_argument("--seed", type=int, default=0, help="the rotation's seed (default 0)")
     f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
-    f.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="a transformers checkpoint folder: fold N shards at a time in worker processes (default 1)")
+    f.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="a transformers checkpoint folder: fold N shards at a time, in threads (default: 2 where "
+                        "the machine has 2 cores; each adds about a shard's largest tensor to the memory)")
     f.add_argument("--json", action="store_true",
                    help="print one JSON object (report, verification, output, timings) instead of the table")
     f.add_argument("--inputs", metavar="FILE.npz",
