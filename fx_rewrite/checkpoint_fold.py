@@ -27,12 +27,13 @@ from ..passes import FoldResult, LnfoldError, pipeline
 from ..passes.edits import NUMPY, Center, apply_ops
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.shards import ShardJob, chunk_axis, shard_work
+from ..passes.shards import ShardJob, chunk_axis, rows_mean_axis, shard_work
+from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
     skeleton, tied_groups
 from .checkpoint_verify import verify_checkpoint
 from .edits import rounded
-from .safetensors_io import ShardWriter, edited_pieces, itemsize, read_header, tensor_bytes
+from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, itemsize, read_header, row_blocks, tensor_bytes
 
 SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by rows
 
@@ -41,28 +42,33 @@ SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by ro
 
 def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict) -> dict:
     """Write one output shard: every tensor of `job`, copied or edited in float64. Returns its
-    new tensor names with their sizes (for the index)."""
-    from safetensors import safe_open
-
+    new tensor names with their sizes (for the index). Tensors are read with pread, not through
+    a memory map: the pages of a mapped file count in the process's resident memory while they
+    are mapped, so that mapping two 400 MB shards alone would take the memory budget."""
     folder_p, header = Path(folder), read_header(Path(folder) / job.file)
-    handles: dict[str, object] = {}
+    headers = {job.file: header}
 
-    def handle(file: str):
-        if file not in handles:
-            handles[file] = stack.enter_context(safe_open(str(folder_p / file), framework="pt"))
-        return handles[file]
+    def rows(name: str) -> Rows:
+        file = where[name]
+        if file not in headers:
+            headers[file] = read_header(folder_p / file)
+        h = headers[file]
+        e = h.entries[name]
+        return Rows(files.enter_context(open(folder_p / file, "rb", buffering=0)), h.data_start + e.begin,
+                    DTYPES[e.dtype], e.shape)
 
     def source(name: str) -> np.ndarray:  # another constant an op reads (small: a LayerScale vector)
-        return handle(where[name]).get_tensor(name).to(torch.float64).numpy()
+        return rows(name)[:].to(torch.float64).numpy()
 
     layout = []
     for t in job.tensors:
-        e = read_header(folder_p / where[t.source]).entries[t.source] if t.source not in header.entries \
-            else header.entries[t.source]
+        if where[t.source] not in headers:
+            headers[where[t.source]] = read_header(folder_p / where[t.source])
+        e = headers[where[t.source]].entries[t.source]
         layout.append((t.name, e.dtype, e.shape))
     sizes = {}
-    with contextlib.ExitStack() as stack:
-        raw = stack.enter_context(open(folder_p / job.file, "rb"))
+    with contextlib.ExitStack() as files:
+        raw = files.enter_context(open(folder_p / job.file, "rb"))
         writer = ShardWriter(Path(out) / job.file, layout, header.metadata or {"format": "pt"})
         try:
             for t, (_, code, shape) in zip(job.tensors, layout):
@@ -72,16 +78,33 @@ def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict
                     e = header.entries[t.source]
                     writer.copy(t.name, raw, header.data_start + e.begin, e.end - e.begin)
                     continue
-                x = handle(where[t.source]).get_tensor(t.source)
-                if not t.ops:
-                    writer.put(t.name, [tensor_bytes(x)], nbytes)
+                x = rows(t.source)
+                if not t.ops:  # (a tensor of another shard: a tied table's copy)
+                    writer.put(t.name, (tensor_bytes(x[lo:hi]) for lo, hi in row_blocks(x.shape, SLICE_BYTES)),
+                               nbytes)
                     continue
-                edit = _editor(t.ops, source, x.dtype)
-                writer.put(t.name, edited_pieces(x, chunk_axis(t.ops, x.ndim), edit, SLICE_BYTES), nbytes)
+                writer.put(t.name, _edited(x, DTYPES[code], t.ops, source), nbytes)
             writer.close()
         finally:
             writer.f.close()
     return sizes
+
+
+def _edited(x, dtype: torch.dtype, ops: tuple, source: Callable):
+    """The bytes of tensor `x`, still in its file, after `ops`, a block of rows at a time where the ops allow, so that
+    memory holds about SLICE_BYTES of float64 per tensor, not the tensor: ops acting on each row
+    alone stream directly; a centering along the rows (an output projection's) first sums its
+    float64 mean over the blocks, then subtracts it block by block; anything else is edited whole."""
+    ndim = len(x.shape)
+    if rows_mean_axis(ops, ndim) and dtype in (torch.float16, torch.float32, torch.float64):
+        total = None
+        for lo, hi in row_blocks(x.shape, SLICE_BYTES):
+            part = x[lo:hi].numpy().sum(axis=0, dtype=np.float64, keepdims=True)
+            total = part if total is None else total + part
+        mean = total / x.shape[0]
+        axis = ops[0].axis
+        return edited_pieces(x, 0, lambda b: torch.from_numpy(center(b.numpy(), axis, mean=mean)), SLICE_BYTES)
+    return edited_pieces(x, chunk_axis(ops, ndim), _editor(ops, source, dtype), SLICE_BYTES)
 
 
 def _editor(ops: tuple, source: Callable, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -147,16 +147,50 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.dtype != torch.bool else memoryview(t.numpy())
 
 
-def edited_pieces(t: torch.Tensor, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget: int):
+def edited_pieces(t, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget: int):
     """`edit` applied to slices of `t` along `axis` (a few of `budget` bytes in float64 each; the
     whole tensor where axis is None), each slice's bytes as soon as it is done: the bytes in file
-    order only when slicing along the first axis, so other axes are first moved there."""
+    order only when slicing along the first axis, so other axes are first moved there. `t`: a
+    tensor, or `Rows` of one still in its file."""
     if axis is None:
-        yield tensor_bytes(edit(t))
+        yield tensor_bytes(edit(t if isinstance(t, torch.Tensor) else t[:]))
         return
     if axis != 0:  # the file holds row-major bytes: slices along axis 0 are contiguous there
         raise ValueError("edited_pieces streams along axis 0 only")
-    per_row = max(1, t[0].numel() * 8)
-    step = max(1, budget // per_row)
-    for lo in range(0, t.shape[0], step):
-        yield tensor_bytes(edit(t[lo:lo + step]))
+    for lo, hi in row_blocks(tuple(t.shape), budget):
+        yield tensor_bytes(edit(t[lo:hi]))
+
+
+def row_blocks(shape: tuple, budget: int) -> list[tuple[int, int]]:
+    """[lo, hi) blocks of the first axis whose float64 copies take about `budget` bytes."""
+    per_row = 8
+    for s in shape[1:]:
+        per_row *= s
+    step = max(1, budget // max(1, per_row))
+    return [(lo, min(shape[0], lo + step)) for lo in range(0, shape[0], step)]
+
+
+class Rows:
+    """A tensor still in its file: its shape, and blocks of its first axis read on demand
+    (`rows[lo:hi]`, `rows[:]` for all of it), so that a big tensor is never in memory whole."""
+
+    def __init__(self, f: BinaryIO, start: int, dtype: torch.dtype, shape: tuple) -> None:
+        self.f, self.start, self.dtype, self.shape = f, start, dtype, tuple(shape)
+        self.row_bytes = torch.empty((), dtype=dtype).element_size()
+        for s in self.shape[1:]:
+            self.row_bytes *= s
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        if not self.shape:
+            out, offset = torch.empty((), dtype=self.dtype), self.start
+        else:
+            lo, hi, _ = rows.indices(self.shape[0])
+            out, offset = torch.empty((max(0, hi - lo),) + self.shape[1:], dtype=self.dtype), self.start + lo * self.row_bytes
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.f.fileno(), [view[done:]], offset + done)
+            if n <= 0:
+                raise LnfoldError(f"{getattr(self.f, 'name', 'input')}: ended early (truncated?)")
+            done += n
+        return out

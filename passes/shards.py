@@ -107,3 +107,11 @@ def chunk_axis(ops: tuple, ndim: int) -> Optional[int]:
         else:  # pragma: no cover - Op is closed
             return None
     return None if 0 in used else 0
+
+
+def rows_mean_axis(ops: tuple, ndim: int) -> bool:
+    """True where `ops` are one plain centering along the first axis (an output projection
+    centered over its output features): its mean can be summed a block of rows at a time, and
+    the tensor then centered and written a block of rows at a time too."""
+    return (ndim >= 2 and len(ops) == 1 and isinstance(ops[0], Center) and ops[0].block is None
+            and ops[0].axis is not None and ops[0].axis % ndim == 0)

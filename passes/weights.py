@@ -11,7 +11,7 @@ def _f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
 
 
-def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None) -> np.ndarray:
+def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None, mean=None) -> np.ndarray:
     """`a` minus its mean along `axis`: the weight-centering of Lemma 3.1.
 
     `axis=None` is a tensor that lacks the feature axis (a scalar, or a table broadcast along the
@@ -19,7 +19,11 @@ def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None) -
     `block` entries along `axis` minus its own mean (the rows of one head for a per-head norm),
     only the runs in entries [lo, hi) (the q rows of a fused q/k/v projection); `stride`: the
     runs start every `stride` entries from `lo` (Persimmon's q rows, every third head_dim).
+    `mean`: the float64 mean along `axis`, where it was computed elsewhere (a tensor centered a
+    block of rows at a time: fx_rewrite/checkpoint_fold.py), for the plain case only.
     """
+    if mean is not None and block is not None:
+        raise ValueError("a given mean centers a whole axis, not blocks of it")
     if axis is None:
         return np.zeros_like(a)
     n = a.shape[axis]
@@ -46,7 +50,9 @@ def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None) -
         out[tuple(part)] = center(runs, axis + 1).reshape(a[tuple(part)].shape)
         return out
     # the mean in float64 without a float64 copy of `a`; the subtraction upcasts element-wise
-    return (a - a.mean(axis=axis, dtype=np.float64, keepdims=True)).astype(a.dtype)
+    if mean is None:
+        mean = a.mean(axis=axis, dtype=np.float64, keepdims=True)
+    return (a - mean).astype(a.dtype)
 
 
 def vector_along(a: np.ndarray, axis: int) -> np.ndarray:

@@ -277,3 +277,31 @@ def test_parallel_shards_write_the_same_bytes(fp32, tmp_path):
     lnfold.fold_checkpoint(fp32, tmp_path / "two", verify=False, jobs=2)
     for name in shards(fp32) + ["model.safetensors.index.json", "config.json"]:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_tensors_edited_a_few_rows_at_a_time_are_the_whole_tensors_edit(fp32, tmp_path, monkeypatch):
+    """With a float64 budget of a few rows, every edited matrix is streamed in blocks: the
+    embedding (centered along each row) and the output projections (centered along their rows:
+    the mean summed over blocks first). The result is the whole-tensor centering of
+    passes/weights.py, to the float64 summation order (within one unit of the last place)."""
+    from safetensors import safe_open
+
+    from lnfold.fx_rewrite import checkpoint_fold
+
+    monkeypatch.setattr(checkpoint_fold, "SLICE_BYTES", 5 * 64 * 8)  # 5 rows of a 64-wide matrix
+    lnfold.fold_checkpoint(fp32, tmp_path / "out")  # (verified)
+    idx = json.loads((fp32 / "model.safetensors.index.json").read_text())["weight_map"]
+    checked = 0
+    for name, file in idx.items():
+        if not (name.endswith("fc2.weight") or name.endswith("out_proj.weight") or name.endswith("embed_tokens.weight")):
+            continue
+        with safe_open(str(fp32 / file), "pt") as f:
+            w = f.get_tensor(name).numpy()
+        with safe_open(str(tmp_path / "out" / file), "pt") as f:
+            got = f.get_tensor(name).numpy()
+        axis = 1 if "embed" in name else 0
+        want = weights_mod.center(w, axis)
+        assert w.shape[0] > 5 and not np.array_equal(got, w), name
+        np.testing.assert_array_max_ulp(got, want, maxulp=1)
+        checked += 1
+    assert checked == 7  # 3 blocks x (out_proj, fc2) + the embedding
