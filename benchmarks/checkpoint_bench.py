@@ -56,6 +56,31 @@ os.sync()
 extra = {"timings": r.timings, "exact_err": r.exact_err, "original_exact_err": r.original_exact_err,
          "folded": r.report.folded, "kept": r.report.kept}
 """
+HELDOUT = """
+# held-out inputs (not verification's): 4 x 64 ids of another seed; original and folded in their
+# dtype and the original in float64, each streamed a module at a time (checkpoint_verify.Streamed)
+from lnfold.fx_rewrite.checkpoint import read_checkpoint
+from lnfold.fx_rewrite.checkpoint_verify import Streamed
+from lnfold.passes.weights import max_rel_err
+orig, folded = read_checkpoint(sys.argv[1]), read_checkpoint(sys.argv[2])
+ids = torch.randint(0, orig.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(1))
+outs = {}
+for key, ck, dt in (("original", orig, None), ("exact", orig, torch.float64), ("folded", folded, None)):
+    m = Streamed(ck, dt)
+    outs[key] = m.run(ids, [])[0].double().numpy()
+    m.close()
+extra = {"heldout_folded_err": max_rel_err(outs["exact"], outs["folded"]),
+         "heldout_original_err": max_rel_err(outs["exact"], outs["original"]),
+         "heldout_argmax_agree": float((outs["folded"].argmax(-1) == outs["original"].argmax(-1)).mean())}
+# and what a user does with it: both loaded by from_pretrained in the stock class, 32 greedy tokens
+gen = []
+for folder in sys.argv[1:3]:
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        gen.append(m.generate(ids[:2, :8], max_new_tokens=32, do_sample=False, pad_token_id=0)[:, 8:].tolist())
+    del m
+extra["generated_same_tokens"] = gen[0] == gen[1]
+"""
 WHOLE = """
 from lnfold.fx_rewrite.checkpoint import FirstOutput
 m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="eager").eval()
@@ -106,6 +131,8 @@ def measure(name: str, dtype: str, root: Path, jobs: int) -> dict:
     for key, verify in (("fold", "0"), ("fold_verify", "1")):
         out = root / "out"
         row[key] = run(FOLD, src, out, verify, jobs)
+        if key == "fold_verify":
+            row["heldout"] = run(HELDOUT, src, out)
         shutil.rmtree(out)
     out = root / "whole"
     try:
