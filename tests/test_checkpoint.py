@@ -305,3 +305,18 @@ def test_tensors_edited_a_few_rows_at_a_time_are_the_whole_tensors_edit(fp32, tm
         np.testing.assert_array_max_ulp(got, want, maxulp=1)
         checked += 1
     assert checked == 7  # 3 blocks x (out_proj, fc2) + the embedding
+
+
+def test_the_loaded_output_hands_off_to_the_rmsnorm_model_quantizers_take(fp32, tmp_path):
+    """What a quantizer's user does next: from_pretrained, then the eager hand-off (issue 22):
+    every LayerNorm becomes a unit-weight torch.nn.RMSNorm, and the logits stay the original's."""
+    lnfold.fold_checkpoint(fp32, tmp_path / "out")
+    model = transformers.OPTForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    lnfold.fold_to_rmsnorm(model, (ids,))  # (verified against float64 itself, else it raises)
+    norms = [m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))]
+    assert len(norms) == 7 and all(isinstance(m, torch.nn.RMSNorm) for m in norms)
+    with torch.no_grad():
+        want = transformers.OPTForCausalLM.from_pretrained(fp32).eval().double()(ids).logits
+        got = model(ids).logits.double()
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
