@@ -2,9 +2,9 @@
 
 fx_rewrite/checkpoint.py reads the folder and makes the plan from its config alone; here each shard
 is written (fx_rewrite/safetensors_io.py): a tensor no edit touches copied byte for byte, an edited
-one read memory-mapped (`safetensors.safe_open`), edited in float64 by the one edit interpreter
-(passes/edits.py `apply_ops`), a block of rows at a time where its ops allow (passes/shards.py),
-and cast back; shards in parallel threads with `jobs > 1`. The new folder is built under
+one read a block of rows at a time where its ops allow (passes/shards.py), edited in float64 by
+the one edit interpreter (passes/edits.py `apply_ops`) and rounded once back to its dtype; shards
+in parallel threads with `jobs > 1`, each fsynced as it is closed. The new folder is built under
 a temporary name beside the output, verified (fx_rewrite/checkpoint_verify.py), and renamed into
 place: a failure leaves nothing behind.
 """
@@ -46,16 +46,17 @@ def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict
     a memory map: the pages of a mapped file count in the process's resident memory while they
     are mapped, so that mapping two 400 MB shards alone would take the memory budget."""
     folder_p, header = Path(folder), read_header(Path(folder) / job.file)
-    headers = {job.file: header}
+    headers, handles = {job.file: header}, {}
 
     def rows(name: str) -> Rows:
         file = where[name]
         if file not in headers:
             headers[file] = read_header(folder_p / file)
+        if file not in handles:
+            handles[file] = files.enter_context(open(folder_p / file, "rb", buffering=0))
         h = headers[file]
         e = h.entries[name]
-        return Rows(files.enter_context(open(folder_p / file, "rb", buffering=0)), h.data_start + e.begin,
-                    DTYPES[e.dtype], e.shape)
+        return Rows(handles[file], h.data_start + e.begin, DTYPES[e.dtype], e.shape)
 
     def source(name: str) -> np.ndarray:  # another constant an op reads (small: a LayerScale vector)
         return rows(name)[:].to(torch.float64).numpy()
@@ -90,21 +91,28 @@ def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict
     return sizes
 
 
-def _edited(x, dtype: torch.dtype, ops: tuple, source: Callable):
-    """The bytes of tensor `x`, still in its file, after `ops`, a block of rows at a time where the ops allow, so that
-    memory holds about SLICE_BYTES of float64 per tensor, not the tensor: ops acting on each row
-    alone stream directly; a centering along the rows (an output projection's) first sums its
-    float64 mean over the blocks, then subtracts it block by block; anything else is edited whole."""
+def _edited(x: Rows, dtype: torch.dtype, ops: tuple, source: Callable):
+    """The bytes of tensor `x` (still in its file) after `ops`, a block of rows at a time where the
+    ops allow, so that memory holds about SLICE_BYTES of float64 per tensor, not the tensor: ops
+    acting on each row alone stream directly; a centering along the rows (an output projection's)
+    first sums its float64 mean over the blocks, then subtracts it block by block; anything else
+    is edited whole."""
     ndim = len(x.shape)
-    if rows_mean_axis(ops, ndim) and dtype in (torch.float16, torch.float32, torch.float64):
-        total = None
-        for lo, hi in row_blocks(x.shape, SLICE_BYTES):
-            part = x[lo:hi].numpy().sum(axis=0, dtype=np.float64, keepdims=True)
-            total = part if total is None else total + part
-        mean = total / x.shape[0]
-        axis = ops[0].axis
-        return edited_pieces(x, 0, lambda b: torch.from_numpy(center(b.numpy(), axis, mean=mean)), SLICE_BYTES)
-    return edited_pieces(x, chunk_axis(ops, ndim), _editor(ops, source, dtype), SLICE_BYTES)
+    if not rows_mean_axis(ops, ndim):
+        return edited_pieces(x, chunk_axis(ops, ndim), _editor(ops, source, dtype), SLICE_BYTES)
+    as_stored = dtype in (torch.float16, torch.float32, torch.float64)  # (numpy's own; bf16 through float64)
+
+    def values(b: torch.Tensor) -> np.ndarray:
+        return b.numpy() if as_stored else b.to(torch.float64).numpy()
+
+    mean = sum(values(x[lo:hi]).sum(axis=0, dtype=np.float64, keepdims=True)
+               for lo, hi in row_blocks(x.shape, SLICE_BYTES)) / x.shape[0]
+
+    def block(b: torch.Tensor) -> torch.Tensor:
+        a = center(values(b), ops[0].axis, mean=mean)
+        return torch.from_numpy(a) if as_stored else rounded(a, dtype)
+
+    return edited_pieces(x, 0, block, SLICE_BYTES)
 
 
 def _editor(ops: tuple, source: Callable, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

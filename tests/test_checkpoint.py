@@ -320,3 +320,26 @@ def test_the_loaded_output_hands_off_to_the_rmsnorm_model_quantizers_take(fp32, 
         want = transformers.OPTForCausalLM.from_pretrained(fp32).eval().double()(ids).logits
         got = model(ids).logits.double()
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_bf16_rows_go_through_float64_and_are_rounded_once(tmp_path, monkeypatch):
+    """numpy has no bf16: its blocks are edited in float64 and rounded once (fx_rewrite/edits.py
+    `rounded`), to exactly the whole tensor's centering rounded once, and the fold verifies."""
+    from safetensors import safe_open
+
+    from lnfold.fx_rewrite import checkpoint_fold
+    from lnfold.fx_rewrite.edits import rounded
+
+    src = build(tmp_path / "bf16", torch.bfloat16)
+    monkeypatch.setattr(checkpoint_fold, "SLICE_BYTES", 5 * 64 * 8)
+    res = lnfold.fold_checkpoint(src, tmp_path / "out")
+    assert res.criterion == "float64"
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    names = [n for n in idx if n.endswith("fc2.weight") or n.endswith("out_proj.weight")]
+    for name in names:
+        with safe_open(str(src / idx[name]), "pt") as f:
+            w = f.get_tensor(name).double().numpy()
+        with safe_open(str(tmp_path / "out" / idx[name]), "pt") as f:
+            got = f.get_tensor(name)
+        assert torch.equal(got, rounded(weights_mod.center(w, 0), torch.bfloat16)), name
+    assert len(names) == 6
