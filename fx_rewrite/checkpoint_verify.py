@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import mmap
 from typing import Optional
 
 import numpy as np
 import torch
 
-from ..passes import LnfoldError, gate
+from ..passes import gate
 from ..passes.weights import max_rel_err
 from .checkpoint import Checkpoint, CheckpointPlan, FirstOutput, skeleton, stored_names
 from .float64 import Float64Everywhere, suspended
-from .safetensors_io import DTYPES
+from .safetensors_io import DTYPES, read_into, row_blocks
 
 SLICE_BYTES = 64 << 20  # a tensor is read and converted this many float64 bytes at a time
 
@@ -91,12 +92,10 @@ class Streamed:
         layer's, and a float64 run never holds the whole matrix (a 50k-token head: 0.8–29 GB)."""
         def forward(x):
             _, e = self._entry(f"{path}.weight")
-            rows, cols = e.shape
-            step = max(1, SLICE_BYTES // (cols * 8))
             bias = self._load(f"{path}.bias") if has_bias else None
-            outs = [torch.nn.functional.linear(x, self._load(f"{path}.weight", rows=(lo, min(rows, lo + step))),
-                                               None if bias is None else bias[lo:lo + step])
-                    for lo in range(0, rows, step)]
+            outs = [torch.nn.functional.linear(x, self._load(f"{path}.weight", rows=(lo, hi)),
+                                               None if bias is None else bias[lo:hi])
+                    for lo, hi in row_blocks(tuple(e.shape), SLICE_BYTES)]
             return torch.cat(outs, dim=-1)
         return forward
 
@@ -113,23 +112,20 @@ class Streamed:
         run = stored if keep_dtype or self.dtype is None or not stored.is_floating_point else self.dtype
         shape, skip = tuple(e.shape), 0
         if rows is not None:
-            per_row = 1
-            for s in shape[1:]:
-                per_row *= s
-            shape, skip = (rows[1] - rows[0],) + shape[1:], rows[0] * per_row * stored.itemsize
+            shape, skip = (rows[1] - rows[0],) + shape[1:], rows[0] * math.prod(shape[1:]) * stored.itemsize
+        start = self.ck.shards[file].data_start + e.begin + skip
         with suspended():  # (outside the float64 run's dispatch mode: these are the file's own values)
             out = self.pool.empty(shape, run) if pooled else torch.empty(shape, dtype=run)
             with open(self.ck.folder / file, "rb", buffering=0) as f:
-                f.seek(self.ck.shards[file].data_start + e.begin + skip)
                 if run == stored:
-                    _read_into(f, out, name)
+                    read_into(f, out, start)
                 else:  # through one buffer of the stored dtype, reused by every tensor
                     flat = out.view(-1)
                     step = max(1, SLICE_BYTES // run.itemsize)
                     for lo in range(0, flat.numel(), step):
                         n = min(step, flat.numel() - lo)
                         buf = self._buffer(n * stored.itemsize).view(stored)
-                        _read_into(f, buf, name)
+                        read_into(f, buf, start + lo * stored.itemsize)
                         flat[lo:lo + n].copy_(buf)
             return out
 
@@ -223,17 +219,6 @@ class _Pool:
 
 def _uses(b: torch.Tensor) -> int:
     return _use_count(b.untyped_storage()._cdata)
-
-
-def _read_into(f, t: torch.Tensor, name: str) -> None:
-    """Fill contiguous `t` with the file's next t.nbytes bytes, read straight into its memory."""
-    mv = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-    got = 0
-    while got < len(mv):
-        n = f.readinto(mv[got:])
-        if not n:
-            raise LnfoldError(f"{name}: its shard ends {len(mv) - got} bytes before the tensor does")
-        got += n
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

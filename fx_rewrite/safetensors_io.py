@@ -9,6 +9,7 @@ nobody edits is copied byte for byte, as `cp` would.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -163,11 +164,21 @@ def edited_pieces(t, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget:
 
 def row_blocks(shape: tuple, budget: int) -> list[tuple[int, int]]:
     """[lo, hi) blocks of the first axis whose float64 copies take about `budget` bytes."""
-    per_row = 8
-    for s in shape[1:]:
-        per_row *= s
-    step = max(1, budget // max(1, per_row))
+    step = max(1, budget // max(1, 8 * math.prod(shape[1:])))
     return [(lo, min(shape[0], lo + step)) for lo in range(0, shape[0], step)]
+
+
+def read_into(f: BinaryIO, t: torch.Tensor, offset: int) -> None:
+    """Fill contiguous `t` with the file's bytes from `offset`, read straight into its memory
+    (pread: no file position, no intermediate copy, no mapping that would count in RSS)."""
+    view = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    done = 0
+    while done < len(view):
+        n = os.preadv(f.fileno(), [view[done:]], offset + done)
+        if n <= 0:
+            raise LnfoldError(f"{getattr(f, 'name', 'input')}: ends {len(view) - done} bytes before a tensor does "
+                              "(truncated?)")
+        done += n
 
 
 class Rows:
@@ -176,9 +187,7 @@ class Rows:
 
     def __init__(self, f: BinaryIO, start: int, dtype: torch.dtype, shape: tuple) -> None:
         self.f, self.start, self.dtype, self.shape = f, start, dtype, tuple(shape)
-        self.row_bytes = torch.empty((), dtype=dtype).element_size()
-        for s in self.shape[1:]:
-            self.row_bytes *= s
+        self.row_bytes = dtype.itemsize * math.prod(self.shape[1:])
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         if not self.shape:
@@ -186,11 +195,5 @@ class Rows:
         else:
             lo, hi, _ = rows.indices(self.shape[0])
             out, offset = torch.empty((max(0, hi - lo),) + self.shape[1:], dtype=self.dtype), self.start + lo * self.row_bytes
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(self.f.fileno(), [view[done:]], offset + done)
-            if n <= 0:
-                raise LnfoldError(f"{getattr(self.f, 'name', 'input')}: ended early (truncated?)")
-            done += n
+        read_into(self.f, out, offset)
         return out
