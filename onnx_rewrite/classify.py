@@ -19,6 +19,7 @@ from . import fused, guards
 from .computed_shapes import computed_axis_map
 from .norm_patterns import find_norms
 from .norms import NormMatch, const_values, constant_shape, is_constant, reduce_axes
+from .stored_integers import dequantized
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
 
@@ -196,7 +197,9 @@ def _conv(info: GraphInfo, node: gs.Node) -> Rule:
 
 
 def _cast(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
-    return rule("elementwise", op="cast") if node.attrs.get("to") in _FLOAT_TYPES else None
+    if node.attrs.get("to") not in _FLOAT_TYPES:
+        return None
+    return dequantized(node) or rule("elementwise", op="cast")  # integers to floats: stored_integers.py
 
 
 def _pow(info: GraphInfo, node: gs.Node) -> Rule:
@@ -315,6 +318,7 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Neg": _unary(op="neg"),
     "Dropout": _unary(op="dropout"),
     "Cast": lambda info, n, _: _cast(info, n),
+    "DequantizeLinear": lambda info, n, _: dequantized(n),
     "Add": _unary("broadcast", data=[0, 1]),
     "Sub": _unary("broadcast", data=[0, 1], minus=[1]),
     "Expand": lambda info, n, _: _expand(info, n),

@@ -30,6 +30,7 @@ from ..passes import Node, View
 from ..passes.axes import Shape
 from ..passes.rules import rule
 from .norms import NormMatch, const_values, is_constant
+from .stored_integers import MS_DEQUANTIZING, dequantized
 
 MS = "com.microsoft"
 # EmbedLayerNormalization's inputs
@@ -145,4 +146,5 @@ def _attention(info, node: gs.Node, opset: int):
 
 
 # com.microsoft ops the view classifies (the fused norms are matched in norms.py)
-MS_OPS = {"Attention": _attention}
+MS_OPS = {"Attention": _attention,
+          **{op: lambda info, node, opset: dequantized(node) for op in MS_DEQUANTIZING}}

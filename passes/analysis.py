@@ -31,6 +31,7 @@ class OpaqueStart:
     value: str
     axis: int
     what: str  # e.g. "Tanh `/h.0/mlp/act`", "graph input `x`"
+    stored: Optional[str] = None  # the integer type its writer's weights are stored as ("int8")
 
 
 @dataclass
@@ -96,10 +97,12 @@ class Component:
             return why
         if not self.recenter_pays:
             starts = ", ".join(o.what for o in self.opaque[:3]) + (" and more" if len(self.opaque) > 3 else "")
-            return (
-                f"its stream is started by {starts}, which no weight edit can make zero-mean; "
-                f"{len(self.opaque)} recenter(s) would buy only {len(self.norms)} fold(s)"
-            )
+            why = (f"its stream is started by {starts}, which no weight edit can make zero-mean; "
+                   f"{len(self.opaque)} recenter(s) would buy only {len(self.norms)} fold(s)")
+            stored = sorted({o.stored for o in self.opaque if o.stored})
+            if stored:
+                why += f"; its writer's weights are stored as {'/'.join(stored)}: fold the float model, then quantize"
+            return why
         return ""
 
 
@@ -261,7 +264,23 @@ class _ComponentBuilder:
         if refs is not None:
             self._add_source(CenteredSource(node.name, list(refs)))
             return
-        self._add_opaque(value, axis, node.describe())
+        stored = self._stored_behind(node)
+        what = node.describe() if stored is None else f"{node.describe()} (weights stored as {stored})"
+        self._add_opaque(value, axis, what, stored)
+
+    def _stored_behind(self, node: Node, depth: int = 4) -> Optional[str]:
+        """The integer type of the weights an opaque writer computes from, if they are stored as
+        integers: the node dequantizes them itself, or reads them a few ops upstream (a MatMul on
+        an int8 weight dequantized by Cast -> Mul). A norm ends the search (its input is a stream)."""
+        if node.stored_as is not None or depth == 0 or node.norm is not None:
+            return node.stored_as
+        for name in node.inputs:
+            v = self.view.values[name] if name else None
+            p = self.view.nodes.get(v.producer) if v is not None and v.producer else None
+            stored = self._stored_behind(p, depth - 1) if p is not None else None
+            if stored is not None:
+                return stored
+        return None
 
     def _splits_back_out(self, value: str, axis: int, block: Optional[Blocks], depth: int = 32) -> bool:
         """Does a feature axis merged with other axes (`block.spacing`) come out whole again
@@ -391,9 +410,9 @@ class _ComponentBuilder:
             self._seen_sources.add(key)
             self.comp.sources.append(src)
 
-    def _add_opaque(self, value: str, axis: int, what: str) -> None:
+    def _add_opaque(self, value: str, axis: int, what: str, stored: Optional[str] = None) -> None:
         if all(o.value != value for o in self.comp.opaque):
-            self.comp.opaque.append(OpaqueStart(value, axis, what))
+            self.comp.opaque.append(OpaqueStart(value, axis, what, stored))
 
     # -- who reads a stream tensor -------------------------------------------------------------
     def _consumer_side(self, value: str, axis: int) -> None:

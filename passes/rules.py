@@ -58,6 +58,9 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
 - `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection)` a LayerNorm op
                                (`rejection`: a reason only its IR can see)
+- `dequantized(stored)`         a float weight computed from integers of type `stored` ("int8":
+                               Cast -> Mul(scale), DequantizeLinear, MatMulInteger): opaque, no
+                               constant edit centers it; the report names the storage
 - `in_branch(op)`               the rule `op`, for an op of an inlined If branch
                                (onnx_rewrite/subgraphs.py): only the answers its emitter applies
 
@@ -285,6 +288,10 @@ def _scale(view, node, operands, divide=False):
 
 def _opaque(view, node, **_):
     return {}
+
+
+def _dequantized(view, node, stored):
+    return dict(stored_as=stored)
 
 
 def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=False):
@@ -808,7 +815,7 @@ def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5,
 # sources are centered, but the branch emitter (onnx_rewrite/subgraphs.py) defers no norm, edits
 # no width for CRMSNorm and centers no blocks, so a branch op offers none of those.
 _BRANCH_ANSWERS = ("transfer", "backward", "centering", "channel_scale", "invariant", "norm",
-                   "norm_rejection", "shape_only")
+                   "norm_rejection", "shape_only", "stored_as")
 
 
 def _in_branch(view, node, op: Rule):
@@ -844,5 +851,6 @@ RULES: dict[str, Callable[..., dict]] = {
     "embedding": _embedding,
     "conv": _conv,
     "layer_norm": _layer_norm,
+    "dequantized": _dequantized,
     "in_branch": _in_branch,
 }

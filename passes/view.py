@@ -207,6 +207,9 @@ class Answers:
     norm_rejection: Optional[str] = None
     # Reads only the shapes of its inputs (ONNX Shape/Size): no weight edit can reach its output.
     shape_only: bool = False
+    # Computes a float weight from one stored as this integer type ("int8"): no constant edit
+    # can center it (the integers cannot hold a centered value), so the node is opaque.
+    stored_as: Optional[str] = None
 
 
 @dataclass
@@ -286,6 +289,10 @@ class Node:
     @property
     def shape_only(self) -> bool:
         return self._answers().shape_only
+
+    @property
+    def stored_as(self) -> Optional[str]:
+        return self._answers().stored_as
 
 
 @dataclass
