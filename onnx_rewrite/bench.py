@@ -38,6 +38,7 @@ def timing_session(path: Path, threads: int, profile_prefix: Optional[str] = Non
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = threads
+    so.log_severity_level = 3  # failures raise; its warnings are about its own graph optimizations
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix:

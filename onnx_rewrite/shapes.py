@@ -1,6 +1,7 @@
 """Shape inference that stays cheap on big models, and the feature-axis maps that need shapes."""
 from __future__ import annotations
 
+import logging
 from math import prod
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def _symbolic_module():
         except Exception:  # another layout: the ordinary import
             sys.modules.pop("_lnfold_symbolic_shape_infer", None)
             from onnxruntime.tools import symbolic_shape_infer as mod
+        # Its warnings ("Unable to determine if NonZero_... <= ..., treat as equal") are about its
+        # own guesses, which the analysis treats as unknowns anyway: not the user's concern.
+        mod.logger.setLevel(logging.ERROR)
         _SYMBOLIC = mod
     return _SYMBOLIC
 
