@@ -202,6 +202,14 @@ def _cast(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     return dequantized(node) or rule("elementwise", op="cast")  # integers to floats: stored_integers.py
 
 
+def _dropout(node: gs.Node) -> Optional[Rule]:
+    """Dropout is the identity unless in training mode (input 2 true, or set at run time): then it
+    zeroes random entries and scales the rest, which no centering survives: opaque."""
+    mode = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name else None
+    training = mode is not None and (const_values(mode) is None or bool(np.asarray(const_values(mode)).any()))
+    return None if training else rule("elementwise", op="dropout")
+
+
 def _pow(info: GraphInfo, node: gs.Node) -> Rule:
     v = const_values(node.inputs[1]) if len(node.inputs) > 1 else None
     return rule("pow", exponent=float(np.asarray(v).reshape(-1)[0]) if v is not None and np.size(v) == 1 else None)
@@ -316,7 +324,7 @@ def _unary(kind="elementwise", **params):
 OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Identity": _unary(op="identity"),
     "Neg": _unary(op="neg"),
-    "Dropout": _unary(op="dropout"),
+    "Dropout": lambda info, n, _: _dropout(n),
     "Cast": lambda info, n, _: _cast(info, n),
     "DequantizeLinear": lambda info, n, _: dequantized(n),
     "Add": _unary("broadcast", data=[0, 1]),
@@ -351,6 +359,10 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     # Shape/Size read no values: nothing about the stream's mean can reach their outputs (their
     # results hold the width, which CRMSNorm changes).
     "Shape": _unary("metadata", sized=True),
+    # Draws as many numbers as its input has, of its type: reads no values (random_ops.py says how
+    # verification draws the same numbers in each model).
+    "RandomNormalLike": _unary("metadata", sized=True),
+    "RandomUniformLike": _unary("metadata", sized=True),
     "Size": _unary("metadata", sized=True),
     "Clip": guards.clip_rule,  # HF's fp16 overflow clamp only (passes/guards.py says why that is sound)
     "IsInf": _unary("nonfinite_test"),

@@ -34,6 +34,7 @@ from ..passes import LnfoldError, VerificationError
 from ..passes import gate
 from ..passes.weights import max_rel_err
 from . import inputs as synth
+from . import random_ops
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 
@@ -178,6 +179,8 @@ def float64_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.
     out = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
                             functions=model.functions)
     _graph_to_f64(out.graph)
+    if random_ops.random_nodes(model):  # drawing in double would draw other numbers
+        random_ops.in_own_dtype(out.graph, random_ops.own_types(model))
     return out, weights
 
 
@@ -208,6 +211,8 @@ def _graph_to_f64(g: onnx.GraphProto) -> None:
                     _graph_to_f64(sub)
             if n.op_type == "Cast" and a.name == "to" and a.i in _FLOATS:
                 a.i = onnx.TensorProto.DOUBLE
+            if a.name == "dtype" and a.type == onnx.AttributeProto.INT and a.i in _FLOATS and not random_ops.is_random(n):
+                a.i = onnx.TensorProto.DOUBLE  # EyeLike's: the type it makes (random nodes: random_ops.py)
         if n.op_type == "Constant":  # value_float(s) make float tensors: make them double tensors
             for a in list(n.attribute):
                 if a.name in ("value_float", "value_floats"):
@@ -449,11 +454,14 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
           dims: Optional[dict] = None, seed: int = 0) -> gate.Verdict:
     """The gate's verdict on `folded` (passes/gate.py). Raises LnfoldError when the original cannot
     be run (nothing to compare with) and VerificationError when only the folded model fails."""
-    original, folded = _Source.of(original), _Source.of(folded)
+    original, folded = _pinned(original), _pinned(folded)
+    seeds = random_ops.describe(original.skeleton)
     try:
         runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
     except _RefusedAndUnrunnable as e:
-        return _check_float64_copies(original, folded, e, inputs=inputs, dims=dims, seed=seed)
+        verdict = _check_float64_copies(original, folded, e, inputs=inputs, dims=dims, seed=seed)
+        verdict.criterion += f"; {seeds}" if seeds else ""
+        return verdict
     exact, how = exact_run(original, feeds)
     # the folded norms' inputs are read only by the gate's fallback without float64
     norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
@@ -481,7 +489,15 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
             if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
         verdict.criterion += (f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
                               f"reference evaluator{erfc})")
+    verdict.criterion += f"; {seeds}" if seeds else ""
     return verdict
+
+
+def _pinned(model: ModelLike) -> _Source:
+    """The model as verification runs it: a copy with seeds pinned on its random nodes, if any
+    (random_ops.py); else as given."""
+    src = _Source.of(model)
+    return _Source(random_ops.pinned(src.proto)) if random_ops.random_nodes(src.skeleton) else src
 
 
 def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _RefusedAndUnrunnable, *,
@@ -633,9 +649,9 @@ def compare(original: ModelLike, folded: ModelLike, *, seed: int = 0, inputs: Op
             dims: Optional[dict] = None) -> tuple[float, float]:
     """(worst relative difference between the two models' outputs, the fallback tolerance for
     their dtypes) on the same inputs: a measure for tests and tools, not the gate."""
-    runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
+    runner, feeds, ra = original_run(_pinned(original), inputs=inputs, dims=dims, seed=seed)
     try:
-        rb = _Runner(_Source.of(folded), allow_reference=runner.sess is None).run(feeds)
+        rb = _Runner(_pinned(folded), allow_reference=runner.sess is None).run(feeds)
     except Exception as e:
         raise VerificationError(f"verification failed: cannot run the folded model ({_first_line(e)})") from None
     fp32 = gate.TOLERANCE["float32"]  # outputs of other types are held to float32's

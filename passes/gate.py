@@ -97,8 +97,9 @@ class Verdict:
         if self.criterion.startswith("float64 copies"):
             return f"folded vs original, both run in float64: {self.diff:.2e} (criterion: {self.criterion})"
         if self.criterion.startswith("float64"):
+            how = "" if self.criterion == "float64" else f"; criterion: {self.criterion}"  # e.g. pinned seeds
             return (f"error vs float64: folded {self.folded_err:.2e}, original {self.original_err:.2e} "
-                    f"(folded vs original {self.diff:.2e})")
+                    f"(folded vs original {self.diff:.2e}{how})")
         why = f": {self.no_float64}" if self.no_float64 else ""
         return f"folded vs original {self.diff:.2e} (no float64 run{why}; criterion: {self.criterion})"
 

@@ -1,0 +1,100 @@
+"""Random ops in verification: the same draws in the original, the folded model and the float64 copy.
+
+A graph with RandomNormal(Like), RandomUniform(Like), Multinomial, Bernoulli or a training-mode
+Dropout draws new numbers on every run unless the node has a seed (a VITS voice's noise). Verified
+as they are, a correct fold would differ from its original by the noise. So verification runs
+copies (the written model keeps its nodes as they were) with a seed pinned on every random node,
+derived from the node's name: the fold keeps node names, so the folded model draws exactly what
+the original draws, from its own nodes; a fold that changed a random node still shows.
+
+The float64 copy cannot draw in double: onnxruntime's double draws are other numbers than its
+float draws with the same seed (RandomNormal seed 3: -0.750 float, -1.615 double). There each
+random node runs in its original type between Casts (inputs down, outputs up to double), drawing
+what the original draws.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Optional
+
+import onnx
+from onnx import helper
+
+RANDOM_OPS = frozenset(("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                        "Bernoulli"))
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def is_random(node: onnx.NodeProto) -> bool:
+    """Does `node` draw random numbers (Dropout: only given a training_mode input)?"""
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    return node.op_type in RANDOM_OPS or (node.op_type == "Dropout" and len(node.input) > 2 and bool(node.input[2]))
+
+
+def random_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if is_random(n)]
+
+
+def _seed(node: onnx.NodeProto) -> float:
+    return float(zlib.crc32(node.name.encode()) % (1 << 24))  # a float attribute: exact below 2^24
+
+
+def pinned(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` with a seed on every random node that has none (unchanged seeds kept)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for n in random_nodes(out):
+        if not any(a.name == "seed" for a in n.attribute):
+            n.attribute.append(helper.make_attribute("seed", _seed(n)))
+    return out
+
+
+def describe(model: onnx.ModelProto) -> Optional[str]:
+    """What the report says about the pinned seeds, None without random nodes."""
+    ops = sorted({n.op_type for n in random_nodes(model)})
+    if not ops:
+        return None
+    return (f"random ops ({', '.join(ops)}) drew with the same pinned seeds in the original, the folded model and "
+            "the float64 copy (run in their own dtype there); the written model keeps them unseeded as given")
+
+
+def own_types(model: onnx.ModelProto) -> dict[str, int]:
+    """name -> element type, in `model`, of the float tensors its random nodes read and write
+    (onnx's inference; a node's `dtype`, else float, where it gives none)."""
+    from .shapes import infer_types
+
+    typed = {name: vi.type.tensor_type.elem_type for name, vi in infer_types(model).items()}
+    out = {}
+    for n in random_nodes(model):
+        dtype = next((a.i for a in n.attribute if a.name == "dtype"), None)
+        for k, name in enumerate(list(n.input) + list(n.output)):
+            t = typed.get(name) or (dtype or onnx.TensorProto.FLOAT if k >= len(n.input) else None)
+            if name and t in _FLOATS:
+                out[name] = t
+    return out
+
+
+def in_own_dtype(graph: onnx.GraphProto, types: dict[str, int]) -> None:
+    """In a float64 copy (`graph`: every float made double but the random nodes' `dtype`), run each
+    random node in the float types its tensors had in the original (`types`, from `own_types`):
+    its float inputs cast down to them, its float outputs cast up to double."""
+    nodes = []
+    for n in graph.node:
+        if not is_random(n):
+            nodes.append(n)
+            continue
+        after = []
+        for k, name in enumerate(n.input):
+            if types.get(name, onnx.TensorProto.DOUBLE) != onnx.TensorProto.DOUBLE:
+                nodes.append(helper.make_node("Cast", [name], [f"{name}__lnfold_own"], to=types[name],
+                                              name=f"{n.name}__lnfold_in{k}"))
+                n.input[k] = f"{name}__lnfold_own"
+        for k, name in enumerate(n.output):
+            if types.get(name, onnx.TensorProto.DOUBLE) != onnx.TensorProto.DOUBLE:
+                after.append(helper.make_node("Cast", [f"{name}__lnfold_own"], [name], to=onnx.TensorProto.DOUBLE,
+                                              name=f"{n.name}__lnfold_out{k}"))
+                n.output[k] = f"{name}__lnfold_own"
+        nodes += [n] + after
+    del graph.node[:]
+    graph.node.extend(nodes)
