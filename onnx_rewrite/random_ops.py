@@ -36,6 +36,12 @@ def random_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in model.graph.node if is_random(n)]
 
 
+def runs_in_own_dtype(node: onnx.NodeProto) -> bool:
+    """Does a float64 copy run `node` in its original float type? Random nodes (above), and
+    DequantizeLinear, whose scale onnxruntime takes in float types only (a weight-only int8 file)."""
+    return is_random(node) or (node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"))
+
+
 def _seed(node: onnx.NodeProto) -> float:
     return float(zlib.crc32(node.name.encode()) % (1 << 24))  # a float attribute: exact below 2^24
 
@@ -45,8 +51,9 @@ def pinned(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for n in random_nodes(out):
-        if not any(a.name == "seed" for a in n.attribute):
-            n.attribute.append(helper.make_attribute("seed", _seed(n)))
+        if not any(a.name == "seed" for a in n.attribute):  # Dropout's seed is an int, the others' a float
+            seed = _seed(n)
+            n.attribute.append(helper.make_attribute("seed", int(seed) if n.op_type == "Dropout" else seed))
     return out
 
 
@@ -65,8 +72,9 @@ def own_types(model: onnx.ModelProto) -> dict[str, int]:
     from .shapes import infer_types
 
     typed = {name: vi.type.tensor_type.elem_type for name, vi in infer_types(model).items()}
+    typed.update((t.name, t.data_type) for t in model.graph.initializer)
     out = {}
-    for n in random_nodes(model):
+    for n in filter(runs_in_own_dtype, model.graph.node):
         dtype = next((a.i for a in n.attribute if a.name == "dtype"), None)
         for k, name in enumerate(list(n.input) + list(n.output)):
             t = typed.get(name) or (dtype or onnx.TensorProto.FLOAT if k >= len(n.input) else None)
@@ -77,11 +85,11 @@ def own_types(model: onnx.ModelProto) -> dict[str, int]:
 
 def in_own_dtype(graph: onnx.GraphProto, types: dict[str, int]) -> None:
     """In a float64 copy (`graph`: every float made double but the random nodes' `dtype`), run each
-    random node in the float types its tensors had in the original (`types`, from `own_types`):
+    node that `runs_in_own_dtype` in the float types its tensors had in the original (`types`, from `own_types`):
     its float inputs cast down to them, its float outputs cast up to double."""
     nodes = []
     for n in graph.node:
-        if not is_random(n):
+        if not runs_in_own_dtype(n):
             nodes.append(n)
             continue
         after = []

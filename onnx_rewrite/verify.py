@@ -179,7 +179,7 @@ def float64_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.
     out = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
                             functions=model.functions)
     _graph_to_f64(out.graph)
-    if random_ops.random_nodes(model):  # drawing in double would draw other numbers
+    if any(map(random_ops.runs_in_own_dtype, g.node)):  # random draws, DequantizeLinear's float scales
         random_ops.in_own_dtype(out.graph, random_ops.own_types(model))
     return out, weights
 
@@ -303,7 +303,8 @@ def _without_double_kernel(model: onnx.ModelProto) -> list[onnx.NodeProto]:
         if "tensor(double)" in types:
             double.add((domain, d.op_name))
     # (an op on other types only, And or Shape, is not touched by the float64 copy)
-    return [n for n in model.graph.node if (n.domain or "ai.onnx", n.op_type) in floats - double]
+    return [n for n in model.graph.node if (n.domain or "ai.onnx", n.op_type) in floats - double
+            and not random_ops.runs_in_own_dtype(n)]
 
 
 def _segmentable(model: onnx.ModelProto) -> bool:
