@@ -50,11 +50,13 @@ def test_corpus_file_folds_with_the_hand_count(entry, tmp_path):
     if entry["expected_folded"] == 0:
         assert rc == 2 and not out.exists(), stderr
         assert ("no LayerNorm found" if entry["layernorms"] == 0 else "no LayerNorm can be folded") in stderr
+        assert entry.get("expected_reason", "") in stderr  # issue 34: the cause a person can act on
         return
     assert rc == 0, stderr
     doc = json.loads(stdout)
     _check_report(doc, entry)
     assert doc["verified"] and doc["max_rel_err"] is not None
+    assert entry.get("expected_criterion", "") in doc["criterion"]  # issue 34: "pinned seeds"
     assert out.exists()
 
 
@@ -79,3 +81,46 @@ def test_corpus_file_onnxruntime_refuses_planted_bug_fails(name, monkeypatch):
     monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=0))
     with pytest.raises(VerificationError, match="float64"):
         fold_model(model)
+
+
+# Issue 34: random ops. Verification pins the same seeds in the original and folded copies; a fold
+# that skips the recenter of the noise-started stream must still be refused (pinned seeds make the
+# runs reproducible, they must not make them agree), and the written model keeps its nodes unseeded.
+_RANDOM = ["hand_random_RandomNormalLike.onnx", "hand_random_Dropout.onnx", "hand_random_Bernoulli.onnx"]
+
+
+@pytest.mark.parametrize("name", _RANDOM)
+def test_random_op_stream_without_its_recenter_is_refused(name, monkeypatch):
+    import onnx
+
+    from lnfold.onnx_rewrite import api, fold_model
+    from lnfold.passes import VerificationError
+
+    if not (CORPUS / name).exists():
+        pytest.skip(f"{name} not in {CORPUS}")
+    make_plan = api.make_plan
+
+    def without_recenters(view, mode="rms", **kw):
+        from dataclasses import replace
+
+        plan = make_plan(view, mode, **kw)
+        assert plan.recenters, "the planted bug needs a recenter to drop"
+        return replace(plan, recenters=[])
+
+    monkeypatch.setattr(api, "make_plan", without_recenters)
+    with pytest.raises(VerificationError, match="float64"):
+        fold_model(onnx.load(str(CORPUS / name)))
+
+
+@pytest.mark.parametrize("name", _RANDOM)
+def test_random_op_fold_verifies_with_pinned_seeds_and_writes_them_unseeded(name):
+    import onnx
+
+    from lnfold.onnx_rewrite import fold_model
+
+    if not (CORPUS / name).exists():
+        pytest.skip(f"{name} not in {CORPUS}")
+    result = fold_model(onnx.load(str(CORPUS / name)))
+    assert result.report.recentered == 1 and "pinned seeds" in result.criterion
+    random = [n for n in result.model.graph.node if n.op_type in ("RandomNormalLike", "Dropout", "Bernoulli")]
+    assert random and not any(a.name == "seed" for n in random for a in n.attribute)

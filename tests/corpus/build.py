@@ -974,6 +974,177 @@ def do_rapidocr():
 
 
 # --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
+# issue 34: integer-stored weights and random ops (hand-built with onnx.helper; quantize_dynamic)
+# --------------------------------------------------------------------------------------------
+S = 6          # tokens of the hand-built encoder
+ENC_WHY = ("tiny Pre-LN encoder: word table Gather + position table, 2 blocks h + fc2(relu(fc1(LN h))), final LN, "
+           "head MatMul: 3 LayerNorms; ")
+
+
+def tiny_encoder(seed=0, *, quantized=None, form="castmul", storage="int8", random_op=None):
+    """The encoder as an onnx.ModelProto. `quantized` ("embed" or "proj"): the word table or every
+    projection (fc1, fc2, head) stored as `storage` integers with a per-row (per-output) scale,
+    dequantized by Cast -> [Sub zero point ->] Mul (`form` "castmul") or DequantizeLinear ("dql").
+    `random_op`: that op once on the stream's path and once off it."""
+    import numpy as np
+    from onnx import TensorProto as TP, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits, k = [], [], [0]
+
+    def name(base):
+        k[0] += 1
+        return f"{base}_{k[0]}"
+
+    def const(base, a):
+        n = name(base)
+        inits.append(numpy_helper.from_array(np.asarray(a), n))
+        return n
+
+    def op(t, ins, **at):
+        out = name(t.lower())
+        nodes.append(helper.make_node(t, ins, [out], name=name(t), **at))
+        return out
+
+    def dequantized(w, axis):
+        """w (float) stored as integers with one scale per entry along `axis`, and its dequantization."""
+        keep = tuple(a for a in range(w.ndim) if a != axis)
+        if storage == "int8":
+            s = np.abs(w).max(axis=keep, keepdims=True) / 127
+            q, zp = np.clip(np.round(w / s), -127, 127).astype(np.int8), np.zeros_like(s)
+        else:
+            lo, hi = w.min(axis=keep, keepdims=True), w.max(axis=keep, keepdims=True)
+            s = (hi - lo) / 255
+            zp = np.clip(np.round(-lo / s), 0, 255)
+            q = np.clip(np.round(w / s) + zp, 0, 255).astype(np.uint8)
+        qn = const("wq", q)
+        if form == "dql":
+            return op("DequantizeLinear", [qn, const("s", s.reshape(-1).astype(np.float32)),
+                                           const("zp", zp.reshape(-1).astype(q.dtype))], axis=axis)
+        x = op("Cast", [qn], to=TP.FLOAT)
+        if storage != "int8":
+            x = op("Sub", [x, const("zp", zp.astype(np.float32))])
+        return op("Mul", [x, const("s", s.astype(np.float32))])
+
+    def weight(shape, quant_axis, row_mean=0.0, col_mean=0.0):
+        w = rng.standard_normal(shape) * 0.5
+        w += rng.standard_normal((shape[0], 1)) * row_mean + rng.standard_normal((1, shape[1])) * col_mean
+        w = w.astype(np.float32)
+        return dequantized(w, quant_axis) if quant_axis is not None else const("W", w)
+
+    def linear(x, din, dout, quant):
+        w = weight((din, dout), 1 if quant else None, col_mean=SOURCE_MEAN)
+        return op("Add", [op("MatMul", [x, w]), const("b", (rng.standard_normal(dout) + SOURCE_MEAN).astype(np.float32))])
+
+    def ln(x):
+        g = const("gamma", (1 + 0.5 * rng.standard_normal(D)).astype(np.float32))
+        b = const("beta", (0.5 * rng.standard_normal(D)).astype(np.float32))
+        return op("LayerNormalization", [x, g, b], axis=-1, epsilon=1e-5)
+
+    def draw(like, shape, on_path):
+        """random_op's output of `shape` (a `like` tensor of it for the *Like ops)."""
+        if random_op in ("RandomNormal", "RandomUniform"):
+            return op(random_op, [], dtype=TP.FLOAT, shape=shape)
+        if random_op.endswith("Like"):
+            return op(random_op, [like])
+        if random_op == "Bernoulli":
+            p = const("p", rng.random(shape).astype(np.float32)) if on_path else op("Sigmoid", [like])
+            return op("Bernoulli", [p])
+        raise ValueError(random_op)
+
+    ids = "input_ids"
+    proj = quantized == "proj"
+    table = weight((V, D), 0 if quantized == "embed" else None, row_mean=SOURCE_MEAN)
+    h = op("Add", [op("Gather", [table, ids], axis=0), const("pos", (rng.standard_normal((S, D)) * 0.5 +
+                                                                   rng.standard_normal((S, 1)) * SOURCE_MEAN).astype(np.float32))])
+    if random_op == "Multinomial":  # sampled ids index a second (constant) table into the stream
+        sampled = op("Multinomial", [const("logits", rng.standard_normal((S, V)).astype(np.float32))], sample_size=1)
+        extra = op("Gather", [const("table2", (rng.standard_normal((V, D)) + SOURCE_MEAN).astype(np.float32)),
+                              op("Reshape", [sampled, const("shape", np.array([1, S], np.int64))])], axis=0)
+        h = op("Add", [h, extra])
+    elif random_op == "Dropout":
+        h = op("Dropout", [h, const("ratio", np.array(0.1, np.float32)), const("training", np.array(True))])
+    elif random_op is not None:
+        h = op("Add", [h, op("Mul", [draw(h, [1, S, D], True), const("noise_scale", np.array(0.5, np.float32))])])
+    for _ in range(L):
+        hidden = op("Relu", [linear(ln(h), D, FF, proj)])
+        if random_op == "Dropout":  # off the path: fc2 reads it, and fc2's weights still center its output
+            hidden = op("Dropout", [hidden, const("ratio", np.array(0.1, np.float32)), const("training", np.array(True))])
+        h = op("Add", [h, linear(hidden, FF, D, proj)])
+    logits = op("MatMul", [ln(h), weight((D, V), 1 if proj else None)])
+    outputs = [helper.make_tensor_value_info("logits", TP.FLOAT, [1, S, V])]
+    if random_op == "Multinomial":  # off the path: samples of the output
+        sampled = op("Multinomial", [op("Reshape", [logits, const("shape", np.array([S, V], np.int64))])], sample_size=2)
+        nodes.append(helper.make_node("Identity", [sampled], ["samples"], name="samples"))
+        outputs.append(helper.make_tensor_value_info("samples", TP.INT32, [S, 2]))
+    elif random_op not in (None, "Dropout"):
+        logits = op("Add", [logits, draw(logits, [1, S, V], False)])
+    nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
+    graph = helper.make_graph(nodes, "tiny_encoder", [helper.make_tensor_value_info(ids, TP.INT64, [1, S])], outputs,
+                              inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10,
+                             producer_name="lnfold tests/corpus/build.py")
+
+
+QUANT_WHY = {
+    "embed": (3, 3, 1, ENC_WHY + "the word table is stored as {storage} and dequantized by {how} before the Gather: no "
+              "constant edit centers integers, so the dequantized table is an opaque start; 1 recenter buys 3 folds"),
+    "proj": (3, 0, 0, ENC_WHY + "fc1, fc2 and head weights are stored as {storage}, dequantized by {how}: the 2 fc2 "
+             "MatMuls write the stream through weights no constant edit centers (2 opaque starts); 2 recenters "
+             "would buy only 3 folds (< 2x): all kept, the reason naming the storage"),
+}
+RANDOM_WHY = {
+    "Multinomial": (3, 3, 0, "on the path: sampled ids Gather rows of a constant table into the stream (a centerable "
+                    "source, no recenter); off it: a second output samples the logits"),
+    "Dropout": (3, 3, 1, "training-mode Dropout on the path (it zeroes and scales: opaque, 1 recenter buys 3 folds); "
+                "off it: between relu and fc2, whose weights still center its output"),
+}
+
+
+QUANT_DYNAMIC = (3, 0, 0, ENC_WHY + "quantize_dynamic stores the word table as uint8 (Gather -> DequantizeLinear) and "
+                 "every MatMul weight as int8 (DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul by the two "
+                 "scales): 3 opaque starts (the table, both fc2) would buy only 3 folds: all kept, the reason naming "
+                 "int8")
+
+
+def do_issue34():
+    @step("issue34")
+    def go():
+        import onnx
+        for quantized in ("embed", "proj"):
+            for form, how in (("castmul", "Cast -> Mul (per-row scale)"), ("dql", "DequantizeLinear (per-axis)")):
+                for storage in ("int8", "uint8"):
+                    fname = f"hand_{form}_{storage}_{quantized}.onnx"
+                    onnx.save(tiny_encoder(1, quantized=quantized, form=form, storage=storage), str(OUT / fname))
+                    total, folded, rec, why = QUANT_WHY[quantized]
+                    how_ = how if storage == "int8" or form == "dql" else "Cast -> Sub(zero point) -> Mul"
+                    record(OUT / fname, "hand-built (onnx.helper), weight-only quantized", "tiny Pre-LN encoder",
+                           f"fp32 + {storage}", "_", expect=(total, folded, rec, why.format(storage=storage, how=how_)))
+                    if folded == 0:
+                        MANIFEST[-1]["expected_reason"] = f"stored as {storage}: fold the float model, then quantize"
+        for random_op in ("RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
+                          "Multinomial", "Dropout"):
+            fname = f"hand_random_{random_op}.onnx"
+            onnx.save(tiny_encoder(2, random_op=random_op), str(OUT / fname))
+            total, folded, rec, why = RANDOM_WHY.get(random_op, (3, 3, 1, f"{random_op} on the path (its draw added "
+                                                     "to the stream: opaque, 1 recenter buys 3 folds) and off it (added "
+                                                     "to the logits)"))
+            record(OUT / fname, "hand-built (onnx.helper), unseeded random op", "tiny Pre-LN encoder", "fp32", "_",
+                   expect=(total, folded, rec, ENC_WHY + why))
+            MANIFEST[-1]["expected_criterion"] = "pinned seeds"
+        from onnxruntime.quantization import quantize_dynamic
+        src, fname = OUT / "hand_float_encoder.onnx", "ortquant_dynamic_encoder.onnx"
+        onnx.save(tiny_encoder(3), str(src))
+        quantize_dynamic(str(src), str(OUT / fname))
+        src.unlink()
+        record(OUT / fname, f"onnxruntime {VER.get('onnxruntime')} quantization.quantize_dynamic (defaults: QInt8)",
+               "tiny Pre-LN encoder", "fp32 + int8", "_", expect=QUANT_DYNAMIC)
+        if QUANT_DYNAMIC[1] == 0:
+            MANIFEST[-1]["expected_reason"] = "stored as int8/uint8: fold the float model, then quantize"
+    go()
+
+
 def main():
     global OUT, VER, ONLY
     ap = argparse.ArgumentParser()
@@ -1083,6 +1254,7 @@ def main():
         do_nnx(21)
     if want("rapidocr"):
         do_rapidocr()
+    do_issue34()
 
     for e in MANIFEST:               # recount with the current counter
         p = OUT / e["file"]
