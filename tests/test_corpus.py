@@ -41,12 +41,32 @@ def _check_report(doc: dict, entry: dict) -> None:
     assert all(n["reason"] for n in rep["norms"] if n["verdict"] == "keep")
 
 
+def _report_predicts_fold(src: Path, rc: int, stdout: str, stderr: str) -> None:
+    """Issue 34: `lnfold report` says exactly what `lnfold fold` does: every norm it calls foldable
+    is folded with the same edits (the same per-norm verdicts and stream edits), and a refusal names
+    the first kept norm and its cause."""
+    rrc, rout, rerr = lnfold("report", str(src), "--json")
+    if rrc != 0:  # nothing to analyze (no LayerNorm): fold refuses the same way
+        assert rc == 2 and rerr.strip() == stderr.strip(), (rerr, stderr)
+        return
+    said = json.loads(rout)
+    assert rc != 1, f"report says {said['folded']} fold, fold refused by verification: {stderr}"
+    if rc == 2:
+        assert said["folded"] == 0, stderr
+        kept = next(n for n in said["norms"] if n["verdict"] == "keep")
+        assert kept["name"] in stderr and kept["reason"] in stderr, (kept, stderr)
+        return
+    done = json.loads(stdout)["report"]
+    assert done["norms"] == said["norms"] and done["streams"] == said["streams"]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not ENTRIES, reason=f"no corpus at {CORPUS}")
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e["file"] for e in ENTRIES])
 def test_corpus_file_folds_with_the_hand_count(entry, tmp_path):
     src, out = CORPUS / entry["file"], tmp_path / "folded.onnx"
     rc, stdout, stderr = lnfold("fold", str(src), "-o", str(out), "--json")
+    _report_predicts_fold(src, rc, stdout, stderr)
     if entry["expected_folded"] == 0:
         assert rc == 2 and not out.exists(), stderr
         assert ("no LayerNorm found" if entry["layernorms"] == 0 else "no LayerNorm can be folded") in stderr
