@@ -305,15 +305,19 @@ def _values(f: GraphFacts, sizes: dict, past: int, seed: int) -> dict[str, np.nd
 
 def load_npz(path, model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """User inputs from an .npz file, checked against the model's input names."""
+    return check_feeds(read_npz(path), model, str(path))
+
+
+def read_npz(path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file, unchecked (one-line LnfoldError where it cannot be read)."""
     p = Path(path)
     try:
         with np.load(p, allow_pickle=False) as z:
-            feeds = {k: z[k] for k in z.files}
+            return {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise LnfoldError(f"{p}: no such inputs file") from None
     except Exception as e:
         raise LnfoldError(f"{p}: not a readable .npz file of arrays ({type(e).__name__})") from None
-    return check_feeds(feeds, model, str(p))
 
 
 def check_feeds(feeds: dict, model: onnx.ModelProto, where: str = "inputs") -> dict[str, np.ndarray]:

@@ -40,15 +40,27 @@ from ..passes.options import ROTATIONS
 from ..passes.weights import max_rel_err
 from . import inputs as synth
 from . import verify
-from .api import check_verify_args, fold_model
+from ..passes.pipeline import record
+from .api import check_equivalent, check_verify_args, fold_model
 from .linear_layers import gemm_to_matmul, linear_layers, name_nodes
 from .quantize_report import QuantizeReport, scheme_name
 from .read import load
 
 WEIGHTS = ("int8", "int4")
 ACTIVATIONS = ("int8",)
-CALIBRATION_BATCH = 8  # rows per calibration run, where the inputs have a batch axis
+AUTO = "auto"  # --rotate auto: the best of AUTO_CANDIDATES on the user's rows
+CALIBRATION_BATCH = 8  # rows per run where the model's batch axis is free
 METADATA_KEY = "lnfold.quantize"
+# --rotate auto's candidates, simplest first (a tie keeps the earlier): prepare() options. The
+# model as given is one of them, so that the choice is never worse than onnxruntime alone on the
+# rows it is judged on.
+AUTO_CANDIDATES = (("as given (onnxruntime alone)", dict(fold=False)), ("fold", dict()),
+                   ("fold, γ into the readers", dict(gamma_into_readers=True)),
+                   *((r, dict(rotate=r)) for r in ROTATIONS))
+# a later (less simple) candidate is kept only where it cuts the error by more than this share: a
+# few held-out rows rank near-equal candidates by chance (measured on MiniLM: 2% apart, reversed
+# on other rows)
+AUTO_MARGIN = 0.05
 
 
 @dataclass
@@ -59,6 +71,7 @@ class Prepared:
     fold: Optional[FoldResult]
     notes: list[str]
     gemms_rewritten: int
+    gamma_into_readers: bool = False
 
 
 @dataclass
@@ -80,10 +93,8 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
     if activations == "int8" and calibrate is None:
         raise LnfoldError("int8 activations (static, W8A8) need calibration inputs: --calibrate FILE.npz "
                           "(API: calibrate=), representative inputs, one array per model input")
-    if activations is None and calibrate is not None:
-        raise LnfoldError("--calibrate is for static int8 activations: add --activations int8")
-    if rotate is not None and rotate not in ROTATIONS:
-        raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS)}")
+    if rotate is not None and rotate not in ROTATIONS + (AUTO,):
+        raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS + (AUTO,))}")
     if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
         raise LnfoldError(f"block size {block_size}: a power of two, at least 16 (onnxruntime's MatMulNBits)")
     if block_size != 128 and weights != "int4":
@@ -93,8 +104,10 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
 
 
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
-            gamma_into_readers: Optional[bool] = None, inputs=None, dims=None) -> Prepared:
-    """The exact steps: fold (verified), γ into readers and rotation where asked, Gemm → MatMul."""
+            gamma_into_readers: Optional[bool] = None, inputs=None, dims=None, verify: bool = True) -> Prepared:
+    """The exact steps: fold (verified unless verify=False), γ into readers and rotation where
+    asked, Gemm → MatMul. A rotation that rotates no stream leaves γ in the norms unless
+    `gamma_into_readers=True` asks for it: γ moved alone made weight quantization worse (issue 33)."""
     gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
     if rotate and not gamma:
         raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
@@ -103,9 +116,15 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     notes, result = [], None
     work = model
     if fold:
+        def run(gamma, rotate):
+            return fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
+                              rotate=rotate, seed=seed, verify=verify)
         try:
-            result = fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
-                                rotate=rotate, seed=seed)
+            result = run(gamma, rotate)
+            if rotate and gamma_into_readers is None and not rotated_streams(result):
+                notes.append(f"--rotate {rotate} rotated no stream ({_rotation_summary(result)}): γ left in the "
+                             "norms (moved alone it makes weight quantization worse)")
+                gamma, result = False, run(False, None)
             work = result.model
         except NothingToFold as e:
             if rotate or gamma:
@@ -117,7 +136,7 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     if rewritten:
         notes.append(f"{rewritten} Gemm(s) rewritten as MatMul + Add (exact) so that the quantizer sees them")
     notes += [f"Gemm kept float: {k}" for k in kept]
-    return Prepared(work, result, notes, rewritten)
+    return Prepared(work, result, notes, rewritten, bool(result) and gamma)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -126,17 +145,69 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _calibration_reader(feeds: dict[str, np.ndarray]):
-    """onnxruntime's CalibrationDataReader over the user's arrays, CALIBRATION_BATCH rows at a time
-    where every array shares its first axis (a batch), else the arrays as one feed."""
+# --- rows: the user's arrays, fed in the model's own batch size ------------------------------------
+
+@dataclass
+class Rows:
+    """The user's arrays (input -> array), rows along the first axis, and the batch the model takes:
+    `batch` rows per run (its fixed batch size), or None where its batch axis is free."""
+
+    feeds: dict
+    batch: Optional[int]
+
+    @property
+    def count(self) -> Optional[int]:
+        """The rows, where every array shares its first axis; None otherwise (one run of everything)."""
+        n = {a.shape[0] if a.ndim else -1 for a in self.feeds.values()}
+        return n.pop() if len(n) == 1 and min(n) >= 0 else None
+
+    def runs(self) -> list[dict]:
+        """The feeds, `batch` rows at a time (CALIBRATION_BATCH where the batch axis is free)."""
+        n, step = self.count, self.batch or CALIBRATION_BATCH
+        if n is None or n <= step:
+            return [self.feeds]
+        return [{k: v[i:i + step] for k, v in self.feeds.items()} for i in range(0, n, step)]
+
+    def split(self, held: int) -> tuple["Rows", "Rows"]:
+        """(the first rows, the last `held` rows)."""
+        n = self.count
+        return (Rows({k: v[:n - held] for k, v in self.feeds.items()}, self.batch),
+                Rows({k: v[n - held:] for k, v in self.feeds.items()}, self.batch))
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {list(v.shape)}" for k, v in self.feeds.items())
+
+
+def model_batch(model: onnx.ModelProto) -> Optional[int]:
+    """The batch size fixed by the model's export (every input's first dim, the same number), or None."""
+    firsts = {i.dims[0] if i.dims else None for i in synth.graph_inputs(model)}
+    (b,) = firsts if len(firsts) == 1 else (None,)
+    return b if isinstance(b, int) and b > 0 else None
+
+
+def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
+    """The user's arrays (an .npz path or a dict), checked against the model. A model with a fixed
+    batch b takes any multiple of b rows: they are fed b at a time."""
+    if isinstance(src, (str, os.PathLike)):
+        feeds, what = synth.read_npz(src), str(src)
+    else:
+        feeds = {k: np.asarray(v) for k, v in dict(src).items()}
+    rows = Rows(feeds, model_batch(model))
+    b, n = rows.batch, rows.count
+    if b is None or n == b:
+        return Rows(synth.check_feeds(feeds, model, what), b)
+    if n is None or n % b:
+        raise LnfoldError(f"{what}: {'arrays with different first axes' if n is None else f'{n} rows'}; the model "
+                          f"takes batches of {b} (fixed by its export): give a multiple of {b} rows")
+    synth.check_feeds({k: v[:b] for k, v in feeds.items()}, model, what)  # shapes and types, one batch
+    return rows
+
+
+def _calibration_reader(rows: Rows):
+    """onnxruntime's CalibrationDataReader over the user's rows, in the model's batch size."""
     from onnxruntime.quantization import CalibrationDataReader
 
-    rows = {a.shape[0] if a.ndim else -1 for a in feeds.values()}
-    if len(rows) == 1 and min(rows) > CALIBRATION_BATCH:
-        (n,) = rows
-        batches = [{k: v[i:i + CALIBRATION_BATCH] for k, v in feeds.items()} for i in range(0, n, CALIBRATION_BATCH)]
-    else:
-        batches = [feeds]
+    batches = rows.runs()
 
     class NpzReader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -149,9 +220,12 @@ def _calibration_reader(feeds: dict[str, np.ndarray]):
 
 
 def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional[str], *,
-                  calibration: Optional[dict] = None, block_size: int = 128,
+                  calibration: Optional[Rows] = None, block_size: int = 128,
                   per_channel: bool = False) -> onnx.ModelProto:
-    """onnxruntime's quantizer for the scheme, on the linear layers of `prepared` (not edited)."""
+    """onnxruntime's quantizer for the scheme, on the linear layers of `prepared` (not edited).
+    `calibration`: Rows (or a dict of arrays, fed CALIBRATION_BATCH rows at a time)."""
+    if calibration is not None and not isinstance(calibration, Rows):
+        calibration = Rows(dict(calibration), None)
     nodes = linear_layers(prepared)
     if not nodes:
         branches = any(a.type == onnx.AttributeProto.GRAPH for n in prepared.graph.node for a in n.attribute)
@@ -229,78 +303,205 @@ def _is_scores(output: str) -> bool:
     return "logit" in low or "prob" in low or "score" in low or low == "output"
 
 
-def output_errors(original: onnx.ModelProto, quantized: onnx.ModelProto, *, inputs=None, dims=None) -> dict:
-    """Per float output of the original: max relative error of the quantized model against it,
-    and, for outputs that score classes (logits), the share of rows whose argmax agrees."""
-    runner, feeds, ref = verify.original_run(original, inputs=inputs, dims=dims)
+def _outputs(model: onnx.ModelProto, rows: Rows) -> tuple[list[str], list[np.ndarray]]:
+    """The model's outputs on every row, run after run, joined along the batch axis."""
     try:
-        got = verify.session(quantized).run(None, feeds)
+        sess = verify.session(model)
+        runs = [sess.run(None, feeds) for feeds in rows.runs()]
     except Exception as e:
-        raise LnfoldError(f"onnxruntime cannot run the quantized model: {str(e).splitlines()[0][:200]}") from None
+        raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
+    joined = [np.concatenate(parts) if len(runs) > 1 and parts[0].ndim else parts[0]
+              for parts in (list(p) for p in zip(*runs))]
+    return [o.name for o in sess.get_outputs()], joined
+
+
+def rel_rms(ref: np.ndarray, got: np.ndarray) -> float:
+    """‖a − b‖ / ‖a‖ over every element: the error of a typical entry (one entry sets the max)."""
+    a, b = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-300))
+
+
+def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
+            reference: Optional[tuple] = None) -> dict:
+    """Per float output of the original: max relative error and relative RMS error of the
+    quantized model against it on `rows`, and, for outputs that score classes (logits), the share
+    of rows whose argmax agrees. `reference`: the original's (names, outputs), if already run."""
+    names, ref = reference or _outputs(original, rows)
+    _, got = _outputs(quantized, rows)
     errors = {}
-    for name, a, b in zip(runner.names, ref, got):
+    for name, a, b in zip(names, ref, got):
         a, b = np.asarray(a), np.asarray(b)
         if not np.issubdtype(a.dtype, np.floating):
             continue
-        entry = {"max_rel_err": max_rel_err(a, b)}
+        entry = {"max_rel_err": max_rel_err(a, b), "rel_rms": rel_rms(a, b) if a.shape == b.shape else float("inf")}
         if _is_scores(name) and a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
             entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1)).mean())
         errors[name] = entry
-    described = "the given inputs" if inputs is not None else "made-up inputs (" + ", ".join(
-        f"{k} {list(v.shape)}" for k, v in feeds.items()) + ")"
-    return {"errors": errors, "inputs": described}
+    return errors
+
+
+def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
+    """Inputs the verification makes up (verify.original_run), as Rows."""
+    _, feeds, _ = verify.original_run(original, dims=dims)
+    return Rows(feeds, None)
+
+
+def output_errors(original: onnx.ModelProto, quantized: onnx.ModelProto, *, inputs=None, dims=None) -> dict:
+    """`measure` on the given inputs (a dict or Rows), or on made-up ones: {"errors", "inputs"}."""
+    rows = (inputs if isinstance(inputs, Rows) else Rows(dict(inputs), model_batch(original))) \
+        if inputs is not None else made_up_rows(original, dims)
+    described = "the given inputs" if inputs is not None else made_up_description(rows)
+    return {"errors": measure(original, quantized, rows), "inputs": described}
+
+
+def made_up_description(rows: Rows) -> str:
+    return (f"made-up inputs ({rows.describe()}) — NOT your data: the error on real inputs can be far larger; "
+            "give --inputs or --calibrate")
+
+
+def score(errors: dict) -> float:
+    """What --rotate auto minimizes: the worst output's relative RMS error."""
+    return max((e["rel_rms"] for e in errors.values()), default=0.0)
+
+
+@dataclass
+class Measured:
+    """The rows the error is measured on (and --rotate auto chooses by), the rows that calibrate,
+    and the rows the fold is verified on (None: made-up ones)."""
+
+    rows: Rows
+    described: str
+    calibration: Optional[Rows]
+    verification: Optional[dict]
+    all_calibration: Optional[Rows] = None  # every --calibrate row (the written model's calibration)
+
+
+def measurement_rows(model: onnx.ModelProto, inputs, calibrate, activations: Optional[str], dims) -> Measured:
+    """--inputs when given; else the --calibrate rows (static activations: the last quarter held out
+    of calibration); else made-up inputs, said to be."""
+    calibration = load_rows(calibrate, model, "calibration inputs") if calibrate is not None else None
+    if inputs is not None:
+        rows = load_rows(inputs, model, "inputs")
+        return Measured(rows, f"your inputs ({rows.describe()})", calibration, rows.runs()[0])
+    if calibration is None:
+        rows = made_up_rows(model, dims)
+        return Measured(rows, made_up_description(rows), None, None)
+    if activations is None:  # nothing calibrates: every row measures
+        return Measured(calibration, f"your --calibrate rows ({calibration.describe()})", None, calibration.runs()[0])
+    unit = calibration.batch or 1
+    n = calibration.count
+    if n is None or n < 2 * unit:
+        return Measured(calibration, f"the calibration rows themselves ({calibration.describe()}; too few to hold "
+                        "any out: give --inputs for an independent figure)", calibration, calibration.runs()[0])
+    fit, held = calibration.split(max(1, n // unit // 4) * unit)
+    return Measured(held, f"{held.count} held-out --calibrate rows ({held.describe()}), not used to calibrate; "
+                    f"calibrated on the other {fit.count}", fit, held.runs()[0], calibration)
 
 
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
                    rotate: Optional[str] = None, seed: int = 0, block_size: int = 128, per_channel: bool = False,
                    fold: bool = True, gamma_into_readers: Optional[bool] = None, inputs=None,
-                   dims: Optional[dict] = None) -> QuantizeResult:
+                   dims: Optional[dict] = None, verify: bool = True) -> QuantizeResult:
     """Fold `model` exactly, then quantize it with onnxruntime's quantizer; NOT exact.
 
     `weights` "int8" (with `activations=None`: onnxruntime's quantize_dynamic) or "int4"
     (MatMulNBitsQuantizer, weight-only, `block_size` along K); `activations="int8"` with
     int8 weights: quantize_static, QDQ, calibrated on `calibrate` (an .npz path or a dict
-    name -> array; rows along the first axis). `per_channel`: onnxruntime's per-channel int8
-    weights. `rotate` ("hadamard", "orthogonal", seeded by `seed`) rotates each folded stream
-    after moving the norms' γ into their readers (`gamma_into_readers`, default: with a
-    rotation). `fold=False` hands the model to the quantizer as given (plain onnxruntime, with
-    the same Gemm rewrite and settings: the baseline). `inputs` / `dims`: the verification inputs
-    (as for fold_onnx), on which the fold is verified and the quantized model's error measured.
+    name -> array; rows along the first axis, fed in the model's batch size; the last quarter is
+    held out to measure the error unless `inputs` are given). `per_channel`: onnxruntime's
+    per-channel int8 weights. `rotate` ("hadamard", "orthogonal", their "-keep-ln" variants,
+    seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
+    (`gamma_into_readers`, default: with a rotation that rotates a stream); `rotate="auto"` tries
+    AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation) and keeps the one with
+    the lowest relative RMS error on the measurement rows. `fold=False` hands the model to the
+    quantizer as given (plain onnxruntime, with the same Gemm rewrite and settings: the baseline).
+    `inputs` / `dims`: the measurement inputs (as for fold_onnx; `--calibrate` rows or made-up
+    ones otherwise). `verify=False` skips the fold's float64 verification.
 
     Returns QuantizeResult(model, report, fold); report.exact is False.
     """
     t0 = time.perf_counter()
     check_options(weights, activations, calibrate, rotate, block_size, seed)
+    if rotate == AUTO and (gamma_into_readers is not None or not fold):
+        raise LnfoldError("--rotate auto chooses the fold, γ's place and the rotation itself: "
+                          "drop fold=False / gamma_into_readers")
     if isinstance(model, (str, os.PathLike)):
         model = load(model)
     elif not isinstance(model, onnx.ModelProto):
         raise LnfoldError(f"expected an onnx.ModelProto or a path to one, got {type(model).__name__}")
-    inputs, dims = check_verify_args(model, inputs, dims)
-    calibration = None
-    if calibrate is not None:
-        calibration = synth.load_npz(calibrate, model) if isinstance(calibrate, (str, os.PathLike)) \
-            else synth.check_feeds(dict(calibrate), model, "calibration inputs")
-    prepared = prepare(model, fold=fold, rotate=rotate, seed=seed, gamma_into_readers=gamma_into_readers,
-                       inputs=inputs, dims=dims)
+    dims = check_verify_args(model, None, dims)[1]
+    m = measurement_rows(model, inputs, calibrate, activations, dims)
+    reference = _outputs(model, m.rows)
+    scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
+                  per_channel=per_channel)
+    trials: list[dict] = []
+    if rotate == AUTO:
+        prepared, quantized, errors, trials = _choose(model, scheme, m, reference, dims, seed, verify)
+    else:
+        prepared = prepare(model, fold=fold, rotate=rotate, seed=seed, gamma_into_readers=gamma_into_readers,
+                           inputs=m.verification, dims=dims, verify=verify)
+        quantized = run_quantizer(prepared.model, **scheme)
+        errors = measure(model, quantized, m.rows, reference)
+    if m.all_calibration is not None:  # measured held out; the model written: calibrated on every row
+        quantized = run_quantizer(prepared.model, **{**scheme, "calibration": m.all_calibration})
+        prepared.notes.append(f"the error was measured calibrated on {m.calibration.count} rows; the model written is "
+                              f"calibrated on all {m.all_calibration.count}")
     t1 = time.perf_counter()
-    quantized = run_quantizer(prepared.model, weights, activations, calibration=calibration, block_size=block_size,
-                              per_channel=per_channel)
-    t2 = time.perf_counter()
-    measured = output_errors(model, quantized, inputs=inputs, dims=dims)
     f = prepared.fold
+    chosen = next((t for t in trials if t.get("chosen")), None)
+    rotated = chosen["rotate"] if chosen else rotate
     report = QuantizeReport(
         scheme=scheme_name(weights, activations, block_size, per_channel), weights=weights, activations=activations,
         block_size=block_size if weights == "int4" else None, per_channel=per_channel,
         folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
         fold_verified=f.criterion if f else None, fold_max_rel_err=f.max_rel_err if f else None,
-        gamma_into_readers=bool(f) and (bool(rotate) if gamma_into_readers is None else gamma_into_readers),
-        rotate=rotate, seed=seed if rotate else None, rotation=_rotation_summary(f), rotated_streams=rotated_streams(f),
-        linear_layers=len(linear_layers(prepared.model)), ops_before=dict(op_counts(prepared.model)),
-        ops_after=dict(op_counts(quantized)), bytes_before=model.ByteSize(), bytes_after=quantized.ByteSize(),
-        errors=measured["errors"], error_inputs=measured["inputs"], notes=prepared.notes,
-        timings={"fold": t1 - t0, "quantize": t2 - t1, "measure": time.perf_counter() - t2})
+        gamma_into_readers=prepared.gamma_into_readers,
+        rotate=rotated, seed=seed if rotated else None, rotation=_rotation_summary(f),
+        rotated_streams=rotated_streams(f), linear_layers=len(linear_layers(prepared.model)),
+        ops_before=dict(op_counts(prepared.model)), ops_after=dict(op_counts(quantized)),
+        bytes_before=model.ByteSize(), bytes_after=quantized.ByteSize(), errors=errors, error_inputs=m.described,
+        notes=prepared.notes, timings={"total": t1 - t0}, candidates=trials,
+        chosen=chosen["why"] if chosen else None)
     _stamp(quantized, report)
     return QuantizeResult(quantized, report, f)
+
+
+def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify: bool):
+    """--rotate auto: each candidate prepared (unverified), quantized and measured on m.rows; the
+    best (lowest `score`) kept, its fold then verified. Returns (prepared, quantized, errors, trials)."""
+    trials, best = [], None
+    for label, opts in AUTO_CANDIDATES:
+        trial = {"candidate": label, "rotate": opts.get("rotate")}
+        trials.append(trial)
+        try:
+            prepared = prepare(model, seed=seed, dims=dims, verify=False, **opts)
+        except LnfoldError as e:
+            trial["skipped"] = str(e)[:160]
+            continue
+        if opts.get("rotate") and not rotated_streams(prepared.fold):
+            trial["skipped"] = "rotates no stream (the same as the fold)"
+            continue
+        if opts.get("gamma_into_readers") and not any(n.gamma.startswith("into") for n in prepared.fold.report.norms):
+            trial["skipped"] = "no γ can move (the same as the fold)"
+            continue
+        quantized = run_quantizer(prepared.model, **scheme)
+        errors = measure(model, quantized, m.rows, reference)
+        trial.update(score=score(errors), max_rel_err=max(e["max_rel_err"] for e in errors.values()))
+        if best is None or trial["score"] < (1 - AUTO_MARGIN) * best[0]["score"]:
+            best = (trial, prepared, quantized, errors)
+    if best is None:
+        raise LnfoldError("--rotate auto: no candidate could be quantized: " + "; ".join(
+            f"{t['candidate']}: {t.get('skipped')}" for t in trials))
+    trial, prepared, quantized, errors = best
+    trial["chosen"] = True
+    base = trials[0].get("score")
+    trial["why"] = (f"{trial['candidate']}: the lowest relative RMS error ({trial['score']:.3g}) of "
+                    f"{sum('score' in t for t in trials)} candidates on the measurement rows, simpler ones kept "
+                    f"unless beaten by over {AUTO_MARGIN:.0%}"
+                    + (f" (onnxruntime alone: {base:.3g})" if base is not None and trial is not trials[0] else ""))
+    if verify and prepared.fold is not None:  # the chosen fold, verified like any fold
+        record(prepared.fold, check_equivalent(model, prepared.fold.model, inputs=m.verification, dims=dims))
+    return prepared, quantized, errors, trials
 
 
 def rotated_streams(fold: Optional[FoldResult]) -> int:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..passes import LnfoldError
-from .quantize import ACTIVATIONS, ROTATIONS, WEIGHTS
+from .quantize import ACTIVATIONS, AUTO, ROTATIONS, WEIGHTS
 
 _DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their weights into the readers and "
                 "rotate the residual stream (exact, verified), then quantize the linear layers with "
@@ -31,12 +31,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     q.add_argument("--activations", choices=ACTIVATIONS,
                    help="int8: static int8 activations (W8A8, QDQ), calibrated on --calibrate")
     q.add_argument("--calibrate", metavar="FILE.npz",
-                   help="calibration inputs for --activations int8: one array per model input, rows along "
-                        "the first axis")
-    q.add_argument("--rotate", choices=ROTATIONS,
+                   help="your representative inputs: one array per model input, rows along the first axis (fed "
+                        "in the model's batch size). With --activations int8 they calibrate and the last quarter is "
+                        "held out to measure the error; otherwise the error (and --rotate auto's choice) is measured "
+                        "on them")
+    q.add_argument("--rotate", choices=ROTATIONS + (AUTO,),
                    help="rotate each folded residual stream (γ moved into the readers first): hadamard (a "
                         "randomized Hadamard where the width has one, else a random orthogonal matrix) or "
-                        "orthogonal; exact, verified; spreads outlier channels before quantization")
+                        "orthogonal (-keep-ln: Q·1 = 1); exact, verified; spreads outlier channels before "
+                        "quantization. auto: try the model as given, the fold, γ moved, and each rotation, "
+                        "quantize each, keep the lowest error on your rows (--inputs or --calibrate)")
     q.add_argument("--seed", type=int, default=0, help="the rotation's random seed (default 0)")
     q.add_argument("--block-size", type=int, default=128,
                    help="int4: weights per quantization block along K (a power of two >= 16; default 128, "
@@ -44,8 +48,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     q.add_argument("--per-channel", action="store_true",
                    help="int8: one weight scale per output channel (onnxruntime's per_channel)")
     q.add_argument("--inputs", metavar="FILE.npz",
-                   help="verify the fold and measure the quantized model's error on these inputs instead of "
-                        "made-up ones")
+                   help="verify the fold and measure the quantized model's error (and choose, with --rotate "
+                        "auto) on these inputs instead of --calibrate rows or made-up ones")
     q.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
     q.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -36,15 +36,23 @@ class QuantizeReport:
     ops_after: dict  # the same, quantized
     bytes_before: int  # the input model
     bytes_after: int  # the quantized model
-    errors: dict  # output -> {"max_rel_err": ..., "top1_agreement": ...} against the float input model
+    errors: dict  # output -> {"max_rel_err", "rel_rms", "top1_agreement"} against the float input model
     error_inputs: str  # what they were measured on
     notes: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    # --rotate auto: every candidate tried ({"candidate", "score" (worst output's relative RMS
+    # error), "max_rel_err"} or {"candidate", "skipped"}) and the one kept, with why
+    candidates: list = field(default_factory=list)
+    chosen: Optional[str] = None
     exact: bool = False  # quantization is not exact: see `errors`
 
     @property
     def max_rel_err(self) -> float:
         return max((e["max_rel_err"] for e in self.errors.values()), default=0.0)
+
+    @property
+    def rel_rms(self) -> float:
+        return max((e["rel_rms"] for e in self.errors.values()), default=0.0)
 
     def changed_ops(self) -> dict:
         """op kind -> (before, after) for the kinds whose count the quantizer changed."""
@@ -67,7 +75,7 @@ class QuantizeReport:
         parts = []
         for name, e in self.errors.items():
             agree = f", top-1 agreement {e['top1_agreement']:.1%}" if "top1_agreement" in e else ""
-            parts.append(f"{name}: max rel. error {e['max_rel_err']:.2e}{agree}")
+            parts.append(f"{name}: rel. RMS error {e['rel_rms']:.2e}, max rel. error {e['max_rel_err']:.2e}{agree}")
         return "; ".join(parts) or "no float output to compare"
 
     def table(self) -> str:
@@ -80,6 +88,12 @@ class QuantizeReport:
         if self.rotation:
             lines.append(f"rotation: {self.rotation}")
         lines += [f"note: {n}" for n in self.notes]
+        for t in self.candidates:
+            said = (f"skipped: {t['skipped']}" if "skipped" in t else
+                    f"rel. RMS error {t['score']:.3e}, max rel. error {t['max_rel_err']:.3e}")
+            lines.append(f"auto: {t['candidate']}: {said}{'  <- chosen' if t.get('chosen') else ''}")
+        if self.chosen:
+            lines.append(f"auto chose {self.chosen} (chosen and measured on the same rows)")
         lines.append(f"NOT exact (quantization): against the float model on {self.error_inputs}: {self.error_line()}")
         return "\n".join(lines)
 
@@ -87,12 +101,13 @@ class QuantizeReport:
         """One line for the model's metadata_props."""
         rot = f", {self.rotated_streams} stream(s) rotated {self.rotate} (seed {self.seed})" if self.rotated_streams else ""
         fold = f"{self.folded} LayerNorm(s) folded exactly{rot}; " if self.fold_verified else ""
-        return (f"{fold}then quantized: {self.scheme}. NOT exact: max rel. error {self.max_rel_err:.2e} against the "
-                f"float model on {self.error_inputs}")
+        return (f"{fold}then quantized: {self.scheme}. NOT exact: rel. RMS error {self.rel_rms:.2e}, max rel. error "
+                f"{self.max_rel_err:.2e} against the float model on {self.error_inputs}")
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["max_rel_err"] = self.max_rel_err
+        d["rel_rms"] = self.rel_rms
         d["changed_ops"] = {k: list(v) for k, v in self.changed_ops().items()}
         return d
 
