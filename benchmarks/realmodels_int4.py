@@ -95,7 +95,7 @@ def nbits(prepared: onnx.ModelProto, block: int, algo: str, calibration: dict, e
                                            block_size=block)
     with q._quiet_quantizers():
         quantizer = MatMulNBitsQuantizer(q._copy(prepared), bits=4, block_size=block, is_symmetric=True,
-                                         nodes_to_include=nodes, algo_config=config)
+                                         nodes_to_include=nodes, nodes_to_exclude=list(exclude), algo_config=config)
         quantizer.process()
     return quantizer.model.model
 

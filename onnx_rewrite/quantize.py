@@ -246,8 +246,10 @@ def _quantize(prepared, nodes, weights, activations, calibration, block_size, pe
     extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
     if weights == "int4":
         MatMulNBitsQuantizer = _nbits_quantizer()
+        # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others are excluded
+        others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
         q = MatMulNBitsQuantizer(_copy(prepared), bits=4, block_size=block_size, is_symmetric=True,
-                                 nodes_to_include=nodes)
+                                 nodes_to_include=nodes, nodes_to_exclude=others)
         q.process()
         return q.model.model
     with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
