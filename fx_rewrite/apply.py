@@ -199,7 +199,10 @@ class Applier:
 
     # --- recenters ---------------------------------------------------------------------------
     def _recenter(self, value: str, axis: int) -> None:
-        """x - mean(x) along the feature axis, for a stream start no constant edit can center."""
+        """x - mean(x) along the feature axis, for a stream start no constant edit can center.
+
+        Two passes, as in onnx_rewrite/emit.py (DESIGN §4 says why): c = x - mean(x), then
+        c - mean(c), which removes the rounding of mean(x) that one pass leaves along 1."""
         x = self.nodes[value]
         where = x
         if x.op == "placeholder":
@@ -207,8 +210,12 @@ class Applier:
         with self.graph.inserting_after(where):
             mean = self.dialect.mean(self.graph, x, axis)
         with self.graph.inserting_after(mean):
-            centered = self.dialect.sub(self.graph, x, mean)
-        x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not centered)
+            rough = self.dialect.sub(self.graph, x, mean)
+        with self.graph.inserting_after(rough):
+            residual = self.dialect.mean(self.graph, rough, axis)
+        with self.graph.inserting_after(residual):
+            centered = self.dialect.sub(self.graph, rough, residual)
+        x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not rough)
 
     # --- norms -------------------------------------------------------------------------------
     def _readout(self, plan: Plan, name: str) -> Optional[fx.Node]:

@@ -158,13 +158,22 @@ class Emitter:
         return self.node("ReduceMean", [x], [out], axes=axes, keepdims=1)
 
     def _recenter(self, value: str, axis: int) -> None:
-        """x - mean(x) along the feature axis, for a stream start no constant edit can center."""
+        """x - mean(x) along the feature axis, for a stream start no constant edit can center.
+
+        Two passes (c = x - mean(x), then c - mean(c)): one leaves the rounding of mean(x) in every
+        row, up to an ulp of |mean(x)| along 1, which every RMSNorm downstream keeps (a LayerNorm
+        removed it) and which is far above the row's own spread where a nonlinearity saturates
+        (DESIGN §4: tanh(Linear), 6x the original's error). The second mean is of values the size
+        of that residual, so what it leaves is an ulp of the residual."""
         x = self.info_tensor(value)
         readers = list(x.outputs)
-        mean = self.var(f"{value}/lnfold_mean", x.dtype)
+        mean, rough = self.var(f"{value}/lnfold_mean", x.dtype), self.var(f"{value}/lnfold_rough", x.dtype)
+        residual = self.var(f"{value}/lnfold_residual_mean", x.dtype)
         centered = self.var(f"{value}/lnfold_recentered", x.dtype)
         self._reduce_mean(x, [axis], mean)
-        self.node("Sub", [x, mean], [centered])
+        self.node("Sub", [x, mean], [rough])
+        self._reduce_mean(rough, [axis], residual)
+        self.node("Sub", [rough, residual], [centered])
         for r in readers:
             _replace_input(r, x, centered)
 
