@@ -24,8 +24,8 @@ from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamRotation, plan_rotation
-from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
-                    Recenter, Rotate, Scale)
+from .edits import (AddWeightTimes, Center, ConstEdit, FoldDecompression, Identity, NewBias, Ones,  # noqa: F401
+                    Project, Recenter, Scale)
 from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
@@ -298,7 +298,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
             for s in src.scales:
                 scaled_by.setdefault(s.user, k)
                 ops = use(s.value, s.user, s.user_input)[1]
-                ops[:] = [Ones()] + ([Drop(s.axis)] if shrink and _size(view, s.value, s.axis) != 1 else [])
+                ops[:] = [Ones()] + ([_drop_last(s.axis, cc.width)] if shrink and _size(view, s.value, s.axis) != 1 else [])
             for ref in src.refs:
                 key = (ref.value, ref.user, ref.user_input)
                 ops = use(*key)[1]
@@ -308,7 +308,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                     continue
                 ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [center]
                 if shrink and ref.axis is not None and _size(view, ref.value, ref.axis) != 1:
-                    ops.append(Drop(ref.axis))
+                    ops.append(_drop_last(ref.axis, cc.width))
         if shrink:
             for a in cc.absorbs:
                 w = a.read.weight
@@ -329,7 +329,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         _gamma_and_rotation(view, plan, request, use, verdicts)
 
     # W β joins the reader's output: it takes the source edits too
-    plan.new_biases[:] = [replace(nb, then=tuple(_drop_axis(op, nb.weight.axis) for op in uses.get(
+    plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis) for op in uses.get(
                               (nb.weight.value, nb.weight.user, nb.weight.user_input), ([], []))[1]))
                           for nb in plan.new_biases]
 
@@ -381,8 +381,8 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
 
 def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, verdicts) -> None:
     """γ into the readers' weights (passes/gamma.py), then each folded stream's rotation
-    (passes/rotate.py): reader ops (Scale by γ, then Rotate of the input side) and source ops
-    (after the centering: Rotate of the output side), all float64 with the other edits."""
+    (passes/rotate.py): reader ops (Scale by γ, then Project of the input side) and source ops
+    (after the centering: Project of the output side), all float64 with the other edits."""
     caps = request.target
     swaps = frozenset(plan.swaps)
     refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
@@ -459,6 +459,11 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
     return fuses(tuple(shapes[0]))
 
 
+def _drop_last(axis: int, width: int) -> Project:
+    """A compressed stream's writer keeps its first d−1 entries (CRMSNorm: the last is minus their sum)."""
+    return Project(axis, Identity(width), width - 1)
+
+
 def _center(ref) -> Center:
     b = ref.block
     return Center(ref.axis) if b is None else Center(ref.axis, b.size, b.lo, b.hi, b.stride)
@@ -481,20 +486,6 @@ def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
             readers.add(s.user)
     edits.recentered = [o.what for o in comp.opaque]
     return edits, readers
-
-
-def _drop_axis(op, gone: int):
-    """`op` on a weight, moved to `W v`, which lacks the weight's axis `gone`."""
-    shift = (lambda a: a if a is None or a < gone else a - 1)
-    if isinstance(op, Scale):
-        return Scale(op.by, op.by_axis, shift(op.axis))
-    if isinstance(op, Center):
-        return Center(shift(op.axis), op.block, op.lo, op.hi, op.stride)
-    if isinstance(op, Drop):
-        return type(op)(shift(op.axis))
-    if isinstance(op, Rotate):
-        return replace(op, axis=shift(op.axis))
-    return op
 
 
 def _size(view: View, value: str, axis: int):
