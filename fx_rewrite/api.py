@@ -25,7 +25,7 @@ from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, make
 from ..passes.geometry import geometry as measured, norm_inputs
 from ..passes.defer import EAGER, compute_biases
 from ..passes.options import FoldOptions, check_choice
-from ..passes.request import Capabilities, PlanRequest
+from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
 from . import defer as deferred_norm
@@ -140,12 +140,12 @@ class ExportFrontend:
     def tensor(self, name: str) -> torch.Tensor:
         return _attr(self.gm, self.attrs[name])
 
-    def request(self) -> PlanRequest:
+    def zero(self, name: str) -> bool:
         # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
-        zero = lambda name: name in self.attrs and not bool(self.tensor(name).any())  # noqa: E731
-        return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero,
-                           gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
-                           seed=self.opts.seed, approx=self.approx)
+        return name in self.attrs and not bool(self.tensor(name).any())
+
+    def request(self) -> PlanRequest:
+        return request_from(self.opts, Capabilities(costs=EAGER), zero=self.zero, approx=self.approx)
 
     def check(self, plan: Plan) -> None:
         check_plan(plan)

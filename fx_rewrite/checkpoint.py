@@ -34,7 +34,7 @@ from ..passes.depth import SHALLOW, Blocks, NotExtensible
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.report import Report
-from ..passes.request import Capabilities, PlanRequest
+from ..passes.request import Capabilities, request_from
 from ..passes.shards import TensorJob, untie
 from .safetensors_io import read_header
 
@@ -308,7 +308,7 @@ def _plan_of(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPla
                     return f"it edits `{r.value}`, which is not a tensor of the checkpoint"
         return None
 
-    plan = make_plan(view, PlanRequest(mode, "off", STOCK, refuse=refuse))
+    plan = make_plan(view, request_from(frontend.opts, STOCK, refuse=refuse))
     if plan.recenters or plan.new_biases or any(cc.compressed for cc in plan.compressions) or plan.deferral.deferred:
         raise LnfoldError("internal: the plan asks for ops a checkpoint cannot hold")  # pragma: no cover
     modules = {n.name: _module_path(n) for n in frontend.gm.graph.nodes}

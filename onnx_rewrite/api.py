@@ -16,7 +16,7 @@ from onnx import version_converter
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
-from ..passes.request import PlanRequest
+from ..passes.request import PlanRequest, request_from
 from ..passes import approx
 from ..passes.approx import METADATA_KEY as APPROX_KEY, MODE as APPROX_MODE
 
@@ -114,10 +114,8 @@ class OnnxFrontend:
         return view
 
     def request(self) -> PlanRequest:
-        return PlanRequest(self.opts.mode, self.opts.defer, self.target.capabilities(),
-                           zero=lambda name: _all_zero(self.info, name),
-                           gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
-                           seed=self.opts.seed, approx=self.approx)
+        return request_from(self.opts, self.target.capabilities(), zero=lambda name: _all_zero(self.info, name),
+                            approx=self.approx)
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms:

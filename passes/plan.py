@@ -95,6 +95,24 @@ class Plan:
         """The IR node that view node `node` stands for (a fused op's part: the op)."""
         return self.origins.get(node, node)
 
+    def scoped(self, mine: Callable[[str], bool], local: Callable[[str], str], *, main: bool) -> "Plan":
+        """The share of the plan that one graph of a model with subgraphs applies (ONNX If branches:
+        onnx_rewrite/subgraphs.py), in that graph's own names (`local`) for the names it owns (`mine`).
+        Deferred and CRMS norms and new biases are the main graph's alone (branch ops offer neither)."""
+        def names(ns) -> FrozenList:
+            return FrozenList(local(n) for n in ns if mine(n))
+
+        rotations = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)))
+                               for r in self.rotations)
+        main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
+                         origins=self.origins) if main else {}
+        return Plan(mode=self.mode, swaps=names(self.swaps),
+                    recenters=FrozenList(replace(r, value=local(r.value)) for r in self.recenters if mine(r.value)),
+                    betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
+                    fuse_residual=names(self.fuse_residual),
+                    gammas=MappingProxyType({local(n): g for n, g in self.gammas.items() if mine(n)}),
+                    rotations=rotations, approx=names(self.approx), **main_only)
+
     def emits_beta_add(self, norm: str) -> bool:
         """Whether the RMSNorm that replaces `norm` is followed by its β Add."""
         bf = self.betas.get(norm)

@@ -10,7 +10,7 @@ slices instead of one float64 copy of it (`chunk_axis`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping
 
 from .edits import Center
 
