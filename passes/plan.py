@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+
+import numpy as np
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 from . import beta as betas
@@ -24,8 +26,8 @@ from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamRotation, plan_rotation
-from .edits import (AddWeightTimes, Center, ConstEdit, FoldDecompression, Identity, NewBias, Ones,  # noqa: F401
-                    Project, Recenter, Scale)
+from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
+                    Ones, Project, Recenter, Scale)
 from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
@@ -35,6 +37,37 @@ from .view import View
 
 def _frozen_dict() -> Mapping:
     return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Readout:
+    """A norm whose output leaves a stream carried in another basis: after the unit-weight norm,
+    `· B[:, :keep]ᵀ · diag γ` takes it back to the original features (exact: passes/rotate.py)."""
+
+    basis: Basis
+    keep: int
+    gamma: Optional[str]  # the norm's γ constant (None: no γ)
+
+    def matrix(self, gamma: Optional[np.ndarray]) -> np.ndarray:
+        """The float64 (keep × d) matrix, given γ's values."""
+        q = self.basis.matrix()
+        q = np.eye(self.basis.dim) if q is None else q
+        g = np.ones(self.basis.dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
+        return q[:, :self.keep].T * g[None, :]
+
+
+@dataclass(frozen=True)
+class NormEmission:
+    """How one folded norm is emitted, as decided (the emitters read this, and no Plan flag)."""
+
+    norm: str
+    beta_add: bool  # its β Add follows the norm (False: β went into the readers, or is zero)
+    unit_gamma: bool  # γ went into the readers' weights: the norm's weight is ones
+    # its input is not zero-mean (its stream is carried in a basis with B·1 ≠ 1): an RMSNorm, never a
+    # LayerNorm on the centered stream
+    rms_only: bool
+    fuse_residual: bool  # emitted fused with the residual Add before it
+    readout: Optional[Readout] = None
 
 
 @dataclass(frozen=True)
@@ -59,24 +92,19 @@ class Plan:
     gammas: Mapping[str, GammaFold] = field(default_factory=_frozen_dict)  # gamma_into_readers: per folded norm
     rotations: Sequence[StreamRotation] = FrozenList()  # rotate=: per folded stream, rotated or why not
 
-    @property
-    def unit_gamma(self) -> frozenset:
-        """The folded norms whose γ moved into their readers: emitted with unit weight."""
-        return frozenset([n for n, g in self.gammas.items() if g.moved] + list(self.readouts))
+    approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
+    # how each swapped norm that is neither deferred nor a CRMSNorm is emitted
+    emissions: Mapping[str, NormEmission] = field(default_factory=_frozen_dict)
 
     @property
-    def readouts(self) -> dict:
-        """Norm -> (kind, dim, seed, γ) of the rotated streams' norms that un-rotate their output
-        (passes/rotate.readout_matrix): emitted with unit weight, then `· Qᵀ·diag γ`."""
-        return {n: (r.kind, r.dim, r.seed, self.gammas[n].gamma)
-                for r in self.rotations if r.rotated for n in r.readouts}
+    def unit_gamma(self) -> frozenset:
+        """The folded norms emitted with unit weight (γ in their readers, or in a readout's matrix)."""
+        return frozenset(n for n, e in self.emissions.items() if e.unit_gamma)
 
     @property
     def rotated_norms(self) -> frozenset:
-        """The norms of rotated streams whose input is no longer zero-mean (Q·1 ≠ 1): they must be
-        emitted as RMSNorms, never as a LayerNorm on the (formerly) centered stream."""
-        return frozenset(n for r in self.rotations if r.rotated and not r.keeps_mean for n in r.norms)
-    approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
+        """The norms whose input is no longer zero-mean (a stream rotated by a Q with Q·1 ≠ 1)."""
+        return frozenset(n for n, e in self.emissions.items() if e.rms_only)
 
     @property
     def empty(self) -> bool:
@@ -111,12 +139,10 @@ class Plan:
                     betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
                     fuse_residual=names(self.fuse_residual),
                     gammas=MappingProxyType({local(n): g for n, g in self.gammas.items() if mine(n)}),
-                    rotations=rotations, approx=names(self.approx), **main_only)
+                    rotations=rotations, approx=names(self.approx),
+                    emissions=MappingProxyType({local(n): replace(e, norm=local(n))
+                                                for n, e in self.emissions.items() if mine(n)}), **main_only)
 
-    def emits_beta_add(self, norm: str) -> bool:
-        """Whether the RMSNorm that replaces `norm` is followed by its β Add."""
-        bf = self.betas.get(norm)
-        return bf is None or bf.emits_add
 
 
 @dataclass
@@ -201,7 +227,25 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     deferral = plan_deferral(view, plan, defer, caps.costs)
     _defer(view, plan, deferral)
     approx = approximate(view, plan.report, request.approx)
-    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx)
+    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx,
+                       emissions=MappingProxyType(_emissions(plan, deferral)))
+
+
+def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
+    """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
+    skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
+    readouts = {n: Readout(r.basis, r.dim, plan.gammas[n].gamma)
+                for r in plan.rotations if r.rotated for n in r.readouts}
+    rms_only = {n for r in plan.rotations if r.rotated and not r.keeps_mean for n in r.norms}
+    moved = {n for n, g in plan.gammas.items() if g.moved}
+    out = {}
+    for n in plan.swaps:
+        if n in skip:
+            continue
+        bf = plan.betas.get(n)
+        out[n] = NormEmission(n, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
+                              rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n))
+    return out
 
 
 def approximate(view: View, report: Report, names: frozenset) -> FrozenList:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 
 from . import orthogonal
 from .analysis import Component
@@ -50,6 +49,10 @@ class StreamRotation:
     # with unit weight followed by a constant `· Qᵀ·diag γ` (`readout_matrix`), which un-rotates
     # their output exactly, at the cost of one d×d MatMul each
     readouts: list[str] = field(default_factory=list)
+
+    @property
+    def basis(self) -> Seeded:
+        return Seeded(self.kind, self.dim, self.seed)
 
     @property
     def rotated(self) -> bool:
@@ -103,14 +106,6 @@ def _readout(view: View, g: GammaFold) -> bool:
     rank = view.values[node.outputs[0]].rank
     return (not g.moved and g.by_readers and rank is not None and node.norm.axis == rank - 1
             and (g.gamma is None or view.values[g.gamma].is_const))
-
-
-def readout_matrix(kind: str, dim: int, seed: int, gamma) -> np.ndarray:
-    """`Qᵀ·diag γ` (float64): a unit-weight RMSNorm of the rotated stream times it is the original
-    norm's `γ ⊙ RMSNorm(x)` (its β, if any, is added after, as before)."""
-    q = orthogonal.matrix(kind, dim, seed)
-    g = np.ones(dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
-    return q.T * g[None, :]
 
 
 def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optional[str]:

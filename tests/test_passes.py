@@ -113,7 +113,7 @@ def _check_numerics(view: View, plan, layer_scale: bool) -> None:
     ids = np.random.default_rng(1).integers(0, V, (B, T))
     h0, h1, want = _forward(consts, ids, True, layer_scale)
     assert abs(h0.mean(-1)).max() > 1  # the test can fail: the stream starts far from zero-mean
-    f0, f1, got = _forward(folded, ids, False, layer_scale, plan.emits_beta_add("ln1"))
+    f0, f1, got = _forward(folded, ids, False, layer_scale, plan.emissions["ln1"].beta_add)
     assert abs(f0.mean(-1)).max() < 1e-9 and abs(f1.mean(-1)).max() < 1e-9
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
 
