@@ -25,7 +25,7 @@ from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, make
 from ..passes.geometry import geometry as measured, norm_inputs
 from ..passes.defer import EAGER, compute_biases
 from ..passes.options import FoldOptions, check_choice
-from ..passes.request import Capabilities, PlanRequest
+from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
 from . import defer as deferred_norm
@@ -140,12 +140,12 @@ class ExportFrontend:
     def tensor(self, name: str) -> torch.Tensor:
         return _attr(self.gm, self.attrs[name])
 
-    def request(self) -> PlanRequest:
+    def zero(self, name: str) -> bool:
         # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
-        zero = lambda name: name in self.attrs and not bool(self.tensor(name).any())  # noqa: E731
-        return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=EAGER), zero=zero,
-                           gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
-                           seed=self.opts.seed, approx=self.approx)
+        return name in self.attrs and not bool(self.tensor(name).any())
+
+    def request(self) -> PlanRequest:
+        return request_from(self.opts, Capabilities(costs=EAGER), zero=self.zero, approx=self.approx)
 
     def check(self, plan: Plan) -> None:
         check_plan(plan)
@@ -211,46 +211,48 @@ def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] 
 
 def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, calibration, budget,
                 heldout=None, metric=None, defer: str = "off", verify: bool = True, dynamic: bool = True) -> FoldResult:
-    """`fold_module(mode="rms-approx")`: the exact fold (verified), then the kept norms swapped to
-    RMSNorm (β kept; NOT exact) while the relative output error on `calibration` (an args tuple or
-    a list of them) stays <= `budget` (passes/approx.choose). The error on `heldout` (default: the
-    second half of the calibration data, which then does not decide) is in `report.approx`."""
-    budget = approx.check_budget(budget)
+    """`fold_module(mode="rms-approx")`: passes/approx.swap_within_budget over eager runs of folds that
+    differ only in the kept norms swapped (RMSNorm, β kept; NOT exact). `calibration`: an args tuple
+    or a list of them; `heldout` likewise (default: passes/geometry.heldout_split's rule)."""
+    approx.check_budget(budget)
     approx.check_calibration(calibration)
     opts = FoldOptions(defer=defer, verify=verify)
     batches, held = geometry.split(geometry.batches_of(calibration, tuple(args))[0], heldout)
-    base = ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm="auto", dynamic=dynamic)
-    view = base.view()
-    plan = make_plan(view, base.request())
-    if plan.swaps and opts.verify:  # the exact part is judged by the gate, as in every fold
-        fold_module(module, args, kwargs, defer=defer, dynamic=dynamic)
-    pristine = copy.deepcopy(base.gm)
+    trials = _ApproxTrials(ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm="auto", dynamic=dynamic))
+    return approx.swap_within_budget(trials, batches, held, budget, metric=metric, verify=opts.verify)
 
-    def build(names: frozenset) -> FoldResult:
-        # each try edits its own copy of the exported graph, classified anew (the view's info
-        # holds the graph's nodes): one export for all tries
-        trial = copy.copy(base)
-        trial.gm, trial.approx = copy.deepcopy(pristine), names
-        trial._view, trial.info = build_view(trial.gm.graph, set(base.attrs))
-        p = make_plan(trial._view, trial.request())
-        return trial.result(p, trial.apply(p))
 
-    measure = metric or approx.relative_error
-    reference = geometry.outputs(module, batches)
-    verdicts = plan.report.verdicts()
-    candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]
-    selection = approx.choose(candidates, lambda names: measure(reference, geometry.outputs(build(names).module, batches)),
-                              budget, "relative output error" if metric is None else getattr(metric, "__name__", "metric"))
-    selection.calibration_rows = sum(len(b[0]) for b in batches if b and hasattr(b[0], "__len__"))
-    result = build(selection.names)
-    if not plan.swaps and not selection.names:
-        raise NothingToFold(f"no LayerNorm can be folded, and none swapped within budget {budget:g}")
-    if held:
-        selection.heldout = measure(geometry.outputs(module, held), geometry.outputs(result.module, held))
-        selection.heldout_rows = sum(len(b[0]) for b in held if b and hasattr(b[0], "__len__"))
-    result.report = dataclasses.replace(result.report, approx=selection)
-    result.criterion = "approximate: not verified as equivalent; its error measured against the budget"
-    return result
+class _ApproxTrials:
+    """passes/approx.Trials over torch.export: one export; each try edits its own copy of the
+    exported graph, classified anew (the view's info holds the graph's nodes)."""
+
+    def __init__(self, base: ExportFrontend) -> None:
+        self.base = base
+
+    def exact_plan(self):
+        view = self.base.view()
+        self.pristine = copy.deepcopy(self.base.gm)
+        return view, make_plan(view, self.base.request())
+
+    def _trial(self, names: frozenset) -> tuple[ExportFrontend, Plan]:
+        trial = copy.copy(self.base)
+        trial.gm, trial.approx = copy.deepcopy(self.pristine), names
+        trial._view, trial.info = build_view(trial.gm.graph, set(self.base.attrs))
+        return trial, make_plan(trial._view, trial.request())
+
+    def verify_exact(self) -> None:
+        trial, plan = self._trial(frozenset())
+        trial.verify(plan, trial.apply(plan))
+
+    def build(self, names: frozenset, final: bool = False) -> FoldResult:
+        trial, plan = self._trial(names)
+        return trial.result(plan, trial.apply(plan))
+
+    def run(self, result: Optional[FoldResult], batches: list) -> list:
+        return geometry.outputs(self.base.module if result is None else result.module, batches)
+
+    def rows(self, batches: list) -> int:
+        return sum(len(b[0]) for b in batches if b and hasattr(b[0], "__len__"))
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",

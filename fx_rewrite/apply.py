@@ -28,7 +28,7 @@ from torch import fx
 from ..passes import Plan, View, compute_constants
 from ..passes.options import check_choice
 from ..passes.edits import ConstEdit, apply_ops
-from ..passes.rotate import readout_matrix
+from ..passes.plan import NormEmission
 
 from . import crms
 from .classify import GraphInfo, is_tuple_getitem, meta_val
@@ -164,8 +164,8 @@ class Applier:
             if name in crms_norms:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:
-                self._swap(self.nodes[name], plan.emits_beta_add(name), name in plan.unit_gamma,
-                           name in plan.rotated_norms, self._readout(plan, name))
+                how = plan.emissions[name]
+                self._swap(self.nodes[name], how.beta_add, how.unit_gamma, how.rms_only, self._readout(how))
         for name in plan.approx:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
             node = self.nodes[name]
             if node.name in self.info.decomposed:
@@ -218,14 +218,14 @@ class Applier:
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not rough)
 
     # --- norms -------------------------------------------------------------------------------
-    def _readout(self, plan: Plan, name: str) -> Optional[fx.Node]:
-        """A rotated stream's norm that un-rotates its output: `Qᵀ·diag γ` as a buffer
-        (passes/rotate.readout_matrix, float64, cast to the stream's dtype)."""
-        if name not in plan.readouts:
+    def _readout(self, how: NormEmission) -> Optional[fx.Node]:
+        """A norm whose output leaves a stream carried in another basis: `Bᵀ·diag γ` as a buffer
+        (passes/plan.Readout, float64, cast to the stream's dtype)."""
+        if how.readout is None:
             return None
-        kind, dim, seed, gamma = plan.readouts[name]
+        name, gamma = how.norm, how.readout.gamma
         like = self.constants.tensor_of(gamma) if gamma is not None else None
-        arr = readout_matrix(kind, dim, seed, None if like is None else to_numpy(like))
+        arr = how.readout.matrix(None if like is None else to_numpy(like))
         t = torch.from_numpy(arr).to(like.dtype if like is not None else torch.float32)
         attr = unique_attr(self.gm, f"lnfold_unrotate_{name}")
         self.gm.register_buffer(attr, t)

@@ -46,7 +46,7 @@ from torch import fx
 from ..passes import FoldResult, LnfoldError, Plan, Report, View, make_plan, pipeline
 from ..passes.defer import INDUCTOR_CPU
 from ..passes.options import FoldOptions
-from ..passes.request import Capabilities, PlanRequest
+from ..passes.request import Capabilities, PlanRequest, request_from
 
 from . import defer as deferred_norm
 from .apply import TORCH, Applier, GraphConstants
@@ -138,7 +138,7 @@ class DynamoFrontend:
     def request(self) -> PlanRequest:
         grad = torch.is_grad_enabled()
         trainable = lambda n: grad and n not in self.info.scalars and self.tensor(n).requires_grad  # noqa: E731
-        return PlanRequest(self.opts.mode, self.opts.defer, Capabilities(costs=INDUCTOR_CPU), trainable=trainable)
+        return request_from(self.opts, Capabilities(costs=INDUCTOR_CPU), trainable=trainable)
 
     def plan(self, view: View, request: PlanRequest) -> Plan:
         with self._unfolded_on_failure("analysis failed"):

@@ -34,7 +34,7 @@ from ..passes.depth import SHALLOW, Blocks, NotExtensible
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.report import Report
-from ..passes.request import Capabilities, PlanRequest
+from ..passes.request import Capabilities, request_from
 from ..passes.shards import TensorJob, untie
 from .safetensors_io import read_header
 
@@ -308,7 +308,7 @@ def _plan_of(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPla
                     return f"it edits `{r.value}`, which is not a tensor of the checkpoint"
         return None
 
-    plan = make_plan(view, PlanRequest(mode, "off", STOCK, refuse=refuse))
+    plan = make_plan(view, request_from(frontend.opts, STOCK, refuse=refuse))
     if plan.recenters or plan.new_biases or any(cc.compressed for cc in plan.compressions) or plan.deferral.deferred:
         raise LnfoldError("internal: the plan asks for ops a checkpoint cannot hold")  # pragma: no cover
     modules = {n.name: _module_path(n) for n in frontend.gm.graph.nodes}
@@ -329,8 +329,8 @@ def _plan_of(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPla
     in_place, new, untied = untie(groups, stored, edits)
     # an op's other constants (a LayerScale folded into its source) by their checkpoint names
     sources = {a: stored[n] for a, n in names.items() if n in stored}
-    in_place = {k: _named_ops(ops, sources) for k, ops in in_place.items()}
-    new = [TensorJob(t.name, t.source, _named_ops(t.ops, sources)) for t in new]
+    in_place = {k: tuple(op.renamed(sources) for op in ops) for k, ops in in_place.items()}
+    new = [TensorJob(t.name, t.source, tuple(op.renamed(sources) for op in t.ops)) for t in new]
     folded = [modules.get(s, s) for s in plan.swaps]
     return CheckpointPlan(report, in_place, new, untied, folded, stored, traced="every block")
 
@@ -362,15 +362,3 @@ def _module_path(node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return path.removeprefix("model.")
-
-
-def _named_ops(ops: tuple, sources: dict) -> tuple:
-    """`ops` with the constants they read renamed from the graph's names to the checkpoint's."""
-    from dataclasses import fields, replace
-
-    out = []
-    for op in ops:
-        changes = {f.name: sources[getattr(op, f.name)] for f in fields(op)
-                   if f.name in ("by", "weight", "vector") and getattr(op, f.name) in sources}
-        out.append(replace(op, **changes) if changes else op)
-    return tuple(out)

@@ -27,7 +27,8 @@ from ..passes import FoldResult, LnfoldError, pipeline
 from ..passes.edits import NUMPY, Center, apply_ops
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.shards import ShardJob, chunk_axis, rows_mean_axis, shard_work
+from ..passes.edits import chunk_axis
+from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
     skeleton, tied_groups

@@ -73,11 +73,11 @@ TENSOR = Algebra(
     center_blocks=center,
     scale=scale,
     ones=lambda x: x * 0 + 1,  # not ones_like: the parameter keeps a gradient path
-    drop=weights.drop_last,
     fold_decompression=weights.fold_decompression,
     add_weight_times=add_weight_times,
-    # a stream rotation's edit (passes/rotate.py), in the tensor's own dtype
-    rotate=lambda x, q, axis: weights.rotate(x, torch.from_numpy(np.asarray(q)).to(x.dtype), axis, torch.matmul),
+    # a change of the stream's basis (passes/edits.Project), in the tensor's own dtype
+    project=lambda x, q, keep, axis: weights.project(
+        x, None if q is None else torch.from_numpy(np.asarray(q)).to(x.dtype), keep, axis, torch.matmul),
 )
 
 
@@ -92,15 +92,20 @@ def graph_algebra(graph: fx.Graph, dialect, shape: tuple) -> Algebra:
     def call(fn):
         return lambda *args: g.call_function(fn, args)
 
+    def project(x, q, keep, axis):
+        if q is not None:  # the plan rotates no trained constant (passes/plan.py)
+            raise TypeError("the training fold cannot change a trained constant's basis")
+        return g.call_function(weights.project, (x, None, keep, axis))
+
     return Algebra(
         center=center_,
         center_blocks=lambda x, axis, block, lo, hi, stride:
             center_(x, axis) if shape[axis] == 1 else g.call_function(center, (x, axis, block, lo, hi, stride)),
         scale=lambda x, by, by_axis, axis: d.mul(g, x, g.call_function(profile, (by, by_axis, len(shape), axis))),
         ones=lambda x: d.ones_like(g, x),
-        drop=call(weights.drop_last),
         fold_decompression=call(weights.fold_decompression),
         add_weight_times=call(add_weight_times),
+        project=project,
     )
 
 

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from torch import fx
 
+from ..passes.geometry import heldout_split
+
 from .hf import pytree
 
 
@@ -57,17 +59,16 @@ def outputs(module, batches: list[tuple]) -> list[np.ndarray]:
 
 
 def split(batches: list[tuple], heldout: Optional[list]) -> tuple[list[tuple], Optional[list[tuple]]]:
-    """(calibration, held-out): the held-out batches given, else the second half of the batches,
-    or of each batch's rows where there is one batch (None: a single row)."""
+    """(calibration, held-out): the held-out batches given, else passes/geometry.heldout_split's rule."""
     if heldout is not None:
         return batches, batches_of(heldout, ())[0]
-    if len(batches) >= 2:
-        h = (len(batches) + 1) // 2
-        return batches[:h], batches[h:]
-    (args,) = batches
+    return heldout_split(batches, _rows, _cut)
+
+
+def _rows(args: tuple) -> Optional[int]:
     rows = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.ndim}
-    if len(rows) != 1 or min(rows) < 2:
-        return batches, None
-    h = (rows.pop() + 1) // 2
-    cut = lambda lo, hi: tuple(a[lo:hi] if isinstance(a, torch.Tensor) and a.ndim else a for a in args)  # noqa: E731
-    return [cut(0, h)], [cut(h, None)]
+    return rows.pop() if len(rows) == 1 else None
+
+
+def _cut(args: tuple, lo: int, hi: Optional[int]) -> tuple:
+    return tuple(a[lo:hi] if isinstance(a, torch.Tensor) and a.ndim else a for a in args)

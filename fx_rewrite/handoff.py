@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -41,7 +41,8 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, 
 from ..passes.edits import compute_constants, compute_new_bias
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan
-from ..passes.request import PlanRequest
+from ..passes.defer import EAGER
+from ..passes.request import Capabilities, PlanRequest, request_from
 
 from .api import ExportFrontend, check_plan
 from .edits import from_numpy, to_numpy
@@ -124,11 +125,11 @@ class HandoffFrontend(ExportFrontend):
         return view
 
     def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
-        base = super().request()
-        target = replace(base.target, name=HANDOFF, compresses=False, new_biases=True, norm_beta=False, readouts=False,
-                         swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
-        return replace(base, mode="rms", defer="off", target=target,
-                       refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
+        target = Capabilities(name=HANDOFF, costs=EAGER, compresses=False, new_biases=True, norm_beta=False,
+                              readouts=False,
+                              swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
+        return request_from(self.opts, target, zero=self.zero,
+                            refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
 
     def plan(self, view: View, request: PlanRequest) -> Plan:
         return self.mapper.plan(view, lambda conflicts: self.request(conflicts) if conflicts else request,

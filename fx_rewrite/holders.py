@@ -89,7 +89,7 @@ class ModuleMap:
                             f"{self.who} edits only parameters and buffers")
                 if self.tensor(ref.value) is None:
                     return (f"`{ref.value}` writes into the stream but is not a parameter or buffer of the "
-                            "module (a tensor made in forward?); {self.who} cannot edit it")
+                            f"module (a tensor made in forward?); {self.who} cannot edit it")
                 if self.holder(ref.value, ref.user) is None:
                     return f"cannot tell through which attribute `{ref.user}` reads `{self.attrs[ref.value]}`"
                 if ref.value in conflicts:

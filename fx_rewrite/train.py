@@ -41,7 +41,7 @@ from torch import nn
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
-from ..passes.request import Capabilities, PlanRequest
+from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Ones, Plan, Scale
 
 from ..passes.edits import apply_ops
@@ -169,8 +169,7 @@ class _TrainingFrontend:
         # rewrite the readers' weights and shapes: not done on an eager module.
         target = Capabilities(name="the module-level training fold", folds_beta=False, compresses=False,
                               swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
-        return PlanRequest(self.opts.mode, target=target,
-                           refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
+        return request_from(self.opts, target, refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))
 
     def plan(self, view: View, request: PlanRequest) -> Plan:
         """make_plan, asked again with more refusals while a tied tensor is read centered and

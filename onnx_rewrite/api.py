@@ -16,7 +16,7 @@ from onnx import version_converter
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
-from ..passes.request import PlanRequest
+from ..passes.request import PlanRequest, request_from
 from ..passes import approx
 from ..passes.approx import METADATA_KEY as APPROX_KEY, MODE as APPROX_MODE
 
@@ -83,7 +83,7 @@ class OnnxFrontend:
     verified in memory, or from the files written for `output` (the CLI; models over 2 GB)."""
 
     def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs=None, dims=None,
-                 progress: Progress = None, output=None, source=None, layout=None) -> None:
+                 progress: Progress = None, output=None, source=None, layout=None, prepared=None) -> None:
         self.model, self.opts, self.target = model, opts, target
         self.inputs, self.dims, self.progress = inputs, dims, progress
         self.output, self.source = output, source  # write to `output`, verify against the file `source`
@@ -91,8 +91,22 @@ class OnnxFrontend:
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
         self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
         self.approx: frozenset = frozenset()  # mode "rms-approx": the kept norms to swap (onnx_rewrite/approx.py)
+        # (model at the target's opset, opset, shapes): validated and inferred once; another frontend
+        # on the same model and target may start from it (the approximate swap's tries)
+        self.prepared = prepared
 
     def view(self) -> View:
+        if self.prepared is None:
+            self.prepared = self._prepare()
+        self.work, self.opset, shapes = self.prepared
+        self.graph = _import(self.work)
+        self.info = GraphInfo(self.graph, shapes)
+        view, self.matches = build_view(self.info, self.opset)
+        # If branches: one view with the main graph
+        self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset)
+        return view
+
+    def _prepare(self) -> tuple:
         need = self.target.opset
         if need and validate.check_opset(self.work) < need:
             pipeline.stage(self.progress, f"converting to opset {need} for {self.target.norm_op}")
@@ -102,22 +116,14 @@ class OnnxFrontend:
                 raise LnfoldError(f"--target {self.target.name} needs opset {need}; converting failed: "
                                   f"{str(e).splitlines()[0]}") from None
         model = self.work
-        self.opset = validate.check_opset(model)
+        opset = validate.check_opset(model)
         validate.check_graph(model)
         validate.check_tensors(model)
-        shapes = infer_shapes(model)
-        self.graph = _import(model)
-        self.info = GraphInfo(self.graph, shapes)
-        view, self.matches = build_view(self.info, self.opset)
-        # If branches: one view with the main graph
-        self.scopes = subgraphs.inline_branches(model, self.graph, view, self.opset)
-        return view
+        return model, opset, infer_shapes(model)
 
     def request(self) -> PlanRequest:
-        return PlanRequest(self.opts.mode, self.opts.defer, self.target.capabilities(),
-                           zero=lambda name: _all_zero(self.info, name),
-                           gamma_into_readers=self.opts.gamma_into_readers, rotate=self.opts.rotate,
-                           seed=self.opts.seed, approx=self.approx)
+        return request_from(self.opts, self.target.capabilities(), zero=lambda name: _all_zero(self.info, name),
+                            approx=self.approx)
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms:
@@ -291,44 +297,58 @@ def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str
 def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, metric=None, defer: str = "off",
                 verify: bool = True, target: str = "ort", device: str = "cpu", progress: Progress = None,
                 output=None, source=None, layout=None) -> FoldResult:
-    """Mode "rms-approx" (see fold_model): the exact fold, verified as always, then the kept norms
-    swapped under the budget (passes/approx.choose decides; each try is a plan with
-    `PlanRequest.approx`, applied and run in onnxruntime). Written to `output` when given."""
-    budget = approx.check_budget(budget)
+    """Mode "rms-approx" (see fold_model): passes/approx.swap_within_budget over onnxruntime runs of
+    folds that differ only in the kept norms swapped. Written to `output` when given."""
+    approx.check_budget(budget)
     approx.check_calibration(calibration)
     opts = FoldOptions(defer=defer, verify=verify)
-    tgt = targets.resolve(target, device)
     feeds, held = approx_io.calibration_split(model, calibration, heldout)
-    measure = metric or approx.relative_error
+    trials = _ApproxTrials(model, opts, targets.resolve(target, device), feeds, progress,
+                           dict(output=output, source=source, layout=layout))
+    return approx.swap_within_budget(trials, [feeds], None if held is None else [held], budget, metric=metric,
+                                     verify=opts.verify, progress=progress)
 
-    def build(names: frozenset) -> onnx.ModelProto:
-        frontend = OnnxFrontend(model, FoldOptions(defer=defer, verify=False), tgt)
+
+class _ApproxTrials:
+    """passes/approx.Trials over ONNX: the model validated and its shapes inferred once (`prepared`),
+    each try a fresh import of it with `PlanRequest.approx` set, run in onnxruntime."""
+
+    def __init__(self, model, opts: FoldOptions, target: Target, feeds: dict, progress: Progress, written: dict):
+        self.model, self.opts, self.target, self.feeds, self.progress, self.written = \
+            model, opts, target, feeds, progress, written
+        self.prepared = None
+        self.loaded: dict = {}  # the final result -> its model read back from `output`
+
+    def _frontend(self, opts: FoldOptions, names: frozenset = frozenset(), **kw) -> OnnxFrontend:
+        frontend = OnnxFrontend(self.model, opts, self.target, prepared=self.prepared, **kw)
         frontend.approx = names
-        return _fold(frontend, None).model
+        return frontend
 
-    with _graphsurgeon_errors_only():
-        view, plan = pipeline.plan(OnnxFrontend(model, opts, tgt), make_plan)
-    if plan.swaps and opts.verify:  # the exact part is judged by the gate, as in every fold
-        pipeline.stage(progress, "verifying the exact fold")
-        _fold(OnnxFrontend(model, opts, tgt, inputs=feeds), None)
-    verdicts = plan.report.verdicts()
-    candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]
-    reference = approx_io.run(model, feeds)
-    pipeline.stage(progress, f"measuring {len(candidates)} candidate norm(s) on the calibration inputs")
-    selection = approx.choose(candidates, lambda names: measure(reference, approx_io.run(build(names), feeds)),
-                              budget, "relative output error" if metric is None else getattr(metric, "__name__", "metric"))
-    selection.calibration_rows = len(next(iter(feeds.values()))) if feeds else 0
-    frontend = OnnxFrontend(model, FoldOptions(defer=defer, verify=False), tgt, output=output, source=source,
-                            layout=layout, progress=progress)
-    frontend.approx = selection.names
-    result = _fold(frontend, progress)
-    if held is not None:
-        folded = result.model if output is None else read.load(output)
-        selection.heldout = measure(approx_io.run(model, held), approx_io.run(folded, held))
-        selection.heldout_rows = len(next(iter(held.values()))) if held else 0
-    result.report = dataclasses.replace(result.report, approx=selection)
-    result.criterion = "approximate: not verified as equivalent; its error measured against the budget"
-    return result
+    def exact_plan(self):
+        frontend = self._frontend(self.opts)
+        with _graphsurgeon_errors_only():
+            view, plan = pipeline.plan(frontend, make_plan)
+        self.prepared = frontend.prepared
+        return view, plan
+
+    def verify_exact(self) -> None:
+        _fold(self._frontend(self.opts, inputs=self.feeds), None)
+
+    def build(self, names: frozenset, final: bool = False) -> FoldResult:
+        unverified = dataclasses.replace(self.opts, verify=False)
+        if not final:
+            return _fold(self._frontend(unverified, names), None)
+        result = _fold(self._frontend(unverified, names, progress=self.progress, **self.written), self.progress)
+        if self.written["output"] is not None:  # measured from the file written, as a user would load it
+            self.loaded = {id(result): read.load(self.written["output"])}
+        return result
+
+    def run(self, result, batches: list) -> list:
+        model = self.model if result is None else self.loaded.get(id(result), result.model)
+        return approx_io.run(model, batches)
+
+    def rows(self, batches: list) -> int:
+        return sum(len(next(iter(b.values()))) for b in batches if b)
 
 
 def _fold(frontend: OnnxFrontend, progress: Progress) -> FoldResult:

@@ -28,9 +28,9 @@ def calibration_split(model: onnx.ModelProto, calibration, heldout=None) -> tupl
     return split_heldout(feeds)
 
 
-def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    """Every output of `model` on `feeds`, run in pieces of rows, each output's pieces joined
-    along its first axis (a scalar output: stacked)."""
+def run(model: onnx.ModelProto, batches: list[dict]) -> list[np.ndarray]:
+    """Every output of `model` on each batch of feeds, run in pieces of rows, each output's pieces
+    joined along its first axis (a scalar output: stacked)."""
     sess = session(model)
-    parts = [sess.run(None, c) for c in chunks(feeds)]
+    parts = [sess.run(None, c) for feeds in batches for c in chunks(feeds)]
     return [np.concatenate(outs, axis=0) if np.ndim(outs[0]) else np.stack(outs) for outs in zip(*parts)]

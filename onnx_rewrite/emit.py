@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes import Plan, compute_constants
-from ..passes.rotate import readout_matrix
+from ..passes.plan import NormEmission
 from ..passes.defer import compute_biases
 from ..passes.edits import Ones
 
@@ -81,17 +81,16 @@ class Emitter:
         for name in plan.drop_muls:
             self.bypass_mul(self.nodes[plan.origin(name)])
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
-        fuse = set(plan.fuse_residual)
         for name in plan.swaps:
             if name in deferred:
                 deferred_norm.emit(self, matches[name], deferred[name], biases)
             elif name in crms_norms:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
-                self._swap(matches[name], plan.emits_beta_add(name), name in fuse, name in plan.unit_gamma,
-                           plan.readouts.get(name))
+                self._swap(matches[name], plan.emissions[name])
         for name in plan.approx:  # not exact (passes/approx.py): an RMSNorm on the uncentered stream, β kept
-            self._swap(matches[name], True, False)
+            self._swap(matches[name], NormEmission(name, beta_add=True, unit_gamma=False, rms_only=True,
+                                                   fuse_residual=False))
         if self.retyped:
             (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
             self.notes.append(
@@ -178,15 +177,16 @@ class Emitter:
             _replace_input(r, x, centered)
 
     # --- norms -------------------------------------------------------------------------------
-    def _swap(self, m: NormMatch, beta_add: bool, fuse_residual: bool, unit_gamma: bool = False,
-              readout=None) -> None:
-        """Replace one LayerNorm by an RMSNorm, followed by its β Add where the plan kept one.
+    def _swap(self, m: NormMatch, how: NormEmission) -> None:
+        """Replace one LayerNorm by an RMSNorm as `how` says (passes/plan.NormEmission), followed by
+        its β Add where the plan kept one.
 
         The norm's inputs are read from its slots: the plan's constant edits and recenters
         rewired them; shapes are those of the tensors as matched (edits keep shapes). `unit_gamma`:
-        the plan moved γ into the readers' weights (passes/gamma.py): the RMSNorm's weight is ones.
-        `readout` (kind, dim, seed, γ): a rotated stream's norm whose output is un-rotated by a
-        constant MatMul, `· Qᵀ·diag γ` (passes/rotate.readout_matrix), before its β."""
+        γ moved into the readers' weights (passes/gamma.py): the RMSNorm's weight is ones.
+        `readout`: the output leaves a stream carried in another basis, taken back by a constant
+        MatMul, `· Bᵀ·diag γ`, before its β."""
+        beta_add, fuse_residual, unit_gamma, readout = how.beta_add, how.fuse_residual, how.unit_gamma, how.readout
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis]
         dtype = dtype_of(m.x, m.gamma, m.nodes)
@@ -196,9 +196,8 @@ class Emitter:
                  else self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma"))
         unrotate = None
         if readout is not None:
-            kind, dim, seed, _ = readout
             g = const_values(m.gamma) if m.gamma is not None else None
-            unrotate = self.const(f"{m.name}/lnfold_unrotate", readout_matrix(kind, dim, seed, g).astype(dtype))
+            unrotate = self.const(f"{m.name}/lnfold_unrotate", readout.matrix(g).astype(dtype))
         x, skip, bias = self.detach(m)
         beta = m.beta if beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)

@@ -22,7 +22,7 @@ main graph (one copy, shared again).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -188,16 +188,7 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
         # the scope's share of the plan, in its own graph's names
         mine = (lambda n: not any(s.owns(n) for s in scopes)) if sc is None else sc.owns
         local = (lambda n: n) if sc is None else sc.local
-        main = {} if sc is not None else dict(  # deferred and CRMS norms are main-graph norms (branch
-            deferral=plan.deferral, compressions=plan.compressions,  # ops offer neither)
-            new_biases=plan.new_biases, origins=plan.origins)
-        part = Plan(mode=plan.mode, swaps=tuple(local(n) for n in plan.swaps if mine(n)),
-                    recenters=tuple(replace(r, value=local(r.value)) for r in plan.recenters if mine(r.value)),
-                    betas={local(n): b for n, b in plan.betas.items() if mine(n)},
-                    fuse_residual=tuple(local(n) for n in plan.fuse_residual if mine(n)),
-                    gammas={local(n): g for n, g in plan.gammas.items() if mine(n)},
-                    approx=tuple(local(n) for n in plan.approx if mine(n)), **main)
-        em.apply(part, matches if sc is None else sc.matches)
+        em.apply(plan.scoped(mine, local, main=sc is None), matches if sc is None else sc.matches)
 
 
 def hoistable(graph: gs.Graph) -> set:

@@ -7,8 +7,8 @@ once by `compute_constants`); torch tensors in forward and FX graph nodes in fx_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import numpy as np
 
@@ -16,8 +16,36 @@ from . import orthogonal, weights
 from .view import ConstRef
 
 
+class Op:
+    """An edit op: data, and the answers every walker of the ops needs (so nothing else walks them).
+
+    `apply` runs it over an `Algebra`; `constants` are the other constants it reads; `renamed`
+    maps those names (a checkpoint's names for a graph's); `without_axis` is the op moved onto
+    `W v` (β into a bias: the weight's input axis is gone); `mixes` the axes along which it
+    combines entries (None: it changes the shape or reads other constants — edit the tensor whole)."""
+
+    def apply(self, a: Any, source: Callable[[str], Any], alg: "Algebra") -> Any:  # pragma: no cover
+        raise NotImplementedError
+
+    def constants(self) -> tuple[str, ...]:
+        return ()
+
+    def renamed(self, names: Mapping[str, str]) -> "Op":
+        return self
+
+    def without_axis(self, gone: int) -> "Op":
+        return replace(self, axis=_shifted(self.axis, gone)) if hasattr(self, "axis") else self
+
+    def mixes(self, ndim: int) -> Optional[frozenset]:
+        return None
+
+
+def _shifted(axis: Optional[int], gone: int) -> Optional[int]:
+    return axis if axis is None or axis < gone else axis - 1
+
+
 @dataclass(frozen=True)
-class Center:
+class Center(Op):
     axis: Optional[int]  # None: uniform along the features, centers to zero
     # center each run of `block` entries on its own (per-head q/k norms), only in entries
     # [lo, hi) of the axis (hi None: to the end)
@@ -26,66 +54,148 @@ class Center:
     hi: Optional[int] = None
     stride: Optional[int] = None  # runs every `stride` entries from lo (None: back to back)
 
+    def apply(self, a, source, alg):
+        if self.block is None:
+            return alg.center(a, self.axis)
+        return alg.center_blocks(a, self.axis, self.block, self.lo, self.hi, self.stride)
+
+    def mixes(self, ndim):
+        return frozenset() if self.axis is None else frozenset([self.axis % ndim])
+
 
 @dataclass(frozen=True)
-class Scale:
+class Scale(Op):
     """Multiply along `axis` by the vector that constant `by` holds along its axis `by_axis`."""
 
     by: str
     by_axis: int
     axis: int
 
+    def apply(self, a, source, alg):
+        return alg.scale(a, source(self.by), self.by_axis, self.axis)
+
+    def constants(self):
+        return (self.by,)
+
+    def renamed(self, names):
+        return replace(self, by=names.get(self.by, self.by))
+
+    def mixes(self, ndim):
+        return frozenset([self.axis % ndim])
+
 
 @dataclass(frozen=True)
-class Ones:
+class Ones(Op):
     """The LayerScale vector once folded into its sources: becomes all ones."""
 
+    def apply(self, a, source, alg):
+        return alg.ones(a)
+
+    def mixes(self, ndim):
+        return frozenset()
+
 
 @dataclass(frozen=True)
-class Drop:
-    """Keep the first n-1 entries along `axis` (CRMSNorm: a source's redundant last row)."""
+class Seeded:
+    """A basis drawn from a seed: `orthogonal.matrix(kind, dim, seed)` (a stream rotation)."""
+
+    kind: str
+    dim: int
+    seed: int = 0
+
+    def matrix(self) -> Optional[np.ndarray]:
+        return orthogonal.matrix(self.kind, self.dim, self.seed)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The stream's own basis: projecting onto it keeps the first entries (CRMSNorm's d−1)."""
+
+    dim: int
+
+    def matrix(self) -> Optional[np.ndarray]:
+        return None
+
+
+@dataclass(frozen=True)
+class Data:
+    """A basis computed from data (a calibrated matrix), owned by the plan; equal by `key`."""
+
+    key: str
+    array: np.ndarray = field(compare=False, repr=False, hash=False)
+
+    @property
+    def dim(self) -> int:
+        return int(self.array.shape[0])
+
+    def matrix(self) -> Optional[np.ndarray]:
+        return self.array
+
+
+Basis = Union[Seeded, Identity, Data]
+
+
+@dataclass(frozen=True)
+class Project(Op):
+    """`a ×_axis B[:, :keep]`: entry j < keep along `axis` becomes Σᵢ aᵢ B[i, j] (B orthogonal,
+    `basis.dim` square; the identity basis keeps the first `keep` entries, without arithmetic).
+    One op for a stream's change of basis: a rotation (keep = dim), CRMSNorm's redundant last row
+    (identity, keep = dim − 1), a slice of a rotated stream (keep < dim). The same op edits a
+    writer's output side (its rows then write x·B) and a reader's input side (W·B reads x·B as W
+    read x, on the kept subspace)."""
 
     axis: int
+    basis: Basis
+    keep: int
+
+    def apply(self, a, source, alg):
+        return alg.project(a, self.basis.matrix(), self.keep, self.axis)
 
 
 @dataclass(frozen=True)
-class FoldDecompression:
+class FoldDecompression(Op):
     """`a[:n-1] - a[n-1:]` along `axis`: a reader's weight absorbs `concat(z, -Σz)` (CRMSNorm)."""
 
     axis: int
 
+    def apply(self, a, source, alg):
+        return alg.fold_decompression(a, self.axis)
+
 
 @dataclass(frozen=True)
-class AddWeightTimes:
+class AddWeightTimes(Op):
     """`a + W v` where constant `weight` holds its input features on `axis` (β into a bias)."""
 
     weight: str
     axis: int
     vector: str
 
+    def apply(self, a, source, alg):
+        return alg.add_weight_times(a, source(self.weight), self.axis, source(self.vector))
 
-@dataclass(frozen=True)
-class Rotate:
-    """`a ×_axis Q`: entry j along `axis` becomes Σᵢ aᵢ Q[i, j], Q = orthogonal.matrix(kind, dim, seed)
-    (passes/rotate.py). The same op rotates a writer's output side (its rows then write x·Q) and a
-    reader's input side (W·Q reads x·Q as W read x)."""
+    def constants(self):
+        return (self.weight, self.vector)
 
-    axis: int
-    kind: str
-    dim: int
-    seed: int = 0
+    def renamed(self, names):
+        return replace(self, weight=names.get(self.weight, self.weight), vector=names.get(self.vector, self.vector))
 
-
-Op = Union[Center, Scale, Ones, Drop, FoldDecompression, AddWeightTimes, Rotate]
+    def without_axis(self, gone):
+        return self  # its axis is the weight's own, which W v does not change
 
 
-def op_sources(op) -> list[str]:
-    """The constants besides the edited one that an op reads."""
-    if isinstance(op, Scale):
-        return [op.by]
-    if isinstance(op, AddWeightTimes):
-        return [op.weight, op.vector]
-    return []
+def chunk_axis(ops: Iterable[Op], ndim: int) -> Optional[int]:
+    """0 where `ops` treat every slice along the first axis on its own, so that a tensor can be
+    edited a block of rows at a time (an embedding table centered along its features); None
+    otherwise (the whole tensor at once)."""
+    if ndim < 2:
+        return None
+    used: set = set()
+    for op in ops:
+        m = op.mixes(ndim)
+        if m is None:
+            return None
+        used |= m
+    return None if 0 in used else 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +207,7 @@ class ConstEdit:
     new_name: str = ""  # the name of the clone (or of the edited constant when not cloned)
 
     def sources(self) -> list[str]:
-        return [self.value] + [n for op in self.ops for n in op_sources(op)]
+        return [self.value] + [n for op in self.ops for n in op.constants()]
 
 
 @dataclass(frozen=True)
@@ -125,35 +235,17 @@ class Algebra:
     center_blocks: Callable  # (a, axis, block, lo, hi, stride)
     scale: Callable  # (a, by, by_axis, axis): a times the profile of `by` along by_axis
     ones: Callable  # (a,)
-    drop: Callable  # (a, axis)
     fold_decompression: Callable  # (a, axis)
     add_weight_times: Callable  # (a, weight, axis, vector)
-    # (a, q, axis) with q the float64 numpy matrix; None: this algebra cannot rotate (training)
-    rotate: Optional[Callable] = None
+    # (a, q, keep, axis): a ×_axis q[:, :keep], q the float64 numpy matrix or None (identity: the
+    # first `keep` entries); q not None on an algebra that cannot multiply by it (training): TypeError
+    project: Callable
 
 
-def apply_ops(a: Any, ops: Iterable, source: Callable[[str], Any], alg: Algebra) -> Any:
+def apply_ops(a: Any, ops: Iterable[Op], source: Callable[[str], Any], alg: Algebra) -> Any:
     """`a` after `ops`; `source(name)` gives the other constants the ops read."""
     for op in ops:
-        if isinstance(op, Center):
-            a = (alg.center(a, op.axis) if op.block is None
-                 else alg.center_blocks(a, op.axis, op.block, op.lo, op.hi, op.stride))
-        elif isinstance(op, Scale):
-            a = alg.scale(a, source(op.by), op.by_axis, op.axis)
-        elif isinstance(op, Ones):
-            a = alg.ones(a)
-        elif isinstance(op, Drop):
-            a = alg.drop(a, op.axis)
-        elif isinstance(op, FoldDecompression):
-            a = alg.fold_decompression(a, op.axis)
-        elif isinstance(op, AddWeightTimes):
-            a = alg.add_weight_times(a, source(op.weight), op.axis, source(op.vector))
-        elif isinstance(op, Rotate):
-            if alg.rotate is None:
-                raise TypeError("this algebra cannot rotate (the plan rotates no trained constant)")
-            a = alg.rotate(a, orthogonal.matrix(op.kind, op.dim, op.seed), op.axis)
-        else:  # pragma: no cover - Op is closed
-            raise TypeError(op)
+        a = op.apply(a, source, alg)
     return a
 
 
@@ -163,10 +255,9 @@ NUMPY = Algebra(
     center_blocks=lambda a, axis, block, lo, hi, stride: weights.center(a, axis, block, lo, hi, stride),
     scale=lambda a, by, by_axis, axis: weights.scale(a, weights.vector_along(by, by_axis), axis),
     ones=np.ones_like,
-    drop=lambda a, axis: weights.drop_last(a, axis),
     fold_decompression=lambda a, axis: weights.fold_decompression(a, axis),
     add_weight_times=lambda a, w, axis, v: weights.add_weight_times(a, w, axis, v),
-    rotate=lambda a, q, axis: weights.rotate(a, q, axis),
+    project=lambda a, q, keep, axis: weights.project(a, q, keep, axis),
 )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
@@ -150,11 +150,25 @@ def chunks(feeds: dict, rows: int = 16) -> list[dict]:
     return [{k: a[i:i + rows] for k, a in feeds.items()} for i in range(0, n, rows)]
 
 
-def split_heldout(feeds: dict) -> tuple[dict, Optional[dict]]:
-    """(calibration, held-out): the batch's first half decides, the second half only reports.
-    No held-out part where the batch has fewer than two rows or there is no shared batch axis."""
-    n = batch_rows(feeds)
+def heldout_split(batches: list, rows: Callable[[Any], Optional[int]],
+                  cut: Callable[[Any, int, Optional[int]], Any]) -> tuple[list, Optional[list]]:
+    """The one held-out rule (the approximate swap, calibrated figures): (deciding batches, held-out
+    batches or None). Two or more batches: the first half of them decide (rounded up), the rest only
+    report. One batch: the first half of its rows (rounded up) decide, the rest report; none held out
+    where it has fewer than two rows or its inputs share no batch axis. `rows(batch)` is the shared
+    batch size (None: none), `cut(batch, lo, hi)` the rows [lo, hi) of a batch: each IR's own."""
+    if len(batches) >= 2:
+        h = (len(batches) + 1) // 2
+        return batches[:h], batches[h:]
+    (batch,) = batches
+    n = rows(batch)
     if n is None or n < 2:
-        return feeds, None
+        return batches, None
     h = (n + 1) // 2
-    return {k: a[:h] for k, a in feeds.items()}, {k: a[h:] for k, a in feeds.items()}
+    return [cut(batch, 0, h)], [cut(batch, h, None)]
+
+
+def split_heldout(feeds: dict) -> tuple[dict, Optional[dict]]:
+    """`heldout_split` of one batch of named arrays (ONNX feeds)."""
+    decide, held = heldout_split([feeds], batch_rows, lambda f, lo, hi: {k: a[lo:hi] for k, a in f.items()})
+    return decide[0], None if held is None else held[0]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+
+import numpy as np
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 from . import beta as betas
@@ -24,8 +26,8 @@ from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamRotation, plan_rotation
-from .edits import (AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, NewBias, Ones,  # noqa: F401
-                    Recenter, Rotate, Scale)
+from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
+                    Ones, Project, Recenter, Scale)
 from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
@@ -35,6 +37,37 @@ from .view import View
 
 def _frozen_dict() -> Mapping:
     return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Readout:
+    """A norm whose output leaves a stream carried in another basis: after the unit-weight norm,
+    `· B[:, :keep]ᵀ · diag γ` takes it back to the original features (exact: passes/rotate.py)."""
+
+    basis: Basis
+    keep: int
+    gamma: Optional[str]  # the norm's γ constant (None: no γ)
+
+    def matrix(self, gamma: Optional[np.ndarray]) -> np.ndarray:
+        """The float64 (keep × d) matrix, given γ's values."""
+        q = self.basis.matrix()
+        q = np.eye(self.basis.dim) if q is None else q
+        g = np.ones(self.basis.dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
+        return q[:, :self.keep].T * g[None, :]
+
+
+@dataclass(frozen=True)
+class NormEmission:
+    """How one folded norm is emitted, as decided (the emitters read this, and no Plan flag)."""
+
+    norm: str
+    beta_add: bool  # its β Add follows the norm (False: β went into the readers, or is zero)
+    unit_gamma: bool  # γ went into the readers' weights: the norm's weight is ones
+    # its input is not zero-mean (its stream is carried in a basis with B·1 ≠ 1): an RMSNorm, never a
+    # LayerNorm on the centered stream
+    rms_only: bool
+    fuse_residual: bool  # emitted fused with the residual Add before it
+    readout: Optional[Readout] = None
 
 
 @dataclass(frozen=True)
@@ -59,24 +92,19 @@ class Plan:
     gammas: Mapping[str, GammaFold] = field(default_factory=_frozen_dict)  # gamma_into_readers: per folded norm
     rotations: Sequence[StreamRotation] = FrozenList()  # rotate=: per folded stream, rotated or why not
 
-    @property
-    def unit_gamma(self) -> frozenset:
-        """The folded norms whose γ moved into their readers: emitted with unit weight."""
-        return frozenset([n for n, g in self.gammas.items() if g.moved] + list(self.readouts))
+    approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
+    # how each swapped norm that is neither deferred nor a CRMSNorm is emitted
+    emissions: Mapping[str, NormEmission] = field(default_factory=_frozen_dict)
 
     @property
-    def readouts(self) -> dict:
-        """Norm -> (kind, dim, seed, γ) of the rotated streams' norms that un-rotate their output
-        (passes/rotate.readout_matrix): emitted with unit weight, then `· Qᵀ·diag γ`."""
-        return {n: (r.kind, r.dim, r.seed, self.gammas[n].gamma)
-                for r in self.rotations if r.rotated for n in r.readouts}
+    def unit_gamma(self) -> frozenset:
+        """The folded norms emitted with unit weight (γ in their readers, or in a readout's matrix)."""
+        return frozenset(n for n, e in self.emissions.items() if e.unit_gamma)
 
     @property
     def rotated_norms(self) -> frozenset:
-        """The norms of rotated streams whose input is no longer zero-mean (Q·1 ≠ 1): they must be
-        emitted as RMSNorms, never as a LayerNorm on the (formerly) centered stream."""
-        return frozenset(n for r in self.rotations if r.rotated and not r.keeps_mean for n in r.norms)
-    approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
+        """The norms whose input is no longer zero-mean (a stream rotated by a Q with Q·1 ≠ 1)."""
+        return frozenset(n for n, e in self.emissions.items() if e.rms_only)
 
     @property
     def empty(self) -> bool:
@@ -95,10 +123,26 @@ class Plan:
         """The IR node that view node `node` stands for (a fused op's part: the op)."""
         return self.origins.get(node, node)
 
-    def emits_beta_add(self, norm: str) -> bool:
-        """Whether the RMSNorm that replaces `norm` is followed by its β Add."""
-        bf = self.betas.get(norm)
-        return bf is None or bf.emits_add
+    def scoped(self, mine: Callable[[str], bool], local: Callable[[str], str], *, main: bool) -> "Plan":
+        """The share of the plan that one graph of a model with subgraphs applies (ONNX If branches:
+        onnx_rewrite/subgraphs.py), in that graph's own names (`local`) for the names it owns (`mine`).
+        Deferred and CRMS norms and new biases are the main graph's alone (branch ops offer neither)."""
+        def names(ns) -> FrozenList:
+            return FrozenList(local(n) for n in ns if mine(n))
+
+        rotations = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)))
+                               for r in self.rotations)
+        main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
+                         origins=self.origins) if main else {}
+        return Plan(mode=self.mode, swaps=names(self.swaps),
+                    recenters=FrozenList(replace(r, value=local(r.value)) for r in self.recenters if mine(r.value)),
+                    betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
+                    fuse_residual=names(self.fuse_residual),
+                    gammas=MappingProxyType({local(n): g for n, g in self.gammas.items() if mine(n)}),
+                    rotations=rotations, approx=names(self.approx),
+                    emissions=MappingProxyType({local(n): replace(e, norm=local(n))
+                                                for n, e in self.emissions.items() if mine(n)}), **main_only)
+
 
 
 @dataclass
@@ -183,7 +227,25 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     deferral = plan_deferral(view, plan, defer, caps.costs)
     _defer(view, plan, deferral)
     approx = approximate(view, plan.report, request.approx)
-    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx)
+    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx,
+                       emissions=MappingProxyType(_emissions(plan, deferral)))
+
+
+def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
+    """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
+    skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
+    readouts = {n: Readout(r.basis, r.dim, plan.gammas[n].gamma)
+                for r in plan.rotations if r.rotated for n in r.readouts}
+    rms_only = {n for r in plan.rotations if r.rotated and not r.keeps_mean for n in r.norms}
+    moved = {n for n, g in plan.gammas.items() if g.moved}
+    out = {}
+    for n in plan.swaps:
+        if n in skip:
+            continue
+        bf = plan.betas.get(n)
+        out[n] = NormEmission(n, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
+                              rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n))
+    return out
 
 
 def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
@@ -298,7 +360,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
             for s in src.scales:
                 scaled_by.setdefault(s.user, k)
                 ops = use(s.value, s.user, s.user_input)[1]
-                ops[:] = [Ones()] + ([Drop(s.axis)] if shrink and _size(view, s.value, s.axis) != 1 else [])
+                ops[:] = [Ones()] + ([_drop_last(s.axis, cc.width)] if shrink and _size(view, s.value, s.axis) != 1 else [])
             for ref in src.refs:
                 key = (ref.value, ref.user, ref.user_input)
                 ops = use(*key)[1]
@@ -308,7 +370,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                     continue
                 ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [center]
                 if shrink and ref.axis is not None and _size(view, ref.value, ref.axis) != 1:
-                    ops.append(Drop(ref.axis))
+                    ops.append(_drop_last(ref.axis, cc.width))
         if shrink:
             for a in cc.absorbs:
                 w = a.read.weight
@@ -329,7 +391,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         _gamma_and_rotation(view, plan, request, use, verdicts)
 
     # W β joins the reader's output: it takes the source edits too
-    plan.new_biases[:] = [replace(nb, then=tuple(_drop_axis(op, nb.weight.axis) for op in uses.get(
+    plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis) for op in uses.get(
                               (nb.weight.value, nb.weight.user, nb.weight.user_input), ([], []))[1]))
                           for nb in plan.new_biases]
 
@@ -381,8 +443,8 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
 
 def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, verdicts) -> None:
     """γ into the readers' weights (passes/gamma.py), then each folded stream's rotation
-    (passes/rotate.py): reader ops (Scale by γ, then Rotate of the input side) and source ops
-    (after the centering: Rotate of the output side), all float64 with the other edits."""
+    (passes/rotate.py): reader ops (Scale by γ, then Project of the input side) and source ops
+    (after the centering: Project of the output side), all float64 with the other edits."""
     caps = request.target
     swaps = frozenset(plan.swaps)
     refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
@@ -459,6 +521,11 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
     return fuses(tuple(shapes[0]))
 
 
+def _drop_last(axis: int, width: int) -> Project:
+    """A compressed stream's writer keeps its first d−1 entries (CRMSNorm: the last is minus their sum)."""
+    return Project(axis, Identity(width), width - 1)
+
+
 def _center(ref) -> Center:
     b = ref.block
     return Center(ref.axis) if b is None else Center(ref.axis, b.size, b.lo, b.hi, b.stride)
@@ -481,20 +548,6 @@ def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
             readers.add(s.user)
     edits.recentered = [o.what for o in comp.opaque]
     return edits, readers
-
-
-def _drop_axis(op, gone: int):
-    """`op` on a weight, moved to `W v`, which lacks the weight's axis `gone`."""
-    shift = (lambda a: a if a is None or a < gone else a - 1)
-    if isinstance(op, Scale):
-        return Scale(op.by, op.by_axis, shift(op.axis))
-    if isinstance(op, Center):
-        return Center(shift(op.axis), op.block, op.lo, op.hi, op.stride)
-    if isinstance(op, Drop):
-        return type(op)(shift(op.axis))
-    if isinstance(op, Rotate):
-        return replace(op, axis=shift(op.axis))
-    return op
 
 
 def _size(view: View, value: str, axis: int):

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 from .analysis import Component
 from .defer import EAGER, Costs
-from .options import DEFER_POLICIES, MODES, check_choice, check_rotation
+from .options import DEFER_POLICIES, MODES, FoldOptions, check_choice, check_rotation
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,17 @@ class PlanRequest:
         check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
         if self.rotate is not None:
             object.__setattr__(self, "gamma_into_readers", True)
+
+
+def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
+                 zero: Optional[Callable[[str], bool]] = None,
+                 refuse: Optional[Callable[[Component], Optional[str]]] = None,
+                 trainable: Optional[Callable[[str], bool]] = None,
+                 approx: frozenset = frozenset()) -> PlanRequest:
+    """The one way a frontend asks: the user's options (checked once, in FoldOptions), the target's
+    capabilities, the predicates over the frontend's constants and, for the approximate swap, the
+    kept norms chosen (passes/approx.py). Every entry point builds its request here, so a new
+    option reaches all of them."""
+    return PlanRequest(options.mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
+                       gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
+                       approx=approx)

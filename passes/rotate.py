@@ -4,10 +4,10 @@ edits that make them.
 Once a stream is centered and every norm reading it is an RMSNorm with unit weight (γ in the
 readers, passes/gamma.py), any orthogonal Q leaves the model's function unchanged
 (computational invariance): the writers (linear layers, embedding and position tables, constants
-added to the stream) produce x·Q — a `Rotate` of their output side —, every op on the stream
+added to the stream) produce x·Q — a `Project` of their output side —, every op on the stream
 between them commutes with a map of the feature axis (the shift-transparent ops of DESIGN §1:
 sums, per-row scalars, layout on other axes), RMSNorm(x·Q) = RMSNorm(x)·Q because ‖x·Q‖ = ‖x‖,
-and each norm's readers take Qᵀ back — a `Rotate` of their input side (W·Q read x·Q as W read x).
+and each norm's readers take Qᵀ back — a `Project` of their input side (W·Q read x·Q as W read x).
 All in float64, one matrix per stream width (passes/orthogonal.py).
 
 A stream is kept unrotated, with the node that blocks it named, where any of that fails: a
@@ -20,11 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 
 from . import orthogonal
 from .analysis import Component
-from .edits import Rotate
+from .edits import Project, Seeded
 from .gamma import GammaFold
 from .rules import kind_of
 from .view import ConstRef, View
@@ -44,12 +43,16 @@ class StreamRotation:
     dim: Optional[int] = None
     seed: int = 0
     why: str = ""
-    writers: list[tuple[ConstRef, Rotate]] = field(default_factory=list)  # output side
-    readers: list[tuple[ConstRef, Rotate]] = field(default_factory=list)  # input side
+    writers: list[tuple[ConstRef, Project]] = field(default_factory=list)  # output side
+    readers: list[tuple[ConstRef, Project]] = field(default_factory=list)  # input side
     # norms whose γ stayed because of what reads them (a graph output, a non-linear reader): emitted
     # with unit weight followed by a constant `· Qᵀ·diag γ` (`readout_matrix`), which un-rotates
     # their output exactly, at the cost of one d×d MatMul each
     readouts: list[str] = field(default_factory=list)
+
+    @property
+    def basis(self) -> Seeded:
+        return Seeded(self.kind, self.dim, self.seed)
 
     @property
     def rotated(self) -> bool:
@@ -83,14 +86,15 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: str, seed: int
         out.why = why
         return out
     out.kind, out.dim = orthogonal.resolved_kind(kind, d), d
+    q = Seeded(out.kind, d, seed)
     for src in comp.sources:
         for ref in src.refs:
             if ref.axis is None or _size(view, ref.value, ref.axis) == 1:
                 continue  # uniform along the features: centered to zero, nothing to rotate
-            out.writers.append((ref, Rotate(ref.axis, out.kind, d, seed)))
+            out.writers.append((ref, Project(ref.axis, q, d)))
     for n in comp.norms:
         for r in gammas[n].readers:
-            out.readers.append((r.weight, Rotate(r.weight.axis, out.kind, d, seed)))
+            out.readers.append((r.weight, Project(r.weight.axis, q, d)))
     out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
     return out
 
@@ -102,14 +106,6 @@ def _readout(view: View, g: GammaFold) -> bool:
     rank = view.values[node.outputs[0]].rank
     return (not g.moved and g.by_readers and rank is not None and node.norm.axis == rank - 1
             and (g.gamma is None or view.values[g.gamma].is_const))
-
-
-def readout_matrix(kind: str, dim: int, seed: int, gamma) -> np.ndarray:
-    """`Qᵀ·diag γ` (float64): a unit-weight RMSNorm of the rotated stream times it is the original
-    norm's `γ ⊙ RMSNorm(x)` (its β, if any, is added after, as before)."""
-    q = orthogonal.matrix(kind, dim, seed)
-    g = np.ones(dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
-    return q.T * g[None, :]
 
 
 def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optional[str]:

@@ -10,9 +10,9 @@ slices instead of one float64 copy of it (`chunk_axis`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping
 
-from .edits import AddWeightTimes, Center, Drop, FoldDecompression, Ones, Scale
+from .edits import Center
 
 
 @dataclass(frozen=True)
@@ -83,30 +83,6 @@ def shard_work(files: Mapping[str, list[str]], in_place: Mapping[str, tuple], ne
     for t in new:
         jobs[home[t.source]].tensors.append(t)
     return list(jobs.values())
-
-
-def chunk_axis(ops: tuple, ndim: int) -> Optional[int]:
-    """0 where `ops` treat every slice along the first axis on its own, so that a tensor can be
-    edited and written a block of rows at a time, in file order (an embedding table centered along
-    its features); None otherwise (the whole tensor at once). A centering mixes entries along its
-    axis only, a scale multiplies along its axis; a Drop or a decompression changes the shape."""
-    if ndim < 2:
-        return None
-    used = set()
-    for op in ops:
-        if isinstance(op, Center):
-            if op.axis is None:
-                continue
-            used.add(op.axis % ndim)
-        elif isinstance(op, Scale):
-            used.add(op.axis % ndim)
-        elif isinstance(op, Ones):
-            continue
-        elif isinstance(op, (Drop, FoldDecompression, AddWeightTimes)):
-            return None
-        else:  # pragma: no cover - Op is closed
-            return None
-    return None if 0 in used else 0
 
 
 def rows_mean_axis(ops: tuple, ndim: int) -> bool:

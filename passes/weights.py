@@ -82,6 +82,16 @@ def rotate(a, q, axis: int, matmul=None):
     return matmul(a.movedim(axis, -1), q).movedim(-1, axis)
 
 
+def project(a, q, keep: int, axis: int, matmul=None):
+    """`a ×_axis q[:, :keep]` (passes/edits.Project); q None: the identity, i.e. the first `keep`
+    entries along `axis` (CRMSNorm's drop of the last one), no arithmetic."""
+    if q is None:
+        return _first(a, axis, keep)
+    if keep != q.shape[1]:
+        q = q[:, :keep]
+    return rotate(a, q, axis, matmul)
+
+
 def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out_dtype) -> np.ndarray:
     """`W β + b` for a linear layer whose weight has its input features on `in_axis`.
 
@@ -100,11 +110,6 @@ def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out
 def _first(a, axis: int, stop: int, start: int = 0):
     """`a[start:stop]` along `axis` (a view for numpy and torch alike)."""
     return a[(slice(None),) * axis + (slice(start, stop),)]
-
-
-def drop_last(a, axis: int):
-    """The first n-1 entries of `a` along `axis` (CRMSNorm: the last is minus the sum of the rest)."""
-    return _first(a, axis, a.shape[axis] - 1)
 
 
 def fold_decompression(a, axis: int):

@@ -231,10 +231,10 @@ def test_beta_decisions_on_a_hand_built_view():
     from .test_passes import pre_ln
 
     plan = make_plan(pre_ln())
-    assert plan.betas["ln1"].folded and not plan.emits_beta_add("ln1")
-    assert plan.betas["ln_f"].why == "`ln_f.y` is a graph output" and plan.emits_beta_add("ln_f")
+    assert plan.betas["ln1"].folded and not plan.emissions["ln1"].beta_add
+    assert plan.betas["ln_f"].why == "`ln_f.y` is a graph output" and plan.emissions["ln_f"].beta_add
     assert [n.beta for n in plan.report.norms] == ["into the bias of Linear `fc1`",
                                                    "kept as an Add (`ln_f.y` is a graph output)"]
     kept = make_plan(pre_ln(), target=Capabilities(folds_beta=False))
-    assert "fc1.bias" not in {e.value for e in kept.const_edits} and kept.emits_beta_add("ln1")
+    assert "fc1.bias" not in {e.value for e in kept.const_edits} and kept.emissions["ln1"].beta_add
     assert kept.report.norms[0].beta == ""

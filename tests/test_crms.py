@@ -15,7 +15,7 @@ import torch
 from lnfold import zoo
 from lnfold.fx_rewrite import fold_module
 from lnfold.onnx_rewrite import VerificationError, fold_model
-from lnfold.passes.plan import Drop, FoldDecompression
+from lnfold.passes.plan import FoldDecompression, Identity, Project
 
 D = 64  # the zoo models' width
 
@@ -132,9 +132,11 @@ def _sabotaged(kind):
 
     def plan_fn(view, mode="rms", **kw):
         plan = make_plan(view, mode, **kw)
+        d = next(cc.width for cc in plan.compressions if cc.compressed)
         for k, e in enumerate(plan.const_edits):
             if kind == "decompression" and any(isinstance(op, FoldDecompression) for op in e.ops):
-                e = replace(e, ops=tuple(Drop(op.axis) if isinstance(op, FoldDecompression) else op for op in e.ops))
+                e = replace(e, ops=tuple(Project(op.axis, Identity(d), d - 1) if isinstance(op, FoldDecompression) else op
+                                         for op in e.ops))
                 return replace(plan, const_edits=[*plan.const_edits[:k], e, *plan.const_edits[k + 1:]])
         raise AssertionError("no edit to sabotage")
 

@@ -10,7 +10,8 @@ from torch import fx
 
 from lnfold.fx_rewrite.apply import ATEN
 from lnfold.fx_rewrite.edits import TENSOR, graph_algebra
-from lnfold.passes.edits import NUMPY, AddWeightTimes, Center, Drop, FoldDecompression, Ones, Scale, apply_ops
+from lnfold.passes.edits import (NUMPY, AddWeightTimes, Center, Data, FoldDecompression, Identity, Ones, Project, Scale,
+                                 Seeded, apply_ops)
 
 RNG = np.random.default_rng(0)
 CONSTS = {
@@ -25,9 +26,14 @@ CASES = {
     "center-blocks": (Center(0, block=2, lo=2, hi=6),),
     "scale-then-center": (Scale("ls", 1, 1), Center(1)),
     "ones": (Ones(),),
-    "drop": (Center(1), Drop(1)),
+    "drop": (Center(1), Project(1, Identity(8), 7)),
     "fold-decompression": (FoldDecompression(1),),
-    "add-weight-times": (Drop(1), AddWeightTimes("r", 1, "v")),
+    "add-weight-times": (Project(1, Identity(8), 7), AddWeightTimes("r", 1, "v")),
+}
+# changes of basis with arithmetic: the eager tensor algebra multiplies, the training graph refuses
+ROTATIONS = {
+    "rotate": (Center(1), Project(1, Seeded("orthogonal", 8, 3), 8)),
+    "slice": (Center(1), Project(1, Data("pca", np.linalg.qr(RNG.normal(size=(8, 8)))[0]), 5)),
 }
 
 
@@ -57,7 +63,7 @@ def test_three_algebras_agree(case):
             CONSTS["w"] = w
     np.testing.assert_allclose(eager.numpy(), want, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(graph.numpy(), want, rtol=1e-12, atol=1e-12)
-    if any(isinstance(op, Center) for op in ops) and ops[-1] != Drop(1):
+    if any(isinstance(op, Center) for op in ops) and not isinstance(ops[-1], Project):
         assert not np.allclose(want, apply_ops(a, ops[:-1], CONSTS.__getitem__, NUMPY))  # the case edits
 
 
@@ -70,3 +76,34 @@ def test_low_precision_centering_is_judged_against_float64(dtype):
     got = apply_ops(w, (Center(1),), CONSTS.__getitem__, TENSOR)
     bound = 2 * torch.finfo(dtype).eps * w.double().abs().max().item()
     assert np.abs(got.double().numpy() - want).max() <= bound
+
+
+@pytest.mark.parametrize("case", ROTATIONS)
+def test_projections_agree_and_keep_the_subspace(case):
+    """`Project` by an orthogonal basis: numpy (float64) and eager torch agree; the kept columns are
+    the first `keep` of a ×_axis B (so a slice of a rotation is the rotation's first entries); the
+    training graph, which edits trained constants in the forward, refuses to multiply."""
+    ops = ROTATIONS[case]
+    a = CONSTS["w"]
+    want = apply_ops(a, ops, CONSTS.__getitem__, NUMPY)
+    q = ops[-1].basis.matrix()
+    full = apply_ops(a, ops[:-1], CONSTS.__getitem__, NUMPY) @ q
+    np.testing.assert_allclose(want, full[:, :ops[-1].keep], rtol=1e-12, atol=1e-12)
+    t = {n: torch.from_numpy(v) for n, v in CONSTS.items()}
+    np.testing.assert_allclose(apply_ops(t["w"], ops, t.__getitem__, TENSOR).numpy(), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="basis"):
+        _graph(ops, a)
+
+
+def test_op_answers_for_the_walkers():
+    """What the checkpoint path, β into a new bias and the row-block editor ask of an op."""
+    from lnfold.passes.edits import chunk_axis
+
+    assert Scale("g", 0, 2).without_axis(1) == Scale("g", 0, 1)
+    assert Center(None).without_axis(0) == Center(None)
+    assert AddWeightTimes("w", 1, "b").without_axis(0) == AddWeightTimes("w", 1, "b")
+    assert AddWeightTimes("w", 1, "b").renamed({"w": "W", "b": "B"}) == AddWeightTimes("W", 1, "B")
+    assert Scale("g", 0, 1).constants() == ("g",) and Center(1).constants() == ()
+    assert chunk_axis((Center(1), Scale("g", 0, 1)), 2) == 0  # each row on its own: streamed by rows
+    assert chunk_axis((Center(0),), 2) is None  # a mean over the rows: whole
+    assert chunk_axis((Center(1), Project(1, Identity(8), 7)), 2) is None  # the shape changes: whole

@@ -161,13 +161,13 @@ def _one_rotation_dropped(make_plan):
     """`make_plan` with a planted bug: the rotation of one constant (a reader's or a writer's) is left out."""
     from dataclasses import replace
 
-    from lnfold.passes.edits import Rotate
+    from lnfold.passes.edits import Project
 
     def sabotaged(view, request):
         plan = make_plan(view, request)
         edits = list(plan.const_edits)
-        k = max(i for i, e in enumerate(edits) if any(isinstance(op, Rotate) for op in e.ops))
-        edits[k] = replace(edits[k], ops=tuple(op for op in edits[k].ops if not isinstance(op, Rotate)))
+        k = max(i for i, e in enumerate(edits) if any(isinstance(op, Project) for op in e.ops))
+        edits[k] = replace(edits[k], ops=tuple(op for op in edits[k].ops if not isinstance(op, Project)))
         return replace(plan, const_edits=edits)
 
     return sabotaged

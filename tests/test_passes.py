@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from lnfold.passes import View, compute_constants, make_plan
-from lnfold.passes.plan import AddWeightTimes, Center, ConstEdit, Drop, FoldDecompression, Ones, Recenter, Scale
+from lnfold.passes.plan import AddWeightTimes, Center, ConstEdit, FoldDecompression, Identity, Ones, Project, Recenter, Scale
 from lnfold.passes.rules import rule
 
 B, T, D, V, H = 2, 5, 8, 11, 16
@@ -113,7 +113,7 @@ def _check_numerics(view: View, plan, layer_scale: bool) -> None:
     ids = np.random.default_rng(1).integers(0, V, (B, T))
     h0, h1, want = _forward(consts, ids, True, layer_scale)
     assert abs(h0.mean(-1)).max() > 1  # the test can fail: the stream starts far from zero-mean
-    f0, f1, got = _forward(folded, ids, False, layer_scale, plan.emits_beta_add("ln1"))
+    f0, f1, got = _forward(folded, ids, False, layer_scale, plan.emissions["ln1"].beta_add)
     assert abs(f0.mean(-1)).max() < 1e-9 and abs(f1.mean(-1)).max() < 1e-9
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
 
@@ -335,9 +335,10 @@ def test_crms_compresses_a_static_width_to_d_minus_1():
     (c,) = plan.report.compression
     assert (c.verdict, c.width, c.decompressions) == ("compressed", D, 0)
     edits = _plan_edits(plan)
-    assert edits["wte"].ops == (Center(1), Drop(1))
-    assert edits["fc.W"].ops == (Scale("ln1.g", 0, 1), FoldDecompression(1), Center(0), Drop(0))
-    assert edits["fc.bias"].ops == (AddWeightTimes("fc.W", 1, "ln1.b"), Center(0), Drop(0))
+    drop = lambda axis: Project(axis, Identity(D), D - 1)  # noqa: E731  (keep the first d-1 features)
+    assert edits["wte"].ops == (Center(1), drop(1))
+    assert edits["fc.W"].ops == (Scale("ln1.g", 0, 1), FoldDecompression(1), Center(0), drop(0))
+    assert edits["fc.bias"].ops == (AddWeightTimes("fc.W", 1, "ln1.b"), Center(0), drop(0))
     assert edits["head.W"].ops == (Scale("ln_f.g", 0, 1), FoldDecompression(1))  # no β, no bias
     assert plan.new_biases == []
 

@@ -241,7 +241,8 @@ def _one_reader_unrotated(real):
 def _wrong_q(real):
     def plan(*a, **kw):
         out = real(*a, **kw)
-        out.writers = [(ref, rotate.Rotate(op.axis, op.kind, op.dim, op.seed + 1)) for ref, op in out.writers]
+        out.writers = [(ref, rotate.Project(op.axis, rotate.Seeded(op.basis.kind, op.basis.dim, op.basis.seed + 1), op.keep))
+                       for ref, op in out.writers]
         return out
     return plan
 

@@ -180,3 +180,26 @@ def test_a_planted_third_party_private_import_is_caught(tree):
 def test_a_planted_ring_behind_a_function_level_import_is_caught(tree):
     srcs, packages = _planted(tree, "lnfold.passes.weights", "from .plan import Plan")  # plan -> ... -> weights
     assert cycles(graph(srcs, packages)) != []
+
+
+_PLACEHOLDER = __import__("re").compile(r"\{[A-Za-z_][\w.]*(\[[^\]]*\])?(![rsa])?(:[^{}]*)?\}")
+
+
+def literal_placeholders(srcs: dict[str, str]) -> list[str]:
+    """Plain string pieces joined to an f-string that hold `{name}`: half of a message that was
+    meant to be formatted and prints the braces instead (the reader sees a literal `{self.who}`)."""
+    out = []
+    for module, src in srcs.items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.JoinedStr):
+                out += [f"{module}:{node.lineno}: {v.value.strip()[:60]!r}" for v in node.values
+                        if isinstance(v, ast.Constant) and isinstance(v.value, str) and _PLACEHOLDER.search(v.value)]
+    return out
+
+
+def test_no_message_prints_a_literal_placeholder(tree):
+    srcs, _ = tree
+    assert literal_placeholders(srcs) == []
+    planted = {"m": 'x = (f"{a} reads the stream; "\n     "{self.who} cannot edit it")\n'}
+    [hit] = literal_placeholders(planted)
+    assert hit.startswith("m:1:") and "{self.who} cannot edit it" in hit
