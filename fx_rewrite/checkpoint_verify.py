@@ -64,6 +64,11 @@ class Streamed:
             if self._big_linear(mod, path, run):  # (an lm_head: its rows a block at a time instead)
                 mod.forward = self._blocked_linear(path, mod.bias is not None)
                 continue
+            if type(mod) is torch.nn.Embedding and f"{path}.weight" in self.stored:
+                # (a token table: only the rows of the ids it runs. Not a subclass: OPT's positions
+                # override forward and call the class's own, which an instance's forward would not replace)
+                mod.forward = self._row_lookup(path)
+                continue
             self.hooks.append(mod.register_forward_pre_hook(self._loader(path, own)))
             self.hooks.append(mod.register_forward_hook(self._dropper(own, holder)))
 
@@ -97,6 +102,18 @@ class Streamed:
                                                None if bias is None else bias[lo:hi])
                     for lo, hi in row_blocks(tuple(e.shape), SLICE_BYTES)]
             return torch.cat(outs, dim=-1)
+        return forward
+
+    def _row_lookup(self, path: str):
+        """An embedding's forward that reads only the rows its ids pick, in the stored dtype (a
+        lookup rounds nothing; a float64 run upcasts the picked rows: float64.py): the whole token
+        table, often a checkpoint's largest tensor, is never in memory."""
+        def forward(ids):
+            picked, where = torch.unique(ids, return_inverse=True)
+            name = f"{path}.weight"
+            rows = torch.cat([self._load(name, keep_dtype=True, rows=(i, i + 1), pooled=False)
+                              for i in picked.tolist()])
+            return torch.nn.functional.embedding(where, rows)
         return forward
 
     def _load(self, name: str, keep_dtype: bool = False, rows: Optional[tuple] = None,
