@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ..passes import Plan, View, compute_constants
+from ..passes import LnfoldError, Plan, View, compute_constants
 from ..passes.options import check_choice
 from ..passes.edits import ConstEdit, apply_ops
 from ..passes.plan import NormEmission
@@ -165,7 +165,8 @@ class Applier:
                 crms.swap(self, self.nodes[name], crms_norms[name])
             else:
                 how = plan.emissions[name]
-                self._swap(self.nodes[name], how.beta_add, how.unit_gamma, how.rms_only, self._readout(how))
+                self._swap(self.nodes[name], how.beta_add, how.unit_gamma, how.rms_only, self._readout(how),
+                           self._resized(how))
         for name in plan.approx:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
             node = self.nodes[name]
             if node.name in self.info.decomposed:
@@ -226,21 +227,36 @@ class Applier:
         name, gamma = how.norm, how.readout.gamma
         like = self.constants.tensor_of(gamma) if gamma is not None else None
         arr = how.readout.matrix(None if like is None else to_numpy(like))
+        return self._buffer(f"lnfold_unrotate_{name}", arr, like, name)
+
+    def _resized(self, how: NormEmission) -> Optional[tuple]:
+        """A sliced stream's norm: (k, its weight √(d/k) as a buffer, ε·d/k's factor); None: as it was."""
+        if how.width is None:
+            return None
+        weight = self._buffer(f"lnfold_sliced_gamma_{how.norm}", np.full([how.width], how.scale), None, how.norm)
+        return how.width, weight, how.eps_scale
+
+    def _buffer(self, base: str, arr: np.ndarray, like: Optional[torch.Tensor], before: str) -> fx.Node:
+        """A float64 constant as a buffer of `like`'s dtype (float32 without one), read before node `before`."""
         t = torch.from_numpy(arr).to(like.dtype if like is not None else torch.float32)
-        attr = unique_attr(self.gm, f"lnfold_unrotate_{name}")
+        attr = unique_attr(self.gm, base)
         self.gm.register_buffer(attr, t)
-        with self.graph.inserting_before(self.nodes[name]):
+        with self.graph.inserting_before(self.nodes[before]):
             node = self.graph.get_attr(attr)
         node.meta["val"] = t
         return node
 
     def _swap(self, node: fx.Node, beta_add: bool, unit_gamma: bool = False, rotated: bool = False,
-              readout: Optional[fx.Node] = None) -> None:
+              readout: Optional[fx.Node] = None, resized: Optional[tuple] = None) -> None:
         """The norm as RMSNorm; `beta_add` False: the plan moved β into the readers' biases;
         `unit_gamma`: γ too, into their weights (the norm's weight goes); `rotated`: its stream is
         rotated and no longer zero-mean (an RMSNorm, never a LayerNorm, whatever `self.norm`);
-        `readout`: its unit-weight output is multiplied by this constant (Qᵀ·diag γ) before β."""
+        `readout`: its unit-weight output is multiplied by this constant (Qᵀ·diag γ) before β;
+        `resized`: a sliced stream's (k, weight √(d/k), ε factor d/k)."""
         decomposed = self.info.decomposed.get(node.name)
+        if resized is not None and decomposed is not None:
+            raise LnfoldError(f"slicing the stream of a written-out LayerNorm ({node.name}) is not implemented "
+                              "in the torch frontend")
         if decomposed is not None:  # an RMSNorm once its mean subtraction goes
             drop_mean(self.graph, node, decomposed.centered, self.nodes)
             # its last op adds β (after γ, where it has one); `normed` is what that Add reads
@@ -264,12 +280,13 @@ class Applier:
                 self.graph.erase_node(mul)
             return
         if unit_gamma:
-            set_arg(node, "weight", None)
+            set_arg(node, "weight", None if resized is None else resized[1])
         if self.norm == "layer_norm" and not rotated and readout is None:  # a LayerNorm of a zero-mean stream is an RMSNorm
             if not beta_add:
                 set_arg(node, "bias", None)
             return
-        swap_norm(self.graph, node, self.dialect, beta_add, readout)
+        swap_norm(self.graph, node, self.dialect, beta_add, readout,
+                  None if resized is None else (resized[0], resized[2]))
 
 
 def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> None:
@@ -284,15 +301,18 @@ def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> N
 
 
 def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool = True,
-              readout: Optional[fx.Node] = None) -> fx.Node:
+              readout: Optional[fx.Node] = None, resized: Optional[tuple[int, float]] = None) -> fx.Node:
     """Replace a LayerNorm node by rms_norm(x, γ) (+ β unless it went into the readers' biases):
     exact once its input is zero-mean. `readout`: a rotated stream's un-rotation, `· Qᵀ·diag γ`
-    between the unit-weight norm and β."""
+    between the unit-weight norm and β. `resized`: (k, ε factor) of a sliced stream's norm, which
+    normalizes k features with ε·d/k."""
     call = canonical(node)
     x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias") if beta_add else None
     shape = call.get("normalized_shape")
     shape = [shape] if isinstance(shape, int) else list(shape)
     eps = float(call.get("eps", 1e-5))
+    if resized is not None:
+        shape, eps = shape[:-1] + [resized[0]], eps * resized[1]
     tuple_out = isinstance(meta_val(node), (tuple, list))  # native_layer_norm: (y, mean, rstd)
     outs = [u for u in node.users if is_tuple_getitem(u)] if tuple_out else []
     out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node

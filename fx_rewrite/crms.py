@@ -40,19 +40,18 @@ def decompress(n: torch.Tensor, gamma, beta) -> torch.Tensor:
 
 
 def patch_dims(applier, plan: Plan) -> None:
-    for cc in plan.compressions:
-        if not cc.compressed:
+    """Each size argument that spells d on a narrowed stream gets the new width (d-1 on a CRMS
+    stream, k on a sliced one: `Plan.resized_dims`)."""
+    for ref, shrink in dict(plan.resized_dims).items():
+        node = applier.nodes[ref.node]
+        if isinstance(ref.slot, tuple):  # x.view(a, b, c): sizes as positional arguments
+            sizes = varargs_sizes(node)
+            sizes[ref.index] = sizes[ref.index] - shrink
+            node.args = (node.args[0], *sizes)
             continue
-        for ref in dict.fromkeys(cc.dims):
-            node = applier.nodes[ref.node]
-            if isinstance(ref.slot, tuple):  # x.view(a, b, c): sizes as positional arguments
-                sizes = varargs_sizes(node)
-                sizes[ref.index] = sizes[ref.index] - 1
-                node.args = (node.args[0], *sizes)
-                continue
-            sizes = list(canonical(node).args[ref.slot])
-            sizes[ref.index] = sizes[ref.index] - 1
-            set_arg(node, ref.slot, sizes)
+        sizes = list(canonical(node).args[ref.slot])
+        sizes[ref.index] = sizes[ref.index] - shrink
+        set_arg(node, ref.slot, sizes)
 
 
 def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:

@@ -30,7 +30,7 @@ from .passes import FoldResult, LnfoldError, NormVerdict, NothingToFold, Report,
 
 # Both frontends are imported on first use: `import lnfold.passes` loads neither onnx nor torch.
 _ONNX_NAMES = {"analyze_onnx": "analyze_model", "fold_onnx": "fold_model", "load_onnx": "load", "save_onnx": "save",
-               "quantize_onnx": "quantize_model"}
+               "quantize_onnx": "quantize_model", "slice_onnx": "slice_model"}
 
 if TYPE_CHECKING:
     from .onnx_rewrite import analyze_model as analyze_onnx
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .onnx_rewrite import load as load_onnx
     from .onnx_rewrite import save as save_onnx
     from .onnx_rewrite import quantize_model as quantize_onnx
+    from .onnx_rewrite import slice_model as slice_onnx
     from .fx_rewrite import (analyze_module, fold_checkpoint, fold_for_training, fold_module, lnfold_backend,
                              lnfold_backend_with, unfold_for_training)
     from .fx_rewrite import fold_to_rmsnorm, restore_rmsnorm
@@ -59,7 +60,7 @@ _TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
     "analyze_module", "analyze_onnx", "fold_checkpoint", "fold_for_training", "fold_module", "fold_onnx",
-    "lnfold_backend", "lnfold_backend_with", "load_onnx", "quantize_onnx", "save_onnx", "unfold_for_training",
+    "lnfold_backend", "lnfold_backend_with", "load_onnx", "quantize_onnx", "save_onnx", "slice_onnx", "unfold_for_training",
     "fold_to_rmsnorm", "restore_rmsnorm",
 ]
 

@@ -4,9 +4,10 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, Report, Verificatio
 from .api import analyze_model, check_equivalent, fold_model
 from .quantize import quantize_model
 from .read import load
+from .slice import slice_model
 from .write import save
 
 __all__ = [
     "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
-    "analyze_model", "check_equivalent", "fold_model", "load", "quantize_model", "save",
+    "analyze_model", "check_equivalent", "fold_model", "load", "quantize_model", "save", "slice_model",
 ]

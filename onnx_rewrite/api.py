@@ -69,7 +69,7 @@ def _import(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
-def _as_model(model) -> onnx.ModelProto:
+def as_model(model) -> onnx.ModelProto:
     """A ModelProto as given, or one loaded from a path; anything else is a clear error."""
     if isinstance(model, str) or hasattr(model, "__fspath__"):
         return read.load(model)
@@ -91,6 +91,7 @@ class OnnxFrontend:
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
         self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
         self.approx: frozenset = frozenset()  # mode "rms-approx": the kept norms to swap (onnx_rewrite/approx.py)
+        self.bases: Optional[dict] = None  # a slice: the calibrated basis per stream (onnx_rewrite/slice.py)
         # (model at the target's opset, opset, shapes): validated and inferred once; another frontend
         # on the same model and target may start from it (the approximate swap's tries)
         self.prepared = prepared
@@ -123,7 +124,7 @@ class OnnxFrontend:
 
     def request(self) -> PlanRequest:
         return request_from(self.opts, self.target.capabilities(), zero=lambda name: _all_zero(self.info, name),
-                            approx=self.approx)
+                            approx=self.approx, bases=self.bases)
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms:
@@ -189,7 +190,7 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     `report.geometry` holds each norm's angle to 1 before and, for folded norms, after the fold
     (passes/geometry.py)."""
     opts = FoldOptions(mode=mode)
-    model = _as_model(model)
+    model = as_model(model)
     with _graphsurgeon_errors_only():
         frontend = OnnxFrontend(model, opts, targets.resolve("ort", "cpu"))
         view, plan = pipeline.plan(frontend, make_plan)
@@ -265,15 +266,15 @@ def fold_model(
         verify = verify_outputs
     if mode == APPROX_MODE:
         approx.check_not_rotated(gamma_into_readers, rotate)
-        return fold_approx(_as_model(model), calibration=calibration, budget=budget, heldout=heldout, metric=metric,
+        return fold_approx(as_model(model), calibration=calibration, budget=budget, heldout=heldout, metric=metric,
                            defer=defer, verify=verify, target=target, device=device, progress=progress)
     opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
                        rotate=rotate, seed=seed)
     tgt = targets.resolve(target, device)
-    model = _as_model(model)
+    model = as_model(model)
     if opts.verify:  # bad inputs or dims are the user's error: say so before any work
         inputs, dims = check_verify_args(model, inputs, dims)
-    return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress), progress)
+    return run_frontend(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress), progress)
 
 
 def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str = "off", verify: bool = True,
@@ -289,7 +290,7 @@ def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str
     tgt = targets.resolve(target, device)
     if opts.verify:
         inputs, dims = check_verify_args(model, inputs, dims)
-    return _fold(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
+    return run_frontend(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
                                   layout=layout),
                  progress)
 
@@ -332,13 +333,13 @@ class _ApproxTrials:
         return view, plan
 
     def verify_exact(self) -> None:
-        _fold(self._frontend(self.opts, inputs=self.feeds), None)
+        run_frontend(self._frontend(self.opts, inputs=self.feeds), None)
 
     def build(self, names: frozenset, final: bool = False) -> FoldResult:
         unverified = dataclasses.replace(self.opts, verify=False)
         if not final:
-            return _fold(self._frontend(unverified, names), None)
-        result = _fold(self._frontend(unverified, names, progress=self.progress, **self.written), self.progress)
+            return run_frontend(self._frontend(unverified, names), None)
+        result = run_frontend(self._frontend(unverified, names, progress=self.progress, **self.written), self.progress)
         if self.written["output"] is not None:  # measured from the file written, as a user would load it
             self.loaded = {id(result): read.load(self.written["output"])}
         return result
@@ -351,9 +352,10 @@ class _ApproxTrials:
         return sum(len(next(iter(b.values()))) for b in batches if b)
 
 
-def _fold(frontend: OnnxFrontend, progress: Progress) -> FoldResult:
+def run_frontend(frontend: OnnxFrontend, progress: Progress, planner=make_plan) -> FoldResult:
+    """The pipeline over one ONNX frontend (`planner`: make_plan, or one that also keeps what it planned)."""
     with _graphsurgeon_errors_only():
-        return pipeline.fold(frontend, verify=frontend.opts.verify, planner=make_plan, progress=progress)
+        return pipeline.fold(frontend, verify=frontend.opts.verify, planner=planner, progress=progress)
 
 
 def check_verify_args(model: onnx.ModelProto, inputs, dims) -> tuple[Optional[dict], Optional[dict]]:

@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_quantize(sub)
 
+    from .slice_cli import add_parser as add_slice  # issue 32: onnx_rewrite/slice_cli.py
+
+    add_slice(sub)
+
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")
     d.add_argument("--hidden", type=int, default=256,
@@ -276,6 +280,10 @@ def main(argv=None) -> int:
                 from .quantize_cli import run as cmd_quantize
 
                 return cmd_quantize(args)
+            if args.cmd == "slice":
+                from .slice_cli import run as cmd_slice
+
+                return cmd_slice(args)
             if args.cmd == "bench":
                 from .bench import run_bench
                 from .inputs import parse_dims

@@ -20,33 +20,29 @@ from .norms import NormMatch, const_values, dtype_of
 
 
 def patch_dims(em, plan: Plan) -> None:
-    """Each Reshape/Expand that spells d on the stream gets a shape with d-1 there."""
-    by_slot: dict[tuple, list[int]] = {}
-    for cc in plan.compressions:
-        if cc.compressed:
-            for ref in cc.dims:
-                by_slot.setdefault((ref.node, ref.slot), []).append(ref.index)
-    for (name, slot), idx in by_slot.items():
+    """Each Reshape/Expand that spells d on a narrowed stream gets a shape with the new width there
+    (d-1 on a CRMS stream, k on a sliced one: `Plan.resized_dims`)."""
+    by_slot: dict[tuple, dict[int, int]] = {}
+    for ref, shrink in plan.resized_dims:
+        by_slot.setdefault((ref.node, ref.slot), {})[ref.index] = shrink
+    for (name, slot), shrinks in by_slot.items():
         node = em.nodes[name]
         shape = node.inputs[slot]
         v = const_values(shape)
+        delta = np.zeros([len(v) if v is not None else em.info.shape(shape)[0]], np.int64)
+        delta[list(shrinks)] = list(shrinks.values())
         if v is not None:
-            new = np.array(v, dtype=np.int64).reshape(-1)
-            new[sorted(set(idx))] -= 1
-            node.inputs[slot] = em.const(f"{shape.name}/lnfold_crms", new)
+            node.inputs[slot] = em.const(f"{shape.name}/lnfold_resized", np.array(v, dtype=np.int64).reshape(-1) - delta)
             continue
-        n = em.info.shape(shape)[0]
-        onehot = np.zeros([n], np.int64)
-        onehot[sorted(set(idx))] = 1
-        out = em.var(f"{shape.name}/lnfold_crms", np.int64)
-        em.node("Sub", [shape, em.const(f"{shape.name}/lnfold_one", onehot)], [out])
+        out = em.var(f"{shape.name}/lnfold_resized", np.int64)
+        em.node("Sub", [shape, em.const(f"{shape.name}/lnfold_shrink", delta)], [out])
         node.inputs[slot] = out
 
 
 def forget_shapes(em, plan: Plan) -> None:
-    """The exporter's recorded shapes say d where the stream is now d-1: drop the inner ones
+    """The exporter's recorded shapes say d where the stream is now d-1 (or k): drop the inner ones
     (runtimes infer them again), keeping the graph's inputs and outputs."""
-    if not any(cc.compressed for cc in plan.compressions):
+    if not any(cc.compressed for cc in plan.compressions) and not any(r.sliced for r in plan.rotations):
         return
     keep = {id(t) for t in list(em.graph.inputs) + list(em.graph.outputs)}
     for t in em.graph.tensors().values():

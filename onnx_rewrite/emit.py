@@ -188,12 +188,15 @@ class Emitter:
         MatMul, `· Bᵀ·diag γ`, before its β."""
         beta_add, fuse_residual, unit_gamma, readout = how.beta_add, how.fuse_residual, how.unit_gamma, how.readout
         rank = self.info.rank(m.x)
-        width = self.info.shape(m.x)[m.axis]
+        width = self.info.shape(m.x)[m.axis] if how.width is None else how.width  # a sliced stream: k of d
         dtype = dtype_of(m.x, m.gamma, m.nodes)
         if unit_gamma and not isinstance(width, int):
             raise ValueError(f"{m.name}: γ moved into the readers but the feature size is unknown")
-        gamma = (self.const(f"{m.name}/lnfold_unit_gamma", np.ones([width], dtype)) if unit_gamma
+        if how.scale != 1.0 and not unit_gamma:
+            raise ValueError(f"{m.name}: a sliced stream's norm keeps no γ of its own")
+        gamma = (self.const(f"{m.name}/lnfold_unit_gamma", np.full([width], how.scale, dtype)) if unit_gamma
                  else self._in_stream_dtype(self._gamma(m, width, dtype), dtype, m.name, "gamma"))
+        eps = m.epsilon * how.eps_scale
         unrotate = None
         if readout is not None:
             g = const_values(m.gamma) if m.gamma is not None else None
@@ -205,15 +208,15 @@ class Emitter:
             final, normed = normed, self.var(f"{m.name}/lnfold_rotated", m.output.dtype)
         last = m.axis == rank - 1
         if skip is not None:
-            self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, m.epsilon, m.name, rank, fuse_residual)
+            self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, eps, m.name, rank, fuse_residual)
         elif gamma is None:
-            self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
+            self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
         elif fuse_residual:
-            self._fuse_residual(x, gamma, normed, m.epsilon)
+            self._fuse_residual(x, gamma, normed, eps)
         elif self.target.norm_op and last:
-            self._norm_op(x, gamma, normed, m.epsilon)
+            self._norm_op(x, gamma, normed, eps)
         else:
-            self._portable_rms(x, gamma, normed, m.axis, m.epsilon, m.name, rank)
+            self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
         if unrotate is not None:
             self.node("MatMul", [normed, unrotate], [final])
             normed = final

@@ -56,11 +56,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return q
 
 
-def run(args) -> int:
-    from .inputs import parse_dims
-    from .quantize import quantize_model
-    from .write import save
-
+def file_paths(args) -> tuple[Path, Path]:
+    """(input, output) of a command that reads one ONNX file and writes another (quantize, slice),
+    checked before any work: a bad one is a one-line error."""
     src, dst = Path(args.input), Path(args.output)
     if not src.is_file():
         raise LnfoldError(f"{src}: no such ONNX file")
@@ -71,6 +69,15 @@ def run(args) -> int:
     out_dir = dst.parent if str(dst.parent) else Path(".")
     if not out_dir.is_dir():
         raise LnfoldError(f"{out_dir}: output directory does not exist")
+    return src, dst
+
+
+def run(args) -> int:
+    from .inputs import parse_dims
+    from .quantize import quantize_model
+    from .write import save
+
+    src, dst = file_paths(args)
     t0 = time.perf_counter()
     result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
                             rotate=args.rotate, seed=args.seed, block_size=args.block_size,

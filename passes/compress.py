@@ -104,12 +104,11 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
             size = "unknown" if v.shape is None or axis >= len(v.shape) else v.shape[axis]
             raise _Fallback(f"stream tensor `{value}` has {size} features, not {d}")
         stream_elems += 1
-        if v.producer is not None:
-            p = view.nodes[v.producer]
-            refs = p.width_refs(p.outputs.index(value), axis)
-            if refs is None:
-                raise _Fallback(f"{p.describe()} sets the stream's width {d} in a shape no edit can change")
-            out.dims.extend(r for r in refs if r not in out.dims)
+        refs = producer_width_refs(view, value, axis)
+        if refs is None:
+            raise _Fallback(f"{view.nodes[v.producer].describe()} sets the stream's width {d} in a shape no edit "
+                            "can change")
+        out.dims.extend(r for r in refs if r not in out.dims)
         for c, i in v.consumers:
             node = view.nodes[c]
             if node.norm is not None and node.norm.input == i:
@@ -134,6 +133,17 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
         where = ", ".join(f"`{c.name}`" for c in out.crms if c.decompress)
         raise _Fallback(f"decompressing the output of {where} (~{cost} operations per token) would cost more "
                         f"than compression saves (~{out.saved_per_token})")
+
+
+def producer_width_refs(view: View, value: str, axis: int) -> Optional[list[DimRef]]:
+    """The size entries with which the op that computes stream tensor `value` spells its width along
+    `axis` (a Reshape's or Expand's target shape), to be patched when the stream narrows ([]: none;
+    None: it sets the width in a shape no edit can change)."""
+    producer = view.values[value].producer
+    if producer is None:
+        return []
+    p = view.nodes[producer]
+    return p.width_refs(p.outputs.index(value), axis)
 
 
 def _width(view: View, comp: Component) -> int:
@@ -180,7 +190,7 @@ def _norm(view: View, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
     if view.values[y].is_graph_output:
         crms.decompress = True
     for c, i in view.values[y].consumers:
-        got = _absorbing(view, c, i, spec.axis, d) if const_affine else None
+        got = absorbing(view, c, i, spec.axis, d) if const_affine else None
         if got is None:
             crms.decompress = True
             continue
@@ -191,7 +201,7 @@ def _norm(view: View, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
     return crms
 
 
-def _absorbing(view: View, c: str, i: int, axis: int, d: int, depth: int = 0):
+def absorbing(view: View, c: str, i: int, axis: int, d: int, depth: int = 0):
     """([(linear reader, its LinearRead)], [DimRef]) when everything `c` leads to through layout
     ops is a linear reader with constant weights; None when anything needs the d-vector."""
     node = view.nodes[c]
@@ -221,7 +231,7 @@ def _absorbing(view: View, c: str, i: int, axis: int, d: int, depth: int = 0):
             return None
         dims.extend(refs)
         for c2, i2 in v.consumers:
-            got = _absorbing(view, c2, i2, oaxis, d, depth + 1)
+            got = absorbing(view, c2, i2, oaxis, d, depth + 1)
             if got is None:
                 return None
             reads += got[0]

@@ -26,13 +26,14 @@ from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamRotation, plan_rotation
+from . import slicing
 from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
                     Ones, Project, Recenter, Scale)
 from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
 from .rules import kind_of
-from .view import View
+from .view import DimRef, View
 
 
 def _frozen_dict() -> Mapping:
@@ -68,6 +69,12 @@ class NormEmission:
     rms_only: bool
     fuse_residual: bool  # emitted fused with the residual Add before it
     readout: Optional[Readout] = None
+    # a sliced stream (passes/slicing.py): the norm reads `width` of its d features (None: all, as
+    # matched); RMSNorm over them with its weight times `scale` = √(d/k) and ε times `eps_scale` = d/k
+    # is the d-feature RMSNorm on the kept subspace, exactly
+    width: Optional[int] = None
+    scale: float = 1.0
+    eps_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,14 @@ class Plan:
     def rotated_norms(self) -> frozenset:
         """The norms whose input is no longer zero-mean (a stream rotated by a Q with Q·1 ≠ 1)."""
         return frozenset(n for n, e in self.emissions.items() if e.rms_only)
+
+    @property
+    def resized_dims(self) -> list[tuple[DimRef, int]]:
+        """The layout ops' size entries that spell a stream's width, each with how much it shrinks:
+        1 on a CRMS stream (d−1 features), d−k on a sliced one."""
+        out = [(ref, 1) for cc in self.compressions if cc.compressed for ref in cc.dims]
+        out += [(ref, r.dim - r.width) for r in self.rotations if r.sliced for ref in r.dims]
+        return out
 
     @property
     def empty(self) -> bool:
@@ -234,17 +249,21 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
 def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
     """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
     skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
-    readouts = {n: Readout(r.basis, r.dim, plan.gammas[n].gamma)
+    readouts = {n: Readout(r.basis, r.width, plan.gammas[n].gamma)
                 for r in plan.rotations if r.rotated for n in r.readouts}
     rms_only = {n for r in plan.rotations if r.rotated and not r.keeps_mean for n in r.norms}
+    sliced = {n: r for r in plan.rotations if r.sliced for n in r.norms}
     moved = {n for n, g in plan.gammas.items() if g.moved}
     out = {}
     for n in plan.swaps:
         if n in skip:
             continue
         bf = plan.betas.get(n)
+        r = sliced.get(n)
+        resized = {} if r is None else dict(width=r.width, scale=(r.dim / r.width) ** 0.5, eps_scale=r.dim / r.width)
         out[n] = NormEmission(n, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
-                              rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n))
+                              rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n),
+                              **resized)
     return out
 
 
@@ -456,10 +475,14 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
         verdicts[n].gamma = g.describe(view)
         for ref, op in g.edits(view):
             use(ref.value, ref.user, ref.user_input)[0].append(op)
-    if request.rotate is None:
+    if request.rotate is None and request.bases is None:
         return
     for comp in (c for c in plan.components if c.norms and all(n in swaps for n in c.norms)):
-        rot = plan_rotation(view, comp, verdicts[comp.norms[0]].stream, request.rotate, request.seed, plan.gammas)
+        given = request.bases.get(comp.norms[0]) if request.bases is not None else None
+        if request.rotate is None and given is None:
+            continue  # a slice that leaves this stream as it is
+        rot = plan_rotation(view, comp, verdicts[comp.norms[0]].stream, request.rotate, request.seed, plan.gammas,
+                            given)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot.why = "its writers are trained (the training fold computes no rotation)"
             rot.writers, rot.readers = [], []
@@ -467,6 +490,8 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
             rot.why = (f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
                        f"constant MatMul, which {caps.name} cannot emit")
             rot.writers, rot.readers, rot.readouts = [], [], []
+        if rot.sliced:
+            slicing.resize(view, comp, rot)
         plan.rotations.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
         for n in rot.readouts:

@@ -9,10 +9,11 @@ rewired.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from .analysis import Component
 from .defer import EAGER, Costs
+from .errors import LnfoldError
 from .options import DEFER_POLICIES, MODES, FoldOptions, check_choice, check_rotation
 
 
@@ -62,12 +63,18 @@ class PlanRequest:
     # mode "rms-approx" (passes/approx.py): kept norms to swap for RMSNorm although they cannot be
     # folded exactly (NOT exact; chosen under a measured error budget). Empty: exact folds only.
     approx: frozenset = frozenset()
+    # a basis per stream, by the stream's first norm: (edits.Basis, entries kept) — a calibrated
+    # slice (passes/slicing.py; NOT exact where fewer than all are kept). Streams not named stay as
+    # they are; implies gamma_into_readers, excludes `rotate`.
+    bases: Optional[Mapping[str, tuple]] = None
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
         check_choice("defer policy", self.defer, DEFER_POLICIES)
         check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
-        if self.rotate is not None:
+        if self.bases is not None and self.rotate is not None:
+            raise LnfoldError("a stream is rotated by a seeded Q or projected on a given basis, not both")
+        if self.rotate is not None or self.bases is not None:
             object.__setattr__(self, "gamma_into_readers", True)
 
 
@@ -75,11 +82,11 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                  zero: Optional[Callable[[str], bool]] = None,
                  refuse: Optional[Callable[[Component], Optional[str]]] = None,
                  trainable: Optional[Callable[[str], bool]] = None,
-                 approx: frozenset = frozenset()) -> PlanRequest:
+                 approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None) -> PlanRequest:
     """The one way a frontend asks: the user's options (checked once, in FoldOptions), the target's
     capabilities, the predicates over the frontend's constants and, for the approximate swap, the
-    kept norms chosen (passes/approx.py). Every entry point builds its request here, so a new
+    kept norms chosen (passes/approx.py); for a slice, the calibrated bases (passes/slicing.py). Every entry point builds its request here, so a new
     option reaches all of them."""
     return PlanRequest(options.mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
-                       approx=approx)
+                       approx=approx, bases=bases)

@@ -23,10 +23,10 @@ from typing import Optional
 
 from . import orthogonal
 from .analysis import Component
-from .edits import Project, Seeded
+from .edits import Basis, Project, Seeded
 from .gamma import GammaFold
 from .rules import kind_of
-from .view import ConstRef, View
+from .view import ConstRef, DimRef, View
 
 # readers that see no values of the stream, or none a rotation of finite values changes: shapes and
 # dtypes (an assert, Shape), isinf/isnan (finite in, finite out)
@@ -49,10 +49,24 @@ class StreamRotation:
     # with unit weight followed by a constant `· Qᵀ·diag γ` (`readout_matrix`), which un-rotates
     # their output exactly, at the cost of one d×d MatMul each
     readouts: list[str] = field(default_factory=list)
+    # a basis given by the request (a calibrated one: passes/slicing.py) and the entries of it kept:
+    # `keep` < `dim` slices the stream (NOT exact); None: the Seeded basis of `kind`, all kept
+    given: Optional[Basis] = None
+    keep: Optional[int] = None
+    dims: list[DimRef] = field(default_factory=list)  # sliced: the layout ops' size entries that spell d
 
     @property
-    def basis(self) -> Seeded:
-        return Seeded(self.kind, self.dim, self.seed)
+    def basis(self) -> Basis:
+        return self.given if self.given is not None else Seeded(self.kind, self.dim, self.seed)
+
+    @property
+    def width(self) -> Optional[int]:
+        """The stream's width once projected (`dim` unless sliced)."""
+        return self.dim if self.keep is None else self.keep
+
+    @property
+    def sliced(self) -> bool:
+        return self.rotated and self.width != self.dim
 
     @property
     def rotated(self) -> bool:
@@ -61,40 +75,56 @@ class StreamRotation:
     @property
     def keeps_mean(self) -> bool:
         """Q·1 = 1: the rotated stream stays zero-mean (a LayerNorm on it stays exact)."""
-        return self.kind.endswith("-keep-ln")
+        return self.given is None and self.kind.endswith("-keep-ln")
 
     def describe(self) -> str:
         if not self.rotated:
             return f"not rotated: {self.why}"
-        text = (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
-                f"constant(s), {len(self.readers)} reader weight(s)")
+        if self.given is not None:
+            text = (f"projected on a calibrated basis ({self.kind}), d={self.dim} -> {self.width}: "
+                    f"{len(self.writers)} writer constant(s), {len(self.readers)} reader weight(s)")
+        else:
+            text = (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
+                    f"constant(s), {len(self.readers)} reader weight(s)")
         if self.readouts:
             text += (f"; un-rotated after {', '.join(f'`{n}`' for n in self.readouts)} by a constant "
-                     f"{self.dim}×{self.dim} MatMul (Qᵀ·diag γ: exact, one GEMM more)")
+                     f"{self.width}×{self.dim} MatMul (Qᵀ·diag γ, one GEMM more)")
         return text
 
 
-def plan_rotation(view: View, comp: Component, stream: int, kind: str, seed: int,
-                  gammas: dict[str, GammaFold]) -> StreamRotation:
-    """The rotation of one folded component, or why it stays as it is (pure, on the view)."""
-    out = StreamRotation(stream, list(comp.norms), seed=seed)
+def rotatable(view: View, comp: Component, gammas: dict[str, GammaFold]) -> tuple[Optional[int], Optional[str]]:
+    """(the stream's width, None) where the folded component can be carried in another basis,
+    else (None, why not)."""
     why = _blocker(view, comp, gammas)
-    d = None
-    if why is None:
-        d, why = _width(view, comp)
+    return (None, why) if why is not None else _width(view, comp)
+
+
+def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,
+                  gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None) -> StreamRotation:
+    """The rotation of one folded component, or why it stays as it is (pure, on the view):
+    by the Seeded Q of `kind`, or by `given` = (basis, entries kept) (a calibrated slice)."""
+    out = StreamRotation(stream, list(comp.norms), seed=seed)
+    d, why = rotatable(view, comp, gammas)
+    if why is None and given is not None and given[0].dim != d:
+        why = f"the basis given has width {given[0].dim}, the stream {d}"
     if why is not None:
         out.why = why
         return out
-    out.kind, out.dim = orthogonal.resolved_kind(kind, d), d
-    q = Seeded(out.kind, d, seed)
+    out.dim = d
+    if given is not None:
+        out.given, out.keep = given
+        out.kind = getattr(out.given, "key", type(out.given).__name__)
+    else:
+        out.kind = orthogonal.resolved_kind(kind, d)
+    q, keep = out.basis, out.width
     for src in comp.sources:
         for ref in src.refs:
             if ref.axis is None or _size(view, ref.value, ref.axis) == 1:
                 continue  # uniform along the features: centered to zero, nothing to rotate
-            out.writers.append((ref, Project(ref.axis, q, d)))
+            out.writers.append((ref, Project(ref.axis, q, keep)))
     for n in comp.norms:
         for r in gammas[n].readers:
-            out.readers.append((r.weight, Project(r.weight.axis, q, d)))
+            out.readers.append((r.weight, Project(r.weight.axis, q, keep)))
     out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
     return out
 

@@ -1,0 +1,223 @@
+"""Slicing (issue 32; SliceGPT, Ashkboos et al., ICLR 2024): a folded stream carried in its first k
+principal directions instead of its d features. NOT exact: what lies outside those k directions is
+deleted.
+
+After the exact fold with γ in the readers, a rotatable stream (passes/rotate.py) can be carried
+in any orthogonal basis Q exactly. Here Q is calibrated: the eigenvectors, by descending
+eigenvalue, of the float64 second moment of the stream's normalized rows (each norm input scaled
+to unit RMS, over the calibration rows, every norm of the stream pooled). Keeping k = d − round(F·d)
+of them, each writer's output side and each reader's input side is `Project(axis, Data(Q), k)`
+(passes/edits.py); each norm of the stream is an RMSNorm over the k kept features with weight
+√(d/k) and ε·d/k, which is the d-feature RMSNorm of the projected row exactly:
+`x_k / sqrt(‖x_k‖²/k + ε·d/k) · √(d/k) = x_k / sqrt(‖x_k‖²/d + ε)` (`plan.NormEmission`); a norm
+whose output leaves the stream (a readout) is taken back to d features by `Q[:, :k]ᵀ·diag γ`. The
+only error is the part of each stream row outside span(Q[:, :k]); at k = d the slice is a rotation
+(exact). The frontends capture the norm inputs and measure the error; this module decides.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Optional
+
+import numpy as np
+
+from .analysis import Component
+from .compress import absorbing, producer_width_refs
+from .edits import Data
+from .errors import LnfoldError
+from .rotate import StreamRotation, rotatable
+from .view import View
+
+NOT_EXACT = "NOT exact"
+METADATA_KEY = "lnfold.slice"
+
+
+def check_fraction(fraction) -> float:
+    """F, the share of each sliced stream's width deleted, as a float in (0, 1); else a one-line error."""
+    try:
+        f = float(fraction)
+    except (TypeError, ValueError):
+        raise LnfoldError(f"fraction must be a number in (0, 1), got {fraction!r}") from None
+    if not math.isfinite(f) or not 0 < f < 1:
+        raise LnfoldError(f"fraction must be in (0, 1) (the share of each stream's width deleted), got {fraction!r}")
+    return f
+
+
+def check_calibration(calibration) -> None:
+    if calibration is None:
+        raise LnfoldError("slicing needs calibration inputs (--calibrate FILE.npz; API: calibration=): the "
+                          "stream's principal directions are computed from them")
+
+
+def kept_width(d: int, fraction: float) -> int:
+    """k = d − round(F·d), at least 1."""
+    return max(1, d - int(round(fraction * d)))
+
+
+def unit_rms_moment(batches: list[np.ndarray], axis: int) -> tuple[np.ndarray, int]:
+    """(Σ uuᵀ / n over the rows u = x / rms(x) of the batches along `axis`, n), in float64. Rows of
+    all zeros (padding) have no direction and are left out."""
+    total, n = None, 0
+    for x in batches:
+        x = np.moveaxis(np.asarray(x, dtype=np.float64), axis, -1)
+        x = x.reshape(-1, x.shape[-1])
+        rms = np.sqrt((x * x).mean(axis=1))
+        u = x[rms > 0] / rms[rms > 0, None]
+        m = u.T @ u
+        total = m if total is None else total + m
+        n += u.shape[0]
+    if total is None or n == 0:
+        raise LnfoldError("no calibration row reached the stream (all rows zero)")
+    return total / n, n
+
+
+def principal_basis(moment: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(Q, eigenvalues): the eigenvectors of the symmetric `moment` as columns, by descending
+    eigenvalue (float64)."""
+    values, vectors = np.linalg.eigh(moment)
+    order = np.argsort(values)[::-1]
+    return np.ascontiguousarray(vectors[:, order]), np.clip(values[order], 0.0, None)
+
+
+@dataclass
+class StreamSlice:
+    """One folded stream: its width before and after, the share of the calibration rows' energy
+    kept (Σ of the kept eigenvalues / Σ of all), or why it keeps its full width."""
+
+    stream: int
+    norms: list[str]
+    dim: Optional[int] = None
+    keep: Optional[int] = None
+    variance_kept: Optional[float] = None
+    rows: int = 0
+    why: str = ""
+
+    @property
+    def sliced(self) -> bool:
+        return not self.why
+
+    def line(self) -> str:
+        head = f"stream {self.stream} ({len(self.norms)} norm(s) from `{self.norms[0]}`)"
+        if not self.sliced:
+            return f"{head}: full width{f' {self.dim}' if self.dim else ''}: {self.why}"
+        return (f"{head}: width {self.dim} -> {self.keep}, variance kept {self.variance_kept:.4%} "
+                f"({self.rows} calibration rows)")
+
+
+@dataclass
+class SlicePlan:
+    """The calibrated bases a slice asks the planner for (PlanRequest.bases), and the per-stream account."""
+
+    fraction: float
+    bases: dict = field(default_factory=dict)  # the stream's first norm -> (Data, k)
+    streams: list[StreamSlice] = field(default_factory=list)
+
+
+def plan_slices(view: View, components: list[Component], gammas: Mapping, stream_of: Mapping[str, int],
+                captured: Mapping[str, list[np.ndarray]], fraction: float) -> SlicePlan:
+    """The basis of every rotatable folded stream of the exact fold (its `components`, `gammas`, and
+    `stream_of`: norm -> its stream's index in the report), from `captured` (norm input value -> the
+    batches of it in the exact fold's model on the calibration rows)."""
+    out = SlicePlan(fraction)
+    for comp in components:
+        if not comp.norms or comp.norms[0] not in stream_of:
+            continue
+        s = StreamSlice(stream_of[comp.norms[0]], list(comp.norms))
+        out.streams.append(s)
+        s.dim, why = rotatable(view, comp, gammas)
+        if why is None:
+            missing = [n for n in comp.norms if not captured.get(_norm_input(view, n)[0])]
+            if missing:
+                why = (f"the input of `{missing[0]}` is not a tensor the model computes by itself (a fused op's "
+                       "part): it cannot be captured")
+        if why is not None:
+            s.why = why
+            continue
+        moments = [unit_rms_moment(captured[value], axis) for value, axis in map(lambda n: _norm_input(view, n),
+                                                                                 comp.norms)]
+        s.rows = sum(n for _, n in moments)
+        moment = sum(m * n for m, n in moments) / s.rows
+        q, eigenvalues = principal_basis(moment)
+        s.keep = kept_width(s.dim, fraction)
+        s.variance_kept = float(eigenvalues[:s.keep].sum() / eigenvalues.sum())
+        out.bases[comp.norms[0]] = (Data(f"pca:{comp.norms[0]}", q), s.keep)
+    return out
+
+
+def _norm_input(view: View, norm: str) -> tuple[str, int]:
+    node = view.nodes[norm]
+    value = node.inputs[node.norm.input]
+    rank = view.values[value].rank
+    axis = node.norm.axis
+    return value, axis + rank if axis < 0 and rank is not None else axis
+
+
+def resize(view: View, comp: Component, rot: StreamRotation) -> None:
+    """The layout ops' size entries that spell d on a sliced stream and between its norms and their
+    readers (patched to k by the frontends: `Plan.resized_dims`); or the stream keeps its full width
+    (`rot.why`) where an op sets the width in a shape no edit can change."""
+    d = rot.dim
+    dims = []
+    for value, axis in comp.axes.items():
+        refs = producer_width_refs(view, value, axis)
+        if refs is None:
+            return _unsliced(rot, f"{view.nodes[view.values[value].producer].describe()} sets the stream's width "
+                                  f"{d} in a shape no edit can change")
+        dims += refs
+    for n in comp.norms:
+        if n in rot.readouts:
+            continue  # its output is taken back to d features
+        node = view.nodes[n]
+        for c, i in view.values[node.outputs[0]].consumers:
+            got = absorbing(view, c, i, node.norm.axis, d)
+            if got is None:
+                return _unsliced(rot, f"{view.nodes[c].describe()} reads `{n}` through a shape that spells its "
+                                      f"width {d}, which no edit can change")
+            dims += got[1]
+    rot.dims = list(dict.fromkeys(dims))
+
+
+def _unsliced(rot: StreamRotation, why: str) -> None:
+    rot.why = why
+    rot.writers, rot.readers, rot.readouts = [], [], []
+
+
+@dataclass
+class SliceReport:
+    """A slice's account: per stream, the parameters, the error against the exact fold (NOT exact)."""
+
+    fraction: float
+    streams: list[StreamSlice]
+    params_before: int  # the exact fold's (which the original's equal)
+    params_after: int
+    error: Optional[float] = None  # relative error against the exact fold (passes/approx.relative_error)
+    error_rows: str = ""  # which rows it was measured on
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"exact": False, "fraction": self.fraction, "params_before": self.params_before,
+                "params_after": self.params_after, "error": self.error, "error_rows": self.error_rows,
+                "streams": [asdict(s) for s in self.streams], "notes": list(self.notes)}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.as_dict(), **kw)
+
+    def table(self) -> str:
+        lines = [f"slice F={self.fraction:g}: {NOT_EXACT} (the directions of each sliced stream outside its "
+                 "kept principal subspace are deleted)"]
+        lines += ["  " + s.line() for s in self.streams]
+        ratio = self.params_after / self.params_before if self.params_before else float("nan")
+        lines.append(f"  parameters {self.params_before:,} -> {self.params_after:,} ({ratio:.3f}x)")
+        if self.error is not None:
+            lines.append(f"  relative error against the exact fold: {self.error:.3e} on {self.error_rows}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def metadata(self) -> str:
+        sliced = [s for s in self.streams if s.sliced]
+        widths = ", ".join(f"{s.dim}->{s.keep}" for s in sliced)
+        err = f"; relative error {self.error:.3e} on {self.error_rows}" if self.error is not None else ""
+        return (f"{NOT_EXACT}: sliced by lnfold (F={self.fraction:g}, SliceGPT-style principal bases): "
+                f"{len(sliced)} stream(s) {widths}; parameters {self.params_before} -> {self.params_after}{err}")

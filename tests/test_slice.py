@@ -1,0 +1,185 @@
+"""Slicing (issue 32; passes/slicing.py, onnx_rewrite/slice.py): NOT exact by design, so these
+tests pin what is exact about it — at k = d a slice is a rotation (the exact fold's outputs to
+float64 precision), and a stream that truly lies in k dimensions slices with zero error — and
+show that a planted bug (a reader left unprojected, a wrong √(d/k)) breaks them.
+
+The models are float64 ONNX graphs (so "exact" means ~1e-15) with random γ/β and large-mean
+writers (tests/onnx_graphs.Builder), a dynamic batch (the calibration rows are split into a
+calibrating and a held-out half), a Reshape on the stream that spells d (patched to k) and,
+optionally, a final norm whose output is the graph's (a readout: un-projected to d).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import lnfold
+from lnfold.onnx_rewrite import approx as approx_io
+from lnfold.onnx_rewrite import cli
+from lnfold.passes import LnfoldError
+from lnfold.passes import plan as plan_module
+from lnfold.passes import slicing
+from lnfold.passes.approx import relative_error
+from tests.onnx_graphs import INT64, VOCAB, Builder
+
+D, T = 16, 5
+
+
+def stream_model(span=None, readout=False, seed=0) -> onnx.ModelProto:
+    """ids [batch, T] -> embedding + positions -> 2 pre-LN blocks (a Reshape to [-1, T, d] on the
+    stream between them) -> final LN -> lm head (or, `readout`, the final LN's output itself).
+    `span`: every writer's output side lies in one `span`-dimensional subspace of the d features
+    (so does the centered stream)."""
+    b = Builder(seed, np.float64)
+    ids = b.input("ids", INT64, ["batch", T])
+    rng = np.random.default_rng(seed + 7)
+    onto = None if span is None else np.linalg.qr(rng.standard_normal((D, span)))[0]  # d x span, orthonormal
+
+    def writer(base, shape, mean):
+        name = b.weight(base, shape, mean=mean)
+        if onto is not None:  # project the output side (the last axis) onto span(onto)
+            t = numpy_helper.to_array(b.inits[-1]) @ onto @ onto.T
+            b.inits[-1].CopyFrom(numpy_helper.from_array(t, name))
+        return name
+
+    h = b.op("Add", [b.op("Gather", [writer("emb", (VOCAB, D), 4.0), ids], axis=0), writer("pos", (T, D), -2.0)])
+    for layer in range(2):
+        u = b.op("Relu", [b.linear(b.layernorm(h, D), D, 2 * D)])
+        h = b.op("Add", [h, b.op("Add", [b.op("MatMul", [u, writer("W", (2 * D, D), 0.0)]), writer("b", (D,), 3.0)])])
+        if layer == 0:
+            h = b.op("Reshape", [h, b.const("shape", np.array([-1, T, D], np.int64))])
+    n = b.layernorm(h, D)
+    y = n if readout else b.op("MatMul", [n, b.weight("head", (D, VOCAB))])
+    b.output(y, shape=["batch", T, D if readout else VOCAB])
+    return b.model(17)
+
+
+def recentered_model() -> onnx.ModelProto:
+    """x -> h = Relu(linear) -> Σ_k head_k(LN(k·h)): folds with a recenter (no constant writer): the
+    stream cannot be rotated, so nothing can be sliced."""
+    b = Builder(3, np.float64)
+    x = b.input("ids", onnx.TensorProto.DOUBLE, ["batch", T, D])
+    h = b.op("Relu", [b.linear(x, D, D)])
+    heads = [b.op("MatMul", [b.layernorm(b.op("Mul", [h, b.const("k", np.array(1.0 + k))]), D),
+                             b.weight("head", (D, VOCAB))]) for k in range(3)]
+    y = b.op("Add", [b.op("Add", heads[:2]), heads[2]])
+    b.output(y, shape=["batch", T, VOCAB])
+    return b.model(17)
+
+
+def calibration(rows: int = 16, seed: int = 1, floats: bool = False) -> dict:
+    if floats:
+        return {"ids": np.random.default_rng(seed).standard_normal((rows, T, D))}
+    return {"ids": np.random.default_rng(seed).integers(0, VOCAB, (rows, T)).astype(np.int64)}
+
+
+def error_against_exact(result) -> float:
+    """The sliced model's relative error against the exact fold, on fresh rows."""
+    rows = [calibration(8, seed=99)]
+    return relative_error(approx_io.run(result.exact.model, rows), approx_io.run(result.model, rows))
+
+
+@pytest.mark.parametrize("readout", [False, True])
+def test_full_width_slice_is_the_exact_fold(readout):
+    """F→0 (k = d): every writer and reader is rotated by the calibrated Q, nothing deleted: the
+    exact fold's outputs to float64 precision, although the weights changed."""
+    r = lnfold.slice_onnx(stream_model(readout=readout), calibration(), fraction=0.01)
+    (s,) = r.report.streams
+    assert s.sliced and s.dim == s.keep == D and s.variance_kept == pytest.approx(1.0)
+    assert error_against_exact(r) < 1e-13 and r.report.error < 1e-13
+    exact = {t.name: numpy_helper.to_array(t) for t in r.exact.model.graph.initializer}
+    changed = [t.name for t in r.model.graph.initializer
+               if t.name not in exact or not np.array_equal(exact[t.name], numpy_helper.to_array(t))]
+    assert len(changed) >= 8  # the writers and readers carry Q (not a no-op)
+
+
+@pytest.mark.parametrize("readout", [False, True])
+def test_stream_in_k_dimensions_slices_with_zero_error(readout):
+    """The writers span 12 of 16 dimensions: at F = 0.25 (k = 12) only zero directions go — zero
+    error, fewer parameters, the Reshape's d patched to k; at F = 0.5 real directions go."""
+    model = stream_model(span=12, readout=readout)
+    r = lnfold.slice_onnx(model, calibration(), fraction=0.25)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep) == (D, 12) and s.variance_kept == pytest.approx(1.0, abs=1e-12)
+    assert error_against_exact(r) < 1e-12
+    assert r.report.params_after < r.report.params_before
+    shapes = [numpy_helper.to_array(t).tolist() for t in r.model.graph.initializer if t.data_type == onnx.TensorProto.INT64]
+    assert [-1, T, 12] in shapes and [-1, T, D] not in shapes
+    assert "NOT exact" in r.report.table()
+    meta = {p.key: p.value for p in r.model.metadata_props}
+    assert meta[slicing.METADATA_KEY].startswith("NOT exact") and "16->12" in meta[slicing.METADATA_KEY]
+    deeper = lnfold.slice_onnx(model, calibration(), fraction=0.5)
+    assert deeper.report.streams[0].variance_kept < 1 - 1e-3 and error_against_exact(deeper) > 1e-3
+
+
+def test_planted_bug_reader_left_unprojected(monkeypatch):
+    """One reader of the stream left in the original basis: the full-width slice is no longer exact."""
+    real = plan_module.plan_rotation
+
+    def drop_one_reader(*a, **kw):
+        rot = real(*a, **kw)
+        rot.readers = rot.readers[:-1]
+        return rot
+
+    monkeypatch.setattr(plan_module, "plan_rotation", drop_one_reader)
+    r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.01)
+    assert error_against_exact(r) > 1e-3
+
+
+def test_planted_bug_wrong_scale(monkeypatch):
+    """The norm over k features without √(d/k) (or with ε not scaled and γ right): the zero-error
+    slice is off by the factor."""
+    real = plan_module._emissions
+
+    def unscaled(*a, **kw):
+        return {n: dataclasses.replace(e, scale=1.0) for n, e in real(*a, **kw).items()}
+
+    monkeypatch.setattr(plan_module, "_emissions", unscaled)
+    r = lnfold.slice_onnx(stream_model(span=12), calibration(), fraction=0.25)
+    assert error_against_exact(r) > 1e-2
+
+
+def test_cli_writes_the_slice_and_reports_it(tmp_path, capsys):
+    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
+    onnx.save(stream_model(span=12), src)
+    np.savez(cal, **calibration())
+    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["exact"] is False and report["streams"][0]["keep"] == 12 and report["error"] < 1e-12
+    assert report["params_after"] < report["params_before"]
+    assert slicing.METADATA_KEY in {p.key for p in onnx.load(str(out)).metadata_props}
+    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal)]) == 0
+    assert "NOT exact" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--fraction", "0.2"], "needs calibration inputs"),
+    (["--fraction", "0", "--calibrate", "CAL"], "fraction must be in"),
+    (["--fraction", "1", "--calibrate", "CAL"], "fraction must be in"),
+    (["--fraction", "nan", "--calibrate", "CAL"], "fraction must be in"),
+    (["--fraction", "0.2", "--calibrate", "CAL", "RECENTERED"], "no stream can be sliced"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, msg):
+    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
+    recentered = "RECENTERED" in argv
+    onnx.save(recentered_model() if recentered else stream_model(), src)
+    np.savez(cal, **calibration(floats=recentered))
+    argv = [str(cal) if a == "CAL" else a for a in argv if a != "RECENTERED"]
+    assert cli.main(["slice", str(src), "-o", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and msg in err
+    assert set(tmp_path.iterdir()) == {src, cal}
+
+
+def test_api_bad_inputs():
+    with pytest.raises(LnfoldError, match="needs calibration"):
+        lnfold.slice_onnx(stream_model(), None, fraction=0.2)
+    with pytest.raises(LnfoldError, match="fraction must be"):
+        lnfold.slice_onnx(stream_model(), calibration(), fraction=1.5)
+    with pytest.raises(LnfoldError, match="no stream can be sliced.*recentered"):
+        lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.2)
