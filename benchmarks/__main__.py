@@ -1,4 +1,5 @@
 """python -m benchmarks run [--quick] [--device cpu|cuda] [--only ops,ort,torch,foldcost,demo,defer]
+python -m benchmarks gpu [--smoke] [...]   (benchmarks/gpu.py: the GPU rows in one script, JSON lines)
 
 Writes benchmarks/RESULTS.md and benchmarks/results.json (or the paths given with --out/--json).
 """
@@ -48,8 +49,14 @@ DEMO = M.Spec("demo GPT-2 (4 layers, width 256, vocab 1000)", "gpt2", 4, 256, 4,
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:  # its own options (benchmarks/gpu.py)
+        from . import gpu as G
+
+        return G.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m benchmarks")
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("gpu", help="the GPU rows in one script (python -m benchmarks gpu --help)")
     r = sub.add_parser("run", help="run the benchmarks and write RESULTS.md / results.json")
     r.add_argument("--quick", action="store_true", help="fewer, smaller cases (a few minutes on 2 cores)")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
