@@ -28,7 +28,7 @@ from ..passes.options import FoldOptions, check_choice
 from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
-from . import defer as deferred_norm
+from . import deferred_norm
 from . import geometry
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .edits import from_numpy, to_numpy, unique_attr

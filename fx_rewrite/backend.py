@@ -48,13 +48,13 @@ from ..passes.defer import INDUCTOR_CPU
 from ..passes.options import FoldOptions
 from ..passes.request import Capabilities, PlanRequest, request_from
 
-from . import defer as deferred_norm
+from . import deferred_norm
 from .apply import TORCH, Applier, GraphConstants
 from .backend_log import KEPT, reports, timings  # noqa: F401  (the backend's log, read as backend.reports)
 from .cache import CachedInputs, derived_biases, with_extra_inputs
 from .classify import build_view
 from .dynamo import constant_inputs, specialize_scalars, static_examples, working_copy
-from .verify import check_graph
+from .verify import verify_graph
 
 log = logging.getLogger("lnfold")
 OPTION_PREFIX = "lnfold."
@@ -173,7 +173,7 @@ class DynamoFrontend:
     emit = staticmethod(pipeline.in_memory)
 
     def verify(self, plan: Plan, work: fx.GraphModule) -> None:
-        check_graph(self.gm, work, self.example_inputs, self.extra)  # raises VerificationError
+        verify_graph(self.gm, work, self.example_inputs, self.extra)  # raises VerificationError
 
     def result(self, plan: Plan, work: fx.GraphModule) -> FoldResult:
         return FoldResult(report=plan.report, module=work)

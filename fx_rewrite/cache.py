@@ -14,7 +14,7 @@ from ..passes.edits import ConstEdit
 
 from .apply import Constants
 from .edits import from_numpy, to_numpy
-from .defer import BiasNode
+from .deferred_norm import BiasNode
 
 
 class CachedInputs(Constants):

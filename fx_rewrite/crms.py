@@ -15,7 +15,7 @@ from ..passes.edits import apply_ops, compute_new_bias
 from ..passes.plan import Plan
 
 from .classify import is_tuple_getitem, meta_val, varargs_sizes
-from .defer import erase_unread
+from .deferred_norm import erase_unread
 from .edits import from_numpy, graph_algebra, to_numpy, unique_attr, weight_times
 from .ops import canonical, set_arg
 

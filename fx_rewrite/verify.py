@@ -89,7 +89,7 @@ def _np(t: torch.Tensor):
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def check_graph(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
+def verify_graph(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
     """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
     the original graph where one can be made). Under dynamic shapes the graphs take symbolic
     sizes among their inputs: they run here with the sizes of the tensors at hand."""

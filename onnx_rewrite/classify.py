@@ -368,7 +368,7 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "IsInf": _unary("nonfinite_test"),
     "IsNaN": _unary("nonfinite_test"),
     "Pad": _pad,
-    "MatMul": _unary("matmul", bias_after=True),  # emit.py/defer.py take a lone Add after it as its bias
+    "MatMul": _unary("matmul", bias_after=True),  # emit.py/deferred_norm.py take a lone Add after it as its bias
     "Gemm": lambda info, n, _: _gemm(info, n),
     "Einsum": lambda info, n, _: rule("einsum", equation=str(n.attrs.get("equation", ""))) if len(n.inputs) == 2 else None,
     "Conv": lambda info, n, _: _conv(info, n),

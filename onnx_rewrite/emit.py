@@ -19,7 +19,7 @@ from ..passes.defer import compute_biases
 from ..passes.edits import Ones
 
 from . import fused
-from . import defer as deferred_norm
+from . import deferred_norm
 from . import crms
 from .classify import GraphInfo
 from .norms import NormMatch, const_values, dtype_of, is_constant, np_dtype

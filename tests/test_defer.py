@@ -18,7 +18,7 @@ from lnfold.fx_rewrite import api as fx_api
 from lnfold.fx_rewrite import backend as fx_backend
 from lnfold.onnx_rewrite import VerificationError, fold_model
 from lnfold.onnx_rewrite import api as onnx_api
-from lnfold.onnx_rewrite import defer as onnx_defer
+from lnfold.onnx_rewrite import deferred_norm as onnx_defer
 from lnfold.onnx_rewrite.verify import session
 from lnfold.passes.weights import max_rel_err
 

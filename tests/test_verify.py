@@ -439,7 +439,7 @@ def _erfc_gelu_block(op: str = "Erfc") -> onnx.ModelProto:
 
 
 def test_erfc_reference_implementation():
-    from lnfold.onnx_rewrite.verify import _reference
+    from lnfold.onnx_rewrite.sessions import reference as _reference
 
     b = G.Builder(0, np.float64)
     b.output(b.op("Erfc", [b.input("x", TensorProto.DOUBLE, [5])]), shape=[5])

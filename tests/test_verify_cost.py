@@ -14,7 +14,7 @@ from onnx import TensorProto
 
 from lnfold import zoo
 from lnfold.onnx_rewrite import fold_model
-from lnfold.onnx_rewrite import verify
+from lnfold.onnx_rewrite import exact, sessions, verify
 from lnfold.passes import VerificationError
 from tests import onnx_graphs as G
 from tests.conftest import export_quiet, missing_one_centering
@@ -60,7 +60,7 @@ def test_each_model_is_read_once_and_each_session_built_once(vit_files, monkeypa
     assert loads[str(original)] <= 1 and loads[str(folded)] <= 1, loads
     # onnxruntime loads both files itself; the float64 copy's runs are the other sessions
     assert sessions.count(str(original)) == 1 and sessions.count(str(folded)) == 1, sessions
-    ref_runs = sum(ref for ref, _ in verify._Float64(onnx.load(str(original))).segments.runs)
+    ref_runs = sum(ref for ref, _ in verify.Float64Run(onnx.load(str(original))).segments.runs)
     assert ref_runs >= 2  # the conv stem and each block's Erf
     monkeypatch.undo()
 
@@ -76,7 +76,7 @@ def test_float64_runs_in_onnxruntime_beside_ops_without_double_kernels(vit_files
     assert exact is not None and how.startswith("onnxruntime, with Conv, Erf in onnx's reference evaluator"), how
     # the same outputs as the whole copy in the reference evaluator (what ran it before)
     copy, weights = verify.float64_copy(model)
-    whole = verify._reference(copy).run(None, {"pixel_values": feeds["pixel_values"].astype("f8"), **weights})
+    whole = sessions.reference(copy).run(None, {"pixel_values": feeds["pixel_values"].astype("f8"), **weights})
     assert abs(exact[0] - whole[0]).max() <= 1e-12 * abs(whole[0]).max()
 
 
@@ -115,12 +115,12 @@ def test_a_missing_float64_run_says_why(monkeypatch):
     verdict = verify.check(model, folded)
     assert verdict.ok and verdict.criterion in ("tolerance", "zero-mean norm inputs")
     assert "no float64 run: " in verdict.summary() and "BiasGelu" in verdict.summary(), verdict.summary()
-    monkeypatch.setattr(verify, "EXACT_MAX_ELEMS", 10)
+    monkeypatch.setattr(exact, "EXACT_MAX_ELEMS", 10)
     small = G.pre_ln(layers=1)
     verdict = verify.check(small, fold_model(small, verify=False).model)
     assert "no float64 run: a float64 copy would hold more than 10 float weights" in verdict.summary()
     # and a failing fold says it too
-    monkeypatch.setattr(verify, "EXACT_MAX_ELEMS", 2**27)
+    monkeypatch.setattr(exact, "EXACT_MAX_ELEMS", 2**27)
     from lnfold.onnx_rewrite import api
 
     monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=0))

@@ -1,0 +1,165 @@
+"""Running an ONNX model for verification and measurement: onnxruntime sessions built once, quiet
+(failures raise; its logs would only repeat them), and onnx's reference evaluator with the ops it
+lacks (onnxruntime's RMSNorm ops, tf2onnx's Erfc) where onnxruntime refuses a model."""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Optional, Union
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx.external_data_helper import load_external_data_for_model
+
+ModelLike = Union[onnx.ModelProto, str, os.PathLike]
+
+QUIET = ort.RunOptions()
+QUIET.log_severity_level = 4
+
+
+class Source:
+    """A model as given, a ModelProto or a path, read at most once: its graph without external
+    weights (`skeleton`) first, the weights (`proto`) only if something needs them; onnxruntime
+    loads a path itself."""
+
+    def __init__(self, model: ModelLike) -> None:
+        self.path = None if isinstance(model, onnx.ModelProto) else str(model)
+        self._proto = model if isinstance(model, onnx.ModelProto) else None
+        self._skeleton: Optional[onnx.ModelProto] = None
+
+    @staticmethod
+    def of(model: Union[ModelLike, "Source"]) -> "Source":
+        return model if isinstance(model, Source) else Source(model)
+
+    @property
+    def skeleton(self) -> onnx.ModelProto:
+        if self._proto is not None:
+            return self._proto
+        if self._skeleton is None:
+            self._skeleton = onnx.load(self.path, load_external_data=False)
+        return self._skeleton
+
+    @property
+    def proto(self) -> onnx.ModelProto:
+        if self._proto is None:  # the skeleton, its external weights read in
+            load_external_data_for_model(self.skeleton, os.path.dirname(os.path.abspath(self.path)))
+            self._proto = self.skeleton
+        return self._proto
+
+
+def session(model: Union[ModelLike, Source]) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
+    if isinstance(model, Source):
+        model = model.path if model.path is not None else model.proto
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+def proto_of(model: Union[ModelLike, Source]) -> onnx.ModelProto:
+    return Source.of(model).proto
+
+
+def skeleton_of(model: Union[ModelLike, Source]) -> onnx.ModelProto:
+    return Source.of(model).skeleton
+
+
+# --- runners -------------------------------------------------------------------------------------
+
+class Runner:
+    """Runs one model: in onnxruntime, or with onnx's reference evaluator where onnxruntime
+    refuses to load it."""
+
+    def __init__(self, model: ModelLike, *, allow_reference: bool = False) -> None:
+        self.model, self.load_error, self.refusal = model, None, None
+        try:
+            self.sess = session(model)
+            self.names = [o.name for o in self.sess.get_outputs()]
+        except Exception as e:
+            if not allow_reference:
+                raise
+            self.sess, self.load_error, self.refusal = None, first_line(e), refusal_kind(e)
+            self.ref = reference(proto_of(model))
+            self.names = list(self.ref.output_names)
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        if self.sess is not None:
+            return self.sess.run(None, feeds, QUIET)
+        return [np.asarray(x) for x in self.ref.run(None, feeds)]
+
+
+def reference(model: onnx.ModelProto):
+    from onnx.reference import ReferenceEvaluator
+
+    return ReferenceEvaluator(model, new_ops=contrib_ops())
+
+
+def contrib_ops() -> list:
+    """Ops onnx's reference evaluator lacks: onnxruntime's RMSNorm ops (what `--target ort`
+    emits), and Erfc. Erfc is for the reference evaluator only: onnxruntime has no schema for it."""
+    from onnx.reference.op_run import OpRun
+
+    def rms(x, gamma, axis, eps):
+        axis = axis % x.ndim
+        axes = tuple(range(axis, x.ndim))
+        ms = np.mean(np.square(x.astype(np.float64)), axis=axes, keepdims=True)
+        return (x / np.sqrt(ms + eps) * gamma).astype(x.dtype)
+
+    class SimplifiedLayerNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, gamma, axis=-1, epsilon=1e-5, stash_type=1):
+            return (rms(x, gamma, axis, epsilon),)
+
+    class SkipSimplifiedLayerNormalization(OpRun):
+        op_domain = "com.microsoft"
+
+        def _run(self, x, skip, gamma, bias=None, epsilon=1e-5):
+            s = x + skip + (bias if bias is not None else 0)
+            return (rms(s, gamma, -1, epsilon), None, None, s)
+
+    class Erfc(OpRun):
+        """tf2onnx writes Erfc, which is not an ONNX op (its GELU: 0.5 x erfc(-x/√2)): 1 - erf(x),
+        computed as math.erfc (exact where 1 - erf(x) would cancel, for large x)."""
+        op_domain = ""
+
+        def _run(self, x):
+            return (_ERFC(x).astype(x.dtype),)
+
+    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc]
+
+
+_ERFC = np.vectorize(math.erfc, otypes=[np.float64])
+
+
+def first_line(e: BaseException) -> str:
+    """onnxruntime's message on one line, without its source locations and C++ signatures."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    m = re.search(r"/?onnxruntime_src/\S+:\d+ ", text)
+    if m:  # "/onnxruntime_src/x.h:46 void ns::f(args...) message": drop the location and signature
+        rest, depth, cut = text[m.end():], 0, 0
+        for k, ch in enumerate(rest):
+            depth += ch == "("
+            if ch == ")":
+                depth -= 1
+                if depth == 0:
+                    cut = k + 1
+                    break
+        text = text[:m.start()] + " " + rest[cut:].strip()
+    if len(text) > 240:
+        sentences = [x for x in re.split(r"(?<=\.) ", text) if x]
+        first, last = sentences[0], sentences[-1]
+        text = f"{first} ... {last}" if len(sentences) > 1 and len(first) + len(last) < 300 else text[:240] + "..."
+    return text
+
+
+def refusal_kind(e: BaseException) -> str:
+    """The kind of onnxruntime's reason for refusing to load a model: without the file it was loaded
+    from and without the names of the node and tensor it stopped at (the first in its order: a
+    fold that moves nodes makes it stop at another Cast with the same wrong declared type)."""
+    text = re.sub(r"^(\[ONNXRuntimeError\] : \d+ : \w+ : )?Load model (from .*? )?failed:\s*", "",
+                  " ".join(str(e).split()))
+    return re.sub(r"\b(arg|node|Node) \([^()]*\)", r"\1 (…)", text)
