@@ -352,10 +352,11 @@ class _ApproxTrials:
         return sum(len(next(iter(b.values()))) for b in batches if b)
 
 
-def run_frontend(frontend: OnnxFrontend, progress: Progress, planner=make_plan) -> FoldResult:
-    """The pipeline over one ONNX frontend (`planner`: make_plan, or one that also keeps what it planned)."""
+def run_frontend(frontend: OnnxFrontend, progress: Progress, planner=None) -> FoldResult:
+    """The pipeline over one ONNX frontend (`planner`: make_plan, looked up at each call, or one that
+    also keeps what it planned)."""
     with _graphsurgeon_errors_only():
-        return pipeline.fold(frontend, verify=frontend.opts.verify, planner=planner, progress=progress)
+        return pipeline.fold(frontend, verify=frontend.opts.verify, planner=planner or make_plan, progress=progress)
 
 
 def check_verify_args(model: onnx.ModelProto, inputs, dims) -> tuple[Optional[dict], Optional[dict]]:
