@@ -9,7 +9,8 @@ output's relative RMS error, saliency map or final-norm features, against the fp
    the rotated model quantized with that node excluded;
 2. MatMulNBits blocking along K: the same at block 32 and 128;
 3. the weight quantizer: round-to-nearest (lnfold's default, symmetric), HQQ and GPTQ
-   (onnxruntime's MatMulNBitsQuantizer algo_config; GPTQ calibrated on the 16 calibration images);
+   (onnxruntime's MatMulNBitsQuantizer algo_config; GPTQ calibrated on the first --gptq-images
+   calibration images);
 4. γ into the readers alone, without rotation (the step every rotation needs);
 5. which side of the stream carries the loss: only the norms' readers (query/key/value, fc1)
    quantized, or only the stream's writers (attention output dense, fc2), fold vs hadamard;
@@ -108,7 +109,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache")
     p.add_argument("--blocks", nargs="+", type=int, default=[32, 128])
-    p.add_argument("--algos", nargs="+", default=["rtn", "hqq", "gptq"], choices=["rtn", "hqq", "gptq"])
+    p.add_argument("--algos", nargs="+", default=["hqq", "gptq"], choices=["hqq", "gptq"],
+                   help="onnxruntime's other weight quantizers to measure (each: minutes per model on 2 cores)")
+    p.add_argument("--only-algos", action="store_true", help="skip the round-to-nearest tables")
+    p.add_argument("--gptq-images", type=int, default=16, help="calibration images GPTQ sees (default 16)")
     args = p.parse_args(argv)
     t0 = time.time()
     rm = realmodels.dinov2(realmodels.cache_dir(args.cache))
@@ -125,23 +129,42 @@ def main(argv=None) -> int:
           f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n")
     print("| block | quantizer | " + " | ".join(preps) + " | hadamard, un-rotation MatMul kept float |")
     print("| --- | --- | " + " | ".join("---" for _ in preps) + " | --- |")
-    for block in args.blocks:
-        for algo in args.algos:
+
+    def cell(prep, block, algo, keep_float=()) -> str:
+        quantized = nbits(prep.model, block, algo, rm.calibration, keep_float)
+        got = q._outputs(quantized, rows)[1]
+        worst = max(q.rel_rms(a, b) for a, b in zip(reference[1], got))
+        return f"{worst:.4f} ({realmodels.dinov2_metric(reference[1], got)['saliency corr']:.4f})"
+
+    for block in ([] if args.only_algos else args.blocks):  # round-to-nearest, every variant
+        cells = [cell(prep, block, "rtn") for prep in preps.values()] + [cell(preps["hadamard"], block, "rtn", readouts)]
+        print(f"| {block} | rtn | " + " | ".join(cells) + " |", flush=True)
+    print("\nOne side of the stream quantized (round-to-nearest), the other float:\n")
+    print("| block | layers quantized | fold | hadamard |")
+    print("| --- | --- | --- | --- |")
+    for block in ([] if args.only_algos else args.blocks):
+        for side, pattern in SIDES.items():
             cells = []
-            for label, prep in list(preps.items()) + [("readout float", preps["hadamard"])]:
-                exclude = readouts if label == "readout float" else ()
-                quantized = nbits(prep.model, block, algo, rm.calibration, exclude)
-                errors = q.measure(rm.model, quantized, rows, reference)
-                corr = realmodels.dinov2_metric(reference[1], q._outputs(quantized, rows)[1])["saliency corr"]
-                cells.append(f"{q.score(errors):.4f} ({corr:.4f})")
-            print(f"| {block} | {algo} | " + " | ".join(cells) + " |", flush=True)
+            for label in ("fold", "hadamard"):
+                model = preps[label].model
+                keep_float = [n for n in q.linear_layers(model) if not any(p in n for p in pattern)]
+                cells.append(cell(preps[label], block, "rtn", keep_float))
+            print(f"| {block} | {side} | " + " | ".join(cells) + " |", flush=True)
     print("\nWeight-error model (no quantizer; ratio to 'γ in the norm', the norms' readers only):\n")
     print("| block | layers | γ max/min (median, max over norms) | γ in the norm | γ moved | hadamard |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for block in args.blocks:
+    for block in ([] if args.only_algos else args.blocks):
         w = weight_error_model(rm.model, block)
         print(f"| {block} | {w['layers']} | {w['gamma max/min'][0]:.0f}, {w['gamma max/min'][1]:.0f} | 1 | "
-              f"{w['γ moved']:.2f} | {w['hadamard']:.2f} |")
+              f"{w['γ moved']:.2f} | {w['hadamard']:.2f} |", flush=True)
+    print(f"\nonnxruntime's other weight quantizers (block {args.blocks[0]}):\n")
+    print("| quantizer | fold | hadamard |")
+    print("| --- | --- | --- |")
+    rm.calibration = {k: v[:args.gptq_images] for k, v in rm.calibration.items()}
+    for algo in args.algos:
+        t1 = time.time()
+        cells = [cell(preps[label], args.blocks[0], algo) for label in ("fold", "hadamard")]
+        print(f"| {algo} | " + " | ".join(cells) + f" | ({time.time() - t1:.0f} s)", flush=True)
     print(f"\n(wall time {time.time() - t0:.0f} s)")
     return 0
 
