@@ -241,11 +241,14 @@ class LayerScaled(nn.Module):
 
 def test_layerscale_and_tied_head_train_exactly():
     """The scale is folded into fc's centered weights (and reads as ones): it still learns."""
+    torch.manual_seed(0)
     model = LayerScaled()
     ids = torch.randint(0, 11, (3, 7), generator=torch.Generator().manual_seed(3))
     eager = copy.deepcopy(model)
     assert lnfold.fold_for_training(model, (ids,)).report.folded == 3
-    assert_same_training(eager, model, lambda m: lm_loss(m, ids))
+    # judged in float64: in fp32 three SGD steps of this small model drift 1e-6..2e-5 apart with the
+    # init (the test used to depend on the global seed other tests left); in float64 1e-15
+    assert_same_training(eager.double(), model.double(), lambda m: lm_loss(m, ids))
     assert _rel(eager.gammas[0], LayerScaled().gammas[0]) > 1e-3  # the scales did move
 
 
