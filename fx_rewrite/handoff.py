@@ -126,7 +126,7 @@ class HandoffFrontend(ExportFrontend):
 
     def request(self, conflicts: frozenset = frozenset()) -> PlanRequest:
         target = Capabilities(name=HANDOFF, costs=EAGER, compresses=False, new_biases=True, norm_beta=False,
-                              readouts=False,
+                              readout_matmul=False,
                               swap_refusal=functools.partial(layernorm_module_refusal, self.module, self.info))
         return request_from(self.opts, target, zero=self.zero,
                             refuse=functools.partial(self.mapper.refusal, conflicts=conflicts))

@@ -486,7 +486,7 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot.why = "its writers are trained (the training fold computes no rotation)"
             rot.writers, rot.readers = [], []
-        if rot.rotated and rot.readouts and not caps.readouts:
+        if rot.rotated and rot.readouts and not caps.readout_matmul:
             rot.why = (f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
                        f"constant MatMul, which {caps.name} cannot emit")
             rot.writers, rot.readers, rot.readouts = [], [], []

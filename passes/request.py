@@ -35,8 +35,8 @@ class Capabilities:
     # swapped: it stays a LayerNorm on its centered stream, exact, and is reported kept)
     norm_beta: bool = True
     # It can follow a rotated stream's norm by a constant MatMul that un-rotates its output
-    # (passes/rotate.py readouts; False: such a stream stays unrotated, with the reason)
-    readouts: bool = True
+    # (a rotated stream's readouts, passes/rotate.py; False: such a stream stays unrotated, with the reason)
+    readout_matmul: bool = True
     compresses: bool = True  # it can emit CRMSNorm (False: mode "crms" folds into RMSNorms, with a note)
     # Why the target cannot swap folded norm `name` given every folded norm (None: it can): the
     # stream stays centered, the norm stays as it is (exact on a zero-mean input), and is reported kept.
