@@ -136,8 +136,8 @@ class HandoffFrontend(ExportFrontend):
                                 planner=make_plan)  # (looked up here: a test plants a bug in it)
 
     def check(self, plan: Plan) -> None:
-        if plan.empty and plan.unswapped:
-            first = next(v for v in plan.report.norms if v.name == plan.unswapped[0])
+        if plan.empty and plan.kept_by_target:
+            first = next(v for v in plan.report.norms if v.name == plan.kept_by_target[0])
             raise NothingToFold(f"no nn.LayerNorm module can become an RMSNorm; first: {first.reason}")
         check_plan(plan)
 
@@ -242,7 +242,7 @@ class HandoffFrontend(ExportFrontend):
             self.done.eps[names[id(ln)]] = float(ln.eps)
         order = {n: k for k, n in enumerate(names.values())}
         self.done.rmsnorm.sort(key=order.__getitem__)  # in the module's order
-        for name in plan.unswapped:
+        for name in plan.kept_by_target:
             m = scope_of(self.module, self.info.nodes[name])
             why = next(v.reason for v in plan.report.norms if v.name == name)
             self.done.kept[names.get(id(m), name)] = why

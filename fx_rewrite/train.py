@@ -178,7 +178,7 @@ class _TrainingFrontend:
                                 planner=make_plan)  # (looked up here: a test plants a bug in it)
 
     def check(self, plan: Plan) -> None:
-        if plan.empty and plan.unswapped:
+        if plan.empty and plan.kept_by_target:
             raise NothingToFold(f"no nn.LayerNorm module can be swapped; first: {plan.report.norms[0].reason}")
         try:
             check_plan(plan)

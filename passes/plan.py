@@ -95,7 +95,7 @@ class Plan:
     deferral: DeferDecision = field(default_factory=DeferDecision)  # the norms emitted deferred (passes/defer.py)
     origins: Mapping[str, str] = field(default_factory=_frozen_dict)  # view node -> its IR node, where they differ
     training: bool = False  # the edited constants are trained: edits computed in the graph
-    unswapped: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
+    kept_by_target: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
     gammas: Mapping[str, GammaFold] = field(default_factory=_frozen_dict)  # gamma_into_readers: per folded norm
     rotations: Sequence[StreamRotation] = FrozenList()  # rotate=: per folded stream, rotated or why not
 
@@ -231,7 +231,7 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     if mode != request.mode:
         plan.report.notes.append(f"{caps.name} does not compress (CRMSNorm); folded norms are RMSNorms, "
                                  "which compute the same values")
-    unswapped = _unswapped(plan, caps)
+    kept_by_target = _unswapped(plan, caps)
     edited = [n for e in plan.const_edits for n in e.sources()]
     training = request.trainable is not None and any(request.trainable(n) for n in edited)
     # under autograd the graph computes its edited weights itself: no deferral there; γ into the
@@ -242,7 +242,7 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     deferral = plan_deferral(view, plan, defer, caps.costs)
     _defer(view, plan, deferral)
     approx = approximate(view, plan.report, request.approx)
-    return plan.freeze(deferral=deferral, training=training, unswapped=unswapped, approx=approx,
+    return plan.freeze(deferral=deferral, training=training, kept_by_target=kept_by_target, approx=approx,
                        emissions=MappingProxyType(_emissions(plan, deferral)))
 
 
