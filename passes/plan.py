@@ -231,7 +231,7 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     if mode != request.mode:
         plan.report.notes.append(f"{caps.name} does not compress (CRMSNorm); folded norms are RMSNorms, "
                                  "which compute the same values")
-    kept_by_target = _unswapped(plan, caps)
+    kept_by_target = _kept_by_target(plan, caps)
     edited = [n for e in plan.const_edits for n in e.sources()]
     training = request.trainable is not None and any(request.trainable(n) for n in edited)
     # under autograd the graph computes its edited weights itself: no deferral there; γ into the
@@ -288,7 +288,7 @@ def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
     return FrozenList(out)
 
 
-def _unswapped(plan: _Draft, caps: Capabilities) -> list[str]:
+def _kept_by_target(plan: _Draft, caps: Capabilities) -> list[str]:
     """The folded norms the target keeps (its stream stays centered), each reported with why."""
     if caps.swap_refusal is None and caps.norm_beta:
         return FrozenList()
