@@ -203,8 +203,6 @@ def fold_file(src: Path, dst: Path, args):
     The one pipeline (passes/pipeline.py) verifies the written files before they are published."""
     import onnx
 
-    from .api import fold_file as fold_to_file
-    from .inputs import parse_dims
     from .read import load
     from .write import data_layout
 
@@ -212,21 +210,35 @@ def fold_file(src: Path, dst: Path, args):
     if progress:
         progress(f"loading {src}")
     inputs = {src.resolve()}
+    t0 = time.perf_counter()
     # big weights stay in the input's data file: read where the fold edits them, copied on save
     model = load(src, data_files=inputs, lazy=True)
-    layout = data_layout(onnx.load(str(src), load_external_data=False), src, dst)
+    # (the layout is read from the file's own external-data records; a file with none has its
+    # weights inside, and is not parsed a second time: a 500 MB GPT-2, a second of the fold)
+    layout = data_layout(onnx.load(str(src), load_external_data=False), src, dst) if inputs != {src.resolve()} \
+        else None
+    loading = time.perf_counter() - t0
     data_out = dst.parent / (layout.location if layout is not None else dst.name + ".data")
     for out in (dst, data_out):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
     if args.mode == APPROX_MODE or args.budget is not None or args.calibrate:
-        return _fold_approx(src, model, dst, args, progress, layout)
-    result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
-                          defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
-                          progress=progress, layout=layout, gamma_into_readers=args.gamma_into_readers,
-                          rotate=args.rotate, seed=args.seed)
+        result = _fold_approx(src, model, dst, args, progress, layout)
+    else:
+        result = _fold_exact(src, model, dst, args, progress, layout)
+    result.timings = {"loading": loading, **result.timings}  # (the stages in the order they ran)
     return result
+
+
+def _fold_exact(src: Path, model, dst: Path, args, progress, layout):
+    from .api import fold_file as fold_to_file
+    from .inputs import parse_dims
+
+    return fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
+                        defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
+                        progress=progress, layout=layout, gamma_into_readers=args.gamma_into_readers,
+                        rotate=args.rotate, seed=args.seed)
 
 
 def _fold_approx(src: Path, model, dst: Path, args, progress, layout):

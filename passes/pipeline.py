@@ -78,7 +78,9 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
     timings["editing"] = time.perf_counter() - t1
     result = frontend.result(p, folded)
     result.timings = timings
+    t2 = time.perf_counter()
     with frontend.emit(folded) as artifact:
+        timings["writing"] = time.perf_counter() - t2  # (the output's files, where the frontend writes any)
         if verify:
             t2 = time.perf_counter()
             verdict = frontend.verify(p, artifact)

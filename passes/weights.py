@@ -52,7 +52,7 @@ def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None, m
     # the mean in float64 without a float64 copy of `a`; the subtraction upcasts element-wise
     if mean is None:
         mean = a.mean(axis=axis, dtype=np.float64, keepdims=True)
-    return (a - mean).astype(a.dtype)
+    return (a - mean).astype(a.dtype, copy=False)  # (a float64 `a`: the difference is the result, not copied)
 
 
 def vector_along(a: np.ndarray, axis: int) -> np.ndarray:
