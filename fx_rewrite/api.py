@@ -131,6 +131,7 @@ class ExportFrontend:
         # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
         self.norm = "layer_norm" if norm == "auto" else norm
         self.approx: frozenset = frozenset()  # mode "rms-approx": kept norms to swap (passes/approx.py)
+        self.bases: Optional[dict] = None  # a slice: the calibrated basis per stream (fx_rewrite/slice.py)
 
     def view(self) -> View:
         self.gm, self.attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
@@ -145,7 +146,8 @@ class ExportFrontend:
         return name in self.attrs and not bool(self.tensor(name).any())
 
     def request(self) -> PlanRequest:
-        return request_from(self.opts, Capabilities(costs=EAGER), zero=self.zero, approx=self.approx)
+        return request_from(self.opts, Capabilities(costs=EAGER), zero=self.zero, approx=self.approx,
+                            bases=self.bases)
 
     def check(self, plan: Plan) -> None:
         check_plan(plan)

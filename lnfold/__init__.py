@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .onnx_rewrite import slice_model as slice_onnx
     from .fx_rewrite import (analyze_module, fold_checkpoint, fold_for_training, fold_module, lnfold_backend,
                              lnfold_backend_with, unfold_for_training)
-    from .fx_rewrite import fold_to_rmsnorm, restore_rmsnorm
+    from .fx_rewrite import fold_to_rmsnorm, restore_rmsnorm, slice_module
 
 
 
@@ -55,13 +55,13 @@ def _installed_version() -> str:
         return "0+unknown"
 
 _TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_module", "lnfold_backend",
-                "lnfold_backend_with", "unfold_for_training", "fold_to_rmsnorm", "restore_rmsnorm")
+                "lnfold_backend_with", "unfold_for_training", "fold_to_rmsnorm", "restore_rmsnorm", "slice_module")
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
     "analyze_module", "analyze_onnx", "fold_checkpoint", "fold_for_training", "fold_module", "fold_onnx",
     "lnfold_backend", "lnfold_backend_with", "load_onnx", "quantize_onnx", "save_onnx", "slice_onnx", "unfold_for_training",
-    "fold_to_rmsnorm", "restore_rmsnorm",
+    "fold_to_rmsnorm", "restore_rmsnorm", "slice_module",
 ]
 
 

@@ -1,37 +1,23 @@
-"""`lnfold slice` / `lnfold.slice_onnx`: the ONNX side of slicing (passes/slicing.py decides). NOT exact.
-
-1. the exact fold with γ in the readers, verified on the calibration rows;
-2. each folded norm's input captured in that model on the calibration rows (onnxruntime);
-3. passes/slicing.plan_slices: a principal basis and its kept width per rotatable stream;
-4. the fold again, asking for those bases (PlanRequest.bases): writers and readers projected,
-   norms over k features, layout shapes patched; not verified (it is not exact), but
-5. measured: its outputs against the exact fold's on the held-out rows (passes/geometry's rule).
+"""`lnfold slice` / `lnfold.slice_onnx`: the ONNX side of slicing (passes/slicing.py decides,
+passes/slicer.py runs the steps: exact fold, capture, bases, sliced fold, error). NOT exact.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import onnx
 
-from ..passes import LnfoldError, FoldResult, make_plan
+from ..passes import FoldResult, make_plan
 from ..passes import slicing
-from ..passes.approx import relative_error
+from ..passes.slicer import SliceResult, slice_with
 from ..passes.geometry import chunks
 from ..passes.options import FoldOptions
 from . import approx as approx_io
 from . import targets
 from .api import OnnxFrontend, Progress, as_model, run_frontend
 from .geometry import capture
-
-
-@dataclass
-class SliceResult:
-    model: onnx.ModelProto  # the sliced model (NOT exact)
-    report: slicing.SliceReport
-    exact: FoldResult  # the verified exact fold it was sliced from (its model: the error's reference)
 
 
 def parameters(model: onnx.ModelProto) -> int:
@@ -42,15 +28,37 @@ def parameters(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)
 
 
-class _Planned:
-    """make_plan, keeping the view and the plan it made (the slice reads both)."""
+class _OnnxSlice:
+    """passes/slicer.SliceFrontend over ONNX: the model validated once, folds run in onnxruntime."""
 
-    def __init__(self) -> None:
-        self.view = self.plan = None
+    def __init__(self, model: onnx.ModelProto, target, feeds: dict, held: Optional[dict], progress: Progress) -> None:
+        self.model, self.target, self.feeds, self.progress = model, target, feeds, progress
+        self.opts = FoldOptions(gamma_into_readers=True)
+        self.held = held if held is not None else feeds
+        self.rows = (f"{_rows(held)} held-out row(s)" if held is not None
+                     else f"the {_rows(feeds)} calibration row(s) (none held out: NOT an independent measure)")
+        self.prepared = None
 
-    def __call__(self, view, request):
-        self.view, self.plan = view, make_plan(view, request)
-        return self.plan
+    def exact(self, planner) -> FoldResult:
+        first = OnnxFrontend(self.model, self.opts, self.target, inputs=self.feeds, progress=self.progress)
+        result = run_frontend(first, self.progress, planner)
+        self.prepared = first.prepared
+        return result
+
+    def capture(self, exact: FoldResult, values: list[str]) -> dict:
+        return capture(exact.model, values, chunks(self.feeds))
+
+    def sliced(self, bases: dict, planner) -> FoldResult:
+        frontend = OnnxFrontend(self.model, dataclasses.replace(self.opts, verify=False), self.target,
+                                prepared=self.prepared, progress=self.progress)
+        frontend.bases = bases
+        return run_frontend(frontend, self.progress, planner)
+
+    def outputs(self, result: FoldResult) -> list:
+        return approx_io.run(result.model, [self.held])
+
+    def parameters(self, result: FoldResult) -> int:
+        return parameters(result.model)
 
 
 def slice_model(model, calibration, *, fraction, heldout=None, target: str = "ort", device: str = "cpu",
@@ -63,47 +71,14 @@ def slice_model(model, calibration, *, fraction, heldout=None, target: str = "or
     fraction = slicing.check_fraction(fraction)
     slicing.check_calibration(calibration)
     model = as_model(model)
-    tgt = targets.resolve(target, device)
     feeds, held = approx_io.calibration_split(model, calibration, heldout)
-    opts = FoldOptions(gamma_into_readers=True)
-
-    exact_plan = _Planned()
-    first = OnnxFrontend(model, opts, tgt, inputs=feeds, progress=progress)
-    exact = run_frontend(first, progress, exact_plan)
-    view, plan = exact_plan.view, exact_plan.plan
-    values = [node.inputs[node.norm.input] for node in view.norms() if node.name in set(plan.swaps)]
-    captured = capture(exact.model, values, chunks(feeds))
-    stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
-    decided = slicing.plan_slices(view, list(plan.components), plan.gammas, stream_of, captured, fraction)
-    if not decided.bases:
-        why = next((s.line() for s in decided.streams), "no LayerNorm folds")
-        raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "
-                          f"transparent readers): {why}")
-
-    sliced_plan = _Planned()
-    second = OnnxFrontend(model, dataclasses.replace(opts, verify=False), tgt, prepared=first.prepared,
-                          progress=progress)
-    second.bases = decided.bases
-    sliced = run_frontend(second, progress, sliced_plan)
-    for rot in sliced_plan.plan.rotations:
-        for s in decided.streams:
-            if s.stream == rot.stream and not rot.rotated:
-                s.why, s.keep = rot.why, None
-    if not any(s.sliced for s in decided.streams):
-        raise LnfoldError(f"no stream can be sliced: {decided.streams[0].line()}")
-
-    rows = held if held is not None else feeds
-    reference, outputs = approx_io.run(exact.model, [rows]), approx_io.run(sliced.model, [rows])
-    report = slicing.SliceReport(
-        fraction, decided.streams, parameters(exact.model), parameters(sliced.model),
-        error=relative_error(reference, outputs),
-        error_rows=(f"{_rows(rows)} held-out row(s)" if held is not None
-                    else f"the {_rows(rows)} calibration row(s) (none held out: NOT an independent measure)"))
+    exact, sliced, report = slice_with(_OnnxSlice(model, targets.resolve(target, device), feeds, held, progress),
+                                       fraction, make_plan)
     out = sliced.model
     for p in [p for p in out.metadata_props if p.key == slicing.METADATA_KEY]:
         out.metadata_props.remove(p)
     out.metadata_props.append(onnx.StringStringEntryProto(key=slicing.METADATA_KEY, value=report.metadata()))
-    return SliceResult(out, report, exact)
+    return SliceResult(report, exact, model=out)
 
 
 def _rows(feeds: dict) -> Optional[int]:

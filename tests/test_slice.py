@@ -129,6 +129,8 @@ def test_planted_bug_reader_left_unprojected(monkeypatch):
     monkeypatch.setattr(plan_module, "plan_rotation", drop_one_reader)
     r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.01)
     assert error_against_exact(r) > 1e-3
+    m, _, ids = _zoo_gpt2()
+    assert lnfold.slice_module(m.double(), (ids,), fraction=0.005).report.error > 1e-3  # the torch frontend too
 
 
 def test_planted_bug_wrong_scale(monkeypatch):
@@ -183,3 +185,35 @@ def test_api_bad_inputs():
         lnfold.slice_onnx(stream_model(), calibration(), fraction=1.5)
     with pytest.raises(LnfoldError, match="no stream can be sliced.*recentered"):
         lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.2)
+
+
+# --- torch (fx_rewrite/slice.py): the same plan through torch.export ---------------------------------
+
+def _zoo_gpt2():
+    from lnfold import zoo
+    import torch
+
+    m, args = zoo.gpt2()
+    ids = torch.randint(0, 101, (8, 9), generator=torch.Generator().manual_seed(5))
+    return m, args, ids
+
+
+def test_torch_full_width_slice_is_the_exact_fold():
+    """k = d (d = 64, F = 0.005) in float64: the calibrated rotation reproduces the exact fold."""
+    m, _, ids = _zoo_gpt2()
+    r = lnfold.slice_module(m.double(), (ids,), fraction=0.005)
+    (s,) = r.report.streams
+    assert s.sliced and s.dim == s.keep == 64
+    assert r.report.error < 1e-12
+
+
+def test_both_frontends_slice_the_same_streams_with_the_same_widths():
+    from lnfold import zoo
+
+    m, args, ids = _zoo_gpt2()
+    t = lnfold.slice_module(m, (ids,), fraction=0.25)
+    o = lnfold.slice_onnx(zoo.export_onnx(m, args, ["input_ids"]), {"input_ids": ids.numpy()}, fraction=0.25)
+    widths = [[(s.norms and len(s.norms), s.dim, s.keep) for s in r.report.streams] for r in (t, o)]
+    assert widths[0] == widths[1] == [(5, 64, 48)]
+    assert t.report.streams[0].variance_kept == pytest.approx(o.report.streams[0].variance_kept, abs=1e-6)
+    assert t.report.error == pytest.approx(o.report.error, rel=0.05)

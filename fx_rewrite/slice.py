@@ -1,0 +1,63 @@
+"""`lnfold.slice_module`: the torch side of slicing (passes/slicing.py decides, passes/slicer.py
+runs the steps: exact fold, capture, bases, sliced fold, error). NOT exact. The result's `.module`
+is the exported graph module with the sliced weights (as `fold_module` returns)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..passes import FoldResult, make_plan, pipeline, slicing
+from ..passes.options import FoldOptions
+from ..passes.slicer import SliceResult, slice_with
+from . import geometry
+from .api import ExportFrontend
+
+
+class _TorchSlice:
+    """passes/slicer.SliceFrontend over torch.export: the first calibration batch is the example
+    input (export, verification); the norm inputs are captured by the FX interpreter."""
+
+    def __init__(self, module, batches: list[tuple], held: Optional[list[tuple]], kwargs: dict, dynamic: bool):
+        self.module, self.batches, self.kwargs, self.dynamic = module, batches, kwargs, dynamic
+        self.opts = FoldOptions(gamma_into_readers=True)
+        self.held = held if held is not None else batches
+        rows = sum(len(b[0]) for b in self.held)
+        self.rows = (f"{rows} held-out row(s)" if held is not None
+                     else f"the {rows} calibration row(s) (none held out: NOT an independent measure)")
+
+    def _fold(self, opts: FoldOptions, planner, bases=None) -> FoldResult:
+        frontend = ExportFrontend(self.module, self.batches[0], self.kwargs, opts, norm="auto", dynamic=self.dynamic)
+        frontend.bases = bases
+        return pipeline.fold(frontend, verify=opts.verify, planner=planner)
+
+    def exact(self, planner) -> FoldResult:
+        return self._fold(self.opts, planner)
+
+    def capture(self, exact: FoldResult, values: list[str]) -> dict:
+        return geometry.capture(exact.module, values, self.batches)
+
+    def sliced(self, bases: dict, planner) -> FoldResult:
+        return self._fold(dataclasses.replace(self.opts, verify=False), planner, bases)
+
+    def outputs(self, result: FoldResult) -> list:
+        return geometry.outputs(result.module, self.held)
+
+    def parameters(self, result: FoldResult) -> int:
+        tensors = list(result.module.parameters()) + list(result.module.buffers())
+        return sum(t.numel() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def slice_module(module: torch.nn.Module, calibration, *, fraction, kwargs: Optional[dict] = None, heldout=None,
+                 dynamic: bool = True) -> SliceResult:
+    """Slice every rotatable folded stream of `module` to k = d − round(F·d) features on the principal
+    directions of `calibration` (an args tuple, or a list of them; rows along the first axis).
+    NOT exact: `result.report` as `slice_onnx`'s; the error is measured on `heldout` (default:
+    passes/geometry.heldout_split's rule). `result.module` runs like the module. Bad input: LnfoldError."""
+    fraction = slicing.check_fraction(fraction)
+    slicing.check_calibration(calibration)
+    batches, held = geometry.split(geometry.batches_of(calibration, ())[0], heldout)
+    frontend = _TorchSlice(module, batches, held, dict(kwargs or {}), dynamic)
+    exact, sliced, report = slice_with(frontend, fraction, make_plan)
+    return SliceResult(report, exact, module=sliced.module)
