@@ -30,7 +30,7 @@ import torch
 
 from ..passes import LnfoldError, NothingToFold, make_plan
 from ..passes.analysis import Component
-from ..passes.depth import SHALLOW, Blocks, NotExtensible
+from ..passes.depth import SHALLOW, LayerStack, NotExtensible
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.report import Report
@@ -223,7 +223,7 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     if path is not None:
         shallow = skeleton(with_depth(ck.config, SHALLOW))
         if same_blocks(model, shallow, path):
-            blocks = Blocks(path, len(model.get_submodule(path)))
+            blocks = LayerStack(path, len(model.get_submodule(path)))
             plan = _plan_of(shallow, ck, mode)
             try:
                 return CheckpointPlan(

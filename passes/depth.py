@@ -32,7 +32,7 @@ class NotExtensible(Exception):
     """The shallow plan cannot stand for the deep one (the caller plans the whole model)."""
 
 
-class Blocks:
+class LayerStack:
     """The blocks of a model: the ModuleList at `path` (e.g. `model.decoder.layers`), `depth` of
     them in the full model; names of its members, with or without leading components of `path`
     (a checkpoint may store `decoder.layers.3.…` for the model's `model.decoder.layers.3.…`)."""

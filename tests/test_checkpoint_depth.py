@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lnfold.passes.depth import Blocks, NotExtensible
+from lnfold.passes.depth import LayerStack, NotExtensible
 from lnfold.passes.edits import Center
 from lnfold.passes.report import NormVerdict, Report, StreamEdits
 
@@ -78,7 +78,7 @@ def test_blocks_that_differ_in_shape_plan_every_block(tmp_path, monkeypatch):
 
 # --- passes/depth.py on hand-made items ----------------------------------------------------------------------
 
-B = Blocks("model.decoder.layers", depth=6)
+B = LayerStack("model.decoder.layers", depth=6)
 
 
 def verdict(block: int, reason: str = "") -> NormVerdict:
