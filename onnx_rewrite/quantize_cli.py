@@ -21,10 +21,8 @@ _DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their w
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    q = sub.add_parser("quantize", help="fold exactly, then quantize with onnxruntime's quantizers (not exact)",
-                       description=_DESCRIPTION)
-    q.add_argument("input", help="the float ONNX model")
-    q.add_argument("-o", "--output", required=True, help="where to write the quantized model")
+    q = file_command(sub, "quantize", "quantized", "fold exactly, then quantize with onnxruntime's quantizers (not exact)",
+                     _DESCRIPTION)
     q.add_argument("--weights", choices=WEIGHTS, required=True,
                    help="int8: onnxruntime quantize_dynamic (activations quantized at run time) or, with "
                         "--activations int8, quantize_static (QDQ); int4: MatMulNBitsQuantizer, weight-only")
@@ -75,18 +73,33 @@ def file_paths(args) -> tuple[Path, Path]:
 def run(args) -> int:
     from .inputs import parse_dims
     from .quantize import quantize_model
-    from .write import save
 
     src, dst = file_paths(args)
     t0 = time.perf_counter()
     result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
                             rotate=args.rotate, seed=args.seed, block_size=args.block_size,
                             per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim))
-    save(result.model, dst)  # temp file + rename: nothing half-written
+    return write_and_report(result, dst, t0, args.json, "quantized")
+
+
+def file_command(sub, name: str, made: str, help: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand from one ONNX file to another (quantize, slice): its input and -o arguments."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.add_argument("input", help="the float ONNX model")
+    p.add_argument("-o", "--output", required=True, help=f"where to write the {made} model")
+    return p
+
+
+def write_and_report(result, dst: Path, t0: float, as_json: bool, what: str) -> int:
+    """Save `result.model` to `dst` (temp file + rename: nothing half-written) and print its report,
+    which says the model is NOT exact."""
+    from .write import save
+
+    save(result.model, dst)
     elapsed = time.perf_counter() - t0
-    if args.json:
+    if as_json:
         print(json.dumps({"output": str(dst), "seconds": elapsed, **result.report.as_dict()}, indent=2))
         return 0
     print(result.report.table())
-    print(f"lnfold: wrote {dst} in {elapsed:.2f} s (quantized: NOT exact; error above)")
+    print(f"lnfold: wrote {dst} in {elapsed:.2f} s ({what}: NOT exact; error above)")
     return 0

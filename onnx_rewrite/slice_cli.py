@@ -5,8 +5,9 @@ its error handling (one line, exit 2 for bad input, nothing written) is the fold
 from __future__ import annotations
 
 import argparse
-import json
 import time
+
+from .quantize_cli import file_command, file_paths, write_and_report
 
 _DESCRIPTION = ("Fold the LayerNorms exactly with their weights in the readers (verified), then carry each "
                 "residual stream that can be rotated in its first k = d - round(F*d) principal directions on "
@@ -15,10 +16,8 @@ _DESCRIPTION = ("Fold the LayerNorms exactly with their weights in the readers (
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    s = sub.add_parser("slice", help="fold exactly, then delete each stream's least-used directions (not exact)",
-                       description=_DESCRIPTION)
-    s.add_argument("input", help="the float ONNX model")
-    s.add_argument("-o", "--output", required=True, help="where to write the sliced model")
+    s = file_command(sub, "slice", "sliced", "fold exactly, then delete each stream's least-used directions "
+                     "(not exact)", _DESCRIPTION)
     s.add_argument("--fraction", type=float, required=True, metavar="F",
                    help="the share of each sliced stream's width deleted, in (0, 1)")
     s.add_argument("--calibrate", metavar="FILE.npz",
@@ -29,18 +28,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from .quantize_cli import file_paths
     from .slice import slice_model
-    from .write import save
 
     src, dst = file_paths(args)
     t0 = time.perf_counter()
-    result = slice_model(src, args.calibrate, fraction=args.fraction)
-    save(result.model, dst)  # temp file + rename: nothing half-written
-    elapsed = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps({"output": str(dst), "seconds": elapsed, **result.report.as_dict()}, indent=2))
-        return 0
-    print(result.report.table())
-    print(f"lnfold: wrote {dst} in {elapsed:.2f} s (sliced: NOT exact; error above)")
-    return 0
+    return write_and_report(slice_model(src, args.calibrate, fraction=args.fraction), dst, t0, args.json, "sliced")
