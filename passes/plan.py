@@ -145,7 +145,8 @@ class Plan:
         def names(ns) -> FrozenList:
             return FrozenList(local(n) for n in ns if mine(n))
 
-        rotations = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)))
+        rotations = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)),
+                                       dims=[replace(d, node=local(d.node)) for d in r.dims if mine(d.node)])
                                for r in self.rotations)
         main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
                          origins=self.origins) if main else {}
