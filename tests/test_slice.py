@@ -217,3 +217,17 @@ def test_both_frontends_slice_the_same_streams_with_the_same_widths():
     assert widths[0] == widths[1] == [(5, 64, 48)]
     assert t.report.streams[0].variance_kept == pytest.approx(o.report.streams[0].variance_kept, abs=1e-6)
     assert t.report.error == pytest.approx(o.report.error, rel=0.05)
+
+
+def test_slice_then_quantize(tmp_path):
+    """The order is slice, then quantize: the sliced file's norms are RMSNorms already, so `quantize`
+    quantizes it as given (nothing left to fold), and the int8 model stays near the sliced one."""
+    from lnfold import zoo
+
+    m, args, ids = _zoo_gpt2()
+    feeds = {"input_ids": ids.numpy()}
+    sliced = lnfold.slice_onnx(zoo.export_onnx(m, args, ["input_ids"]), feeds, fraction=0.25)
+    onnx.save(sliced.model, tmp_path / "sliced.onnx")
+    q = lnfold.quantize_onnx(tmp_path / "sliced.onnx", weights="int8", inputs=feeds)
+    assert q.report.linear_layers > 0 and "nothing folded" in q.report.table()
+    assert relative_error(approx_io.run(sliced.model, [feeds]), approx_io.run(q.model, [feeds])) < 0.1
