@@ -16,9 +16,13 @@ Quantized are the linear layers: MatMuls with a constant 2-D weight (linear_laye
 rewritten into MatMul + Add first, exactly, so that every quantizer sees them). Embedding tables and
 attention's activation × activation products stay float.
 
-Quantization is NOT exact. The result's report (quantize_report.py) says so, and says by how much:
-the quantized model against the float original on the verification inputs (made-up ones, or the
-user's). So do the model's metadata and the command's output.
+Quantization is NOT exact. The result's report (quantize_report.py) says so, and says by how much
+(relative RMS and max relative error per output): the quantized model against the float original
+on the user's rows — `inputs`, else the `calibrate` rows (the last quarter held out of static
+calibration) — or, only without either, on made-up inputs, which the report says are not the
+user's data. Rows are fed in the model's own batch size (`Rows`). So do the model's metadata and
+the command's output. `rotate="auto"` quantizes each of AUTO_CANDIDATES and keeps the lowest error
+on those rows (issue 33: on DINOv2 rotation pays for int8 and hurts weight-only int4).
 """
 from __future__ import annotations
 
