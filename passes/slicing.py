@@ -209,7 +209,7 @@ class SliceReport:
                  "kept principal subspace are deleted)"]
         lines += ["  " + s.line() for s in self.streams]
         ratio = self.params_after / self.params_before if self.params_before else float("nan")
-        lines.append(f"  parameters {self.params_before:,} -> {self.params_after:,} ({ratio:.3f}x)")
+        lines.append(f"  parameters {self.params_before:,} (the exact fold's) -> {self.params_after:,} ({ratio:.3f}x)")
         if self.error is not None:
             lines.append(f"  relative error against the exact fold: {self.error:.3e} on {self.error_rows}")
         lines += [f"  note: {n}" for n in self.notes]
