@@ -4,6 +4,7 @@ is the exported graph module with the sliced weights (as `fold_module` returns).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Optional
 
 import torch
@@ -45,8 +46,12 @@ class _TorchSlice:
         return geometry.outputs(result.module, self.held)
 
     def parameters(self, result: FoldResult) -> int:
-        tensors = list(result.module.parameters()) + list(result.module.buffers())
-        return sum(t.numel() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point())
+        """The floating-point tensors the graph reads (the exported module also keeps unread originals),
+        each once."""
+        gm = result.module
+        read = [operator.attrgetter(n.target)(gm) for n in gm.graph.nodes if n.op == "get_attr"]
+        tensors = {t.data_ptr(): t for t in read if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        return sum(t.numel() for t in tensors.values())
 
 
 def slice_module(module: torch.nn.Module, calibration, *, fraction, kwargs: Optional[dict] = None, heldout=None,
