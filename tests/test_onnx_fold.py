@@ -65,6 +65,8 @@ def test_bert_only_embeddings_layernorm_folds(zoo_onnx):
     assert res.max_rel_err < RTOL
 
 
+@pytest.mark.slow  # an opset-23 dynamo export (~15 s of CPU); the fast tier folds opset 18, and the slow tier's
+# corpus (tests/test_corpus.py) folds the committed opset-23 GPT-2, ViT and Whisper exports with their hand counts
 def test_opset23_export_folds_too(zoo_onnx):
     _, _, model = zoo_onnx("gpt2", opset=23)
     res = fold_model(model)

@@ -203,6 +203,7 @@ def test_readme_handoff_example_runs(tmp_path):
     assert "torch.nn.RMSNorm modules" in run.stdout and "handed off" in run.stdout
 
 
+@pytest.mark.slow  # as the README's other torch examples; fold_checkpoint itself is the fast tier's (test_checkpoint.py)
 def test_readme_checkpoint_example_runs(tmp_path):
     """Issue 25's block, on a tiny sharded OPT saved under the name the README uses."""
     import torch

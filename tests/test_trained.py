@@ -72,7 +72,13 @@ def test_checkpoints_load_and_match_their_manifest(name):
     assert (got.value < baseline / 2) if name == "gpt2_stdlib" else (got.value > baseline + 0.05), got
 
 
-@pytest.mark.parametrize("name", harness.MODELS)
+# One trained model per entry point in the fast tier (GPT-2), the other two in the slow tier (issue 35):
+# their architectures' exactness is the fast tier's on adversarial weights (test_fx.py, test_onnx_fold.py);
+# their metric is checked on every CI run.
+TIERED = [name if name == "gpt2_stdlib" else pytest.param(name, marks=pytest.mark.slow) for name in harness.MODELS]
+
+
+@pytest.mark.parametrize("name", TIERED)
 def test_fold_module_keeps_the_metric(name):
     module, before = original(name)
     res = lnfold.fold_module(module, harness.example_args(name), norm="rms_norm")
@@ -81,7 +87,7 @@ def test_fold_module_keeps_the_metric(name):
     assert_same_metric(name, before, harness.evaluate(name, harness.torch_runner(res.module), ROWS[name]))
 
 
-@pytest.mark.parametrize("name", harness.MODELS)
+@pytest.mark.parametrize("name", TIERED)
 def test_onnx_fold_keeps_the_metric(name, exported):
     model = exported(name)
     before = harness.evaluate(name, harness.onnx_runner(model), ROWS[name])
