@@ -1,6 +1,7 @@
 """Both frontends on the same model give the same report: verdicts in order, recenter counts and
 reasons (modulo node names), on every zoo architecture and on generated models; each zoo
-architecture's fold count is the one derived by hand from its modeling file (lnfold/zoo.py)."""
+architecture's fold count is the one derived by hand from its modeling file (lnfold/zoo.py), and the ONNX
+report predicts the fold (issue 34; the same export serves both checks)."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +14,7 @@ from torch import nn
 from lnfold import zoo
 from lnfold.fx_rewrite import analyze_module, fold_module
 from lnfold.onnx_rewrite import analyze_model, fold_model
+from lnfold.passes import NothingToFold
 
 from .fuzz import gen, properties
 
@@ -41,12 +43,29 @@ STATIC_EXPORT = {"swin"}
 
 @functools.lru_cache(maxsize=None)
 def _reports(name: str):
+    """(torch report, ONNX report, the ONNX export): each architecture exported once."""
     module, args = zoo.MODELS[name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fx = analyze_module(module, args, dynamic=name not in STATIC_EXPORT)
-        onnx = analyze_model(zoo.export_onnx(module, args, ["x", "decoder_input_ids"][:len(args)]))
-    return fx, onnx
+        model = zoo.export_onnx(module, args, ["x", "decoder_input_ids"][:len(args)])
+        onnx = analyze_model(model)
+    return fx, onnx, model
+
+
+def assert_report_predicts_fold(model, said) -> None:
+    """Issue 34: every norm the report calls foldable is folded by fold_model, verified, with the
+    same edits (per-norm verdicts and stream edits); where nothing folds, the refusal names the
+    first kept norm and its cause."""
+    said = said.to_dict()
+    if not said["folded"]:
+        with pytest.raises(NothingToFold) as e:
+            fold_model(model)
+        kept = next((n for n in said["norms"] if n["verdict"] == "keep"), None)
+        assert kept is None or (kept["name"] in str(e.value) and kept["reason"] in str(e.value)), str(e.value)
+        return
+    done = fold_model(model).report.to_dict()  # verified: a refusal raises
+    assert done["norms"] == said["norms"] and done["streams"] == said["streams"]
 
 
 def test_every_zoo_architecture_has_a_hand_count():
@@ -56,13 +75,15 @@ def test_every_zoo_architecture_has_a_hand_count():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HAND))
 def test_frontends_agree_with_each_other_and_the_hand_count(name):
-    fx, onnx = _reports(name)
+    """Both reports agree and match the hand count, and the ONNX report predicts the fold."""
+    fx, onnx, model = _reports(name)
     assert not properties.report_differences(onnx, fx), properties.report_differences(onnx, fx)
     got = (len(fx.norms), fx.folded, fx.recentered)
     if name in KNOWN_GAPS:
         assert got == KNOWN_GAPS[name][0]  # a change here: fixed (move it out) or a new difference
         pytest.xfail(KNOWN_GAPS[name][1])
     assert got == HAND[name]
+    assert_report_predicts_fold(model, onnx)
 
 
 @pytest.mark.parametrize("seed", [1, 4, 7, 12, 19, 23])
