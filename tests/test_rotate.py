@@ -388,3 +388,19 @@ def test_written_out_norm_without_gamma_is_unrotated_in_torch():
     (stream,) = res.report.streams
     assert stream.rotation.startswith("rotated") and "un-rotated after" in stream.rotation, stream.rotation
     torch.testing.assert_close(res.module(*args), m(*args), rtol=1e-4, atol=1e-4)
+
+
+def test_a_readout_inside_an_if_branch_keeps_its_unrotation():
+    """Optimum's merged decoder holds both decoders in If branches: each branch's share of the plan
+    (Plan.scoped) carries the rotations, so a readout norm there is un-rotated (it was not: the
+    gate refused the fold at 0.66 relative error)."""
+    from pathlib import Path
+
+    import onnx
+
+    from lnfold.onnx_rewrite import fold_model
+
+    model = onnx.load(str(Path(__file__).parent / "corpus" / "optimum_gpt2_decoder_model_merged.onnx"))
+    res = fold_model(model, rotate="hadamard", seed=3)  # verified against float64
+    assert res.criterion == "float64" and res.exact_err < 1e-5
+    assert any(s.rotation.startswith("rotated") and "un-rotated after" in s.rotation for s in res.report.streams)
