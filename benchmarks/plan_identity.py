@@ -10,7 +10,13 @@ print([k for k in a if a[k] != b.get(k)])"
 
 Each run takes ~25 min on the 2-core machine (83 corpus files, 46 architectures, 4 configurations).
 """
-import hashlib, json, sys, warnings, glob, os, traceback
+import glob
+import hashlib
+import json
+import os
+import sys
+import warnings
+
 sys.path.insert(0, os.getcwd())  # the checkout this runs in, not the editable install
 warnings.simplefilter("ignore")
 CONFIGS = {"rms": dict(mode="rms"), "crms": dict(mode="crms"),
@@ -18,7 +24,7 @@ CONFIGS = {"rms": dict(mode="rms"), "crms": dict(mode="crms"),
 
 def corpus(out):
     import onnx
-    from lnfold.onnx_rewrite import fold_model, analyze_model
+    from lnfold.onnx_rewrite import fold_model
     from lnfold.onnx_rewrite.api import OnnxFrontend
     from lnfold.onnx_rewrite import targets
     from lnfold.passes import make_plan, pipeline
@@ -43,9 +49,8 @@ def corpus(out):
             print(key, h[:12], flush=True)
 
 def zoo(out, only=None):
-    import torch
     from lnfold import zoo as Z
-    from lnfold.fx_rewrite import fold_module, analyze_module
+    from lnfold.fx_rewrite import fold_module
     for name in sorted(Z.MODELS):
         if only and name not in only: continue
         try:
