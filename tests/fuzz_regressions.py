@@ -309,7 +309,8 @@ def test_fp16_seed_300019_is_exact_where_the_original_rounds_too():
     run with every op rounding to fp16 (onnx's reference evaluator, the dtypes the file declares),
     the original is 4.0e-3 from float64 and the folded model 8.2e-3, within the gate (DESIGN §4)."""
     from lnfold.onnx_rewrite import fold_model
-    from lnfold.onnx_rewrite.verify import _reference, exact_run
+    from lnfold.onnx_rewrite.exact import exact_run
+    from lnfold.onnx_rewrite.sessions import reference as _reference
     from lnfold.passes import gate
     from tests.fuzz.export import export
 
