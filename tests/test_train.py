@@ -333,6 +333,8 @@ def test_distributed_training_folds_every_norm_and_matches_eager(torchrun, run):
     assert r["loss_rel"] < RTOL, r["losses"]
     if r["optimizer"] == "sgd":
         assert r["param_rel"] < RTOL
-    else:  # AdamW: as close to float64 as plain fp32 training is, give or take rounding
-        assert r["param_rel_folded_vs_fp64"] <= 4 * r["param_rel_eager_vs_fp64"] + 1e-6
+    else:  # AdamW: the fold trained in float64 is eager float64's (1.8e-13 here); in fp32 AdamW
+        # normalizes rounding noise in directions the loss ignores to steps of ~lr, so fp32 parameters
+        # drift apart whatever the fold does (folded 2.0e-3, eager 3.8e-4 from float64 on this machine)
+        assert r["param_rel_folded64_vs_fp64"] < 1e-9
     assert r["checkpoint_rel"] < RTOL  # folded checkpoint -> fresh unfolded model: same outputs

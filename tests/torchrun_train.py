@@ -133,6 +133,16 @@ def run(wrapper: str, opt_name: str, steps: int, compile_backend: str | None, ck
         "lnfold_warnings": [str(w.message) for w in caught if "lnfold" in str(w.message)],
     }
 
+    if opt_name == "adamw":
+        # AdamW divides each gradient by its own running size, so fp32 noise in directions the loss
+        # does not depend on (a centered weight's column means) moves parameters by ~lr whatever
+        # the fold does: exactness is judged where there is no such noise, the fold run in float64
+        folded64 = copy.deepcopy(base).double()
+        lnfold.fold_for_training(folded64, (mine,))
+        wrapped64 = wrap(folded64, wrapper, compile_backend)
+        train(wrapped64, mine, opt_name, steps, distributed=True)
+        out["param_rel_folded64_vs_fp64"] = max(rel(ref64[k], v) for k, v in full_state(wrapped64).items())
+
     # Checkpoint round trip: the folded model's state_dict into a fresh unfolded model.
     path = os.path.join(ckpt_dir, f"{wrapper}-{opt_name}.pt")
     if rank == 0:
