@@ -6,7 +6,7 @@
 
 For each model: a random checkpoint with adversarial weights (lnfold.zoo: large stream means,
 randomized γ/β) saved by `save_pretrained(max_shard_size="300MB")`; then, each in a fresh
-process whose peak RSS (getrusage) and import baseline (RSS after importing lnfold's torch
+process whose peak RSS (VmHWM) and import baseline (RSS after importing lnfold's torch
 frontend, transformers and accelerate) are recorded:
   cp      `cp -r` of the folder + `sync` (the floor: reading and writing the bytes), 3 runs, median
   fold    lnfold.fold_checkpoint(verify=False, jobs=--jobs) + `sync`
@@ -40,14 +40,15 @@ CONFIGS = {
 }
 
 PROLOGUE = """
-import json, os, resource, sys, time, psutil
+import json, os, sys, time, psutil
 import torch, transformers, accelerate, lnfold, lnfold.fx_rewrite
 base = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
 """
 EPILOGUE = """
 wall = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak (ru_maxrss carries the parent's across exec on Linux)
+peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) * 1024
 print(json.dumps({"wall": wall, "base": base, "peak": peak, **extra}))
 """
 FOLD = """
