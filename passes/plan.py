@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
-from typing import Callable, Mapping, Optional, Sequence, Union
 
 from . import beta as betas
 from . import gamma as gammas
@@ -158,7 +158,6 @@ class Plan:
                     rotations=rotations, approx=names(self.approx),
                     emissions=MappingProxyType({local(n): replace(e, norm=local(n))
                                                 for n, e in self.emissions.items() if mine(n)}), **main_only)
-
 
 
 @dataclass
