@@ -151,7 +151,7 @@ class Applier:
         for k, edit in enumerate(plan.const_edits):
             self._const_edit(edit, k)
         for rc in plan.recenters:
-            self._recenter(rc.value, rc.axis)
+            self._recenter(rc.value, rc.axis, rc.matrix())
         for name in plan.drop_muls:
             self._bypass_mul(name)
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
@@ -199,8 +199,10 @@ class Applier:
         self.graph.erase_node(mul)
 
     # --- recenters ---------------------------------------------------------------------------
-    def _recenter(self, value: str, axis: int) -> None:
-        """x - mean(x) along the feature axis, for a stream start no constant edit can center.
+    def _recenter(self, value: str, axis: int, project: Optional[np.ndarray] = None) -> None:
+        """x - mean(x) along the feature axis, for a stream start no constant edit can center;
+        `project` (d × k, float64): then times it along that axis (a rotated stream, passes/rotate.py:
+        `c·M` on the last axis, `Mᵀ·c` on the second-to-last).
 
         Two passes, as in onnx_rewrite/emit.py (DESIGN §4 says why): c = x - mean(x), then
         c - mean(c), which removes the rounding of mean(x) that one pass leaves along 1."""
@@ -216,6 +218,12 @@ class Applier:
             residual = self.dialect.mean(self.graph, rough, axis)
         with self.graph.inserting_after(residual):
             centered = self.dialect.sub(self.graph, rough, residual)
+        if project is not None:
+            like = meta_val(x)
+            last = axis == like.dim() - 1
+            matrix = self._buffer(f"lnfold_projection_{value}", project if last else project.T, like, centered)
+            with self.graph.inserting_after(centered):
+                centered = self.graph.call_function(aten.matmul.default, (centered, matrix) if last else (matrix, centered))
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not rough)
 
     # --- norms -------------------------------------------------------------------------------
@@ -227,21 +235,22 @@ class Applier:
         name, gamma = how.norm, how.readout.gamma
         like = self.constants.tensor_of(gamma) if gamma is not None else None
         arr = how.readout.matrix(None if like is None else to_numpy(like))
-        return self._buffer(f"lnfold_unrotate_{name}", arr, like, name)
+        return self._buffer(f"lnfold_unrotate_{name}", arr, like, self.nodes[name])
 
     def _resized(self, how: NormEmission) -> Optional[tuple]:
         """A sliced stream's norm: (k, its weight √(d/k) as a buffer, ε·d/k's factor); None: as it was."""
         if how.width is None:
             return None
-        weight = self._buffer(f"lnfold_sliced_gamma_{how.norm}", np.full([how.width], how.scale), None, how.norm)
+        weight = self._buffer(f"lnfold_sliced_gamma_{how.norm}", np.full([how.width], how.scale), None,
+                              self.nodes[how.norm])
         return how.width, weight, how.eps_scale
 
-    def _buffer(self, base: str, arr: np.ndarray, like: Optional[torch.Tensor], before: str) -> fx.Node:
+    def _buffer(self, base: str, arr: np.ndarray, like: Optional[torch.Tensor], before: fx.Node) -> fx.Node:
         """A float64 constant as a buffer of `like`'s dtype (float32 without one), read before node `before`."""
-        t = torch.from_numpy(arr).to(like.dtype if like is not None else torch.float32)
+        t = torch.from_numpy(np.ascontiguousarray(arr)).to(like.dtype if like is not None else torch.float32)
         attr = unique_attr(self.gm, base)
         self.gm.register_buffer(attr, t)
-        with self.graph.inserting_before(self.nodes[before]):
+        with self.graph.inserting_before(before):
             node = self.graph.get_attr(attr)
         node.meta["val"] = t
         return node

@@ -22,7 +22,7 @@ from . import fused
 from . import deferred_norm
 from . import crms
 from .classify import GraphInfo
-from .norms import NormMatch, const_values, dtype_of, is_constant, np_dtype
+from .norms import NormMatch, const_values, dtype_of, float_dtype, is_constant, np_dtype
 from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
@@ -77,7 +77,7 @@ class Emitter:
         biases = compute_biases(plan.deferral, lambda n: const_values(self.info_tensor(n))) if deferred else {}
         self.write_constants(plan, plan.const_edits, self.info_tensor, self.nodes.__getitem__)
         for rc in plan.recenters:
-            self._recenter(rc.value, rc.axis)
+            self._recenter(rc.value, rc.axis, rc.matrix())
         for name in plan.drop_muls:
             self.bypass_mul(self.nodes[plan.origin(name)])
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
@@ -156,8 +156,10 @@ class Emitter:
             return self.node("ReduceMean", [x, self.const("lnfold/axes", np.array(axes, np.int64))], [out], keepdims=1)
         return self.node("ReduceMean", [x], [out], axes=axes, keepdims=1)
 
-    def _recenter(self, value: str, axis: int) -> None:
-        """x - mean(x) along the feature axis, for a stream start no constant edit can center.
+    def _recenter(self, value: str, axis: int, project=None) -> None:
+        """x - mean(x) along the feature axis, for a stream start no constant edit can center;
+        `project` (d × k, float64): then times it along that axis (a rotated stream, passes/rotate.py:
+        `c·M` on the last axis, `Mᵀ·c` on the second-to-last).
 
         Two passes (c = x - mean(x), then c - mean(c)): one leaves the rounding of mean(x) in every
         row, up to an ulp of |mean(x)| along 1, which every RMSNorm downstream keeps (a LayerNorm
@@ -173,6 +175,13 @@ class Emitter:
         self.node("Sub", [x, mean], [rough])
         self._reduce_mean(rough, [axis], residual)
         self.node("Sub", [rough, residual], [centered])
+        if project is not None:
+            m = project.astype(np_dtype(float_dtype(x)))  # (x.dtype: None where the exporter wrote no type)
+            last = axis == self.info.rank(x) - 1
+            rotated = self.var(f"{value}/lnfold_projected", x.dtype)
+            matrix = self.const(f"{value}/lnfold_projection", m if last else np.ascontiguousarray(m.T))
+            self.node("MatMul", [centered, matrix] if last else [matrix, centered], [rotated])
+            centered = rotated
         for r in readers:
             _replace_input(r, x, centered)
 

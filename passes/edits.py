@@ -212,8 +212,22 @@ class ConstEdit:
 
 @dataclass(frozen=True)
 class Recenter:
+    """`x - mean(x)` along `axis` for a stream start no constant edit can center (an opaque op's
+    output), inserted before every reader of `value`. `project`: the stream is carried in another
+    basis (passes/rotate.py) and no constant writes this term, so the recentered tensor is projected
+    by an emitted MatMul, `· B[:, :keep]` along `axis` (the last or the second-to-last axis)."""
+
     value: str
     axis: int
+    project: Optional[Project] = None
+
+    def matrix(self) -> Optional[np.ndarray]:
+        """The float64 (d × keep) matrix the recentered tensor is multiplied by (None: not projected)."""
+        if self.project is None:
+            return None
+        b = self.project.basis
+        q = b.matrix()
+        return (np.eye(b.dim) if q is None else q)[:, :self.project.keep]
 
 
 @dataclass(frozen=True)

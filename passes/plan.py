@@ -484,12 +484,13 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
         rot = plan_rotation(view, comp, verdicts[comp.norms[0]].stream, request.rotate, request.seed, plan.gammas,
                             given)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
-            rot.why = "its writers are trained (the training fold computes no rotation)"
-            rot.writers, rot.readers = [], []
+            rot.keep_unrotated("its writers are trained (the training fold computes no rotation)")
         if rot.rotated and rot.readouts and not caps.readout_matmul:
-            rot.why = (f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
-                       f"constant MatMul, which {caps.name} cannot emit")
-            rot.writers, rot.readers, rot.readouts = [], [], []
+            rot.keep_unrotated(f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
+                               f"constant MatMul, which {caps.name} cannot emit")
+        if rot.rotated and rot.starts and not caps.readout_matmul:
+            rot.keep_unrotated(f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the "
+                               f"recenter, which {caps.name} cannot emit")
         if rot.sliced:
             slicing.resize(view, comp, rot)
         plan.rotations.append(rot)
@@ -500,6 +501,8 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:
             use(ref.value, ref.user, ref.user_input)[1].append(op)
+    projected = {value: op for r in plan.rotations for value, op in r.starts}
+    plan.recenters[:] = [replace(rc, project=projected.get(rc.value)) for rc in plan.recenters]
 
 
 def _crms_beta(view: View, c) -> str:

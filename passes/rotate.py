@@ -10,10 +10,17 @@ sums, per-row scalars, layout on other axes), RMSNorm(x·Q) = RMSNorm(x)·Q beca
 and each norm's readers take Qᵀ back — a `Project` of their input side (W·Q read x·Q as W read x).
 All in float64, one matrix per stream width (passes/orthogonal.py).
 
+A stream started by an opaque op (a GELU after a conv stem, a kept norm's output: no constant
+writes it) is zero-mean through its explicit recenter (passes/edits.Recenter), exactly as a
+centered writer's term is; no constant can absorb Q there (the op is non-linear), so the recenter
+is followed by an emitted MatMul by Q (`Recenter.project`, `StreamRotation.starts`): one d×d GEMM
+per start, said in the report.
+
 A stream is kept unrotated, with the node that blocks it named, where any of that fails: a
 graph output or an op other than a transparent op or one of its norms reads a stream tensor (a
-Softmax over the features, a per-channel op), a norm's γ could not move, the stream is started
-by a recentered (opaque) tensor, or its norms normalize blocks of features.
+Softmax over the features, a per-channel op), a norm's γ could not move, a recentered start has
+its features on an axis a MatMul cannot project (neither of its last two), or its norms normalize
+blocks of features.
 """
 from __future__ import annotations
 
@@ -54,6 +61,9 @@ class StreamRotation:
     given: Optional[Basis] = None
     keep: Optional[int] = None
     dims: list[DimRef] = field(default_factory=list)  # sliced: the layout ops' size entries that spell d
+    # recentered stream starts (passes/analysis.OpaqueStart): their recenter is followed by a MatMul
+    # that projects the recentered tensor (value, the Project along its feature axis)
+    starts: list[tuple[str, Project]] = field(default_factory=list)
 
     @property
     def basis(self) -> Basis:
@@ -77,6 +87,11 @@ class StreamRotation:
         """Q·1 = 1: the rotated stream stays zero-mean (a LayerNorm on it stays exact)."""
         return self.given is None and self.kind.endswith("-keep-ln")
 
+    def keep_unrotated(self, why: str) -> None:
+        """Withdraw the rotation (a target or a frontend cannot make it): the stream stays as it is."""
+        self.why = why
+        self.writers, self.readers, self.readouts, self.starts = [], [], [], []
+
     def describe(self) -> str:
         if not self.rotated:
             return f"not rotated: {self.why}"
@@ -86,6 +101,9 @@ class StreamRotation:
         else:
             text = (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
                     f"constant(s), {len(self.readers)} reader weight(s)")
+        if self.starts:
+            text += (f"; {len(self.starts)} recentered start(s) projected by a constant {self.dim}×{self.width} "
+                     "MatMul after the recenter")
         if self.readouts:
             text += (f"; un-rotated after {', '.join(f'`{n}`' for n in self.readouts)} by a constant "
                      f"{self.width}×{self.dim} MatMul (Qᵀ·diag γ, one GEMM more)")
@@ -125,6 +143,7 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
     for n in comp.norms:
         for r in gammas[n].readers:
             out.readers.append((r.weight, Project(r.weight.axis, q, keep)))
+    out.starts = [(o.value, Project(o.axis, q, keep)) for o in comp.opaque]
     out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
     return out
 
@@ -141,8 +160,12 @@ def _readout(view: View, g: GammaFold) -> bool:
 def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optional[str]:
     if comp.blocks:
         return "its norms normalize blocks of the features (per-head norms)"
-    if comp.opaque:
-        return f"{comp.opaque[0].what} starts the stream (recentered: no constant writer to rotate)"
+    for o in comp.opaque:
+        rank = view.values[o.value].rank
+        if rank is None or o.axis not in (rank - 1, rank - 2):
+            return (f"{o.what} starts the stream (recentered) with its features on axis {o.axis} of "
+                    f"{'unknown rank' if rank is None else f'rank {rank}'}: a MatMul after the recenter "
+                    "can project only the last two")
     for n in comp.norms:
         g = gammas.get(n)
         if g is None or (not g.moved and not _readout(view, g)):

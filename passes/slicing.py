@@ -160,11 +160,14 @@ def resize(view: View, comp: Component, rot: StreamRotation) -> None:
     (`rot.why`) where an op sets the width in a shape no edit can change."""
     d = rot.dim
     dims = []
+    starts = {value for value, _ in rot.starts}  # the MatMul after their recenter writes k features
     for value, axis in comp.axes.items():
+        if value in starts:
+            continue
         refs = producer_width_refs(view, value, axis)
         if refs is None:
-            return _unsliced(rot, f"{view.nodes[view.values[value].producer].describe()} sets the stream's width "
-                                  f"{d} in a shape no edit can change")
+            return rot.keep_unrotated(f"{view.nodes[view.values[value].producer].describe()} sets the stream's "
+                                      f"width {d} in a shape no edit can change")
         dims += refs
     for n in comp.norms:
         if n in rot.readouts:
@@ -173,15 +176,10 @@ def resize(view: View, comp: Component, rot: StreamRotation) -> None:
         for c, i in view.values[node.outputs[0]].consumers:
             got = absorbing(view, c, i, node.norm.axis, d)
             if got is None:
-                return _unsliced(rot, f"{view.nodes[c].describe()} reads `{n}` through a shape that spells its "
-                                      f"width {d}, which no edit can change")
+                return rot.keep_unrotated(f"{view.nodes[c].describe()} reads `{n}` through a shape that spells "
+                                          f"its width {d}, which no edit can change")
             dims += got[1]
     rot.dims = list(dict.fromkeys(dims))
-
-
-def _unsliced(rot: StreamRotation, why: str) -> None:
-    rot.why = why
-    rot.writers, rot.readers, rot.readouts = [], [], []
 
 
 @dataclass

@@ -59,14 +59,18 @@ def stream_model(span=None, readout=False, seed=0) -> onnx.ModelProto:
     return b.model(17)
 
 
-def recentered_model() -> onnx.ModelProto:
-    """x -> h = Relu(linear) -> Σ_k head_k(LN(k·h)): folds with a recenter (no constant writer): the
+def recentered_model(softmax_reader: bool = False) -> onnx.ModelProto:
+    """x -> h = Relu(linear) -> Σ_k head_k(LN(k·h)): folds with a recenter (no constant writer), and
+    rotates by a MatMul after it (tests/test_rotate_recentered.py). `softmax_reader`: a Softmax over
+    the features reads h too (shift-invariant, so the fold stands, but not rotation-invariant): the
     stream cannot be rotated, so nothing can be sliced."""
     b = Builder(3, np.float64)
     x = b.input("ids", onnx.TensorProto.DOUBLE, ["batch", T, D])
     h = b.op("Relu", [b.linear(x, D, D)])
     heads = [b.op("MatMul", [b.layernorm(b.op("Mul", [h, b.const("k", np.array(1.0 + k))]), D),
                              b.weight("head", (D, VOCAB))]) for k in range(3)]
+    if softmax_reader:
+        heads[2] = b.op("Add", [heads[2], b.op("MatMul", [b.op("Softmax", [h], axis=-1), b.weight("head", (D, VOCAB))])])
     y = b.op("Add", [b.op("Add", heads[:2]), heads[2]])
     b.output(y, shape=["batch", T, VOCAB])
     return b.model(17)
@@ -165,11 +169,17 @@ def test_cli_writes_the_slice_and_reports_it(tmp_path, capsys):
     (["--fraction", "1", "--calibrate", "CAL"], "fraction must be in"),
     (["--fraction", "nan", "--calibrate", "CAL"], "fraction must be in"),
     (["--fraction", "0.2", "--calibrate", "CAL", "RECENTERED"], "no stream can be sliced"),
+    (["--calibrate", "CAL"], "one of the arguments --fraction --budget is required"),
+    (["--fraction", "0.2", "--budget", "0.1", "--calibrate", "CAL"], "not allowed with argument"),
+    (["--budget", "-0.1", "--calibrate", "CAL"], "budget must be a finite number >= 0"),
+    (["--budget", "nan", "--calibrate", "CAL"], "budget must be a finite number >= 0"),
+    (["--budget", "x", "--calibrate", "CAL"], "invalid float value"),
+    (["--budget", "0", "--calibrate", "CAL"], "no slicing that deletes a feature keeps the error within the budget 0"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, capsys, argv, msg):
     src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
     recentered = "RECENTERED" in argv
-    onnx.save(recentered_model() if recentered else stream_model(), src)
+    onnx.save(recentered_model(softmax_reader=True) if recentered else stream_model(), src)
     np.savez(cal, **calibration(floats=recentered))
     argv = [str(cal) if a == "CAL" else a for a in argv if a != "RECENTERED"]
     assert cli.main(["slice", str(src), "-o", str(out), *argv]) == 2
@@ -183,8 +193,61 @@ def test_api_bad_inputs():
         lnfold.slice_onnx(stream_model(), None, fraction=0.2)
     with pytest.raises(LnfoldError, match="fraction must be"):
         lnfold.slice_onnx(stream_model(), calibration(), fraction=1.5)
-    with pytest.raises(LnfoldError, match="no stream can be sliced.*recentered"):
-        lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.2)
+    with pytest.raises(LnfoldError, match="no stream can be sliced.*Softmax.*neither one of its norms nor transparent"):
+        lnfold.slice_onnx(recentered_model(softmax_reader=True), calibration(floats=True), fraction=0.2)
+
+
+# --- --budget B: the largest fraction whose held-out error is <= B ----------------------------------
+
+def test_budget_finds_the_width_the_stream_truly_has():
+    """The writers span 12 of 16 dimensions: every F with k >= 12 slices with ~1e-15 error, every F
+    with k < 12 deletes real directions (> 1e-3). A budget between finds k = 12 exactly: the largest
+    grid fraction with round(16·F) = 4 (F = 0.275), by bisection."""
+    r = lnfold.slice_onnx(stream_model(span=12), calibration(), budget=1e-10)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep) == (D, 12) and r.report.fraction == pytest.approx(0.275)
+    assert r.report.error <= 1e-10 and error_against_exact(r) < 1e-12
+    (note,) = r.report.notes
+    assert note.startswith("budget 1e-10: F=0.275") and "F=0.025" in note and "F=0.3:" in note  # its neighbour, over
+
+
+def test_budget_zero_refuses_and_a_generous_one_slices_to_the_grid_end():
+    """A full-rank stream: even the smallest fraction has error > 0 (one try, then a refusal); a
+    budget no slicing exceeds keeps the largest fraction (two tries: the grid's ends)."""
+    with pytest.raises(LnfoldError, match=r"no slicing that deletes a feature keeps the error within the budget 0 "
+                                          r"\(F=0.025 gives"):
+        lnfold.slice_onnx(stream_model(), calibration(), budget=0)
+    r = lnfold.slice_onnx(stream_model(), calibration(), budget=1e6)
+    assert r.report.fraction == pytest.approx(0.975) and r.report.streams[0].keep == 1
+    assert r.report.notes[0].count("F=") == 3  # the chosen one, and the two tried
+
+
+def test_budget_api_needs_exactly_one_of_fraction_and_budget():
+    for kw in ({}, {"fraction": 0.2, "budget": 0.1}):
+        with pytest.raises(LnfoldError, match="exactly one of a fraction"):
+            lnfold.slice_onnx(stream_model(), calibration(), **kw)
+    with pytest.raises(LnfoldError, match="budget must be"):
+        lnfold.slice_onnx(stream_model(), calibration(), budget="lots")
+
+
+def test_cli_budget_writes_the_slice_it_chose(tmp_path, capsys):
+    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
+    onnx.save(stream_model(span=12), src)
+    np.savez(cal, **calibration())
+    assert cli.main(["slice", str(src), "-o", str(out), "--budget", "1e-10", "--calibrate", str(cal), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fraction"] == pytest.approx(0.275) and report["streams"][0]["keep"] == 12
+    assert report["error"] <= 1e-10 and report["notes"][0].startswith("budget 1e-10")
+    assert "16->12" in {p.key: p.value for p in onnx.load(str(out)).metadata_props}[slicing.METADATA_KEY]
+
+
+def test_torch_budget():
+    """slice_module takes the same budget: generous -> the grid's largest fraction; 0 -> refused."""
+    m, _, ids = _zoo_gpt2()
+    r = lnfold.slice_module(m, (ids,), budget=1e6)
+    assert r.report.fraction == pytest.approx(0.975) and r.report.streams[0].keep == 2  # 64 - round(62.4)
+    with pytest.raises(LnfoldError, match="within the budget 0 "):
+        lnfold.slice_module(m, (ids,), budget=0)
 
 
 # --- torch (fx_rewrite/slice.py): the same plan through torch.export ---------------------------------
