@@ -30,7 +30,7 @@ import torch
 
 from ..passes import LnfoldError, NothingToFold, make_plan
 from ..passes.analysis import Component
-from ..passes.depth import SHALLOW, LayerStack, NotExtensible
+from ..passes.depth import SHALLOW, LayerStack, NotExtensible, rename_name, rename_names
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.report import Report
@@ -227,8 +227,9 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
             plan = _plan_of(shallow, ck, mode)
             try:
                 return CheckpointPlan(
-                    blocks.extend_report(plan.report), blocks.extend_dict(plan.in_place), blocks.extend(plan.new),
-                    blocks.extend(plan.untied), blocks.extend(plan.norms), stored_names(model, ck),
+                    blocks.extend_report(plan.report), blocks.extend_edits(plan.in_place), blocks.extend(plan.new),
+                    blocks.extend(plan.untied, rename_names), blocks.extend(plan.norms, rename_name),
+                    stored_names(model, ck),
                     traced=f"{SHALLOW} of {blocks.depth} blocks ({path}.1 … {blocks.depth - 2} planned as {path}.1)")
             except NotExtensible:
                 pass
@@ -315,10 +316,6 @@ def _plan_of(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPla
     # (the report names graph nodes by the module that made them: the export's node names,
     # `linear_9`, mean nothing to whoever reads a checkpoint's report)
     report = plan.report.renamed({**{k: v for k, v in modules.items() if v}, **names})
-    for v in report.norms:
-        v.name = modules.get(v.name) or v.name
-    for s in report.streams:
-        s.norms = [modules.get(n) or n for n in s.norms]
     if not report.norms:
         raise NothingToFold(f"{ck.folder}: no LayerNorm found in {type(model).__name__}: nothing to fold")
     if plan.empty:

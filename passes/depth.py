@@ -7,25 +7,52 @@ SHALLOW blocks (the first, two middle ones, the last) is planned instead, and wh
 of its blocks is said of the full model's: block 0 of block 0, the middle block of blocks
 1 … L-2, the last of block L-1. The frontend checks first that both models' blocks have the same
 parameter names and shapes (and that the config has no per-block list); here, from the names
-alone (IR-neutral):
+alone (IR-neutral).
 
-- every item of the plan (an edit, a norm's verdict, a line of the report) names at most one
-  block: a cross-block item would need an offset rule, and is not extended;
+An item of the plan (an edit, a norm's verdict, a line of the report) is extended through its
+own `renamed(fn)`: the records hand every name they hold (a tensor's, a module's, a norm's, or
+one a sentence of the report quotes) to `fn`, which moves a name of one block to another; no
+other text is read. Then:
+
+- every item names at most one block: a cross-block item would need an offset rule, and is not
+  extended;
 - the two middle blocks are planned alike: block 2's items, renamed to block 1, are block 1's,
   in order: the induction step that makes block 1 stand for every middle block;
 - no stream belongs to one block alone (a per-head norm's stream: one per block, which would
   have to be replicated with its index).
 
-Anything else: `None`, and the caller plans the whole model.
+Anything else: `NotExtensible`, and the caller plans the whole model.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
-import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from .report import Rename, StreamEdits, requoted
+from .shards import ops_renamed
 
 SHALLOW = 4  # blocks in the copy that is planned: first, two middle ones, last
+
+# how an item of a plan hands its names to a renaming: (item, fn) -> the item renamed
+Renamer = Callable[[Any, Rename], Any]
+
+
+def rename_record(item: Any, fn: Rename) -> Any:
+    """A record that carries its own `renamed` (passes/report.py's, shards.TensorJob)."""
+    return item.renamed(fn)
+
+
+def rename_name(item: str, fn: Rename) -> str:
+    return fn(item)
+
+
+def rename_names(item: list, fn: Rename) -> list:
+    return [fn(n) for n in item]
+
+
+def rename_edit(item: tuple, fn: Rename) -> tuple:
+    """(tensor name, its ops)."""
+    return fn(item[0]), ops_renamed(item[1], fn)
 
 
 class NotExtensible(Exception):
@@ -40,90 +67,82 @@ class LayerStack:
     def __init__(self, path: str, depth: int, shallow: int = SHALLOW) -> None:
         self.path, self.depth, self.shallow = path, depth, shallow
         parts = path.split(".")
-        spellings = sorted({".".join(parts[j:]) for j in range(len(parts))}, key=len, reverse=True)
-        self._re = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, spellings)) + r")\.(\d+)(?!\w)")
+        self._spellings = [parts[j:] for j in range(len(parts))]  # longest first
 
     # --- names -------------------------------------------------------------------------------------------------
 
-    def block_of(self, item: Any) -> Optional[int]:
+    def _index(self, name: str) -> Optional[tuple[list[str], int]]:
+        """(the name's components, where its block index is), or None for a name outside the stack."""
+        parts = name.split(".")
+        for sp in self._spellings:
+            k = len(sp)
+            if parts[:k] == sp and len(parts) > k and parts[k].isdecimal():
+                return parts, k
+        return None
+
+    def block(self, name: str) -> Optional[int]:
+        found = self._index(name)
+        return None if found is None else int(found[0][found[1]])
+
+    def moved(self, name: str, block: int) -> str:
+        """`name` in block `block` (a name outside the stack: as it is)."""
+        found = self._index(name)
+        if found is None:
+            return name
+        parts, k = found
+        return ".".join(parts[:k] + [str(block)] + parts[k + 1:])
+
+    def block_of(self, item: Any, renamed: Renamer = rename_record) -> Optional[int]:
         """The one block `item` names (None: none); NotExtensible where it names several."""
-        found = {int(m[2]) for s in _strings(item) for m in self._re.finditer(s)}
+        found: set[int] = set()
+        renamed(item, lambda n: found.add(self.block(n)) or n)
+        found.discard(None)
         if len(found) > 1:
             raise NotExtensible(f"an item names blocks {sorted(found)}")
         return found.pop() if found else None
 
-    def renamed(self, item: Any, block: int) -> Any:
-        """`item` with its block index replaced by `block` everywhere."""
-        return _map_strings(item, lambda s: self._re.sub(lambda m: f"{m[1]}.{block}", s))
-
     # --- sequences -----------------------------------------------------------------------------------------------
 
-    def extend(self, items: list) -> list:
+    def extend(self, items: list, renamed: Renamer = rename_record) -> list:
         """The full model's items from the shallow plan's, in order: block 1's run once per middle
         block, block S-1's as block L-1's. Raises NotExtensible where blocks 1 and 2 differ."""
         last = self.shallow - 1
-        by_block: dict[Optional[int], list] = {}
-        for it in items:
-            by_block.setdefault(self.block_of(it), []).append(it)
-        first_middle, second_middle = by_block.get(1, []), by_block.get(2, [])
-        if [self.renamed(it, 1) for it in second_middle] != first_middle:
+        to = lambda it, block: renamed(it, lambda n: self.moved(n, block))  # noqa: E731
+        blocks = [self.block_of(it, renamed) for it in items]
+        first_middle = [it for it, k in zip(items, blocks) if k == 1]
+        if [to(it, 1) for it, k in zip(items, blocks) if k == 2] != first_middle:
             raise NotExtensible("blocks 1 and 2 of the shallow copy are not planned alike")
         out, middle_done = [], False
-        for it in items:
-            k = self.block_of(it)
+        for it, k in zip(items, blocks):
             if k is None or k == 0:
                 out.append(it)
             elif k == 1 and not middle_done:
-                out += [self.renamed(x, i) for i in range(1, self.depth - 1) for x in first_middle]
+                out += [to(x, i) for i in range(1, self.depth - 1) for x in first_middle]
                 middle_done = True
             elif k == last:
-                out.append(self.renamed(it, self.depth - 1))
+                out.append(to(it, self.depth - 1))
         return out
 
-    def extend_dict(self, d: dict) -> dict:
-        return dict(self.extend(list(d.items())))
+    def extend_edits(self, edits: dict) -> dict:
+        """Tensor name -> ops."""
+        return dict(self.extend(list(edits.items()), rename_edit))
 
     def extend_report(self, report):
         """A copy of a passes.report.Report for the full depth."""
         r = copy.deepcopy(report)
         r.norms = self.extend(r.norms)
-        r.notes = self.extend(r.notes)
+        r.notes = self.extend(r.notes, requoted)
         for s in r.streams:
-            texts = s.norms + s.centered + s.cloned + s.scaled + s.recentered + s.dropped + s.fused + [s.rotation]
-            blocks = {self.block_of(t) for t in texts if t}
+            blocks = {self.block_of(x, rename_name) for x in s.norms + s.fused}
+            blocks |= {self.block_of(t, requoted) for f in StreamEdits.SENTENCES for t in getattr(s, f)}
+            blocks |= {self.block_of(s.rotation, requoted)} if s.rotation else set()
             if len(blocks) == 1 and None not in blocks:  # (every item in one block: a per-block stream)
                 raise NotExtensible("a stream lies inside one block")
-            for f in ("norms", "centered", "cloned", "scaled", "recentered", "dropped", "fused"):
-                setattr(s, f, self.extend(getattr(s, f)))
+            for f in StreamEdits.NAMES:
+                setattr(s, f, self.extend(getattr(s, f), rename_name))
+            for f in StreamEdits.SENTENCES:
+                setattr(s, f, self.extend(getattr(s, f), requoted))
         r.compression = self.extend(r.compression)
         r.near_misses = self.extend(r.near_misses)
         r.rms_norms = self.extend(r.rms_norms)
         return r
-
-
-def _strings(item: Any):
-    if isinstance(item, str):
-        yield item
-    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-        for f in dataclasses.fields(item):
-            yield from _strings(getattr(item, f.name))
-    elif isinstance(item, (list, tuple, set, frozenset)):
-        for x in item:
-            yield from _strings(x)
-    elif isinstance(item, dict):
-        for k, v in item.items():
-            yield from _strings(k)
-            yield from _strings(v)
-
-
-def _map_strings(item: Any, f) -> Any:
-    if isinstance(item, str):
-        return f(item)
-    if dataclasses.is_dataclass(item) and not isinstance(item, type):
-        return dataclasses.replace(item, **{x.name: _map_strings(getattr(item, x.name), f)
-                                            for x in dataclasses.fields(item) if x.init})
-    if isinstance(item, (list, tuple)):
-        return type(item)(_map_strings(x, f) for x in item)
-    if isinstance(item, dict):
-        return {_map_strings(k, f): _map_strings(v, f) for k, v in item.items()}
-    return item

@@ -8,7 +8,15 @@ import json
 import re
 import textwrap
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from typing import Callable, Mapping, Optional
+
+Rename = Callable[[str], str]  # a tensor's, module's or norm's name -> the name to say instead
+
+
+def requoted(text: str, fn: Rename) -> str:
+    """`text` with every name it quotes (`x`, the report's one way of naming something inside a
+    sentence) replaced by `fn(x)`; nothing else in the sentence is read."""
+    return re.sub(r"`([^`]*)`", lambda m: f"`{fn(m[1])}`", text)
 
 
 @dataclass
@@ -24,13 +32,21 @@ class NormVerdict:
     blockers: list[str] = field(default_factory=list)  # kept: every reason its stream cannot fold
     gamma: str = ""  # gamma_into_readers: where γ went ("into the weight of …") or why it stayed
 
+    def renamed(self, fn: Rename) -> "NormVerdict":
+        return replace(self, name=fn(self.name), reason=requoted(self.reason, fn), beta=requoted(self.beta, fn),
+                       defer_reason=requoted(self.defer_reason, fn), gamma=requoted(self.gamma, fn),
+                       blockers=[requoted(b, fn) for b in self.blockers])
+
 
 @dataclass
 class NearMiss:
     """An op chain that looks like a LayerNorm (a mean, x - mean, ...) but is not one."""
 
-    name: str  # its first op
+    name: str  # its first op (a graph node's name, not renamed)
     reason: str
+
+    def renamed(self, fn: Rename) -> "NearMiss":
+        return replace(self, reason=requoted(self.reason, fn))
 
 
 @dataclass
@@ -39,6 +55,9 @@ class RmsNorm:
 
     name: str
     op: str  # "SimplifiedLayerNormalization", "RMSNormalization", "decomposed RMSNorm", ...
+
+    def renamed(self, fn: Rename) -> "RmsNorm":
+        return replace(self, name=fn(self.name))
 
 
 @dataclass
@@ -54,6 +73,14 @@ class StreamEdits:
     fused: list[str] = field(default_factory=list)  # norms emitted fused with their residual Add
     rotation: str = ""  # rotate=: "rotated by a hadamard Q (d=…)" or "not rotated: <the blocking node>"
 
+    NAMES = ("norms", "fused")  # lists of norms' names
+    SENTENCES = ("centered", "cloned", "scaled", "recentered", "dropped")  # lists of sentences quoting names
+
+    def renamed(self, fn: Rename) -> "StreamEdits":
+        return replace(self, rotation=requoted(self.rotation, fn),
+                       **{f: [fn(n) for n in getattr(self, f)] for f in self.NAMES},
+                       **{f: [requoted(t, fn) for t in getattr(self, f)] for f in self.SENTENCES})
+
 
 @dataclass
 class CompressionVerdict:
@@ -64,6 +91,9 @@ class CompressionVerdict:
     reason: str = ""
     width: object = None  # d
     decompressions: int = 0  # norms whose d-vector output is still produced for a reader
+
+    def renamed(self, fn: Rename) -> "CompressionVerdict":
+        return replace(self, norms=[fn(n) for n in self.norms], reason=requoted(self.reason, fn))
 
 
 @dataclass
@@ -120,27 +150,17 @@ class Report:
         """This report with `notes` added (a copy where there are any: a plan's report stays as planned)."""
         return replace(self, notes=self.notes + list(notes)) if notes else self
 
-    def renamed(self, names: dict[str, str]) -> "Report":
-        """A copy that says `names[x]` wherever this report quotes `x`: the torch frontend's graph
-        names its weights after their module path with the dots mangled
-        (`transformer_h_0_attn_c_proj_weight`), the user knows them by their state_dict names
-        (`transformer.h.0.attn.c_proj.weight`). A copy: the plan's own report stays as planned."""
-        def sub(text: str) -> str:
-            return re.sub(r"`([^`]*)`", lambda m: f"`{names.get(m[1], m[1])}`", text)
-
+    def renamed(self, names: Mapping[str, str]) -> "Report":
+        """A copy that says `names[x]` wherever this report names `x` (a norm, or a name quoted in a
+        sentence): the torch frontend's graph names its weights after their module path with the
+        dots mangled (`transformer_h_0_attn_c_proj_weight`), the user knows them by their
+        state_dict names (`transformer.h.0.attn.c_proj.weight`). A copy: the plan's own report
+        stays as planned."""
+        fn = lambda x: names.get(x, x)  # noqa: E731
         r = copy.deepcopy(self)
-        for n in r.norms:
-            n.reason, n.beta, n.defer_reason, n.gamma = sub(n.reason), sub(n.beta), sub(n.defer_reason), sub(n.gamma)
-            n.blockers = [sub(b) for b in n.blockers]
-        for s in r.streams:
-            for f in ("centered", "cloned", "scaled", "recentered", "dropped"):
-                setattr(s, f, [sub(t) for t in getattr(s, f)])
-            s.rotation = sub(s.rotation)
-        for c in r.compression:
-            c.reason = sub(c.reason)
-        for m in r.near_misses:
-            m.reason = sub(m.reason)
-        r.notes = [sub(t) for t in r.notes]
+        r.norms, r.streams = [n.renamed(fn) for n in r.norms], [s.renamed(fn) for s in r.streams]
+        r.compression, r.near_misses = [c.renamed(fn) for c in r.compression], [m.renamed(fn) for m in r.near_misses]
+        r.rms_norms, r.notes = [x.renamed(fn) for x in r.rms_norms], [requoted(t, fn) for t in r.notes]
         return r
 
     def to_json(self, **kw) -> str:

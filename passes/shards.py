@@ -10,7 +10,7 @@ slices instead of one float64 copy of it (`chunk_axis`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from .edits import Center
 
@@ -23,6 +23,14 @@ class TensorJob:
     name: str
     source: str
     ops: tuple = ()
+
+    def renamed(self, fn: Callable[[str], str]) -> "TensorJob":
+        return TensorJob(fn(self.name), fn(self.source), ops_renamed(self.ops, fn))
+
+
+def ops_renamed(ops: tuple, fn: Callable[[str], str]) -> tuple:
+    """`ops` with the other constants they read (`Op.constants`) renamed by `fn`."""
+    return tuple(op.renamed({c: fn(c) for c in op.constants()}) for op in ops)
 
 
 @dataclass

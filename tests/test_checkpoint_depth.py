@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from lnfold.passes.depth import LayerStack, NotExtensible
-from lnfold.passes.edits import Center
-from lnfold.passes.report import NormVerdict, Report, StreamEdits
+from lnfold.passes.edits import Center, Scale
+from lnfold.passes.report import NormVerdict, Report, StreamEdits, requoted
+from lnfold.passes.shards import TensorJob
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -86,13 +87,24 @@ def verdict(block: int, reason: str = "") -> NormVerdict:
 
 
 def test_blocks_extend_in_order_and_rename_every_spelling():
-    items = [("model.embed.weight", (Center(1),))] + [
-        (f"decoder.layers.{k}.fc2.weight", (Center(0),)) for k in range(4)]  # (a file without the `model.` prefix)
-    out = B.extend(items)
-    assert [k for k, _ in out] == ["model.embed.weight"] + [f"decoder.layers.{k}.fc2.weight" for k in range(6)]
-    assert B.renamed("`model.decoder.layers.12.fc2` reads `decoder.layers.12.x`", 3) == \
-        "`model.decoder.layers.3.fc2` reads `decoder.layers.3.x`"
-    assert B.block_of("model.decoder.layers.1x") is None and B.block_of("xmodel.decoder.layers.1.a") is None
+    items = {"model.embed.weight": (Center(1),), **{
+        f"decoder.layers.{k}.fc2.weight": (Center(0),) for k in range(4)}}  # (a file without the `model.` prefix)
+    assert list(B.extend_edits(items)) == ["model.embed.weight"] + [f"decoder.layers.{k}.fc2.weight" for k in range(6)]
+    assert requoted("`model.decoder.layers.12.fc2` reads `decoder.layers.12.x` of layers.12", lambda n: B.moved(n, 3)) \
+        == "`model.decoder.layers.3.fc2` reads `decoder.layers.3.x` of layers.12"  # (names only: what is quoted)
+    assert B.block("model.decoder.layers.1x") is None and B.block("xmodel.decoder.layers.1.a") is None
+
+
+def test_every_name_an_item_holds_is_moved_and_nothing_else():
+    """An edit's other constants (a LayerScale folded into its source), a new tensor's source, a
+    norm's reason: each record renames what it names."""
+    scaled = lambda k: (f"model.decoder.layers.{k}.fc2.weight",  # noqa: E731
+                        (Scale(f"model.decoder.layers.{k}.ls", 0, 0), Center(0)))
+    assert list(B.extend_edits(dict(scaled(k) for k in range(4))).items()) == [scaled(k) for k in range(6)]
+    jobs = [TensorJob(f"model.decoder.layers.{k}.b", f"model.decoder.layers.{k}.a") for k in range(4)]
+    assert B.extend(jobs)[4] == TensorJob("model.decoder.layers.4.b", "model.decoder.layers.4.a")
+    assert B.extend([verdict(k, f"reads `model.decoder.layers.{k}.x` (not layers.3)") for k in range(4)])[5] == \
+        verdict(5, "reads `model.decoder.layers.5.x` (not layers.3)")
 
 
 def test_middle_blocks_planned_differently_are_not_extended():
