@@ -149,6 +149,8 @@ class DynamoFrontend:
         if plan.empty:
             self._tell(plan.report)
             raise _Unfolded()
+        if not plan.training:
+            _say_if_low_precision({self.tensor(e.value).dtype for e in plan.const_edits})
 
     def _tell(self, report: Report) -> None:
         """Every graph's report is told once (the log, `on_report`, `reports`), folded or not."""
@@ -242,6 +244,38 @@ def _say_if_fragment(plan: Plan, view) -> None:
         return
     _fragment_warned = True
     warnings.warn(msg, FragmentWarning, stacklevel=2)
+
+
+class LowPrecisionWarning(UserWarning):
+    """The backend folded a bf16/fp16 model: each edited weight is rounded a second time."""
+
+
+_low_precision_warned = False
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _say_if_low_precision(edited_dtypes: set[torch.dtype]) -> None:
+    """Say, once per process, that folding a bf16/fp16 model rounds each edited weight twice.
+
+    The model was rounded once when it was cast; the fold computes each centered weight in
+    float64 from those rounded values and rounds it again to the model's dtype. The fp32 weights
+    that would make it one rounding are not in the graph Dynamo hands over. Issue 33 measured up
+    to 2x the original's logits error on a GPT-2-small in bf16 on a GPU, 4x on a d=4096 OPT stack
+    (on CPU: benchmarks/lowprecision.py, RESULTS.md "Low precision"). Inference only: in training
+    the graph centers the optimizer's own parameters each step, and there is no fp32 copy to fold."""
+    global _low_precision_warned
+    low = sorted(str(t).removeprefix("torch.") for t in edited_dtypes & set(LOW_PRECISION))
+    if not low:
+        return
+    msg = (f"lnfold: folding a {'/'.join(low)} model: each weight the fold edits is rounded to {low[0]} a "
+           "second time (its fp32 values are not in the graph), so the folded model can be less exact than "
+           "the original; for one rounding, fold the fp32 checkpoint, then cast: "
+           f"lnfold.fold_to_rmsnorm(model_fp32, args); model_fp32.to(torch.{low[0]}); then torch.compile it")
+    if _low_precision_warned:
+        log.info(msg)
+        return
+    _low_precision_warned = True
+    warnings.warn(msg, LowPrecisionWarning, stacklevel=2)
 
 
 def _attr(gm: torch.nn.Module, target: str) -> Any:
