@@ -6,6 +6,7 @@ import dataclasses
 import os
 import sys
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import numpy as np
@@ -95,6 +96,8 @@ class OnnxFrontend:
         # (model at the target's opset, opset, shapes): validated and inferred once; another frontend
         # on the same model and target may start from it (the approximate swap's tries)
         self.prepared = prepared
+        self._reference: Optional[Future] = None  # the original's side of verification (_start_reference)
+        self.folded: Optional[onnx.ModelProto] = None
 
     def view(self) -> View:
         if self.prepared is None:
@@ -133,6 +136,7 @@ class OnnxFrontend:
             raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
     def apply(self, plan: Plan) -> onnx.ModelProto:
+        self._reference = self._start_reference(plan)
         emitters = [Emitter(self.graph, self.info, self.opset, self.target)]
         if self.scopes:
             def branch_emitter(g, i) -> Emitter:
@@ -151,21 +155,35 @@ class OnnxFrontend:
         return out
 
     def emit(self, folded: onnx.ModelProto):
+        self.folded = folded  # (as written: verification reads its graph from here, not from the file)
         if self.output is None:
             return pipeline.in_memory(folded)
         pipeline.stage(self.progress, f"saving {self.output}")
         return write.staged(folded, self.output, layout=self.layout)
 
+    def _start_reference(self, plan: Plan) -> Optional[Future]:
+        """The original's side of verification (verify.reference), run in a thread while the plan is
+        applied and the output written: it does not depend on the fold, and onnxruntime and numpy
+        release the GIL. None where `verify` will not run."""
+        if not self.opts.verify or plan.approx or (self.output is None and is_large(self.model)):
+            return None
+        original = verification.Source(self.source, parsed=self.model) if self.output is not None else self.model
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lnfold-reference")
+        future = pool.submit(verification.reference, original, inputs=self.inputs, dims=self.dims)
+        pool.shutdown(wait=False)
+        return future
+
     def verify(self, plan: Plan, artifact):
-        if plan.approx:  # not exact by design: its error was measured against the budget (approx.py)
-            return None
-        if self.output is not None:  # the files just written, against the input's
-            pipeline.stage(self.progress, "verifying in onnxruntime")
-            return check_equivalent(self.source, artifact, inputs=self.inputs, dims=self.dims)
-        if is_large(artifact):  # over protobuf's 2 GB: onnxruntime needs files (fold_model(output=...))
-            return None
-        pipeline.stage(self.progress, "verifying")
-        return check_equivalent(self.model, artifact, inputs=self.inputs, dims=self.dims)
+        reference = self._reference
+        if reference is None or (self.output is None and is_large(artifact)):
+            return None  # not exact by design (its error was measured against the budget: approx.py); or over
+            # protobuf's 2 GB in memory: onnxruntime needs files (fold_model(output=...))
+        pipeline.stage(self.progress, "verifying in onnxruntime" if self.output is not None else "verifying")
+        folded = verification.Source(artifact, parsed=self.folded) if self.output is not None else artifact
+        verdict = verification.check_against(reference.result(), folded)
+        if not verdict.ok:
+            raise verdict.error()
+        return verdict
 
     def result(self, plan: Plan, folded: onnx.ModelProto) -> FoldResult:
         return FoldResult(report=plan.report.with_notes(self.notes), model=folded)

@@ -11,7 +11,7 @@ from typing import Optional, Union
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx.external_data_helper import load_external_data_for_model
+from onnx.external_data_helper import load_external_data_for_model, uses_external_data
 
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 
@@ -22,12 +22,14 @@ QUIET.log_severity_level = 4
 class Source:
     """A model as given, a ModelProto or a path, read at most once: its graph without external
     weights (`skeleton`) first, the weights (`proto`) only if something needs them; onnxruntime
-    loads a path itself."""
+    loads a path itself. `parsed`: the file at the path, already in memory (the caller's, never
+    written here): its graph is the skeleton, and, where it holds every weight, the proto."""
 
-    def __init__(self, model: ModelLike) -> None:
+    def __init__(self, model: ModelLike, parsed: Optional[onnx.ModelProto] = None) -> None:
         self.path = None if isinstance(model, onnx.ModelProto) else str(model)
         self._proto = model if isinstance(model, onnx.ModelProto) else None
-        self._skeleton: Optional[onnx.ModelProto] = None
+        self._skeleton: Optional[onnx.ModelProto] = parsed
+        self._borrowed = parsed is not None
 
     @staticmethod
     def of(model: Union[ModelLike, "Source"]) -> "Source":
@@ -43,9 +45,13 @@ class Source:
 
     @property
     def proto(self) -> onnx.ModelProto:
-        if self._proto is None:  # the skeleton, its external weights read in
-            load_external_data_for_model(self.skeleton, os.path.dirname(os.path.abspath(self.path)))
-            self._proto = self.skeleton
+        if self._proto is None:
+            base = os.path.dirname(os.path.abspath(self.path))
+            if self._borrowed and any(uses_external_data(t) for t in self.skeleton.graph.initializer):
+                self._proto = onnx.load(self.path)  # the caller's copy is not ours to load weights into
+            else:  # the skeleton, its external weights read in
+                load_external_data_for_model(self.skeleton, base)
+                self._proto = self.skeleton
         return self._proto
 
 

@@ -24,7 +24,8 @@ segment, instead of the whole model in the reference evaluator.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import numpy as np
 import onnx
@@ -119,19 +120,54 @@ def _where(runner: Runner, model: onnx.ModelProto, e: Exception) -> str:
 
 # --- the verdict ---------------------------------------------------------------------------------
 
+@dataclass
+class Reference:
+    """The original's side of the verdict, which does not depend on the fold: the inputs it
+    accepts, its outputs and its float64 copy's. The ONNX frontend computes it in a thread while
+    the fold is applied and written (OnnxFrontend.apply): onnxruntime and numpy release the GIL."""
+    original: Source
+    inputs: Optional[dict]
+    dims: Optional[dict]
+    seed: int
+    seeds: str  # what random_ops pinned, for the criterion
+    runner: Optional[Runner] = None
+    feeds: Optional[dict] = None
+    outputs: Optional[list] = None
+    exact: Optional[list] = None
+    how: str = ""  # how the float64 run was made, or why there is none
+    refused: Optional[_RefusedAndUnrunnable] = None  # neither runtime runs it in its own dtype
+
+
+def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = None, dims: Optional[dict] = None,
+              seed: int = 0) -> Reference:
+    """Run the original (and its float64 copy) for `check_against`. Raises LnfoldError when it cannot
+    be run at all (nothing to compare with)."""
+    original = _pinned(original)
+    ref = Reference(original, inputs, dims, seed, random_ops.describe(original.skeleton))
+    try:
+        ref.runner, ref.feeds, ref.outputs = original_run(original, inputs=inputs, dims=dims, seed=seed)
+    except _RefusedAndUnrunnable as e:
+        ref.refused = e
+        return ref
+    ref.exact, ref.how = exact_run(original, ref.feeds)
+    return ref
+
+
 def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = None,
           dims: Optional[dict] = None, seed: int = 0) -> gate.Verdict:
     """The gate's verdict on `folded` (passes/gate.py). Raises LnfoldError when the original cannot
     be run (nothing to compare with) and VerificationError when only the folded model fails."""
-    original, folded = _pinned(original), _pinned(folded)
-    seeds = random_ops.describe(original.skeleton)
-    try:
-        runner, feeds, ra = original_run(original, inputs=inputs, dims=dims, seed=seed)
-    except _RefusedAndUnrunnable as e:
-        verdict = _check_float64_copies(original, folded, e, inputs=inputs, dims=dims, seed=seed)
-        verdict.criterion += f"; {seeds}" if seeds else ""
+    return check_against(reference(original, inputs=inputs, dims=dims, seed=seed), folded)
+
+
+def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verdict:
+    """`check` with the original's side already run."""
+    original, folded = ref.original, _pinned(folded)
+    if ref.refused is not None:
+        verdict = _check_float64_copies(original, folded, ref.refused, inputs=ref.inputs, dims=ref.dims, seed=ref.seed)
+        verdict.criterion += f"; {ref.seeds}" if ref.seeds else ""
         return verdict
-    exact, how = exact_run(original, feeds)
+    runner, feeds, ra, exact = ref.runner, ref.feeds, ref.outputs, ref.exact
     # the folded norms' inputs are read only by the gate's fallback without float64
     norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
     try:
@@ -152,17 +188,17 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
     for (name, axis, _), val in zip(norm_names, extra):
         norm_inputs[name] = np.moveaxis(np.asarray(val), axis, -1)
     verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs), original_is_faithful=runner.sess is not None,
-                         no_float64=how if exact is None else "")
+                         no_float64=ref.how if exact is None else "")
     if runner.sess is None:
         erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
             if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
         verdict.criterion += (f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
                               f"reference evaluator{erfc})")
-    verdict.criterion += f"; {seeds}" if seeds else ""
+    verdict.criterion += f"; {ref.seeds}" if ref.seeds else ""
     return verdict
 
 
-def _pinned(model: ModelLike) -> Source:
+def _pinned(model: Union[ModelLike, Source]) -> Source:
     """The model as verification runs it: a copy with seeds pinned on its random nodes, if any
     (random_ops.py); else as given."""
     src = Source.of(model)

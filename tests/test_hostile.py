@@ -622,7 +622,7 @@ def test_interrupt_while_verifying(work, capfd, monkeypatch):
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(onnx_rewrite.verify, "check", interrupted)
+    monkeypatch.setattr(onnx_rewrite.verify, "check_against", interrupted)
     _interrupt_in_process(work, capfd, monkeypatch)
 
 
