@@ -5,7 +5,8 @@ onnxruntime's weight-only int4 quantizer (MatMulNBitsQuantizer) and its dynamic 
 exporter makes of GPT-2's Conv1D, `addmm`) stays float. `gemm_to_matmul` rewrites each Gemm whose
 weight is an initializer, with alpha = beta = 1 and no transposed A, into MatMul (+ Add of C):
 the same products and the same bias, so the same function (a transposed B is stored transposed;
-the rounding is at most the summation order's). Other Gemms are left as they are and counted.
+the rounding is at most the summation order's), checked with the fold by its float64 gate
+(quantize.check_exact_steps). Other Gemms are left as they are and counted.
 
 `linear_layers` names the MatMul nodes with a constant 2-D float weight: what lnfold asks the
 quantizers to quantize (attention's activation x activation MatMuls and embedding tables stay

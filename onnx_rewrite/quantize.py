@@ -3,8 +3,12 @@ onnxruntime's own quantizers.
 
     fold (exact, verified)  →  γ into the readers  →  rotate the stream  →  onnxruntime quantizer
 
-The first three steps are the one pipeline's (fold_model; each verified against float64 like any
-fold). The last is onnxruntime's, as users already run it — lnfold quantizes nothing itself:
+The first three steps are the one pipeline's (fold_model); quantization is a separate stage after
+it, not a plan step. It reads what the fold decided from the plan's records (`FoldResult.plan`:
+`gammas`, `rotations`), never from the report's sentences. The model handed to the quantizer — the
+fold and the Gemm rewrite below — is verified against float64 by the fold's gate, in one run
+(`check_exact_steps`). The last step is onnxruntime's, as users already run it — lnfold quantizes
+nothing itself:
 
 - `weights="int8"`: `onnxruntime.quantization.quantize_dynamic` (int8 weights; activations
   quantized at run time, per tensor: MatMulInteger);
@@ -49,6 +53,7 @@ from .api import check_equivalent, check_verify_args, fold_model
 from .linear_layers import gemm_to_matmul, linear_layers, name_nodes
 from .quantize_report import QuantizeReport, scheme_name
 from .read import load
+from .write import is_large
 
 WEIGHTS = ("int8", "int4")
 ACTIVATIONS = ("int8",)
@@ -120,9 +125,9 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     notes, result = [], None
     work = model
     if fold:
-        def run(gamma, rotate):
+        def run(gamma, rotate):  # (verified below, with the Gemm rewrite: what the quantizer gets)
             return fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
-                              rotate=rotate, seed=seed, verify=verify)
+                              rotate=rotate, seed=seed, verify=False)
         try:
             result = run(gamma, rotate)
             if rotate and gamma_into_readers is None and not rotated_streams(result):
@@ -140,7 +145,19 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     if rewritten:
         notes.append(f"{rewritten} Gemm(s) rewritten as MatMul + Add (exact) so that the quantizer sees them")
     notes += [f"Gemm kept float: {k}" for k in kept]
-    return Prepared(work, result, notes, rewritten, bool(result) and gamma)
+    prepared = Prepared(work, result, notes, rewritten, bool(result) and gamma)
+    if verify:
+        check_exact_steps(model, prepared, inputs, dims)
+    return prepared
+
+
+def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) -> None:
+    """The fold's gate (passes/gate.py, against float64) on the model handed to the quantizer: the
+    fold, γ's move, the rotation and the Gemm rewrite, judged together in one run; its verdict is
+    the fold result's. Nothing folded: no gate (the model is the user's, Gemms rewritten exactly);
+    over protobuf's 2 GB in memory: none either, as fold_model runs none there."""
+    if prepared.fold is not None and not is_large(prepared.model):
+        record(prepared.fold, check_equivalent(model, prepared.model, inputs=inputs, dims=dims))
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -487,7 +504,7 @@ def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify
         if opts.get("rotate") and not rotated_streams(prepared.fold):
             trial["skipped"] = "rotates no stream (the same as the fold)"
             continue
-        if opts.get("gamma_into_readers") and not any(n.gamma.startswith("into") for n in prepared.fold.report.norms):
+        if opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
             trial["skipped"] = "no γ can move (the same as the fold)"
             continue
         quantized = run_quantizer(prepared.model, **scheme)
@@ -505,13 +522,19 @@ def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify
                     f"{sum('score' in t for t in trials)} candidates on the measurement rows, simpler ones kept "
                     f"unless beaten by over {AUTO_MARGIN:.0%}"
                     + (f" (onnxruntime alone: {base:.3g})" if base is not None and trial is not trials[0] else ""))
-    if verify and prepared.fold is not None:  # the chosen fold, verified like any fold
-        record(prepared.fold, check_equivalent(model, prepared.fold.model, inputs=m.verification, dims=dims))
+    if verify:  # the chosen fold, verified like any fold
+        check_exact_steps(model, prepared, m.verification, dims)
     return prepared, quantized, errors, trials
 
 
 def rotated_streams(fold: Optional[FoldResult]) -> int:
-    return sum(s.rotation.startswith("rotated") for s in fold.report.streams) if fold else 0
+    """The streams the fold's plan rotated (its StreamRotation records)."""
+    return sum(r.rotated for r in fold.plan.rotations) if fold else 0
+
+
+def moved_gamma(fold: Optional[FoldResult]) -> bool:
+    """Whether the fold's plan moved some norm's γ into its readers' weights (its GammaFold records)."""
+    return fold is not None and any(g.moved and g.gamma is not None for g in fold.plan.gammas.values())
 
 
 def _rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:

@@ -77,7 +77,7 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
     folded = frontend.apply(p)
     timings["editing"] = time.perf_counter() - t1
     result = frontend.result(p, folded)
-    result.timings = timings
+    result.timings, result.plan = timings, p
     t2 = time.perf_counter()
     with frontend.emit(folded) as artifact:
         timings["writing"] = time.perf_counter() - t2  # (the output's files, where the frontend writes any)

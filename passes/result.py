@@ -23,3 +23,6 @@ class FoldResult:
     criterion: Optional[str] = None
     no_float64: str = ""  # why verification made no float64 run, where it made none
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
+    # the Plan that made it (passes/plan.py), set by pipeline.fold: its records, for a stage after the
+    # fold that needs to know what was decided (quantization: which γ moved, which streams rotated)
+    plan: Any = field(default=None, repr=False, compare=False)

@@ -169,6 +169,23 @@ def test_gemm_becomes_matmul_plus_add_exactly(trans_b):
     np.testing.assert_allclose(verify.session(rewritten).run(None, x)[0], before, rtol=1e-6, atol=1e-6)
 
 
+def test_the_gate_judges_the_gemm_rewrite_with_the_fold(monkeypatch):
+    """What the quantizer gets (the fold and the Gemm rewrite) is verified against float64 in one
+    gate run: a rewrite that drops the Gemms' bias is refused, though the fold alone is exact."""
+    def forgets_the_bias(model):
+        done = gemm_to_matmul(model)
+        for n in model.graph.node:
+            if n.name.endswith("__bias"):
+                n.op_type = "Identity"
+                del n.input[1:]
+        return done
+
+    assert lnfold.quantize_onnx(OPTIMUM, weights="int8").report.fold_verified
+    monkeypatch.setattr(q, "gemm_to_matmul", forgets_the_bias)
+    with pytest.raises(lnfold.VerificationError):
+        lnfold.quantize_onnx(OPTIMUM, weights="int8")
+
+
 def test_gemm_that_is_not_a_plain_linear_layer_is_kept():
     model = _gemm_model(0, alpha=2.0)
     assert gemm_to_matmul(model) == (0, ["fc: alpha is not 1"])

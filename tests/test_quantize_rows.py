@@ -125,6 +125,24 @@ def test_auto_tries_every_candidate_and_keeps_the_best():
     assert auto.fold_verified and "auto chose" in auto.table() and auto.chosen.startswith(chosen[0]["candidate"])
 
 
+def test_what_the_fold_decided_is_read_from_its_plan():
+    """Whether γ moved and how many streams were rotated: the fold's plan records (GammaFold,
+    StreamRotation), which agree with what its report says; a candidate that changes nothing is
+    skipped by --rotate auto."""
+    read_out = stand_in(1)
+    read_out.graph.output.append(helper.make_tensor_value_info("n", TensorProto.FLOAT, [1, 4, D]))  # γ must stay
+    cases = [(stand_in(1), dict(gamma_into_readers=True), True, 0), (stand_in(1), dict(rotate="hadamard"), True, 1),
+             (read_out, dict(gamma_into_readers=True), False, 0), (stand_in(1), dict(), False, 0)]
+    for model, opts, moved, rotated in cases:
+        fold = q.prepare(model, **opts).fold
+        assert (q.moved_gamma(fold), q.rotated_streams(fold)) == (moved, rotated), opts
+        assert any(n.gamma.startswith("into") for n in fold.report.norms) == moved
+        assert sum(s.rotation.startswith("rotated") for s in fold.report.streams) == rotated
+    auto = lnfold.quantize_onnx(read_out, weights="int8", rotate="auto").report
+    assert {t["candidate"]: t.get("skipped") for t in auto.candidates}["fold, γ into the readers"] == \
+        "no γ can move (the same as the fold)"
+
+
 def test_auto_refuses_options_it_decides():
     with pytest.raises(LnfoldError, match="auto chooses"):
         lnfold.quantize_onnx(stand_in(1), weights="int8", rotate="auto", gamma_into_readers=False)
