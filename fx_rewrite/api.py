@@ -111,7 +111,12 @@ def exported_view(module, args, kwargs, dynamic):
     `attrs` maps each get_attr node that reads a tensor to its target: `ep.module()` names its
     attributes by the fully qualified names of the graph signature, i.e. the module's own
     parameter and buffer names (one of them where parameters are tied)."""
-    ep = export(module, args, kwargs, dynamic=dynamic)
+    return program_view(export(module, args, kwargs, dynamic=dynamic))
+
+
+def program_view(ep) -> tuple:
+    """`exported_view` of an ExportedProgram: each call a new graph module (sharing the program's
+    tensors, which `ExportFrontend.apply` copies before it edits them), so one export serves many folds."""
     gm = ep.module()
     inline_no_grad_regions(gm)
     gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)

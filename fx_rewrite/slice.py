@@ -11,9 +11,23 @@ import torch
 
 from ..passes import FoldResult, make_plan, pipeline, slicing
 from ..passes.options import FoldOptions
-from ..passes.slicer import SliceResult, slice_with
+from ..passes.slicer import SliceResult, check_request, slice_with
 from . import geometry
-from .api import ExportFrontend
+from .api import ExportFrontend, export, program_view
+
+
+class _ExportedOnce(ExportFrontend):
+    """ExportFrontend over one torch.export shared by all of a slice's folds (the export is most of a
+    fold's time, and a budget's search folds up to 8 times)."""
+
+    def __init__(self, program, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.program = program
+
+    def view(self):
+        self.gm, self.attrs, view, self.info = program_view(self.program)
+        self._view = view
+        return view
 
 
 class _TorchSlice:
@@ -22,6 +36,7 @@ class _TorchSlice:
 
     def __init__(self, module, batches: list[tuple], held: Optional[list[tuple]], kwargs: dict, dynamic: bool):
         self.module, self.batches, self.kwargs, self.dynamic = module, batches, kwargs, dynamic
+        self.program = export(module, batches[0], kwargs, dynamic=dynamic)
         self.opts = FoldOptions(gamma_into_readers=True)
         self.held = held if held is not None else batches
         rows = sum(len(b[0]) for b in self.held)
@@ -29,7 +44,8 @@ class _TorchSlice:
                      else f"the {rows} calibration row(s) (none held out: NOT an independent measure)")
 
     def _fold(self, opts: FoldOptions, planner, bases=None) -> FoldResult:
-        frontend = ExportFrontend(self.module, self.batches[0], self.kwargs, opts, norm="auto", dynamic=self.dynamic)
+        frontend = _ExportedOnce(self.program, self.module, self.batches[0], self.kwargs, opts, norm="auto",
+                                 dynamic=self.dynamic)
         frontend.bases = bases
         return pipeline.fold(frontend, verify=opts.verify, planner=planner)
 
@@ -54,15 +70,17 @@ class _TorchSlice:
         return sum(t.numel() for t in tensors.values())
 
 
-def slice_module(module: torch.nn.Module, calibration, *, fraction, kwargs: Optional[dict] = None, heldout=None,
-                 dynamic: bool = True) -> SliceResult:
+def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=None, kwargs: Optional[dict] = None,
+                 heldout=None, dynamic: bool = True) -> SliceResult:
     """Slice every rotatable folded stream of `module` to k = d − round(F·d) features on the principal
     directions of `calibration` (an args tuple, or a list of them; rows along the first axis).
     NOT exact: `result.report` as `slice_onnx`'s; the error is measured on `heldout` (default:
-    passes/geometry.heldout_split's rule). `result.module` runs like the module. Bad input: LnfoldError."""
-    fraction = slicing.check_fraction(fraction)
+    passes/geometry.heldout_split's rule); `budget=B` instead of `fraction`: the largest F
+    (passes/slicer.GRID) whose error there is <= B. `result.module` runs like the module. Bad input:
+    LnfoldError."""
+    fraction, budget = check_request(fraction, budget)
     slicing.check_calibration(calibration)
     batches, held = geometry.split(geometry.batches_of(calibration, ())[0], heldout)
     frontend = _TorchSlice(module, batches, held, dict(kwargs or {}), dynamic)
-    exact, sliced, report = slice_with(frontend, fraction, make_plan)
+    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget)
     return SliceResult(report, exact, module=sliced.module)

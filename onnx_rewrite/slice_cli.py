@@ -1,4 +1,4 @@
-"""`lnfold slice MODEL -o OUT --fraction F --calibrate CAL.npz [--json]`: the command line of
+"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--json]`: the command line of
 onnx_rewrite/slice.py (NOT exact). cli.py adds the subcommand (`add_parser`) and runs it (`run`);
 its error handling (one line, exit 2 for bad input, nothing written) is the fold's.
 """
@@ -18,8 +18,12 @@ _DESCRIPTION = ("Fold the LayerNorms exactly with their weights in the readers (
 def add_parser(sub) -> argparse.ArgumentParser:
     s = file_command(sub, "slice", "sliced", "fold exactly, then delete each stream's least-used directions "
                      "(not exact)", _DESCRIPTION)
-    s.add_argument("--fraction", type=float, required=True, metavar="F",
-                   help="the share of each sliced stream's width deleted, in (0, 1)")
+    width = s.add_mutually_exclusive_group(required=True)
+    width.add_argument("--fraction", type=float, metavar="F",
+                       help="the share of each sliced stream's width deleted, in (0, 1)")
+    width.add_argument("--budget", type=float, metavar="B",
+                       help="instead of F: the largest F (0.025, 0.05, ..., 0.975) whose relative error against "
+                            "the exact fold on the held-out rows is <= B")
     s.add_argument("--calibrate", metavar="FILE.npz",
                    help="your representative inputs: one array per model input, rows along the first axis; the "
                         "first half (rounded up) calibrates, the rest measures the error")
@@ -32,4 +36,5 @@ def run(args) -> int:
 
     src, dst = file_paths(args)
     t0 = time.perf_counter()
-    return write_and_report(slice_model(src, args.calibrate, fraction=args.fraction), dst, t0, args.json, "sliced")
+    result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget)
+    return write_and_report(result, dst, t0, args.json, "sliced")

@@ -6,16 +6,33 @@
 3. `slicing.plan_slices`: a principal basis and its kept width per rotatable stream;
 4. the fold again, asking for those bases (PlanRequest.bases): not verified (it is not exact), but
 5. measured: its outputs against the exact fold's on the held-out rows.
+
+With an error budget B instead of a fraction, steps 3–5 repeat over the fractions of `GRID` (steps
+1–2, the exact fold and the capture, are done once) and the largest F whose measured error is ≤ B
+is kept: the smallest F first (too much error there: refused), then the largest (within: done),
+then bisection between, which assumes the error grows with F (it does where the deleted
+directions' energy does).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
-from .approx import relative_error
+from .approx import check_budget, relative_error
 from .errors import LnfoldError
 from .result import FoldResult
-from .slicing import SliceReport, plan_slices
+from .slicing import SliceReport, check_fraction, plan_slices
+
+GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
+
+
+def check_request(fraction, budget) -> tuple[Optional[float], Optional[float]]:
+    """(F, None) or (None, B): exactly one of a fraction in (0, 1) and a budget >= 0; else a one-line error."""
+    if (fraction is None) == (budget is None):
+        raise LnfoldError("slicing needs exactly one of a fraction (--fraction F, API fraction=: the share of each "
+                          "stream's width deleted) and an error budget (--budget B, API budget=: the largest "
+                          "slicing whose held-out error is <= B)")
+    return (check_fraction(fraction), None) if budget is None else (None, check_budget(budget))
 
 
 @dataclass
@@ -59,28 +76,63 @@ class SliceFrontend(Protocol):
     rows: str  # which rows `outputs` runs on, in words
 
 
-def slice_with(frontend: SliceFrontend, fraction: float, planner: Callable) -> tuple[FoldResult, FoldResult, SliceReport]:
-    """(the exact fold, the sliced fold, the report); LnfoldError where no stream can be sliced."""
+def slice_with(frontend: SliceFrontend, fraction: Optional[float], planner: Callable,
+               budget: Optional[float] = None) -> tuple[FoldResult, FoldResult, SliceReport]:
+    """(the exact fold, the sliced fold, the report) at `fraction`, or at the largest fraction of GRID
+    whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it."""
     exact_plan = Recorded(planner)
     exact = frontend.exact(exact_plan)
     view, plan = exact_plan.view, exact_plan.plan
     swapped = set(plan.swaps)
     captured = frontend.capture(exact, [n.inputs[n.norm.input] for n in view.norms() if n.name in swapped])
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
-    decided = plan_slices(view, list(plan.components), plan.gammas, stream_of, captured, fraction)
-    if not decided.bases:
-        why = next((s.line() for s in decided.streams), "no LayerNorm folds")
-        raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only transparent "
-                          f"readers): {why}")
-    sliced_plan = Recorded(planner)
-    sliced = frontend.sliced(decided.bases, sliced_plan)
-    for rot in sliced_plan.plan.rotations:
-        for s in decided.streams:
-            if s.stream == rot.stream and not rot.rotated:
-                s.why, s.keep = rot.why, None
-    if not any(s.sliced for s in decided.streams):
-        raise LnfoldError(f"no stream can be sliced: {decided.streams[0].line()}")
-    report = SliceReport(fraction, decided.streams, frontend.parameters(exact), frontend.parameters(sliced),
-                         error=relative_error(frontend.outputs(exact), frontend.outputs(sliced)),
-                         error_rows=frontend.rows)
+    params_before = frontend.parameters(exact)
+    reference = frontend.outputs(exact)
+
+    def attempt(f: float) -> tuple[FoldResult, SliceReport]:
+        decided = plan_slices(view, list(plan.components), plan.gammas, stream_of, captured, f)
+        if not decided.bases:
+            why = next((s.line() for s in decided.streams), "no LayerNorm folds")
+            raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "
+                              f"transparent readers): {why}")
+        sliced_plan = Recorded(planner)
+        sliced = frontend.sliced(decided.bases, sliced_plan)
+        for rot in sliced_plan.plan.rotations:
+            for s in decided.streams:
+                if s.stream == rot.stream and not rot.rotated:
+                    s.why, s.keep = rot.why, None
+        if not any(s.sliced for s in decided.streams):
+            raise LnfoldError(f"no stream can be sliced: {decided.streams[0].line()}")
+        return sliced, SliceReport(f, decided.streams, params_before, frontend.parameters(sliced),
+                                   error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows)
+
+    sliced, report = attempt(fraction) if budget is None else _largest_within(attempt, budget, frontend.rows)
     return exact, sliced, report
+
+
+def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldResult, SliceReport]:
+    """The attempt at the largest fraction of GRID whose error is <= budget (the search in the module doc)."""
+    tried: dict[int, tuple[FoldResult, SliceReport]] = {}
+
+    def within(i: int) -> bool:
+        tried[i] = attempt(GRID[i])
+        return tried[i][1].error <= budget
+
+    fits, fails = -1, len(GRID)  # indices known within / over the budget
+    for i in (0, len(GRID) - 1):
+        if fits + 1 < fails:
+            fits, fails = (i, fails) if within(i) else (fits, i)
+    while fails - fits > 1:
+        mid = (fits + fails) // 2
+        fits, fails = (mid, fails) if within(mid) else (fits, mid)
+    deletes = fits >= 0 and any(s.sliced and s.keep < s.dim for s in tried[fits][1].streams)
+    if not deletes:
+        over = tried[fails][1]
+        raise LnfoldError(f"no slicing that deletes a feature keeps the error within the budget {budget:g} "
+                          f"(F={over.fraction:g} gives {over.error:.3e} on {rows})")
+    sliced, report = tried[fits]
+    steps = ", ".join(f"F={GRID[i]:g}: {r.error:.2e}" for i, (_, r) in sorted(tried.items()))
+    report.notes.append(f"budget {budget:g}: F={report.fraction:g} is the largest fraction of {GRID[0]:g}, "
+                        f"{GRID[1]:g}, ..., {GRID[-1]:g} whose error is within it, by bisection on {rows} "
+                        f"(assumes the error grows with F); tried {steps}")
+    return sliced, report
