@@ -30,7 +30,6 @@ import copy
 import platform
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -95,67 +94,73 @@ def relative_errors(out: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return float(np.sqrt((diff ** 2).sum() / (ref ** 2).sum())), harness.max_rel_err(out, ref)
 
 
-def fold(module: torch.nn.Module, args: tuple) -> str:
-    """fold_to_rmsnorm in place; a refusal by verification is reported and the fold redone unverified."""
+def fold(module: torch.nn.Module, args: tuple) -> tuple[Optional[torch.nn.Module], str]:
+    """fold_to_rmsnorm in place: (the module, a note), or (None, why) where the hand-off swaps no
+    norm (a Post-LN encoder). A refusal by verification is noted and the fold redone unverified."""
     try:
         lnfold.fold_to_rmsnorm(module, args)
-        return ""
+        return module, ""
+    except lnfold.NothingToFold as e:
+        return None, f"not measured: {str(e).split(';')[0]}"
     except lnfold.VerificationError as e:
         lnfold.fold_to_rmsnorm(module, args, verify=False)
-        return f"verification refused it ({str(e)[:80]}…); measured unverified"
+        return module, f"verification refused it ({str(e)[:80]}…); measured unverified"
 
 
 def compiled(module: torch.nn.Module, backend: str) -> torch.nn.Module:
     torch._dynamo.reset()  # each variant compiles from scratch (no sizes marked dynamic by the last)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the backend's low-precision warning: what this benchmark measures
-        return torch.compile(module, backend=backend)
+    return torch.compile(module, backend=backend)  # (the lnfold one warns on stderr: what is measured here)
 
 
 def variants(case: Case, dtype: torch.dtype, compile_too: bool):
-    """(runtime, variant, module, note) per variant, built lazily: one model in memory at a time."""
+    """(runtime, variant, module or None, note) per variant, built lazily: one model in memory at a time."""
     args = case.args
     cast = lambda m: m.to(dtype)  # noqa: E731
     fresh = lambda: copy.deepcopy(case.module)  # noqa: E731
 
     yield "eager", "original", cast(fresh()), ""
-    m = cast(fresh())
-    note = fold(m, args)
-    yield "eager", "cast → fold_to_rmsnorm", m, note
-    m = fresh()
-    note = fold(m, args)
-    remedy = cast(m)
+    yield ("eager", "cast → fold_to_rmsnorm") + fold(cast(fresh()), args)
+    remedy, note = fold(fresh(), args)
+    remedy = remedy and cast(remedy)
     yield "eager", "fold_to_rmsnorm → cast (remedy)", remedy, note
     if compile_too:
         yield "compile", "original, backend=inductor", compiled(cast(fresh()), "inductor"), ""
         yield "compile", 'cast → backend="lnfold"', compiled(cast(fresh()), "lnfold"), ""
-        yield "compile", "fold_to_rmsnorm → cast (remedy), backend=inductor", compiled(remedy, "inductor"), note
+        yield ("compile", "fold_to_rmsnorm → cast (remedy), backend=inductor",
+               remedy and compiled(remedy, "inductor"), note)
 
 
 def measure(case: Case, dtype_name: str, compile_too: bool) -> list[dict]:
     ref = case.logits(harness.torch_runner(copy.deepcopy(case.module).double()))
     rows, yardstick = [], {}
     for runtime, variant, module, note in variants(case, DTYPES[dtype_name], compile_too):
+        row = dict(model=case.name, dtype=dtype_name, variant=variant, note=note)
+        rows.append(row)
+        if module is None:
+            continue
         t = time.perf_counter()
         out = case.logits(harness.torch_runner(module))
         seconds = time.perf_counter() - t
         rms, peak = relative_errors(out, ref)
         yardstick.setdefault(runtime, (rms, peak))  # each runtime's first row is its original
         metric_name, metric = case.metric(out)
-        rows.append(dict(model=case.name, dtype=dtype_name, variant=variant, rms=rms, max=peak,
-                         rms_ratio=rms / yardstick[runtime][0], max_ratio=peak / yardstick[runtime][1],
-                         metric_name=metric_name, metric=metric, seconds=seconds, note=note))
-        print(f"  {case.name} {dtype_name} {variant}: rms {rms:.3g} max {peak:.3g} {metric_name} {metric:.6g} "
-              f"({seconds:.1f} s)", file=sys.stderr, flush=True)
+        row.update(rms=rms, max=peak, rms_ratio=rms / yardstick[runtime][0], max_ratio=peak / yardstick[runtime][1],
+                   metric=f"{metric_name} {metric:.6g}")
+        print(f"  {case.name} {dtype_name} {variant}: rms {rms:.3g} max {peak:.3g} {row['metric']} ({seconds:.1f} s)",
+              file=sys.stderr, flush=True)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
+    def cell(r, key, spec):
+        return format(r[key], spec) if key in r else "—"
+
     lines = ["| model | dtype | variant | logits rel. RMS err | × original's | logits max rel. err | × original's "
              "| metric | note |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['variant']} | {r['rms']:.2e} | {r['rms_ratio']:.2f} "
-                     f"| {r['max']:.2e} | {r['max_ratio']:.2f} | {r['metric_name']} {r['metric']:.6g} | {r['note']} |")
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['variant']} | {cell(r, 'rms', '.2e')} "
+                     f"| {cell(r, 'rms_ratio', '.2f')} | {cell(r, 'max', '.2e')} | {cell(r, 'max_ratio', '.2f')} "
+                     f"| {r.get('metric', '—')} | {r['note']} |")
     return "\n".join(lines)
 
 
