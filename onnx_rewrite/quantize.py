@@ -3,12 +3,10 @@ onnxruntime's own quantizers.
 
     fold (exact, verified)  →  γ into the readers  →  rotate the stream  →  onnxruntime quantizer
 
-The first three steps are the one pipeline's (fold_model); quantization is a separate stage after
-it, not a plan step. It reads what the fold decided from the plan's records (`FoldResult.plan`:
-`gammas`, `rotations`), never from the report's sentences. The model handed to the quantizer — the
-fold and the Gemm rewrite below — is verified against float64 by the fold's gate, in one run
-(`check_exact_steps`). The last step is onnxruntime's, as users already run it — lnfold quantizes
-nothing itself:
+The first three steps are the one pipeline's (fold_model); quantization is a stage after it that
+reads the fold's plan records (`FoldResult.plan`), never its report's sentences. The gate verifies
+the fold and the Gemm rewrite below together (`check_exact_steps`). The last step is onnxruntime's,
+as users already run it — lnfold quantizes nothing itself:
 
 - `weights="int8"`: `onnxruntime.quantization.quantize_dynamic` (int8 weights; activations
   quantized at run time, per tensor: MatMulInteger);
@@ -152,10 +150,9 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
 
 
 def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) -> None:
-    """The fold's gate (passes/gate.py, against float64) on the model handed to the quantizer: the
-    fold, γ's move, the rotation and the Gemm rewrite, judged together in one run; its verdict is
-    the fold result's. Nothing folded: no gate (the model is the user's, Gemms rewritten exactly);
-    over protobuf's 2 GB in memory: none either, as fold_model runs none there."""
+    """The fold's gate (passes/gate.py) on the model handed to the quantizer: fold, γ, rotation and
+    Gemm rewrite in one run; its verdict is the fold result's. None where nothing folded, nor over
+    protobuf's 2 GB in memory (as fold_model)."""
     if prepared.fold is not None and not is_large(prepared.model):
         record(prepared.fold, check_equivalent(model, prepared.model, inputs=inputs, dims=dims))
 
@@ -367,14 +364,6 @@ def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
     """Inputs the verification makes up (verify.original_run), as Rows."""
     _, feeds, _ = verify.original_run(original, dims=dims)
     return Rows(feeds, None)
-
-
-def output_errors(original: onnx.ModelProto, quantized: onnx.ModelProto, *, inputs=None, dims=None) -> dict:
-    """`measure` on the given inputs (a dict or Rows), or on made-up ones: {"errors", "inputs"}."""
-    rows = (inputs if isinstance(inputs, Rows) else Rows(dict(inputs), model_batch(original))) \
-        if inputs is not None else made_up_rows(original, dims)
-    described = "the given inputs" if inputs is not None else made_up_description(rows)
-    return {"errors": measure(original, quantized, rows), "inputs": described}
 
 
 def made_up_description(rows: Rows) -> str:

@@ -28,17 +28,16 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Optional
 
-from .report import Rename, StreamEdits, requoted
+from .report import Rename, requoted
 from .shards import ops_renamed
 
 SHALLOW = 4  # blocks in the copy that is planned: first, two middle ones, last
 
-# how an item of a plan hands its names to a renaming: (item, fn) -> the item renamed
+# how an item of a plan hands its names to a renaming `fn`: (item, fn) -> the item renamed
 Renamer = Callable[[Any, Rename], Any]
 
 
-def rename_record(item: Any, fn: Rename) -> Any:
-    """A record that carries its own `renamed` (passes/report.py's, shards.TensorJob)."""
+def rename_record(item: Any, fn: Rename) -> Any:  # (the report's records, shards.TensorJob)
     return item.renamed(fn)
 
 
@@ -48,11 +47,6 @@ def rename_name(item: str, fn: Rename) -> str:
 
 def rename_names(item: list, fn: Rename) -> list:
     return [fn(n) for n in item]
-
-
-def rename_edit(item: tuple, fn: Rename) -> tuple:
-    """(tensor name, its ops)."""
-    return fn(item[0]), ops_renamed(item[1], fn)
 
 
 class NotExtensible(Exception):
@@ -74,11 +68,8 @@ class LayerStack:
     def _index(self, name: str) -> Optional[tuple[list[str], int]]:
         """(the name's components, where its block index is), or None for a name outside the stack."""
         parts = name.split(".")
-        for sp in self._spellings:
-            k = len(sp)
-            if parts[:k] == sp and len(parts) > k and parts[k].isdecimal():
-                return parts, k
-        return None
+        return next(((parts, len(sp)) for sp in self._spellings
+                     if parts[:len(sp)] == sp and len(parts) > len(sp) and parts[len(sp)].isdecimal()), None)
 
     def block(self, name: str) -> Optional[int]:
         found = self._index(name)
@@ -86,11 +77,8 @@ class LayerStack:
 
     def moved(self, name: str, block: int) -> str:
         """`name` in block `block` (a name outside the stack: as it is)."""
-        found = self._index(name)
-        if found is None:
-            return name
-        parts, k = found
-        return ".".join(parts[:k] + [str(block)] + parts[k + 1:])
+        parts, k = self._index(name) or (None, None)
+        return name if parts is None else ".".join(parts[:k] + [str(block)] + parts[k + 1:])
 
     def block_of(self, item: Any, renamed: Renamer = rename_record) -> Optional[int]:
         """The one block `item` names (None: none); NotExtensible where it names several."""
@@ -125,24 +113,20 @@ class LayerStack:
 
     def extend_edits(self, edits: dict) -> dict:
         """Tensor name -> ops."""
-        return dict(self.extend(list(edits.items()), rename_edit))
+        return dict(self.extend(list(edits.items()), lambda e, fn: (fn(e[0]), ops_renamed(e[1], fn))))
 
     def extend_report(self, report):
         """A copy of a passes.report.Report for the full depth."""
         r = copy.deepcopy(report)
-        r.norms = self.extend(r.norms)
-        r.notes = self.extend(r.notes, requoted)
+        r.norms, r.notes = self.extend(r.norms), self.extend(r.notes, requoted)
         for s in r.streams:
-            blocks = {self.block_of(x, rename_name) for x in s.norms + s.fused}
-            blocks |= {self.block_of(t, requoted) for f in StreamEdits.SENTENCES for t in getattr(s, f)}
-            blocks |= {self.block_of(s.rotation, requoted)} if s.rotation else set()
+            fields = [(f, rename_name) for f in s.NAMES] + [(f, requoted) for f in s.SENTENCES]
+            listed = [(getattr(s, f), how) for f, how in fields]
+            blocks = {self.block_of(t, how) for v, how in listed for t in (v if isinstance(v, list) else [v]) if t}
             if len(blocks) == 1 and None not in blocks:  # (every item in one block: a per-block stream)
                 raise NotExtensible("a stream lies inside one block")
-            for f in StreamEdits.NAMES:
-                setattr(s, f, self.extend(getattr(s, f), rename_name))
-            for f in StreamEdits.SENTENCES:
-                setattr(s, f, self.extend(getattr(s, f), requoted))
-        r.compression = self.extend(r.compression)
-        r.near_misses = self.extend(r.near_misses)
-        r.rms_norms = self.extend(r.rms_norms)
+            for f, how in fields:
+                if isinstance(getattr(s, f), list):  # (its rotation, one sentence, stays the shallow plan's)
+                    setattr(s, f, self.extend(getattr(s, f), how))
+        r.compression, r.near_misses, r.rms_norms = map(self.extend, (r.compression, r.near_misses, r.rms_norms))
         return r

@@ -19,8 +19,24 @@ def requoted(text: str, fn: Rename) -> str:
     return re.sub(r"`([^`]*)`", lambda m: f"`{fn(m[1])}`", text)
 
 
+class Names:
+    """A record that names things in its fields `NAMES` (a name or a list of them) and `SENTENCES`
+    (sentences quoting names); `renamed(fn)`: a copy that says `fn(x)` for every name x."""
+
+    NAMES: tuple[str, ...] = ()
+    SENTENCES: tuple[str, ...] = ()
+
+    def renamed(self, fn: Rename):
+        def each(value, one):
+            return [one(v) for v in value] if isinstance(value, list) else one(value)
+        return replace(self, **{f: each(getattr(self, f), fn) for f in self.NAMES},
+                       **{f: each(getattr(self, f), lambda t: requoted(t, fn)) for f in self.SENTENCES})
+
+
 @dataclass
-class NormVerdict:
+class NormVerdict(Names):
+    NAMES, SENTENCES = ("name",), ("reason", "beta", "defer_reason", "blockers", "gamma")
+
     name: str
     verdict: str  # "fold" or "keep"
     reason: str = ""
@@ -32,37 +48,31 @@ class NormVerdict:
     blockers: list[str] = field(default_factory=list)  # kept: every reason its stream cannot fold
     gamma: str = ""  # gamma_into_readers: where γ went ("into the weight of …") or why it stayed
 
-    def renamed(self, fn: Rename) -> "NormVerdict":
-        return replace(self, name=fn(self.name), reason=requoted(self.reason, fn), beta=requoted(self.beta, fn),
-                       defer_reason=requoted(self.defer_reason, fn), gamma=requoted(self.gamma, fn),
-                       blockers=[requoted(b, fn) for b in self.blockers])
-
 
 @dataclass
-class NearMiss:
+class NearMiss(Names):
     """An op chain that looks like a LayerNorm (a mean, x - mean, ...) but is not one."""
 
-    name: str  # its first op (a graph node's name, not renamed)
+    SENTENCES = ("reason",)
+    name: str  # its first op (a graph node's name: not renamed)
     reason: str
-
-    def renamed(self, fn: Rename) -> "NearMiss":
-        return replace(self, reason=requoted(self.reason, fn))
 
 
 @dataclass
-class RmsNorm:
+class RmsNorm(Names):
     """A norm that is an RMSNorm already (a folded model's): nothing to fold."""
 
+    NAMES = ("name",)
     name: str
     op: str  # "SimplifiedLayerNormalization", "RMSNormalization", "decomposed RMSNorm", ...
 
-    def renamed(self, fn: Rename) -> "RmsNorm":
-        return replace(self, name=fn(self.name))
-
 
 @dataclass
-class StreamEdits:
+class StreamEdits(Names):
     """What made one stream component zero-mean: the edits its folded norms rely on."""
+
+    NAMES = ("norms", "fused")
+    SENTENCES = ("centered", "cloned", "scaled", "recentered", "dropped", "rotation")
 
     norms: list[str] = field(default_factory=list)
     centered: list[str] = field(default_factory=list)  # "`wte.weight` (Gather `/wte/Gather`)"
@@ -73,27 +83,18 @@ class StreamEdits:
     fused: list[str] = field(default_factory=list)  # norms emitted fused with their residual Add
     rotation: str = ""  # rotate=: "rotated by a hadamard Q (d=…)" or "not rotated: <the blocking node>"
 
-    NAMES = ("norms", "fused")  # lists of norms' names
-    SENTENCES = ("centered", "cloned", "scaled", "recentered", "dropped")  # lists of sentences quoting names
-
-    def renamed(self, fn: Rename) -> "StreamEdits":
-        return replace(self, rotation=requoted(self.rotation, fn),
-                       **{f: [fn(n) for n in getattr(self, f)] for f in self.NAMES},
-                       **{f: [requoted(t, fn) for t in getattr(self, f)] for f in self.SENTENCES})
-
 
 @dataclass
-class CompressionVerdict:
+class CompressionVerdict(Names):
     """mode="crms": one stream component, compressed to d-1 features or left as RMSNorm, and why."""
+
+    NAMES, SENTENCES = ("norms",), ("reason",)
 
     norms: list[str]
     verdict: str  # "compressed" or "rms"
     reason: str = ""
     width: object = None  # d
     decompressions: int = 0  # norms whose d-vector output is still produced for a reader
-
-    def renamed(self, fn: Rename) -> "CompressionVerdict":
-        return replace(self, norms=[fn(n) for n in self.norms], reason=requoted(self.reason, fn))
 
 
 @dataclass
