@@ -22,9 +22,12 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 CHECKPOINTS = Path(__file__).resolve().parent
-MODELS = ("gpt2_stdlib", "bert_stdlib", "vit_digits")
-INPUT = {"gpt2_stdlib": "input_ids", "bert_stdlib": "input_ids", "vit_digits": "pixel_values"}
-METRIC = {"gpt2_stdlib": "perplexity", "bert_stdlib": "mlm_accuracy", "vit_digits": "accuracy"}
+MODELS = ("gpt2_stdlib", "bert_stdlib", "vit_digits")  # committed
+CACHED = ("opt_stdlib",)  # trained on demand into the same folder (benchmarks/trained/slicegpt_side.py)
+DECODERS = ("gpt2_stdlib", "opt_stdlib")
+INPUT = {"gpt2_stdlib": "input_ids", "bert_stdlib": "input_ids", "vit_digits": "pixel_values", "opt_stdlib": "input_ids"}
+METRIC = {"gpt2_stdlib": "perplexity", "bert_stdlib": "mlm_accuracy", "vit_digits": "accuracy",
+          "opt_stdlib": "perplexity"}
 
 Runner = Callable[[np.ndarray], np.ndarray]
 
@@ -44,8 +47,8 @@ class Metric:
 
 
 def folder(name: str, root: Optional[Path] = None) -> Path:
-    if name not in MODELS:
-        raise ValueError(f"unknown trained model {name!r}; one of {', '.join(MODELS)}")
+    if name not in MODELS + CACHED:
+        raise ValueError(f"unknown trained model {name!r}; one of {', '.join(MODELS + CACHED)}")
     return (root or CHECKPOINTS) / name
 
 
@@ -64,7 +67,8 @@ def load_model(name: str, dtype=None, root: Optional[Path] = None):
     import transformers
 
     model = transformers.AutoConfig.from_pretrained(folder(name, root))
-    cls = {"gpt2_stdlib": transformers.AutoModelForCausalLM, "bert_stdlib": transformers.AutoModelForMaskedLM,
+    cls = {"gpt2_stdlib": transformers.AutoModelForCausalLM, "opt_stdlib": transformers.AutoModelForCausalLM,
+           "bert_stdlib": transformers.AutoModelForMaskedLM,
            "vit_digits": transformers.AutoModelForImageClassification}[name]
     model = cls.from_pretrained(folder(name, root), attn_implementation="eager")
     if dtype is not None:
@@ -142,7 +146,7 @@ def logits(name: str, runner: Runner, limit: Optional[int] = None, batch: int = 
 def score(name: str, out: np.ndarray, limit: Optional[int] = None, root: Optional[Path] = None) -> Metric:
     """The metric of held-out logits `out` (as `logits` returns them)."""
     data = heldout(name, limit, root)
-    if name == "gpt2_stdlib":  # next-byte prediction inside each window
+    if name in DECODERS:  # next-byte prediction inside each window
         ids = data["input_ids"]
         pred, target = out[:, :-1], ids[:, 1:]
     elif name == "bert_stdlib":  # the masked positions only
@@ -155,7 +159,7 @@ def score(name: str, out: np.ndarray, limit: Optional[int] = None, root: Optiona
     shifted = pred - pred.max(axis=-1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     loss = float(-logp[np.arange(len(target)), target].mean())
-    if name == "gpt2_stdlib":
+    if name in DECODERS:
         value = float(np.exp(loss))
     else:
         value = float((pred.argmax(axis=-1) == target).mean())

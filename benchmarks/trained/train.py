@@ -6,7 +6,10 @@
 - `gpt2_stdlib`: Pre-LN decoder (transformers' GPT2LMHeadModel, tied head), bytes as tokens, trained as a
   language model on the Python standard library's own source files;
 - `bert_stdlib`: Post-LN encoder (BertForMaskedLM), the same bytes, masked-LM objective;
-- `vit_digits`: Pre-LN ViT classifier (ViTForImageClassification) on scikit-learn's bundled 8x8 digits.
+- `vit_digits`: Pre-LN ViT classifier (ViTForImageClassification) on scikit-learn's bundled 8x8 digits;
+- `opt_stdlib` (only with `--only opt_stdlib`; not committed, 30 MB: benchmarks train it into their cache
+  when it is missing): Pre-LN OPT decoder (OPTForCausalLM, tied head, d=384), gpt2_stdlib's data and
+  objective; SliceGPT's own code has an adapter for this class (issue 32's side-by-side).
 
 Each goes to DIR/<name>/ as a `save_pretrained` folder (config.json, model.safetensors), its held-out
 inputs as heldout.npz, and a manifest.json (architecture, parameters, data, steps, held-out metric,
@@ -32,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .harness import DECODERS
+
 HERE = Path(__file__).resolve().parent
 CONTEXT = 128
 MASK_ID, PAD_ID = 256, 257  # the encoder's two ids beyond the 256 bytes
@@ -43,7 +48,9 @@ RECIPES = {
     "gpt2_stdlib": dict(steps=700, batch=12, lr=2e-3),
     "bert_stdlib": dict(steps=900, batch=12, lr=1e-3),
     "vit_digits": dict(steps=1200, batch=64, lr=1e-3),
+    "opt_stdlib": dict(steps=700, batch=12, lr=1e-3),
 }
+COMMITTED = ("gpt2_stdlib", "bert_stdlib", "vit_digits")  # what a plain run trains
 
 
 # ---------------------------------------------------------------- data
@@ -131,6 +138,12 @@ def build(name: str):
                            num_attention_heads=4, intermediate_size=256, num_labels=10, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0, **common)
         return tf.ViTForImageClassification(cfg)
+    if name == "opt_stdlib":  # no padding id: byte 1 is text here, not OPT's pad
+        cfg = tf.OPTConfig(vocab_size=256, hidden_size=384, num_hidden_layers=4, ffn_dim=1536, num_attention_heads=6,
+                           max_position_embeddings=CONTEXT, word_embed_proj_dim=384, do_layer_norm_before=True,
+                           dropout=0.0, attention_dropout=0.0, pad_token_id=None, bos_token_id=0, eos_token_id=0,
+                           tie_word_embeddings=True, **common)
+        return tf.OPTForCausalLM(cfg)
     raise ValueError(name)
 
 
@@ -162,7 +175,7 @@ def batches(name: str, data, batch: int, g: torch.Generator):
     while True:
         starts = torch.randint(0, text.numel() - CONTEXT, (batch,), generator=g)
         ids = torch.stack([text[s:s + CONTEXT] for s in starts.tolist()])
-        if name == "gpt2_stdlib":
+        if name in DECODERS:
             yield {"input_ids": ids, "labels": ids}
         else:
             masked, labels = mask_tokens(ids, g)
@@ -182,7 +195,7 @@ def train_one(name: str, out: Path, steps_scale: float, command: str) -> dict:
         train_bytes, held_bytes, data_info = stdlib_bytes()
         train_data = train_bytes
         ids = heldout_windows(held_bytes)
-        if name == "gpt2_stdlib":
+        if name in DECODERS:
             held = {"input_ids": ids}
         else:
             masked, labels = mask_tokens(torch.from_numpy(ids), torch.Generator().manual_seed(2))
@@ -237,13 +250,14 @@ def train_one(name: str, out: Path, steps_scale: float, command: str) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=HERE)
-    ap.add_argument("--only", action="append", choices=list(RECIPES), help="train only this model (repeatable)")
+    ap.add_argument("--only", action="append", choices=list(RECIPES),
+                    help=f"train only this model (repeatable; default: {', '.join(COMMITTED)})")
     ap.add_argument("--steps-scale", type=float, default=1.0, help="multiply every recipe's steps (a quick check)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     command = "python -m benchmarks.trained.train" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    for name in args.only or list(RECIPES):
+    for name in args.only or COMMITTED:
         train_one(name, args.out, args.steps_scale, command)
 
 
