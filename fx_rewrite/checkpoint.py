@@ -30,10 +30,10 @@ import torch
 
 from ..passes import LnfoldError, NothingToFold, make_plan
 from ..passes.analysis import Component
-from ..passes.depth import SHALLOW, LayerStack, NotExtensible, rename_name, rename_names
+from ..passes.depth import SHALLOW, LayerStack, NotExtensible
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.report import Report
+from ..passes.report import Report, named
 from ..passes.request import Capabilities, request_from
 from ..passes.shards import TensorJob, untie
 from .safetensors_io import read_header
@@ -228,7 +228,7 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
             try:
                 return CheckpointPlan(
                     blocks.extend_report(plan.report), blocks.extend_edits(plan.in_place), blocks.extend(plan.new),
-                    blocks.extend(plan.untied, rename_names), blocks.extend(plan.norms, rename_name),
+                    blocks.extend(plan.untied, named), blocks.extend(plan.norms, named),
                     stored_names(model, ck),
                     traced=f"{SHALLOW} of {blocks.depth} blocks ({path}.1 … {blocks.depth - 2} planned as {path}.1)")
             except NotExtensible:

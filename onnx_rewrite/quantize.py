@@ -77,7 +77,6 @@ class Prepared:
     model: onnx.ModelProto
     fold: Optional[FoldResult]
     notes: list[str]
-    gemms_rewritten: int
     gamma_into_readers: bool = False
 
 
@@ -143,7 +142,7 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     if rewritten:
         notes.append(f"{rewritten} Gemm(s) rewritten as MatMul + Add (exact) so that the quantizer sees them")
     notes += [f"Gemm kept float: {k}" for k in kept]
-    prepared = Prepared(work, result, notes, rewritten, bool(result) and gamma)
+    prepared = Prepared(work, result, notes, bool(result) and gamma)
     if verify:
         check_exact_steps(model, prepared, inputs, dims)
     return prepared

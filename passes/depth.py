@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Optional
 
-from .report import Rename, requoted
+from .report import Rename, named, requoted
 from .shards import ops_renamed
 
 SHALLOW = 4  # blocks in the copy that is planned: first, two middle ones, last
@@ -39,14 +39,6 @@ Renamer = Callable[[Any, Rename], Any]
 
 def rename_record(item: Any, fn: Rename) -> Any:  # (the report's records, shards.TensorJob)
     return item.renamed(fn)
-
-
-def rename_name(item: str, fn: Rename) -> str:
-    return fn(item)
-
-
-def rename_names(item: list, fn: Rename) -> list:
-    return [fn(n) for n in item]
 
 
 class NotExtensible(Exception):
@@ -120,7 +112,7 @@ class LayerStack:
         r = copy.deepcopy(report)
         r.norms, r.notes = self.extend(r.norms), self.extend(r.notes, requoted)
         for s in r.streams:
-            fields = [(f, rename_name) for f in s.NAMES] + [(f, requoted) for f in s.SENTENCES]
+            fields = [(f, named) for f in s.NAMES] + [(f, requoted) for f in s.SENTENCES]
             listed = [(getattr(s, f), how) for f, how in fields]
             blocks = {self.block_of(t, how) for v, how in listed for t in (v if isinstance(v, list) else [v]) if t}
             if len(blocks) == 1 and None not in blocks:  # (every item in one block: a per-block stream)

@@ -19,6 +19,11 @@ def requoted(text: str, fn: Rename) -> str:
     return re.sub(r"`([^`]*)`", lambda m: f"`{fn(m[1])}`", text)
 
 
+def named(value, fn: Rename):
+    """A name, or each of a list of them, renamed by `fn`."""
+    return [fn(v) for v in value] if isinstance(value, list) else fn(value)
+
+
 class Names:
     """A record that names things in its fields `NAMES` (a name or a list of them) and `SENTENCES`
     (sentences quoting names); `renamed(fn)`: a copy that says `fn(x)` for every name x."""
@@ -27,10 +32,8 @@ class Names:
     SENTENCES: tuple[str, ...] = ()
 
     def renamed(self, fn: Rename):
-        def each(value, one):
-            return [one(v) for v in value] if isinstance(value, list) else one(value)
-        return replace(self, **{f: each(getattr(self, f), fn) for f in self.NAMES},
-                       **{f: each(getattr(self, f), lambda t: requoted(t, fn)) for f in self.SENTENCES})
+        return replace(self, **{f: named(getattr(self, f), fn) for f in self.NAMES},
+                       **{f: named(getattr(self, f), lambda t: requoted(t, fn)) for f in self.SENTENCES})
 
 
 @dataclass
