@@ -30,6 +30,10 @@ output projections of attention and MLP, their biases).
 Training (grad mode on and the edited parameters require grad): the graph keeps reading the
 optimizer's parameters and computes `W - mean(W)` itself, so loss and gradients are the original
 model's (DESIGN §1); the cost is one mean and one subtraction per edited weight per step.
+
+Low precision: a bf16/fp16 graph carries weights already rounded once, and each edited weight is
+rounded again; the backend warns once per process (LowPrecisionWarning) and names the remedy, to
+fold the fp32 model (fold_to_rmsnorm) and cast it afterwards (DESIGN §4, "Low precision").
 """
 from __future__ import annotations
 
