@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from math import prod
 from pathlib import Path
 
@@ -124,15 +125,21 @@ def _symbolic_inference(m: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _has_gaps(m: onnx.ModelProto, shapes: dict[str, Shape]) -> bool:
-    """Does some node output lack a shape, or have a dim that is neither a number nor one of the
-    graph inputs' named dims (onnx names the dims it cannot place `unk__N`)?"""
+    """Does some node output lack a shape, or have a dim that is neither a number nor made of the
+    graph inputs' named dims (onnx names the dims it cannot place `unk__N`; the ones it computes
+    from inputs' dims, `seq*batch`, are as known as symbolic inference would make them)?"""
     names = {d for i in m.graph.input for d in (shapes.get(i.name) or ()) if isinstance(d, str)}
     for node in m.graph.node:
         for o in node.output:
             s = shapes.get(o)
-            if o and (s is None or any(not isinstance(d, int) and d not in names for d in s)):
+            if o and (s is None or any(not isinstance(d, int) and not _made_of(d, names) for d in s)):
                 return True
     return False
+
+
+def _made_of(dim: str, names: set) -> bool:
+    """Is `dim` an expression over `names` and integers (onnx's data propagation: `seq + 1`)?"""
+    return all(word in names or word.isdigit() for word in re.findall(r"[A-Za-z_0-9.]+", dim))
 
 
 def _read_shapes(m: onnx.ModelProto) -> dict[str, Shape]:
