@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -210,6 +210,7 @@ class CheckpointPlan:
     norms: list  # the folded norms' module paths
     stored: dict  # model name -> checkpoint name
     traced: str = ""  # how much of the model the analysis exported ("every block", or a shallow copy's)
+    aliases: dict = field(default_factory=dict)  # model name -> the stored tensor it was tied to, now written apart
 
 
 def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
@@ -219,6 +220,10 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     plan extended by name to the full depth, where the blocks allow it (`repeated_blocks`);
     otherwise, or where the shallow plan cannot stand for the deep one, the whole model."""
     model = skeleton(ck.config)
+    return _as_loaded(_plan_of_depth(model, ck, mode), ck)
+
+
+def _plan_of_depth(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPlan:
     path = repeated_blocks(model, ck.config)
     if path is not None:
         shallow = skeleton(with_depth(ck.config, SHALLOW))
@@ -234,6 +239,41 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
             except NotExtensible:
                 pass
     return _plan_of(model, ck, mode)
+
+
+def output_config(ck: Checkpoint, plan: CheckpointPlan):
+    """The config the output's config.json holds: the input's, untied where the fold unties."""
+    if not plan.untied:
+        return ck.config
+    config = copy.deepcopy(ck.config)
+    config.tie_word_embeddings = False
+    return config
+
+
+def _as_loaded(plan: CheckpointPlan, ck: Checkpoint) -> CheckpointPlan:
+    """The plan, completed so that the stock class loads every tensor of its output from the files.
+
+    Untying a group takes `tie_word_embeddings: false` in config.json, and that flag unties every
+    tie the class makes by it, not only the group the fold broke (transformers >= 5: BERT's
+    `cls.predictions.decoder.bias` from `cls.predictions.bias` too). A file stores a tied group
+    once, so such a member would load as nothing, and `from_pretrained` would fill it at random:
+    each one is written as a tensor of its own, from the stored tensor it was tied to and edited as
+    that one is (equal values, no longer one tensor). A group the fold must untie and the class
+    ties whatever config.json says is an error."""
+    if not plan.untied:
+        return plan
+    loaded = skeleton(output_config(ck, plan))
+    left = tied_groups(loaded)
+    for g in plan.untied:
+        if any(set(g) & set(h) for h in left):
+            raise LnfoldError(f"the fold must untie {', '.join(g)}, and {type(loaded).__name__} ties them "
+                              "whatever config.json says")
+    found = stored_names(loaded, ck)
+    written = {t.name for t in plan.new}
+    aliases = {n: plan.stored[n] for n in loaded.state_dict()
+               if n not in found and n not in written and n in plan.stored}
+    new = plan.new + [TensorJob(n, src, plan.in_place.get(src, ())) for n, src in aliases.items()]
+    return replace(plan, new=new, aliases=aliases)
 
 
 def repeated_blocks(model: torch.nn.Module, config) -> Optional[str]:

@@ -11,7 +11,6 @@ place: a failure leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from ..passes.edits import chunk_axis
 from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
-    skeleton, tied_groups
+    skeleton, stored_names
 from .checkpoint_verify import verify_checkpoint
 from .edits import rounded
 from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, itemsize, read_header, row_blocks, tensor_bytes
@@ -184,17 +183,27 @@ def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> list[str]:
     return copied
 
 
-def _check_untie(ck: Checkpoint, plan: CheckpointPlan) -> None:
-    """An untied group must stay untied when the stock class loads the output."""
-    if not plan.untied:
-        return
-    cfg = copy.deepcopy(ck.config)
-    cfg.tie_word_embeddings = False
-    left = {frozenset(g) for g in tied_groups(skeleton(cfg))}
-    for g in plan.untied:
-        if frozenset(g) in left or any(set(g) & set(h) for h in left):
-            raise LnfoldError(f"the fold must untie {', '.join(g)}, and {type(skeleton(cfg)).__name__} ties them "
-                              "whatever config.json says")
+def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> None:
+    """The output holds every tensor of the input, under its name, with its dtype and shape, and
+    every tensor its stock class loads that the input's files gave it: a tensor lost on the way
+    would load at random in `from_pretrained`, a wrong model with no error (the gate's runs load
+    only what they run). Cheap: headers and a model on the meta device, whether or not the fold
+    is verified."""
+    def entries(c: Checkpoint) -> dict:
+        return {n: (e.dtype, e.shape) for h in c.shards.values() for n, e in h.entries.items()}
+
+    before, after = entries(ck), entries(out)
+    for name, (dtype, shape) in before.items():
+        if after.get(name) != (dtype, shape):
+            got = "lacks it" if name not in after else f"has it as {after[name][0]} {list(after[name][1])}"
+            raise LnfoldError(f"internal: input tensor {name} ({dtype} {list(shape)}): the output {got}; nothing written")
+    model = skeleton(out.config)
+    found = stored_names(model, out)
+    for name in model.state_dict():
+        if name not in found and name in plan.stored:
+            raise LnfoldError(f"internal: {type(model).__name__} loads {name} from the input (tensor "
+                              f"{plan.stored[name]}) and the output does not hold it: from_pretrained would fill it "
+                              "at random; nothing written")
 
 
 def _flush(folder: Path) -> None:
@@ -258,7 +267,6 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     ck = read_checkpoint(src)
     pipeline.stage(progress, "analyzing (the model built on the meta device)")
     plan = plan_checkpoint(ck, opts.mode)
-    _check_untie(ck, plan)
     timings["analysis"] = time.perf_counter() - t0
     files = {f: list(h.entries) for f, h in ck.shards.items()}
     work = shard_work(files, plan.in_place, plan.new)
@@ -273,11 +281,13 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
         sizes = write_shards(ck, work, tmp, jobs)
         _write_index(ck, work, sizes, tmp)
         _copy_others(ck, tmp, bool(plan.untied))
+        written = read_checkpoint(tmp)
+        check_complete(ck, written, plan)
         timings["editing"] = time.perf_counter() - t1
         if opts.verify:
             t2 = time.perf_counter()
             pipeline.stage(progress, "verifying block by block in float64")
-            verdict = verify_checkpoint(ck, read_checkpoint(tmp), plan)
+            verdict = verify_checkpoint(ck, written, plan)
             pipeline.record(result, verdict)
             timings["verification"] = time.perf_counter() - t2
         t3 = time.perf_counter()
@@ -295,5 +305,8 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
         result.report.notes.append("untied " + "; ".join(" / ".join(g) for g in plan.untied) +
                                    ": the embedding is centered, its other reader is not a stream source "
                                    "(config.json: tie_word_embeddings false)")
+    if plan.aliases:
+        result.report.notes.append("written apart, as the untied config loads them: " + "; ".join(
+            f"{n} (the values of {src})" for n, src in plan.aliases.items()))
     result.timings = timings
     return result

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..passes import gate
+from ..passes import LnfoldError, gate
 from ..passes.weights import max_rel_err
 from .checkpoint import Checkpoint, CheckpointPlan, FirstOutput, skeleton, stored_names
 from .float64 import Float64Everywhere, suspended
@@ -81,7 +81,9 @@ class Streamed:
         return DTYPES[max(counts, key=counts.get)] if counts else torch.float32
 
     def _entry(self, name: str):
-        key = self.stored[name]
+        key = self.stored.get(name)
+        if key is None:  # (fold_checkpoint's check_complete refuses such an output before it gets here)
+            raise LnfoldError(f"{self.ck.folder}: holds no tensor {name}, which {type(self.model).__name__} loads")
         file = self.ck.where[key]
         return file, self.ck.shards[file].entries[key]
 
