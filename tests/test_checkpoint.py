@@ -367,3 +367,83 @@ def test_bf16_rows_go_through_float64_and_are_rounded_once(tmp_path, monkeypatch
             got = f.get_tensor(name)
         assert torch.equal(got, rounded(weights_mod.center(w, 0), torch.bfloat16)), name
     assert len(names) == 6
+
+
+# --- BERT: a second tie the untied config breaks too (cls.predictions.decoder.bias) ----------------------------
+
+def safetensors_entries(folder: Path) -> dict:
+    """Every tensor of the folder's safetensors files: name -> (dtype, shape), from the headers."""
+    from lnfold.fx_rewrite.safetensors_io import read_header
+
+    return {n: (e.dtype, e.shape) for f in folder.glob("*.safetensors") for n, e in read_header(f).entries.items()}
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> Path:
+    """A tiny BertForMaskedLM, adversarial (its decoder bias random, not the zeros a fresh head or
+    a missing tensor would get), saved as one safetensors file: the decoder's weight and bias are
+    tied to the word embeddings and `cls.predictions.bias`, and stored once, under those names."""
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32, type_vocab_size=1)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("ck") / "bert"
+    adversarial(transformers.BertForMaskedLM(cfg)).save_pretrained(folder)
+    stored = safetensors_entries(folder)
+    assert "cls.predictions.bias" in stored and "cls.predictions.decoder.bias" not in stored
+    assert "cls.predictions.decoder.weight" not in stored
+    return folder
+
+
+def test_bert_folds_verified_with_every_tensor_and_its_tied_decoder_bias(bert, tmp_path):
+    """The fold centers the word embeddings, so it unties them from the decoder, and the untied
+    config.json unties the decoder's bias from `cls.predictions.bias` as well: both must be in the
+    output, or from_pretrained fills the bias at random (the bug: verification's KeyError, and
+    with verify=False a model 2e-2 off)."""
+    out = tmp_path / "out"
+    res = lnfold.fold_checkpoint(bert, out)
+    assert res.report.folded == 1 and res.criterion == "float64"  # the embedding LayerNorm (Post-LN blocks: kept)
+    assert any("cls.predictions.decoder.bias" in n for n in res.report.notes)
+    before, after = safetensors_entries(bert), safetensors_entries(out)
+    assert all(after.get(n) == v for n, v in before.items())  # every input tensor, its dtype and shape
+    assert set(after) - set(before) == {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
+
+    folded, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    original = transformers.BertForMaskedLM.from_pretrained(bert).eval()
+    head, old = folded.cls.predictions, original.cls.predictions
+    assert torch.equal(head.decoder.bias, head.bias) and torch.equal(head.bias, old.bias)  # tied values kept
+    assert torch.equal(head.decoder.weight, old.decoder.weight)  # the head reads the original table
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(7))  # not verification's
+    with torch.no_grad():
+        a, b = original(ids).logits, folded.eval()(ids).logits
+        exact = original.double()(ids).logits
+    verdict = gate.judge([gate.Output("logits", "float32", a.numpy(), b.numpy(), exact.numpy())])
+    assert verdict.ok and verdict.criterion == "float64", verdict.failure
+
+
+@pytest.mark.parametrize("planted,message", [
+    # the bug itself: the plan as it was, writing only the second half of the group it meant to untie
+    ("tied bias not written", r"BertForMaskedLM loads cls.predictions.decoder.bias from the input \(tensor "
+                              r"cls.predictions.bias\) and the output does not hold it"),
+    # any input tensor dropped on the way to the output
+    ("input tensor dropped", r"input tensor bert.encoder.layer.1.output.dense.bias \(F32 \[32\]\): the output lacks it"),
+])
+def test_a_tensor_missing_from_the_output_is_refused_verified_or_not(bert, tmp_path, monkeypatch, planted, message):
+    from lnfold.fx_rewrite import checkpoint, checkpoint_fold
+
+    if planted == "tied bias not written":
+        monkeypatch.setattr(checkpoint, "_as_loaded", lambda plan, ck: plan)
+    else:
+        real = checkpoint_fold.shard_work
+
+        def dropping(*args):
+            jobs = real(*args)
+            for j in jobs:
+                j.tensors = [t for t in j.tensors if t.name != "bert.encoder.layer.1.output.dense.bias"]
+            return jobs
+
+        monkeypatch.setattr(checkpoint_fold, "shard_work", dropping)
+    with pytest.raises(LnfoldError, match=message) as e:
+        lnfold.fold_checkpoint(bert, tmp_path / "out", verify=False)
+    assert len(str(e.value).splitlines()) == 1
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".lnfold-*"))
