@@ -26,6 +26,11 @@ from .norms import NormMatch, const_values, dtype_of, float_dtype, is_constant, 
 from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
+# The name (a prefix: `unique` numbers repeats) of every constant MatMul the emitter inserts to take
+# a stream into or out of a rotated basis: a recentered start's projection, a readout's un-rotation.
+# They are no layer of the model: quantizers keep them float (onnx_rewrite/linear_layers.py).
+BASIS_CHANGE = "lnfold/basis_change"
+
 
 class Emitter:
     def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: Target) -> None:
@@ -56,6 +61,12 @@ class Emitter:
         self.graph.nodes.append(n)
         if op in _ORT_ONLY_NORMS:
             _type_outputs(n)
+        return n
+
+    def basis_change(self, inputs: list, out) -> gs.Node:
+        """The MatMul of a stream by a constant basis change, named BASIS_CHANGE."""
+        n = self.node("MatMul", inputs, [out])
+        n.name = self.unique(BASIS_CHANGE)
         return n
 
     def square(self, x, out) -> gs.Node:
@@ -180,7 +191,7 @@ class Emitter:
             last = axis == self.info.rank(x) - 1
             rotated = self.var(f"{value}/lnfold_projected", x.dtype)
             matrix = self.const(f"{value}/lnfold_projection", m if last else np.ascontiguousarray(m.T))
-            self.node("MatMul", [centered, matrix] if last else [matrix, centered], [rotated])
+            self.basis_change([centered, matrix] if last else [matrix, centered], rotated)
             centered = rotated
         for r in readers:
             _replace_input(r, x, centered)
@@ -227,7 +238,7 @@ class Emitter:
         else:
             self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
         if unrotate is not None:
-            self.node("MatMul", [normed, unrotate], [final])
+            self.basis_change([normed, unrotate], final)
             normed = final
         if beta is not None:
             self.node("Add", [normed, self._in_stream_dtype(beta, dtype, m.name, "beta")], [m.output])

@@ -10,12 +10,19 @@ the rounding is at most the summation order's), checked with the fold by its flo
 
 `linear_layers` names the MatMul nodes with a constant 2-D float weight: what lnfold asks the
 quantizers to quantize (attention's activation x activation MatMuls and embedding tables stay
-float; see onnx_rewrite/quantize.py).
+float; see onnx_rewrite/quantize.py). Not among them: `basis_changes`, the MatMuls the fold itself
+inserted to take a rotated stream out of (a readout's `· Qᵀ·diag γ`) or into (the projection after
+a recentered start) its rotated basis. They are no layer of the model, and a readout's error lands
+on the output unfiltered: quantized with the layers, they doubled the rotated error of the zoo's
+Whisper encoder (benchmarks/RESULTS.md). The emitter names them (emit.BASIS_CHANGE).
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from .emit import BASIS_CHANGE
 
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
@@ -77,9 +84,22 @@ def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
     return rewritten, kept
 
 
-def linear_layers(model: onnx.ModelProto) -> list[str]:
-    """Names of the main graph's MatMul nodes whose B is a 2-D float initializer."""
+def linear_layers(model: onnx.ModelProto, *, with_basis_changes: bool = False) -> list[str]:
+    """Names of the main graph's MatMul nodes whose B is a 2-D float initializer, but for the
+    fold's `basis_changes` (`with_basis_changes`: those too)."""
     inits = {t.name: t for t in model.graph.initializer}
     return [n.name for n in model.graph.node
             if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
-            and n.input[1] in inits and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].data_type in _FLOAT]
+            and n.input[1] in inits and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].data_type in _FLOAT
+            and (with_basis_changes or not is_basis_change(n))]
+
+
+def is_basis_change(node: onnx.NodeProto) -> bool:
+    return node.op_type == "MatMul" and node.name.startswith(BASIS_CHANGE)
+
+
+def basis_changes(model: onnx.ModelProto) -> dict[str, int]:
+    """The MatMuls the fold inserted to change a stream's basis (emit.BASIS_CHANGE): node name ->
+    its constant matrix's parameter count."""
+    sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer}
+    return {n.name: sum(sizes.get(i, 0) for i in n.input) for n in model.graph.node if is_basis_change(n)}

@@ -15,8 +15,10 @@ as users already run it — lnfold quantizes nothing itself:
 - `weights="int4"`: `MatMulNBitsQuantizer` (weight-only, blocks of `block_size` along K).
 
 Quantized are the linear layers: MatMuls with a constant 2-D weight (linear_layers.py; Gemms are
-rewritten into MatMul + Add first, exactly, so that every quantizer sees them). Embedding tables and
-attention's activation × activation products stay float.
+rewritten into MatMul + Add first, exactly, so that every quantizer sees them). Embedding tables,
+attention's activation × activation products and the MatMuls the fold inserted to change a rotated
+stream's basis (a readout's un-rotation, a recentered start's projection: linear_layers.basis_changes)
+stay float; the report names those and their share of the parameters.
 
 Quantization is NOT exact. The result's report (quantize_report.py) says so, and says by how much
 (relative RMS and max relative error per output): the quantized model against the float original
@@ -48,7 +50,7 @@ from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
 from .api import check_equivalent, check_verify_args, fold_model
-from .linear_layers import gemm_to_matmul, linear_layers, name_nodes
+from .linear_layers import basis_changes, gemm_to_matmul, linear_layers, name_nodes
 from .quantize_report import QuantizeReport, scheme_name
 from .read import load
 from .write import is_large
@@ -238,22 +240,26 @@ def _calibration_reader(rows: Rows):
 
 def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional[str], *,
                   calibration: Optional[Rows] = None, block_size: int = 128,
-                  per_channel: bool = False) -> onnx.ModelProto:
+                  per_channel: bool = False, quantize_basis_changes: bool = False) -> onnx.ModelProto:
     """onnxruntime's quantizer for the scheme, on the linear layers of `prepared` (not edited).
-    `calibration`: Rows (or a dict of arrays, fed CALIBRATION_BATCH rows at a time)."""
+    `calibration`: Rows (or a dict of arrays, fed CALIBRATION_BATCH rows at a time). The fold's
+    basis changes stay float (`quantize_basis_changes`: quantized too, only to measure what that
+    costs)."""
     if calibration is not None and not isinstance(calibration, Rows):
         calibration = Rows(dict(calibration), None)
-    nodes = linear_layers(prepared)
+    nodes = linear_layers(prepared, with_basis_changes=quantize_basis_changes)
     if not nodes:
         branches = any(a.type == onnx.AttributeProto.GRAPH for n in prepared.graph.node for a in n.attribute)
         raise LnfoldError("no linear layer to quantize in the main graph" + (
             " (its layers are inside If/Loop branches, as in a merged decoder: quantize the decoder files "
             "before merging)" if branches else " (no MatMul or Gemm with a constant 2-D weight)"))
+    keep_float = [] if quantize_basis_changes else list(basis_changes(prepared))
     with _quiet_quantizers():
-        return _quantize(prepared, nodes, weights, activations, calibration, block_size, per_channel)
+        return _quantize(prepared, nodes, keep_float, weights, activations, calibration, block_size, per_channel)
 
 
-def _quantize(prepared, nodes, weights, activations, calibration, block_size, per_channel) -> onnx.ModelProto:
+def _quantize(prepared, nodes, keep_float, weights, activations, calibration, block_size,
+              per_channel) -> onnx.ModelProto:
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
@@ -263,7 +269,8 @@ def _quantize(prepared, nodes, weights, activations, calibration, block_size, pe
     extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
     if weights == "int4":
         MatMulNBitsQuantizer = _nbits_quantizer()
-        # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others are excluded
+        # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
+        # (keep_float among them) are excluded
         others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
         q = MatMulNBitsQuantizer(_copy(prepared), bits=4, block_size=block_size, is_symmetric=True,
                                  nodes_to_include=nodes, nodes_to_exclude=others)
@@ -273,11 +280,11 @@ def _quantize(prepared, nodes, weights, activations, calibration, block_size, pe
         out = Path(tmp) / "quantized.onnx"
         if activations is None:
             quantize_dynamic(_copy(prepared), out, weight_type=QuantType.QInt8, per_channel=per_channel,
-                             nodes_to_quantize=nodes, extra_options=extra)
+                             nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
         else:
             quantize_static(_copy(prepared), out, _calibration_reader(calibration), quant_format=QuantFormat.QDQ,
                             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=per_channel,
-                            nodes_to_quantize=nodes, extra_options=extra)
+                            nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
         return onnx.load(str(out))
 
 
@@ -310,6 +317,11 @@ def _nbits_quantizer():
             root.removeHandler(h)
     root.setLevel(level)
     return MatMulNBitsQuantizer
+
+
+def parameters(model: onnx.ModelProto) -> int:
+    """The elements of the model's initializers (main graph)."""
+    return sum(int(np.prod(t.dims)) for t in model.graph.initializer)
 
 
 def op_counts(model: onnx.ModelProto) -> Counter:
@@ -469,6 +481,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         gamma_into_readers=prepared.gamma_into_readers,
         rotate=rotated, seed=seed if rotated else None, rotation=_rotation_summary(f),
         rotated_streams=rotated_streams(f), linear_layers=len(linear_layers(prepared.model)),
+        basis_changes=basis_changes(prepared.model), parameters=parameters(prepared.model),
         ops_before=dict(op_counts(prepared.model)), ops_after=dict(op_counts(quantized)),
         bytes_before=model.ByteSize(), bytes_after=quantized.ByteSize(), errors=errors, error_inputs=m.described,
         notes=prepared.notes, timings={"total": t1 - t0}, candidates=trials,

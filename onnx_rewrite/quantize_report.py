@@ -32,6 +32,8 @@ class QuantizeReport:
     rotation: Optional[str]  # the fold report's word on each stream's rotation
     rotated_streams: int  # streams the rotation applied to (0 where every one was blocked)
     linear_layers: int  # MatMuls with a constant weight handed to the quantizer
+    basis_changes: dict  # the fold's basis-change MatMuls, kept float: node -> parameters
+    parameters: int  # the float model handed to the quantizer: its initializers' elements
     ops_before: dict  # op kind -> count, the float model given to the quantizer
     ops_after: dict  # the same, quantized
     bytes_before: int  # the input model
@@ -71,6 +73,12 @@ class QuantizeReport:
         return (f"fold: {self.folded} LayerNorm(s) folded, {self.kept} kept{extra}: exact, verified "
                 f"({self.fold_verified}{err})")
 
+    def basis_change_line(self) -> str:
+        n = sum(self.basis_changes.values())
+        return (f"kept float: {len(self.basis_changes)} MatMul(s) the fold inserted to change the stream's basis "
+                f"({', '.join(self.basis_changes)}; {n} parameters, {n / max(self.parameters, 1):.2%} of the "
+                "model's): no layer of the model, and a readout's error would land on the output")
+
     def error_line(self) -> str:
         parts = []
         for name, e in self.errors.items():
@@ -85,6 +93,8 @@ class QuantizeReport:
                      f"{k} {a} -> {b}" for k, (a, b) in self.changed_ops().items()),
                  f"size: {self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
                  f"({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
+        if self.basis_changes:
+            lines.append(self.basis_change_line())
         if self.rotation:
             lines.append(f"rotation: {self.rotation}")
         lines += [f"note: {n}" for n in self.notes]

@@ -265,3 +265,57 @@ def test_rotation_then_quantize_beats_no_rotation_on_planted_outliers(outlier_mo
     assert rep.max_rel_err < plain.report.max_rel_err / 10, (rep.errors, plain.report.errors)
     meta = {p.key: p.value for p in rotated.model.metadata_props}[q.METADATA_KEY]
     assert f"stream(s) rotated {rotate}" in meta and "NOT exact" in meta and rep.rotated_streams == 1
+
+
+# ------------------------------------------------------------------ the fold's own basis changes stay float (issue 33)
+
+def _readout_model(d: int = 32) -> onnx.ModelProto:
+    """x -> Tanh -> h, read by two LayerNorms whose outputs are graph outputs (readouts), and
+    u -> MatMul W -> z, the one real layer (its own input: W8A8's quantized u reads nothing else). Rotated, h's stream starts at a recenter projected by Q
+    (`c·Q`, its constant second) and each readout un-rotates (`· Qᵀ·diag γ`): y and y2 are reached
+    through no layer of the model but those three MatMuls, so quantizing them is all their error."""
+    rng = np.random.default_rng(0)
+    gamma = np.exp(rng.uniform(np.log(0.05), np.log(5.0), d)).astype(np.float32)
+    beta = (rng.standard_normal(d) * 0.2).astype(np.float32)
+    w = (rng.standard_normal((d, 8)) * 0.3).astype(np.float32)
+    nodes = [helper.make_node("Tanh", ["x"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5),
+             helper.make_node("LayerNormalization", ["h", "beta", "gamma"], ["y2"], axis=-1, epsilon=1e-5),
+             helper.make_node("MatMul", ["u", "w"], ["z"])]
+    value = lambda name, width: helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["b", 4, width])
+    g = helper.make_graph(nodes, "readouts", [value("x", d), value("u", d)], [value("y", d), value("y2", d), value("z", 8)],
+                          [numpy_helper.from_array(a, n) for a, n in ((gamma, "gamma"), (beta, "beta"), (w, "w"))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+SCHEMES = {"int8": dict(weights="int8"), "int4": dict(weights="int4", block_size=32),
+           "w8a8": dict(weights="int8", activations="int8")}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_folds_basis_changes_stay_float_and_quantized_they_would_cost(scheme):
+    model = _readout_model()
+    x = {k: (np.random.default_rng(1).standard_normal((8, 4, 32)) + 1.0).astype(np.float32) for k in ("x", "u")}
+    result = lnfold.quantize_onnx(model, rotate="hadamard", calibrate=x, **SCHEMES[scheme])
+    rep = result.report
+    assert rep.rotated_streams == 1 and rep.linear_layers == 1
+    prepared = q.prepare(model, rotate="hadamard", verify=False)
+    kept = q.basis_changes(prepared.model)
+    assert sorted(rep.basis_changes) == sorted(kept) and len(kept) == 3  # the projection, two un-rotations
+    assert "kept float: 3 MatMul(s)" in rep.table() and f"{sum(kept.values())} parameters" in rep.table()
+    # in the quantized model: still MatMuls, by the same float matrices
+    floats = {t.name: numpy_helper.to_array(t) for t in prepared.model.graph.initializer}
+    out = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}
+    by_name = {n.name: n for n in result.model.graph.node}
+    for name in kept:
+        node = by_name[name]
+        const = next(i for i in node.input if i in floats)
+        assert node.op_type == "MatMul" and np.array_equal(out[const], floats[const])
+    assert rep.errors["y"]["rel_rms"] < 1e-5 and rep.errors["y2"]["rel_rms"] < 1e-5 and rep.errors["z"]["rel_rms"] > 1e-3
+    # planted: the same model with the basis changes quantized along with the layer
+    calibration = q.Rows(x, None) if scheme == "w8a8" else None
+    options = {k: v for k, v in SCHEMES[scheme].items() if k != "weights"}
+    planted = q.run_quantizer(prepared.model, SCHEMES[scheme]["weights"], options.pop("activations", None),
+                              calibration=calibration, quantize_basis_changes=True, **options)
+    errors = q.measure(model, planted, q.Rows(x, None))
+    assert errors["y"]["rel_rms"] > 100 * rep.errors["y"]["rel_rms"] and errors["y"]["rel_rms"] > 1e-3, errors
