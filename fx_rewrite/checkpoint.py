@@ -354,8 +354,10 @@ def _plan_of(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPla
         raise LnfoldError("internal: the plan asks for ops a checkpoint cannot hold")  # pragma: no cover
     modules = {n.name: _module_path(n) for n in frontend.gm.graph.nodes}
     # (the report names graph nodes by the module that made them: the export's node names,
-    # `linear_9`, mean nothing to whoever reads a checkpoint's report)
-    report = plan.report.renamed({**{k: v for k, v in modules.items() if v}, **names})
+    # `linear_9`, mean nothing to whoever reads a checkpoint's report; and constants by the
+    # checkpoint's tensor: torch.export keeps one name of a tied group, maybe the head's)
+    report = plan.report.renamed({**{k: v for k, v in modules.items() if v},
+                                  **{a: stored.get(n, n) for a, n in names.items()}})
     if not report.norms:
         raise NothingToFold(f"{ck.folder}: no LayerNorm found in {type(model).__name__}: nothing to fold")
     if plan.empty:

@@ -403,6 +403,8 @@ def test_bert_folds_verified_with_every_tensor_and_its_tied_decoder_bias(bert, t
     res = lnfold.fold_checkpoint(bert, out)
     assert res.report.folded == 1 and res.criterion == "float64"  # the embedding LayerNorm (Post-LN blocks: kept)
     assert any("cls.predictions.decoder.bias" in n for n in res.report.notes)
+    (stream,) = res.report.streams  # the report names the centered table by its tensor in the file, not the head's alias
+    assert any(c.startswith("`bert.embeddings.word_embeddings.weight`") for c in stream.centered), stream.centered
     before, after = safetensors_entries(bert), safetensors_entries(out)
     assert all(after.get(n) == v for n, v in before.items())  # every input tensor, its dtype and shape
     assert set(after) - set(before) == {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
