@@ -152,6 +152,8 @@ class Applier:
             self._const_edit(edit, k)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis, rc.matrix())
+        for sc in plan.shortcuts:
+            self._shortcut(sc.node, sc.input, sc.matrix())
         for name in plan.drop_muls:
             self._bypass_mul(name)
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
@@ -225,6 +227,15 @@ class Applier:
             with self.graph.inserting_after(centered):
                 centered = self.graph.call_function(aten.matmul.default, (centered, matrix) if last else (matrix, centered))
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not rough)
+
+    def _shortcut(self, add: str, i: int, matrix: np.ndarray) -> None:
+        """Per-block bases: input `i` of the residual Add `add` times the constant (k × k) change of
+        basis between its segment and the next (features on the last axis: the plan checked)."""
+        node, x = self.nodes[add], self.nodes[self.view.nodes[add].inputs[i]]
+        m = self._buffer(f"lnfold_shortcut_{add}", matrix, meta_val(x), node)
+        with self.graph.inserting_before(node):
+            mm = self.graph.call_function(aten.matmul.default, (x, m))
+        node.replace_input_with(x, mm)
 
     # --- norms -------------------------------------------------------------------------------
     def _readout(self, how: NormEmission) -> Optional[fx.Node]:

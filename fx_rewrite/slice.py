@@ -71,16 +71,16 @@ class _TorchSlice:
 
 
 def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=None, kwargs: Optional[dict] = None,
-                 heldout=None, dynamic: bool = True) -> SliceResult:
+                 heldout=None, dynamic: bool = True, per_block: bool = False) -> SliceResult:
     """Slice every rotatable folded stream of `module` to k = d − round(F·d) features on the principal
     directions of `calibration` (an args tuple, or a list of them; rows along the first axis).
     NOT exact: `result.report` as `slice_onnx`'s; the error is measured on `heldout` (default:
     passes/geometry.heldout_split's rule); `budget=B` instead of `fraction`: the largest F
-    (passes/slicer.GRID) whose error there is <= B. `result.module` runs like the module. Bad input:
-    LnfoldError."""
+    (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis per block input, as
+    `slice_onnx`'s. `result.module` runs like the module. Bad input: LnfoldError."""
     fraction, budget = check_request(fraction, budget)
     slicing.check_calibration(calibration)
     batches, held = geometry.split(geometry.batches_of(calibration, ())[0], heldout)
     frontend = _TorchSlice(module, batches, held, dict(kwargs or {}), dynamic)
-    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget)
+    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block)
     return SliceResult(report, exact, module=sliced.module)

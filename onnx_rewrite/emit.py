@@ -27,7 +27,8 @@ from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
 # The name (a prefix: `unique` numbers repeats) of every constant MatMul the emitter inserts to take
-# a stream into or out of a rotated basis: a recentered start's projection, a readout's un-rotation.
+# a stream into or out of a rotated basis: a recentered start's projection, a readout's un-rotation,
+# a residual shortcut's change between per-block bases.
 # They are no layer of the model: quantizers keep them float (onnx_rewrite/linear_layers.py).
 BASIS_CHANGE = "lnfold/basis_change"
 
@@ -89,6 +90,8 @@ class Emitter:
         self.write_constants(plan, plan.const_edits, self.info_tensor, self.nodes.__getitem__)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis, rc.matrix())
+        for sc in plan.shortcuts:  # before the swaps: a norm fused with this Add reads the MatMul's output
+            self._shortcut(self.nodes[sc.node], sc.input, sc.matrix())
         for name in plan.drop_muls:
             self.bypass_mul(self.nodes[plan.origin(name)])
         crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
@@ -195,6 +198,15 @@ class Emitter:
             centered = rotated
         for r in readers:
             _replace_input(r, x, centered)
+
+    def _shortcut(self, add: gs.Node, i: int, matrix: np.ndarray) -> None:
+        """Per-block bases: the residual Add's input `i` times the constant (k × k) change of basis
+        between its segment and the next (its features are on the last axis: the plan checked)."""
+        x = add.inputs[i]
+        m = self.const(f"{x.name}/lnfold_shortcut", matrix.astype(np_dtype(float_dtype(x))))
+        out = self.var(f"{x.name}/lnfold_reexpressed", x.dtype)
+        self.basis_change([x, m], out)
+        add.inputs[i] = out
 
     # --- norms -------------------------------------------------------------------------------
     def _swap(self, m: NormMatch, how: NormEmission) -> None:

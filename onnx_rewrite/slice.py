@@ -62,19 +62,21 @@ class _OnnxSlice:
 
 
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",
-                device: str = "cpu", progress: Progress = None) -> SliceResult:
+                device: str = "cpu", per_block: bool = False, progress: Progress = None) -> SliceResult:
     """Slice every rotatable folded stream of `model` to k = d − round(F·d) features on the principal
     directions of `calibration` (a dict of input arrays or an .npz path; rows along the first axis).
     NOT exact: `result.report` has per stream the widths and the variance kept, the parameters
     before and after and the relative error against the exact fold on `heldout` (default: the
     calibration batch's second half, which then does not calibrate). `budget=B` instead of
-    `fraction`: the largest F (passes/slicer.GRID) whose error there is <= B. Bad input: LnfoldError."""
+    `fraction`: the largest F (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis
+    per block input, the residual shortcuts re-expressed by a k×k MatMul (SliceGPT's scheme;
+    passes/slicing.py). Bad input: LnfoldError."""
     fraction, budget = check_request(fraction, budget)
     slicing.check_calibration(calibration)
     model = as_model(model)
     feeds, held = approx_io.calibration_split(model, calibration, heldout)
     exact, sliced, report = slice_with(_OnnxSlice(model, targets.resolve(target, device), feeds, held, progress),
-                                       fraction, make_plan, budget)
+                                       fraction, make_plan, budget, per_block)
     out = sliced.model
     for p in [p for p in out.metadata_props if p.key == slicing.METADATA_KEY]:
         out.metadata_props.remove(p)

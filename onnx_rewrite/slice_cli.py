@@ -1,4 +1,4 @@
-"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--json]`: the command line of
+"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block] [--json]`: the command line of
 onnx_rewrite/slice.py (NOT exact). cli.py adds the subcommand (`add_parser`) and runs it (`run`);
 its error handling (one line, exit 2 for bad input, nothing written) is the fold's.
 """
@@ -27,6 +27,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--calibrate", metavar="FILE.npz",
                    help="your representative inputs: one array per model input, rows along the first axis; the "
                         "first half (rounded up) calibrates, the rest measures the error")
+    s.add_argument("--per-block", action="store_true",
+                   help="a basis per block input (SliceGPT's scheme): each residual shortcut gets a k x k MatMul "
+                        "between consecutive bases; a stream whose residual Adds do not allow it keeps one basis")
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return s
 
@@ -36,5 +39,5 @@ def run(args) -> int:
 
     src, dst = file_paths(args)
     t0 = time.perf_counter()
-    result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget)
+    result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget, per_block=args.per_block)
     return write_and_report(result, dst, t0, args.json, "sliced")

@@ -122,6 +122,11 @@ class Plan:
         return out
 
     @property
+    def shortcuts(self) -> list:
+        """The residual shortcuts re-expressed by a constant MatMul (per-block bases, passes/rotate.py)."""
+        return [s for r in self.rotations if r.rotated for s in r.shortcuts]
+
+    @property
     def empty(self) -> bool:
         return not self.swaps and not self.approx
 
@@ -146,7 +151,9 @@ class Plan:
             return FrozenList(local(n) for n in ns if mine(n))
 
         rotations = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)),
-                                       dims=[replace(d, node=local(d.node)) for d in r.dims if mine(d.node)])
+                                       dims=[replace(d, node=local(d.node)) for d in r.dims if mine(d.node)],
+                                       norm_bases={local(n): b for n, b in r.norm_bases.items() if mine(n)},
+                                       shortcuts=[replace(s, node=local(s.node)) for s in r.shortcuts if mine(s.node)])
                                for r in self.rotations)
         main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
                          origins=self.origins) if main else {}
@@ -249,7 +256,7 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
 def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
     """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
     skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
-    readouts = {n: Readout(r.basis, r.width, plan.gammas[n].gamma)
+    readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma)
                 for r in plan.rotations if r.rotated for n in r.readouts}
     rms_only = {n for r in plan.rotations if r.rotated and not r.keeps_mean for n in r.norms}
     sliced = {n: r for r in plan.rotations if r.sliced for n in r.norms}
@@ -481,13 +488,18 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
         given = request.bases.get(comp.norms[0]) if request.bases is not None else None
         if request.rotate is None and given is None:
             continue  # a slice that leaves this stream as it is
+        # per-block bases (passes/segments.py): the request names each segment's first norm
+        blocks = {n: request.bases[n][0] for n in comp.norms if n in request.bases} if given is not None else {}
         rot = plan_rotation(view, comp, verdicts[comp.norms[0]].stream, request.rotate, request.seed, plan.gammas,
-                            given)
+                            given, blocks if len(blocks) > 1 else None)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot.keep_unrotated("its writers are trained (the training fold computes no rotation)")
         if rot.rotated and rot.readouts and not caps.readout_matmul:
             rot.keep_unrotated(f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
                                f"constant MatMul, which {caps.name} cannot emit")
+        if rot.rotated and rot.shortcuts and not caps.readout_matmul:
+            rot.keep_unrotated(f"its residual shortcut into `{rot.shortcuts[0].node}` would need a constant MatMul "
+                               f"(per-block bases), which {caps.name} cannot emit")
         if rot.rotated and rot.starts and not caps.readout_matmul:
             rot.keep_unrotated(f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the "
                                f"recenter, which {caps.name} cannot emit")

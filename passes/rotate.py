@@ -25,12 +25,14 @@ blocks of features.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
+import numpy as np
 
 from . import orthogonal
 from .analysis import Component
 from .edits import Basis, Project, Seeded
+from .segments import segments
 from .gamma import GammaFold
 from .rules import kind_of
 from .view import ConstRef, DimRef, View
@@ -38,6 +40,23 @@ from .view import ConstRef, DimRef, View
 # readers that see no values of the stream, or none a rotation of finite values changes: shapes and
 # dtypes (an assert, Shape), isinf/isnan (finite in, finite out)
 _BLIND = ("metadata", "nonfinite_test")
+
+
+@dataclass(frozen=True)
+class BasisShortcut:
+    """Per-block bases (passes/segments.py): input `input` of the residual Add `node` is carried in
+    `source` and the Add's output in `target`; a constant MatMul by `B_s[:, :keep]ᵀ·B_t[:, :keep]`
+    (keep × keep) on that input re-expresses it (at keep = d exactly: B_sᵀB_t is orthogonal)."""
+
+    node: str
+    input: int
+    source: Basis
+    target: Basis
+    keep: int
+
+    def matrix(self) -> np.ndarray:
+        s, t = (np.eye(b.dim) if b.matrix() is None else b.matrix() for b in (self.source, self.target))
+        return s[:, :self.keep].T @ t[:, :self.keep]
 
 
 @dataclass
@@ -64,10 +83,18 @@ class StreamRotation:
     # recentered stream starts (passes/analysis.OpaqueStart): their recenter is followed by a MatMul
     # that projects the recentered tensor (value, the Project along its feature axis)
     starts: list[tuple[str, Project]] = field(default_factory=list)
+    # per-block bases (a calibrated slice, passes/segments.py): each norm's own basis (absent: `basis`)
+    # and the MatMuls on the residual shortcuts where one segment's basis meets the next's
+    norm_bases: dict[str, Basis] = field(default_factory=dict)
+    shortcuts: list[BasisShortcut] = field(default_factory=list)
 
     @property
     def basis(self) -> Basis:
         return self.given if self.given is not None else Seeded(self.kind, self.dim, self.seed)
+
+    def basis_of(self, norm: str) -> Basis:
+        """The basis `norm`'s input is carried in."""
+        return self.norm_bases.get(norm, self.basis)
 
     @property
     def width(self) -> Optional[int]:
@@ -91,6 +118,7 @@ class StreamRotation:
         """Withdraw the rotation (a target or a frontend cannot make it): the stream stays as it is."""
         self.why = why
         self.writers, self.readers, self.readouts, self.starts = [], [], [], []
+        self.norm_bases, self.shortcuts = {}, []
 
     def describe(self) -> str:
         if not self.rotated:
@@ -101,6 +129,10 @@ class StreamRotation:
         else:
             text = (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
                     f"constant(s), {len(self.readers)} reader weight(s)")
+        if self.shortcuts:
+            text += (f"; {len(set(self.norm_bases.values()))} per-block bases, "
+                     f"{len(self.shortcuts)} residual shortcut(s) re-expressed by a constant "
+                     f"{self.width}×{self.width} MatMul")
         if self.starts:
             text += (f"; {len(self.starts)} recentered start(s) projected by a constant {self.dim}×{self.width} "
                      "MatMul after the recenter")
@@ -118,9 +150,12 @@ def rotatable(view: View, comp: Component, gammas: dict[str, GammaFold]) -> tupl
 
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,
-                  gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None) -> StreamRotation:
+                  gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None,
+                  blocks: Optional[Mapping[str, Basis]] = None) -> StreamRotation:
     """The rotation of one folded component, or why it stays as it is (pure, on the view):
-    by the Seeded Q of `kind`, or by `given` = (basis, entries kept) (a calibrated slice)."""
+    by the Seeded Q of `kind`, or by `given` = (basis, entries kept) (a calibrated slice); with
+    `blocks` (the first norm of each segment -> its basis, passes/segments.py), each segment in its
+    own basis, `given`'s keep for all."""
     out = StreamRotation(stream, list(comp.norms), seed=seed)
     d, why = rotatable(view, comp, gammas)
     if why is None and given is not None and given[0].dim != d:
@@ -134,18 +169,41 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
         out.kind = getattr(out.given, "key", type(out.given).__name__)
     else:
         out.kind = orthogonal.resolved_kind(kind, d)
-    q, keep = out.basis, out.width
+    keep = out.width
+    basis_of_value = lambda value: out.basis  # noqa: E731 (one basis for the whole stream)
+    if blocks:
+        seg = segments(view, comp)
+        if seg.why is not None or set(seg.heads) != set(blocks):
+            out.keep_unrotated(f"per-block bases: {seg.why or 'the bases given are not one per segment'}")
+            return out
+        out.norm_bases = {n: blocks[h] for n, h in seg.of_norm.items()}
+        out.shortcuts = [BasisShortcut(s.node, s.input, blocks[s.source], blocks[s.target], keep)
+                         for s in seg.shortcuts]
+        basis_of_value = lambda value: blocks[seg.of_value[value]]  # noqa: E731
     for src in comp.sources:
         for ref in src.refs:
             if ref.axis is None or _size(view, ref.value, ref.axis) == 1:
                 continue  # uniform along the features: centered to zero, nothing to rotate
-            out.writers.append((ref, Project(ref.axis, q, keep)))
+            written = _written(view, comp, src, ref) if blocks else None
+            if blocks and written is None:
+                out.keep_unrotated(f"per-block bases: which stream tensor `{ref.value}` writes is not known")
+                return out
+            out.writers.append((ref, Project(ref.axis, basis_of_value(written), keep)))
     for n in comp.norms:
         for r in gammas[n].readers:
-            out.readers.append((r.weight, Project(r.weight.axis, q, keep)))
-    out.starts = [(o.value, Project(o.axis, q, keep)) for o in comp.opaque]
+            out.readers.append((r.weight, Project(r.weight.axis, out.basis_of(n), keep)))
+    out.starts = [(o.value, Project(o.axis, basis_of_value(o.value), keep)) for o in comp.opaque]
     out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
     return out
+
+
+def _written(view: View, comp: Component, src, ref) -> Optional[str]:
+    """The stream tensor a source constant's term enters (its user's output, or its writer's)."""
+    for name in (ref.user, src.node):
+        outs = [o for o in view.nodes[name].outputs if o in comp.axes] if name is not None else []
+        if outs:
+            return outs[0]
+    return None
 
 
 def _readout(view: View, g: GammaFold) -> bool:

@@ -77,9 +77,10 @@ class SliceFrontend(Protocol):
 
 
 def slice_with(frontend: SliceFrontend, fraction: Optional[float], planner: Callable,
-               budget: Optional[float] = None) -> tuple[FoldResult, FoldResult, SliceReport]:
+               budget: Optional[float] = None, per_block: bool = False) -> tuple[FoldResult, FoldResult, SliceReport]:
     """(the exact fold, the sliced fold, the report) at `fraction`, or at the largest fraction of GRID
-    whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it."""
+    whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it.
+    `per_block`: a basis per segment of each stream (slicing.plan_slices)."""
     exact_plan = Recorded(planner)
     exact = frontend.exact(exact_plan)
     view, plan = exact_plan.view, exact_plan.plan
@@ -90,7 +91,7 @@ def slice_with(frontend: SliceFrontend, fraction: Optional[float], planner: Call
     reference = frontend.outputs(exact)
 
     def attempt(f: float) -> tuple[FoldResult, SliceReport]:
-        decided = plan_slices(view, list(plan.components), plan.gammas, stream_of, captured, f)
+        decided = plan_slices(view, list(plan.components), plan.gammas, stream_of, captured, f, per_block)
         if not decided.bases:
             why = next((s.line() for s in decided.streams), "no LayerNorm folds")
             raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "

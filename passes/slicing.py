@@ -13,6 +13,13 @@ of them, each writer's output side and each reader's input side is `Project(axis
 whose output leaves the stream (a readout) is taken back to d features by `Q[:, :k]ᵀ·diag γ`. The
 only error is the part of each stream row outside span(Q[:, :k]); at k = d the slice is a rotation
 (exact). The frontends capture the norm inputs and measure the error; this module decides.
+
+Per-block bases (`per_block`, SliceGPT's own choice): each segment of the stream between norms
+(passes/segments.py) gets the basis of its own norms' inputs, its writers write in it, and each
+residual Add where one segment flows into the next re-expresses its shortcut input by the constant
+k×k MatMul `Q_l[:, :k]ᵀ·Q_{l+1}[:, :k]` (at k = d a pure change of basis: exact). Every basis is
+computed from the exact fold's captures (SliceGPT computes each on the model already sliced
+before it; not done here). A stream whose residual Adds do not allow it keeps one basis, with why.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from .compress import absorbing, producer_width_refs
 from .edits import Data
 from .errors import LnfoldError
 from .rotate import StreamRotation, rotatable
+from .segments import segments
 from .view import View
 
 NOT_EXACT = "NOT exact"
@@ -93,6 +101,10 @@ class StreamSlice:
     variance_kept: Optional[float] = None
     rows: int = 0
     why: str = ""
+    # --per-block: the number of bases (one per segment between norms, passes/segments.py), or why
+    # the stream has one basis after all
+    bases: int = 1
+    one_basis_why: str = ""
 
     @property
     def sliced(self) -> bool:
@@ -102,8 +114,10 @@ class StreamSlice:
         head = f"stream {self.stream} ({len(self.norms)} norm(s) from `{self.norms[0]}`)"
         if not self.sliced:
             return f"{head}: full width{f' {self.dim}' if self.dim else ''}: {self.why}"
+        bases = f"; {self.bases} per-block bases" if self.bases > 1 else ""
+        one = f"; one basis: {self.one_basis_why}" if self.one_basis_why else ""
         return (f"{head}: width {self.dim} -> {self.keep}, variance kept {self.variance_kept:.4%} "
-                f"({self.rows} calibration rows)")
+                f"({self.rows} calibration rows){bases}{one}")
 
 
 @dataclass
@@ -111,15 +125,18 @@ class SlicePlan:
     """The calibrated bases a slice asks the planner for (PlanRequest.bases), and the per-stream account."""
 
     fraction: float
-    bases: dict = field(default_factory=dict)  # the stream's first norm -> (Data, k)
+    # the stream's first norm -> (Data, k); per-block, the first norm of each segment
+    bases: dict = field(default_factory=dict)
     streams: list[StreamSlice] = field(default_factory=list)
 
 
 def plan_slices(view: View, components: list[Component], gammas: Mapping, stream_of: Mapping[str, int],
-                captured: Mapping[str, list[np.ndarray]], fraction: float) -> SlicePlan:
+                captured: Mapping[str, list[np.ndarray]], fraction: float, per_block: bool = False) -> SlicePlan:
     """The basis of every rotatable folded stream of the exact fold (its `components`, `gammas`, and
     `stream_of`: norm -> its stream's index in the report), from `captured` (norm input value -> the
-    batches of it in the exact fold's model on the calibration rows)."""
+    batches of it in the exact fold's model on the calibration rows). `per_block`: a basis per
+    segment of the stream (passes/segments.py), each from its own norms' inputs, where the stream's
+    residual Adds allow; else one basis from all of its norms' inputs pooled."""
     out = SlicePlan(fraction)
     for comp in components:
         if not comp.norms or comp.norms[0] not in stream_of:
@@ -135,14 +152,23 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
         if why is not None:
             s.why = why
             continue
-        moments = [unit_rms_moment(captured[value], axis) for value, axis in map(lambda n: _norm_input(view, n),
-                                                                                 comp.norms)]
-        s.rows = sum(n for _, n in moments)
-        moment = sum(m * n for m, n in moments) / s.rows
-        q, eigenvalues = principal_basis(moment)
         s.keep = kept_width(s.dim, fraction)
-        s.variance_kept = float(eigenvalues[:s.keep].sum() / eigenvalues.sum())
-        out.bases[comp.norms[0]] = (Data(f"pca:{comp.norms[0]}", q), s.keep)
+        groups = {comp.norms[0]: list(comp.norms)}  # the first norm of each basis's group -> its norms
+        if per_block:
+            seg = segments(view, comp)
+            if seg.why is None:
+                groups = {h: [n for n, g in seg.of_norm.items() if g == h] for h in seg.heads}
+            else:
+                s.one_basis_why = seg.why
+        kept, s.rows = 0.0, 0
+        for head, norms in groups.items():
+            moments = [unit_rms_moment(captured[value], axis) for value, axis in (_norm_input(view, n) for n in norms)]
+            rows = sum(n for _, n in moments)
+            q, eigenvalues = principal_basis(sum(m * n for m, n in moments) / rows)
+            kept += rows * float(eigenvalues[:s.keep].sum() / eigenvalues.sum())
+            s.rows += rows
+            out.bases[head] = (Data(f"pca:{head}", q), s.keep)
+        s.variance_kept, s.bases = kept / s.rows, len(groups)
     return out
 
 

@@ -1,0 +1,150 @@
+"""A residual stream cut into segments, one per block input (SliceGPT's per-block bases, issue 32).
+
+One basis per stream carries every stream tensor in the same Q. SliceGPT gives each block input its
+own Q_l and re-expresses the shortcut: x_{l+1} = x_l + f(x_l) is computed as
+`x_l·Q_l · (Q_lᵀQ_{l+1}) + f(x_l)·Q_{l+1}` — the writers of f (after norm l) write in Q_{l+1}, and one
+constant MatMul on the Add's shortcut input takes x_l from Q_l to Q_{l+1} (k×k once sliced).
+
+Which basis a stream tensor is carried in follows from where its values are next normalized: the
+tensor's *segment* is the group of norms (those reading one tensor share a basis) it reaches first,
+i.e. the one whose input reaches every other norm the tensor reaches. Where two segments meet at an
+op, the op must be an Add (two data inputs, the features on the last axis: a MatMul can take one
+of them across) and its output's segment is the target; every other meeting, a tensor reaching two
+norms neither before the other (parallel branches), or one reaching none, leaves the stream with one
+basis, and `Segments.why` says which tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .analysis import Component
+from .rules import kind_of
+from .view import View
+
+
+@dataclass
+class Shortcut:
+    """The input `input` of the Add `node` comes from segment `source` into segment `target`
+    (each named by its first norm): a MatMul by `Q_sourceᵀ·Q_target` on that input."""
+
+    node: str
+    input: int
+    source: str
+    target: str
+
+
+@dataclass
+class Segments:
+    """A stream's segments: each stream tensor's (by the first norm of its segment), each norm's
+    segment, the shortcuts between them, or why the stream keeps one basis."""
+
+    of_value: dict[str, str] = field(default_factory=dict)
+    of_norm: dict[str, str] = field(default_factory=dict)
+    shortcuts: list[Shortcut] = field(default_factory=list)
+    why: Optional[str] = None
+
+    @property
+    def heads(self) -> list[str]:
+        """The first norm of each segment, in the stream's order of norms."""
+        return list(dict.fromkeys(self.of_norm.values()))
+
+
+def segments(view: View, comp: Component) -> Segments:
+    """The segments of a folded stream `comp` (the module doc), or `why` it keeps one basis."""
+    out = Segments()
+    head_of_input: dict[str, str] = {}  # norm input tensor -> the first norm reading it
+    for n in comp.norms:
+        node = view.nodes[n]
+        x = node.inputs[node.norm.input]
+        out.of_norm[n] = head_of_input.setdefault(x, n)
+    order = _topological(view, comp)
+    if order is None:
+        out.why = "its tensors do not form an acyclic graph"
+        return out
+    reach: dict[str, frozenset] = {}  # stream tensor -> the segments (heads) whose norms it reaches
+    for value in reversed(order):
+        got = set(w for node, _ in _stream_edges(view, comp, value) for o in node.outputs if o in comp.axes
+                  for w in reach[o])
+        if value in head_of_input:
+            got.add(head_of_input[value])
+        reach[value] = frozenset(got)
+    for value in order:
+        first = [h for h in reach[value] if reach[value] <= reach[_input_of(view, h)]]
+        if len(first) != 1:
+            out.why = (f"the stream tensor `{value}` reaches no norm" if not reach[value] else
+                       f"the stream tensor `{value}` reaches the norms {', '.join(f'`{h}`' for h in sorted(reach[value]))}, "
+                       "none of them before the others (parallel branches)")
+            return out
+        out.of_value[value] = first[0]
+    out.why = _shortcuts(view, comp, out)
+    return out
+
+
+def _shortcuts(view: View, comp: Component, out: Segments) -> Optional[str]:
+    """Each op where segments meet: a shortcut per input from another segment, or why not."""
+    seen = set()
+    for value in comp.axes:
+        for node, i in _stream_edges(view, comp, value):
+            if node.name in seen:
+                continue
+            seen.add(node.name)
+            targets = {out.of_value[o] for o in node.outputs if o in comp.axes}
+            if len(targets) != 1:
+                return f"{node.describe()} writes stream tensors of different segments"
+            target = targets.pop()
+            crossing = [j for j, x in enumerate(node.inputs) if x in comp.axes and out.of_value[x] != target]
+            if not crossing:
+                continue
+            why = _not_a_residual_add(view, comp, node)
+            if why is not None:
+                return f"{node.describe()} joins two segments of the stream and {why}"
+            out.shortcuts += [Shortcut(node.name, j, out.of_value[node.inputs[j]], target) for j in crossing]
+    return None
+
+
+def _not_a_residual_add(view: View, comp: Component, node) -> Optional[str]:
+    kind, p = kind_of(node.rule)
+    if kind != "broadcast" or len(p.get("data", ())) != 2:
+        return "is no Add of two tensors"
+    if node.origin != node.name:
+        return f"is part of the fused op `{node.origin}` (a MatMul cannot go between its inputs)"
+    for x in node.inputs:
+        rank = view.values[x].rank
+        if x in comp.axes and (rank is None or comp.axes[x] != rank - 1):
+            return f"reads `{x}` with the features not on its last axis (a MatMul cannot change their basis)"
+    return None
+
+
+def _input_of(view: View, norm: str) -> str:
+    node = view.nodes[norm]
+    return node.inputs[node.norm.input]
+
+
+def _stream_edges(view: View, comp: Component, value: str) -> list:
+    """(node, input index) for each op that reads stream tensor `value` and writes a stream tensor."""
+    return [(view.nodes[c], i) for c, i in view.values[value].consumers
+            if any(o in comp.axes for o in view.nodes[c].outputs)]
+
+
+def _topological(view: View, comp: Component) -> Optional[list[str]]:
+    """The stream tensors, each after every stream tensor it is computed from (None: a cycle)."""
+    preds = {v: set() for v in comp.axes}
+    for v in comp.axes:
+        for node, _ in _stream_edges(view, comp, v):
+            for o in node.outputs:
+                if o in comp.axes and o != v:
+                    preds[o].add(v)
+    order, ready = [], [v for v, p in preds.items() if not p]
+    succs: dict[str, set] = {v: set() for v in comp.axes}
+    for o, ps in preds.items():
+        for v in ps:
+            succs[v].add(o)
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for o in succs[v]:
+            preds[o].discard(v)
+            if not preds[o]:
+                ready.append(o)
+    return order if len(order) == len(comp.axes) else None
