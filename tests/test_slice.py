@@ -300,3 +300,77 @@ def test_slice_then_quantize(tmp_path):
     q = lnfold.quantize_onnx(tmp_path / "sliced.onnx", weights="int8", inputs=feeds)
     assert q.report.linear_layers > 0 and "nothing folded" in q.report.table()
     assert relative_error(approx_io.run(sliced.model, [feeds]), approx_io.run(q.model, [feeds])) < 0.1
+
+
+# --- per-block bases (passes/segments.py): a basis per block input, the shortcuts re-expressed -----
+
+def _shortcut_matmuls(model: onnx.ModelProto) -> int:
+    return sum(1 for n in model.graph.node if n.op_type == "MatMul" and any("lnfold_shortcut" in i for i in n.input))
+
+
+@pytest.mark.parametrize("readout", [False, True])
+def test_per_block_full_width_is_the_exact_fold(readout):
+    """k = d with a basis per block input (3 norms: 3 bases) and a d×d MatMul on each of the 2
+    residual shortcuts: a pure change of basis, the exact fold's outputs to float64 precision."""
+    r = lnfold.slice_onnx(stream_model(readout=readout), calibration(), fraction=0.01, per_block=True)
+    (s,) = r.report.streams
+    assert s.sliced and s.dim == s.keep == D and s.bases == 3 and not s.one_basis_why
+    assert _shortcut_matmuls(r.model) == 2 and "3 per-block bases" in r.report.table()
+    assert error_against_exact(r) < 1e-13 and r.report.error < 1e-13
+
+
+def test_per_block_beats_one_basis_on_the_test_stream():
+    """F = 0.25 on the random-weight test stream (full rank): each block's own basis keeps more of its
+    norm's input than the pooled one, and the held-out error is lower (measured: about half)."""
+    one = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25)
+    per = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, per_block=True)
+    assert per.report.streams[0].variance_kept > one.report.streams[0].variance_kept
+    assert error_against_exact(per) < 0.75 * error_against_exact(one)
+
+
+def test_per_block_planted_bug_shortcut_skipped(monkeypatch):
+    """The shortcut MatMuls left out (x_l added in Q_l's basis to a sum in Q_l+1's): the full-width
+    per-block slice is no longer exact (the plan is the frontends' shared one)."""
+    real = plan_module.plan_rotation
+
+    def no_shortcuts(*a, **kw):
+        rot = real(*a, **kw)
+        rot.shortcuts = []
+        return rot
+
+    monkeypatch.setattr(plan_module, "plan_rotation", no_shortcuts)
+    r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.01, per_block=True)
+    assert _shortcut_matmuls(r.model) == 0 and error_against_exact(r) > 1e-3
+
+
+def test_per_block_falls_back_to_one_basis_with_why():
+    """Three norms each read their own scaled copy of one tensor (parallel branches, no residual Add
+    between them): no order of segments exists, so the stream keeps one basis and says why; the
+    slice is then the one-basis slice."""
+    one = lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.25)
+    per = lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.25, per_block=True)
+    (s,) = per.report.streams
+    assert s.sliced and s.bases == 1 and "parallel branches" in s.one_basis_why
+    assert "one basis:" in per.report.table() and _shortcut_matmuls(per.model) == 0
+    assert per.report.error == pytest.approx(one.report.error, rel=1e-9)
+
+
+def test_cli_per_block(tmp_path, capsys):
+    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
+    onnx.save(stream_model(), src)
+    np.savez(cal, **calibration())
+    argv = ["slice", str(src), "-o", str(out), "--fraction", "0.01", "--calibrate", str(cal), "--per-block", "--json"]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["streams"][0]["bases"] == 3 and report["error"] < 1e-13
+    assert _shortcut_matmuls(onnx.load(str(out))) == 2
+
+
+def test_torch_per_block_full_width_is_the_exact_fold():
+    """The torch frontend: 5 norms, 5 bases, 4 shortcuts (one per residual Add), exact at k = d."""
+    m, _, ids = _zoo_gpt2()
+    r = lnfold.slice_module(m.double(), (ids,), fraction=0.005, per_block=True)
+    (s,) = r.report.streams
+    assert s.dim == s.keep == 64 and s.bases == 5
+    assert sum(1 for n in r.module.graph.nodes if n.op == "get_attr" and "lnfold_shortcut" in n.target) == 4
+    assert r.report.error < 1e-12

@@ -5,6 +5,10 @@ at fractions 0.1 / 0.2 / 0.3. NOT exact, either of them.
     git --git-dir=<fetched microsoft/TransformerCompression> archive HEAD | tar -x -C /tmp/tc
     python -m benchmarks.trained.slicegpt_side --slicegpt-src /tmp/tc/src [--fractions 0.1 0.2 0.3] [--rounds 30]
 
+lnfold is run twice per fraction: one basis per stream, and `per_block=True` (a basis per block
+input, each residual shortcut re-expressed by a k×k MatMul, SliceGPT's scheme; its bases come from
+the exact fold's captures, SliceGPT's from the model already sliced before each block).
+
 The checkpoint is `opt_stdlib` (train.py's recipe; trained here into benchmarks/trained/opt_stdlib/
 when its weights are missing, ~10 min). Both methods calibrate on the same rows: CALIBRATION_ROWS
 windows of the *training* text (seeded), in batches of 16 (SliceGPT's default batch); both are
@@ -210,15 +214,18 @@ def main(argv=None) -> None:
             sliced = logits_of(slicegpt_slice(sg, hf, cal, k, slice_head))
             eager[label] = sliced
             onnx_models[label] = zoo.export_onnx(sliced, example, ["input_ids"])
-        print(f"{tag}: lnfold slice_onnx / slice_module ...", flush=True)
-        r = lnfold.slice_onnx(onnx_models["original"], {"input_ids": cal}, fraction=f, heldout={"input_ids": held})
-        onnx_models.setdefault("lnfold exact fold", r.exact.model)
-        onnx_models[f"lnfold {tag}"] = r.model
-        notes[f"lnfold {tag}"] = r.report.table()
         batches = [(torch.from_numpy(cal[i:i + BATCH]),) for i in range(0, len(cal), BATCH)]
-        m = lnfold.slice_module(original, batches, fraction=f, heldout=[(torch.from_numpy(held),)])
-        eager.setdefault("lnfold exact fold", m.exact.module)
-        eager[f"lnfold {tag}"] = m.module
+        for per_block, label in ((False, f"lnfold {tag}"), (True, f"lnfold {tag}, per-block")):
+            print(f"{label}: slice_onnx / slice_module ...", flush=True)
+            r = lnfold.slice_onnx(onnx_models["original"], {"input_ids": cal}, fraction=f,
+                                  heldout={"input_ids": held}, per_block=per_block)
+            onnx_models.setdefault("lnfold exact fold", r.exact.model)
+            onnx_models[label] = r.model
+            notes[label] = r.report.table()
+            m = lnfold.slice_module(original, batches, fraction=f, heldout=[(torch.from_numpy(held),)],
+                                    per_block=per_block)
+            eager.setdefault("lnfold exact fold", m.exact.module)
+            eager[label] = m.module
 
     print(f"\n{NAME} (d={d}): perplexity on the {len(held)} held-out windows; calibration {len(cal)} training windows")
     print("| variant | perplexity (onnxruntime) | perplexity (eager torch) | parameters (ONNX) |")
