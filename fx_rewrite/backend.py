@@ -154,7 +154,9 @@ class DynamoFrontend:
             self._tell(plan.report)
             raise _Unfolded()
         if not plan.training:
-            _say_if_low_precision({self.tensor(e.value).dtype for e in plan.const_edits})
+            # (the tensors among the edited values: a Python number the graph adds, `h#other`, has no dtype)
+            _say_if_low_precision({self.tensor(e.value).dtype for e in plan.const_edits
+                                   if e.value in self.placeholders or e.value in self.attrs})
 
     def _tell(self, report: Report) -> None:
         """Every graph's report is told once (the log, `on_report`, `reports`), folded or not."""
