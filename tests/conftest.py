@@ -26,15 +26,29 @@ def fresh_dynamo():
 
 
 @pytest.fixture(scope="session")
-def zoo_onnx():
-    """name -> (torch module, example args, ONNX ModelProto), built lazily and cached."""
+def zoo_onnx(tmp_path_factory):
+    """name -> (torch module, example args, ONNX ModelProto), built lazily and cached; each export
+    made once per run: under pytest-xdist the first worker to need it saves it in the run's
+    folder, the others load it (the zoo's modules are seeded: every worker builds the same)."""
+    import os
+
+    import onnx
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # (the run's folder, not older runs')
     cache = {}
 
     def get(name: str, opset: int = 18):
         key = (name, opset)
         if key not in cache:
             module, args = zoo.MODELS[name]()
-            cache[key] = (module, args, export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset))
+            path = shared / f"zoo-{name}-opset{opset}.onnx"
+            with FileLock(f"{path}.lock"):
+                if not path.exists():
+                    onnx.save(export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset), f"{path}.tmp")
+                    os.replace(f"{path}.tmp", path)
+                cache[key] = (module, args, onnx.load(path))
         return cache[key]
 
     return get
@@ -54,3 +68,17 @@ def missing_one_centering(make_plan, index=None):
         return replace(plan, const_edits=[e for e in plan.const_edits if e is not dropped])
 
     return sabotaged
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/tiers.py: the tests only the full run (CI) takes."""
+    from tests.tiers import FULL_RUN_ONLY, full_run_only
+
+    listed = {item.nodeid for item in items} | {item.nodeid.split("[")[0] for item in items}
+    files = {item.nodeid.split("::")[0] for item in items}
+    for item in items:
+        if full_run_only(item.nodeid):
+            item.add_marker(pytest.mark.slow)
+    stale = [key for key in FULL_RUN_ONLY if key.split("::")[0] in files and key not in listed]
+    if stale:  # (a test renamed or removed must leave the list too, or it would silently join the fast run)
+        raise pytest.UsageError(f"tests/tiers.py lists tests that do not exist: {', '.join(stale[:3])}")

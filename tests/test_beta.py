@@ -23,10 +23,9 @@ from lnfold.passes.edits import AddWeightTimes
 from .conftest import export_quiet
 
 
-@pytest.fixture(scope="module")
-def gpt2():
-    module, args = zoo.gpt2()
-    return module, args, export_quiet(module, args, ["input_ids"])
+@pytest.fixture
+def gpt2(zoo_onnx):
+    return zoo_onnx("gpt2")  # (the session's export, shared with the other files)
 
 
 def _kinds(report) -> list[tuple[str, int]]:

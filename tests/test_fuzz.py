@@ -25,10 +25,13 @@ from hypothesis import strategies as st
 from tests.fuzz import choices, export, gen, properties, shrink
 from tests.fuzz_regressions import *  # noqa: F401,F403  (the named regression tests run here too)
 
-ONNX_FAST = range(0, 100)  # seeds through the ONNX path in the default run
-ONNX_SLOW = range(100, 300)  # and in the slow set: 300 models in all
-FX_FAST = range(0, 12)
-FX_SLOW = range(12, 60)
+# Seeds in the default (fast) run, and the rest in the slow set that CI runs: 300 ONNX models and
+# 60 through FX in all. The fast set is the smallest that still makes every op family, start,
+# trap and blocking reason (test_generator_covers_the_op_families).
+ONNX_FAST = range(0, 50)
+ONNX_SLOW = range(50, 300)
+FX_FAST = range(0, 6)
+FX_SLOW = range(6, 60)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -118,7 +121,7 @@ def test_generator_covers_the_op_families():
                    ".transpose(0, 1)", ".reshape(", "[:, ", ".mean(", "F.pad(", "torch.roll(", "torch.flip(",
                    "F.linear(", "torch.softmax(", "self.drop", ".expand("]:
         assert needle in src, needle
-    assert verdicts.count("fold") > 100 and verdicts.count("keep") > 100
+    assert verdicts.count("fold") > 90 and verdicts.count("keep") > 90
     joined = " ".join(why)
     for reason in ["recenter(s) (", "opaque start(s)", "a linear reads the stream", "the stream is a graph output",
                    "two axes", "a concat along the feature axis", "a per-channel scale", "post-LN"]:
@@ -227,10 +230,10 @@ def test_rel_err():
     assert properties.rel_err(np.ones(2), np.ones(3)) == float("inf")
 
 
-CRMS_SEEDS = range(0, 30)
+CRMS_SEEDS = range(0, 30)  # the first 10 in the fast run, all of them in the slow set
 
 
-@pytest.mark.parametrize("seed", CRMS_SEEDS)
+@pytest.mark.parametrize("seed", [s if s < 10 else pytest.param(s, marks=pytest.mark.slow) for s in CRMS_SEEDS])
 def test_crms_random_model(seed):
     """mode="crms" on generated models (ONNX, and FX for the first few): still exact, same verdicts;
     streams that compress and streams that fall back to RMSNorm both occur."""
