@@ -104,7 +104,9 @@ def reference(model: onnx.ModelProto):
 
 def contrib_ops() -> list:
     """Ops onnx's reference evaluator lacks: onnxruntime's RMSNorm ops (what `--target ort`
-    emits), and Erfc. Erfc is for the reference evaluator only: onnxruntime has no schema for it."""
+    emits), and Erfc. Erfc is for the reference evaluator only: onnxruntime has no schema for it.
+    And Erf, which it has but rounds to float32 (`np.vectorize(erf, otypes=["f"])`): in a float64
+    copy (onnxruntime has no double Erf) every GELU would carry a float32 error into the reference."""
     from onnx.reference.op_run import OpRun
 
     def rms(x, gamma, axis, eps):
@@ -134,9 +136,16 @@ def contrib_ops() -> list:
         def _run(self, x):
             return (_ERFC(x).astype(x.dtype),)
 
-    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc]
+    class Erf(OpRun):
+        op_domain = ""
+
+        def _run(self, x):
+            return (_ERF(x).astype(x.dtype),)
+
+    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf]
 
 
+_ERF = np.vectorize(math.erf, otypes=[np.float64])
 _ERFC = np.vectorize(math.erfc, otypes=[np.float64])
 
 

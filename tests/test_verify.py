@@ -466,3 +466,23 @@ def test_erfc_model_planted_bug_still_fails(monkeypatch):
 def test_other_unknown_op_still_cannot_verify():
     with pytest.raises(LnfoldError, match="cannot verify.*'Erfcx'"):
         fold_model(_erfc_gelu_block("Erfcx"))
+
+
+def test_the_float64_copy_computes_erf_in_float64():
+    """onnx's reference evaluator rounds Erf to float32; the float64 copy runs Erf there (onnxruntime
+    has no double kernel for it), so without lnfold's own Erf every GELU would put a float32 error
+    into the reference the gate judges against."""
+    import math
+
+    from onnx import TensorProto, helper
+
+    from lnfold.onnx_rewrite.exact import exact_run
+
+    graph = helper.make_graph([helper.make_node("Erf", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.array([0.1234567, 0.5, 1.3], dtype=np.float32)
+    (y,), how = exact_run(model, {"x": x})
+    assert y.dtype == np.float64 and "reference" in how
+    assert np.array_equal(y, [math.erf(float(v)) for v in x]), how  # a float32 Erf is ~1e-8 away
