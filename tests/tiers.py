@@ -53,6 +53,7 @@ FULL_RUN_ONLY: dict[str, str] = {
         "test_planted_bug_reader_left_unprojected; the full-width tests",
     "tests/test_slice.py::test_slice_then_quantize": "test_quantize.py; test_planted_bug_reader_left_unprojected",
     "tests/test_slice.py::test_torch_full_width_slice_is_the_exact_fold": "the ONNX full-width test",
+    "tests/test_slice.py::test_torch_per_block_full_width_is_the_exact_fold": "the ONNX per-block tests (one plan)",
     "tests/test_slice.py::test_torch_budget": "the ONNX budget tests (the search is passes/slicer.py's, shared)",
     "tests/test_train.py::test_use_cache_outputs_verify_in_a_fresh_process": "test_vit_trains_exactly",
     "tests/test_train.py::test_names_state_dict_tie_and_report_are_kept_and_unfold_restores": "test_vit_trains_exactly",
