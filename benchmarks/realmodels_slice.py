@@ -16,7 +16,7 @@ The shipped file spells the CLS token's broadcast shape as torch's `expand(B, -1
 Where(Equal(s, -1), ...) over a Shape-derived vector — which lnfold's shape analysis cannot read, so
 as shipped its one stream keeps its full width ("Expand sets the stream's width 384 in a shape no
 edit can change"). `broadcast_shape_spelled` rewrites that shape input to the value it computes,
-Concat([B], [1, 1]) (same outputs, checked bit for bit), before slicing; the reference and the
+Concat([B], [1, 1]) (same outputs up to fp32 rounding, checked), before slicing; the reference and the
 timed original are the file as shipped.
 
 Each fraction reuses one verified exact fold and one calibration capture (`ReusedFold`); what each
@@ -41,6 +41,7 @@ from lnfold.onnx_rewrite import approx as approx_io
 from lnfold.onnx_rewrite.sessions import session
 from lnfold.passes import LnfoldError, make_plan
 from lnfold.passes.slicer import slice_with
+from lnfold.passes.weights import max_rel_err
 
 from . import realmodels as rm
 
@@ -199,15 +200,17 @@ def main(argv=None) -> int:
         return 2
     ref = rm.run(session(real.model), real.heldout)
     same = rm.run(session(spelled), real.heldout)
-    if not all(np.array_equal(a, b) for a, b in zip(ref, same)):
-        print("benchmarks.realmodels_slice: the spelled shapes change the outputs", file=sys.stderr)
+    spelled_err = max(max_rel_err(a, b) for a, b in zip(ref, same))  # fp32 rounding: ORT fuses differently
+    if spelled_err > 1e-5:
+        print(f"benchmarks.realmodels_slice: the spelled shapes change the outputs ({spelled_err:.2e})", file=sys.stderr)
         return 2
     bases = {"one basis": False}
     if not args.no_per_block and "per_block" in inspect.signature(lnfold.slice_onnx).parameters:
         bases["per-block"] = True
     print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, onnxruntime "
           f"{onnxruntime.__version__}; `python -m benchmarks.realmodels_slice "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n", flush=True)
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}`; the file with its shapes spelled against the "
+          f"shipped one: max rel err {spelled_err:.1e}\n", flush=True)
     one_image = {k: v[:1] for k, v in real.heldout.items()}
     params0, macs0, bytes0 = onnx_slice.parameters(real.model), macs(real.model, one_image), real.model.ByteSize()
     lines = ["| variant | widths | variance kept | " + " | ".join(real.columns) +
