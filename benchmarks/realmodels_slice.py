@@ -12,12 +12,15 @@ image, counted from the shapes of one run; onnxruntime CPU latency at 1 and 2 th
 interleaved with the original and an A/A copy of it (realmodels.latency). Then the composition the
 README states, slice F=0.25 then `quantize --weights int8` (dynamic): metric and file size.
 
-The shipped file spells the CLS token's broadcast shape as torch's `expand(B, -1, -1)` —
-Where(Equal(s, -1), ...) over a Shape-derived vector — which lnfold's shape analysis cannot read, so
-as shipped its one stream keeps its full width ("Expand sets the stream's width 384 in a shape no
-edit can change"). `broadcast_shape_spelled` rewrites that shape input to the value it computes,
-Concat([B], [1, 1]) (same outputs up to fp32 rounding, checked), before slicing; the reference and the
-timed original are the file as shipped.
+The shipped file computes three shapes in ways lnfold's shape analysis cannot read, so as shipped its
+one stream keeps its full width ("... sets the stream's width 384 in a shape no edit can change"): the
+CLS token's broadcast (torch's `expand(B, -1, -1)`: Where(Equal(s, -1), ...) over a Shape-derived
+vector), the patch Reshape's target (Concat(Slice(Shape(conv)), [-1])), and the position table's
+bicubic interpolation to the input grid (Reshapes sized by Gather(Shape(table))). `shapes_spelled`
+replaces them by what they compute for every input the file accepts ([B, 3, 224, 224]):
+Concat([B], [1, 1]), the constant [0, -1, 256], and the interpolated table as a constant (same
+outputs up to fp32 rounding, checked) before slicing; the reference and the timed original are the
+file as shipped.
 
 Each fraction reuses one verified exact fold and one calibration capture (`ReusedFold`); what each
 slice then runs is `slice_onnx`'s own code path (passes/slicer.slice_with over onnx_rewrite/slice).
