@@ -172,8 +172,8 @@ def macs(model: onnx.ModelProto, feeds: dict) -> int:
 def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, log):
     """(label, sliced model, SliceReport) for every basis choice and fraction, as each is made."""
     feeds, held = approx_io.calibration_split(model, real.calibration, real.heldout)
-    for basis, per_block in bases.items():
-        frontend = ReusedFold(onnx_slice._OnnxSlice(model, targets.resolve("ort", "cpu"), feeds, held, None))
+    frontend = ReusedFold(onnx_slice._OnnxSlice(model, targets.resolve("ort", "cpu"), feeds, held, None))
+    for basis, per_block in bases.items():  # the same exact fold and capture for both
         for f in fractions:
             t0 = time.time()
             _, sliced, report = slice_with(frontend, f, make_plan, None, per_block)
