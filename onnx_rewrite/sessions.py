@@ -58,6 +58,9 @@ class Source:
 def session(model: Union[ModelLike, Source]) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
+    # a run or two per session: threads spinning between ops would only take the CPU from the
+    # fold's other work (the original's runs overlap the fold's editing: OnnxFrontend.apply)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if isinstance(model, Source):
         model = model.path if model.path is not None else model.proto
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)

@@ -10,6 +10,21 @@ import pytest
 from lnfold import zoo
 
 
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads:
+    two workers of two threads each on two cores only contend."""
+    import os
+
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_one_core_per_worker()
+
+
 def export_quiet(module, args, names, **kw):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return zoo.export_onnx(module, args, names, **kw)
