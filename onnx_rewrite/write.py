@@ -18,6 +18,7 @@ import onnx
 from ..passes import LnfoldError
 from ..passes.errors import first_line
 from .read import all_tensors, external_info, external_source, is_lazy
+from .validate import raw_bytes
 from .wire import copy_fields, initializer_head
 
 # Protobuf cannot serialize a message over 2 GiB: such models keep their weights beside them.
@@ -37,7 +38,7 @@ def tensor_bytes(model: onnx.ModelProto) -> int:
             info = external_info(t)
             total += int(info.get("length", 0) or 0)
         elif t.HasField("raw_data"):
-            total += len(t.raw_data)
+            total += raw_bytes(t)
         else:
             total += 8 * (len(t.float_data) + len(t.int32_data) + len(t.int64_data) + len(t.double_data)
                           + len(t.uint64_data)) + sum(len(b) for b in t.string_data)
@@ -147,7 +148,7 @@ def _write_inline(model: onnx.ModelProto, target: Path) -> None:
     its raw data streamed (onnx_rewrite/wire.py); the big initializers come last in the list."""
     g = model.graph
     streamed = {i for i, t in enumerate(g.initializer)
-                if is_lazy(t) or (t.HasField("raw_data") and len(t.raw_data) >= _STREAM_BYTES)}
+                if is_lazy(t) or (t.HasField("raw_data") and raw_bytes(t) >= _STREAM_BYTES)}
     if not streamed:
         onnx.save_model(model, str(target))
         return
@@ -194,7 +195,7 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
     try:
         for t in all_tensors(model):
             lazy = is_lazy(t)
-            if not lazy and not (t.HasField("raw_data") and len(t.raw_data) >= max(threshold, 1)):
+            if not lazy and not (t.HasField("raw_data") and raw_bytes(t) >= max(threshold, 1)):
                 continue
             if f is None:
                 f = open(data_path, "wb")
