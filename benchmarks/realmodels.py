@@ -384,6 +384,13 @@ def latency(rm: RealModel, keep: dict, threads: int, rounds: int, labels=("ORT a
     return lines
 
 
+def latency_table(rows: list[str], how: str) -> str:
+    """`latency`'s rows under their heading; `how`: what was timed (rounds, what a median is of)."""
+    return "\n".join([f"CPU latency (onnxruntime, {how}; ratio to the fp32 original, 95% bootstrap interval, "
+                      "A/A spread):", "", "| model | threads | file | median ms | fp32 ms | ratio | verdict |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"] + rows + [""])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(LOADERS), choices=list(LOADERS))
@@ -416,10 +423,7 @@ def main(argv=None) -> int:
             for threads in (1, 2):
                 lat += latency(rm, keep, threads, args.rounds)
     if lat:
-        print("\n".join([f"CPU latency (onnxruntime, {args.rounds} interleaved rounds, medians; ratio to the fp32 "
-                         "original, 95% bootstrap interval, A/A spread):", "",
-                         "| model | threads | file | median ms | fp32 ms | ratio | verdict |",
-                         "| --- | --- | --- | --- | --- | --- | --- |"] + lat + [""]))
+        print(latency_table(lat, f"{args.rounds} interleaved rounds, medians"))
     print(f"(benchmark wall time {time.time() - t0:.0f} s)")
     return 0
 

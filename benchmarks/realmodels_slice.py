@@ -264,10 +264,7 @@ def main(argv=None) -> int:
         for threads in (1, 2):
             lat += rm.latency(real, keep, threads, args.rounds, labels=labels)
             log(f"latency at {threads} thread(s) done")
-        print("\n".join([f"CPU latency (onnxruntime, one image, {args.rounds} interleaved rounds, wall-time medians; "
-                         "ratio to the fp32 original, 95% bootstrap interval, A/A spread):", "",
-                         "| model | threads | file | median ms | fp32 ms | ratio | verdict |",
-                         "| --- | --- | --- | --- | --- | --- | --- |"] + lat + [""]))
+        print(rm.latency_table(lat, f"one image, {args.rounds} interleaved rounds, wall-time medians"))
     print(f"(benchmark wall time {time.time() - t0:.0f} s)")
     return 0
 
