@@ -150,12 +150,23 @@ def test_planted_bug_wrong_scale(monkeypatch):
     assert error_against_exact(r) > 1e-2
 
 
-def test_cli_writes_the_slice_and_reports_it(tmp_path, capsys):
+def _files(tmp_path, model: onnx.ModelProto):
+    """(model file, calibration .npz, output path) for the command line."""
     src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
-    onnx.save(stream_model(span=12), src)
+    onnx.save(model, src)
     np.savez(cal, **calibration())
-    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    return src, cal, out
+
+
+def _sliced_json(capsys, src, cal, out, *flags) -> dict:
+    """`lnfold slice SRC -o OUT --calibrate CAL FLAGS --json` (it must succeed): its report."""
+    assert cli.main(["slice", str(src), "-o", str(out), *flags, "--calibrate", str(cal), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_writes_the_slice_and_reports_it(tmp_path, capsys):
+    src, cal, out = _files(tmp_path, stream_model(span=12))
+    report = _sliced_json(capsys, src, cal, out, "--fraction", "0.25")
     assert report["exact"] is False and report["streams"][0]["keep"] == 12 and report["error"] < 1e-12
     assert report["params_after"] < report["params_before"]
     assert slicing.METADATA_KEY in {p.key for p in onnx.load(str(out)).metadata_props}
@@ -235,11 +246,8 @@ def test_budget_api_needs_exactly_one_of_fraction_and_budget():
 
 
 def test_cli_budget_writes_the_slice_it_chose(tmp_path, capsys):
-    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
-    onnx.save(stream_model(span=12), src)
-    np.savez(cal, **calibration())
-    assert cli.main(["slice", str(src), "-o", str(out), "--budget", "1e-10", "--calibrate", str(cal), "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    src, cal, out = _files(tmp_path, stream_model(span=12))
+    report = _sliced_json(capsys, src, cal, out, "--budget", "1e-10")
     assert report["fraction"] == pytest.approx(0.275) and report["streams"][0]["keep"] == 12
     assert report["error"] <= 1e-10 and report["notes"][0].startswith("budget 1e-10")
     assert "16->12" in {p.key: p.value for p in onnx.load(str(out)).metadata_props}[slicing.METADATA_KEY]
@@ -356,12 +364,8 @@ def test_per_block_falls_back_to_one_basis_with_why():
 
 
 def test_cli_per_block(tmp_path, capsys):
-    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
-    onnx.save(stream_model(), src)
-    np.savez(cal, **calibration())
-    argv = ["slice", str(src), "-o", str(out), "--fraction", "0.01", "--calibrate", str(cal), "--per-block", "--json"]
-    assert cli.main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    src, cal, out = _files(tmp_path, stream_model())
+    report = _sliced_json(capsys, src, cal, out, "--fraction", "0.01", "--per-block")
     assert report["streams"][0]["bases"] == 3 and report["error"] < 1e-13
     assert _shortcut_matmuls(onnx.load(str(out))) == 2
 
