@@ -46,11 +46,10 @@ class Source:
     @property
     def proto(self) -> onnx.ModelProto:
         if self._proto is None:
-            base = os.path.dirname(os.path.abspath(self.path))
             if self._borrowed and any(uses_external_data(t) for t in self.skeleton.graph.initializer):
                 self._proto = onnx.load(self.path)  # the caller's copy is not ours to load weights into
             else:  # the skeleton, its external weights read in
-                load_external_data_for_model(self.skeleton, base)
+                load_external_data_for_model(self.skeleton, os.path.dirname(os.path.abspath(self.path)))
                 self._proto = self.skeleton
         return self._proto
 
