@@ -13,7 +13,6 @@ centered stream (same speed as the original, and exact); `norm="rms_norm"` emits
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 from typing import Any, Callable, Optional
@@ -21,15 +20,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, make_plan, pipeline
-from ..passes.geometry import geometry as measured, norm_inputs
+from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, geometry, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
 from ..passes.options import FoldOptions, check_choice
 from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
+from . import calibration as calibration_io
 from . import deferred_norm
-from . import geometry
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .edits import from_numpy, to_numpy, unique_attr
 from .classify import build_view
@@ -131,15 +129,18 @@ class ExportFrontend:
     plan applied to `ExportedProgram.module()` with its own copy of every parameter."""
 
     def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
-                 norm: str = "auto", dynamic: bool = True) -> None:
+                 norm: str = "auto", dynamic: bool = True, program=None) -> None:
         self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
+        self.program = program  # an ExportedProgram already made (ExportFolds: one export for many folds)
         # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
         self.norm = "layer_norm" if norm == "auto" else norm
         self.approx: frozenset = frozenset()  # mode "rms-approx": kept norms to swap (passes/approx.py)
         self.bases: Optional[dict] = None  # a slice: the calibrated basis per stream (fx_rewrite/slice.py)
 
     def view(self) -> View:
-        self.gm, self.attrs, view, self.info = exported_view(self.module, self.args, self.kwargs, self.dynamic)
+        self.gm, self.attrs, view, self.info = (
+            exported_view(self.module, self.args, self.kwargs, self.dynamic) if self.program is None
+            else program_view(self.program))
         self._view = view
         return view
 
@@ -187,10 +188,39 @@ class ExportFrontend:
     def result(self, plan: Plan, gm: fx.GraphModule) -> FoldResult:
         return FoldResult(report=plan.report.renamed(self.attrs), module=gm)  # weights by state_dict names
 
+    def capture(self, artifact: Optional[fx.GraphModule], values: list[str], batches: list[tuple]) -> dict:
+        return calibration_io.capture(self.gm if artifact is None else artifact, values, batches)
 
-def _analyze(module, args, kwargs, mode, dynamic):
-    frontend = ExportFrontend(module, args, kwargs, FoldOptions(mode=mode), dynamic=dynamic)
-    return frontend, pipeline.plan(frontend, make_plan)[1]
+    def run(self, artifact: Optional[torch.nn.Module], batches: list[tuple]) -> list:
+        return calibration_io.outputs(self.module if artifact is None else artifact, batches)
+
+
+class ExportFolds:
+    """passes/calibration.Folds over torch.export: one export (of `args`), each fold a fresh graph
+    module of it (`program_view`), classified anew and edited with its own copy of every parameter."""
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
+                 dynamic: bool = True) -> None:
+        self.opts = opts
+        self.frontend = ExportFrontend(module, args, kwargs, opts, norm="auto", dynamic=dynamic,
+                                       program=export(module, args, kwargs, dynamic=dynamic))
+
+    def plan(self, planner) -> tuple[View, Plan]:
+        return pipeline.plan(self.frontend, planner)
+
+    def fold(self, planner, opts: FoldOptions, *, approx: frozenset = frozenset(), bases: Optional[dict] = None,
+             final: bool = False) -> FoldResult:
+        base = self.frontend
+        frontend = ExportFrontend(base.module, base.args, base.kwargs, opts, norm="auto", dynamic=base.dynamic,
+                                  program=base.program)
+        frontend.approx, frontend.bases = approx, bases
+        return pipeline.fold(frontend, verify=opts.verify, planner=planner)
+
+    def artifact(self, result: FoldResult) -> fx.GraphModule:
+        return result.module
+
+    def rows(self, batches: list) -> int:
+        return sum(len(b[0]) for b in batches if b and hasattr(b[0], "__len__"))
 
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
@@ -201,65 +231,26 @@ def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] 
     mean little) `report.geometry` holds each norm's angle to 1 before and, for folded norms,
     after the fold (passes/geometry.py)."""
     opts = FoldOptions(mode=mode)
-    frontend, plan = _analyze(module, tuple(args), kwargs or {}, opts.mode, dynamic)
-    report = plan.report.renamed(frontend.attrs)  # the weights by their state_dict names
+    folds = ExportFolds(module, tuple(args), kwargs or {}, opts, dynamic=dynamic)
+    view, plan = folds.plan(make_plan)
+    report = plan.report.renamed(folds.frontend.attrs)  # the weights by their state_dict names
     if calibration is None and not angles:
         return report
-    batches, synthetic = geometry.batches_of(calibration, tuple(args))
-    names = [ni.value for ni in norm_inputs(frontend._view)]
-    before = geometry.capture(frontend.gm, names, batches)
-    verdicts = plan.report.verdicts()
-    after = None
-    if not plan.empty:
-        folded = fold_module(module, args, kwargs, verify=False, dynamic=dynamic).module
-        after = geometry.capture(folded, names, batches)
-    return dataclasses.replace(report, geometry=measured(frontend._view, verdicts, before, after, synthetic=synthetic))
+    batches, synthetic = calibration_io.batches_of(calibration, tuple(args))
+    return dataclasses.replace(report, geometry=geometry.measure(folds, view, plan.report.verdicts(), batches,
+                                                                 make_plan, synthetic=synthetic))
 
 
 def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, calibration, budget,
                 heldout=None, metric=None, defer: str = "off", verify: bool = True, dynamic: bool = True) -> FoldResult:
     """`fold_module(mode="rms-approx")`: passes/approx.swap_within_budget over eager runs of folds that
     differ only in the kept norms swapped (RMSNorm, β kept; NOT exact). `calibration`: an args tuple
-    or a list of them; `heldout` likewise (default: passes/geometry.heldout_split's rule)."""
+    or a list of them; `heldout` likewise (default: passes/calibration.split's rule)."""
     approx.check_budget(budget)
     approx.check_calibration(calibration)
-    opts = FoldOptions(defer=defer, verify=verify)
-    batches, held = geometry.split(geometry.batches_of(calibration, tuple(args))[0], heldout)
-    trials = _ApproxTrials(ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm="auto", dynamic=dynamic))
-    return approx.swap_within_budget(trials, batches, held, budget, metric=metric, verify=opts.verify)
-
-
-class _ApproxTrials:
-    """passes/approx.Trials over torch.export: one export; each try edits its own copy of the
-    exported graph, classified anew (the view's info holds the graph's nodes)."""
-
-    def __init__(self, base: ExportFrontend) -> None:
-        self.base = base
-
-    def exact_plan(self):
-        view = self.base.view()
-        self.pristine = copy.deepcopy(self.base.gm)
-        return view, make_plan(view, self.base.request())
-
-    def _trial(self, names: frozenset) -> tuple[ExportFrontend, Plan]:
-        trial = copy.copy(self.base)
-        trial.gm, trial.approx = copy.deepcopy(self.pristine), names
-        trial._view, trial.info = build_view(trial.gm.graph, set(self.base.attrs))
-        return trial, make_plan(trial._view, trial.request())
-
-    def verify_exact(self) -> None:
-        trial, plan = self._trial(frozenset())
-        trial.verify(plan, trial.apply(plan))
-
-    def build(self, names: frozenset, final: bool = False) -> FoldResult:
-        trial, plan = self._trial(names)
-        return trial.result(plan, trial.apply(plan))
-
-    def run(self, result: Optional[FoldResult], batches: list) -> list:
-        return geometry.outputs(self.base.module if result is None else result.module, batches)
-
-    def rows(self, batches: list) -> int:
-        return sum(len(b[0]) for b in batches if b and hasattr(b[0], "__len__"))
+    data = calibration_io.split(calibration_io.batches_of(calibration, tuple(args))[0], heldout)
+    folds = ExportFolds(module, tuple(args), dict(kwargs or {}), FoldOptions(defer=defer, verify=verify), dynamic=dynamic)
+    return approx.swap_within_budget(folds, data, budget, make_plan, metric=metric)
 
 
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",

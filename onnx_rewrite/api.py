@@ -18,8 +18,9 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, Report, Verificatio
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
-from ..passes import approx
+from ..passes import approx, geometry
 from ..passes.approx import METADATA_KEY as APPROX_KEY, MODE as APPROX_MODE
+from ..passes.calibration import Data
 
 from . import approx as approx_io
 from . import read, subgraphs, targets, validate, write
@@ -188,6 +189,12 @@ class OnnxFrontend:
     def result(self, plan: Plan, folded: onnx.ModelProto) -> FoldResult:
         return FoldResult(report=plan.report.with_notes(self.notes), model=folded)
 
+    def capture(self, artifact: Optional[onnx.ModelProto], values: list[str], batches: list[dict]) -> dict:
+        return approx_io.capture(self.model if artifact is None else artifact, values, batches)
+
+    def run(self, artifact: Optional[onnx.ModelProto], batches: list[dict]) -> list:
+        return approx_io.run(self.model if artifact is None else artifact, batches)
+
 
 def _analyze(model: onnx.ModelProto, mode: str):
     frontend = OnnxFrontend(model, FoldOptions(mode=mode), targets.resolve("ort", "cpu"))
@@ -207,17 +214,14 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     With `calibration` (a dict name -> array, or an .npz path) or `angles=True` (made-up inputs)
     `report.geometry` holds each norm's angle to 1 before and, for folded norms, after the fold
     (passes/geometry.py)."""
-    opts = FoldOptions(mode=mode)
     model = as_model(model)
-    with _graphsurgeon_errors_only():
-        frontend = OnnxFrontend(model, opts, targets.resolve("ort", "cpu"))
-        view, plan = pipeline.plan(frontend, make_plan)
-        report = plan.report
-        if calibration is not None or angles:
-            from . import geometry
-
-            report = dataclasses.replace(report, geometry=geometry.measure(
-                model, view, report.verdicts(), lambda: fold_model(model, verify=False).model, calibration, dims=dims))
+    folds = OnnxFolds(model, FoldOptions(mode=mode), targets.resolve("ort", "cpu"))
+    view, plan = folds.plan(make_plan)
+    report = plan.report
+    if calibration is not None or angles:
+        feeds, synthetic = approx_io.feeds_for(model, calibration, dims)
+        report = dataclasses.replace(report, geometry=geometry.measure(folds, view, report.verdicts(), [feeds], make_plan,
+                                                                       synthetic=synthetic))
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
 
@@ -320,51 +324,49 @@ def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, me
     folds that differ only in the kept norms swapped. Written to `output` when given."""
     approx.check_budget(budget)
     approx.check_calibration(calibration)
-    opts = FoldOptions(defer=defer, verify=verify)
     feeds, held = approx_io.calibration_split(model, calibration, heldout)
-    trials = _ApproxTrials(model, opts, targets.resolve(target, device), feeds, progress,
-                           dict(output=output, source=source, layout=layout))
-    return approx.swap_within_budget(trials, [feeds], None if held is None else [held], budget, metric=metric,
-                                     verify=opts.verify, progress=progress)
+    folds = OnnxFolds(model, FoldOptions(defer=defer, verify=verify), targets.resolve(target, device), inputs=feeds,
+                      progress=progress, written=dict(output=output, source=source, layout=layout))
+    return approx.swap_within_budget(folds, calibration_data(feeds, held), budget, make_plan, metric=metric,
+                                     progress=progress)
 
 
-class _ApproxTrials:
-    """passes/approx.Trials over ONNX: the model validated and its shapes inferred once (`prepared`),
-    each try a fresh import of it with `PlanRequest.approx` set, run in onnxruntime."""
+def calibration_data(feeds: dict, held: Optional[dict]) -> Data:
+    """One batch of calibration feeds and its held-out batch (calibration_split's) as passes/calibration.Data."""
+    return Data([feeds], None if held is None else [held])
 
-    def __init__(self, model, opts: FoldOptions, target: Target, feeds: dict, progress: Progress, written: dict):
-        self.model, self.opts, self.target, self.feeds, self.progress, self.written = \
-            model, opts, target, feeds, progress, written
-        self.prepared = None
+
+class OnnxFolds:
+    """passes/calibration.Folds over ONNX: the model validated and its shapes inferred once (the first
+    frontend's `prepared`), each fold a fresh import of it, verified on `inputs` (the deciding
+    calibration feeds); the final fold written to `written["output"]` where given, and measured
+    as read back from there, as a user would load it."""
+
+    def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs: Optional[dict] = None,
+                 progress: Progress = None, written: Optional[dict] = None) -> None:
+        self.model, self.opts, self.target, self.inputs, self.progress = model, opts, target, inputs, progress
+        self.written = written or {}
+        self.frontend = OnnxFrontend(model, opts, target)
         self.loaded: dict = {}  # the final result -> its model read back from `output`
 
-    def _frontend(self, opts: FoldOptions, names: frozenset = frozenset(), **kw) -> OnnxFrontend:
-        frontend = OnnxFrontend(self.model, opts, self.target, prepared=self.prepared, **kw)
-        frontend.approx = names
-        return frontend
-
-    def exact_plan(self):
-        frontend = self._frontend(self.opts)
+    def plan(self, planner) -> tuple[View, Plan]:
         with _graphsurgeon_errors_only():
-            view, plan = pipeline.plan(frontend, make_plan)
-        self.prepared = frontend.prepared
-        return view, plan
+            return pipeline.plan(self.frontend, planner)
 
-    def verify_exact(self) -> None:
-        run_frontend(self._frontend(self.opts, inputs=self.feeds), None)
-
-    def build(self, names: frozenset, final: bool = False) -> FoldResult:
-        unverified = dataclasses.replace(self.opts, verify=False)
-        if not final:
-            return run_frontend(self._frontend(unverified, names), None)
-        result = run_frontend(self._frontend(unverified, names, progress=self.progress, **self.written), self.progress)
-        if self.written["output"] is not None:  # measured from the file written, as a user would load it
+    def fold(self, planner, opts: FoldOptions, *, approx: frozenset = frozenset(), bases: Optional[dict] = None,
+             final: bool = False) -> FoldResult:
+        progress = self.progress if final or opts.verify else None
+        frontend = OnnxFrontend(self.model, opts, self.target, inputs=self.inputs, progress=progress,
+                                prepared=self.frontend.prepared, **(self.written if final else {}))
+        frontend.approx, frontend.bases = approx, bases
+        result = run_frontend(frontend, progress, planner)
+        self.frontend.prepared = frontend.prepared  # (the first fold may be the first to prepare)
+        if final and self.written.get("output") is not None:
             self.loaded = {id(result): read.load(self.written["output"])}
         return result
 
-    def run(self, result, batches: list) -> list:
-        model = self.model if result is None else self.loaded.get(id(result), result.model)
-        return approx_io.run(model, batches)
+    def artifact(self, result: FoldResult) -> onnx.ModelProto:
+        return self.loaded.get(id(result), result.model)
 
     def rows(self, batches: list) -> int:
         return sum(len(next(iter(b.values()))) for b in batches if b)

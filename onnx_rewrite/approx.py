@@ -1,5 +1,6 @@
-"""The ONNX side of the approximate swap (passes/approx.py decides): the calibration and held-out
-inputs, and running a model on them in onnxruntime (in batches of rows, outputs concatenated)."""
+"""The ONNX side of calibration (passes/calibration.py runs the phase): calibration and held-out
+inputs, and a model run on them in onnxruntime — its outputs (`run`), or named values made extra
+graph outputs of a copy (`capture`) — in batches of rows. `OnnxFrontend.run` / `.capture` are these."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,9 +8,9 @@ from typing import Optional
 import numpy as np
 import onnx
 
-from ..passes.geometry import chunks, split_heldout
+from ..passes.calibration import batch_rows, chunks, cut_rows, split
 from .inputs import check_feeds, load_npz
-from .verify import session
+from .verify import original_run, session
 
 
 def load_feeds(model: onnx.ModelProto, data, where: str) -> dict:
@@ -21,11 +22,20 @@ def load_feeds(model: onnx.ModelProto, data, where: str) -> dict:
 
 def calibration_split(model: onnx.ModelProto, calibration, heldout=None) -> tuple[dict, Optional[dict]]:
     """(calibration feeds, held-out feeds): the held-out inputs given, else the calibration batch's
-    second half (passes/geometry.split_heldout; none where the batch has one row)."""
+    second half (passes/calibration.split; none where the batch has one row)."""
     feeds = load_feeds(model, calibration, "calibration")
     if heldout is not None:
         return feeds, load_feeds(model, heldout, "held-out inputs")
-    return split_heldout(feeds)
+    data = split([feeds], batch_rows, cut_rows)
+    return data.deciding[0], None if data.held is None else data.held[0]
+
+
+def feeds_for(model: onnx.ModelProto, calibration: Optional[dict], dims: Optional[dict] = None) -> tuple[dict, bool]:
+    """(feeds, synthetic): the user's calibration inputs (checked), else made-up ones the model runs on."""
+    if calibration is not None:
+        return load_feeds(model, calibration, "calibration"), False
+    _, feeds, _ = original_run(model, dims=dims)
+    return feeds, True
 
 
 def run(model: onnx.ModelProto, batches: list[dict]) -> list[np.ndarray]:
@@ -34,3 +44,26 @@ def run(model: onnx.ModelProto, batches: list[dict]) -> list[np.ndarray]:
     sess = session(model)
     parts = [sess.run(None, c) for feeds in batches for c in chunks(feeds)]
     return [np.concatenate(outs, axis=0) if np.ndim(outs[0]) else np.stack(outs) for outs in zip(*parts)]
+
+
+def computed(model: onnx.ModelProto) -> set[str]:
+    """The tensors a run of `model` can hand back: graph inputs and node outputs."""
+    return {i.name for i in model.graph.input} | {o for n in model.graph.node for o in n.output if o}
+
+
+def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> dict[str, list[np.ndarray]]:
+    """name -> one array per piece of rows: the values of tensors `names` when `model` runs on
+    `batches` (a folded model keeps the stream tensors' names: the fold edits constants and norms)."""
+    names = [n for n in dict.fromkeys(names) if n in computed(model)]
+    if not names:
+        return {}
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have)
+    sess = session(m)
+    out: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for feeds in (c for b in batches for c in chunks(b)):
+        for n, v in zip(names, sess.run(names, feeds)):
+            out[n].append(np.asarray(v))
+    return out

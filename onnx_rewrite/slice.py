@@ -3,21 +3,18 @@ passes/slicer.py runs the steps: exact fold, capture, bases, sliced fold, error)
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import numpy as np
 import onnx
 
-from ..passes import FoldResult, make_plan
+from ..passes import make_plan
 from ..passes import slicing
-from ..passes.slicer import SliceResult, check_request, slice_with
-from ..passes.geometry import chunks
+from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
 from ..passes.options import FoldOptions
 from . import approx as approx_io
 from . import targets
-from .api import OnnxFrontend, Progress, as_model, run_frontend
-from .geometry import capture
+from .api import OnnxFolds, Progress, as_model, calibration_data
 
 
 def parameters(model: onnx.ModelProto) -> int:
@@ -28,37 +25,13 @@ def parameters(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)
 
 
-class _OnnxSlice:
-    """passes/slicer.SliceFrontend over ONNX: the model validated once, folds run in onnxruntime."""
+def slicing_frontend(model: onnx.ModelProto, target, feeds: dict, held: Optional[dict], progress: Progress) -> Slicing:
+    """passes/slicer's steps over ONNX: one validation of the model, folds run in onnxruntime."""
+    folds = OnnxFolds(model, FoldOptions(gamma_into_readers=True), target, inputs=feeds, progress=progress)
+    return Slicing(folds, calibration_data(feeds, held), lambda result: parameters(result.model))
 
-    def __init__(self, model: onnx.ModelProto, target, feeds: dict, held: Optional[dict], progress: Progress) -> None:
-        self.model, self.target, self.feeds, self.progress = model, target, feeds, progress
-        self.opts = FoldOptions(gamma_into_readers=True)
-        self.held = held if held is not None else feeds
-        self.rows = (f"{_rows(held)} held-out row(s)" if held is not None
-                     else f"the {_rows(feeds)} calibration row(s) (none held out: NOT an independent measure)")
-        self.prepared = None
 
-    def exact(self, planner) -> FoldResult:
-        first = OnnxFrontend(self.model, self.opts, self.target, inputs=self.feeds, progress=self.progress)
-        result = run_frontend(first, self.progress, planner)
-        self.prepared = first.prepared
-        return result
-
-    def capture(self, exact: FoldResult, values: list[str]) -> dict:
-        return capture(exact.model, values, chunks(self.feeds))
-
-    def sliced(self, bases: dict, planner) -> FoldResult:
-        frontend = OnnxFrontend(self.model, dataclasses.replace(self.opts, verify=False), self.target,
-                                prepared=self.prepared, progress=self.progress)
-        frontend.bases = bases
-        return run_frontend(frontend, self.progress, planner)
-
-    def outputs(self, result: FoldResult) -> list:
-        return approx_io.run(result.model, [self.held])
-
-    def parameters(self, result: FoldResult) -> int:
-        return parameters(result.model)
+_OnnxSlice = slicing_frontend  # the name benchmarks/realmodels_slice.py calls it by
 
 
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",
@@ -75,7 +48,7 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     slicing.check_calibration(calibration)
     model = as_model(model)
     feeds, held = approx_io.calibration_split(model, calibration, heldout)
-    exact, sliced, report = slice_with(_OnnxSlice(model, targets.resolve(target, device), feeds, held, progress),
+    exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), feeds, held, progress),
                                        fraction, make_plan, budget, per_block)
     out = sliced.model
     for p in [p for p in out.metadata_props if p.key == slicing.METADATA_KEY]:
@@ -83,6 +56,3 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     out.metadata_props.append(onnx.StringStringEntryProto(key=slicing.METADATA_KEY, value=report.metadata()))
     return SliceResult(report, exact, model=out)
 
-
-def _rows(feeds: dict) -> Optional[int]:
-    return len(next(iter(feeds.values()))) if feeds else 0

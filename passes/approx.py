@@ -24,15 +24,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from . import calibration
+from .calibration import Data, Folds, Planner
 from .errors import LnfoldError, NothingToFold
 from .pipeline import Progress, stage
-from .plan import Plan
 from .result import FoldResult
-from .view import View
 
 MODE = "rms-approx"
 METADATA_KEY = "lnfold_approximate"
@@ -156,54 +156,39 @@ def choose(candidates: Iterable[str], error: Callable[[frozenset], float], budge
     return sel
 
 
-class Trials(Protocol):
-    """What the approximate swap asks of a frontend: one analysis, then folds that differ only in
-    `PlanRequest.approx` (each on a fresh copy of the IR the frontend analysed once), and runs."""
-
-    def exact_plan(self) -> tuple[View, Plan]:
-        """The view and the exact plan (no approximate swap)."""
-
-    def verify_exact(self) -> None:
-        """Fold exactly and verify by the gate (raises VerificationError), as every fold is."""
-
-    def build(self, names: frozenset, final: bool = False) -> FoldResult:
-        """The unverified fold with kept norms `names` swapped (`final`: the one returned and written)."""
-
-    def run(self, result: Optional[FoldResult], batches: list) -> list:
-        """The float64 outputs of the folded artifact (None: the original) over `batches`, joined."""
-
-    def rows(self, batches: list) -> int:
-        """How many input rows `batches` hold."""
-
-
 def metric_name(metric: Optional[Metric]) -> str:
     return "relative output error" if metric is None else getattr(metric, "__name__", "metric")
 
 
-def swap_within_budget(trials: Trials, batches: list, held: Optional[list], budget, *, metric: Optional[Metric] = None,
-                       verify: bool = True, progress: Progress = None) -> FoldResult:
-    """Mode "rms-approx" for any frontend: the exact fold verified as always, then `choose` over the
-    kept norms by their measured error on `batches`, the chosen fold built once more and measured
-    on the held-out batches (passes/geometry.heldout_split's rule). NOT exact: the result says so."""
+def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, metric: Optional[Metric] = None,
+                       progress: Progress = None) -> FoldResult:
+    """Mode "rms-approx" for any frontend: the exact fold verified as always (when `folds.opts.verify`),
+    then `choose` over the kept norms by their measured error on `data.deciding`, the chosen fold
+    built once more and measured on `data.held` (passes/calibration.split's rule). NOT exact: the
+    result says so. Cost: one analysis, the exact fold, one fold per measured set, the final fold."""
     budget = check_budget(budget)
     measure = metric or relative_error
-    view, plan = trials.exact_plan()
-    if plan.swaps and verify:  # the exact part is judged by the gate, as in every fold
+    view, plan = folds.plan(planner)
+    if plan.swaps and folds.opts.verify:  # the exact part is judged by the gate, as in every fold
         stage(progress, "verifying the exact fold")
-        trials.verify_exact()
+        folds.fold(planner, folds.opts)
     verdicts = plan.report.verdicts()
     candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]
-    reference = trials.run(None, batches)
+    reference = calibration.run(folds, None, data.deciding)
+    tries = replace(folds.opts, verify=False)  # not exact by design: measured, never verified
+
+    def error(names: frozenset) -> float:
+        return measure(reference, calibration.run(folds, folds.fold(planner, tries, approx=names), data.deciding))
+
     stage(progress, f"measuring {len(candidates)} candidate norm(s) on the calibration inputs")
-    selection = choose(candidates, lambda names: measure(reference, trials.run(trials.build(names), batches)),
-                       budget, metric_name(metric))
-    selection.calibration_rows = trials.rows(batches)
+    selection = choose(candidates, error, budget, metric_name(metric))
+    selection.calibration_rows = folds.rows(data.deciding)
     if not plan.swaps and not selection.names:
         raise NothingToFold(f"no LayerNorm can be folded, and none swapped within budget {budget:g}")
-    result = trials.build(selection.names, final=True)
-    if held:
-        selection.heldout = measure(trials.run(None, held), trials.run(result, held))
-        selection.heldout_rows = trials.rows(held)
+    result = folds.fold(planner, tries, approx=selection.names, final=True)
+    if data.held:
+        selection.heldout = measure(calibration.run(folds, None, data.held), calibration.run(folds, result, data.held))
+        selection.heldout_rows = folds.rows(data.held)
     result.report = replace(result.report, approx=selection)
     result.criterion = "approximate: not verified as equivalent; its error measured against the budget"
     return result

@@ -8,17 +8,21 @@ spread of a few degrees, i.e. the mean subtraction removes almost nothing. For o
 
 so the angle and |mean|/rms are one quantity seen two ways: 90° ⇔ a zero mean. A folded norm
 reads a zero-mean stream (DESIGN §1), so after the fold its angle is 90° by construction: a
-built-in sanity check. Statistics only: the frontends capture each norm's input on calibration
-data (onnx_rewrite/geometry.py, fx_rewrite/geometry.py) and hand the arrays here.
+built-in sanity check. `measure` captures each norm's input through the calibration phase
+(passes/calibration.py: each frontend's `capture`) and computes the statistics here.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
+from . import calibration
+from .calibration import Folds, Planner
+from .errors import NothingToFold
+from .options import FoldOptions
 from .view import View
 
 # Made-up inputs (random token ids, noise pixels) are not what the model was trained on.
@@ -135,40 +139,17 @@ def geometry(view: View, verdicts: dict[str, str], before: dict[str, list], afte
     return g
 
 
-def batch_rows(feeds: dict) -> Optional[int]:
-    """The first axis all inputs share (the batch), or None when they do not share one."""
-    sizes = {np.shape(a)[0] for a in feeds.values() if np.ndim(a) >= 1}
-    return sizes.pop() if len(sizes) == 1 and all(np.ndim(a) >= 1 for a in feeds.values()) else None
-
-
-def chunks(feeds: dict, rows: int = 16) -> list[dict]:
-    """`feeds` cut along the batch axis into pieces of at most `rows` (memory: each norm's input
-    is kept); whole where the inputs share no batch axis."""
-    n = batch_rows(feeds)
-    if n is None or n <= rows:
-        return [feeds]
-    return [{k: a[i:i + rows] for k, a in feeds.items()} for i in range(0, n, rows)]
-
-
-def heldout_split(batches: list, rows: Callable[[Any], Optional[int]],
-                  cut: Callable[[Any, int, Optional[int]], Any]) -> tuple[list, Optional[list]]:
-    """The one held-out rule (the approximate swap, calibrated figures): (deciding batches, held-out
-    batches or None). Two or more batches: the first half of them decide (rounded up), the rest only
-    report. One batch: the first half of its rows (rounded up) decide, the rest report; none held out
-    where it has fewer than two rows or its inputs share no batch axis. `rows(batch)` is the shared
-    batch size (None: none), `cut(batch, lo, hi)` the rows [lo, hi) of a batch: each IR's own."""
-    if len(batches) >= 2:
-        h = (len(batches) + 1) // 2
-        return batches[:h], batches[h:]
-    (batch,) = batches
-    n = rows(batch)
-    if n is None or n < 2:
-        return batches, None
-    h = (n + 1) // 2
-    return [cut(batch, 0, h)], [cut(batch, h, None)]
-
-
-def split_heldout(feeds: dict) -> tuple[dict, Optional[dict]]:
-    """`heldout_split` of one batch of named arrays (ONNX feeds)."""
-    decide, held = heldout_split([feeds], batch_rows, lambda f, lo, hi: {k: a[lo:hi] for k, a in f.items()})
-    return decide[0], None if held is None else held[0]
+def measure(folds: Folds, view: View, verdicts: dict[str, str], batches: list, planner: Planner, *,
+            synthetic: bool = False) -> Geometry:
+    """Every norm of `view` (the plan's `verdicts`), its angle to 1 on `batches` (every row: the figures
+    decide nothing, so nothing is held out), and for the folded norms the same in the fold (mode
+    "rms", unverified) of the IR `folds` analysed."""
+    names = [ni.value for ni in norm_inputs(view)]
+    before = calibration.capture(folds, None, names, batches)
+    after = None
+    if "fold" in verdicts.values():
+        try:
+            after = calibration.capture(folds, folds.fold(planner, FoldOptions(verify=False)), names, batches)
+        except NothingToFold:
+            pass
+    return geometry(view, verdicts, before, after, synthetic=synthetic)

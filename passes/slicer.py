@@ -15,10 +15,12 @@ directions' energy does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol
 
+from . import calibration
 from .approx import check_budget, relative_error
+from .calibration import Data, Folds
 from .errors import LnfoldError
 from .result import FoldResult
 from .slicing import SliceReport, check_fraction, plan_slices
@@ -58,6 +60,9 @@ class Recorded:
 
 
 class SliceFrontend(Protocol):
+    """The steps' view of a frontend (`Slicing` over any IR; benchmarks/realmodels_slice.py keeps the
+    exact fold, its capture and its outputs across fractions by wrapping one)."""
+
     def exact(self, planner: Recorded) -> FoldResult:
         """The verified exact fold with γ in the readers."""
 
@@ -74,6 +79,30 @@ class SliceFrontend(Protocol):
         """Its floating-point parameters' element count."""
 
     rows: str  # which rows `outputs` runs on, in words
+
+
+class Slicing:
+    """`SliceFrontend` over any IR's `calibration.Folds` (its options: γ into the readers), the
+    calibration data split by the one held-out rule, and the IR's count of a fold's parameters."""
+
+    def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int]) -> None:
+        self.folds, self.data, self.count = folds, data, parameters
+        self.rows = calibration.measured_on(folds, data)
+
+    def exact(self, planner: Recorded) -> FoldResult:
+        return self.folds.fold(planner, self.folds.opts)
+
+    def capture(self, exact: FoldResult, values: list[str]) -> dict:
+        return calibration.capture(self.folds, exact, values, self.data.deciding)
+
+    def sliced(self, bases: dict, planner: Recorded) -> FoldResult:
+        return self.folds.fold(planner, replace(self.folds.opts, verify=False), bases=bases)
+
+    def outputs(self, result: FoldResult) -> list:
+        return calibration.run(self.folds, result, self.data.measured)
+
+    def parameters(self, result: FoldResult) -> int:
+        return self.count(result)
 
 
 def slice_with(frontend: SliceFrontend, fraction: Optional[float], planner: Callable,

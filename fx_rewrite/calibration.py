@@ -1,5 +1,6 @@
-"""Capture each LayerNorm's input in an FX graph (passes/geometry.py computes the angles), and run
-a graph module on calibration batches (the approximate swap's measurements)."""
+"""The torch side of calibration (passes/calibration.py runs the phase): calibration batches (args
+tuples), and a module run on them — its outputs (`outputs`), or named nodes of an FX graph recorded by
+the interpreter (`capture`). `ExportFrontend.run` / `.capture` are these."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from ..passes.geometry import heldout_split
+from ..passes import calibration
 
 from .hf import pytree
 
@@ -58,11 +59,9 @@ def outputs(module, batches: list[tuple]) -> list[np.ndarray]:
     return [np.concatenate(o, axis=0) if np.ndim(o[0]) else np.stack(o) for o in zip(*parts)]
 
 
-def split(batches: list[tuple], heldout: Optional[list]) -> tuple[list[tuple], Optional[list[tuple]]]:
-    """(calibration, held-out): the held-out batches given, else passes/geometry.heldout_split's rule."""
-    if heldout is not None:
-        return batches, batches_of(heldout, ())[0]
-    return heldout_split(batches, _rows, _cut)
+def split(batches: list[tuple], heldout: Optional[list]) -> calibration.Data:
+    """The held-out batches given, else passes/calibration.split's rule."""
+    return calibration.split(batches, _rows, _cut, None if heldout is None else batches_of(heldout, ())[0])
 
 
 def _rows(args: tuple) -> Optional[int]:

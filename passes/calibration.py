@@ -1,0 +1,121 @@
+"""Calibration, one phase of the pipeline: data run through the model and its folds, measured here.
+
+Three decisions read calibration data: the approximate swap (passes/approx.py: outputs of folds
+that differ in the kept norms swapped), slicing (passes/slicer.py: the norm inputs captured in the
+exact fold, then outputs of the sliced folds) and the geometry figures (passes/geometry.py: the
+norm inputs before and after the fold). Each runs over the same two pieces:
+
+- `Folds`, one per IR (onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds): the IR analysed
+  once (ONNX: validated and shape-inferred; torch: exported), folded as often as the decision asks
+  — every fold is `pipeline.fold` over a fresh frontend whose request differs only in `approx` or
+  `bases` — and the frontend's two runs, `Frontend.capture` (values → per-batch arrays) and
+  `Frontend.run` (outputs), written once per IR;
+- `split`, the one held-out rule: two or more batches, the first half of them (rounded up) decide
+  and the rest only report; one batch, the first half of its rows (rounded up) decide and the rest
+  report; nothing is held out from a single row or from inputs that share no batch axis. Held-out
+  batches the user gives are used as given. Figures that decide nothing (the geometry) use every row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+
+from .options import FoldOptions
+from .pipeline import Frontend
+from .plan import Plan
+from .result import FoldResult
+from .view import View
+
+Planner = Callable[..., Plan]
+
+
+@dataclass
+class Data:
+    """Calibration batches in the IR's own form (ONNX: dicts of arrays; torch: args tuples)."""
+
+    deciding: list  # the batches a decision is made on
+    held: Optional[list] = None  # the batches that only report (None: nothing held out)
+
+    @property
+    def measured(self) -> list:
+        """Where an error is reported: the held-out batches, else the deciding ones."""
+        return self.held if self.held is not None else self.deciding
+
+
+def split(batches: list, rows: Callable[[Any], Optional[int]], cut: Callable[[Any, int, Optional[int]], Any],
+          heldout: Optional[list] = None) -> Data:
+    """The one held-out rule (the module doc) over `batches`; `heldout` given: used as given.
+    `rows(batch)` is a batch's shared first-axis size (None: none), `cut(batch, lo, hi)` its rows
+    [lo, hi): each IR's own."""
+    if heldout is not None:
+        return Data(batches, heldout)
+    if len(batches) >= 2:
+        h = (len(batches) + 1) // 2
+        return Data(batches[:h], batches[h:])
+    (batch,) = batches
+    n = rows(batch)
+    if n is None or n < 2:
+        return Data(batches)
+    h = (n + 1) // 2
+    return Data([cut(batch, 0, h)], [cut(batch, h, None)])
+
+
+def batch_rows(feeds: dict) -> Optional[int]:
+    """The first axis all named arrays share (the batch), or None when they do not share one."""
+    sizes = {np.shape(a)[0] for a in feeds.values() if np.ndim(a) >= 1}
+    return sizes.pop() if len(sizes) == 1 and all(np.ndim(a) >= 1 for a in feeds.values()) else None
+
+
+def cut_rows(feeds: dict, lo: int, hi: Optional[int]) -> dict:
+    """The rows [lo, hi) of every named array."""
+    return {k: a[lo:hi] for k, a in feeds.items()}
+
+
+def chunks(feeds: dict, rows: int = 16) -> list[dict]:
+    """Named arrays cut along the batch axis into pieces of at most `rows` (memory: a run keeps each
+    captured value); whole where they share no batch axis."""
+    n = batch_rows(feeds)
+    if n is None or n <= rows:
+        return [feeds]
+    return [cut_rows(feeds, i, i + rows) for i in range(0, n, rows)]
+
+
+class Folds(Protocol):
+    """An IR analysed once and folded as often as a calibrated decision needs."""
+
+    frontend: Frontend  # the first frontend: `plan` viewed it; its capture/run measure any artifact
+    opts: FoldOptions  # the decision's options (its exact fold verifies when opts.verify)
+
+    def plan(self, planner: Planner) -> tuple[View, Plan]:
+        """The view and the plan of `opts` (viewed once; nothing applied)."""
+
+    def fold(self, planner: Planner, opts: FoldOptions, *, approx: frozenset = frozenset(),
+             bases: Optional[dict] = None, final: bool = False) -> FoldResult:
+        """`pipeline.fold` of a fresh frontend over the analysed IR with these options, `approx`
+        and `bases` in its request (`final`: the result returned to the user, written where they
+        asked; the other tries run silently)."""
+
+    def artifact(self, result: FoldResult) -> Any:
+        """What `frontend.run` / `frontend.capture` take for a fold (ONNX: the model as written)."""
+
+    def rows(self, batches: list) -> int:
+        """How many input rows `batches` hold."""
+
+
+def measured_on(folds: Folds, data: Data) -> str:
+    """The rows an error is measured on, in words (the reports say it)."""
+    if data.held is not None:
+        return f"{folds.rows(data.held)} held-out row(s)"
+    return f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)"
+
+
+def run(folds: Folds, result: Optional[FoldResult], batches: list) -> list:
+    """The outputs of a fold (None: the original as given) over `batches`."""
+    return folds.frontend.run(None if result is None else folds.artifact(result), batches)
+
+
+def capture(folds: Folds, result: Optional[FoldResult], values: list[str], batches: list) -> dict:
+    """value -> its per-batch arrays in a fold (None: the original as viewed) over `batches`."""
+    return folds.frontend.capture(None if result is None else folds.artifact(result), values, batches)
