@@ -14,9 +14,10 @@ from ..passes.axes import Shape
 from ..passes.match import deepest
 from ..passes.patterns import DecomposedNorm, collapse_norms
 from ..passes.rules import Rule, rule
+from ..passes.view import SizeOf
 
 from . import fused, guards
-from .computed_shapes import computed_axis_map
+from .computed_shapes import computed_axis_map, shape_entries
 from .norm_patterns import find_norms
 from .norms import NormMatch, const_values, constant_shape, is_constant, reduce_axes
 from .stored_integers import dequantized
@@ -157,37 +158,29 @@ def _reshape(info: GraphInfo, node: gs.Node) -> Rule:
     Flatten/Squeeze/Unsqueeze spell none."""
     if node.op != "Reshape":
         return rule("reshape")
-    out = info.rank(node.outputs[0])
-    sizes = None if out is None or len(node.inputs) < 2 else [_shape_entry(info, node.inputs[1], k) for k in range(out)]
-    return rule("reshape", axis_map=computed_axis_map(node, info.shape(node.inputs[0]), info.rank),
+    sizes = _sizes(info, node, 1)
+    if sizes is not None and not int(node.attrs.get("allowzero", 0)):  # a 0 copies the input's dim
+        x, src = node.inputs[0], info.shape(node.inputs[0]) or ()
+        sizes = [SizeOf(x.name, k, src[k] if k < len(src) and isinstance(src[k], int) else None) if e == 0 else e
+                 for k, e in enumerate(sizes)]
+    return rule("reshape", axis_map=computed_axis_map(node, info.shape(node.inputs[0]), info.shape),
                 sizes=sizes, slot=1, fixed=sizes is None)
 
 
 def _expand(info: GraphInfo, node: gs.Node) -> Rule:
-    out = info.rank(node.outputs[0])
-    sizes = None if out is None or len(node.inputs) < 2 else [_shape_entry(info, node.inputs[1], k) for k in range(out)]
+    sizes = _sizes(info, node, 1)
     return rule("broadcast", data=[0], sizes=sizes, slot=1, fixed=sizes is None)
 
 
-def _shape_entry(info: GraphInfo, t, k: int) -> Optional[int]:
-    """Entry `k` of a 1-D int64 shape tensor when constant (directly or as a constant piece of a
-    Concat), else None."""
-    v = const_values(t)
-    if v is not None:
-        v = np.asarray(v).reshape(-1)
-        return int(v[k]) if k < v.size else None
-    p = t.inputs[0] if len(t.inputs) == 1 else None
-    if p is None or p.op != "Concat":
+def _sizes(info: GraphInfo, node: gs.Node, slot: int) -> Optional[list]:
+    """The output sizes that input `slot` spells, one entry per output axis (an int, a
+    passes.view.SizeOf: read from a tensor's shape at run time, None: unknown; computed_shapes.py),
+    or None where not even their number is known."""
+    out = info.rank(node.outputs[0])
+    if out is None or len(node.inputs) <= slot:
         return None
-    at = 0
-    for piece in p.inputs:
-        s = info.shape(piece)
-        if s is None or len(s) != 1 or not isinstance(s[0], int):
-            return None
-        if at <= k < at + s[0]:
-            return _shape_entry(info, piece, k - at) if is_constant(piece) else None
-        at += s[0]
-    return None
+    got = shape_entries(node.inputs[slot], info.shape)
+    return [None] * out if got is None or len(got) != out else got
 
 
 def _conv(info: GraphInfo, node: gs.Node) -> Rule:
@@ -282,8 +275,9 @@ def _where(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
 
 
 def _resize(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
-    """Resize along the axes whose size it changes. tf_crop_and_resize writes a constant
-    (extrapolation_value) outside the crop: opaque."""
+    """Resize along the axes whose size it changes; by `sizes` (input 3, opset >= 11) it spells
+    every axis's size, by `scales` none. tf_crop_and_resize writes a constant (extrapolation_value)
+    outside the crop: opaque."""
     mode = node.attrs.get("coordinate_transformation_mode", "half_pixel")
     if isinstance(mode, bytes):
         mode = mode.decode()
@@ -291,7 +285,10 @@ def _resize(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     if mode == "tf_crop_and_resize" or src is None or dst is None or len(src) != len(dst):
         return None
     axes = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b or not isinstance(a, int)]
-    return rule("resample", data=0, axes=axes)
+    if len(node.inputs) < 4 or node.inputs[3] is None or not node.inputs[3].name:
+        return rule("resample", data=0, axes=axes)
+    sizes = _sizes(info, node, 3)
+    return rule("resample", data=0, axes=axes, sizes=sizes, slot=3, fixed=sizes is None)
 
 
 def _tile(info: GraphInfo, node: gs.Node) -> Optional[Rule]:

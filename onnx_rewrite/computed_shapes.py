@@ -1,112 +1,212 @@
-"""Reshapes whose target shape is computed at run time from the input's own shape.
+"""Shape vectors computed at run time, read as far as they can be read.
 
-TorchScript exports `x.flatten(2)` on dynamic sizes as `Reshape(x, Concat(Slice(Shape(x), 0, 2), [-1]))`
-(Optimum's CLIP vision embeddings: the conv stem's [B, C, h, w] -> [B, C, h*w] with h, w symbolic).
-Shape inference cannot give the target's dims numbers, so `reshape_axis` (which needs the dims
-after the feature axis to be static) cannot place the feature axis. Reading the shape's
-computation can, soundly:
+Exporters compute the target of a Reshape or an Expand (and Resize's sizes) from other tensors'
+shapes when a size is dynamic. TorchScript, for instance:
+
+- `x.flatten(2)`: `Reshape(x, Concat(Slice(Shape(x), 0, 2), [-1]))` (a conv stem's [B, C, h, w]
+  -> [B, C, h*w]);
+- `t.expand(B, -1, -1)`: `Expand(t, Where(Equal(s, -1), ones, s))` over s = [B, -1, -1], B from
+  `Shape(input)` (-1, "keep the size", is no valid Expand entry: the Where makes it 1);
+- `table.reshape(1, n, n, dim)` with dim = `Shape(stream)[2]`, and `F.interpolate(size=...)`:
+  `Resize` with sizes `Concat(Slice(Shape(x), 0, 2), [h, w])`.
+
+`shape_entries` reads such a vector entry by entry: a known int, `SizeOf(t, a)` ("the size of
+tensor t along axis a": an entry of `Shape(t)`, with its value where the shapes say it is
+static), or None (unknown). It reads through constants, Shape, Gather/Slice/Concat of 1-D
+vectors, Unsqueeze/Squeeze/Reshape/Cast/Identity of one, ConstantOfShape of a known length,
+Add/Sub/Mul/Div of known ints, Equal and Where. Whether a `SizeOf` follows a stream's width when
+the stream narrows is the analysis's question (passes/compress.follows_stream).
+
+`computed_axis_map` places a Reshape's axes where shape inference leaves the target symbolic,
+soundly:
 
 - prefix rule: if the target's first p entries are provably the input's first p dims, every
   axis a < p stays at a (row-major: the same prefix indices leave the same element blocks);
 - suffix rule: if the target's last s entries are provably the input's last s dims, every axis
   among those keeps its place counted from the end.
 
-"Provably the input's dim k": `Shape(x)[k]` (through Slice/Gather/Concat/Unsqueeze/Squeeze/Cast of
-int64 shape tensors), a 0 at the same position (Reshape's copy-the-dim, when allowzero is 0), or a
-constant equal to the input's static dim k.
+"Provably the input's dim k": `SizeOf(input, k)`, a 0 at the same position (Reshape's
+copy-the-dim, when allowzero is 0), or a number equal to the input's static dim k.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
 
+from ..passes.view import SizeOf
 from .norms import const_values
 
-# One entry of a computed shape: an int (a constant), ("dim", k): the reshaped input's dim k,
-# or None: unknown.
-_Elem = object
-_MAX_DEPTH = 16
+Entry = Union[int, SizeOf, None]
+ShapeOf = Callable[[object], Optional[tuple]]  # a tensor -> its shape (ints, names, None), or None
+_MAX_DEPTH = 24
+_MAX_ENTRIES = 64  # a longer vector is no shape
+_VECTOR_OPS = ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape")  # a vector's entries, kept
 
 
-def _elements(t, x, rank_of, depth: int = 0) -> Optional[list]:
-    """The entries of the 1-D int tensor `t`, as far as they are known, relative to tensor `x`."""
-    if depth > _MAX_DEPTH:
+def shape_entries(t, shape_of: ShapeOf) -> Optional[list[Entry]]:
+    """The entries of the 0-D or 1-D integer tensor `t` (a 0-D one as one entry), as far as they
+    are known; None where not even their number is."""
+    return _entries(t, shape_of, 0)
+
+
+def _known(e: Entry) -> Optional[int]:
+    """An entry's value where it is known."""
+    return e.known if isinstance(e, SizeOf) else e
+
+
+def _constant(v) -> list[Entry]:
+    v = np.asarray(v).reshape(-1)
+    if v.dtype.kind in "iub":
+        return [int(a) for a in v]
+    return [int(a) if v.dtype.kind == "f" and float(a).is_integer() else None for a in v]
+
+
+def _entries(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
+    """`t`'s entries; where they cannot be read but their number is known, that many unknowns."""
+    if t is None or not t.name:
         return None
+    got = _read(t, shape_of, depth) if depth <= _MAX_DEPTH else None
+    if got is None:
+        s = shape_of(t)
+        if s is not None and len(s) <= 1 and all(isinstance(n, int) for n in s):
+            return [None] * (s[0] if s else 1)
+    return got
+
+
+def _read(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
+    s = shape_of(t)
+    if s is not None and (len(s) > 1 or (len(s) == 1 and isinstance(s[0], int) and s[0] > _MAX_ENTRIES)):
+        return None  # no shape vector (and no weight read)
     v = const_values(t)
     if v is not None:
-        return [int(a) for a in np.asarray(v).reshape(-1)]
+        return _constant(v) if np.size(v) <= _MAX_ENTRIES else None
     if len(t.inputs) != 1:
-        return None
+        return None  # a graph input
     p = t.inputs[0]
     if p.op == "Shape":
-        src = p.inputs[0]
-        rank = rank_of(src)
-        if rank is None:
+        src = shape_of(p.inputs[0])
+        if src is None:
             return None
         start, end = int(p.attrs.get("start", 0)), p.attrs.get("end")
-        dims = list(range(rank))[start: None if end is None else int(end)]
-        return [("dim", k) if src is x else None for k in dims]
-    if p.op in ("Cast", "Identity", "Unsqueeze", "Squeeze"):  # (Un)Squeeze of a shape: 0-D <-> 1-D
-        return _elements(p.inputs[0], x, rank_of, depth + 1)
+        dims = list(range(len(src)))[start: None if end is None else int(end)]
+        return [SizeOf(p.inputs[0].name, k, src[k] if isinstance(src[k], int) else None) for k in dims]
+    ins = [_entries(i, shape_of, depth + 1) if i is not None and i.name else None for i in p.inputs]
+    if not ins or ins[0] is None:
+        return None
+    if p.op in _VECTOR_OPS:
+        if p.op == "Cast" and p.attrs.get("to") == onnx.TensorProto.BOOL:
+            return [None if _known(e) is None else int(bool(_known(e))) for e in ins[0]]
+        return ins[0]
     if p.op == "Concat":
-        out: list = []
-        for i in p.inputs:
-            got = _elements(i, x, rank_of, depth + 1)
-            if got is None:
-                return None
-            out += got
-        return out
+        return None if any(got is None for got in ins) else [e for got in ins for e in got]
     if p.op == "Gather":
-        data, idx = _elements(p.inputs[0], x, rank_of, depth + 1), const_values(p.inputs[1])
-        if data is None or idx is None or int(p.attrs.get("axis", 0)) != 0:
+        idx = const_values(p.inputs[1])
+        if idx is None or int(p.attrs.get("axis", 0)) != 0:
             return None
         idx = [int(i) for i in np.asarray(idx).reshape(-1)]
-        if any(not -len(data) <= i < len(data) for i in idx):
-            return None
-        return [data[i] for i in idx]
+        n = len(ins[0])
+        return None if any(not -n <= i < n for i in idx) else [ins[0][i] for i in idx]
     if p.op == "Slice":
-        data = _elements(p.inputs[0], x, rank_of, depth + 1)
-        ins = list(p.inputs) + [None] * 5
-        vals = [const_values(i) if i is not None and i.name else None for i in ins[1:5]]
-        if data is None or vals[0] is None or vals[1] is None:
-            return None
-        if vals[2] is not None and [int(a) for a in np.asarray(vals[2]).reshape(-1)] not in ([0], [-1]):
-            return None
-        step = 1 if vals[3] is None else int(np.asarray(vals[3]).reshape(-1)[0])
-        start, end = int(np.asarray(vals[0]).reshape(-1)[0]), int(np.asarray(vals[1]).reshape(-1)[0])
-        return data[slice(start, end, step)]
+        return _slice(p, ins[0])
+    if p.op == "ConstantOfShape":
+        return _constant_of_shape(p, ins[0])
+    if len(ins) == 2 and ins[1] is not None and p.op in ("Add", "Sub", "Mul", "Div", "Equal"):
+        return _broadcast(lambda a, b: _arithmetic(p.op, a, b), ins[0], ins[1])
+    if p.op == "Where" and len(ins) == 3 and None not in ins:
+        return _where(*ins)
     return None
 
 
-def _is_dim(e, k: int, pos: int, src_shape, allowzero: bool) -> bool:
-    """Is target entry `e` (at position `pos`) provably the input's dim k?"""
-    if e == ("dim", k):
+def _slice(p: gs.Node, data: list[Entry]) -> Optional[list[Entry]]:
+    ins = list(p.inputs) + [None] * 5
+    vals = [const_values(i) if i is not None and i.name else None for i in ins[1:5]]
+    if vals[0] is None or vals[1] is None:
+        return None
+    if vals[2] is not None and [int(a) for a in np.asarray(vals[2]).reshape(-1)] not in ([0], [-1]):
+        return None
+    step = 1 if vals[3] is None else int(np.asarray(vals[3]).reshape(-1)[0])
+    start, end = int(np.asarray(vals[0]).reshape(-1)[0]), int(np.asarray(vals[1]).reshape(-1)[0])
+    return data[slice(start, end, step)]
+
+
+def _constant_of_shape(p: gs.Node, shape: list[Entry]) -> Optional[list[Entry]]:
+    """A vector of n copies of the node's value, n known."""
+    n = _known(shape[0]) if len(shape) == 1 else None
+    if n is None:
+        return None
+    value = p.attrs.get("value")
+    fill = _constant(value.values)[0] if isinstance(value, gs.Constant) else 0
+    return [fill] * n
+
+
+def _broadcast(f, a: list[Entry], b: list[Entry]) -> Optional[list[Entry]]:
+    if len(a) != len(b) and 1 not in (len(a), len(b)):
+        return None
+    n = max(len(a), len(b))
+    return [f(a[k % len(a)], b[k % len(b)]) for k in range(n)]
+
+
+def _arithmetic(op: str, a: Entry, b: Entry) -> Entry:
+    if op == "Equal":
+        return _equal(a, b)
+    x, y = _known(a), _known(b)
+    if x is None or y is None:
+        return None
+    if op == "Div":  # exact quotients only: integer Div truncates, a float one need not be whole
+        return x // y if y and x % y == 0 else None
+    return x + y if op == "Add" else x - y if op == "Sub" else x * y
+
+
+def _equal(a: Entry, b: Entry) -> Entry:
+    """1, 0, or None: a size is never negative (torch's Where(Equal(s, -1), 1, s) keeps the sizes)."""
+    if a is not None and a == b:
+        return 1
+    x, y = _known(a), _known(b)
+    if x is not None and y is not None:
+        return int(x == y)
+    if (isinstance(a, SizeOf) and y is not None and y < 0) or (isinstance(b, SizeOf) and x is not None and x < 0):
+        return 0
+    return None
+
+
+def _where(cond: list[Entry], x: list[Entry], y: list[Entry]) -> Optional[list[Entry]]:
+    picked = _broadcast(lambda c, a: (c, a), cond, x)
+    if picked is None:
+        return None
+    return _broadcast(lambda ca, b: (ca[1] if ca[0] else b) if ca[0] is not None else (b if ca[1] == b else None),
+                      picked, y)
+
+
+def _is_dim(e: Entry, x: str, k: int, pos: int, src_shape, allowzero: bool) -> bool:
+    """Is target entry `e` (at position `pos`) provably input `x`'s dim k?"""
+    if isinstance(e, SizeOf) and (e.value, e.axis) == (x, k):
         return True
-    if isinstance(e, int):
-        if e == 0 and not allowzero and pos == k:
-            return True
-        return src_shape is not None and isinstance(src_shape[k], int) and e == src_shape[k] and e > 0
-    return False
+    if e == 0 and not allowzero and pos == k:
+        return True
+    n = _known(e)
+    return n is not None and isinstance(src_shape[k], int) and n == src_shape[k] and n > 0
 
 
-def computed_axis_map(node, src_shape, rank_of) -> dict[int, int]:
+def computed_axis_map(node, src_shape, shape_of: ShapeOf) -> dict[int, int]:
     """input axis -> output axis for every axis the prefix or suffix rule places."""
-    x = node.inputs[0]
     if len(node.inputs) < 2 or src_shape is None:
         return {}
-    elems = _elements(node.inputs[1], x, rank_of)
+    elems = shape_entries(node.inputs[1], shape_of)
     if elems is None:
         return {}
+    x = node.inputs[0].name
     allowzero = bool(int(node.attrs.get("allowzero", 0)))
     r, q = len(src_shape), len(elems)
     out: dict[int, int] = {}
     k = 0
-    while k < min(r, q) and _is_dim(elems[k], k, k, src_shape, allowzero):
+    while k < min(r, q) and _is_dim(elems[k], x, k, k, src_shape, allowzero):
         out[k] = k
         k += 1
     s = 1
-    while s <= min(r, q) and _is_dim(elems[q - s], r - s, q - s, src_shape, allowzero):
+    while s <= min(r, q) and _is_dim(elems[q - s], x, r - s, q - s, src_shape, allowzero):
         out.setdefault(r - s, q - s)
         s += 1
     return out

@@ -22,7 +22,7 @@ from typing import Optional
 
 from .analysis import Component
 from .rules import writes_product
-from .view import ConstRef, DimRef, LinearRead, View
+from .view import ConstRef, DimRef, LinearRead, SizeOf, View
 
 # A decompression reads d-1 values (the sum) and writes d (the concat): ~2d element operations.
 DECOMPRESS_COST = 2
@@ -104,10 +104,10 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
             size = "unknown" if v.shape is None or axis >= len(v.shape) else v.shape[axis]
             raise _Fallback(f"stream tensor `{value}` has {size} features, not {d}")
         stream_elems += 1
-        refs = producer_width_refs(view, value, axis)
+        refs, why = follows_stream(producer_width_refs(view, value, axis), comp)
         if refs is None:
             raise _Fallback(f"{view.nodes[v.producer].describe()} sets the stream's width {d} in a shape no edit "
-                            "can change")
+                            f"can change{why}")
         out.dims.extend(r for r in refs if r not in out.dims)
         for c, i in v.consumers:
             node = view.nodes[c]
@@ -124,7 +124,7 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
                 raise _Fallback(f"constant `{ref.value}` of {_src_name(view, src.node)} has {size} features along "
                                 f"its axis {ref.axis}, not {d}")
     for name in comp.norms:
-        out.crms.append(_norm(view, name, d, out))
+        out.crms.append(_norm(view, comp, name, d, out))
     out.decompressions = sum(c.decompress for c in out.crms)
     out.saved_per_token = stream_elems + len(comp.norms) + sum(
         _reader_saving(view, a.read) for a in out.absorbs)
@@ -144,6 +144,18 @@ def producer_width_refs(view: View, value: str, axis: int) -> Optional[list[DimR
         return []
     p = view.nodes[producer]
     return p.width_refs(p.outputs.index(value), axis)
+
+
+def follows_stream(refs: Optional[list], comp: Component) -> tuple[Optional[list[DimRef]], str]:
+    """(the entries of `refs` to patch, "") where every size the op reads at run time (a `SizeOf`)
+    is that of a tensor of this stream along its feature axis — it narrows with the stream, so it
+    needs no patch; else (None, why not)."""
+    if refs is None:
+        return None, ""
+    for r in refs:
+        if isinstance(r, SizeOf) and comp.axes.get(r.value) != r.axis:
+            return None, f" (it reads it from `{r.value}`'s shape, axis {r.axis}, which is not on the stream)"
+    return [r for r in refs if not isinstance(r, SizeOf)], ""
 
 
 def _width(view: View, comp: Component) -> int:
@@ -181,7 +193,7 @@ def _reader_saving(view: View, read: LinearRead) -> int:
     return prod(s) // s[read.weight.axis]
 
 
-def _norm(view: View, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
+def _norm(view: View, comp: Component, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
     node = view.nodes[name]
     spec = node.norm
     crms = CrmsNorm(name, d, spec.epsilon)
@@ -191,10 +203,11 @@ def _norm(view: View, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
         crms.decompress = True
     for c, i in view.values[y].consumers:
         got = absorbing(view, c, i, spec.axis, d) if const_affine else None
-        if got is None:
+        dims = follows_stream(got[1], comp)[0] if got is not None else None
+        if dims is None:
             crms.decompress = True
             continue
-        reads, dims = got
+        reads = got[0]
         crms.compressed_readers.append((c, i))
         out.absorbs.extend(Absorb(r, read, spec.gamma, spec.beta) for r, read in reads)
         out.dims.extend(r for r in dims if r not in out.dims)

@@ -20,9 +20,10 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
 - `reshape(data, axis_map, sizes, slot, fixed)` view/reshape/flatten/squeeze/unsqueeze (read
                                from the shapes; `axis_map` {input axis: output axis}: what the
                                frontend proved from a target shape computed at run time).
-                               `sizes`: the target sizes as spelled (int, -1, None: not a
-                               constant), at the frontend's key `slot`; no sizes: the op spells
-                               none (flatten, squeeze), unless `fixed` (taken from another tensor)
+                               `sizes`: the target sizes as spelled (int, -1, a `SizeOf`: read
+                               at run time from a tensor's shape, None: not known), at the
+                               frontend's key `slot`; no sizes: the op spells none (flatten,
+                               squeeze), unless `fixed` (taken from another tensor)
 - `permute(data, perm)`        output axis k is input axis perm[k]
 - `along(data, outs, axes, starts, partition)` every axis in place; acts only along `axes`
                                (slice, concat, split, roll, flip, index_select); axes None:
@@ -36,7 +37,9 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                (GatherElements, torch.gather)
 - `tile(data, axes)`            repeat/Tile: copies along the output `axes` (new leading axes too),
                                the input right-aligned (None: not known)
-- `resample(data, axes)`        interpolation (nearest, linear, cubic) along `axes`, every axis in place
+- `resample(data, axes, sizes, slot, fixed)` interpolation (nearest, linear, cubic) along `axes`,
+                               every axis in place; `sizes`: its output sizes where it spells
+                               them (see `reshape`; by scales: none)
 - `zero_rows(data, mask)`       masked_fill(x, mask, 0): where `mask` is one value along an axis,
                                whole rows along it are x's or zeros
 - `reduce(data, axes, keepdims, op)` mean/sum over `axes` (None: not known)
@@ -75,7 +78,7 @@ from typing import Callable, Optional
 from .axes import (broadcast_rules, merge_row_runs, permute_rules, regroup_factor, reshape_axis, reshape_block_axis,
                    same_axes_rules, split_periodic_runs)
 from .guards import is_overflow_guard
-from .view import Answers, Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, View
+from .view import Answers, Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, SizeOf, View
 
 
 @dataclass
@@ -205,13 +208,17 @@ def _broadcast(view, node, data, minus=(), sizes=None, slot=None, fixed=False):
     out = broadcast_rules([_rank(view, node, i) for i in range(n)], _out_rank(view, node),
                           [_is_const(view, node, i) for i in range(n)], list(data))
     if len(data) == 1 and not minus:  # expand: copies rows
-        out.update(layout=True, width_refs=_width_refs(view, node, sizes, slot, fixed, expand_of=data[0]))
+        out.update(layout=True, width_refs=_width_refs(view, node, sizes, slot, fixed, out["backward"],
+                                                       expand_of=data[0]))
     return out
 
 
-def _width_refs(view, node, sizes, slot, fixed, expand_of=None):
-    """Where the op spells its output's size along an axis (CRMSNorm shrinks the width): [] where
-    nothing does (the size follows the input), None where no edit can change it."""
+def _width_refs(view, node, sizes, slot, fixed, backward, expand_of=None):
+    """Where the op spells its output's size along an axis (CRMSNorm and slicing narrow the width):
+    [] where nothing does (the size follows the input), None where no edit can change it. A size
+    read at run time (`SizeOf`) follows the input where it is the size of the very input axis
+    that becomes this one (`backward`: the op's rule); another tensor's goes to the caller, who
+    knows the stream (compress.follows_stream)."""
 
     def width_refs(o, axis):
         s = view.values[node.outputs[0]].shape if node.outputs[0] else None
@@ -220,6 +227,9 @@ def _width_refs(view, node, sizes, slot, fixed, expand_of=None):
         if s is None or len(sizes) != len(s) or not isinstance(s[axis], int):
             return None
         entry = sizes[axis]
+        if isinstance(entry, SizeOf):
+            own = {(node.inputs[i], a) for i, a in backward(o, axis) or []}
+            return [] if (entry.value, entry.axis) in own else [entry]
         if entry == -1:
             return []  # inferred (reshape) or kept (expand) from the input
         if expand_of is not None and entry == 1:
@@ -355,7 +365,7 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
         return None if got is None else [(data, *got)]
 
     return dict(transfer=transfer, backward=backward, layout=True, regroups=True,
-                width_refs=_width_refs(view, node, sizes, slot, fixed),
+                width_refs=_width_refs(view, node, sizes, slot, fixed, backward),
                 transfer_block=transfer_block, backward_block=backward_block)
 
 
@@ -553,13 +563,17 @@ def _tile(view, node, data=0, axes=None):
     return dict(transfer=transfer, backward=backward)
 
 
-def _resample(view, node, data=0, axes=None):
+def _resample(view, node, data=0, axes=None, sizes=None, slot=None, fixed=False):
     """Interpolation along `axes` (YOLOS resizes its patch position table to the image): each
     output row is a sum of input rows along those axes, with weights that are the same for every
     entry of the other axes. With the feature axis not among them, a per-row shift a·1 becomes
     (Σ w·a)·1, again a per-row scalar, and zero-mean rows sum to zero-mean rows: shift-transparent
-    (DESIGN §1). It computes new values, so it is no layout op."""
-    return same_axes_rules([data], [0], None if axes is None else set(axes))
+    (DESIGN §1). It computes new values, so it is no layout op. Its output sizes, where it
+    spells them (ONNX Resize's `sizes`), spell the width too."""
+    out = same_axes_rules([data], [0], None if axes is None else set(axes))
+    if not out:
+        return out
+    return dict(out, width_refs=_width_refs(view, node, sizes, slot, fixed, out["backward"]))
 
 
 def _zero_rows(view, node, data=0, mask=1):

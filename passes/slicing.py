@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from .analysis import Component
-from .compress import absorbing, producer_width_refs
+from .compress import absorbing, follows_stream, producer_width_refs
 from .edits import Data
 from .errors import LnfoldError
 from .rotate import StreamRotation, rotatable
@@ -183,17 +183,18 @@ def _norm_input(view: View, norm: str) -> tuple[str, int]:
 def resize(view: View, comp: Component, rot: StreamRotation) -> None:
     """The layout ops' size entries that spell d on a sliced stream and between its norms and their
     readers (patched to k by the frontends: `Plan.resized_dims`); or the stream keeps its full width
-    (`rot.why`) where an op sets the width in a shape no edit can change."""
+    (`rot.why`) where an op sets the width in a shape no edit can change. A size read at run time
+    from a stream tensor's feature axis narrows with it: nothing to patch (compress.follows_stream)."""
     d = rot.dim
     dims = []
     starts = {value for value, _ in rot.starts}  # the MatMul after their recenter writes k features
     for value, axis in comp.axes.items():
         if value in starts:
             continue
-        refs = producer_width_refs(view, value, axis)
+        refs, why = follows_stream(producer_width_refs(view, value, axis), comp)
         if refs is None:
             return rot.keep_unrotated(f"{view.nodes[view.values[value].producer].describe()} sets the stream's "
-                                      f"width {d} in a shape no edit can change")
+                                      f"width {d} in a shape no edit can change{why}")
         dims += refs
     for n in comp.norms:
         if n in rot.readouts:
@@ -201,10 +202,11 @@ def resize(view: View, comp: Component, rot: StreamRotation) -> None:
         node = view.nodes[n]
         for c, i in view.values[node.outputs[0]].consumers:
             got = absorbing(view, c, i, node.norm.axis, d)
-            if got is None:
+            refs, why = follows_stream(got[1], comp) if got is not None else (None, "")
+            if refs is None:
                 return rot.keep_unrotated(f"{view.nodes[c].describe()} reads `{n}` through a shape that spells "
-                                          f"its width {d}, which no edit can change")
-            dims += got[1]
+                                          f"its width {d}, which no edit can change{why}")
+            dims += refs
     rot.dims = list(dict.fromkeys(dims))
 
 

