@@ -214,8 +214,9 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     With `calibration` (a dict name -> array, or an .npz path) or `angles=True` (made-up inputs)
     `report.geometry` holds each norm's angle to 1 before and, for folded norms, after the fold
     (passes/geometry.py)."""
+    opts = FoldOptions(mode=mode)  # (a bad mode is the first error, before the model is read)
     model = as_model(model)
-    folds = OnnxFolds(model, FoldOptions(mode=mode), targets.resolve("ort", "cpu"))
+    folds = OnnxFolds(model, opts, targets.resolve("ort", "cpu"))
     view, plan = folds.plan(make_plan)
     report = plan.report
     if calibration is not None or angles:

@@ -1,19 +1,14 @@
-"""Calibration, one phase of the pipeline: data run through the model and its folds, measured here.
+"""Calibration, one phase of the pipeline (docs/DESIGN.md "Calibration"): the approximate swap
+(passes/approx.py), slicing (passes/slicer.py) and the geometry figures (passes/geometry.py) run
+calibration data through a model and its folds over the same two pieces:
 
-Three decisions read calibration data: the approximate swap (passes/approx.py: outputs of folds
-that differ in the kept norms swapped), slicing (passes/slicer.py: the norm inputs captured in the
-exact fold, then outputs of the sliced folds) and the geometry figures (passes/geometry.py: the
-norm inputs before and after the fold). Each runs over the same two pieces:
-
-- `Folds`, one per IR (onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds): the IR analysed
-  once (ONNX: validated and shape-inferred; torch: exported), folded as often as the decision asks
-  — every fold is `pipeline.fold` over a fresh frontend whose request differs only in `approx` or
-  `bases` — and the frontend's two runs, `Frontend.capture` (values → per-batch arrays) and
-  `Frontend.run` (outputs), written once per IR;
+- `Folds`, one per IR (onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds): the IR analysed once,
+  folded as often as the decision asks (each fold `pipeline.fold` over a fresh frontend whose request
+  differs only in `approx` or `bases`), measured by its frontend's `capture` and `run`;
 - `split`, the one held-out rule: two or more batches, the first half of them (rounded up) decide
-  and the rest only report; one batch, the first half of its rows (rounded up) decide and the rest
-  report; nothing is held out from a single row or from inputs that share no batch axis. Held-out
-  batches the user gives are used as given. Figures that decide nothing (the geometry) use every row.
+  and the rest only report; one batch, the first half of its rows (rounded up); nothing held out
+  from a single row or inputs that share no batch axis; held-out batches given are used as given.
+  Figures that decide nothing (the geometry) use every row.
 """
 from __future__ import annotations
 
@@ -23,12 +18,10 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 
 from .options import FoldOptions
-from .pipeline import Frontend
+from .pipeline import Frontend, Planner
 from .plan import Plan
 from .result import FoldResult
 from .view import View
-
-Planner = Callable[..., Plan]
 
 
 @dataclass
@@ -93,9 +86,8 @@ class Folds(Protocol):
 
     def fold(self, planner: Planner, opts: FoldOptions, *, approx: frozenset = frozenset(),
              bases: Optional[dict] = None, final: bool = False) -> FoldResult:
-        """`pipeline.fold` of a fresh frontend over the analysed IR with these options, `approx`
-        and `bases` in its request (`final`: the result returned to the user, written where they
-        asked; the other tries run silently)."""
+        """`pipeline.fold` of a fresh frontend over the analysed IR, `approx` and `bases` in its
+        request (`final`: the result the user gets, written where they asked; unverified tries are silent)."""
 
     def artifact(self, result: FoldResult) -> Any:
         """What `frontend.run` / `frontend.capture` take for a fold (ONNX: the model as written)."""

@@ -9,8 +9,7 @@ A frontend implements `Frontend`: it builds its view, says what it asks of the p
 target's capabilities, its constants' predicates), applies a plan to its IR and emits the
 folded artifact, and runs the original and the folded artifact for the gate (passes/gate.py).
 Every decision is made once, in `make_plan`; verification is decided and recorded here, once.
-A frontend that calibrates (the approximate swap, slicing, the geometry figures: passes/calibration.py)
-also runs calibration batches through an artifact: `capture` and `run`, written once per IR.
+A frontend that calibrates (passes/calibration.py) also has `capture` and `run`, once per IR.
 """
 from __future__ import annotations
 
@@ -55,13 +54,10 @@ class Frontend(Protocol):
         """The FoldResult carrying the folded artifact and the plan's report."""
 
     def capture(self, artifact: Any, values: list[str], batches: list) -> dict:
-        """value -> one numpy array per batch: `values` when
-        `artifact` (None: the original as viewed, before any apply) runs on `batches`; values it
-        does not compute by itself are left out."""
+        """value -> one numpy array per batch, as `artifact` (None: the original as viewed) runs on `batches`."""
 
     def run(self, artifact: Any, batches: list) -> list:
-        """`artifact`'s outputs (None: the original as given) over `batches`, each joined along its
-        first axis (numpy arrays)."""
+        """`artifact`'s outputs (None: the original as given) on `batches`, each joined along its first axis."""
 
 
 def in_memory(folded: Any) -> ContextManager[Any]:

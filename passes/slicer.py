@@ -16,7 +16,7 @@ directions' energy does).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from . import calibration
 from .approx import check_budget, relative_error
@@ -59,53 +59,37 @@ class Recorded:
         return self.plan
 
 
-class SliceFrontend(Protocol):
-    """The steps' view of a frontend (`Slicing` over any IR; benchmarks/realmodels_slice.py keeps the
-    exact fold, its capture and its outputs across fractions by wrapping one)."""
-
-    def exact(self, planner: Recorded) -> FoldResult:
-        """The verified exact fold with γ in the readers."""
-
-    def capture(self, exact: FoldResult, values: list[str]) -> dict:
-        """value -> its batches in the exact fold's model on the calibration rows."""
-
-    def sliced(self, bases: dict, planner: Recorded) -> FoldResult:
-        """The fold with PlanRequest.bases = `bases`, unverified."""
-
-    def outputs(self, result: FoldResult) -> list:
-        """The model's outputs on the held-out rows (the calibration rows where none are held out)."""
-
-    def parameters(self, result: FoldResult) -> int:
-        """Its floating-point parameters' element count."""
-
-    rows: str  # which rows `outputs` runs on, in words
-
-
 class Slicing:
-    """`SliceFrontend` over any IR's `calibration.Folds` (its options: γ into the readers), the
-    calibration data split by the one held-out rule, and the IR's count of a fold's parameters."""
+    """The steps' frontend, over any IR's `calibration.Folds` (its options: γ into the readers), the
+    calibration data split by the one held-out rule, and the IR's count of a fold's parameters
+    (benchmarks/realmodels_slice.py wraps one to keep the exact fold, its capture and its outputs
+    across fractions: `slice_with` needs only these five methods and `rows`)."""
 
     def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int]) -> None:
         self.folds, self.data, self.count = folds, data, parameters
         self.rows = calibration.measured_on(folds, data)
 
     def exact(self, planner: Recorded) -> FoldResult:
+        """The verified exact fold with γ in the readers."""
         return self.folds.fold(planner, self.folds.opts)
 
     def capture(self, exact: FoldResult, values: list[str]) -> dict:
+        """value -> its batches in the exact fold's model on the deciding rows."""
         return calibration.capture(self.folds, exact, values, self.data.deciding)
 
     def sliced(self, bases: dict, planner: Recorded) -> FoldResult:
+        """The fold with PlanRequest.bases = `bases`, unverified."""
         return self.folds.fold(planner, replace(self.folds.opts, verify=False), bases=bases)
 
     def outputs(self, result: FoldResult) -> list:
+        """The outputs on the held-out rows (the calibration rows where none are held out: `rows` says)."""
         return calibration.run(self.folds, result, self.data.measured)
 
     def parameters(self, result: FoldResult) -> int:
         return self.count(result)
 
 
-def slice_with(frontend: SliceFrontend, fraction: Optional[float], planner: Callable,
+def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
                budget: Optional[float] = None, per_block: bool = False) -> tuple[FoldResult, FoldResult, SliceReport]:
     """(the exact fold, the sliced fold, the report) at `fraction`, or at the largest fraction of GRID
     whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it.
