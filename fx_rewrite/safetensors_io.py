@@ -19,6 +19,7 @@ from typing import BinaryIO, Callable, Iterable
 import torch
 
 from ..passes import LnfoldError
+from ..passes.edits import row_blocks
 from ..passes.errors import first_line
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -160,12 +161,6 @@ def edited_pieces(t, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget:
         raise ValueError("edited_pieces streams along axis 0 only")
     for lo, hi in row_blocks(tuple(t.shape), budget):
         yield tensor_bytes(edit(t[lo:hi]))
-
-
-def row_blocks(shape: tuple, budget: int) -> list[tuple[int, int]]:
-    """[lo, hi) blocks of the first axis whose float64 copies take about `budget` bytes."""
-    step = max(1, budget // max(1, 8 * math.prod(shape[1:])))
-    return [(lo, min(shape[0], lo + step)) for lo in range(0, shape[0], step)]
 
 
 def read_into(f: BinaryIO, t: torch.Tensor, offset: int) -> None:

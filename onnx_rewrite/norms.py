@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx import numpy_helper
 
 from ..passes.axes import Shape
 from .read import is_lazy, read_external
@@ -68,8 +69,16 @@ def const_values(t) -> Optional[np.ndarray]:
         return None
     v = c._values
     if type(v) is gs.ir.tensor.LazyValues:  # (not SparseValues: their values are computed)
-        return read_external(v.tensor) if is_lazy(v.tensor) else v.load()
+        if is_lazy(v.tensor):
+            return read_external(v.tensor)
+        if v.tensor.data_type in _NUMPY_NATIVE:  # one copy of the bytes, read-only (load() copies it again)
+            return numpy_helper.to_array(v.tensor)
+        return v.load()  # (bf16 and the like: graphsurgeon's load casts them)
     return c.values
+
+
+_NUMPY_NATIVE = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64,
+                 onnx.TensorProto.INT32, onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.BOOL}
 
 
 def reduce_axes(node: gs.Node) -> Optional[list[int]]:

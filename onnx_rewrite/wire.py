@@ -39,11 +39,16 @@ def initializer_head(meta: bytes, length: int) -> bytes:
 
 
 def copy_fields(src, dst, skip: set[str]) -> None:
-    """Copy every set field of message `src` into `dst`, but those named in `skip`."""
-    for fd, value in src.ListFields():
+    """Copy every set field of message `src` into `dst`, but those named in `skip` (never read:
+    reading a tensor's raw_data copies its bytes, which ListFields would do)."""
+    for fd in src.DESCRIPTOR.fields:
         if fd.name in skip:
             continue
-        if hasattr(value, "extend"):  # a repeated field
+        repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED  # (protobuf < 6)
+        if not (len(getattr(src, fd.name)) if repeated else src.HasField(fd.name)):
+            continue
+        value = getattr(src, fd.name)
+        if repeated:
             getattr(dst, fd.name).extend(value)
         elif fd.message_type is not None:
             getattr(dst, fd.name).CopyFrom(value)

@@ -7,6 +7,7 @@ once by `compute_constants`); torch tensors in forward and FX graph nodes in fx_
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -293,12 +294,35 @@ def compute_constants(
 
     out = []
     for k, edit in enumerate(edits):
-        src = original(edit.value)
-        a = apply_ops(src.astype(np.float64), edit.ops, original, NUMPY)
-        out.append((edit, a.astype(src.dtype)))
+        out.append((edit, edited(original(edit.value), edit.ops, original)))
         for name in [n for n, last in last_use.items() if last == k]:
             cache.pop(name, None)
     return out
+
+
+CACHE_BLOCK_BYTES = 1 << 20  # float64 working set per block of rows: stays in the CPU's cache
+
+
+def edited(src: np.ndarray, ops: tuple, source: Callable[[str], Any]) -> np.ndarray:
+    """`ops` on `src` in float64, cast back to its dtype. Where the ops treat each row alone
+    (`chunk_axis`: an embedding table centered along its features), a block of rows at a time:
+    the same values, but the float64 temporaries stay in cache instead of three passes over
+    float64 copies of the whole tensor (the fold's editing stage is memory-bound)."""
+    if chunk_axis(ops, src.ndim) is None or src.nbytes <= CACHE_BLOCK_BYTES:
+        return apply_ops(src.astype(np.float64), ops, source, NUMPY).astype(src.dtype)
+    out = None
+    for lo, hi in row_blocks(src.shape, CACHE_BLOCK_BYTES):
+        block = apply_ops(src[lo:hi].astype(np.float64), ops, source, NUMPY)
+        if out is None:  # (a projection that keeps k features changes the other axes' sizes)
+            out = np.empty((src.shape[0],) + block.shape[1:], src.dtype)
+        out[lo:hi] = block
+    return out
+
+
+def row_blocks(shape: tuple, budget: int) -> list[tuple[int, int]]:
+    """[lo, hi) blocks of the first axis whose float64 copies take about `budget` bytes."""
+    step = max(1, budget // max(1, 8 * math.prod(shape[1:])))
+    return [(lo, min(shape[0], lo + step)) for lo in range(0, shape[0], step)]
 
 
 def compute_new_bias(nb: NewBias, get_array: Callable[[str], np.ndarray]) -> np.ndarray:
