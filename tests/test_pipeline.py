@@ -156,3 +156,60 @@ def test_fusing_is_the_targets_call_not_the_planners():
     assert seen and not plan.fuse_residual
     plan = make_plan(pre_ln(), target=Capabilities(fuses_residual=lambda shape: True))
     assert plan.fuse_residual and not make_plan(pre_ln()).fuse_residual
+
+
+def test_the_one_heldout_rule_in_both_frontends():
+    """passes/calibration.split, reached through each frontend's own batch form (ONNX: one dict of
+    arrays; torch: args tuples): half the rows (rounded up) decide, the rest report; with several
+    batches, half the batches; a single row holds nothing out; given held-out inputs are used as given."""
+    import numpy as np
+    import torch
+
+    from lnfold.fx_rewrite import calibration as fx_calibration
+    from lnfold.onnx_rewrite.approx import calibration_split
+    from tests.geometry_models import ids, onnx_model
+
+    model, x = onnx_model(), ids(5)
+    decide, held = calibration_split(model, {"ids": x.numpy()})
+    torch_split = fx_calibration.split([(x,)], None)
+    assert len(decide["ids"]) == len(torch_split.deciding[0][0]) == 3
+    assert len(held["ids"]) == len(torch_split.held[0][0]) == 2
+    np.testing.assert_array_equal(held["ids"], torch_split.held[0][0].numpy())
+    assert calibration_split(model, {"ids": x[:1].numpy()})[1] is None and fx_calibration.split([(x[:1],)], None).held is None
+    three = fx_calibration.split([(x[:1],), (x[1:2],), (x[2:],)], None)
+    assert len(three.deciding) == 2 and len(three.held) == 1 and torch.equal(three.held[0][0], x[2:])
+    given = calibration_split(model, {"ids": x.numpy()}, {"ids": x[:1].numpy()})
+    assert len(given[0]["ids"]) == 5 and len(given[1]["ids"]) == 1
+    assert fx_calibration.split([(x,)], [(x[:1],)]).deciding == [(x,)]
+
+
+def test_capture_and_run_agree_across_frontends():
+    """Frontend.capture / Frontend.run (passes/calibration.py), once per IR: on the same rows (more than
+    one ONNX run's worth: its pieces are joined back), each norm's input and the outputs agree between
+    onnxruntime and torch, in the original and in the exact fold, where the folded norm's input is
+    zero-mean."""
+    import numpy as np
+
+    from lnfold.fx_rewrite.api import ExportFolds
+    from lnfold.onnx_rewrite import targets
+    from lnfold.onnx_rewrite.api import OnnxFolds
+    from lnfold.passes import FoldOptions, calibration
+    from lnfold.passes.geometry import norm_inputs
+    from tests.geometry_models import PostLN, ids, onnx_model
+
+    x = ids(40)
+    frontends = {"onnx": (OnnxFolds(onnx_model(), FoldOptions(), targets.resolve("ort", "cpu")), [{"ids": x.numpy()}]),
+                 "torch": (ExportFolds(PostLN(0.0), (x[:2],), {}, FoldOptions()), [(x,)])}
+    seen = {}
+    for ir, (folds, batches) in frontends.items():
+        view, plan = folds.plan(make_plan)
+        values = [ni.value for ni in norm_inputs(view)]
+        folded = folds.fold(make_plan, FoldOptions(verify=False))
+        seen[ir] = [[np.concatenate(calibration.capture(folds, r, values, batches)[v]).astype(np.float64)
+                     for v in values] + calibration.run(folds, r, batches) for r in (None, folded)]
+    for before_after in zip(seen["onnx"], seen["torch"]):
+        for a, b in zip(*before_after):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+    ln0_after = seen["torch"][1][0]  # the embedding norm folds: its input is centered
+    assert np.abs(ln0_after.mean(-1)).max() < 1e-4 * np.abs(ln0_after).max()
+    assert np.abs(seen["torch"][0][0].mean(-1)).min() > 1.0  # (it was not: the embedding's planted mean)
