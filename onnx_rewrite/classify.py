@@ -17,7 +17,7 @@ from ..passes.rules import Rule, rule
 from ..passes.view import SizeOf
 
 from . import fused, guards
-from .computed_shapes import computed_axis_map, shape_entries
+from .computed_shapes import computed_axis_map, read_axes, shape_entries
 from .norm_patterns import find_norms
 from .norms import NormMatch, const_values, constant_shape, is_constant, reduce_axes
 from .stored_integers import dequantized
@@ -32,6 +32,7 @@ class GraphInfo:
         self.graph = graph
         self.shapes = shapes
         self.tensors = graph.tensors()  # name -> tensor, as imported (edits add no lookups)
+        self.output_names = frozenset(t.name for t in graph.outputs)
 
     def shape(self, t) -> Shape:
         if t is None or not t.name:
@@ -354,8 +355,9 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "ArgMax": _softmax,
     "ArgMin": _softmax,
     # Shape/Size read no values: nothing about the stream's mean can reach their outputs (their
-    # results hold the width, which CRMSNorm changes).
-    "Shape": _unary("metadata", sized=True),
+    # results hold the width, which CRMSNorm and slicing change; Shape: which axes' sizes the graph
+    # reads other than as an output size, computed_shapes.read_axes).
+    "Shape": lambda info, n, _: rule("metadata", sized=True, reads=read_axes(n, info.shape, info.output_names)),
     # Draws as many numbers as its input has, of its type: reads no values (random_ops.py says how
     # verification draws the same numbers in each model).
     "RandomNormalLike": _unary("metadata", sized=True),

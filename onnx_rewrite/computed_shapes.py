@@ -98,7 +98,7 @@ def _read(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
         return None
     if p.op in _VECTOR_OPS:
         if p.op == "Cast" and p.attrs.get("to") == onnx.TensorProto.BOOL:
-            return [None if _known(e) is None else int(bool(_known(e))) for e in ins[0]]
+            return [int(bool(e)) if _plain(e) else None for e in ins[0]]
         return ins[0]
     if p.op == "Concat":
         return None if any(got is None for got in ins) else [e for got in ins for e in got]
@@ -149,25 +149,30 @@ def _broadcast(f, a: list[Entry], b: list[Entry]) -> Optional[list[Entry]]:
     return [f(a[k % len(a)], b[k % len(b)]) for k in range(n)]
 
 
+def _plain(e: Entry) -> bool:
+    """A number that no tensor's size decides (a `SizeOf`'s static value is no such number: the
+    size may change when a stream narrows, and what is computed from it with it)."""
+    return isinstance(e, int)
+
+
 def _arithmetic(op: str, a: Entry, b: Entry) -> Entry:
     if op == "Equal":
         return _equal(a, b)
-    x, y = _known(a), _known(b)
-    if x is None or y is None:
+    if not (_plain(a) and _plain(b)):
         return None
     if op == "Div":  # exact quotients only: integer Div truncates, a float one need not be whole
-        return x // y if y and x % y == 0 else None
-    return x + y if op == "Add" else x - y if op == "Sub" else x * y
+        return a // b if b and a % b == 0 else None
+    return a + b if op == "Add" else a - b if op == "Sub" else a * b
 
 
 def _equal(a: Entry, b: Entry) -> Entry:
-    """1, 0, or None: a size is never negative (torch's Where(Equal(s, -1), 1, s) keeps the sizes)."""
+    """1, 0, or None, decided only where no size's value decides it: a size is never negative
+    (torch's Where(Equal(s, -1), 1, s) keeps every size of s)."""
     if a is not None and a == b:
         return 1
-    x, y = _known(a), _known(b)
-    if x is not None and y is not None:
-        return int(x == y)
-    if (isinstance(a, SizeOf) and y is not None and y < 0) or (isinstance(b, SizeOf) and x is not None and x < 0):
+    if _plain(a) and _plain(b):
+        return int(a == b)
+    if (isinstance(a, SizeOf) and _plain(b) and b < 0) or (isinstance(b, SizeOf) and _plain(a) and a < 0):
         return 0
     return None
 
@@ -178,6 +183,48 @@ def _where(cond: list[Entry], x: list[Entry], y: list[Entry]) -> Optional[list[E
         return None
     return _broadcast(lambda ca, b: (ca[1] if ca[0] else b) if ca[0] is not None else (b if ca[1] == b else None),
                       picked, y)
+
+
+# where a shape entry lands as an op's output size (the op's rule judges it: passes/compress.py)
+_SIZE_SLOTS = {"Reshape": 1, "Expand": 1, "Resize": 3}
+# ops whose output holds some of their first input's entries, unchanged (Where: of inputs 1 and 2)
+_CARRIERS = ("Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape", "Where")
+
+
+def read_axes(shape: gs.Node, shape_of: ShapeOf, outputs: frozenset) -> Optional[set[int]]:
+    """The axes of `Shape(x)`'s input whose sizes the graph uses other than as an op's output size
+    (a Reshape's or Expand's target, Resize's sizes: `shape_entries` makes those a `SizeOf` the
+    analysis judges) or in a sign test (torch's Equal(s, -1)); None: not known. Followed forward
+    through the ops that carry entries unchanged (`outputs`: the graph's output names)."""
+    x = shape.inputs[0].name
+    held = shape_entries(shape.outputs[0], shape_of)
+    if held is None:
+        return None
+    read: set[int] = set()
+    stack, seen = [(shape.outputs[0], held)], set()
+    while stack:
+        t, held = stack.pop()
+        carried = {e.axis for e in held if isinstance(e, SizeOf) and e.value == x}
+        if not carried or id(t) in seen:
+            continue
+        seen.add(id(t))
+        if t.name in outputs:
+            read |= carried
+        for c in t.outputs:
+            slots = [i for i, i_t in enumerate(c.inputs) if i_t is t]
+            if c.op in _SIZE_SLOTS and slots == [_SIZE_SLOTS[c.op]]:
+                continue
+            out = shape_entries(c.outputs[0], shape_of) if c.op in _CARRIERS + ("Equal",) else None
+            if c.op == "Equal" and out is not None and all(_plain(e) for e in out):
+                continue  # the test's outcome does not depend on the size
+            lost = out is None or all(e is None for e in out) or (c.op == "Where" and None in out)
+            carries = c.op in _CARRIERS and (c.op != "Where" or 0 not in slots) and not (
+                c.op == "Cast" and c.attrs.get("to") == onnx.TensorProto.BOOL)
+            if carries and not lost:
+                stack.append((c.outputs[0], out))
+                continue
+            read |= carried  # used, or carried where its entries can no longer be told apart
+    return read
 
 
 def _is_dim(e: Entry, x: str, k: int, pos: int, src_shape, allowzero: bool) -> bool:

@@ -97,6 +97,9 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
     if comp.opaque:
         raise _Fallback(f"the stream is recentered at {comp.opaque[0].what}; compressing a recentered "
                         "stream is not implemented")
+    why = sized_off_stream(view, comp)
+    if why is not None:
+        raise _Fallback(why)
     stream_elems = 0
     for value, axis in comp.axes.items():
         v = view.values[value]
@@ -156,6 +159,19 @@ def follows_stream(refs: Optional[list], comp: Component) -> tuple[Optional[list
         if isinstance(r, SizeOf) and comp.axes.get(r.value) != r.axis:
             return None, f" (it reads it from `{r.value}`'s shape, axis {r.axis}, which is not on the stream)"
     return [r for r in refs if not isinstance(r, SizeOf)], ""
+
+
+def sized_off_stream(view: View, comp: Component) -> Optional[str]:
+    """Why the stream cannot narrow where an op off it takes an output size from the stream's width
+    (a `SizeOf` of a stream tensor's feature axis among its sizes, its output not on the stream
+    along that axis: it would narrow too), else None."""
+    for node in view.nodes.values():
+        sizes = node.rule.params.get("sizes") if node.rule is not None else None
+        for axis, e in enumerate(sizes or ()):
+            if isinstance(e, SizeOf) and comp.axes.get(e.value) == e.axis and comp.axes.get(node.outputs[0]) != axis:
+                return (f"{node.describe()} takes its size along axis {axis} from the stream's width (the shape of "
+                        f"`{e.value}`) but is not on the stream")
+    return None
 
 
 def _width(view: View, comp: Component) -> int:

@@ -44,8 +44,9 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                whole rows along it are x's or zeros
 - `reduce(data, axes, keepdims, op)` mean/sum over `axes` (None: not known)
 - `invariant_along(data, axis)` softmax / argmax over `axis`
-- `metadata(sized)`            reads shapes or dtypes only (`sized`: its result depends on the
-                               sizes: Shape, a size assert)
+- `metadata(sized, reads)`     reads shapes or dtypes only (`sized`: its result depends on the
+                               sizes: Shape, a size assert; `reads`: the input axes whose sizes
+                               the graph uses other than as an op's output size, None: any)
 - `clamp(data, lo, hi, dtype)`  transparent only as an overflow guard (passes/guards.py)
 - `nonfinite_test(data)`       isinf / isnan of the stream: invariant under the guard's assumption
 - `linear(weight, w_axis, bias, out_axis, data, in_axis, alpha, beta)` output axis `out_axis`
@@ -208,17 +209,14 @@ def _broadcast(view, node, data, minus=(), sizes=None, slot=None, fixed=False):
     out = broadcast_rules([_rank(view, node, i) for i in range(n)], _out_rank(view, node),
                           [_is_const(view, node, i) for i in range(n)], list(data))
     if len(data) == 1 and not minus:  # expand: copies rows
-        out.update(layout=True, width_refs=_width_refs(view, node, sizes, slot, fixed, out["backward"],
-                                                       expand_of=data[0]))
+        out.update(layout=True, width_refs=_width_refs(view, node, sizes, slot, fixed, expand_of=data[0]))
     return out
 
 
-def _width_refs(view, node, sizes, slot, fixed, backward, expand_of=None):
+def _width_refs(view, node, sizes, slot, fixed, expand_of=None):
     """Where the op spells its output's size along an axis (CRMSNorm and slicing narrow the width):
     [] where nothing does (the size follows the input), None where no edit can change it. A size
-    read at run time (`SizeOf`) follows the input where it is the size of the very input axis
-    that becomes this one (`backward`: the op's rule); another tensor's goes to the caller, who
-    knows the stream (compress.follows_stream)."""
+    read at run time (`SizeOf`) goes to the caller, who knows the stream (compress.follows_stream)."""
 
     def width_refs(o, axis):
         s = view.values[node.outputs[0]].shape if node.outputs[0] else None
@@ -228,8 +226,7 @@ def _width_refs(view, node, sizes, slot, fixed, backward, expand_of=None):
             return None
         entry = sizes[axis]
         if isinstance(entry, SizeOf):
-            own = {(node.inputs[i], a) for i, a in backward(o, axis) or []}
-            return [] if (entry.value, entry.axis) in own else [entry]
+            return [entry]
         if entry == -1:
             return []  # inferred (reshape) or kept (expand) from the input
         if expand_of is not None and entry == 1:
@@ -365,7 +362,7 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
         return None if got is None else [(data, *got)]
 
     return dict(transfer=transfer, backward=backward, layout=True, regroups=True,
-                width_refs=_width_refs(view, node, sizes, slot, fixed, backward),
+                width_refs=_width_refs(view, node, sizes, slot, fixed),
                 transfer_block=transfer_block, backward_block=backward_block)
 
 
@@ -570,10 +567,8 @@ def _resample(view, node, data=0, axes=None, sizes=None, slot=None, fixed=False)
     (Σ w·a)·1, again a per-row scalar, and zero-mean rows sum to zero-mean rows: shift-transparent
     (DESIGN §1). It computes new values, so it is no layout op. Its output sizes, where it
     spells them (ONNX Resize's `sizes`), spell the width too."""
-    out = same_axes_rules([data], [0], None if axes is None else set(axes))
-    if not out:
-        return out
-    return dict(out, width_refs=_width_refs(view, node, sizes, slot, fixed, out["backward"]))
+    return dict(same_axes_rules([data], [0], None if axes is None else set(axes)),
+                width_refs=_width_refs(view, node, sizes, slot, fixed))
 
 
 def _zero_rows(view, node, data=0, mask=1):
@@ -631,8 +626,13 @@ def _invariant_along(view, node, data=0, axis=None):
     return dict(invariant=lambda i, b: i == data and b == axis)
 
 
-def _metadata(view, node, sized=False):
-    return dict(invariant=lambda i, b: True, shape_only=True, width_refs=lambda o, a: None if sized else [])
+def _metadata(view, node, sized=False, reads=None):
+    """`width_refs(0, axis)`: [] where the result does not depend on the size along `axis`. A size
+    used only as an op's output size is judged at that op (a `SizeOf` in its sizes)."""
+    def width_refs(o, axis):
+        return [] if not sized or (reads is not None and axis not in reads) else None
+
+    return dict(invariant=lambda i, b: True, shape_only=True, width_refs=width_refs)
 
 
 def _clamp(view, node, data=0, lo=None, hi=None, dtype=None):

@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 import numpy as np
 
 from .analysis import Component
-from .compress import absorbing, follows_stream, producer_width_refs
+from .compress import absorbing, follows_stream, producer_width_refs, sized_off_stream
 from .edits import Data
 from .errors import LnfoldError
 from .rotate import StreamRotation, rotatable
@@ -187,8 +187,16 @@ def resize(view: View, comp: Component, rot: StreamRotation) -> None:
     from a stream tensor's feature axis narrows with it: nothing to patch (compress.follows_stream)."""
     d = rot.dim
     dims = []
+    why = sized_off_stream(view, comp)
+    if why is not None:
+        return rot.keep_unrotated(why)
     starts = {value for value, _ in rot.starts}  # the MatMul after their recenter writes k features
     for value, axis in comp.axes.items():
+        for c, _ in view.values[value].consumers:
+            node = view.nodes[c]
+            if node.shape_only and node.width_refs(0, axis) != []:
+                return rot.keep_unrotated(f"{node.describe()} reads the width {d} of stream tensor `{value}`, "
+                                          "which slicing changes")
         if value in starts:
             continue
         refs, why = follows_stream(producer_width_refs(view, value, axis), comp)

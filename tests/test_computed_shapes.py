@@ -5,8 +5,8 @@ A ViT-like float32 graph with the three shapes torch's TorchScript exporter comp
 (Where(Equal(s, -1), ones, s) over a vector holding `Shape(image)[0]`), the patch Reshape's target
 Concat(Slice(Shape(conv), 0, 2), [-1]), and the position table's bicubic interpolation to the
 image's grid (Reshapes sized by `Shape(tokens)[2]`, a Resize sized by Slice(Shape(table)) and the
-image's static size / patch). Each of them reads the stream's width from a tensor of the stream, so
-it narrows with the stream: the slice needs no patch there. A shape read from a tensor off the
+image's static size / patch). Each of them reads the stream's width from a tensor of the stream,
+so it narrows with the stream: the slice needs no patch there. A shape read from a tensor off the
 stream really fixes d: that stream keeps its width, with the reason.
 """
 from __future__ import annotations
@@ -28,13 +28,15 @@ PATTERNS = ("cls", "patches", "positions")
 FP32 = 1e-5  # a relative error of float32 rounding
 
 
-def vit(computed=PATTERNS, span=None, off_stream_reshape=False, seed=0) -> onnx.ModelProto:
+def vit(computed=PATTERNS, span=None, fixed_width=None, seed=0) -> onnx.ModelProto:
     """image [batch, 3, 8, 8] -> patches (Conv) + CLS token + interpolated positions -> 2 pre-LN
     blocks -> final LN -> head. The shapes named in `computed` are computed as torch exports them;
     the others spelled (the CLS shape from the batch alone, [0, 0, -1], the position table already
     interpolated: a constant). `span`: every writer's output side lies in one `span`-dimensional
-    subspace. `off_stream_reshape`: a Reshape on the stream whose target's width is read from the
-    MLP's hidden tensor (D features, not the stream's)."""
+    subspace. `fixed_width`, after the first block: "read_off_stream", a Reshape of the stream whose
+    target's width is read from the MLP's hidden tensor u (D features whatever the stream's);
+    "sizes_off_stream", a Reshape of u whose target's width is read from the stream; "as_number", the
+    stream divided by its width read from its shape."""
     b = Builder(seed, np.float32)  # (onnxruntime has no float64 Conv or Resize)
     image = b.input("image", TensorProto.FLOAT, ["batch", 3, IMAGE, IMAGE])
     onto = None if span is None else np.linalg.qr(np.random.default_rng(seed + 7).standard_normal((D, span)))[0]
@@ -78,6 +80,8 @@ def vit(computed=PATTERNS, span=None, off_stream_reshape=False, seed=0) -> onnx.
                              b.const("patch", np.array(PATCH, np.int64))])
         sizes = b.op("Concat", [b.op("Slice", [b.op("Shape", [nchw]), ints("s", 0), ints("e", 2), ints("a", 0)]),
                                 cells], axis=0)
+        if "spelled_resize" in computed:  # the sizes a constant, the width d in it (patched to k)
+            sizes = ints("sizes", 1, D, IMAGE // PATCH, IMAGE // PATCH)
         resized = b.op("Resize", [nchw, "", "", sizes], mode="cubic")
         back = b.op("Transpose", [resized], perm=[0, 2, 3, 1])
         rows = b.op("Reshape", [back, b.op("Concat", [ints("o", 1), ints("m1", -1), size(tokens, 2)], axis=0)])
@@ -88,9 +92,13 @@ def vit(computed=PATTERNS, span=None, off_stream_reshape=False, seed=0) -> onnx.
     for layer in range(2):
         u = b.op("Relu", [b.linear(b.layernorm(h, D), D, D)])
         h = b.op("Add", [h, b.op("Add", [b.op("MatMul", [u, writer("W", (D, D), 0.0)]), writer("b", (D,), 3.0)])])
-        if off_stream_reshape and layer == 0:  # the width read from `u`: D whatever the stream's
-            target = b.op("Concat", [ints("bt", -1, TOKENS), size(u, 2)], axis=0)
-            h = b.op("Reshape", [h, target])
+        if layer == 0 and fixed_width == "read_off_stream":
+            h = b.op("Reshape", [h, b.op("Concat", [ints("bt", -1, TOKENS), size(u, 2)], axis=0)])
+        if layer == 0 and fixed_width == "sizes_off_stream":
+            u = b.op("Reshape", [u, b.op("Concat", [ints("bt", -1, TOKENS), size(h, 2)], axis=0)])
+            h = b.op("Add", [h, b.op("MatMul", [u, writer("W", (D, D), 0.0)])])
+        if layer == 0 and fixed_width == "as_number":
+            h = b.op("Div", [h, b.op("Cast", [size(h, 2)], to=TensorProto.FLOAT)])
     b.output(b.op("MatMul", [b.layernorm(h, D), b.weight("head", (D, 5))]), shape=["batch", TOKENS, 5])
     return b.model(17)
 
@@ -108,7 +116,8 @@ def initializer_shapes(model: onnx.ModelProto) -> list[tuple]:
     return [tuple(t.dims) for t in model.graph.initializer]
 
 
-@pytest.mark.parametrize("computed", [PATTERNS] + [(p,) for p in PATTERNS], ids=lambda c: "+".join(c))
+@pytest.mark.parametrize("computed", [PATTERNS] + [(p,) for p in PATTERNS] + [("positions", "spelled_resize")],
+                         ids=lambda c: "+".join(c))
 def test_computed_shapes_of_the_stream_follow_its_width(computed):
     """The writers span 12 of 16 dimensions: at F = 0.25 the stream is 12 wide end to end (the
     conv's output channels, the CLS token, the position table before its interpolation), the
@@ -134,12 +143,21 @@ def test_computed_shapes_slice_close_to_the_exact_fold_at_small_fraction():
     assert 0 < error_against_exact(r) < 0.2
 
 
-def test_a_width_read_off_the_stream_keeps_the_full_width():
-    """A Reshape whose target reads the width from the MLP's hidden tensor (D features whatever the
-    stream's): slicing would break it, so the stream keeps its width and says why."""
-    with pytest.raises(LnfoldError, match=r"sets the stream's width 16 in a shape no edit can change \(it reads it "
-                                          r"from `[^`]+`'s shape, axis 2, which is not on the stream\)"):
-        lnfold.slice_onnx(vit(off_stream_reshape=True, span=12), images(16, seed=1), fraction=0.25)
+@pytest.mark.parametrize("fixed_width, why", [
+    ("read_off_stream", r"Reshape `[^`]+` sets the stream's width 16 in a shape no edit can change \(it reads it from "
+                        r"`[^`]+`'s shape, axis 2, which is not on the stream\)"),
+    ("sizes_off_stream", r"Reshape `[^`]+` takes its size along axis 2 from the stream's width \(the shape of `[^`]+`\) "
+                         r"but is not on the stream"),
+    ("as_number", r"Shape `[^`]+` reads the width 16 of stream tensor `[^`]+`, which slicing changes"),
+])
+def test_a_width_fixed_by_a_computed_shape_keeps_the_full_width(fixed_width, why):
+    """A shape that really fixes d (read from a tensor off the stream, sizing a tensor off the stream,
+    or used as a number): slicing would break it, so the stream keeps its width and says why. The
+    exact fold of the same graph stands."""
+    model = vit(fixed_width=fixed_width, span=12)
+    with pytest.raises(LnfoldError, match=why):
+        lnfold.slice_onnx(model, images(16, seed=1), fraction=0.25)
+    assert lnfold.fold_onnx(model).max_rel_err < FP32
 
 
 def test_the_exact_fold_of_the_computed_shapes_is_verified():
