@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from . import calibration
-from .calibration import Data, Folds, Planner
+from .calibration import Data, Folds, Planner, Recorded
 from .errors import LnfoldError, NothingToFold
 from .pipeline import Progress, stage
 from .result import FoldResult
@@ -165,13 +165,21 @@ def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, me
     """Mode "rms-approx" for any frontend: the exact fold verified as always (when `folds.opts.verify`),
     then `choose` over the kept norms by their measured error on `data.deciding`, the chosen fold
     built once more and measured on `data.held` (passes/calibration.split's rule). NOT exact: the
-    result says so. Cost: one analysis, the exact fold, one fold per measured set, the final fold."""
+    result says so. Cost: the exact fold (its view and plan are the decision's), one fold per measured
+    set, the final fold; one run per fold measured and one of the original."""
     budget = check_budget(budget)
     measure = metric or relative_error
-    view, plan = folds.plan(planner)
-    if plan.swaps and folds.opts.verify:  # the exact part is judged by the gate, as in every fold
+    if folds.opts.verify:  # the exact part is judged by the gate, as in every fold; its plan is the one read
         stage(progress, "verifying the exact fold")
-        folds.fold(planner, folds.opts)
+        exact = Recorded(planner)
+        try:
+            folds.fold(exact, folds.opts)
+        except NothingToFold:  # nothing folds exactly (once planned): the swap may still
+            if exact.plan is None:
+                raise
+        view, plan = exact.view, exact.plan
+    else:
+        view, plan = folds.plan(planner)
     verdicts = plan.report.verdicts()
     candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]
     reference = calibration.run(folds, None, data.deciding)
@@ -185,7 +193,7 @@ def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, me
     selection.calibration_rows = folds.rows(data.deciding)
     if not plan.swaps and not selection.names:
         raise NothingToFold(f"no LayerNorm can be folded, and none swapped within budget {budget:g}")
-    result = folds.fold(planner, tries, approx=selection.names, final=True)
+    result = folds.fold(planner, tries, approx=selection.names, final=True)  # (built again: returned, and written)
     if data.held:
         selection.heldout = measure(calibration.run(folds, None, data.held), calibration.run(folds, result, data.held))
         selection.heldout_rows = folds.rows(data.held)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from . import calibration
 from .approx import check_budget, relative_error
-from .calibration import Data, Folds
+from .calibration import Data, Folds, Recorded
 from .errors import LnfoldError
 from .result import FoldResult
 from .slicing import SliceReport, check_fraction, plan_slices
@@ -46,17 +46,6 @@ class SliceResult:
     exact: FoldResult
     model: Any = None  # onnx.ModelProto
     module: Any = None  # torch.nn.Module
-
-
-class Recorded:
-    """A planner that keeps the view and the plan it made (the slice reads both)."""
-
-    def __init__(self, planner: Callable) -> None:
-        self.planner, self.view, self.plan = planner, None, None
-
-    def __call__(self, view, request):
-        self.view, self.plan = view, self.planner(view, request)
-        return self.plan
 
 
 class Slicing:
