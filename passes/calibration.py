@@ -31,11 +31,6 @@ class Data:
     deciding: list  # the batches a decision is made on
     held: Optional[list] = None  # the batches that only report (None: nothing held out)
 
-    @property
-    def measured(self) -> list:
-        """Where an error is reported: the held-out batches, else the deciding ones."""
-        return self.held if self.held is not None else self.deciding
-
 
 def split(batches: list, rows: Callable[[Any], Optional[int]], cut: Callable[[Any, int, Optional[int]], Any],
           heldout: Optional[list] = None) -> Data:
@@ -105,13 +100,6 @@ class Folds(Protocol):
 
     def rows(self, batches: list) -> int:
         """How many input rows `batches` hold."""
-
-
-def measured_on(folds: Folds, data: Data) -> str:
-    """The rows an error is measured on, in words (the reports say it)."""
-    if data.held is not None:
-        return f"{folds.rows(data.held)} held-out row(s)"
-    return f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)"
 
 
 def run(folds: Folds, result: Optional[FoldResult], batches: list) -> list:

@@ -56,7 +56,9 @@ class Slicing:
 
     def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int]) -> None:
         self.folds, self.data, self.count = folds, data, parameters
-        self.rows = calibration.measured_on(folds, data)
+        self.measured = data.held if data.held is not None else data.deciding  # where the error is measured
+        self.rows = (f"{folds.rows(data.held)} held-out row(s)" if data.held is not None else
+                     f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)")
 
     def exact(self, planner: Recorded) -> FoldResult:
         """The verified exact fold with γ in the readers."""
@@ -72,7 +74,7 @@ class Slicing:
 
     def outputs(self, result: FoldResult) -> list:
         """The outputs on the held-out rows (the calibration rows where none are held out: `rows` says)."""
-        return calibration.run(self.folds, result, self.data.measured)
+        return calibration.run(self.folds, result, self.measured)
 
     def parameters(self, result: FoldResult) -> int:
         return self.count(result)
