@@ -158,13 +158,18 @@ def test_a_width_fixed_by_a_computed_shape_keeps_the_full_width(fixed_width, why
     with pytest.raises(LnfoldError, match=why):
         lnfold.slice_onnx(model, images(16, seed=1), fraction=0.25)
     assert lnfold.fold_onnx(model).max_rel_err < FP32
+    crms = lnfold.fold_onnx(model, mode="crms")  # d-1 features: the same question, the same answer
+    assert crms.report.compression[0].verdict == "rms" and crms.max_rel_err < FP32
 
 
-def test_the_exact_fold_of_the_computed_shapes_is_verified():
-    """The exact fold of the same graph (full rank): verified, its outputs the original's."""
+@pytest.mark.parametrize("mode", ["rms", "crms"])
+def test_the_exact_fold_of_the_computed_shapes_is_verified(mode):
+    """The exact fold of the same graph (full rank): verified, its outputs the original's; CRMS
+    carries the stream in d-1 features through the same computed shapes."""
     model = vit()
-    res = lnfold.fold_onnx(model)
+    res = lnfold.fold_onnx(model, mode=mode)
     assert res.report.folded == 3 and res.max_rel_err < FP32
+    assert mode == "rms" or res.report.compression[0].verdict == "compressed"
     feeds = [images(4, seed=5)]
     assert relative_error(approx_io.run(model, feeds), approx_io.run(res.model, feeds)) < FP32
 
