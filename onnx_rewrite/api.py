@@ -405,27 +405,49 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     # The fold's new weights (centered matrices, biases) would be copied twice on export (into
     # a TensorProto, then into the graph's): export them as empty placeholders and fill each in
     # after, dropping its array, so a big model's edited weights are held once.
+    # The untouched ones would be copied twice too (into the graph's list, then the graph into
+    # the model): they are exported as placeholders as well and copied in once after.
     held: dict[str, np.ndarray] = {}
+    kept: dict[str, tuple[gs.ir.tensor.LazyValues, onnx.TensorProto]] = {}  # name -> (its values, its original)
     arr = None
     for t in graph.tensors().values():
-        if isinstance(t, gs.Constant) and isinstance(t._values, np.ndarray) and t._export_dtype is None:
+        if not isinstance(t, gs.Constant) or t._export_dtype is not None:
+            continue
+        if isinstance(t._values, np.ndarray):
             arr = t._values
             dtype = _PLAIN_DTYPES.get(arr.dtype)
             if arr.nbytes >= _HOLD_BYTES and dtype is not None:
                 held[t.name] = arr
                 t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=dtype, dims=arr.shape))
+        elif type(t._values) is gs.ir.tensor.LazyValues and t._values.tensor.HasField("raw_data") and \
+                validate.raw_bytes(t._values.tensor) >= _HOLD_BYTES:
+            src = t._values.tensor
+            kept[t.name] = (t._values, src)
+            t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=src.data_type, dims=src.dims))
     del arr
     shared = subgraphs.hoistable(graph)
-    out = gs.export_onnx(graph, do_type_check=False)
-    if held:
+    try:
+        out = gs.export_onnx(graph, do_type_check=False)
+    finally:
+        for t in graph.tensors().values():  # the graph keeps its constants (another export may follow)
+            if t.name in kept:
+                t._values = kept[t.name][0]
+    if held or kept:
+        copied: set[str] = set()
         for tp in read.all_tensors(out):
             arr = held.pop(tp.name, None)
             if arr is not None and not tp.HasField("raw_data"):
                 tp.CopyFrom(onnx.helper.make_tensor(tp.name, tp.data_type, arr.shape, np.ascontiguousarray(arr).tobytes(),
                                                     raw=True))
                 del arr
-        if held:  # pragma: no cover - every held constant is an initializer of the graph
-            raise RuntimeError(f"lost constants on export: {sorted(held)[:3]}")
+            elif tp.name in kept and not tp.HasField("raw_data"):
+                name = tp.name
+                tp.CopyFrom(kept[name][1])
+                tp.name = name  # (graphsurgeon's name for it, as its export would write)
+                copied.add(name)
+        lost = sorted(held) + sorted(set(kept) - copied)
+        if lost:  # pragma: no cover - every held constant is an initializer of the graph
+            raise RuntimeError(f"lost constants on export: {lost[:3]}")
     if shared:
         subgraphs.hoist_initializers(out, shared)
     out.ir_version = like.ir_version
