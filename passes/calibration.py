@@ -1,4 +1,4 @@
-"""Calibration, one phase of the pipeline (docs/DESIGN.md "Calibration"): the approximate swap
+"""Calibration, one phase of the pipeline (DESIGN §2, "Calibration, one phase"): the approximate swap
 (passes/approx.py), slicing (passes/slicer.py) and the geometry figures (passes/geometry.py) run
 calibration data through a model and its folds over the same two pieces:
 
