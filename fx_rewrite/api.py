@@ -249,7 +249,8 @@ def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     approx.check_budget(budget)
     approx.check_calibration(calibration)
     data = calibration_io.split(calibration_io.batches_of(calibration, tuple(args))[0], heldout)
-    folds = ExportFolds(module, tuple(args), dict(kwargs or {}), FoldOptions(defer=defer, verify=verify), dynamic=dynamic)
+    opts = FoldOptions(defer=defer, verify=verify)
+    folds = ExportFolds(module, tuple(args), dict(kwargs or {}), opts, dynamic=dynamic)
     return approx.swap_within_budget(folds, data, budget, make_plan, metric=metric)
 
 

@@ -221,8 +221,8 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     report = plan.report
     if calibration is not None or angles:
         feeds, synthetic = approx_io.feeds_for(model, calibration, dims)
-        report = dataclasses.replace(report, geometry=geometry.measure(folds, view, report.verdicts(), [feeds], make_plan,
-                                                                       synthetic=synthetic))
+        measured = geometry.measure(folds, view, report.verdicts(), [feeds], make_plan, synthetic=synthetic)
+        report = dataclasses.replace(report, geometry=measured)
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
 

@@ -175,7 +175,8 @@ def test_the_one_heldout_rule_in_both_frontends():
     assert len(decide["ids"]) == len(torch_split.deciding[0][0]) == 3
     assert len(held["ids"]) == len(torch_split.held[0][0]) == 2
     np.testing.assert_array_equal(held["ids"], torch_split.held[0][0].numpy())
-    assert calibration_split(model, {"ids": x[:1].numpy()})[1] is None and fx_calibration.split([(x[:1],)], None).held is None
+    assert calibration_split(model, {"ids": x[:1].numpy()})[1] is None
+    assert fx_calibration.split([(x[:1],)], None).held is None
     three = fx_calibration.split([(x[:1],), (x[1:2],), (x[2:],)], None)
     assert len(three.deciding) == 2 and len(three.held) == 1 and torch.equal(three.held[0][0], x[2:])
     given = calibration_split(model, {"ids": x.numpy()}, {"ids": x[:1].numpy()})
