@@ -304,6 +304,11 @@ def _tile(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     return rule("tile", data=0, axes=[k for k, (a, b) in enumerate(zip(src, dst)) if a != b or not isinstance(a, int)])
 
 
+def _shape(info: GraphInfo, node: gs.Node) -> Rule:
+    reads, sizes = read_axes(node, info.shape, info.output_names)
+    return rule("metadata", sized=True, reads=reads, sizes_of=sorted(sizes))
+
+
 def _split_axis(info, node):
     r = info.rank(node.inputs[0])
     return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
@@ -357,7 +362,7 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     # Shape/Size read no values: nothing about the stream's mean can reach their outputs (their
     # results hold the width, which CRMSNorm and slicing change; Shape: which axes' sizes the graph
     # reads other than as an output size, computed_shapes.read_axes).
-    "Shape": lambda info, n, _: rule("metadata", sized=True, reads=read_axes(n, info.shape, info.output_names)),
+    "Shape": lambda info, n, _: _shape(info, n),
     # Draws as many numbers as its input has, of its type: reads no values (random_ops.py says how
     # verification draws the same numbers in each model).
     "RandomNormalLike": _unary("metadata", sized=True),

@@ -191,16 +191,18 @@ _SIZE_SLOTS = {"Reshape": 1, "Expand": 1, "Resize": 3}
 _CARRIERS = ("Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Identity", "Reshape", "Where")
 
 
-def read_axes(shape: gs.Node, shape_of: ShapeOf, outputs: frozenset) -> Optional[set[int]]:
-    """The axes of `Shape(x)`'s input whose sizes the graph uses other than as an op's output size
-    (a Reshape's or Expand's target, Resize's sizes: `shape_entries` makes those a `SizeOf` the
-    analysis judges) or in a sign test (torch's Equal(s, -1)); None: not known. Followed forward
-    through the ops that carry entries unchanged (`outputs`: the graph's output names)."""
+def read_axes(shape: gs.Node, shape_of: ShapeOf, outputs: frozenset) -> tuple[Optional[set[int]], set[int]]:
+    """(the axes of `Shape(x)`'s input whose sizes the graph uses other than as an op's output size
+    or in a sign test (torch's Equal(s, -1)), None where not known; the axes whose sizes it uses as
+    an op's output size: a Reshape's or Expand's target, Resize's sizes, where `shape_entries` makes
+    them a `SizeOf` the analysis judges). Followed forward through the ops that carry entries
+    unchanged (`outputs`: the graph's output names)."""
     x = shape.inputs[0].name
     held = shape_entries(shape.outputs[0], shape_of)
     if held is None:
-        return None
+        return None, set()
     read: set[int] = set()
+    sizes: set[int] = set()
     stack, seen = [(shape.outputs[0], held)], set()
     while stack:
         t, held = stack.pop()
@@ -213,6 +215,7 @@ def read_axes(shape: gs.Node, shape_of: ShapeOf, outputs: frozenset) -> Optional
         for c in t.outputs:
             slots = [i for i, i_t in enumerate(c.inputs) if i_t is t]
             if c.op in _SIZE_SLOTS and slots == [_SIZE_SLOTS[c.op]]:
+                sizes |= carried
                 continue
             out = shape_entries(c.outputs[0], shape_of) if c.op in _CARRIERS + ("Equal",) else None
             if c.op == "Equal" and out is not None and all(_plain(e) for e in out):
@@ -224,7 +227,7 @@ def read_axes(shape: gs.Node, shape_of: ShapeOf, outputs: frozenset) -> Optional
                 stack.append((c.outputs[0], out))
                 continue
             read |= carried  # used, or carried where its entries can no longer be told apart
-    return read
+    return read, sizes
 
 
 def _is_dim(e: Entry, x: str, k: int, pos: int, src_shape, allowzero: bool) -> bool:

@@ -116,8 +116,8 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
             node = view.nodes[c]
             if node.norm is not None and node.norm.input == i:
                 continue
-            if node.shape_only and node.width_refs(0, axis) == []:
-                continue  # reads the shape but not the width (a dtype assert)
+            if node.shape_only and follows_stream(node.width_refs(0, axis), comp)[0] == []:
+                continue  # reads the shape but not the width (a dtype assert), or only as the stream's sizes
             if node.shape_only or node.transfer(i, axis) is None:
                 raise _Fallback(f"stream tensor `{value}` is read by {node.describe()}, which needs all {d} features")
     for src in comp.sources:

@@ -44,9 +44,10 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
                                whole rows along it are x's or zeros
 - `reduce(data, axes, keepdims, op)` mean/sum over `axes` (None: not known)
 - `invariant_along(data, axis)` softmax / argmax over `axis`
-- `metadata(sized, reads)`     reads shapes or dtypes only (`sized`: its result depends on the
-                               sizes: Shape, a size assert; `reads`: the input axes whose sizes
-                               the graph uses other than as an op's output size, None: any)
+- `metadata(sized, reads, sizes_of)` reads shapes or dtypes only (`sized`: its result depends on
+                               the sizes: Shape, a size assert; `reads`: the input axes whose
+                               sizes the graph uses other than as an op's output size, None: any;
+                               `sizes_of`: those whose sizes it uses as an op's output size)
 - `clamp(data, lo, hi, dtype)`  transparent only as an overflow guard (passes/guards.py)
 - `nonfinite_test(data)`       isinf / isnan of the stream: invariant under the guard's assumption
 - `linear(weight, w_axis, bias, out_axis, data, in_axis, alpha, beta)` output axis `out_axis`
@@ -626,11 +627,15 @@ def _invariant_along(view, node, data=0, axis=None):
     return dict(invariant=lambda i, b: i == data and b == axis)
 
 
-def _metadata(view, node, sized=False, reads=None):
-    """`width_refs(0, axis)`: [] where the result does not depend on the size along `axis`. A size
-    used only as an op's output size is judged at that op (a `SizeOf` in its sizes)."""
+def _metadata(view, node, sized=False, reads=None, sizes_of=()):
+    """`width_refs(0, axis)`: [] where the result does not depend on the size along `axis`; where
+    that size is used only as ops' output sizes, [SizeOf(input, axis)]: it follows the width where
+    the input is a tensor of the stream (compress.follows_stream), and each of those ops is judged
+    by its own sizes (compress.sized_off_stream)."""
     def width_refs(o, axis):
-        return [] if not sized or (reads is not None and axis not in reads) else None
+        if not sized or (reads is not None and axis not in reads and axis not in sizes_of):
+            return []
+        return [SizeOf(node.inputs[0], axis)] if reads is not None and axis not in reads else None
 
     return dict(invariant=lambda i, b: True, shape_only=True, width_refs=width_refs)
 

@@ -194,7 +194,7 @@ def resize(view: View, comp: Component, rot: StreamRotation) -> None:
     for value, axis in comp.axes.items():
         for c, _ in view.values[value].consumers:
             node = view.nodes[c]
-            if node.shape_only and node.width_refs(0, axis) != []:
+            if node.shape_only and follows_stream(node.width_refs(0, axis), comp)[0] != []:
                 return rot.keep_unrotated(f"{node.describe()} reads the width {d} of stream tensor `{value}`, "
                                           "which slicing changes")
         if value in starts:

