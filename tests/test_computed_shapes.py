@@ -6,8 +6,9 @@ A ViT-like float32 graph with the three shapes torch's TorchScript exporter comp
 Concat(Slice(Shape(conv), 0, 2), [-1]), and the position table's bicubic interpolation to the
 image's grid (Reshapes sized by `Shape(tokens)[2]`, a Resize sized by Slice(Shape(table)) and the
 image's static size / patch). Each of them reads the stream's width from a tensor of the stream,
-so it narrows with the stream: the slice needs no patch there. A shape read from a tensor off the
-stream really fixes d: that stream keeps its width, with the reason.
+so it narrows with the stream: the slice (and CRMS, d-1 features) needs no patch there. A width
+read from a tensor off the stream, sizing a tensor off the stream, or used as a number really fixes
+d: that stream keeps its width, with the reason.
 """
 from __future__ import annotations
 
