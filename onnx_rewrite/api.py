@@ -437,8 +437,7 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
         for tp in read.all_tensors(out):
             arr = held.pop(tp.name, None)
             if arr is not None and not tp.HasField("raw_data"):
-                tp.CopyFrom(onnx.helper.make_tensor(tp.name, tp.data_type, arr.shape, np.ascontiguousarray(arr).tobytes(),
-                                                    raw=True))
+                tp.raw_data = np.ascontiguousarray(arr).tobytes()  # (name, type and dims: the placeholder's)
                 del arr
             elif tp.name in kept and not tp.HasField("raw_data"):
                 name = tp.name
