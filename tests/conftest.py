@@ -97,3 +97,7 @@ def pytest_collection_modifyitems(config, items):
     stale = [key for key in FULL_RUN_ONLY if key.split("::")[0] in files and key not in listed]
     if stale:  # (a test renamed or removed must leave the list too, or it would silently join the fast run)
         raise pytest.UsageError(f"tests/tiers.py lists tests that do not exist: {', '.join(stale[:3])}")
+    # The slow tier first: pytest-xdist hands the two workers tests in this order, so the long ones
+    # start early and the many short ones even the workers out at the end (a long test last kept
+    # one worker busy alone: the full run's wall time varied by minutes between runs).
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
