@@ -90,7 +90,8 @@ def pytest_collection_modifyitems(config, items):
     from tests.tiers import FULL_RUN_ONLY, full_run_only
 
     listed = {item.nodeid for item in items} | {item.nodeid.split("[")[0] for item in items}
-    files = {item.nodeid.split("::")[0] for item in items}
+    picked = {a.split("::")[0] for a in config.args if "::" in a}  # files only part of which was asked for
+    files = {item.nodeid.split("::")[0] for item in items} - picked
     for item in items:
         if full_run_only(item.nodeid):
             item.add_marker(pytest.mark.slow)
