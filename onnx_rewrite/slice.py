@@ -31,9 +31,6 @@ def slicing_frontend(model: onnx.ModelProto, target, feeds: dict, held: Optional
     return Slicing(folds, calibration_data(feeds, held), lambda result: parameters(result.model))
 
 
-_OnnxSlice = slicing_frontend  # the name benchmarks/realmodels_slice.py calls it by
-
-
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",
                 device: str = "cpu", per_block: bool = False, progress: Progress = None) -> SliceResult:
     """Slice every rotatable folded stream of `model` to k = d − round(F·d) features on the principal
