@@ -102,6 +102,9 @@ class Plan:
     approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
     # how each swapped norm that is neither deferred nor a CRMSNorm is emitted
     emissions: Mapping[str, NormEmission] = field(default_factory=_frozen_dict)
+    # what a calibrated decision on this fold measures (passes/calibration.py captures them in the
+    # folded model): each swapped norm's input, the stream a principal basis is computed from
+    needs: Sequence[str] = FrozenList()
 
     @property
     def unit_gamma(self) -> frozenset:
@@ -249,8 +252,10 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     deferral = plan_deferral(view, plan, defer, caps.costs)
     _defer(view, plan, deferral)
     approx = approximate(view, plan.report, request.approx)
+    swapped = set(plan.swaps)
+    needs = FrozenList(n.inputs[n.norm.input] for n in view.norms() if n.name in swapped)
     return plan.freeze(deferral=deferral, training=training, kept_by_target=kept_by_target, approx=approx,
-                       emissions=MappingProxyType(_emissions(plan, deferral)))
+                       emissions=MappingProxyType(_emissions(plan, deferral)), needs=needs)
 
 
 def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:

@@ -88,8 +88,7 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     exact_plan = Recorded(planner)
     exact = frontend.exact(exact_plan)
     view, plan = exact_plan.view, exact_plan.plan
-    swapped = set(plan.swaps)
-    captured = frontend.capture(exact, [n.inputs[n.norm.input] for n in view.norms() if n.name in swapped])
+    captured = frontend.capture(exact, list(plan.needs))
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
     params_before = frontend.parameters(exact)
     reference = frontend.outputs(exact)
