@@ -65,10 +65,12 @@ class ReusedFold:
         planner.view, planner.plan = self.exact_view, self.exact_plan
         return self.exact_result
 
-    def capture(self, exact, values):
+    def capture(self, result, values):
+        if result is not self.exact_result:  # a sliced fold's (sequential per-block bases): not kept
+            return self.frontend.capture(result, values)
         key = tuple(values)
         if key not in self.captured:
-            self.captured[key] = self.frontend.capture(exact, values)
+            self.captured[key] = self.frontend.capture(result, values)
         return self.captured[key]
 
     def sliced(self, bases, planner):

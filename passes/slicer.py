@@ -3,7 +3,8 @@
 
 1. the exact fold with γ in the readers, verified on the calibration rows;
 2. each folded norm's input captured in that model on the calibration rows;
-3. `slicing.plan_slices`: a principal basis and its kept width per rotatable stream;
+3. `slicing.plan_slices`: a principal basis and its kept width per rotatable stream; per-block,
+   sequentially (`sequential`): segment i's basis from captures in the model sliced at segments < i;
 4. the fold again, asking for those bases (PlanRequest.bases): not verified (it is not exact), but
 5. measured: its outputs against the exact fold's on the held-out rows.
 
@@ -18,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from . import calibration
+from . import calibration, edits
 from .approx import check_budget, relative_error
 from .calibration import Data, Folds, Recorded
 from .errors import LnfoldError
 from .result import FoldResult
-from .slicing import SliceReport, check_fraction, plan_slices
+from .slicing import SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, plan_slices, window_basis, windows
 
 GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
 
@@ -64,9 +65,10 @@ class Slicing:
         """The verified exact fold with γ in the readers."""
         return self.folds.fold(planner, self.folds.opts)
 
-    def capture(self, exact: FoldResult, values: list[str]) -> dict:
-        """value -> its batches in the exact fold's model on the deciding rows."""
-        return calibration.capture(self.folds, exact, values, self.data.deciding)
+    def capture(self, result: FoldResult, values: list[str]) -> dict:
+        """value -> its batches in a fold's model (the exact fold's; per-block, sliced ones too) on
+        the deciding rows."""
+        return calibration.capture(self.folds, result, values, self.data.deciding)
 
     def sliced(self, bases: dict, planner: Recorded) -> FoldResult:
         """The fold with PlanRequest.bases = `bases`, unverified."""
@@ -93,8 +95,11 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     params_before = frontend.parameters(exact)
     reference = frontend.outputs(exact)
 
+    def decide(f: float, captures: dict) -> SlicePlan:
+        return plan_slices(view, list(plan.components), plan.gammas, stream_of, captures, f, per_block)
+
     def attempt(f: float) -> tuple[FoldResult, SliceReport]:
-        decided = plan_slices(view, list(plan.components), plan.gammas, stream_of, captured, f, per_block)
+        decided, steps = sequential(frontend, planner, lambda captures: decide(f, captures), captured)
         if not decided.bases:
             why = next((s.line() for s in decided.streams), "no LayerNorm folds")
             raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "
@@ -107,11 +112,56 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
                     s.why, s.keep = rot.why, None
         if not any(s.sliced for s in decided.streams):
             raise LnfoldError(f"no stream can be sliced: {decided.streams[0].line()}")
-        return sliced, SliceReport(f, decided.streams, params_before, frontend.parameters(sliced),
-                                   error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows)
+        report = SliceReport(f, decided.streams, params_before, frontend.parameters(sliced),
+                             error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows)
+        if steps:
+            report.notes.append(f"per-block bases computed sequentially (each segment's on the model sliced "
+                                f"before it): {steps} sliced fold(s) and capture(s) more")
+        return sliced, report
 
     sliced, report = attempt(fraction) if budget is None else _largest_within(attempt, budget, frontend.rows)
     return exact, sliced, report
+
+
+def sequential(frontend: Slicing, planner: Callable, decide: Callable[[dict], SlicePlan],
+               captured: dict) -> tuple[SlicePlan, int]:
+    """(the slice plan, the sliced folds it took): `decide(captured)`, and where it has per-block
+    streams, their bases made sequential as SliceGPT's are: step i captures segment i's norm inputs
+    at full width in the model sliced at segments < i by the bases of the steps before (every
+    stream's i-th segment in one step: `full_width_inputs`); the next decision reads them instead of
+    the exact fold's."""
+    decided, folds = decide(captured), 0
+    for i in range(1, max((len(heads) for _, heads in decided.order), default=0)):
+        at = [(s, heads[i]) for s, heads in decided.order if len(heads) > i]
+        got, n = full_width_inputs(frontend, planner, decided, at)
+        captured, folds = {**captured, **got}, folds + n
+        decided = decide(captured)
+    return decided, folds
+
+
+def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
+                      at: list[tuple[StreamSlice, str]]) -> tuple[dict, int]:
+    """(norm input -> its full-width batches, the sliced folds it took): the inputs of the norms of
+    segments `at` (each a stream's and its segment's first norm) in the model sliced by `decided`'s
+    bases, seen through `windows(d, k)` sliced folds, each carrying the segment in a `window_basis`
+    (k of its d features kept unchanged; the bases of the segments after it do not matter: they do
+    not reach it), and put back together. A stream whose rotation its fold withdraws is left out
+    (its slice is withdrawn alike)."""
+    parts: dict[str, dict[int, list]] = {}  # norm input -> window start -> its batches
+    count = max(windows(s.dim, s.keep) for s, _ in at)
+    for j in range(count):
+        bases, starts = dict(decided.bases), {}
+        for s, head in at:
+            starts[head], p = window_basis(s.dim, s.keep, min(j, windows(s.dim, s.keep) - 1))
+            bases[head] = (edits.Data(f"window{starts[head]}:{head}", p), s.keep)
+        probe = Recorded(planner)
+        sliced = frontend.sliced(bases, probe)
+        rotated = {r.stream for r in probe.plan.rotations if r.rotated}
+        wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}
+        for value, batches in frontend.capture(sliced, list(wanted)).items():
+            parts.setdefault(value, {})[starts[wanted[value]]] = batches
+    width = {value: (s.dim, axis) for s, head in at for value, axis in decided.inputs[head]}
+    return {v: from_windows(w, width[v][1], width[v][0]) for v, w in parts.items()}, count
 
 
 def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldResult, SliceReport]:

@@ -17,9 +17,15 @@ only error is the part of each stream row outside span(Q[:, :k]); at k = d the s
 Per-block bases (`per_block`, SliceGPT's own choice): each segment of the stream between norms
 (passes/segments.py) gets the basis of its own norms' inputs, its writers write in it, and each
 residual Add where one segment flows into the next re-expresses its shortcut input by the constant
-k×k MatMul `Q_l[:, :k]ᵀ·Q_{l+1}[:, :k]` (at k = d a pure change of basis: exact). Every basis is
-computed from the exact fold's captures (SliceGPT computes each on the model already sliced
-before it; not done here). A stream whose residual Adds do not allow it keeps one basis, with why.
+k×k MatMul `Q_l[:, :k]ᵀ·Q_{l+1}[:, :k]` (at k = d a pure change of basis: exact). A stream whose
+residual Adds do not allow it keeps one basis, with why.
+
+The per-block bases are sequential, as SliceGPT's: segment i's basis is computed from its norms'
+inputs in the model already sliced at segments < i (so it sees, and can keep, what the upstream
+deletions left), segment 0's from the exact fold (passes/slicer.py runs the steps). The slice at
+k < d cannot show segment i at full width, but a slice in a permutation basis keeps k chosen
+features of it untouched (`window_basis`): `windows(d, k)` such slices see all d features of the
+same rows, from which the full-width rows are put back together (`from_windows`).
 """
 from __future__ import annotations
 
@@ -128,6 +134,10 @@ class SlicePlan:
     # the stream's first norm -> (Data, k); per-block, the first norm of each segment
     bases: dict = field(default_factory=dict)
     streams: list[StreamSlice] = field(default_factory=list)
+    # per-block streams: each one's segments (their first norms) in the stream's order, and each
+    # segment's norm inputs (value, feature axis): what a sequential step captures
+    order: list[tuple[StreamSlice, list[str]]] = field(default_factory=list)
+    inputs: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
 
 def plan_slices(view: View, components: list[Component], gammas: Mapping, stream_of: Mapping[str, int],
@@ -160,15 +170,46 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
                 groups = {h: [n for n, g in seg.of_norm.items() if g == h] for h in seg.heads}
             else:
                 s.one_basis_why = seg.why
+        if len(groups) > 1:
+            out.order.append((s, list(groups)))
         kept, s.rows = 0.0, 0
         for head, norms in groups.items():
-            moments = [unit_rms_moment(captured[value], axis) for value, axis in (_norm_input(view, n) for n in norms)]
+            out.inputs[head] = [_norm_input(view, n) for n in norms]
+            moments = [unit_rms_moment(captured[value], axis) for value, axis in out.inputs[head]]
             rows = sum(n for _, n in moments)
             q, eigenvalues = principal_basis(sum(m * n for m, n in moments) / rows)
             kept += rows * float(eigenvalues[:s.keep].sum() / eigenvalues.sum())
             s.rows += rows
             out.bases[head] = (Data(f"pca:{head}", q), s.keep)
         s.variance_kept, s.bases = kept / s.rows, len(groups)
+    return out
+
+
+def windows(d: int, k: int) -> int:
+    """How many k-wide windows `window_basis` cuts a width d into (they cover all d features)."""
+    return -(-d // k)
+
+
+def window_basis(d: int, k: int, j: int) -> tuple[int, np.ndarray]:
+    """(s, P): window j of d features sliced to k starts at feature s = min(j·k, d − k); P is the
+    permutation basis whose first k columns are the features s, ..., s + k − 1, so that a slice to
+    k in P carries exactly those features of the full-width tensor, unchanged."""
+    s = min(j * k, d - k)
+    order = list(range(s, s + k)) + [c for c in range(d) if not s <= c < s + k]
+    return s, np.eye(d)[:, order]
+
+
+def from_windows(parts: Mapping[int, list[np.ndarray]], axis: int, d: int) -> list[np.ndarray]:
+    """The full-width batches put back together from their windows (window start -> the batches as
+    sliced in its `window_basis`, the k kept features on `axis`)."""
+    out = []
+    for i in range(len(next(iter(parts.values())))):
+        pieces = {s: np.moveaxis(np.asarray(batches[i], dtype=np.float64), axis, -1) for s, batches in parts.items()}
+        some = next(iter(pieces.values()))
+        full = np.zeros(some.shape[:-1] + (d,))
+        for s, x in pieces.items():
+            full[..., s:s + x.shape[-1]] = x
+        out.append(np.moveaxis(full, -1, axis))
     return out
 
 

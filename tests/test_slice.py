@@ -378,3 +378,115 @@ def test_torch_per_block_full_width_is_the_exact_fold():
     assert s.dim == s.keep == 64 and s.bases == 5
     assert sum(1 for n in r.module.graph.nodes if n.op == "get_attr" and "lnfold_shortcut" in n.target) == 4
     assert r.report.error < 1e-12
+
+
+# --- sequential per-block bases (passes/slicer.sequential): segment i's basis on the model sliced before it
+
+def _sequential_pieces(model: onnx.ModelProto, fraction: float):
+    """The ONNX slicer's pieces: its frontend, the exact fold's captures, and the per-block decision
+    over any captures (passes/slicer.slice_with's, taken apart)."""
+    from lnfold.onnx_rewrite import targets
+    from lnfold.onnx_rewrite.slice import slicing_frontend
+    from lnfold.passes.calibration import Recorded
+
+    feeds, held = approx_io.calibration_split(model, calibration(), None)
+    frontend = slicing_frontend(model, targets.resolve("ort", "cpu"), feeds, held, None)
+    recorded = Recorded(plan_module.make_plan)
+    captured = frontend.capture(frontend.exact(recorded), list(recorded.plan.needs))
+    view, plan = recorded.view, recorded.plan
+    stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
+
+    def decide(captures):
+        return slicing.plan_slices(view, list(plan.components), plan.gammas, stream_of, captures, fraction, True)
+
+    return frontend, captured, decide
+
+
+def _kept_projector(decided, head) -> np.ndarray:
+    q, k = decided.bases[head]
+    return q.array[:, :k] @ q.array[:, :k].T
+
+
+@pytest.mark.parametrize("plant", [None, "one window", "shifted window"])
+def test_sequential_windows_show_the_sliced_upstream_at_full_width(monkeypatch, plant):
+    """Segment 1's norm input in the model sliced at segment 0 (d = 16, k = 12), put together from two
+    windowed slices (features 0–11 and 4–15), is the full-width tensor: slicing segment 1 in a random
+    orthogonal basis instead shows exactly its projection (float64). It is not the exact fold's
+    (the upstream deletion changed it). Planted bugs — only the first window, a window put back one
+    feature off — break the identity."""
+    from lnfold.passes import slicer
+    from lnfold.passes.calibration import Recorded
+    from lnfold.passes.edits import Data
+
+    if plant == "one window":
+        monkeypatch.setattr(slicer, "windows", lambda d, k: 1)
+    if plant == "shifted window":
+        real = slicer.from_windows
+        monkeypatch.setattr(slicer, "from_windows", lambda parts, axis, d: real(
+            {min(s + 1, d - 12): b for s, b in parts.items()}, axis, d))
+    frontend, captured, decide = _sequential_pieces(stream_model(), 0.25)
+    decided = decide(captured)
+    ((s, heads),) = decided.order
+    got, folds = slicer.full_width_inputs(frontend, plan_module.make_plan, decided, [(s, heads[1])])
+    (value,) = got
+    r = np.linalg.qr(np.random.default_rng(4).standard_normal((D, D)))[0]
+    bases = {**decided.bases, heads[1]: (Data("random", r), s.keep)}
+    seen = frontend.capture(frontend.sliced(bases, Recorded(plan_module.make_plan)), [value])[value]
+    mismatch = max(np.abs(g @ r[:, :s.keep] - x).max() / np.abs(x).max() for g, x in zip(got[value], seen))
+    if plant is None:
+        assert folds == 2 and mismatch < 1e-12
+        moved = max(np.abs(g - c).max() / np.abs(c).max() for g, c in zip(got[value], captured[value]))
+        assert moved > 1e-3
+    else:
+        assert mismatch > 1e-3
+
+
+def test_sequential_bases_differ_from_one_shot_and_slice_as_well():
+    """Full-rank test stream, F = 0.25, 3 segments: segment 0's basis is the exact fold's (nothing is
+    sliced before it), segments 1 and 2 get other kept subspaces; 2 steps × 2 windows = 4 sliced
+    folds more, said in the report; the slice has the same widths and shortcuts as the one-shot one,
+    and its held-out error is no worse than 1.1× it."""
+    from lnfold.passes import slicer
+
+    frontend, captured, decide = _sequential_pieces(stream_model(), 0.25)
+    one = decide(captured)
+    seq, folds = slicer.sequential(frontend, plan_module.make_plan, decide, captured)
+    ((_, heads),) = seq.order
+    assert folds == 4 and len(heads) == 3
+    assert np.allclose(_kept_projector(seq, heads[0]), _kept_projector(one, heads[0]), atol=1e-10)
+    for head in heads[1:]:
+        assert np.abs(_kept_projector(seq, head) - _kept_projector(one, head)).max() > 1e-3
+    r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, per_block=True)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep, s.bases) == (D, 12, 3) and _shortcut_matmuls(r.model) == 2
+    assert any("4 sliced fold(s)" in n for n in r.report.notes)
+    one_shot = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25)  # one basis: the floor to beat
+    assert error_against_exact(r) < error_against_exact(one_shot)
+
+
+def test_sequential_bases_of_a_stream_in_k_dimensions_are_the_one_shot_ones():
+    """Writers spanning 12 of 16 dimensions, k = 12: slicing the upstream deletes nothing, so every
+    segment sees the exact fold's rows and keeps the same subspace; the slice has zero error."""
+    from lnfold.passes import slicer
+
+    frontend, captured, decide = _sequential_pieces(stream_model(span=12), 0.25)
+    one = decide(captured)
+    seq, _ = slicer.sequential(frontend, plan_module.make_plan, decide, captured)
+    for head in seq.bases:
+        assert np.allclose(_kept_projector(seq, head), _kept_projector(one, head), atol=1e-9)
+    assert error_against_exact(lnfold.slice_onnx(stream_model(span=12), calibration(), fraction=0.25,
+                                                 per_block=True)) < 1e-12
+
+
+def test_torch_sequential_per_block_matches_onnx():
+    """The torch frontend captures segment inputs in its sliced graph modules too: at F = 0.25 it
+    takes the same sliced folds as ONNX and lands on the same error."""
+    from lnfold import zoo
+
+    m, args, ids = _zoo_gpt2()
+    t = lnfold.slice_module(m, (ids,), fraction=0.25, per_block=True)
+    o = lnfold.slice_onnx(zoo.export_onnx(m, args, ["input_ids"]), {"input_ids": ids.numpy()}, fraction=0.25,
+                          per_block=True)
+    assert t.report.notes == o.report.notes and "8 sliced fold(s)" in t.report.notes[0]
+    assert t.report.streams[0].bases == o.report.streams[0].bases == 5
+    assert t.report.error == pytest.approx(o.report.error, rel=0.05)

@@ -6,8 +6,8 @@ at fractions 0.1 / 0.2 / 0.3. NOT exact, either of them.
     python -m benchmarks.trained.slicegpt_side --slicegpt-src /tmp/tc/src [--fractions 0.1 0.2 0.3] [--rounds 30]
 
 lnfold is run twice per fraction: one basis per stream, and `per_block=True` (a basis per block
-input, each residual shortcut re-expressed by a k×k MatMul, SliceGPT's scheme; its bases come from
-the exact fold's captures, SliceGPT's from the model already sliced before each block).
+input, each residual shortcut re-expressed by a k×k MatMul, SliceGPT's scheme; each block's basis,
+as SliceGPT's, from the model already sliced before it: passes/slicer.sequential).
 
 The checkpoint is `opt_stdlib` (train.py's recipe; trained here into benchmarks/trained/opt_stdlib/
 when its weights are missing, ~10 min). Both methods calibrate on the same rows: CALIBRATION_ROWS
