@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from .view import Blocks, ChannelScale, ConstRef, Node, View
+from .view import FeatureRuns, ChannelScale, ConstRef, Node, View
 
 # Recenter only where the swaps it enables outnumber the recenters by this factor (DESIGN §1).
 RECENTER_PAYOFF = 2
@@ -60,7 +60,7 @@ class Component:
     axes: dict[str, int] = field(default_factory=dict)
     # Stream tensors centered per block of this many entries along their feature axis (the
     # input of per-head q/k norms, seen before the split into heads); absent: the whole axis.
-    blocks: dict[str, Blocks] = field(default_factory=dict)
+    blocks: dict[str, FeatureRuns] = field(default_factory=dict)
     norms: list[str] = field(default_factory=list)
     sources: list[CenteredSource] = field(default_factory=list)
     opaque: list[OpaqueStart] = field(default_factory=list)
@@ -110,7 +110,7 @@ def _fmt_value(name: str) -> str:
     return f"`{name}`"
 
 
-def _fmt_blocks(block: Optional[Blocks]) -> str:
+def _fmt_blocks(block: Optional[FeatureRuns]) -> str:
     if block is None:
         return "the whole axis"
     span = "" if not block.lo and block.hi is None else f" in entries [{block.lo}, {block.hi if block.hi is not None else 'end'})"
@@ -170,7 +170,7 @@ class _ComponentBuilder:
         else:
             self.block(value, f"is also read by {c.describe()}, whose result depends on the mean")
 
-    def visit(self, value: str, axis: int, block: Optional[Blocks] = None) -> None:
+    def visit(self, value: str, axis: int, block: Optional[FeatureRuns] = None) -> None:
         if block is not None:
             block = self._normalized(value, axis, block)
             if block is False:
@@ -188,7 +188,7 @@ class _ComponentBuilder:
             self.block(value, f"is reached centered per {_fmt_blocks(self.comp.blocks.get(value))} "
                               f"and per {_fmt_blocks(block)}")
 
-    def _normalized(self, value: str, axis: int, block: Blocks):
+    def _normalized(self, value: str, axis: int, block: FeatureRuns):
         """`block` with its span clipped to the axis; None where it is one run over the whole
         axis; False (and a blocker) where the runs do not tile the axis."""
         if block.spacing is not None:  # a merged axis (the reshape proved the grouping): taken as it is
@@ -210,8 +210,8 @@ class _ComponentBuilder:
             return False
         if stride != block.size:
             return replace(block, hi=None)
-        block = Blocks(block.size, block.lo, None if hi == size else hi, row=block.row)
-        return None if block == Blocks(size) else block
+        block = FeatureRuns(block.size, block.lo, None if hi == size else hi, row=block.row)
+        return None if block == FeatureRuns(size) else block
 
     def run(self, start: str, axis: int) -> Component:
         self.visit(start, axis)
@@ -282,7 +282,7 @@ class _ComponentBuilder:
                 return stored
         return None
 
-    def _splits_back_out(self, value: str, axis: int, block: Optional[Blocks], depth: int = 32) -> bool:
+    def _splits_back_out(self, value: str, axis: int, block: Optional[FeatureRuns], depth: int = 32) -> bool:
         """Does a feature axis merged with other axes (`block.spacing`) come out whole again
         upstream, through layout ops and reshapes only (MobileViT's unfolding of conv_1x1's
         output)? Where it does not, the merged tensor is no stream to follow: the value stays an
@@ -297,7 +297,7 @@ class _ComponentBuilder:
         return ins is not None and all(not self.view.values[node.inputs[i]].is_const
                                        and self._splits_back_out(node.inputs[i], a, b, depth - 1) for i, a, b in ins)
 
-    def _stream_input(self, node: Node, i: int, axis: int, block: Optional[Blocks] = None) -> None:
+    def _stream_input(self, node: Node, i: int, axis: int, block: Optional[FeatureRuns] = None) -> None:
         name = node.inputs[i]
         if self.view.values[name].is_const:
             ref = ConstRef(name, axis, node.name, i, block)
@@ -328,7 +328,7 @@ class _ComponentBuilder:
                          "along the feature axis to the rest too")
         return False
 
-    def _producer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
+    def _producer_side_blocks(self, value: str, axis: int, block: FeatureRuns) -> None:
         """A tensor centered per block: only constant edits that center each block will do (a
         recenter centers the whole axis, a LayerScale fold is not tried)."""
         v = self.view.values[value]
@@ -350,7 +350,7 @@ class _ComponentBuilder:
         self.block(value, f"must be centered per {_fmt_blocks(block)} (a per-head norm reads it), but it is "
                           f"made by {what}, which no per-block edit can center")
 
-    def _consumer_side_blocks(self, value: str, axis: int, block: Blocks) -> None:
+    def _consumer_side_blocks(self, value: str, axis: int, block: FeatureRuns) -> None:
         """Every reader must carry a per-block shift on to norms, or ignore it (shapes only)."""
         v = self.view.values[value]
         if v.is_graph_output:
@@ -483,7 +483,7 @@ def _block_shared(components: list[Component]) -> None:
             seen[value].append(comp)
 
 
-def _disjoint(a: Optional[Blocks], b: Optional[Blocks]) -> bool:
+def _disjoint(a: Optional[FeatureRuns], b: Optional[FeatureRuns]) -> bool:
     if a is None or b is None or a.size != b.size:
         return False
     if a.spacing is not None or b.spacing is not None:

@@ -80,7 +80,7 @@ from typing import Callable, Optional
 from .axes import (broadcast_rules, merge_row_runs, permute_rules, regroup_factor, reshape_axis, reshape_block_axis,
                    same_axes_rules, split_periodic_runs)
 from .guards import is_overflow_guard
-from .view import Answers, Blocks, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, SizeOf, View
+from .view import Answers, FeatureRuns, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, SizeOf, View
 
 
 @dataclass
@@ -327,8 +327,8 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
             return None
         k, spacing = got
         if spacing is None or (spacing == (1, ()) and isinstance(dst[k], int)):
-            return k, Blocks(size)
-        return k, Blocks(size, spacing=spacing)
+            return k, FeatureRuns(size)
+        return k, FeatureRuns(size, spacing=spacing)
 
     def regroup(src, dst, axis, block):
         """Only whole runs regroup: a reshape of partly edited rows is not followed, except runs
@@ -339,20 +339,20 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
                     or axis >= len(src) or src[axis] != block.size:
                 return None
             got = merge_row_runs(src, dst, axis, *block.row)
-            return None if got is None else (got[0], Blocks(block.size, got[1], None, got[2]))
+            return None if got is None else (got[0], FeatureRuns(block.size, got[1], None, got[2]))
         if block is not None and block.spacing is not None:
             if block.lo or block.hi is not None or block.stride is not None or block.row is not None:
                 return None
             return merged(regroup_factor(src, dst, axis, block.size, block.spacing), block.size, dst)
         if block is not None and block.step != block.size:
             got = split_periodic_runs(src, dst, axis, block.size, block.lo, block.step)
-            return None if got is None else (got[0], Blocks(block.size, row=got[1:]))
+            return None if got is None else (got[0], FeatureRuns(block.size, row=got[1:]))
         if block is not None and (block.lo or block.hi is not None):
             return None
         got = reshape_block_axis(src, dst, axis, None if block is None else block.size)
         if got is None and block is None and src is not None and 0 <= axis < len(src) and isinstance(src[axis], int):
             return merged(regroup_factor(src, dst, axis, src[axis], 1), src[axis], dst)  # merged with the axes before
-        return None if got is None else (got[0], Blocks(got[1]))
+        return None if got is None else (got[0], FeatureRuns(got[1]))
 
     def transfer_block(i, b, block):
         got = None if i != data else regroup(_shape(view, node, data), view.values[node.outputs[0]].shape, b, block)
@@ -399,7 +399,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
 
     def whole(k, axis, block):  # None: the whole axis of the tensor, one run
         s = (sizes[k] if k is not None else _shape(view, node, data[0]))
-        return block if block is not None else (Blocks(s[axis]) if s is not None and isinstance(s[axis], int) else None)
+        return block if block is not None else (FeatureRuns(s[axis]) if s is not None and isinstance(s[axis], int) else None)
 
     def transfer_block(i, b, block):
         if b != cut:
@@ -426,7 +426,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         if block is None or starts[k] % block.size or block.step != block.size or block.row is not None or block.spacing:
             return None
         hi = lengths[k] if block.hi is None else block.hi
-        return [(data[0], a, Blocks(block.size, starts[k] + block.lo, starts[k] + hi))]
+        return [(data[0], a, FeatureRuns(block.size, starts[k] + block.lo, starts[k] + hi))]
 
     return dict(out, transfer_block=transfer_block, backward_block=backward_block)
 
@@ -479,7 +479,7 @@ def _take(view, node, data, start, stop, q, outs=(0,), index=None):
         size = block.size if block is not None else xs[b]
         if not isinstance(size, int):
             return None
-        return [(j, b, replace(block, row=row) if block is not None else Blocks(size, row=row))]
+        return [(j, b, replace(block, row=row) if block is not None else FeatureRuns(size, row=row))]
 
     def transfer_block(i, b, block):
         got = transfer(i, b)

@@ -25,7 +25,7 @@ That is all a view stores. The analysis asks each node these questions (`node.tr
   only where that tensor's axis is on the same stream (`compress.follows_stream` judges it). On a
   `shape_only` node: [] when its result does not depend on the width (a dtype assert).
 - `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same questions for a
-  tensor centered per block (`Blocks`: runs of `size` entries, those in [lo, hi) edited; None:
+  tensor centered per block (`FeatureRuns`: runs of `size` entries, those in [lo, hi) edited; None:
   the whole axis), answered with (index, axis, blocks) triples (an empty list: a slice that
   reads none of the edited runs, its output unchanged): a reshape that splits the feature axis into (heads,
   head_dim) maps "feature axis head_dim" to "blocks of head_dim" on the merged axis.
@@ -62,7 +62,7 @@ AxisMap = list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
-class Blocks:
+class FeatureRuns:
     """Runs of `size` entries along a feature axis, each centered on its own; only the runs in
     entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection).
 
@@ -85,11 +85,11 @@ class Blocks:
     def step(self) -> int:
         return self.size if self.stride is None else self.stride
 
-    def shifted(self, start: int, length: int) -> Optional["Blocks"]:
+    def shifted(self, start: int, length: int) -> Optional["FeatureRuns"]:
         """The runs as seen by a slice [start, start + length), None where it reads none of them."""
         hi = start + length if self.hi is None else min(self.hi, start + length)
         lo = max(self.lo, start)
-        return Blocks(self.size, lo - start, hi - start) if lo < hi else None
+        return FeatureRuns(self.size, lo - start, hi - start) if lo < hi else None
 
     def runs(self, n: int) -> set[int]:
         """Where the edited runs start along an axis of `n` entries."""
@@ -110,7 +110,7 @@ class ConstRef:
     user_input: int
     # Center each run of `block.size` entries along `axis` on its own (a per-head q/k norm reads
     # the source's output features in blocks of head_dim); None: the whole axis.
-    block: Optional[Blocks] = None
+    block: Optional[FeatureRuns] = None
 
 
 @dataclass
@@ -189,7 +189,7 @@ def _not_linear(i: int, axis: int) -> Optional[LinearRead]:
     return None
 
 
-def _never_block(k: int, axis: int, block: Optional[Blocks]) -> Optional[list[tuple[int, int, Optional[Blocks]]]]:
+def _never_block(k: int, axis: int, block: Optional[FeatureRuns]) -> Optional[list[tuple[int, int, Optional[FeatureRuns]]]]:
     return None
 
 
@@ -209,8 +209,8 @@ class Answers:
     invariant: Callable[[int, int], bool] = _not_invariant
     linear: Callable[[int, int], Optional[LinearRead]] = _not_linear
     width_refs: Callable[[int, int], Optional[list[DimRef]]] = _names_no_width
-    transfer_block: Callable[[int, int, Optional[Blocks]], Optional[list[tuple[int, int, Optional[Blocks]]]]] = _never_block
-    backward_block: Callable[[int, int, Optional[Blocks]], Optional[list[tuple[int, int, Optional[Blocks]]]]] = _never_block
+    transfer_block: Callable[[int, int, Optional[FeatureRuns]], Optional[list[tuple[int, int, Optional[FeatureRuns]]]]] = _never_block
+    backward_block: Callable[[int, int, Optional[FeatureRuns]], Optional[list[tuple[int, int, Optional[FeatureRuns]]]]] = _never_block
     block_centering: bool = False
     layout: bool = False
     regroups: bool = False
@@ -272,10 +272,10 @@ class Node:
     def width_refs(self, o: int, axis: int) -> Optional[list[DimRef]]:
         return self._answers().width_refs(o, axis)
 
-    def transfer_block(self, i: int, axis: int, block: Optional[Blocks]):
+    def transfer_block(self, i: int, axis: int, block: Optional[FeatureRuns]):
         return self._answers().transfer_block(i, axis, block)
 
-    def backward_block(self, o: int, axis: int, block: Optional[Blocks]):
+    def backward_block(self, o: int, axis: int, block: Optional[FeatureRuns]):
         return self._answers().backward_block(o, axis, block)
 
     @property
