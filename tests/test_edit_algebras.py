@@ -107,3 +107,23 @@ def test_op_answers_for_the_walkers():
     assert chunk_axis((Center(1), Scale("g", 0, 1)), 2) == 0  # each row on its own: streamed by rows
     assert chunk_axis((Center(0),), 2) is None  # a mean over the rows: whole
     assert chunk_axis((Center(1), Project(1, Identity(8), 7)), 2) is None  # the shape changes: whole
+
+
+@pytest.mark.parametrize("shape, ops", [
+    ((3000, 256), (Center(1),)),  # a token table centered along its features (3 MB: 6 blocks of rows)
+    ((1200, 8, 64), (Scale("g", 0, 2), Center(2))),  # a LayerScale fold, then its centering, per row
+    ((8000, 96), (Center(1, block=32),)),  # per-head runs
+])
+def test_a_big_constant_is_edited_by_blocks_of_rows_to_the_same_bytes(shape, ops):
+    """compute_constants edits a tensor whose ops treat rows alone a block of rows at a time (the
+    float64 temporaries stay in cache): every byte as the whole-tensor edit gives."""
+    from lnfold.passes.edits import CACHE_BLOCK_BYTES, edited
+
+    a = RNG.normal(3.0, 1.0, shape).astype(np.float32)
+    assert a.nbytes > 2 * CACHE_BLOCK_BYTES  # (else it is edited whole)
+    gamma = RNG.normal(1.0, 0.5, (shape[-1],))
+    source = {"g": gamma}.__getitem__
+    whole = apply_ops(a.astype(np.float64), ops, source, NUMPY).astype(np.float32)
+    got = edited(a, ops, source)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), whole.view(np.uint32))
+    assert abs(float(got.astype(np.float64).mean(axis=-1).max())) < 1e-5  # centered (the mean was 3)
