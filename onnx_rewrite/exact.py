@@ -125,15 +125,22 @@ class Float64Run:
             raise RuntimeError(f"onnxruntime: {why}; reference evaluator: {type(e).__name__}: {msg}") from None
 
 
-def exact_run(model: ModelLike, feeds: dict) -> tuple[Optional[list[np.ndarray]], str]:
+def exact_run(model: ModelLike, feeds: dict, prepared: Optional["Float64Run"] = None
+              ) -> tuple[Optional[list[np.ndarray]], str]:
     """The outputs of a float64 copy of `model` on `feeds` (floats upcast), and how they were
-    computed; (None, why) where no float64 run was possible."""
+    computed; (None, why) where no float64 run was possible. `prepared`: its Float64Run, made
+    beforehand (`prepare`: verify.reference builds it while the original runs)."""
     if float_elems(skeleton_of(model)) > EXACT_MAX_ELEMS:
         return None, f"a float64 copy would hold more than {EXACT_MAX_ELEMS} float weights"
     try:
-        return Float64Run(model).run(feeds)
+        return (prepared or Float64Run(model)).run(feeds)
     except RuntimeError as e:
         return None, str(e)
+
+
+def prepare(model: ModelLike) -> Optional["Float64Run"]:
+    """The Float64Run `exact_run` would make, or None where it would make none (too big)."""
+    return Float64Run(model) if float_elems(skeleton_of(model)) <= EXACT_MAX_ELEMS else None
 
 
 def _without_double_kernel(model: onnx.ModelProto) -> list[onnx.NodeProto]:

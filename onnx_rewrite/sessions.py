@@ -147,8 +147,16 @@ def contrib_ops() -> list:
     return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf]
 
 
-_ERF = np.vectorize(math.erf, otypes=[np.float64])
-_ERFC = np.vectorize(math.erfc, otypes=[np.float64])
+def _elementwise(f):
+    return lambda x: np.fromiter(map(f, np.asarray(x, np.float64).ravel().tolist()), np.float64,
+                                 np.size(x)).reshape(np.shape(x))
+
+
+try:  # scipy's Cephes erf where scipy is installed (not a dependency): within 3 ulp of libm's, and a
+    # ViT-B's float64 copy spent 1.3 s in 12 GELUs' Erf element by element
+    from scipy.special import erf as _ERF, erfc as _ERFC
+except ImportError:  # libm's, element by element
+    _ERF, _ERFC = _elementwise(math.erf), _elementwise(math.erfc)
 
 
 def first_line(e: BaseException) -> str:
