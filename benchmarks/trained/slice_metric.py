@@ -5,7 +5,10 @@ Calibration rows and scored rows are disjoint: the second half of each committed
 calibrates (and measures the slice's error against the exact fold on its own held-out half), the
 first half is scored (the metric of `harness`).
 
-    python -m benchmarks.trained.slice_metric [--models gpt2_stdlib vit_digits] [--rounds 20]
+    python -m benchmarks.trained.slice_metric [--models gpt2_stdlib vit_digits bert_stdlib] [--rounds 20]
+
+Each model's norms that the exact fold keeps are listed with the reason (Post-LN BERT: all but the
+embeddings' norm), since only folded streams can be sliced.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from lnfold.onnx_rewrite.slice import parameters
 from . import harness
 
 FRACTIONS = (0.1, 0.2, 0.3)
-TIMED_ROWS = {"gpt2_stdlib": 4, "vit_digits": 64}
+TIMED_ROWS = {"gpt2_stdlib": 4, "vit_digits": 64, "bert_stdlib": 4}
 
 
 def session(model):
@@ -37,7 +40,7 @@ def session(model):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--models", nargs="+", default=["gpt2_stdlib", "vit_digits"])
+    p.add_argument("--models", nargs="+", default=["gpt2_stdlib", "vit_digits", "bert_stdlib"])
     p.add_argument("--fractions", nargs="+", type=float, default=list(FRACTIONS))
     p.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds")
     args = p.parse_args(argv)
@@ -54,9 +57,13 @@ def main(argv=None) -> None:
         for f in args.fractions:
             r = lnfold.slice_onnx(model, calibration, fraction=f)
             variants.setdefault("exact fold", r.exact.model)
+            exact = r.exact
             variants[f"slice F={f:g}"] = r.model
             reports[f"slice F={f:g}"] = r.report
         print(f"{name}: scored on held-out rows [0, {half}), calibrated on [{half}, {len(rows)})")
+        for v in exact.report.norms:
+            if v.verdict != "fold":
+                print(f"  kept by the exact fold (not sliceable): {v.name}: {v.reason}")
         for label, m in variants.items():
             metric = harness.evaluate(name, harness.onnx_runner(m), limit=half)
             print(f"  {label:<14} {metric}  parameters {parameters(m):,}")

@@ -235,7 +235,7 @@ def main(argv=None) -> None:
         torch_ppl = (harness.evaluate(NAME, harness.torch_runner(eager[label]), root=root).value
                      if label in eager else None)
         params[label] = parameters(model)
-        print(f"| {label} | {ort_ppl:.4f} | {'' if torch_ppl is None else f'{torch_ppl:.4f}'} | {params[label]:,} "
+        print(f"| {label} | {ort_ppl:.5f} | {'' if torch_ppl is None else f'{torch_ppl:.5f}'} | {params[label]:,} "
               f"({params[label] / params['original']:.3f}x) |")
     for label, text in notes.items():
         print(f"\n{label}:\n{text}")
