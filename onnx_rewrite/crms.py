@@ -42,7 +42,7 @@ def patch_dims(em, plan: Plan) -> None:
 def forget_shapes(em, plan: Plan) -> None:
     """The exporter's recorded shapes say d where the stream is now d-1 (or k): drop the inner ones
     (runtimes infer them again), keeping the graph's inputs and outputs."""
-    if not any(cc.compressed for cc in plan.compressions) and not any(r.sliced for r in plan.rotations):
+    if not any(cc.compressed for cc in plan.compressions) and not any(r.sliced for r in plan.stream_bases):
         return
     keep = {id(t) for t in list(em.graph.inputs) + list(em.graph.outputs)}
     for t in em.graph.tensors().values():

@@ -529,8 +529,8 @@ def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify
 
 
 def rotated_streams(fold: Optional[FoldResult]) -> int:
-    """The streams the fold's plan rotated (its StreamRotation records)."""
-    return sum(r.rotated for r in fold.plan.rotations) if fold else 0
+    """The streams the fold's plan rotated (its StreamBasis records)."""
+    return sum(r.rotated for r in fold.plan.stream_bases) if fold else 0
 
 
 def moved_gamma(fold: Optional[FoldResult]) -> bool:

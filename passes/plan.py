@@ -25,7 +25,7 @@ from .compress import ComponentCompression, compress
 from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
-from .rotate import StreamRotation, plan_rotation
+from .rotate import StreamBasis, plan_rotation
 from . import slicing
 from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
                     Ones, Project, Recenter, Scale)
@@ -97,7 +97,7 @@ class Plan:
     training: bool = False  # the edited constants are trained: edits computed in the graph
     kept_by_target: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
     gammas: Mapping[str, GammaFold] = field(default_factory=_frozen_dict)  # gamma_into_readers: per folded norm
-    rotations: Sequence[StreamRotation] = FrozenList()  # rotate=: per folded stream, rotated or why not
+    stream_bases: Sequence[StreamBasis] = FrozenList()  # rotate=: per folded stream, rotated or why not
 
     approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
     # how each swapped norm that is neither deferred nor a CRMSNorm is emitted
@@ -121,13 +121,13 @@ class Plan:
         """The layout ops' size entries that spell a stream's width, each with how much it shrinks:
         1 on a CRMS stream (d−1 features), d−k on a sliced one."""
         out = [(ref, 1) for cc in self.compressions if cc.compressed for ref in cc.dims]
-        out += [(ref, r.dim - r.width) for r in self.rotations if r.sliced for ref in r.dims]
+        out += [(ref, r.dim - r.width) for r in self.stream_bases if r.sliced for ref in r.dims]
         return out
 
     @property
     def shortcuts(self) -> list:
         """The residual shortcuts re-expressed by a constant MatMul (per-block bases, passes/rotate.py)."""
-        return [s for r in self.rotations if r.rotated for s in r.shortcuts]
+        return [s for r in self.stream_bases if r.rotated for s in r.shortcuts]
 
     @property
     def empty(self) -> bool:
@@ -153,11 +153,12 @@ class Plan:
         def names(ns) -> FrozenList:
             return FrozenList(local(n) for n in ns if mine(n))
 
-        rotations = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)),
-                                       dims=[replace(d, node=local(d.node)) for d in r.dims if mine(d.node)],
-                                       norm_bases={local(n): b for n, b in r.norm_bases.items() if mine(n)},
-                                       shortcuts=[replace(s, node=local(s.node)) for s in r.shortcuts if mine(s.node)])
-                               for r in self.rotations)
+        stream_bases = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)),
+                                          dims=[replace(d, node=local(d.node)) for d in r.dims if mine(d.node)],
+                                          norm_bases={local(n): b for n, b in r.norm_bases.items() if mine(n)},
+                                          shortcuts=[replace(s, node=local(s.node)) for s in r.shortcuts
+                                                     if mine(s.node)])
+                                  for r in self.stream_bases)
         main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
                          origins=self.origins) if main else {}
         return Plan(mode=self.mode, swaps=names(self.swaps),
@@ -165,7 +166,7 @@ class Plan:
                     betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
                     fuse_residual=names(self.fuse_residual),
                     gammas=MappingProxyType({local(n): g for n, g in self.gammas.items() if mine(n)}),
-                    rotations=rotations, approx=names(self.approx),
+                    stream_bases=stream_bases, approx=names(self.approx),
                     emissions=MappingProxyType({local(n): replace(e, norm=local(n))
                                                 for n, e in self.emissions.items() if mine(n)}), **main_only)
 
@@ -187,7 +188,7 @@ class _Draft:
     report: Report = field(default_factory=Report)
     origins: dict[str, str] = field(default_factory=dict)
     gammas: dict[str, GammaFold] = field(default_factory=dict)
-    rotations: list[StreamRotation] = field(default_factory=list)
+    stream_bases: list[StreamBasis] = field(default_factory=list)
 
     def freeze(self, **decided) -> Plan:
         F = FrozenList
@@ -196,7 +197,7 @@ class _Draft:
                     new_biases=F(self.new_biases), betas=MappingProxyType(self.betas),
                     fuse_residual=F(self.fuse_residual), drop_muls=F(self.drop_muls), report=self.report,
                     origins=MappingProxyType(self.origins), gammas=MappingProxyType(self.gammas),
-                    rotations=F(self.rotations), **decided)
+                    stream_bases=F(self.stream_bases), **decided)
 
     def keep_beta(self, norm: str, note: str = "") -> None:
         """Withdraw the β fold of `norm` (a deferred emission places β itself): its bias edits
@@ -262,9 +263,9 @@ def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]
     """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
     skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
     readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma)
-                for r in plan.rotations if r.rotated for n in r.readouts}
-    rms_only = {n for r in plan.rotations if r.rotated and not r.keeps_mean for n in r.norms}
-    sliced = {n: r for r in plan.rotations if r.sliced for n in r.norms}
+                for r in plan.stream_bases if r.rotated for n in r.readouts}
+    rms_only = {n for r in plan.stream_bases if r.rotated and not r.keeps_mean for n in r.norms}
+    sliced = {n: r for r in plan.stream_bases if r.sliced for n in r.norms}
     moved = {n for n, g in plan.gammas.items() if g.moved}
     out = {}
     for n in plan.swaps:
@@ -510,7 +511,7 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
                                f"recenter, which {caps.name} cannot emit")
         if rot.sliced:
             slicing.resize(view, comp, rot)
-        plan.rotations.append(rot)
+        plan.stream_bases.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
         for n in rot.readouts:
             verdicts[n].gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
@@ -518,7 +519,7 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:
             use(ref.value, ref.user, ref.user_input)[1].append(op)
-    projected = {value: op for r in plan.rotations for value, op in r.starts}
+    projected = {value: op for r in plan.stream_bases for value, op in r.starts}
     plan.recenters[:] = [replace(rc, project=projected.get(rc.value)) for rc in plan.recenters]
 
 

@@ -13,7 +13,7 @@ All in float64, one matrix per stream width (passes/orthogonal.py).
 A stream started by an opaque op (a GELU after a conv stem, a kept norm's output: no constant
 writes it) is zero-mean through its explicit recenter (passes/edits.Recenter), exactly as a
 centered writer's term is; no constant can absorb Q there (the op is non-linear), so the recenter
-is followed by an emitted MatMul by Q (`Recenter.project`, `StreamRotation.starts`): one d×d GEMM
+is followed by an emitted MatMul by Q (`Recenter.project`, `StreamBasis.starts`): one d×d GEMM
 per start, said in the report.
 
 A stream is kept unrotated, with the node that blocks it named, where any of that fails: a
@@ -60,8 +60,10 @@ class BasisShortcut:
 
 
 @dataclass
-class StreamRotation:
-    """One folded stream: rotated by Q of `kind` (width `dim`), or kept (`why`)."""
+class StreamBasis:
+    """One folded stream's basis, as the plan holds it: a rotation by Q of `kind` (width `dim`; a
+    calibrated basis per stream or per segment where slicing asked for one, `width` < `dim` kept),
+    or the stream kept in its own basis (`why`)."""
 
     stream: int  # index into Report.streams
     norms: list[str]
@@ -151,12 +153,12 @@ def rotatable(view: View, comp: Component, gammas: dict[str, GammaFold]) -> tupl
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,
                   gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None,
-                  blocks: Optional[Mapping[str, Basis]] = None) -> StreamRotation:
+                  blocks: Optional[Mapping[str, Basis]] = None) -> StreamBasis:
     """The rotation of one folded component, or why it stays as it is (pure, on the view):
     by the Seeded Q of `kind`, or by `given` = (basis, entries kept) (a calibrated slice); with
     `blocks` (the first norm of each segment -> its basis, passes/segments.py), each segment in its
     own basis, `given`'s keep for all."""
-    out = StreamRotation(stream, list(comp.norms), seed=seed)
+    out = StreamBasis(stream, list(comp.norms), seed=seed)
     d, why = rotatable(view, comp, gammas)
     if why is None and given is not None and given[0].dim != d:
         why = f"the basis given has width {given[0].dim}, the stream {d}"

@@ -106,7 +106,7 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
                               f"transparent readers): {why}")
         sliced_plan = Recorded(planner)
         sliced = frontend.sliced(decided.bases, sliced_plan)
-        for rot in sliced_plan.plan.rotations:
+        for rot in sliced_plan.plan.stream_bases:
             for s in decided.streams:
                 if s.stream == rot.stream and not rot.rotated:
                     s.why, s.keep = rot.why, None
@@ -156,7 +156,7 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
             bases[head] = (edits.Data(f"window{starts[head]}:{head}", p), s.keep)
         probe = Recorded(planner)
         sliced = frontend.sliced(bases, probe)
-        rotated = {r.stream for r in probe.plan.rotations if r.rotated}
+        rotated = {r.stream for r in probe.plan.stream_bases if r.rotated}
         wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}
         for value, batches in frontend.capture(sliced, list(wanted)).items():
             parts.setdefault(value, {})[starts[wanted[value]]] = batches

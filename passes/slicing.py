@@ -40,7 +40,7 @@ from .analysis import Component
 from .compress import absorbing, follows_stream, producer_width_refs, sized_off_stream
 from .edits import Data
 from .errors import LnfoldError
-from .rotate import StreamRotation, rotatable
+from .rotate import StreamBasis, rotatable
 from .segments import segments
 from .view import View
 
@@ -221,7 +221,7 @@ def _norm_input(view: View, norm: str) -> tuple[str, int]:
     return value, axis + rank if axis < 0 and rank is not None else axis
 
 
-def resize(view: View, comp: Component, rot: StreamRotation) -> None:
+def resize(view: View, comp: Component, rot: StreamBasis) -> None:
     """The layout ops' size entries that spell d on a sliced stream and between its norms and their
     readers (patched to k by the frontends: `Plan.resized_dims`); or the stream keeps its full width
     (`rot.why`) where an op sets the width in a shape no edit can change. A size read at run time

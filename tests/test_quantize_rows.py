@@ -127,7 +127,7 @@ def test_auto_tries_every_candidate_and_keeps_the_best():
 
 def test_what_the_fold_decided_is_read_from_its_plan():
     """Whether γ moved and how many streams were rotated: the fold's plan records (GammaFold,
-    StreamRotation), which agree with what its report says; a candidate that changes nothing is
+    StreamBasis), which agree with what its report says; a candidate that changes nothing is
     skipped by --rotate auto."""
     read_out = stand_in(1)
     read_out.graph.output.append(helper.make_tensor_value_info("n", TensorProto.FLOAT, [1, 4, D]))  # γ must stay

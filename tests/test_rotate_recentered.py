@@ -1,7 +1,7 @@
 """Streams started by a recentered op rotate and slice (issue 33, "rotate every stream the fold can
 make zero-mean"; issue 32): the explicit recenter makes the stream zero-mean as a centered writer
 does, and an emitted MatMul by Q right after it carries the start into the rotated basis
-(passes/rotate.py `StreamRotation.starts`, passes/edits.Recenter.project).
+(passes/rotate.py `StreamBasis.starts`, passes/edits.Recenter.project).
 
 The model is Whisper's encoder in small: conv → GELU → conv → GELU (the stream starts here, its
 features on axis 1 of [batch, d, T]: the MatMul is `Qᵀ·x`), the tokens transposed, a position table
