@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 import numpy as np
@@ -29,6 +29,7 @@ from .classify import GraphInfo, build_view
 from .emit import Emitter
 from .already_rms import rms_norms
 from .norms import const_values
+from .sessions import in_background
 from .shapes import infer_shapes
 from .targets import Target
 from .write import is_large
@@ -169,10 +170,7 @@ class OnnxFrontend:
         if not self.opts.verify or plan.approx or (self.output is None and is_large(self.model)):
             return None
         original = verification.Source(self.source, parsed=self.model) if self.output is not None else self.model
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lnfold-reference")
-        future = pool.submit(verification.reference, original, inputs=self.inputs, dims=self.dims)
-        pool.shutdown(wait=False)
-        return future
+        return in_background("reference", verification.reference, original, inputs=self.inputs, dims=self.dims)
 
     def verify(self, plan: Plan, artifact):
         reference = self._reference

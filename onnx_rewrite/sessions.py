@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Optional, Union
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Union
 
 import numpy as np
 import onnx
@@ -52,6 +53,15 @@ class Source:
                 load_external_data_for_model(self.skeleton, os.path.dirname(os.path.abspath(self.path)))
                 self._proto = self.skeleton
         return self._proto
+
+
+def in_background(name: str, fn: Callable, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` started in a thread of its own (onnxruntime and numpy release the GIL:
+    verification's runs overlap the fold's other work); its Future."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lnfold-{name}")
+    future = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)
+    return future
 
 
 def session(model: Union[ModelLike, Source]) -> ort.InferenceSession:

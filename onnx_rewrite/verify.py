@@ -24,7 +24,6 @@ segment, instead of the whole model in the reference evaluator.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -39,7 +38,8 @@ from . import random_ops
 from . import exact
 # (session, exact_run, float64_copy: what the rest of the frontend runs models with)
 from .exact import Float64Run, exact_run, float64_copy, float_elems, prepare  # noqa: F401
-from .sessions import ModelLike, Runner, Source, first_line, refusal_kind, session, skeleton_of  # noqa: F401
+from .sessions import (ModelLike, Runner, Source, first_line, in_background, refusal_kind, session,  # noqa: F401
+                       skeleton_of)
 
 _RMS_OPS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization"}
 _HINT = "give real inputs with --inputs FILE.npz or sizes with --dim NAME=SIZE (API: inputs=, dims=)"
@@ -147,9 +147,7 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
     ref = Reference(original, inputs, dims, seed, random_ops.describe(original.skeleton))
     # the float64 copy and its session need no inputs: made while the original runs (both release
     # the GIL; a ViT-B's copy and session take a second and a half)
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lnfold-float64")
-    copy = pool.submit(prepare, original)
-    pool.shutdown(wait=False)
+    copy = in_background("float64", prepare, original)
     try:
         ref.runner, ref.feeds, ref.outputs = original_run(original, inputs=inputs, dims=dims, seed=seed)
     except _RefusedAndUnrunnable as e:
