@@ -141,6 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--hidden", type=int, default=256,
                    help="its width; one attention head per 64 features (default 256)")
     d.add_argument("--keep", metavar="DIR", help="write the original and folded models into DIR")
+    d.add_argument("--seconds", type=float, default=8.0, help="about how long the timing rounds run (default 8)")
     return p
 
 
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
                                  inputs=args.inputs, dims=parse_dims(args.dim))
         from ..demo import run_demo
 
-        return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep)
+        return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep, seconds=args.seconds)
     except LnfoldError as e:
         print(f"lnfold: error: {e}", file=sys.stderr)
         return e.exit_code

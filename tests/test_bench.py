@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import re
-import tempfile
 
 import numpy as np
 import onnx
@@ -132,18 +131,3 @@ def test_bench_bad_input_is_one_line(pair, tmp_path, capsys):
         assert says in err and len(err.strip().splitlines()) == 1, err
 
 
-# --- the demo ----------------------------------------------------------------------------------------
-
-def test_demo_leaves_no_folder_and_leads_with_float64(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("transformers")
-    from lnfold.demo import run_demo
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp and friends write
-    assert run_demo(layers=1, hidden=64, seconds=0.3) == 0
-    out = capsys.readouterr().out
-    left = [p.name for p in tmp_path.iterdir() if p.name.startswith("lnfold")]  # (torch keeps its own caches)
-    assert left == [], left
-    line = next(ln for ln in out.splitlines() if "verified in onnxruntime" in ln)
-    assert re.search(r"error against a float64 run of the original: folded [\d.e+-]+, original [\d.e+-]+", line), line
-    assert "max relative output difference" not in out
-    assert "original again" in out

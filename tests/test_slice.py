@@ -281,12 +281,10 @@ def test_torch_full_width_slice_is_the_exact_fold():
     assert r.report.error < 1e-12
 
 
-def test_both_frontends_slice_the_same_streams_with_the_same_widths():
-    from lnfold import zoo
-
+def test_both_frontends_slice_the_same_streams_with_the_same_widths(zoo_onnx):
     m, args, ids = _zoo_gpt2()
     t = lnfold.slice_module(m, (ids,), fraction=0.25)
-    o = lnfold.slice_onnx(zoo.export_onnx(m, args, ["input_ids"]), {"input_ids": ids.numpy()}, fraction=0.25)
+    o = lnfold.slice_onnx(zoo_onnx("gpt2")[2], {"input_ids": ids.numpy()}, fraction=0.25)
     widths = [[(s.norms and len(s.norms), s.dim, s.keep) for s in r.report.streams] for r in (t, o)]
     assert widths[0] == widths[1] == [(5, 64, 48)]
     assert t.report.streams[0].variance_kept == pytest.approx(o.report.streams[0].variance_kept, abs=1e-6)
@@ -296,14 +294,12 @@ def test_both_frontends_slice_the_same_streams_with_the_same_widths():
     assert t.report.params_before == pytest.approx(o.report.params_before, rel=1e-2)
 
 
-def test_slice_then_quantize(tmp_path):
+def test_slice_then_quantize(tmp_path, zoo_onnx):
     """The order is slice, then quantize: the sliced file's norms are RMSNorms already, so `quantize`
     quantizes it as given (nothing left to fold), and the int8 model stays near the sliced one."""
-    from lnfold import zoo
-
     m, args, ids = _zoo_gpt2()
     feeds = {"input_ids": ids.numpy()}
-    sliced = lnfold.slice_onnx(zoo.export_onnx(m, args, ["input_ids"]), feeds, fraction=0.25)
+    sliced = lnfold.slice_onnx(zoo_onnx("gpt2")[2], feeds, fraction=0.25)
     onnx.save(sliced.model, tmp_path / "sliced.onnx")
     q = lnfold.quantize_onnx(tmp_path / "sliced.onnx", weights="int8", inputs=feeds)
     assert q.report.linear_layers > 0 and "nothing folded" in q.report.table()
@@ -478,15 +474,12 @@ def test_sequential_bases_of_a_stream_in_k_dimensions_are_the_one_shot_ones():
                                                  per_block=True)) < 1e-12
 
 
-def test_torch_sequential_per_block_matches_onnx():
+def test_torch_sequential_per_block_matches_onnx(zoo_onnx):
     """The torch frontend captures segment inputs in its sliced graph modules too: at F = 0.25 it
     takes the same sliced folds as ONNX and lands on the same error."""
-    from lnfold import zoo
-
     m, args, ids = _zoo_gpt2()
     t = lnfold.slice_module(m, (ids,), fraction=0.25, per_block=True)
-    o = lnfold.slice_onnx(zoo.export_onnx(m, args, ["input_ids"]), {"input_ids": ids.numpy()}, fraction=0.25,
-                          per_block=True)
+    o = lnfold.slice_onnx(zoo_onnx("gpt2")[2], {"input_ids": ids.numpy()}, fraction=0.25, per_block=True)
     assert t.report.notes == o.report.notes and "8 sliced fold(s)" in t.report.notes[0]
     assert t.report.streams[0].bases == o.report.streams[0].bases == 5
     assert t.report.error == pytest.approx(o.report.error, rel=0.05)

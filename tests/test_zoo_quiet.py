@@ -49,9 +49,21 @@ def test_special_tokens_keep_their_place_at_the_end_of_the_vocabulary():
 
 
 @pytest.mark.slow
-def test_demo_writes_nothing_on_stderr(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "lnfold", "demo", "--layers", "1", "--hidden", "64"],
-                         capture_output=True, text=True, cwd=tmp_path)
+def test_demo_writes_nothing_on_stderr_leaves_no_folder_and_leads_with_float64(tmp_path):
+    """`lnfold demo` as a user runs it: quiet on stderr, its temporary models removed (TMPDIR is
+    where mkdtemp writes), and its verification line judged against float64."""
+    import os
+    import re
+
+    work = tmp_path / "tmp"
+    work.mkdir()
+    run = subprocess.run([sys.executable, "-m", "lnfold", "demo", "--layers", "1", "--hidden", "64", "--seconds", "0.3"],
+                         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "TMPDIR": str(work)})
     assert run.returncode == 0, run.stderr
     assert run.stderr == "", run.stderr
-    assert "verified in onnxruntime" in run.stdout
+    left = [p.name for p in work.iterdir() if p.name.startswith("lnfold")]  # (torch keeps its own caches)
+    assert left == [], left
+    line = next(ln for ln in run.stdout.splitlines() if "verified in onnxruntime" in ln)
+    assert re.search(r"error against a float64 run of the original: folded [\d.e+-]+, original [\d.e+-]+", line), line
+    assert "max relative output difference" not in run.stdout
+    assert "original again" in run.stdout

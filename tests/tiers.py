@@ -69,7 +69,6 @@ FULL_RUN_ONLY: dict[str, str] = {
     "tests/test_trained.py::test_fold_module_keeps_the_metric[gpt2_stdlib]": "test_onnx_fold_keeps_the_metric",
     "tests/test_verify_cost.py::test_a_planted_bug_is_still_refused[gpt2]": "[vit]",
     "tests/test_package.py::test_report_says_what_was_edited": "test_fold_json_and_help",
-    "tests/test_bench.py::test_demo_leaves_no_folder_and_leads_with_float64": "test_readme.py",
     "tests/test_bench.py::test_bench_prints_kernels_and_end_to_end_ratios": "the other test_bench tests",
     "tests/test_zoo_quiet.py::test_zoo_models_build_without_warnings": "the zoo models the other tests build",
     "tests/test_folders.py::test_folders_it_cannot_fold_are_one_line_errors[checkpoint-config.json: cannot read it as a transformers config]": "test_hostile.py",
