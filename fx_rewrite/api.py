@@ -50,6 +50,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
     """torch.export (non-strict), with dynamic sizes when export can keep them, else static.
     transformers' cache objects are registered first (hf.py); a type export cannot flatten is a
     one-line LnfoldError."""
+    if isinstance(module, torch.export.ExportedProgram):  # the user's own export: used as it is
+        return module
     kwargs = kwargs or {}
     register_caches(module)
     if dynamic:
@@ -130,6 +132,8 @@ class ExportFrontend:
 
     def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
                  norm: str = "auto", dynamic: bool = True, program=None) -> None:
+        if isinstance(module, torch.export.ExportedProgram):  # the user exported it: the program is the model
+            program, module = module, module.module()
         self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
         self.program = program  # an ExportedProgram already made (ExportFolds: one export for many folds)
         # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
@@ -225,7 +229,8 @@ class ExportFolds:
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
                    mode: str = "rms", dynamic: bool = True, calibration=None, angles: bool = False) -> Report:
-    """The report alone: every LayerNorm of `module`, its verdict and the reason for each kept one.
+    """The report alone: every LayerNorm of `module` (a module, or an ExportedProgram as for
+    `fold_module`), its verdict and the reason for each kept one.
 
     With `calibration` (an args tuple, or a list of them) or `angles=True` (on `args`, which then
     mean little) `report.geometry` holds each norm's angle to 1 before and, for folded norms,
@@ -260,6 +265,8 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
                 calibration=None, budget: Optional[float] = None, heldout=None,
                 metric: Optional[Callable] = None) -> FoldResult:
     """Fold every foldable LayerNorm of `module`; the module and its parameters are not modified.
+    `module` may be an ExportedProgram already made (`torch.export.export`): it is read as it is
+    (`dynamic` then means nothing), not exported again.
 
     Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
     `mode`, `defer` and `verify` mean what they mean for `fold_onnx` (passes/options.py checks

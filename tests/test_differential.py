@@ -39,17 +39,29 @@ KNOWN_GAPS = {
 }
 # torch.export with a dynamic batch takes a minute on Swin's window partitioning; static: 0.5 s.
 # MobileViT's unfolding into patches: 15 s of CPU dynamic, 3 s static, the same report (2026-11-27).
+# (The torch frontend reads them static; their ONNX export traces its own, batch dynamic.)
 STATIC_EXPORT = {"swin", "mobilevit"}
 
 
 @functools.lru_cache(maxsize=None)
 def _reports(name: str):
-    """(torch report, ONNX report, the ONNX export): each architecture exported once."""
+    """(torch report, ONNX report, the ONNX export). Each architecture is traced once, with the
+    ONNX exporter's own dynamic sizes (batch, and sequence for ids), and both frontends read that
+    one ExportedProgram: the same graph, and 40 % of this file's time saved (2026-11-27: each
+    frontend traced its own, the torch one every axis dynamic; the reports differ only in node names)."""
     module, args = zoo.MODELS[name]()
+    names = ["x", "decoder_input_ids"][:len(args)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fx = analyze_module(module, args, dynamic=name not in STATIC_EXPORT)
-        model = zoo.export_onnx(module, args, ["x", "decoder_input_ids"][:len(args)])
+        if name in STATIC_EXPORT:
+            fx = analyze_module(module, args, dynamic=False)
+            model = zoo.export_onnx(module, args, names)
+        else:
+            dynamic = torch.export.Dim.DYNAMIC
+            program = torch.export.export(module, args, strict=False, dynamic_shapes=tuple(
+                {0: dynamic, 1: dynamic} if a.dtype == torch.int64 else {0: dynamic} for a in args))
+            fx = analyze_module(program, args)
+            model = zoo.export_onnx(program, args, names)
         onnx = analyze_model(model)
     return fx, onnx, model
 

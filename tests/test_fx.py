@@ -73,6 +73,28 @@ def test_fold_module_counts_outputs_and_leaves_module_alone(models, name):
     assert not mine & {t.data_ptr() for t in res.module.state_dict().values()}  # no shared storage
 
 
+def test_an_exported_program_is_folded_as_it_is(models, monkeypatch):
+    """A user's own torch.export program (here: batch dynamic, nothing else) is read as it is, not
+    exported again: the same report as the module's, a verified fold that keeps its dynamic batch,
+    and the program itself untouched."""
+    module, args = models("vit")
+    program = torch.export.export(module, args, dynamic_shapes=({0: torch.export.Dim.DYNAMIC},), strict=False)
+    before = _digest(program.module())
+    expected = analyze_module(module, args, dynamic=False).to_dict()
+
+    def no_second_export(*a, **k):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(torch.export, "export", no_second_export)
+    assert analyze_module(program, args).to_dict() == expected
+    res = fold_module(program, args)
+    assert (res.report.folded, res.report.kept) == COUNTS["vit"] and res.max_rel_err < RTOL
+    x = torch.randn(3, *args[0].shape[1:])
+    with torch.no_grad():
+        assert _rel(module(x), res.module(x)) < RTOL
+    assert _digest(program.module()) == before
+
+
 def test_folded_module_takes_other_sequence_lengths(models):
     module, _ = models("gpt2")
     res = fold_module(module, (torch.randint(0, 101, (2, 9)),))

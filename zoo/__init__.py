@@ -474,12 +474,12 @@ INPUT_NAMES = {"gpt2": ["input_ids"], "vit": ["pixel_values"], "bert": ["input_i
 
 
 def export_onnx(module: nn.Module, args: tuple, input_names: list[str], opset: int = 18, dynamo: bool = True):
-    """torch.onnx.export to an in-memory ModelProto (batch and sequence dims dynamic for ids)."""
+    """torch.onnx.export to an in-memory ModelProto (batch and sequence dims dynamic for ids; an
+    ExportedProgram, which `module` may be, keeps its own dynamic sizes)."""
     import onnx
 
-    dynamic = {}
-    for name, a in zip(input_names, args):
-        dynamic[name] = {0: "batch", 1: "seq"} if a.dtype == torch.int64 else {0: "batch"}
+    dynamic = None if isinstance(module, torch.export.ExportedProgram) else {
+        name: {0: "batch", 1: "seq"} if a.dtype == torch.int64 else {0: "batch"} for name, a in zip(input_names, args)}
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
