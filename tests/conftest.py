@@ -40,11 +40,9 @@ def fresh_dynamo():
     yield
 
 
-@pytest.fixture(scope="session")
-def zoo_onnx(tmp_path_factory):
-    """name -> (torch module, example args, ONNX ModelProto), built lazily and cached; each export
-    made once per run: under pytest-xdist the first worker to need it saves it in the run's
-    folder, the others load it (the zoo's modules are seeded: every worker builds the same)."""
+def _shared_exports(tmp_path_factory):
+    """key -> ONNX ModelProto, each made once per run by `make()`: under pytest-xdist the first
+    worker to need it saves it in the run's folder, the others load it."""
     import os
 
     import onnx
@@ -54,19 +52,45 @@ def zoo_onnx(tmp_path_factory):
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # (the run's folder, not older runs')
     cache = {}
 
-    def get(name: str, opset: int = 18):
-        key = (name, opset)
+    def get(key: str, make):
         if key not in cache:
-            module, args = zoo.MODELS[name]()
-            path = shared / f"zoo-{name}-opset{opset}.onnx"
+            path = shared / f"{key}.onnx"
             with FileLock(f"{path}.lock"):
                 if not path.exists():
-                    onnx.save(export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset), f"{path}.tmp")
+                    onnx.save(make(), f"{path}.tmp")
                     os.replace(f"{path}.tmp", path)
-                cache[key] = (module, args, onnx.load(path))
+                cache[key] = onnx.load(path)
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def zoo_onnx(tmp_path_factory):
+    """name -> (torch module, example args, ONNX ModelProto), built lazily and exported once per run
+    (the zoo's modules are seeded: every worker builds the same)."""
+    exports = _shared_exports(tmp_path_factory)
+    cache = {}
+
+    def get(name: str, opset: int = 18):
+        if (name, opset) not in cache:
+            module, args = zoo.MODELS[name]()
+            cache[name, opset] = (module, args, exports(
+                f"zoo-{name}-opset{opset}", lambda: export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset)))
+        return cache[name, opset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def trained_onnx(tmp_path_factory):
+    """name -> the committed trained model's logits (benchmarks/trained/harness.py) as a dynamo ONNX
+    export, made once per run."""
+    from benchmarks.trained import harness
+
+    exports = _shared_exports(tmp_path_factory)
+    return lambda name: exports(f"trained-{name}", lambda: export_quiet(
+        harness.logits_module(name), harness.example_args(name), [harness.INPUT[name]]))
 
 
 def missing_one_centering(make_plan, index=None):

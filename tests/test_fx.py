@@ -114,8 +114,9 @@ def test_norm_choice_rms_norm_or_layer_norm(models):
     assert rms.max_rel_err < RTOL and kept.max_rel_err < RTOL
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit", "bert"])
-def test_frontends_agree_on_every_verdict(zoo_onnx, name):
+def test_frontends_agree_on_every_verdict(zoo_onnx):
+    """The fast tier's agreement check; the full run checks every zoo architecture (test_differential.py)."""
+    name = "gpt2"
     module, args, proto = zoo_onnx(name)
     fx_report = analyze_module(module, args)
     onnx_report = onnx_rewrite.analyze_model(proto)

@@ -322,19 +322,16 @@ def test_zoo_rotation_is_exact_in_both_frontends(name, rotated, zoo_onnx):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2_stdlib", "vit_digits"])
-def test_rotation_keeps_the_trained_models_metric(name):
+def test_rotation_keeps_the_trained_models_metric(name, trained_onnx):
     """Rotated (randomized Hadamard, d = 192 = 2⁴·12 and 64) in both frontends: the float64 gate
     passes and the held-out metric is the original's up to float noise."""
     from benchmarks.trained import harness
-
-    from .conftest import export_quiet
 
     rows = {"gpt2_stdlib": 4, "vit_digits": 359}[name]
     module = harness.logits_module(name)
     before = harness.evaluate(name, harness.torch_runner(module), rows)
     t = lnfold.fold_module(module, harness.example_args(name), rotate="hadamard")
-    model = export_quiet(module, harness.example_args(name), [harness.INPUT[name]])
-    o = lnfold.fold_onnx(model, rotate="hadamard")
+    o = lnfold.fold_onnx(trained_onnx(name), rotate="hadamard")
     assert _rotations(t.report) == _rotations(o.report)
     assert all(s.rotation.startswith("rotated (hadamard") for s in t.report.streams)
     for after in (harness.evaluate(name, harness.torch_runner(t.module), rows),

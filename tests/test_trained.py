@@ -15,7 +15,7 @@ from lnfold.onnx_rewrite import fold_model
 
 from benchmarks.trained import harness, train
 
-from .conftest import export_quiet, missing_one_centering
+from .conftest import missing_one_centering
 
 ROWS = {"gpt2_stdlib": 4, "bert_stdlib": 8, "vit_digits": 359}  # held-out rows scored here
 # (folded, kept): Pre-LN folds every norm; BERT (Post-LN) its embeddings' norm only (its MLM head has a 10th).
@@ -27,19 +27,6 @@ LOSS_RTOL = 1e-5
 def original(name):
     module = harness.logits_module(name)
     return module, harness.evaluate(name, harness.torch_runner(module), ROWS[name])
-
-
-@pytest.fixture(scope="module")
-def exported():
-    """name -> the trained model's logits as a dynamo ONNX export, made once per module."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = export_quiet(harness.logits_module(name), harness.example_args(name), [harness.INPUT[name]])
-        return cache[name]
-
-    return get
 
 
 def float_noise(name) -> float:
@@ -88,8 +75,8 @@ def test_fold_module_keeps_the_metric(name):
 
 
 @pytest.mark.parametrize("name", TIERED)
-def test_onnx_fold_keeps_the_metric(name, exported):
-    model = exported(name)
+def test_onnx_fold_keeps_the_metric(name, trained_onnx):
+    model = trained_onnx(name)
     before = harness.evaluate(name, harness.onnx_runner(model), ROWS[name])
     res = fold_model(model)
     # Every one against float64, BERT too: its GELU is an Erf, which onnxruntime has no double kernel
@@ -129,13 +116,13 @@ def test_fold_for_training_trains_like_the_original():
 
 # --- the tests can fail: a missed centering on trained weights -----------------------------------
 
-def test_planted_missed_centering_changes_perplexity_and_is_refused_by_onnx(monkeypatch, exported):
+def test_planted_missed_centering_changes_perplexity_and_is_refused_by_onnx(monkeypatch, trained_onnx):
     """Drop one writer's centering (the token embedding's) from the ONNX plan: the folded model's
     perplexity moves by far more than the metric's float noise, and verification refuses the fold.
     (Trained embedding rows are nearly zero-mean, so the move is small — about 0.1% here — yet
     hundreds of times the noise: verification must see it.)"""
     name = "gpt2_stdlib"
-    model = exported(name)
+    model = trained_onnx(name)
     before = harness.evaluate(name, harness.onnx_runner(model), ROWS[name])
     monkeypatch.setattr(onnx_rewrite.api, "make_plan", missing_one_centering(onnx_rewrite.api.make_plan, index=0))
     broken = fold_model(model, verify=False)

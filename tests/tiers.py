@@ -23,8 +23,6 @@ FULL_RUN_ONLY: dict[str, str] = {
     "tests/test_hf_defaults.py::test_backend_keeps_the_reports_of_the_last_graphs_only": "backend, [vit]",
     "tests/test_hf_defaults.py::test_backend_verifies_and_folds_under_dynamic_shapes":
         "test_backend_verifies_with_an_unbacked_batch_size",
-    "tests/test_fx.py::test_frontends_agree_on_every_verdict[bert]": "[gpt2]; test_differential.py",
-    "tests/test_fx.py::test_frontends_agree_on_every_verdict[vit]": "[gpt2]; test_differential.py",
     "tests/test_fx.py::test_fold_module_counts_outputs_and_leaves_module_alone[bert]": "[vit]",
     "tests/test_fx.py::test_fold_module_counts_outputs_and_leaves_module_alone[gpt2]": "[vit]",
     "tests/test_fx.py::test_planted_bug_skipped_centering_fails_verification[rms_norm]": "[auto]",
