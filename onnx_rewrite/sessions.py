@@ -117,7 +117,7 @@ def reference(model: onnx.ModelProto):
 def contrib_ops() -> list:
     """Ops onnx's reference evaluator lacks: onnxruntime's RMSNorm ops (what `--target ort`
     emits), and Erfc. Erfc is for the reference evaluator only: onnxruntime has no schema for it.
-    And Erf, which it has but rounds to float32 (`np.vectorize(erf, otypes=["f"])`): in a float64
+    And Erf and Gelu, which it has but rounds to float32 (`np.vectorize(erf, otypes=["f"])`): in a float64
     copy (onnxruntime has no double Erf) every GELU would carry a float32 error into the reference."""
     from onnx.reference.op_run import OpRun
 
@@ -154,7 +154,19 @@ def contrib_ops() -> list:
         def _run(self, x):
             return (_ERF(x).astype(x.dtype),)
 
-    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf]
+    class Gelu(OpRun):
+        """Opset 20's Gelu: onnx runs its function body, whose Erf is its own float32 one (the
+        override above does not reach into function bodies), element by element."""
+        op_domain = ""
+
+        def _run(self, x, approximate="none"):
+            if approximate == "tanh":
+                y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+            else:
+                y = 0.5 * x * (1 + _ERF(x / np.sqrt(2)))
+            return (y.astype(x.dtype),)
+
+    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf, Gelu]
 
 
 def _elementwise(f):

@@ -490,3 +490,28 @@ def test_the_float64_copy_computes_erf_in_float64():
     from lnfold.onnx_rewrite.sessions import _elementwise  # (libm's, where scipy is not installed)
 
     assert np.array_equal(_elementwise(math.erf)(x.astype(np.float64)), libm)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_the_float64_copy_computes_gelu_in_float64(approximate):
+    """Opset 20's Gelu (dynamo exports of Whisper, ViT, BERT at opset ≥ 20): onnx runs its function
+    body, whose Erf is onnx's own float32 one; lnfold's Gelu keeps the float64 copy in float64."""
+    import math
+
+    from onnx import TensorProto, helper
+
+    from lnfold.onnx_rewrite.exact import exact_run
+
+    graph = helper.make_graph([helper.make_node("Gelu", ["x"], ["y"], approximate=approximate)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    x = np.array([-2.345678, 0.1234567, 0.5, 1.3], dtype=np.float32)
+    (y,), how = exact_run(model, {"x": x})
+    v = x.astype(np.float64)
+    if approximate == "tanh":
+        want = 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
+    else:
+        want = np.array([0.5 * t * (1 + math.erf(t / math.sqrt(2))) for t in v])
+    assert y.dtype == np.float64 and "Gelu" in how
+    assert np.all(np.abs(y - want) <= 8 * np.spacing(np.abs(want))), (y - want, how)  # float32: ~1e8 ulp away
