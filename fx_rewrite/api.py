@@ -50,8 +50,6 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
     """torch.export (non-strict), with dynamic sizes when export can keep them, else static.
     transformers' cache objects are registered first (hf.py); a type export cannot flatten is a
     one-line LnfoldError."""
-    if isinstance(module, torch.export.ExportedProgram):  # the user's own export: used as it is
-        return module
     kwargs = kwargs or {}
     register_caches(module)
     if dynamic:
@@ -206,8 +204,9 @@ class ExportFolds:
     def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
                  dynamic: bool = True) -> None:
         self.opts = opts
-        self.frontend = ExportFrontend(module, args, kwargs, opts, norm="auto", dynamic=dynamic,
-                                       program=export(module, args, kwargs, dynamic=dynamic))
+        self.frontend = ExportFrontend(module, args, kwargs, opts, norm="auto", dynamic=dynamic)
+        if self.frontend.program is None:  # (a user's ExportedProgram is the program already)
+            self.frontend.program = export(module, args, kwargs, dynamic=dynamic)
 
     def plan(self, planner) -> tuple[View, Plan]:
         return pipeline.plan(self.frontend, planner)
