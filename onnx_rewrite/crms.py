@@ -9,7 +9,6 @@ had none. CRMSNorm is emitted as standard ops for every target (see benchmarks/R
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes.compress import CrmsNorm
@@ -62,12 +61,6 @@ def add_new_biases(em, plan: Plan) -> None:
         em.node("Add", [pre, em.const(f"{nb.node}/lnfold_bias", compute_new_bias(nb, original))], [y])
 
 
-def _reduce(em, op: str, x, axis: int, out):
-    if em.opset >= 18 or (op == "ReduceSum" and em.opset >= 13):
-        return em.node(op, [x, em.const("lnfold/axes", np.array([axis], np.int64))], [out], keepdims=1)
-    return em.node(op, [x], [out], axes=[axis], keepdims=1)
-
-
 def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     """The LayerNorm `m` becomes CRMSNorm over its compressed input; its compressed readers read
     the unscaled result, and its own output (if still read) is γ ⊙ concat(n, -Σn) + β."""
@@ -75,17 +68,13 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     axis = m.axis
     if skip is not None:
         x = em.residual_sum(x, skip, bias, m.sum_output, m.name)
-    x_dt = np.dtype(dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
-    dt = x_dt
-    low = x_dt.itemsize < 4  # statistics in fp32, as LayerNormalization's stash_type=1
-    sd = np.float32 if low else x_dt
-    xs = x
-    if low:
-        xs = em.var(f"{m.name}/lnfold_x32", np.float32)
-        em.node("Cast", [x], [xs], to=int(onnx.TensorProto.FLOAT))
+    dt = np.dtype(dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
+    low = dt.itemsize < 4
+    sd = np.float32 if low else dt
+    xs = em.to_fp32(x, m.name) if low else x
     v = {k: em.var(f"{m.name}/lnfold_crms_{k}", sd) for k in ("ss", "s", "s2", "t", "ms", "mse", "rms", "inv")}
-    _reduce(em, "ReduceSumSquare", xs, axis, v["ss"])
-    _reduce(em, "ReduceSum", xs, axis, v["s"])
+    em.reduce("ReduceSumSquare", xs, [axis], v["ss"])
+    em.reduce("ReduceSum", xs, [axis], v["s"])
     em.node("Mul", [v["s"], v["s"]], [v["s2"]])
     em.node("Add", [v["ss"], v["s2"]], [v["t"]])
     em.node("Div", [v["t"], em.const(f"{m.name}/lnfold_d", np.array(crms.width, sd))], [v["ms"]])
@@ -96,7 +85,7 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     if low:
         n32 = em.var(f"{m.name}/lnfold_crms32", np.float32)
         em.node("Mul", [xs, v["inv"]], [n32])
-        em.node("Cast", [n32], [n], to=int(onnx.helper.np_dtype_to_tensor_dtype(x_dt)))
+        em.cast(n32, n, dt)
     else:
         em.node("Mul", [x, v["inv"]], [n])
     for reader, i in crms.compressed_readers:
@@ -114,7 +103,7 @@ def _decompress(em, m: NormMatch, n, axis: int, dt) -> None:
             shape[axis] = -1
             steps.append((op, em.const(f"{m.name}/lnfold_{what}", np.asarray(const_values(t)).reshape(shape))))
     s, neg = (em.var(f"{m.name}/lnfold_dec_{k}", dt) for k in ("sum", "last"))
-    _reduce(em, "ReduceSum", n, axis, s)
+    em.reduce("ReduceSum", n, [axis], s)
     em.node("Neg", [s], [neg])
     # the norm's own output tensor keeps its name (a graph output, its other readers)
     y = m.output if not steps else em.var(f"{m.name}/lnfold_dec_full", dt)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes.defer import Deferral
@@ -48,23 +47,17 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
 def _row_scale(em, x: gs.Tensor, dt: np.dtype, shape, axis: int, eps: float, name: str) -> gs.Tensor:
     low = dt.itemsize < 4
     sd = np.float32 if low else dt
-    xs = x
-    if low:
-        xs = em.var(f"{name}/lnfold_x32", np.float32)
-        em.node("Cast", [x], [xs], to=int(onnx.TensorProto.FLOAT))
+    xs = em.to_fp32(x, name) if low else x
     width = shape[axis] if shape is not None else None
     ms = em.var(f"{name}/lnfold_ms", sd)
     if isinstance(width, int):
         ss = em.var(f"{name}/lnfold_sumsq", sd)
-        if em.opset >= 18:
-            em.node("ReduceSumSquare", [xs, em.const("lnfold/axes", np.array([axis], np.int64))], [ss], keepdims=1)
-        else:
-            em.node("ReduceSumSquare", [xs], [ss], axes=[axis], keepdims=1)
+        em.reduce("ReduceSumSquare", xs, [axis], ss)
         em.node("Div", [ss, em.const(f"{name}/lnfold_d", np.array(width, sd))], [ms])
     else:
         sq = em.var(f"{name}/lnfold_sq", sd)
         em.square(xs, sq)
-        em._reduce_mean(sq, [axis], ms)
+        em.reduce("ReduceMean", sq, [axis], ms)
     mse, rms, inv = (em.var(f"{name}/lnfold_{k}", sd) for k in ("mse", "rms", "rowscale"))
     em.node("Add", [ms, em.const(f"{name}/lnfold_eps", np.array(eps, sd))], [mse])
     em.node("Sqrt", [mse], [rms])
@@ -72,7 +65,7 @@ def _row_scale(em, x: gs.Tensor, dt: np.dtype, shape, axis: int, eps: float, nam
     if not low:
         return inv
     out = em.var(f"{name}/lnfold_rowscale_{dt.name}", dt)
-    em.node("Cast", [inv], [out], to=int(onnx.helper.np_dtype_to_tensor_dtype(dt)))
+    em.cast(inv, out, dt)
     return out
 
 

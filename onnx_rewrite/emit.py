@@ -80,6 +80,23 @@ class Emitter:
     def var(self, base: str, dtype=None) -> gs.Variable:
         return gs.Variable(self.unique(base), dtype=dtype)
 
+    def reduce(self, op: str, x, axes: list[int], out, keepdims: int = 1) -> gs.Node:
+        """A Reduce* node; its axes are an input from opset 13 (ReduceSum) or 18 (the others)."""
+        if self.opset >= (13 if op == "ReduceSum" else 18):
+            return self.node(op, [x, self.const("lnfold/axes", np.array(axes, np.int64))], [out], keepdims=keepdims)
+        return self.node(op, [x], [out], axes=axes, keepdims=keepdims)
+
+    def to_fp32(self, x, name: str) -> gs.Variable:
+        """x cast to fp32: an fp16/bf16 norm's statistics are computed in fp32, as
+        LayerNormalization's stash_type=1 computes them (in fp16, x*x overflows past 256 and an eps
+        under 6e-8 rounds to 0: a zero row gives NaN)."""
+        x32 = self.var(f"{name}/lnfold_x32", np.float32)
+        self.node("Cast", [x], [x32], to=int(onnx.TensorProto.FLOAT))
+        return x32
+
+    def cast(self, x, out, dtype) -> gs.Node:
+        return self.node("Cast", [x], [out], to=int(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))))
+
     # --- the plan ----------------------------------------------------------------------------
     def apply(self, plan: Plan, matches: dict[str, NormMatch]) -> None:
         """Execute `plan` (every decision is in it): constant edits, recenters, bypassed Muls,
@@ -165,11 +182,6 @@ class Emitter:
             _replace_input(reader, out, data)
         mul.outputs.clear()
 
-    def _reduce_mean(self, x, axes: list[int], out) -> gs.Node:
-        if self.opset >= 18:
-            return self.node("ReduceMean", [x, self.const("lnfold/axes", np.array(axes, np.int64))], [out], keepdims=1)
-        return self.node("ReduceMean", [x], [out], axes=axes, keepdims=1)
-
     def _recenter(self, value: str, axis: int, project=None) -> None:
         """x - mean(x) along the feature axis, for a stream start no constant edit can center;
         `project` (d × k, float64): then times it along that axis (a rotated stream, passes/rotate.py:
@@ -185,9 +197,9 @@ class Emitter:
         mean, rough = self.var(f"{value}/lnfold_mean", x.dtype), self.var(f"{value}/lnfold_rough", x.dtype)
         residual = self.var(f"{value}/lnfold_residual_mean", x.dtype)
         centered = self.var(f"{value}/lnfold_recentered", x.dtype)
-        self._reduce_mean(x, [axis], mean)
+        self.reduce("ReduceMean", x, [axis], mean)
         self.node("Sub", [x, mean], [rough])
-        self._reduce_mean(rough, [axis], residual)
+        self.reduce("ReduceMean", rough, [axis], residual)
         self.node("Sub", [rough, residual], [centered])
         if project is not None:
             m = project.astype(np_dtype(float_dtype(x)))  # (x.dtype: None where the exporter wrote no type)
@@ -280,25 +292,20 @@ class Emitter:
         dt = x.dtype
         # x.dtype is None where the exporter wrote no value_info; γ has it
         x_dt = np.dtype(np_dtype(dt) if dt is not None else dtype_of(x, gamma))
-        # fp16/bf16: statistics in fp32, as LayerNormalization's stash_type=1 computes them (in
-        # fp16, x*x overflows past 256 and an eps under 6e-8 rounds to 0: a zero row gives NaN)
         low = x_dt.itemsize < 4
-        xs = x
-        if low:
-            xs = self.var(f"{name}/lnfold_x32", np.float32)
-            self.node("Cast", [x], [xs], to=int(onnx.TensorProto.FLOAT))
+        xs = self.to_fp32(x, name) if low else x
         sd = np.float32 if low else dt
         sq, ms, ms_eps, rms, inv = (self.var(f"{name}/lnfold_{k}", sd) for k in ("sq", "ms", "mse", "rms", "inv"))
         n = out if gamma is None else self.var(f"{name}/lnfold_n", dt)
         self.square(xs, sq)
-        self._reduce_mean(sq, [axis], ms)
+        self.reduce("ReduceMean", sq, [axis], ms)
         self.node("Add", [ms, self.const(f"{name}/lnfold_eps", np.array(eps, np.float32 if low else x_dt))], [ms_eps])
         self.node("Sqrt", [ms_eps], [rms])
         self.node("Reciprocal", [rms], [inv])
         if low:
             n32 = self.var(f"{name}/lnfold_n32", np.float32)
             self.node("Mul", [xs, inv], [n32])
-            self.node("Cast", [n32], [n], to=int(onnx.helper.np_dtype_to_tensor_dtype(x_dt)))
+            self.cast(n32, n, x_dt)
         else:
             self.node("Mul", [x, inv], [n])
         if gamma is None:

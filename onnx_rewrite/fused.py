@@ -29,7 +29,7 @@ import onnx_graphsurgeon as gs
 from ..passes import Node, View
 from ..passes.axes import Shape
 from ..passes.rules import rule
-from .norms import NormMatch, const_values, is_constant
+from .norms import NormMatch, given, is_constant, uses_stats
 from .stored_integers import MS_DEQUANTIZING, dequantized
 
 MS = "com.microsoft"
@@ -37,28 +37,23 @@ MS = "com.microsoft"
 _IDS, _SEG_IDS, _WORD, _POS, _SEG, _GAMMA, _BETA, _MASK, _POS_IDS = range(9)
 
 
-def _opt(ins: list, i: int):
-    return ins[i] if i < len(ins) and ins[i] is not None and ins[i].name else None
-
-
 def match_embed(node: gs.Node, shapes: dict[str, Shape], outputs: set) -> NormMatch:
-    ins, outs = list(node.inputs), list(node.outputs) + [None] * 3
-    out = outs[0]
-    summed = outs[2] if outs[2] is not None and outs[2].name else gs.Variable(f"{node.name}/embedding_sum")
+    ins, outs = list(node.inputs), list(node.outputs)
+    out = outs[0] if outs else None
+    summed = given(outs, 2) or gs.Variable(f"{node.name}/embedding_sum")
     if out is not None and out.name in shapes:
         shapes.setdefault(summed.name, shapes[out.name])
     m = NormMatch(node.name, "EmbedLayerNormalization", [node], summed, out,
-                  gamma=_opt(ins, _GAMMA), beta=_opt(ins, _BETA),
+                  gamma=given(ins, _GAMMA), beta=given(ins, _BETA),
                   epsilon=float(node.attrs.get("epsilon", 1e-12)))
     s = shapes.get(out.name) if out is not None else None
     m.axis = 2 if s is not None and len(s) == 3 else None
-    tables = [t for t in (_opt(ins, _WORD), _opt(ins, _POS), _opt(ins, _SEG)) if t is not None]
+    tables = [t for t in (given(ins, _WORD), given(ins, _POS), given(ins, _SEG)) if t is not None]
     if m.axis is None:
         m.rejection = "rank of its output is unknown"
     elif not all(is_constant(t) for t in tables + [m.gamma]) or (m.beta is not None and not is_constant(m.beta)):
         m.rejection = "its embedding tables or γ/β are not constants"
-    elif outs[1] is not None and outs[1].name and (outs[1].outputs or outs[1].name in outputs) \
-            and int(node.attrs.get("mask_index_type", 1)) != 1:
+    elif uses_stats(outs[1:2], outputs) and int(node.attrs.get("mask_index_type", 1)) != 1:
         m.rejection = f"its mask_index output (mask_index_type={node.attrs.get('mask_index_type')}) is read"
     return m
 
@@ -69,10 +64,10 @@ def add_embed_view(view: View, info, m: NormMatch) -> None:
     ins = list(node.inputs)
     summed = m.x.name
     names = [t.name if t is not None else "" for t in ins]
-    slots = [i for i in (_WORD, _POS, _SEG) if _opt(ins, i) is not None]
+    slots = [i for i in (_WORD, _POS, _SEG) if given(ins, i) is not None]
     view.add_node(Node(f"{m.name}#sum", "EmbedLayerNormalization(lookups)", names[:_GAMMA] + [""] * 2 + names[_MASK:],
                        [summed], rule=rule("embedding", table=slots, q=2), origin=m.name))  # [B, S] ids
-    beta = _opt(ins, _BETA) is not None
+    beta = given(ins, _BETA) is not None
     view.add_node(Node(m.name, m.kind, [summed, names[_GAMMA], names[_BETA] if beta else ""], [m.output.name],
                        rule=rule("layer_norm", axes=[-1], gamma=1, beta=2 if beta else None, eps=m.epsilon,
                                  rejection=m.rejection)))
@@ -82,12 +77,12 @@ def embed_sum(em, m: NormMatch) -> gs.Tensor:
     """Replace the fused op's lookups (on its live, centered tables) and its mask_index; return
     the sum the RMSNorm reads. Called by the emitter before it detaches the node."""
     node = m.nodes[0]
-    ins, outs = list(node.inputs), list(node.outputs) + [None] * 3
+    ins, outs = list(node.inputs), list(node.outputs)
     ids = ins[_IDS]
     word = em.var(f"{m.name}/lnfold_word")
     em.node("Gather", [ins[_WORD], ids], [word], axis=0)
     pos = em.var(f"{m.name}/lnfold_position")
-    if _opt(ins, _POS_IDS) is not None:
+    if given(ins, _POS_IDS) is not None:
         em.node("Gather", [ins[_POS], ins[_POS_IDS]], [pos], axis=0)
     else:  # rows 0 .. S-1, broadcast over the batch (the kernel's `index % sequence_length`)
         seq = em.var(f"{m.name}/lnfold_seq_len", np.int64)
@@ -99,21 +94,21 @@ def embed_sum(em, m: NormMatch) -> gs.Tensor:
                           em.const("lnfold/axis0", np.array([0], np.int64))], [pos])
     total = em.var(f"{m.name}/lnfold_word_pos")
     em.node("Add", [word, pos], [total])
-    if _opt(ins, _SEG) is not None and _opt(ins, _SEG_IDS) is not None:
+    if given(ins, _SEG) is not None and given(ins, _SEG_IDS) is not None:
         seg = em.var(f"{m.name}/lnfold_segment")
         em.node("Gather", [ins[_SEG], ins[_SEG_IDS]], [seg], axis=0)
         with_seg = em.var(f"{m.name}/lnfold_sum")
         em.node("Add", [total, seg], [with_seg])
         total = with_seg
-    summed = outs[2] if outs[2] is not None and outs[2].name else None
+    summed = given(outs, 2)
     if summed is not None:  # embedding_sum is read: it becomes the (centered) sum itself
         node.outputs[2] = gs.Variable.empty()
         em.node("Identity", [total], [summed])
         total = summed
-    mask_index = outs[1] if outs[1] is not None and outs[1].name else None
+    mask_index = given(outs, 1)
     if mask_index is not None and (mask_index.outputs or mask_index in em.graph.outputs):
         node.outputs[1] = gs.Variable.empty()
-        _mask_index(em, m.name, ids, _opt(ins, _MASK), mask_index)
+        _mask_index(em, m.name, ids, given(ins, _MASK), mask_index)
     return total
 
 
@@ -134,15 +129,11 @@ def _mask_index(em, name: str, ids, mask, out) -> None:
     em.node("Equal", [mask, em.const("lnfold/one", np.array(1, np.int32))], [ones])
     count = em.var(f"{name}/lnfold_mask_count", np.int32)
     em.node("Cast", [ones], [count], to=int(onnx.TensorProto.INT32))
-    if em.opset >= 13:
-        em.node("ReduceSum", [count, em.const("lnfold/axes", np.array([1], np.int64))], [out], keepdims=0)
-    else:
-        em.node("ReduceSum", [count], [out], axes=[1], keepdims=0)
+    em.reduce("ReduceSum", count, [1], out, keepdims=0)
 
 
 def _attention(info, node: gs.Node, opset: int):
-    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
-    return rule("linear", weight=1, w_axis=1, bias=2 if has_bias else None, data=0, source=False)
+    return rule("linear", weight=1, w_axis=1, bias=2 if given(node.inputs, 2) else None, data=0, source=False)
 
 
 # com.microsoft ops the view classifies (the fused norms are matched in norms.py)

@@ -1,11 +1,5 @@
-"""What the ONNX frontend knows of a LayerNorm in the graph: `NormMatch` (the one result type of
-every norm pattern, norm_patterns.py), and the constants and shapes the patterns read.
-
-The patterns themselves are rules of `norm_patterns.PATTERNS` (LayerNormalization, onnxruntime's
-Skip- and EmbedLayerNormalization, tf2onnx's and jax2onnx's decomposed forms); torch's decomposed
-form is matched over the view by passes/patterns.py, and classify.py turns its matches into
-`NormMatch` too (DESIGN §7, "Adding a norm pattern").
-"""
+"""What the ONNX frontend knows of a LayerNorm in the graph: `NormMatch`, the one result type of
+every norm pattern (norm_patterns.py, DESIGN §7), and the constants and shapes the patterns read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,6 +31,12 @@ class NormMatch:
     skip: Optional[gs.Tensor] = None  # SkipLayerNormalization only
     bias: Optional[gs.Tensor] = None
     sum_output: Optional[gs.Tensor] = None  # Skip's input+skip+bias output, when used
+
+
+def given(slots, i: int):
+    """Slot `i` of a node's inputs or outputs where it is given (an omitted optional one is
+    missing or named "")."""
+    return slots[i] if i < len(slots) and slots[i] is not None and slots[i].name else None
 
 
 def _constant_node_value(t):
@@ -85,7 +85,7 @@ def reduce_axes(node: gs.Node) -> Optional[list[int]]:
     """Axes of a Reduce* node (attribute before opset 18, input after); None if not constant."""
     if "axes" in node.attrs:
         return [int(a) for a in node.attrs["axes"]]
-    if len(node.inputs) > 1 and node.inputs[1] is not None and node.inputs[1].name:
+    if given(node.inputs, 1) is not None:
         v = const_values(node.inputs[1])
         return None if v is None else [int(a) for a in np.asarray(v).reshape(-1)]
     return []  # reduce over all axes (unless noop_with_empty_axes)
@@ -97,7 +97,8 @@ def rank_of(t: gs.Tensor, shapes: dict[str, Shape]) -> Optional[int]:
 
 
 def uses_stats(stats, graph_outputs: set[str]) -> bool:
-    """A LayerNorm's mean / inverse-std outputs are read (it cannot become an RMSNorm)."""
+    """Some of a norm's extra outputs are read (a LayerNorm's mean / inverse std: then it cannot
+    become an RMSNorm; EmbedLayerNormalization's mask index)."""
     return any(o is not None and o.name and (o.outputs or o.name in graph_outputs) for o in stats)
 
 
