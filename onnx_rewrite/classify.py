@@ -19,7 +19,7 @@ from ..passes.view import SizeOf
 from . import fused, guards
 from .computed_shapes import computed_axis_map, read_axes, shape_entries
 from .norm_patterns import find_norms
-from .norms import NormMatch, const_values, constant_shape, is_constant, reduce_axes
+from .norms import NormMatch, const_values, constant_shape, given, is_constant, reduce_axes
 from .stored_integers import dequantized
 
 _FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
@@ -68,7 +68,7 @@ def _slice_axes(info: GraphInfo, node: gs.Node) -> Optional[set[int]]:
         return None
     if "starts" in node.attrs:  # opset < 10
         axes = node.attrs.get("axes", list(range(len(node.attrs["starts"]))))
-    elif len(node.inputs) > 3 and node.inputs[3] is not None and node.inputs[3].name:
+    elif given(node.inputs, 3) is not None:
         axes = const_values(node.inputs[3])
         if axes is None:
             return None
@@ -86,8 +86,9 @@ def _slice(info: GraphInfo, node: gs.Node) -> Rule:
     if "starts" in node.attrs or axes is None or len(axes) != 1:
         return rule("along", data=[0], axes=axes)
     starts = const_values(node.inputs[1])
-    steps = const_values(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None and node.inputs[4].name else None
-    one_step = len(node.inputs) <= 4 or not node.inputs[4].name or (steps is not None and np.all(np.asarray(steps) == 1))
+    step = given(node.inputs, 4)
+    steps = const_values(step) if step is not None else None
+    one_step = step is None or (steps is not None and np.all(np.asarray(steps) == 1))
     if starts is None or np.size(starts) != 1 or not one_step:
         return rule("along", data=[0], axes=axes)
     return rule("along", data=[0], axes=axes, starts=[int(np.asarray(starts).reshape(-1)[0])])
@@ -146,11 +147,11 @@ def _softmax(info: GraphInfo, node: gs.Node, opset: int) -> Optional[Rule]:
 
 
 def _gemm(info: GraphInfo, node: gs.Node) -> Rule:
-    has_c = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
     a = node.attrs
-    return rule("linear", weight=1, w_axis=0 if int(a.get("transB", 0)) else 1, bias=2 if has_c else None,
-                out_axis=1, data=0, in_axis=0 if int(a.get("transA", 0)) else 1,
-                alpha=float(a.get("alpha", 1.0)), beta=float(a.get("beta", 1.0)))
+    return rule("linear", weight=1, w_axis=0 if int(a.get("transB", 0)) else 1,
+                bias=2 if given(node.inputs, 2) else None, out_axis=1, data=0,
+                in_axis=0 if int(a.get("transA", 0)) else 1, alpha=float(a.get("alpha", 1.0)),
+                beta=float(a.get("beta", 1.0)))
 
 
 def _reshape(info: GraphInfo, node: gs.Node) -> Rule:
@@ -185,9 +186,8 @@ def _sizes(info: GraphInfo, node: gs.Node, slot: int) -> Optional[list]:
 
 
 def _conv(info: GraphInfo, node: gs.Node) -> Rule:
-    has_b = len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name
-    return rule("conv", weight=1, w_axis=1 if node.op == "ConvTranspose" else 0, bias=2 if has_b else None,
-                groups=int(node.attrs.get("group", 1)))
+    return rule("conv", weight=1, w_axis=1 if node.op == "ConvTranspose" else 0,
+                bias=2 if given(node.inputs, 2) else None, groups=int(node.attrs.get("group", 1)))
 
 
 def _cast(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
@@ -199,7 +199,7 @@ def _cast(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
 def _dropout(node: gs.Node) -> Optional[Rule]:
     """Dropout is the identity unless in training mode (input 2 true, or set at run time): then it
     zeroes random entries and scales the rest, which no centering survives: opaque."""
-    mode = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name else None
+    mode = given(node.inputs, 2)
     training = mode is not None and (const_values(mode) is None or bool(np.asarray(const_values(mode)).any()))
     return None if training else rule("elementwise", op="dropout")
 
@@ -214,16 +214,16 @@ def _pad(info: GraphInfo, node: gs.Node, opset: int) -> Optional[Rule]:
     rank = info.rank(node.inputs[0])
     mode = node.attrs.get("mode", "constant")
     mode = mode.decode() if isinstance(mode, bytes) else mode
-    ins = list(node.inputs) + [None] * 4
     if rank is None:
         return None
+    axes_given = given(node.inputs, 3)
     if "pads" in node.attrs:  # opset < 11
         pads, value, axes = node.attrs["pads"], node.attrs.get("value", 0.0), None
     else:
-        pads = _computed_const(ins[1], opset)
-        value = _computed_const(ins[2], opset) if ins[2] is not None and ins[2].name else 0.0
-        axes = _computed_const(ins[3], opset) if ins[3] is not None and ins[3].name else None
-    if pads is None or value is None or (ins[3] is not None and ins[3].name and axes is None):
+        pads = _computed_const(given(node.inputs, 1), opset)
+        value = _computed_const(given(node.inputs, 2), opset) if given(node.inputs, 2) is not None else 0.0
+        axes = _computed_const(axes_given, opset)
+    if pads is None or value is None or (axes_given is not None and axes is None):
         return None
     pads = [int(p) for p in np.asarray(pads).reshape(-1)]
     axes = list(range(rank)) if axes is None else [_norm_axis(int(a), rank) for a in np.asarray(axes).reshape(-1)]
@@ -286,7 +286,7 @@ def _resize(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     if mode == "tf_crop_and_resize" or src is None or dst is None or len(src) != len(dst):
         return None
     axes = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b or not isinstance(a, int)]
-    if len(node.inputs) < 4 or node.inputs[3] is None or not node.inputs[3].name:
+    if given(node.inputs, 3) is None:
         return rule("resample", data=0, axes=axes)
     sizes = _sizes(info, node, 3)
     return rule("resample", data=0, axes=axes, sizes=sizes, slot=3, fixed=sizes is None)
@@ -309,13 +309,9 @@ def _shape(info: GraphInfo, node: gs.Node) -> Rule:
     return rule("metadata", sized=True, reads=reads, sizes_of=sorted(sizes))
 
 
-def _split_axis(info, node):
-    r = info.rank(node.inputs[0])
-    return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
-
-
-def _concat_axis(info, node):
-    r = info.rank(node.outputs[0])
+def _axis_attr(info: GraphInfo, node: gs.Node, t) -> Optional[set[int]]:
+    """{the node's `axis`} on tensor t's axes (Split's input, Concat's output)."""
+    r = info.rank(t)
     return None if r is None else {_norm_axis(int(node.attrs.get("axis", 0)), r)}
 
 
@@ -344,9 +340,10 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "Unsqueeze": _unary("reshape"),
     "Transpose": lambda info, n, _: _transpose(info, n),
     "Slice": lambda info, n, _: _slice(info, n),
-    "Concat": lambda info, n, _: rule("along", data=list(range(len(n.inputs))), axes=_concat_axis(info, n)),
-    "Split": lambda info, n, _: rule("along", data=[0], outs=list(range(len(n.outputs))), axes=_split_axis(info, n),
-                                     partition=True),
+    "Concat": lambda info, n, _: rule("along", data=list(range(len(n.inputs))),
+                                      axes=_axis_attr(info, n, n.outputs[0])),
+    "Split": lambda info, n, _: rule("along", data=[0], outs=list(range(len(n.outputs))),
+                                     axes=_axis_attr(info, n, n.inputs[0]), partition=True),
     "Gather": lambda info, n, _: _gather(info, n),
     "GatherElements": lambda info, n, _: _gather_elements(info, n),
     "GatherND": lambda info, n, _: _gather_nd(info, n),
