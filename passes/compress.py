@@ -74,10 +74,6 @@ class _Fallback(Exception):
     pass
 
 
-def _fmt(view: View, node: str) -> str:
-    return view.nodes[node].describe()
-
-
 def compress(view: View, comp: Component) -> ComponentCompression:
     """The compression of one foldable component, or its fallback with a reason."""
     out = ComponentCompression(list(comp.norms))
@@ -103,9 +99,9 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
     stream_elems = 0
     for value, axis in comp.axes.items():
         v = view.values[value]
-        if v.shape is None or axis >= len(v.shape) or v.shape[axis] != d:
-            size = "unknown" if v.shape is None or axis >= len(v.shape) else v.shape[axis]
-            raise _Fallback(f"stream tensor `{value}` has {size} features, not {d}")
+        size = size_along(view, value, axis)
+        if size != d:
+            raise _Fallback(f"stream tensor `{value}` has {'unknown' if size is None else size} features, not {d}")
         stream_elems += 1
         refs, why = follows_stream(producer_width_refs(view, value, axis), comp)
         if refs is None:
@@ -178,8 +174,7 @@ def _width(view: View, comp: Component) -> int:
     widths = set()
     for name in comp.norms:
         n = view.nodes[name]
-        s = view.values[n.inputs[n.norm.input]].shape
-        w = s[n.norm.axis] if s is not None and n.norm.axis < len(s) else None
+        w = size_along(view, n.inputs[n.norm.input], n.norm.axis)
         if not isinstance(w, int):
             raise _Fallback(f"the feature size of {n.describe()} is not static")
         widths.add(w)
@@ -191,15 +186,18 @@ def _width(view: View, comp: Component) -> int:
     return d
 
 
+def size_along(view: View, value: str, axis: Optional[int]):
+    """The size of `value` along `axis` (None: not known)."""
+    s = view.values[value].shape
+    return s[axis] if s is not None and axis is not None and axis < len(s) else None
+
+
 def _size_along(view: View, ref: ConstRef):
-    if ref.axis is None:
-        return 1
-    s = view.values[ref.value].shape
-    return s[ref.axis] if s is not None and ref.axis < len(s) else None
+    return 1 if ref.axis is None else size_along(view, ref.value, ref.axis)
 
 
 def _src_name(view: View, node: Optional[str]) -> str:
-    return "a constant added to the stream" if node is None else _fmt(view, node)
+    return "a constant added to the stream" if node is None else view.nodes[node].describe()
 
 
 def _reader_saving(view: View, read: LinearRead) -> int:

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from . import weights
-from .edits import ConstEdit, Scale
+from .edits import ConstEdit, Scale, const_edits
 from .frozen import FrozenList
 from .options import DEFER_POLICIES, check_choice
 from .readers import LinearReader, linear_readers
@@ -128,20 +128,9 @@ def plan_deferral(view: View, plan, policy: str = "auto", costs: Costs = ORT_CPU
 
 def gamma_edits(view: View, decision: DeferDecision) -> list[ConstEdit]:
     """γ folded into each reader's weight (`W·diag γ`), as constant edits (the plan's)."""
-    wanted: dict[tuple, list[tuple[str, int]]] = {}
-    for d in decision.deferred:
-        if d.gamma is None:
-            continue
-        g_rank = view.values[d.gamma].rank or 1
-        for r in d.readers:
-            key = (r.weight.value, (Scale(d.gamma, g_rank - 1, r.weight.axis),))
-            wanted.setdefault(key, []).append((r.weight.user, r.weight.user_input))
-    edits = []
-    for (value, ops), users in wanted.items():
-        users = sorted(set(users))
-        clone = set(view.values[value].consumers) != set(users)
-        edits.append(ConstEdit(value, ops, FrozenList(users), clone))
-    return edits
+    return const_edits(view, [(r.weight.value, (Scale(d.gamma, (view.values[d.gamma].rank or 1) - 1, r.weight.axis),),
+                               (r.weight.user, r.weight.user_input))
+                              for d in decision.deferred if d.gamma is not None for r in d.readers])
 
 
 def compute_biases(decision: DeferDecision, get_array: Callable[[str], np.ndarray],

@@ -1,9 +1,5 @@
-"""Constant edits: what a plan does to a constant, and the one walk that executes them.
-
-An edit is a list of ops applied left to right to the original array. `apply_ops` is the one
-interpreter of them, over an `Algebra` per backend: numpy in float64 here (`NUMPY`, cast back
-once by `compute_constants`); torch tensors in forward and FX graph nodes in fx_rewrite/edits.py
-(training, where the edit is computed from the parameter itself). Nothing else walks the ops.
+"""Constant edits: what a plan does to a constant (a list of ops, applied left to right to the
+original array), and `apply_ops`, their one interpreter, over an `Algebra` per backend (DESIGN §2).
 """
 from __future__ import annotations
 
@@ -14,16 +10,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Union
 import numpy as np
 
 from . import orthogonal, weights
-from .view import ConstRef
+from .frozen import FrozenList
+from .view import ConstRef, View
 
 
 class Op:
-    """An edit op: data, and the answers every walker of the ops needs (so nothing else walks them).
-
-    `apply` runs it over an `Algebra`; `constants` are the other constants it reads; `renamed`
-    maps those names (a checkpoint's names for a graph's); `without_axis` is the op moved onto
-    `W v` (β into a bias: the weight's input axis is gone); `mixes` the axes along which it
-    combines entries (None: it changes the shape or reads other constants — edit the tensor whole)."""
+    """An edit op: data, and the answers every walker of the ops needs (DESIGN §2: `apply`,
+    `constants`, `renamed`, `without_axis`, `mixes`), so that nothing else walks them."""
 
     def apply(self, a: Any, source: Callable[[str], Any], alg: "Algebra") -> Any:  # pragma: no cover
         raise NotImplementedError
@@ -136,14 +129,17 @@ class Data:
 Basis = Union[Seeded, Identity, Data]
 
 
+def dense(basis: Basis) -> np.ndarray:
+    """The basis as a float64 square matrix (the identity's too)."""
+    q = basis.matrix()
+    return np.eye(basis.dim) if q is None else q
+
+
 @dataclass(frozen=True)
 class Project(Op):
-    """`a ×_axis B[:, :keep]`: entry j < keep along `axis` becomes Σᵢ aᵢ B[i, j] (B orthogonal,
-    `basis.dim` square; the identity basis keeps the first `keep` entries, without arithmetic).
-    One op for a stream's change of basis: a rotation (keep = dim), CRMSNorm's redundant last row
-    (identity, keep = dim − 1), a slice of a rotated stream (keep < dim). The same op edits a
-    writer's output side (its rows then write x·B) and a reader's input side (W·B reads x·B as W
-    read x, on the kept subspace)."""
+    """`a ×_axis B[:, :keep]`: entry j < keep along `axis` becomes Σᵢ aᵢ B[i, j] (B orthogonal; the
+    identity basis keeps the first `keep` entries, without arithmetic). One op for every change of
+    a stream's basis, on a writer's output side and a reader's input side alike (DESIGN §2)."""
 
     axis: int
     basis: Basis
@@ -211,6 +207,16 @@ class ConstEdit:
         return [self.value] + [n for op in self.ops for n in op.constants()]
 
 
+def const_edits(view: View, uses: Iterable[tuple[str, tuple, tuple[str, int]]]) -> list[ConstEdit]:
+    """One ConstEdit per constant and ops, from (constant, ops, (node, input) that reads the edited
+    tensor) triples; cloned where other nodes read the constant too (they keep the original)."""
+    wanted: dict[tuple, set] = {}
+    for value, ops, user in uses:
+        wanted.setdefault((value, ops), set()).add(user)
+    return [ConstEdit(value, ops, FrozenList(sorted(users)), set(view.values[value].consumers) != users)
+            for (value, ops), users in wanted.items()]
+
+
 @dataclass(frozen=True)
 class Recenter:
     """`x - mean(x)` along `axis` for a stream start no constant edit can center (an opaque op's
@@ -224,11 +230,7 @@ class Recenter:
 
     def matrix(self) -> Optional[np.ndarray]:
         """The float64 (d × keep) matrix the recentered tensor is multiplied by (None: not projected)."""
-        if self.project is None:
-            return None
-        b = self.project.basis
-        q = b.matrix()
-        return (np.eye(b.dim) if q is None else q)[:, :self.project.keep]
+        return None if self.project is None else dense(self.project.basis)[:, :self.project.keep]
 
 
 @dataclass(frozen=True)

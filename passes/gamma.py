@@ -11,7 +11,7 @@ does not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from .beta import BetaFold
 from .edits import Scale
@@ -82,8 +82,3 @@ def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Opti
                 return out
     out.readers = readers
     return out
-
-
-def decide_all(view: View, norms: list[str], betas: dict[str, BetaFold],
-               kept_by_target: Callable[[str], Optional[str]], compressed: set[str]) -> dict[str, GammaFold]:
-    return {n: decide(view, n, betas.get(n), kept_by_target(n), n in compressed) for n in norms}

@@ -1,17 +1,9 @@
-"""The fold plan: every edit of the fold, derived from the analysis and the request.
-
-`make_plan(view, request)` (passes/request.py says what a request holds) returns a final plan:
-frozen, its lists refusing changes. It is data, and it states every decision: which constants
-change and how (`ConstEdit`s, passes/edits.py), where β goes (`betas`, passes/beta.py), which
-streams get an explicit recenter, which Muls by ones disappear, which norms are fused with their
-residual Add, which are emitted deferred (`deferral`, passes/defer.py), whether the fold trains.
-A frontend only executes it: it computes new constants with `edits.compute_constants` (which
-asks the frontend for the original arrays), writes them, rewires the readers of cloned
-constants, inserts recenters and swaps norms.
+"""The fold plan: `make_plan(view, request)` decides every edit of the fold from the analysis and
+the request, and returns it as data, final (DESIGN §2, "The pipeline"); a frontend only executes it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -21,14 +13,14 @@ from . import beta as betas
 from . import gamma as gammas
 from .analysis import Component, analyze
 from .beta import BetaFold
-from .compress import ComponentCompression, compress
+from .compress import ComponentCompression, compress, size_along
 from .defer import DeferDecision, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamBasis, plan_rotation
 from . import slicing
 from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
-                    Ones, Project, Recenter, Scale)
+                    Ones, Project, Recenter, Scale, const_edits, dense)
 from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
 from .request import Capabilities, PlanRequest
@@ -51,8 +43,7 @@ class Readout:
 
     def matrix(self, gamma: Optional[np.ndarray]) -> np.ndarray:
         """The float64 (keep × d) matrix, given γ's values."""
-        q = self.basis.matrix()
-        q = np.eye(self.basis.dim) if q is None else q
+        q = dense(self.basis)
         g = np.ones(self.basis.dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
         return q[:, :self.keep].T * g[None, :]
 
@@ -191,13 +182,10 @@ class _Draft:
     stream_bases: list[StreamBasis] = field(default_factory=list)
 
     def freeze(self, **decided) -> Plan:
-        F = FrozenList
-        return Plan(mode=self.mode, const_edits=F(self.const_edits), recenters=F(self.recenters),
-                    swaps=F(self.swaps), components=F(self.components), compressions=F(self.compressions),
-                    new_biases=F(self.new_biases), betas=MappingProxyType(self.betas),
-                    fuse_residual=F(self.fuse_residual), drop_muls=F(self.drop_muls), report=self.report,
-                    origins=MappingProxyType(self.origins), gammas=MappingProxyType(self.gammas),
-                    stream_bases=F(self.stream_bases), **decided)
+        def final(v):
+            return FrozenList(v) if isinstance(v, list) else MappingProxyType(v) if isinstance(v, dict) else v
+
+        return Plan(**{f.name: final(getattr(self, f.name)) for f in fields(self)}, **decided)
 
     def keep_beta(self, norm: str, note: str = "") -> None:
         """Withdraw the β fold of `norm` (a deferred emission places β itself): its bias edits
@@ -392,7 +380,8 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
             for s in src.scales:
                 scaled_by.setdefault(s.user, k)
                 ops = use(s.value, s.user, s.user_input)[1]
-                ops[:] = [Ones()] + ([_drop_last(s.axis, cc.width)] if shrink and _size(view, s.value, s.axis) != 1 else [])
+                narrows = shrink and size_along(view, s.value, s.axis) != 1
+                ops[:] = [Ones()] + ([_drop_last(s.axis, cc.width)] if narrows else [])
             for ref in src.refs:
                 key = (ref.value, ref.user, ref.user_input)
                 ops = use(*key)[1]
@@ -401,7 +390,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                     ops.append(center)
                     continue
                 ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [center]
-                if shrink and ref.axis is not None and _size(view, ref.value, ref.axis) != 1:
+                if shrink and ref.axis is not None and size_along(view, ref.value, ref.axis) != 1:
                     ops.append(_drop_last(ref.axis, cc.width))
         if shrink:
             for a in cc.absorbs:
@@ -427,25 +416,19 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                               (nb.weight.value, nb.weight.user, nb.weight.user_input), ([], []))[1]))
                           for nb in plan.new_biases]
 
-    wanted: dict[tuple, list[tuple[str, int]]] = {}
-    for (value, user, idx), (reader_ops, source_ops) in uses.items():
-        wanted.setdefault((value, tuple(reader_ops + source_ops)), []).append((user, idx))
-    for (value, ops), users in wanted.items():
-        readers = set(view.values[value].consumers)
-        users = sorted(set(users))
-        clone = readers != set(users)
-        plan.const_edits.append(ConstEdit(value, ops, FrozenList(users), clone))
-        if clone:
-            others = sorted(readers - set(users))
-            # exporters de-duplicate equal initializers: one all-zero tensor is then a bias and a β
-            shared = (" (one all-zero tensor the exporter shared between them)"
-                      if zero is not None and zero(value) and any(view.nodes[o].norm for o, _ in others) else "")
-            note = (f"`{value}`: also read by {view.nodes[others[0][0]].describe()}"
-                    + (f" and {len(others) - 1} more" if len(others) > 1 else "") + shared
-                    + (", which keep" if len(others) > 1 else ", which keeps") + " the original")
-            for s, readers_of_s in zip(plan.report.streams, stream_readers):
-                if any(u[0] in readers_of_s for u in users) and note not in s.cloned:
-                    s.cloned.append(note)
+    plan.const_edits += const_edits(view, ((value, tuple(reader_ops + source_ops), (user, idx))
+                                           for (value, user, idx), (reader_ops, source_ops) in uses.items()))
+    for e in (e for e in plan.const_edits if e.clone):
+        others = sorted(set(view.values[e.value].consumers) - set(e.users))
+        # exporters de-duplicate equal initializers: one all-zero tensor is then a bias and a β
+        shared = (" (one all-zero tensor the exporter shared between them)"
+                  if zero is not None and zero(e.value) and any(view.nodes[o].norm for o, _ in others) else "")
+        note = (f"`{e.value}`: also read by {view.nodes[others[0][0]].describe()}"
+                + (f" and {len(others) - 1} more" if len(others) > 1 else "") + shared
+                + (", which keep" if len(others) > 1 else ", which keeps") + " the original")
+        for s, readers_of_s in zip(plan.report.streams, stream_readers):
+            if any(u[0] in readers_of_s for u in e.users) and note not in s.cloned:
+                s.cloned.append(note)
 
     for mul, k in scaled_by.items():
         if _bypassable(view, mul):
@@ -481,7 +464,7 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
     swaps = frozenset(plan.swaps)
     refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
     crms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
-    plan.gammas.update(gammas.decide_all(view, list(plan.swaps), plan.betas, refusal, crms))
+    plan.gammas.update({n: gammas.decide(view, n, plan.betas.get(n), refusal(n), n in crms) for n in plan.swaps})
     for n, g in plan.gammas.items():
         if g.moved and request.trainable is not None and any(request.trainable(r.weight.value) for r in g.readers):
             g.why = "its readers' weights are trained (the training fold computes no γ edit)"
@@ -596,13 +579,5 @@ def _stream_edits(view: View, comp: Component) -> tuple[StreamEdits, set[str]]:
     return edits, readers
 
 
-def _size(view: View, value: str, axis: int):
-    s = view.values[value].shape
-    return s[axis] if s is not None and axis < len(s) else None
-
-
 def first_kept_reason(report: Report) -> Optional[str]:
-    for n in report.norms:
-        if n.verdict == "keep":
-            return f"{n.name}: {n.reason}"
-    return None
+    return next((f"{n.name}: {n.reason}" for n in report.norms if n.verdict == "keep"), None)

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import orthogonal
 from .analysis import Component
+from .compress import size_along
 from .edits import Basis, Project, Seeded
 from .segments import segments
 from .gamma import GammaFold
@@ -184,7 +185,7 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
         basis_of_value = lambda value: blocks[seg.of_value[value]]  # noqa: E731
     for src in comp.sources:
         for ref in src.refs:
-            if ref.axis is None or _size(view, ref.value, ref.axis) == 1:
+            if ref.axis is None or size_along(view, ref.value, ref.axis) == 1:
                 continue  # uniform along the features: centered to zero, nothing to rotate
             written = _written(view, comp, src, ref) if blocks else None
             if blocks and written is None:
@@ -257,16 +258,10 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
 def _width(view: View, comp: Component) -> tuple[Optional[int], Optional[str]]:
     widths = set()
     for value, axis in comp.axes.items():
-        s = view.values[value].shape
-        w = s[axis] if s is not None and axis is not None and axis < len(s) else None
+        w = size_along(view, value, axis)
         if not isinstance(w, int):
             return None, f"the width of the stream tensor `{value}` is not known"
         widths.add(w)
     if len(widths) != 1:
         return None, f"its tensors have different widths {sorted(widths)}"
     return widths.pop(), None
-
-
-def _size(view: View, value: str, axis: int):
-    s = view.values[value].shape
-    return s[axis] if s is not None and axis < len(s) else None
