@@ -10,6 +10,7 @@ import onnx
 
 from ..passes.calibration import batch_rows, chunks, cut_rows, split
 from .inputs import check_feeds, load_npz
+from .sessions import with_outputs
 from .verify import original_run, session
 
 
@@ -57,11 +58,7 @@ def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> di
     names = [n for n in dict.fromkeys(names) if n in computed(model)]
     if not names:
         return {}
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    have = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have)
-    sess = session(m)
+    sess = session(with_outputs(model, names))
     out: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for feeds in (c for b in batches for c in chunks(b)):
         for n, v in zip(names, sess.run(names, feeds)):

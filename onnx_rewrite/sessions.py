@@ -76,6 +76,15 @@ def session(model: Union[ModelLike, Source]) -> ort.InferenceSession:
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
 
 
+def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A copy of `model` that also outputs the tensors `names` (those it does not output already)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have)
+    return m
+
+
 def proto_of(model: Union[ModelLike, Source]) -> onnx.ModelProto:
     return Source.of(model).proto
 

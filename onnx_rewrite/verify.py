@@ -1,25 +1,11 @@
 """Numerical verification (DESIGN §4): run the original, the folded model and a float64 copy of
-the original on the same inputs, and let passes/gate.py judge the fold.
-
-The inputs are the user's (`inputs`) or made up from the graph (inputs.py), trying a few size
-assignments until the original runs. The float64 run is a float64 copy of the original in
-onnxruntime, or, where onnxruntime has no double kernel for one of its ops, onnx's reference
-evaluator. A model onnxruntime refuses to load (a type error its checker finds; onnx's does not)
-is run with the reference evaluator throughout. Where the reference evaluator cannot run it in its
-own dtype either (onnxconverter-common's fp16 files type a Cast's output against what its readers
-expect), float64 copies of both models are compared (gate.judge_float64_copies), and the folded
-model must be refused by onnxruntime for the same reason as the input, not a new one.
-
-Three modules, one seam each: sessions.py runs a model (onnxruntime, or onnx's reference
-evaluator), exact.py makes and runs the float64 copy, this one finds inputs the original
-accepts and judges (passes/gate.py decides).
-
-Cost (issue 24): each model is read once and each session built once; a model given as a path
-is loaded by onnxruntime from the file, without a serialized copy. The folded model's norm
-inputs (needed only by the gate's fallback) are added as outputs only when no float64 run was
-possible. A float64 copy runs in onnxruntime even where a few of its ops have no double kernel
-(Conv, Erf on CPU): those run in onnx's reference evaluator, the rest in onnxruntime, segment by
-segment, instead of the whole model in the reference evaluator.
+the original on the same inputs (the user's, or made up by inputs.py until the original runs), and
+let passes/gate.py judge the fold. sessions.py runs a model, exact.py makes and runs the float64
+copy. A model onnxruntime refuses to load runs in onnx's reference evaluator throughout; where that
+cannot run it in its own dtype either (onnxconverter-common's fp16 files), float64 copies of both
+models are compared (gate.judge_float64_copies), and onnxruntime must refuse the folded model for the
+input's reason, not a new one. Cost (issue 24): each model is read once and each session built once;
+the folded norms' inputs become outputs (for the gate's fallback) only where no float64 run was possible.
 """
 from __future__ import annotations
 
@@ -36,12 +22,12 @@ from ..passes.weights import max_rel_err
 from . import inputs as synth
 from . import random_ops
 from . import exact
+from .already_rms import RMS_OPS
 # (session, exact_run, float64_copy: what the rest of the frontend runs models with)
 from .exact import Float64Run, exact_run, float64_copy, float_elems, prepare  # noqa: F401
 from .sessions import (ModelLike, Runner, Source, first_line, in_background, refusal_kind, session,  # noqa: F401
-                       skeleton_of)
+                       skeleton_of, with_outputs)
 
-_RMS_OPS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization"}
 _HINT = "give real inputs with --inputs FILE.npz or sizes with --dim NAME=SIZE (API: inputs=, dims=)"
 
 # --- running the original on inputs it accepts ----------------------------------------------------
@@ -74,7 +60,7 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
             return runner, feeds, runner.run(feeds)
         except Exception as e:
             error = LnfoldError if runner.sess is not None else lambda m: _RefusedAndUnrunnable(m, runner)
-            raise error(f"cannot verify: {_where(runner, skel, e)} on the given inputs: "
+            raise error(f"cannot verify: {_where(skel, e)} on the given inputs: "
                         f"{first_line(e)}") from None
     if dims:
         synth.check_dims(dims, skel)
@@ -87,15 +73,15 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
     assert first is not None
     if runner.sess is None:
         raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), and "
-                          f"onnx's reference evaluator cannot run it either ({_where(runner, skel, first)}: "
+                          f"onnx's reference evaluator cannot run it either ({_where(skel, first)}: "
                           f"{first_line(first)}); use --no-verify (API: verify=False) to skip it",
                                      runner) from None
     raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs: "
-                      f"{_where(runner, skel, first)}: {first_line(first)}; {_HINT}; or skip it with --no-verify "
+                      f"{_where(skel, first)}: {first_line(first)}; {_HINT}; or skip it with --no-verify "
                       "(API: verify=False)") from None
 
 
-def _where(runner: Runner, model: onnx.ModelProto, e: Exception) -> str:
+def _where(model: onnx.ModelProto, e: Exception) -> str:
     """'Gather `/x` (reached from position_ids)': the failing node and the inputs it depends on."""
     m = re.search(r"running (\w+) node\. Name:'([^']*)'", str(e))
     if not m:
@@ -103,18 +89,13 @@ def _where(runner: Runner, model: onnx.ModelProto, e: Exception) -> str:
     op, name = m.group(1), m.group(2)
     producer = {o: n for n in model.graph.node for o in n.output}
     node = next((n for n in model.graph.node if n.name == name), None)
-    inputs = {i.name for i in model.graph.input}
-    found, stack, seen = [], list(node.input) if node is not None else [], set()
+    stack, seen = list(node.input) if node is not None else [], set()
     while stack:
         t = stack.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        if t in inputs and t not in found:
-            found.append(t)
-        elif t in producer:
-            stack.extend(producer[t].input)
-    order = [i.name for i in model.graph.input if i.name in found]
+        if t not in seen:
+            seen.add(t)
+            stack.extend(producer[t].input if t in producer else ())
+    order = [i.name for i in model.graph.input if i.name in seen]
     reach = f" (reached from input{'s' if len(order) > 1 else ''} {', '.join(order)})" if order else ""
     return f"{op} `{name}`{reach}"
 
@@ -175,7 +156,7 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
     # the folded norms' inputs are read only by the gate's fallback without float64
     norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
     try:
-        fr = Runner(_with_outputs(folded.proto, norm_names) if norm_names else folded,
+        fr = Runner(with_outputs(folded.proto, [name for name, _ in norm_names]) if norm_names else folded,
                      allow_reference=runner.sess is None)
         rb_all = fr.run(feeds)
     except Exception as e:
@@ -186,12 +167,10 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
         raise VerificationError(f"verification failed: the folded model has {len(rb_all) - len(norm_names)} outputs, "
                                 f"the original {len(ra)}")
     compute = _compute_dtype(original.skeleton)
-    outs = [gate.Output(name, _narrower(_dtype_name(a), compute), a, b, None if exact is None else exact[k])
+    outs = [gate.Output(name, _narrower(a.dtype.name, compute), a, b, None if exact is None else exact[k])
             for k, (name, a, b) in enumerate(zip(runner.names, ra, rb))]
-    norm_inputs = {}
-    for (name, axis, _), val in zip(norm_names, extra):
-        norm_inputs[name] = np.moveaxis(np.asarray(val), axis, -1)
-    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(outs), original_is_faithful=runner.sess is not None,
+    norm_inputs = {name: np.moveaxis(np.asarray(val), axis, -1) for (name, axis), val in zip(norm_names, extra)}
+    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(o.dtype for o in outs), original_is_faithful=runner.sess is not None,
                          no_float64=ref.how if exact is None else "")
     if runner.sess is None:
         erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
@@ -285,19 +264,16 @@ _FLOAT_NAMES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: 
 def _storage_dtype(model: onnx.ModelProto) -> str:
     """The narrowest float type of the model's weights: the fold stores the weights it edits
     back in it."""
-    names = _FLOAT_NAMES
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
                                                for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
-    found = {names[t.data_type] for t in tensors if t.data_type in names}
-    return max(found, key=lambda d: gate.FLOOR[d]) if found else "float32"
+    return _narrowest(_FLOAT_NAMES.get(t.data_type) for t in tensors)
 
 
 def _compute_dtype(model: onnx.ModelProto) -> Optional[str]:
     """The narrowest float type of the model's weights: an fp16 model with fp32 inputs and
     outputs (onnxruntime's optimizer, converters' keep_io_types) computes, and rounds, in fp16."""
-    names = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}
-    found = {names[t.data_type] for t in model.graph.initializer if t.data_type in names}
-    return max(found, key=lambda d: gate.FLOOR[d]) if found else None
+    narrowest = _narrowest(_FLOAT_NAMES.get(t.data_type) for t in model.graph.initializer)
+    return narrowest if narrowest in ("float16", "bfloat16") else None
 
 
 def _narrower(dtype: str, compute: Optional[str]) -> str:
@@ -306,43 +282,27 @@ def _narrower(dtype: str, compute: Optional[str]) -> str:
     return max((dtype, compute), key=lambda d: gate.FLOOR[d])
 
 
-def _narrowest(outs: list) -> str:
-    floats = [o.dtype for o in outs if o.dtype in gate.FLOOR]
-    return max(floats, key=lambda d: gate.FLOOR[d], default="float32")
+def _narrowest(dtypes) -> str:
+    """The narrowest of the float type names `dtypes` (those gate.FLOOR knows), else float32."""
+    return max((d for d in dtypes if d in gate.FLOOR), key=gate.FLOOR.__getitem__, default="float32")
 
 
-def _dtype_name(a: np.ndarray) -> str:
-    return "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name
-
-
-def _new_rms_inputs(original: onnx.ModelProto, folded: onnx.ModelProto) -> list[tuple[str, int, list]]:
-    """(input tensor, axis, nodes) of every RMSNorm the fold emitted (not one the original had).
+def _new_rms_inputs(original: onnx.ModelProto, folded: onnx.ModelProto) -> list[tuple[str, int]]:
+    """(input tensor, axis) of every RMSNorm the fold emitted (not one the original had).
     A Skip variant normalizes input + skip, which its optional 4th output holds."""
-    before = {n.name for n in original.graph.node if n.op_type in _RMS_OPS}
+    before = {n.name for n in original.graph.node if n.op_type in RMS_OPS}
     out = []
     for n in folded.graph.node:
-        if n.op_type not in _RMS_OPS or n.name in before:
+        if n.op_type not in RMS_OPS or n.name in before:
             continue
         axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
         if n.op_type == "SkipSimplifiedLayerNormalization":
             if len(n.output) < 4 or not n.output[3]:
                 continue  # the sum is not exposed; this norm is judged by the outputs alone
-            out.append((n.output[3], -1, [n.name]))
+            out.append((n.output[3], -1))
         else:
-            out.append((n.input[0], axis, [n.name]))
+            out.append((n.input[0], axis))
     return out
-
-
-def _with_outputs(model: onnx.ModelProto, extra: list) -> onnx.ModelProto:
-    if not extra:
-        return model
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    have = {o.name for o in m.graph.output}
-    for name, _, _ in extra:
-        if name not in have:
-            m.graph.output.append(onnx.ValueInfoProto(name=name))
-    return m
 
 
 def compare(original: ModelLike, folded: ModelLike, *, seed: int = 0, inputs: Optional[dict] = None,
@@ -355,7 +315,7 @@ def compare(original: ModelLike, folded: ModelLike, *, seed: int = 0, inputs: Op
     except Exception as e:
         raise VerificationError(f"verification failed: cannot run the folded model ({first_line(e)})") from None
     fp32 = gate.TOLERANCE["float32"]  # outputs of other types are held to float32's
-    tol = min((gate.TOLERANCE.get(_dtype_name(a), fp32) for a in ra), default=fp32)
+    tol = min((gate.TOLERANCE.get(a.dtype.name, fp32) for a in ra), default=fp32)
     if len(ra) != len(rb):
         return float("inf"), tol
     return max((max_rel_err(x, y) for x, y in zip(ra, rb)), default=0.0), tol
