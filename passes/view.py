@@ -45,7 +45,7 @@ Axes are non-negative ints; every value carries its rank. Nothing here imports a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Protocol
 
 class Rule(Protocol):
@@ -59,6 +59,8 @@ class Rule(Protocol):
 
 # (output index, feature axis of that output)
 AxisMap = list[tuple[int, int]]
+# (input or output index, feature axis, runs along it: None for the whole axis)
+BlockMap = tuple[int, int, Optional["FeatureRuns"]]
 
 
 @dataclass(frozen=True)
@@ -165,36 +167,9 @@ class SizeOf:
     known: Optional[int] = None
 
 
-def _never_transfer(i: int, axis: int) -> Optional[AxisMap]:
+def no_answer(*_) -> None:
+    """The answer of a node that does not pass the stream (the default of each question)."""
     return None
-
-
-def _never_backward(o: int, axis: int) -> Optional[list[tuple[int, int]]]:
-    return None
-
-
-def _never_center(o: int, axis: int) -> Optional[list[ConstRef]]:
-    return None
-
-
-def _no_scale(o: int, axis: int) -> Optional[ChannelScale]:
-    return None
-
-
-def _not_invariant(i: int, axis: int) -> bool:
-    return False
-
-
-def _not_linear(i: int, axis: int) -> Optional[LinearRead]:
-    return None
-
-
-def _never_block(k: int, axis: int, block: Optional[FeatureRuns]) -> Optional[list[tuple[int, int, Optional[FeatureRuns]]]]:
-    return None
-
-
-def _names_no_width(o: int, axis: int) -> Optional[list[DimRef]]:
-    return []
 
 
 @dataclass
@@ -202,15 +177,15 @@ class Answers:
     """A node's answers to the analysis (the module docstring says what each means), derived by
     passes/rules.py from the node's rule and the view; the defaults: a node nothing passes."""
 
-    transfer: Callable[[int, int], Optional[AxisMap]] = _never_transfer
-    backward: Callable[[int, int], Optional[list[tuple[int, int]]]] = _never_backward
-    centering: Callable[[int, int], Optional[list[ConstRef]]] = _never_center
-    channel_scale: Callable[[int, int], Optional[ChannelScale]] = _no_scale
-    invariant: Callable[[int, int], bool] = _not_invariant
-    linear: Callable[[int, int], Optional[LinearRead]] = _not_linear
-    width_refs: Callable[[int, int], Optional[list[DimRef]]] = _names_no_width
-    transfer_block: Callable[[int, int, Optional[FeatureRuns]], Optional[list[tuple[int, int, Optional[FeatureRuns]]]]] = _never_block
-    backward_block: Callable[[int, int, Optional[FeatureRuns]], Optional[list[tuple[int, int, Optional[FeatureRuns]]]]] = _never_block
+    transfer: Callable[[int, int], Optional[AxisMap]] = no_answer
+    backward: Callable[[int, int], Optional[list[tuple[int, int]]]] = no_answer
+    centering: Callable[[int, int], Optional[list[ConstRef]]] = no_answer
+    channel_scale: Callable[[int, int], Optional[ChannelScale]] = no_answer
+    invariant: Callable[[int, int], bool] = lambda i, axis: False
+    linear: Callable[[int, int], Optional[LinearRead]] = no_answer
+    width_refs: Callable[[int, int], Optional[list[DimRef]]] = lambda o, axis: []  # spells no width
+    transfer_block: Callable[[int, int, Optional[FeatureRuns]], Optional[list[BlockMap]]] = no_answer
+    backward_block: Callable[[int, int, Optional[FeatureRuns]], Optional[list[BlockMap]]] = no_answer
     block_centering: bool = False
     layout: bool = False
     regroups: bool = False
@@ -251,60 +226,14 @@ class Node:
             raise ValueError(f"{self.describe()} is in no view: add it to one (View.add_node) to ask it")
         return view.answers(self)
 
-    def transfer(self, i: int, axis: int) -> Optional[AxisMap]:
-        return self._answers().transfer(i, axis)
+    def __getattr__(self, name: str):
+        """The analysis' questions, `Answers`' fields: `node.transfer(i, axis)`, `node.norm`, ..."""
+        if name not in _QUESTIONS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self._answers(), name)
 
-    def backward(self, o: int, axis: int) -> Optional[list[tuple[int, int]]]:
-        return self._answers().backward(o, axis)
 
-    def centering(self, o: int, axis: int) -> Optional[list[ConstRef]]:
-        return self._answers().centering(o, axis)
-
-    def channel_scale(self, o: int, axis: int) -> Optional[ChannelScale]:
-        return self._answers().channel_scale(o, axis)
-
-    def invariant(self, i: int, axis: int) -> bool:
-        return self._answers().invariant(i, axis)
-
-    def linear(self, i: int, axis: int) -> Optional[LinearRead]:
-        return self._answers().linear(i, axis)
-
-    def width_refs(self, o: int, axis: int) -> Optional[list[DimRef]]:
-        return self._answers().width_refs(o, axis)
-
-    def transfer_block(self, i: int, axis: int, block: Optional[FeatureRuns]):
-        return self._answers().transfer_block(i, axis, block)
-
-    def backward_block(self, o: int, axis: int, block: Optional[FeatureRuns]):
-        return self._answers().backward_block(o, axis, block)
-
-    @property
-    def block_centering(self) -> bool:
-        return self._answers().block_centering
-
-    @property
-    def layout(self) -> bool:
-        return self._answers().layout
-
-    @property
-    def regroups(self) -> bool:
-        return self._answers().regroups
-
-    @property
-    def norm(self) -> Optional[NormSpec]:
-        return self._answers().norm
-
-    @property
-    def norm_rejection(self) -> Optional[str]:
-        return self._answers().norm_rejection
-
-    @property
-    def shape_only(self) -> bool:
-        return self._answers().shape_only
-
-    @property
-    def stored_as(self) -> Optional[str]:
-        return self._answers().stored_as
+_QUESTIONS = frozenset(f.name for f in fields(Answers))
 
 
 @dataclass
