@@ -1,11 +1,7 @@
 """`lnfold.fold_checkpoint`: stream a checkpoint's shards through the plan, verify, publish (issue 25).
 
-fx_rewrite/checkpoint.py reads the folder and makes the plan from its config alone; here each shard
-is written (fx_rewrite/safetensors_io.py): a tensor no edit touches copied byte for byte, an edited
-one read a block of rows at a time where its ops allow (passes/shards.py), edited in float64 by
-the one edit interpreter (passes/edits.py `apply_ops`) and rounded once back to its dtype; shards
-in parallel threads with `jobs > 1`, each fsynced as it is closed. The new folder is built under
-a temporary name beside the output, verified (fx_rewrite/checkpoint_verify.py), and renamed into
+How each shard is edited: DESIGN §2 "Checkpoints", *Editing*. The new folder is built under a
+temporary name beside the output, verified (fx_rewrite/checkpoint_verify.py), and renamed into
 place: a failure leaves nothing behind.
 """
 from __future__ import annotations
@@ -23,80 +19,62 @@ import numpy as np
 import torch
 
 from ..passes import FoldResult, LnfoldError, pipeline
-from ..passes.edits import NUMPY, Center, apply_ops
+from ..passes.edits import NUMPY, Center, apply_ops, chunk_axis
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.edits import chunk_axis
 from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
     skeleton, stored_names
 from .checkpoint_verify import verify_checkpoint
 from .edits import rounded
-from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, itemsize, read_header, row_blocks, tensor_bytes
+from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, nbytes, row_blocks, tensor_bytes
 
 SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by rows
 
 
 # --- streaming the edits -------------------------------------------------------------------------------------
 
-def fold_shard(folder: str, out: str, job: ShardJob, where: dict, metadata: dict) -> dict:
+def fold_shard(ck: Checkpoint, out: Path, job: ShardJob) -> dict:
     """Write one output shard: every tensor of `job`, copied or edited in float64. Returns its
     new tensor names with their sizes (for the index). Tensors are read with pread, not through
     a memory map: the pages of a mapped file count in the process's resident memory while they
     are mapped, so that mapping two 400 MB shards alone would take the memory budget."""
-    folder_p, header = Path(folder), read_header(Path(folder) / job.file)
-    headers, handles = {job.file: header}, {}
+    header, handles = ck.shards[job.file], {}
 
     def rows(name: str) -> Rows:
-        file = where[name]
-        if file not in headers:
-            headers[file] = read_header(folder_p / file)
+        file = ck.where[name]
         if file not in handles:
-            handles[file] = files.enter_context(open(folder_p / file, "rb", buffering=0))
-        h = headers[file]
-        e = h.entries[name]
-        return Rows(handles[file], h.data_start + e.begin, DTYPES[e.dtype], e.shape)
+            handles[file] = files.enter_context(open(ck.folder / file, "rb", buffering=0))
+        e = ck.shards[file].entries[name]
+        return Rows(handles[file], ck.shards[file].data_start + e.begin, DTYPES[e.dtype], e.shape)
 
     def source(name: str) -> np.ndarray:  # another constant an op reads (small: a LayerScale vector)
         return rows(name)[:].to(torch.float64).numpy()
 
-    layout = []
-    for t in job.tensors:
-        if where[t.source] not in headers:
-            headers[where[t.source]] = read_header(folder_p / where[t.source])
-        e = headers[where[t.source]].entries[t.source]
-        layout.append((t.name, e.dtype, e.shape))
-    sizes = {}
+    entries = [ck.shards[ck.where[t.source]].entries[t.source] for t in job.tensors]
+    sizes = {t.name: nbytes(e.dtype, e.shape) for t, e in zip(job.tensors, entries)}
     with contextlib.ExitStack() as files:
-        raw = files.enter_context(open(folder_p / job.file, "rb"))
-        writer = ShardWriter(Path(out) / job.file, layout, header.metadata or {"format": "pt"})
-        try:
-            for t, (_, code, shape) in zip(job.tensors, layout):
-                nbytes = _nbytes(code, shape)
-                sizes[t.name] = nbytes
-                if not t.ops and t.source in header.entries:
-                    e = header.entries[t.source]
-                    writer.copy(t.name, raw, header.data_start + e.begin, e.end - e.begin)
-                    continue
+        raw = files.enter_context(open(ck.folder / job.file, "rb"))
+        writer = ShardWriter(out / job.file, [(t.name, e.dtype, e.shape) for t, e in zip(job.tensors, entries)],
+                             header.metadata or {"format": "pt"})
+        files.callback(writer.f.close)
+        for t, e in zip(job.tensors, entries):
+            if not t.ops and t.source in header.entries:
+                writer.copy(t.name, raw, header.data_start + e.begin, e.end - e.begin)
+            elif not t.ops:  # (a tensor of another shard: a tied table's copy)
                 x = rows(t.source)
-                if not t.ops:  # (a tensor of another shard: a tied table's copy)
-                    writer.put(t.name, (tensor_bytes(x[lo:hi]) for lo, hi in row_blocks(x.shape, SLICE_BYTES)),
-                               nbytes)
-                    continue
-                writer.put(t.name, _edited(x, DTYPES[code], t.ops, source), nbytes)
-            writer.close()
-        finally:
-            writer.f.close()
+                writer.put(t.name, (tensor_bytes(x[lo:hi]) for lo, hi in row_blocks(x.shape, SLICE_BYTES)),
+                           sizes[t.name])
+            else:
+                writer.put(t.name, _edited(rows(t.source), DTYPES[e.dtype], t.ops, source), sizes[t.name])
+        writer.close()
     return sizes
 
 
 def _edited(x: Rows, dtype: torch.dtype, ops: tuple, source: Callable):
-    """The bytes of tensor `x` (still in its file) after `ops`, a block of rows at a time where the
-    ops allow, so that memory holds about SLICE_BYTES of float64 per tensor, not the tensor: ops
-    acting on each row alone stream directly; a centering along the rows (an output projection's)
-    first sums its float64 mean over the blocks, then subtracts it block by block; anything else
-    is edited whole."""
+    """The bytes of tensor `x` (still in its file) after `ops`, a block of rows (about SLICE_BYTES
+    of float64) at a time where the ops allow (`chunk_axis`, `rows_mean_axis`), else whole."""
     ndim = len(x.shape)
     if not rows_mean_axis(ops, ndim):
         return edited_pieces(x, chunk_axis(ops, ndim), _editor(ops, source, dtype), SLICE_BYTES)
@@ -130,29 +108,21 @@ def _editor(ops: tuple, source: Callable, dtype: torch.dtype) -> Callable[[torch
     return edit
 
 
-def _nbytes(code: str, shape: tuple) -> int:
-    n = itemsize(code)
-    for s in shape:
-        n *= s
-    return n
-
-
 def write_shards(ck: Checkpoint, jobs_list: list[ShardJob], out: Path, jobs: int) -> dict[str, int]:
     """Every output shard, `jobs` at a time; tensor name -> its size. Threads, not processes: the
     work is numpy arithmetic and file copies, which run outside the GIL, and a worker process
     would first pay its own torch import (~2 s and ~300 MB each)."""
-    args = [(str(ck.folder), str(out), j, ck.where, ck.shards[j.file].metadata) for j in jobs_list]
-    sizes: dict[str, int] = {}
-    if jobs > 1 and len(args) > 1:
+    def fold(job: ShardJob) -> dict[str, int]:
+        return fold_shard(ck, out, job)
+
+    if jobs > 1 and len(jobs_list) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(min(jobs, len(args))) as pool:
-            for s in pool.map(lambda a: fold_shard(*a), args):
-                sizes.update(s)
+        with ThreadPoolExecutor(min(jobs, len(jobs_list))) as pool:
+            shards = list(pool.map(fold, jobs_list))
     else:
-        for a in args:
-            sizes.update(fold_shard(*a))
-    return sizes
+        shards = [fold(j) for j in jobs_list]
+    return {name: size for s in shards for name, size in s.items()}
 
 
 def _write_index(ck: Checkpoint, jobs_list: list[ShardJob], sizes: dict, out: Path) -> None:
@@ -164,10 +134,9 @@ def _write_index(ck: Checkpoint, jobs_list: list[ShardJob], sizes: dict, out: Pa
                                             indent=2) + "\n")
 
 
-def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> list[str]:
+def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> None:
     """config, tokenizer, generation files: copied; config.json unties the embedding where the fold did."""
     weights = set(ck.shards) | {INDEX}
-    copied = []
     for p in sorted(ck.folder.rglob("*")):
         rel = p.relative_to(ck.folder)
         if not p.is_file() or str(rel) in weights:
@@ -179,8 +148,6 @@ def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> list[str]:
             (out / rel).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         else:
             shutil.copy2(p, out / rel)
-        copied.append(str(rel))
-    return copied
 
 
 def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> None:
@@ -196,7 +163,8 @@ def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> Non
     for name, (dtype, shape) in before.items():
         if after.get(name) != (dtype, shape):
             got = "lacks it" if name not in after else f"has it as {after[name][0]} {list(after[name][1])}"
-            raise LnfoldError(f"internal: input tensor {name} ({dtype} {list(shape)}): the output {got}; nothing written")
+            raise LnfoldError(f"internal: input tensor {name} ({dtype} {list(shape)}): the output {got}; "
+                              "nothing written")
     model = skeleton(out.config)
     found = stored_names(model, out)
     for name in model.state_dict():
@@ -220,16 +188,12 @@ def _flush(folder: Path) -> None:
 
 
 def _flush_folder(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # (a system that cannot open or fsync a folder: nothing to flush)
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # (a system that cannot open a directory: nothing to flush)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def destination(src: Path, dst: Optional[Path]) -> Path:
@@ -248,9 +212,10 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
 
     The plan comes from config.json alone (meta device); each shard is streamed and edited in
-    float64, `jobs` shards at a time (threads; default 2 where there are 2 cores); with `verify` the output is checked block by block against the original in bounded
-    memory (fx_rewrite/checkpoint_verify.py, the gate of passes/gate.py) before it is renamed into
-    place. Returns a FoldResult with the report, `model` = the output folder, and the timings.
+    float64, `jobs` shards at a time (threads; default 2 where there are 2 cores); with `verify`
+    the output is checked block by block against the original in bounded memory
+    (fx_rewrite/checkpoint_verify.py, the gate of passes/gate.py) before it is renamed into place.
+    Returns a FoldResult with the report, `model` = the output folder, and the timings.
     Raises LnfoldError (one line) for a bad folder, NothingToFold, VerificationError."""
     opts = FoldOptions(mode=mode, verify=verify)
     if jobs is None:  # (two: one edits while the other waits for the disk)

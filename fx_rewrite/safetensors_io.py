@@ -1,13 +1,13 @@
 """Reading and writing safetensors files a tensor at a time (a checkpoint fold in bounded memory).
 
 The format (huggingface/safetensors): an 8-byte little-endian header length, a JSON header
-(name -> dtype, shape, [begin, end) data offsets; `__metadata__`), then the data. Tensors are read
-with `safetensors.safe_open` (memory-mapped); a file is written from its header and then one
-tensor's bytes after another, so that writing a shard never holds the shard in memory. A tensor
-nobody edits is copied byte for byte, as `cp` would.
+(name -> dtype, shape, [begin, end) data offsets; `__metadata__`), then the data. A file is
+written from its header and then one tensor's bytes after another, so that writing a shard never
+holds the shard in memory.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,7 +25,6 @@ from ..passes.errors import first_line
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
-CODES = {v: k for k, v in DTYPES.items()}
 COPY_BLOCK = 64 << 20
 
 
@@ -39,7 +38,6 @@ class Entry:
 
 @dataclass
 class Header:
-    path: Path
     data_start: int  # where the data begins in the file
     entries: dict[str, Entry]  # in file order
     metadata: dict
@@ -71,11 +69,12 @@ def read_header(path: Path) -> Header:
     end = max((e.end for e in entries.values()), default=0)
     if end > data:
         raise LnfoldError(f"{path}: truncated: its header describes {end} bytes of data, the file holds {data}")
-    return Header(path, 8 + n, entries, meta)
+    return Header(8 + n, entries, meta)
 
 
-def itemsize(code: str) -> int:
-    return torch.empty((), dtype=DTYPES[code]).element_size() if code in DTYPES else 1
+def nbytes(code: str, shape: tuple) -> int:
+    """The size of a tensor of safetensors dtype `code` (a code torch has no dtype for: bytes)."""
+    return (DTYPES[code].itemsize if code in DTYPES else 1) * math.prod(shape)
 
 
 class ShardWriter:
@@ -87,12 +86,10 @@ class ShardWriter:
         offset = 0
         self.order = []
         for name, code, shape in layout:
-            nbytes = itemsize(code)
-            for s in shape:
-                nbytes *= s
-            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self.order.append((name, nbytes))
-            offset += nbytes
+            size = nbytes(code, shape)
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.order.append((name, size))
+            offset += size
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.f: BinaryIO = open(path, "wb")
@@ -115,16 +112,13 @@ class ShardWriter:
         self._expect(name, nbytes)
         self.f.flush()
         done = 0
-        try:
+        with contextlib.suppress(AttributeError, OSError):  # (no sendfile, or it stopped: read and write the rest)
             while done < nbytes:
                 sent = os.sendfile(self.f.fileno(), src.fileno(), start + done, nbytes - done)
                 if sent == 0:
                     raise OSError("short read")
                 done += sent
-            self.f.seek(0, os.SEEK_END)
-            return
-        except (AttributeError, OSError):
-            pass
+        self.f.seek(0, os.SEEK_END)
         src.seek(start + done)
         while done < nbytes:
             block = src.read(min(COPY_BLOCK, nbytes - done))
@@ -144,18 +138,16 @@ class ShardWriter:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor (bf16 included)."""
-    t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()) if t.dtype != torch.bool else memoryview(t.numpy())
+    """The raw little-endian bytes of a CPU tensor (bf16 and bool included)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy())
 
 
 def edited_pieces(t, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget: int):
     """`edit` applied to slices of `t` along `axis` (a few of `budget` bytes in float64 each; the
     whole tensor where axis is None), each slice's bytes as soon as it is done: the bytes in file
-    order only when slicing along the first axis, so other axes are first moved there. `t`: a
-    tensor, or `Rows` of one still in its file."""
+    order only when slicing along the first axis. `t`: a tensor, or `Rows` of one still in its file."""
     if axis is None:
-        yield tensor_bytes(edit(t if isinstance(t, torch.Tensor) else t[:]))
+        yield tensor_bytes(edit(t[:]))
         return
     if axis != 0:  # the file holds row-major bytes: slices along axis 0 are contiguous there
         raise ValueError("edited_pieces streams along axis 0 only")
@@ -189,6 +181,7 @@ class Rows:
             out, offset = torch.empty((), dtype=self.dtype), self.start
         else:
             lo, hi, _ = rows.indices(self.shape[0])
-            out, offset = torch.empty((max(0, hi - lo),) + self.shape[1:], dtype=self.dtype), self.start + lo * self.row_bytes
+            out = torch.empty((max(0, hi - lo),) + self.shape[1:], dtype=self.dtype)
+            offset = self.start + lo * self.row_bytes
         read_into(self.f, out, offset)
         return out
