@@ -2,21 +2,14 @@
 
     lnfold fold CHECKPOINT_DIR -o OUT_DIR        lnfold.fold_checkpoint(src, dst)
 
-The plan comes from the model's structure alone: the model is built from its config.json with
-no weights (`accelerate.init_empty_weights`: every parameter on the meta device), exported and
-analysed by the torch frontend exactly as `fold_module` does (fx_rewrite/api.py `ExportFrontend`,
-`make_plan`), and the plan's constant edits are turned into edits of the checkpoint's tensors by
-name. fx_rewrite/checkpoint_fold.py streams the shards through those edits.
+The model is built from config.json on the meta device, exported and planned as `fold_module`
+does, and the plan's constant edits become edits of the checkpoint's tensors by name (DESIGN §2
+"Checkpoints"); fx_rewrite/checkpoint_fold.py streams the shards through them.
 
-What the output is: the same architecture, loaded by `from_pretrained` in its stock class. Its
-LayerNorms stay LayerNorms, but every folded one now reads a zero-mean stream, where a LayerNorm
-computes what an RMSNorm does (DESIGN §1, Lemma 2): exact in the stock class, and an RMSNorm
-model for whoever swaps the op. Hence the target's capabilities: β stays the norm's own (the stock
-LayerNorm has its bias), no CRMS compression (the stock class cannot drop a feature), and a
-stream that would need a `Recenter` op (BLOOM's embedding LayerNorm starts its stream) is kept,
-with its reason: the stock class has no such op. A tied table edited for one reader only (the
-embedding centered, the lm_head reading it is not a source) is untied: config.json says
-`tie_word_embeddings: false` and the lm_head gets its own tensor.
+The output loads with `from_pretrained` in its stock class: its LayerNorms stay LayerNorms, but
+every folded one reads a zero-mean stream, where it computes what an RMSNorm does (DESIGN §1,
+Lemma 2). Hence the target's capabilities (`STOCK`): β stays the norm's own, no CRMS compression,
+and a stream that would need a `Recenter` op (BLOOM's embedding LayerNorm) is kept, with its reason.
 """
 from __future__ import annotations
 
@@ -60,17 +53,6 @@ class Checkpoint:
     where: dict[str, str]  # tensor name -> file name
     index_meta: dict = field(default_factory=dict)
 
-    @property
-    def largest_shard(self) -> int:
-        return max((self.folder / f).stat().st_size for f in self.shards)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from its shard (memory-mapped)."""
-        from safetensors import safe_open
-
-        with safe_open(str(self.folder / self.where[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
 
 def read_checkpoint(folder: Path) -> Checkpoint:
     """The checkpoint in `folder`, or a one-line LnfoldError saying what is wrong with it (a missing
@@ -82,7 +64,8 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         config_dict = json.loads((folder / "config.json").read_text())
         config = transformers.AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # (transformers raises ValueError, OSError, KeyError for a config it cannot read)
-        raise LnfoldError(f"{folder / 'config.json'}: cannot read it as a transformers config: {first_line(e)}") from None
+        raise LnfoldError(f"{folder / 'config.json'}: cannot read it as a transformers config: "
+                          f"{first_line(e)}") from None
     if (folder / INDEX).is_file():
         try:
             index = json.loads((folder / INDEX).read_text())
@@ -124,11 +107,8 @@ def model_class(config):
     """The class config.json names (`architectures`), else the causal-LM class of its type."""
     import transformers
 
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return transformers.AutoModelForCausalLM
+    named = [getattr(transformers, name, None) for name in getattr(config, "architectures", None) or []]
+    return next((cls for cls in named if cls is not None), transformers.AutoModelForCausalLM)
 
 
 def skeleton(config, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
@@ -188,16 +168,12 @@ def loaded_name(model: torch.nn.Module, key: str) -> str:
         from transformers.conversion_mapping import WeightRenaming, get_model_conversion_mapping
     except ImportError:
         return key
-    cache = model.__dict__.setdefault("_lnfold_renamings", [])
-    if not cache:
-        for w in get_model_conversion_mapping(model):
-            if isinstance(w, WeightRenaming):
-                for src in w.source_patterns:
-                    cache.append((re.compile(src), w.target_patterns[0]))
-        cache.append((None, None))  # (computed: possibly empty)
-    for pattern, target in cache:
-        if pattern is not None and pattern.search(key):
-            key = pattern.sub(target, key)
+    if "_lnfold_renamings" not in model.__dict__:  # (computed once per model: possibly empty)
+        model.__dict__["_lnfold_renamings"] = [(re.compile(src), w.target_patterns[0])
+                                               for w in get_model_conversion_mapping(model)
+                                               if isinstance(w, WeightRenaming) for src in w.source_patterns]
+    for pattern, target in model.__dict__["_lnfold_renamings"]:
+        key = pattern.sub(target, key)
     return key
 
 
@@ -241,28 +217,17 @@ def _plan_of_depth(model: torch.nn.Module, ck: Checkpoint, mode: str) -> Checkpo
     return _plan_of(model, ck, mode)
 
 
-def output_config(ck: Checkpoint, plan: CheckpointPlan):
-    """The config the output's config.json holds: the input's, untied where the fold unties."""
-    if not plan.untied:
-        return ck.config
-    config = copy.deepcopy(ck.config)
-    config.tie_word_embeddings = False
-    return config
-
-
 def _as_loaded(plan: CheckpointPlan, ck: Checkpoint) -> CheckpointPlan:
-    """The plan, completed so that the stock class loads every tensor of its output from the files.
-
-    Untying a group takes `tie_word_embeddings: false` in config.json, and that flag unties every
-    tie the class makes by it, not only the group the fold broke (transformers >= 5: BERT's
-    `cls.predictions.decoder.bias` from `cls.predictions.bias` too). A file stores a tied group
-    once, so such a member would load as nothing, and `from_pretrained` would fill it at random:
-    each one is written as a tensor of its own, from the stored tensor it was tied to and edited as
-    that one is (equal values, no longer one tensor). A group the fold must untie and the class
-    ties whatever config.json says is an error."""
+    """The plan, completed so that the stock class loads every tensor of its output from the files:
+    `tie_word_embeddings: false` unties every tie the class makes by it (DESIGN §2 "Checkpoints"),
+    so each member a file stored only through a tie is written as a tensor of its own, from the
+    stored tensor it was tied to and edited as that one is. A group the fold must untie and the
+    class ties whatever config.json says is an error."""
     if not plan.untied:
         return plan
-    loaded = skeleton(output_config(ck, plan))
+    config = copy.deepcopy(ck.config)
+    config.tie_word_embeddings = False
+    loaded = skeleton(config)
     left = tied_groups(loaded)
     for g in plan.untied:
         if any(set(g) & set(h) for h in left):
@@ -397,7 +362,4 @@ def _edits_by_name(plan, names: dict, groups: list[list[str]], nodes: dict) -> d
 
 def _module_path(node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("model.")
+    return list(stack.values())[-1][0].removeprefix("model.") if stack else ""
