@@ -1,17 +1,9 @@
 """Verify a folded checkpoint against its original without ever loading either whole (issue 25).
 
 Each model runs as its stock class built on the meta device (fx_rewrite/checkpoint.py
-`skeleton`), whose modules load their own parameters from the checkpoint's shards just before
-they run and drop them right after (forward hooks): a block at a time, one module's tensors in
-memory, whatever the model's size. On made-up token ids, three such runs: the original and the
-folded checkpoint in their stored dtype, and the original in float64 (every op,
-fx_rewrite/float64.py), the exact arithmetic both approximate. Everything is judged by the gate of
-every fold (passes/gate.py, DESIGN §4): an output of the folded model may be no farther from the
-float64 run than the original's own error, times FACTOR, plus the dtype's floor. The outputs so
-judged are the model's (its logits) and each folded norm's: the norm of a centered stream must give
-the original norm's output. And each folded norm's input in the folded run must be zero-mean, within
-the stored dtype's `MEAN_TOL`: what makes it an RMSNorm. In the stock class a missed centering does
-not show at the output (a LayerNorm ignores its input's mean); the zero-mean check is what sees it.
+`skeleton`), whose modules load their own parameters from the shards just before they run and drop
+them right after: one module's tensors in memory, whatever the model's size. What the three runs
+are and how the gate judges them: DESIGN §2 "Checkpoints", *Verification*.
 """
 from __future__ import annotations
 
@@ -19,6 +11,7 @@ import contextlib
 import dataclasses
 import math
 import mmap
+from collections import Counter
 from typing import Optional
 
 import numpy as np
@@ -73,12 +66,9 @@ class Streamed:
             self.hooks.append(mod.register_forward_hook(self._dropper(own, holder)))
 
     def _stored_dtype(self) -> torch.dtype:
-        counts: dict = {}
-        for h in self.ck.shards.values():
-            for e in h.entries.values():
-                if e.dtype in ("F16", "BF16", "F32", "F64"):
-                    counts[e.dtype] = counts.get(e.dtype, 0) + 1
-        return DTYPES[max(counts, key=counts.get)] if counts else torch.float32
+        counts = Counter(e.dtype for h in self.ck.shards.values() for e in h.entries.values()
+                         if e.dtype in ("F16", "BF16", "F32", "F64"))
+        return DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
 
     def _entry(self, name: str):
         key = self.stored.get(name)
@@ -143,16 +133,12 @@ class Streamed:
                     step = max(1, SLICE_BYTES // run.itemsize)
                     for lo in range(0, flat.numel(), step):
                         n = min(step, flat.numel() - lo)
-                        buf = self._buffer(n * stored.itemsize).view(stored)
+                        if self.buf.numel() < n * stored.itemsize:
+                            self.buf = torch.empty(n * stored.itemsize, dtype=torch.uint8)
+                        buf = self.buf[:n * stored.itemsize].view(stored)
                         read_into(f, buf, start + lo * stored.itemsize)
                         flat[lo:lo + n].copy_(buf)
             return out
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` bytes of the one read buffer (at most SLICE_BYTES: a slice's stored bytes)."""
-        if self.buf.numel() < nbytes:
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buf[:nbytes]
 
     def _loader(self, path: str, own: list):
         lookup = isinstance(self.model.get_submodule(path), torch.nn.Embedding)  # (float64.py: rows, then upcast)
@@ -213,9 +199,7 @@ class _Pool:
         self.bufs: list = []  # [nbytes, uint8 tensor, its storage's use count when nothing else holds it]
 
     def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
+        n = dtype.itemsize * math.prod(shape)
         if _use_count is None or n < SLICE_BYTES // 64 or n > 4 * SLICE_BYTES:
             return torch.empty(shape, dtype=dtype)
         for i, (size, b, free) in enumerate(self.bufs):
