@@ -19,11 +19,9 @@ broadcasts: ReduceSum drops the axis, Reshape + Expand put it back):
     inv = Reciprocal(Sqrt(Add(Expand(Reshape(v)), eps)))  [· γ]
     y = Mul(Sub(x, Expand(Reshape(μ))), inv)  [+ β]
 
-All compute (x − μ)/sqrt(var + eps)·γ + β, so both equal an RMSNorm of x (same eps, γ, β) once
-x is zero-mean: μ = 0 turns the first into x·γ/sqrt(E[x²] + eps) + β and the second's variance
-into E[x²] (the Max is then a no-op: E[x²] ≥ 0). (The sums' 1/n must be 1/width: then they are
-means.) Each match covers every node of the pattern, and
-no tensor inside it may be read from outside (the swap removes them all).
+All compute (x − μ)/sqrt(var + eps)·γ + β: an RMSNorm of x (same eps, γ, β) once x is zero-mean
+(the fast variance is then E[x²], its Max a no-op; the sums' 1/n must be 1/width). A match covers
+every node of its pattern, and no tensor inside it may be read from outside (the swap removes them).
 """
 from __future__ import annotations
 
@@ -47,23 +45,14 @@ def _scalar(t) -> Optional[float]:
     return float(np.asarray(v).reshape(-1)[0])
 
 
-def _affine_along(t, axis: Optional[int], rank: int) -> bool:
-    """A γ or β constant along `axis` only."""
-    v = np.asarray(const_values(t))
-    if v.ndim > rank:
-        return False
-    shape = (1,) * (rank - v.ndim) + v.shape
-    return all(s == 1 for i, s in enumerate(shape) if i != axis)
-
-
 def _readers(t: gs.Tensor) -> list:
     """Distinct readers (graphsurgeon lists Mul(d, d) twice among d's outputs)."""
-    seen, out = set(), []
-    for n in t.outputs:
-        if id(n) not in seen:
-            seen.add(id(n))
-            out.append(n)
-    return out
+    return list({id(n): n for n in t.outputs}.values())
+
+
+def _square_of(t: gs.Tensor) -> Optional[gs.Node]:
+    """The Mul(t, t) among t's readers."""
+    return next((n for n in _readers(t) if n.op == "Mul" and list(n.inputs) == [t, t]), None)
 
 
 def _one(t: gs.Tensor, op: str) -> Optional[gs.Node]:
@@ -147,8 +136,13 @@ def _affine_after(t: gs.Tensor, op: str, axis, rank, nodes: list) -> tuple:
     return c, n.outputs[0]
 
 
-def _affine_const(t, axis, rank) -> bool:
-    return t is not None and const_values(t) is not None and _affine_along(t, axis, rank)
+def _affine_const(t, axis: Optional[int], rank: int) -> bool:
+    """A γ or β: a constant that varies along `axis` only."""
+    v = const_values(t) if t is not None else None
+    if v is None or np.ndim(v) > rank:
+        return False
+    shape = (1,) * (rank - np.ndim(v)) + np.shape(v)
+    return all(s == 1 for i, s in enumerate(shape) if i != axis)
 
 
 def _not_affine(t, axis, rank: int, what: str) -> str:
@@ -189,7 +183,7 @@ def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchR
     d = sub.outputs[0]
     sq = _one(d, "Mul")
     if sq is None or list(sq.inputs) != [d, d]:
-        if any(n.op == "Mul" and list(n.inputs) == [x, x] for n in _readers(x)):
+        if _square_of(x) is not None:
             return NoMatch(f"the variance is not of the centered input: it squares `{x.name}`, not x - mean", 2)
         return NoMatch(f"the centered value `{d.name}` is read by {_what_reads(d)}, not by one Mul(d, d)")
     var = _one(sq.outputs[0], mean.op)
@@ -247,7 +241,7 @@ def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRe
     sub, mu2 = by_op["Sub"], by_op["Mul"]
     if list(mu2.inputs) != [mu, mu]:
         return NoMatch(f"{_desc(mu2)} does not square the mean")
-    xx = next((n for n in _readers(x) if n.op == "Mul" and list(n.inputs) == [x, x]), None)
+    xx = _square_of(x)
     if xx is None:
         return NoMatch(f"the mean is squared but `{x.name}` is not (no E[x²] - E[x]² variance)", 1)
     m2 = _one(xx.outputs[0], "ReduceMean")
@@ -314,11 +308,11 @@ def match_jax2tf(first: gs.Node, shapes: dict[str, Shape], outputs: set) -> Matc
     x, axis, rank, mean = head
     mu = mean.outputs[0]
     readers = _readers(mu)
-    square_mu = next((n for n in readers if n.op == "Mul" and list(n.inputs) == [mu, mu]), None)
+    square_mu = _square_of(mu)
     back = next((n for n in readers if n.op == "Reshape"), None)
     if square_mu is None or back is None or len(readers) != 2:
         return NoMatch(f"its mean is read by {_what_reads(mu)}, not by its square and a broadcast back")
-    xx = next((n for n in _readers(x) if n.op == "Mul" and list(n.inputs) == [x, x]), None)
+    xx = _square_of(x)
     if xx is None:
         return NoMatch(f"the mean is squared but `{x.name}` is not (no E[x²] - E[x]² variance)", 1)
     sum2 = _one(xx.outputs[0], "ReduceSum")
