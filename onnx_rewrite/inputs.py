@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from ..passes import LnfoldError
 
@@ -73,6 +73,10 @@ def graph_inputs(model: onnx.ModelProto) -> list[InputSpec]:
     return out
 
 
+def _attr(n: onnx.NodeProto, name: str, default):
+    return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), default)
+
+
 def _small_array(t: onnx.TensorProto) -> Optional[np.ndarray]:
     if t.data_location == onnx.TensorProto.EXTERNAL or np.prod(t.dims, dtype=np.int64) > 4096:
         return None
@@ -85,8 +89,7 @@ def _small_array(t: onnx.TensorProto) -> Optional[np.ndarray]:
 def facts(model: onnx.ModelProto) -> GraphFacts:
     g = model.graph
     specs = graph_inputs(model)
-    inits = {t.name: t for t in g.initializer}
-    consts = dict(inits)
+    consts = {t.name: t for t in g.initializer}
     producer: dict[str, onnx.NodeProto] = {}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
@@ -95,9 +98,7 @@ def facts(model: onnx.ModelProto) -> GraphFacts:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
         if n.op_type == "Constant":
-            for a in n.attribute:
-                if a.name == "value" and a.t is not None:
-                    consts[n.output[0]] = a.t
+            consts.update((n.output[0], a.t) for a in n.attribute if a.name == "value")
     shape = lambda name: list(consts[name].dims) if name in consts else None  # noqa: E731
     f = GraphFacts(specs)
 
@@ -113,8 +114,7 @@ def facts(model: onnx.ModelProto) -> GraphFacts:
             for n in consumers.get(name, []):
                 if n.op_type in ("Gather", "GatherElements") and len(n.input) > 1 and n.input[1] == name \
                         and shape(n.input[0]):
-                    axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
-                    rows = shape(n.input[0])[axis] - offset
+                    rows = shape(n.input[0])[_attr(n, "axis", 0)] - offset
                     best = rows if best is None else min(best, rows)
                 elif n.op_type in _INDEX_PASSTHROUGH and n.input and n.input[0] == name:
                     frontier.extend((o, offset) for o in n.output)
@@ -151,18 +151,16 @@ def facts(model: onnx.ModelProto) -> GraphFacts:
                             continue
                     frontier.append((n.output[0], axes))
                 elif n.op_type == "Transpose":
-                    perm = next((list(a.ints) for a in n.attribute if a.name == "perm"), list(range(len(axes)))[::-1])
+                    perm = _attr(n, "perm", list(range(len(axes)))[::-1])
                     frontier.append((n.output[0], [axes[p] for p in perm]))
                 elif n.op_type == "Conv" and n.input[0] == name and len(n.input) > 1 and shape(n.input[1]) and len(axes) > 1:
-                    group = next((a.i for a in n.attribute if a.name == "group"), 1)
-                    f.fixed.setdefault((s.name, axes[1]), shape(n.input[1])[1] * group)
+                    f.fixed.setdefault((s.name, axes[1]), shape(n.input[1])[1] * _attr(n, "group", 1))
                     f.image_sides.extend(_conv_sides(n, shape(n.input[1]), consts))
                 elif n.op_type == "MatMul" and n.input[0] == name and shape(n.input[1]) and len(shape(n.input[1])) >= 2:
                     f.fixed.setdefault((s.name, axes[-1]), shape(n.input[1])[-2])
                 elif n.op_type == "Gemm" and n.input[0] == name and shape(n.input[1]):
-                    trans_a = next((a.i for a in n.attribute if a.name == "transA"), 0)
-                    trans_b = next((a.i for a in n.attribute if a.name == "transB"), 0)
-                    f.fixed.setdefault((s.name, axes[0 if trans_a else -1]), shape(n.input[1])[1 if trans_b else 0])
+                    f.fixed.setdefault((s.name, axes[0 if _attr(n, "transA", 0) else -1]),
+                                       shape(n.input[1])[1 if _attr(n, "transB", 0) else 0])
     return f
 
 
@@ -184,7 +182,7 @@ def _conv_sides(conv: onnx.NodeProto, w_shape: list, consts: dict) -> list[int]:
     row counts of the graph's 2-D/3-D tables, initializers or Constant nodes (onnxsim and
     onnxslim fold the position lookup into a [1, N, D] Constant)."""
     kernel = w_shape[2] if len(w_shape) > 2 else 1
-    stride = next((a.ints[0] for a in conv.attribute if a.name == "strides" and a.ints), 1)
+    stride = (_attr(conv, "strides", None) or [1])[0]
     sides = []
     for t in consts.values():
         if len(t.dims) in (2, 3) and len(t.dims) and t.dims[-2] > 1:
