@@ -50,9 +50,7 @@ def forget_shapes(em, plan: Plan) -> None:
 
 
 def add_new_biases(em, plan: Plan) -> None:
-    def original(name):
-        return const_values(em.info_tensor(name))
-
+    original = lambda name: const_values(em.info.tensors[name])  # noqa: E731
     for nb in plan.new_biases:
         node = em.nodes[plan.origin(nb.node)]
         y = node.outputs[0]

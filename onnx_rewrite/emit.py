@@ -22,7 +22,7 @@ from . import fused
 from . import deferred_norm
 from . import crms
 from .classify import GraphInfo
-from .norms import NormMatch, const_values, dtype_of, float_dtype, is_constant, np_dtype
+from .norms import NormMatch, const_values, dtype_of, float_dtype, given, is_constant, np_dtype
 from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
@@ -103,8 +103,8 @@ class Emitter:
         swaps, CRMS shapes and biases."""
         deferred = {d.norm: d for d in plan.deferral.deferred} if plan.deferral is not None else {}
         # γ into the readers' weights is among the plan's edits; W β + b from the original weights
-        biases = compute_biases(plan.deferral, lambda n: const_values(self.info_tensor(n))) if deferred else {}
-        self.write_constants(plan, plan.const_edits, self.info_tensor, self.nodes.__getitem__)
+        biases = compute_biases(plan.deferral, lambda n: const_values(self.info.tensors[n])) if deferred else {}
+        self.write_constants(plan, plan.const_edits, self.info.tensors.__getitem__, self.nodes.__getitem__)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis, rc.matrix())
         for sc in plan.shortcuts:  # before the swaps: a norm fused with this Add reads the MatMul's output
@@ -143,16 +143,14 @@ class Emitter:
                 node_of(plan.origin(user)).inputs[idx] = new
 
     def detach(self, m: NormMatch) -> tuple:
-        """Take the matched norm out of the graph; the tensors it read: (x, skip, bias).
-
-        Read from its slots, as the plan's constant edits and recenters left them; x is an
-        EmbedLayerNormalization's lookups' sum (written out here), skip and bias a
-        SkipLayerNormalization's (None for other norms)."""
-        ins = list(m.nodes[0].inputs) + [None] * 5
+        """Take the matched norm out of the graph; the tensors it read, from its slots as the plan's
+        edits and recenters left them: (x, skip, bias), x an EmbedLayerNormalization's lookups' sum
+        (written out here), skip and bias a SkipLayerNormalization's (else None)."""
+        ins = list(m.nodes[0].inputs)
         x = ins[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
         skip = bias = None
         if m.kind == "SkipLayerNormalization":
-            skip, bias = ins[1], (ins[4] if ins[4] is not None and ins[4].name else None)
+            skip, bias = ins[1], given(ins, 4)
         for n in m.nodes:  # its output tensors get new producers
             n.outputs.clear()
             n.inputs.clear()
@@ -169,9 +167,6 @@ class Emitter:
         else:
             self.node("Add", [x, skip], [s])
         return s
-
-    def info_tensor(self, name: str):
-        return self.info.tensors[name]
 
     def bypass_mul(self, mul: gs.Node) -> None:
         """A Mul by all-ones (a LayerScale folded into its sources; the plan checked that it
@@ -192,7 +187,7 @@ class Emitter:
         removed it) and which is far above the row's own spread where a nonlinearity saturates
         (DESIGN §4: tanh(Linear), 6x the original's error). The second mean is of values the size
         of that residual, so what it leaves is an ulp of the residual."""
-        x = self.info_tensor(value)
+        x = self.info.tensors[value]
         readers = list(x.outputs)
         mean, rough = self.var(f"{value}/lnfold_mean", x.dtype), self.var(f"{value}/lnfold_rough", x.dtype)
         residual = self.var(f"{value}/lnfold_residual_mean", x.dtype)
@@ -222,15 +217,10 @@ class Emitter:
 
     # --- norms -------------------------------------------------------------------------------
     def _swap(self, m: NormMatch, how: NormEmission) -> None:
-        """Replace one LayerNorm by an RMSNorm as `how` says (passes/plan.NormEmission), followed by
-        its β Add where the plan kept one.
-
-        The norm's inputs are read from its slots: the plan's constant edits and recenters
-        rewired them; shapes are those of the tensors as matched (edits keep shapes). `unit_gamma`:
-        γ moved into the readers' weights (passes/gamma.py): the RMSNorm's weight is ones.
-        `readout`: the output leaves a stream carried in another basis, taken back by a constant
-        MatMul, `· Bᵀ·diag γ`, before its β."""
-        beta_add, fuse_residual, unit_gamma, readout = how.beta_add, how.fuse_residual, how.unit_gamma, how.readout
+        """Replace one LayerNorm by an RMSNorm as `how` (passes/plan.NormEmission) says, then its β
+        Add where the plan kept one. Shapes are those of the tensors as matched (edits keep them);
+        a `readout` takes the output back from a rotated basis by a constant MatMul before its β."""
+        unit_gamma, readout = how.unit_gamma, how.readout
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis] if how.width is None else how.width  # a sliced stream: k of d
         dtype = dtype_of(m.x, m.gamma, m.nodes)
@@ -246,18 +236,17 @@ class Emitter:
             g = const_values(m.gamma) if m.gamma is not None else None
             unrotate = self.const(f"{m.name}/lnfold_unrotate", readout.matrix(g).astype(dtype))
         x, skip, bias = self.detach(m)
-        beta = m.beta if beta_add else None
+        beta = m.beta if how.beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)
         if unrotate is not None:
             final, normed = normed, self.var(f"{m.name}/lnfold_rotated", m.output.dtype)
-        last = m.axis == rank - 1
         if skip is not None:
-            self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, eps, m.name, rank, fuse_residual)
+            self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, eps, m.name, rank, how.fuse_residual)
         elif gamma is None:
             self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
-        elif fuse_residual:
+        elif how.fuse_residual:
             self._fuse_residual(x, gamma, normed, eps)
-        elif self.target.norm_op and last:
+        elif self.target.norm_op and m.axis == rank - 1:
             self._norm_op(x, gamma, normed, eps)
         else:
             self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
