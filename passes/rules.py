@@ -3,7 +3,7 @@
 A frontend names each of its ops in this vocabulary (one table row per op: ATen
 `aten.permute.default` -> `Rule("permute", perm=...)`, ONNX `Transpose` -> the same) with the
 attributes decoded and the input positions given as indices into the view node's inputs. It
-decides nothing: `answers(view, node)` derives every node's transfer / backward / centering /
+decides nothing: `Rule.answers(view, node)` derives every node's transfer / backward / centering /
 channel_scale / invariant answers, and what deferred normalization and CRMSNorm ask (`linear`
 readers, `layout` and `regroups` ops, `width_refs`), from its rule and the shapes in the view
 (passes/view.py says what each answer means).
@@ -80,7 +80,8 @@ from typing import Callable, Optional
 from .axes import (broadcast_rules, merge_row_runs, permute_rules, regroup_factor, reshape_axis, reshape_block_axis,
                    same_axes_rules, split_periodic_runs)
 from .guards import is_overflow_guard
-from .view import Answers, FeatureRuns, ChannelScale, ConstRef, DimRef, LinearRead, Node, NormSpec, SizeOf, View
+from .view import (Answers, ChannelScale, ConstRef, DimRef, FeatureRuns, LinearRead, Node, NormSpec, SizeOf, View,
+                   no_answer)
 
 
 @dataclass
@@ -92,8 +93,13 @@ class Rule:
         return " ".join([self.kind] + [f"{k}={_text(v)}" for k, v in self.params.items()])
 
     def answers(self, view: View, node: Node) -> Answers:
-        """What `node` (whose rule this is) answers the analysis in `view` (View.answers caches it)."""
-        return answers(view, node)
+        """What `node` (whose rule this is) answers the analysis, derived from the shapes in `view`
+        (`View.answers` caches it; passes/view.py says what each answer means)."""
+        got = RULES[self.kind](view, node, **self.params)
+        if self.kind in _BLOCK_AGNOSTIC and "transfer_block" not in got:
+            got.update(transfer_block=_carry_block(got.get("transfer", no_answer)),
+                       backward_block=_carry_block(got.get("backward", no_answer)))
+        return Answers(**got, block_centering=self.kind in _CENTER_IN_ORDER)
 
 
 def _text(v) -> str:
@@ -106,24 +112,11 @@ def rule(kind: str, **params) -> Rule:
     return Rule(kind, params)
 
 
-def answers(view: View, node: Node) -> Answers:
-    """What `node` answers the analysis, derived from its rule and the shapes in `view`
-    (`View.answers` caches it; passes/view.py says what each answer means)."""
-    if node.rule is None:
-        return Answers()
-    kind, params = node.rule.kind, node.rule.params
-    got = RULES[kind](view, node, **params)
-    if kind in _BLOCK_AGNOSTIC and "transfer_block" not in got:
-        got.update(transfer_block=_carry_block(got.get("transfer", _no_answer)),
-                   backward_block=_carry_block(got.get("backward", _no_answer)))
-    return Answers(**got, block_centering=kind in _CENTER_IN_ORDER)
-
-
-def _kind(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
-    """A rule's kind and parameters, looking inside `in_branch`."""
+def kind_of(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
+    """A rule's kind and parameters (an inlined branch's op: its own rule's)."""
     if rule is None:
         return None, {}
-    return _kind(rule.params["op"]) if rule.kind == "in_branch" else (rule.kind, rule.params)
+    return kind_of(rule.params["op"]) if rule.kind == "in_branch" else (rule.kind, rule.params)
 
 
 # Ops that do not act along the feature axis (or only scale rows by a per-row factor): a shift
@@ -181,7 +174,7 @@ def const_ref(view: View, node: Node, i: int, axis: Optional[int]) -> Optional[C
     if v.is_const:
         return ConstRef(name, axis, node.name, i)
     p = view.nodes.get(v.producer) if v.producer else None
-    kind, prm = _kind(p.rule) if p is not None else (None, {})
+    kind, prm = kind_of(p.rule) if p is not None else (None, {})
     if kind is None or v.is_graph_output or len(v.consumers) != 1 or len(p.outputs) != 1:
         return None
     if kind == "elementwise":  # centering commutes with a cast, a copy, a negation
@@ -395,7 +388,7 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         starts = [min(max(a + size if a < 0 else a, 0), size) for a in starts]
     if starts is None or len(starts) != len(outs) or None in lengths:
         return out
-    carry = _carry_block(out.get("transfer", _no_answer)), _carry_block(out.get("backward", _no_answer))
+    carry = _carry_block(out.get("transfer", no_answer)), _carry_block(out.get("backward", no_answer))
 
     def whole(k, axis, block):  # None: the whole axis of the tensor, one run
         s = (sizes[k] if k is not None else _shape(view, node, data[0]))
@@ -429,10 +422,6 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         return [(data[0], a, FeatureRuns(block.size, starts[k] + block.lo, starts[k] + hi))]
 
     return dict(out, transfer_block=transfer_block, backward_block=backward_block)
-
-
-def _no_answer(k, axis):
-    return None
 
 
 def _pad(view, node, data=0, axes=None, zero=True):
@@ -497,7 +486,7 @@ def _take(view, node, data, start, stop, q, outs=(0,), index=None):
             return got
         x = view.values[node.inputs[data]]
         p = view.nodes.get(x.producer) if x.producer else None
-        if p is None or _kind(p.rule)[0] != "reshape" or p.backward(0, got[0][1]) is not None:
+        if p is None or kind_of(p.rule)[0] != "reshape" or p.backward(0, got[0][1]) is not None:
             return got
         rows = backward_block(o, a, None)
         return got if rows is None or p.backward_block(0, got[0][1], rows[0][2]) is None else None
@@ -514,7 +503,7 @@ def uniform_along(view: View, value: str, axis: int) -> bool:
     if v.shape[axis] == 1:
         return True
     p = view.nodes.get(v.producer) if v.producer else None
-    kind, prm = _kind(p.rule) if p is not None else (None, {})
+    kind, prm = kind_of(p.rule) if p is not None else (None, {})
     if kind == "broadcast" and not prm.get("minus") and len(prm["data"]) == 1:  # expand
         d = prm["data"][0]
         s = _shape(view, p, d)
@@ -678,9 +667,7 @@ def _linear(view, node, weight, w_axis, bias=None, out_axis=-1, data=None, in_ax
     # attention op): its output is no linear image that editing W could center
     def centering(o, a):
         R = _out_rank(view, node)
-        if not source:
-            return None
-        if R is None or a != (out_axis if out_axis >= 0 else R + out_axis):
+        if not source or R is None or a != (out_axis if out_axis >= 0 else R + out_axis):
             return None
         if bias is not None and _rank(view, node, bias) is None:
             return None
@@ -708,20 +695,14 @@ def writes_product(node: Node) -> bool:
     return kind_of(node.rule)[1].get("source", True)
 
 
-def kind_of(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
-    """A rule's kind and parameters (an inlined branch's op: its own rule's)."""
-    return _kind(rule)
-
-
 def _bias_after(view, node, w: int) -> Optional[ConstRef]:
     """The constant bias of the lone Add that alone reads the product (ONNX's MatMul + Add)."""
     out = view.values[node.outputs[0]]
     if out.is_graph_output or len(out.consumers) != 1:
         return None
     add = view.nodes[out.consumers[0][0]]
-    kind, p = _kind(add.rule)
-    p = p if kind == "broadcast" else None
-    if p is None or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
+    kind, p = kind_of(add.rule)
+    if kind != "broadcast" or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
         return None
     slot = 1 - out.consumers[0][1]
     b, ws = _shape(view, add, slot), _shape(view, node, w)
