@@ -35,17 +35,11 @@ import numpy as np
 HF_CLAMP_MARGIN = 1000.0
 
 
-def guard_bound(dtype) -> Optional[float]:
-    """The smallest |bound| a clamp on a `dtype` stream may have to count as an overflow guard."""
-    dt = np.dtype(dtype)
-    if not np.issubdtype(dt, np.floating):
-        return None
-    top = float(np.finfo(dt).max)
-    # rounded in the dtype, as the exporter stores it (fp16: 64504 -> 64512)
-    return float(np.asarray(top - HF_CLAMP_MARGIN, dtype=dt))
-
-
 def is_overflow_guard(lo: Optional[float], hi: Optional[float], dtype) -> bool:
     """A clamp to [lo, hi] (None: not a known constant; ±inf: no bound) on a `dtype` stream."""
-    limit = guard_bound(dtype)
-    return limit is not None and lo is not None and hi is not None and lo <= -limit and hi >= limit
+    dt = np.dtype(dtype)
+    if not np.issubdtype(dt, np.floating) or lo is None or hi is None:
+        return False
+    # the smallest |bound| a guard may have, rounded in the dtype as the exporter stores it (fp16: 64504 -> 64512)
+    limit = float(np.asarray(float(np.finfo(dt).max) - HF_CLAMP_MARGIN, dtype=dt))
+    return lo <= -limit and hi >= limit
