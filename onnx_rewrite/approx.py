@@ -47,15 +47,11 @@ def run(model: onnx.ModelProto, batches: list[dict]) -> list[np.ndarray]:
     return [np.concatenate(outs, axis=0) if np.ndim(outs[0]) else np.stack(outs) for outs in zip(*parts)]
 
 
-def computed(model: onnx.ModelProto) -> set[str]:
-    """The tensors a run of `model` can hand back: graph inputs and node outputs."""
-    return {i.name for i in model.graph.input} | {o for n in model.graph.node for o in n.output if o}
-
-
 def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> dict[str, list[np.ndarray]]:
     """name -> one array per piece of rows: the values of tensors `names` when `model` runs on
     `batches` (a folded model keeps the stream tensors' names: the fold edits constants and norms)."""
-    names = [n for n in dict.fromkeys(names) if n in computed(model)]
+    computed = {i.name for i in model.graph.input} | {o for n in model.graph.node for o in n.output if o}
+    names = [n for n in dict.fromkeys(names) if n in computed]
     if not names:
         return {}
     sess = session(with_outputs(model, names))

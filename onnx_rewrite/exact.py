@@ -70,8 +70,7 @@ def _graph_to_f64(g: onnx.GraphProto) -> None:
         if n.op_type == "Constant":  # value_float(s) make float tensors: make them double tensors
             for a in list(n.attribute):
                 if a.name in ("value_float", "value_floats"):
-                    vals = [a.f] if a.name == "value_float" else list(a.floats)
-                    arr = np.array(vals[0] if a.name == "value_float" else vals, dtype=np.float64)
+                    arr = np.array(a.f if a.name == "value_float" else list(a.floats), dtype=np.float64)
                     n.attribute.remove(a)
                     n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(arr)))
 

@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 from ..passes.axes import Shape
 from ..passes.match import MatchResult, NoMatch, deepest
 from . import fused, norm_variants
-from .norms import NormMatch, rank_of, uses_stats
+from .norms import NormMatch, given, rank_of, uses_stats
 
 Check = Callable[[gs.Node, dict, set], MatchResult[NormMatch]]
 ONNX_DOMAINS = ("", "ai.onnx")
@@ -42,32 +42,21 @@ class NormPattern:
 
 def match_layernormalization(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> NormMatch:
     x = node.inputs[0]
-    rank_ = rank_of(x, shapes)
-    axis_attr = int(node.attrs.get("axis", -1))
-    m = NormMatch(
-        node.name, "LayerNormalization", [node], x, node.outputs[0],
-        gamma=node.inputs[1] if len(node.inputs) > 1 and node.inputs[1].name else None,
-        beta=node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None,
-        epsilon=float(node.attrs.get("epsilon", 1e-5)),
-    )
-    if rank_ is not None:
-        first = axis_attr + rank_ if axis_attr < 0 else axis_attr
-        m.axes = list(range(first, rank_))
+    rank = rank_of(x, shapes)
+    axis = int(node.attrs.get("axis", -1))
+    m = NormMatch(node.name, "LayerNormalization", [node], x, node.outputs[0], gamma=given(node.inputs, 1),
+                  beta=given(node.inputs, 2), epsilon=float(node.attrs.get("epsilon", 1e-5)))
+    if rank is not None:
+        m.axes = list(range(axis + rank if axis < 0 else axis, rank))
     m.stats_used = uses_stats(node.outputs[1:], outputs)
     return m
 
 
 def match_skip(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> NormMatch:
-    ins = list(node.inputs) + [None] * (5 - len(node.inputs))
-    outs = list(node.outputs) + [None] * (4 - len(node.outputs))
-    x = ins[0]
-    m = NormMatch(
-        node.name, "SkipLayerNormalization", [node], x, outs[0],
-        gamma=ins[2], beta=ins[3] if ins[3] is not None and ins[3].name else None,
-        epsilon=float(node.attrs.get("epsilon", 1e-5)),
-        skip=ins[1], bias=ins[4] if ins[4] is not None and ins[4].name else None,
-        sum_output=outs[3] if outs[3] is not None and outs[3].name else None,
-    )
+    ins, outs = list(node.inputs) + [None] * 5, list(node.outputs) + [None] * 4  # (absent optional slots)
+    m = NormMatch(node.name, "SkipLayerNormalization", [node], ins[0], outs[0], gamma=ins[2], beta=given(ins, 3),
+                  epsilon=float(node.attrs.get("epsilon", 1e-5)), skip=ins[1], bias=given(ins, 4),
+                  sum_output=given(outs, 3))
     m.stats_used = uses_stats(outs[1:3], outputs)
     return m
 

@@ -1,6 +1,7 @@
 """Shape inference that stays cheap on big models, and the feature-axis maps that need shapes."""
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from math import prod
@@ -83,32 +84,27 @@ def _onnx_inference(m: onnx.ModelProto) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
 
 
+@functools.cache
 def _symbolic_module():
     """onnxruntime's symbolic_shape_infer, loaded from its file: importing it the usual way runs
     `onnxruntime/tools/__init__.py`, which imports torch for helpers this does not use."""
-    global _SYMBOLIC
-    if _SYMBOLIC is None:
-        import importlib.util
-        import sys
+    import importlib.util
+    import sys
 
-        try:
-            spec = importlib.util.find_spec("onnxruntime")
-            path = Path(next(iter(spec.submodule_search_locations))) / "tools" / "symbolic_shape_infer.py"
-            mod_spec = importlib.util.spec_from_file_location("_lnfold_symbolic_shape_infer", path)
-            mod = importlib.util.module_from_spec(mod_spec)
-            sys.modules[mod_spec.name] = mod  # (its dataclasses and logging look themselves up)
-            mod_spec.loader.exec_module(mod)
-        except Exception:  # another layout: the ordinary import
-            sys.modules.pop("_lnfold_symbolic_shape_infer", None)
-            from onnxruntime.tools import symbolic_shape_infer as mod
-        # Its warnings ("Unable to determine if NonZero_... <= ..., treat as equal") are about its
-        # own guesses, which the analysis treats as unknowns anyway: not the user's concern.
-        mod.logger.setLevel(logging.ERROR)
-        _SYMBOLIC = mod
-    return _SYMBOLIC
-
-
-_SYMBOLIC = None
+    try:
+        spec = importlib.util.find_spec("onnxruntime")
+        path = Path(next(iter(spec.submodule_search_locations))) / "tools" / "symbolic_shape_infer.py"
+        mod_spec = importlib.util.spec_from_file_location("_lnfold_symbolic_shape_infer", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_spec.name] = mod  # (its dataclasses and logging look themselves up)
+        mod_spec.loader.exec_module(mod)
+    except Exception:  # another layout: the ordinary import
+        sys.modules.pop("_lnfold_symbolic_shape_infer", None)
+        from onnxruntime.tools import symbolic_shape_infer as mod
+    # Its warnings ("Unable to determine if NonZero_... <= ..., treat as equal") are about its
+    # own guesses, which the analysis treats as unknowns anyway: not the user's concern.
+    mod.logger.setLevel(logging.ERROR)
+    return mod
 
 
 def _symbolic_inference(m: onnx.ModelProto) -> onnx.ModelProto:

@@ -32,7 +32,6 @@ from onnx import helper
 from ..passes import Node, Plan, View
 from ..passes.rules import rule
 
-from .norms import NormMatch
 from .shapes import infer_shapes, infer_types
 
 SEP = "::"
@@ -107,7 +106,7 @@ def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: 
     types = {vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
     if any(o not in types for n in model.graph.node if n.op_type != "If" for o in n.output):
         types = {**infer_types(model), **types}  # main-graph tensors the branches read need types
-    protos = [n for n in model.graph.node]
+    protos = list(model.graph.node)
     scopes: list[Scope] = []
     seen = {n.name for n in graph.nodes}  # node names unique across the main graph and all branches
     for k, node in ifs:
@@ -159,9 +158,7 @@ def _merge(view: View, bview: View, scope: Scope) -> None:
 def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emitter) -> None:
     """Apply `plan` to the main graph and every scope: constant edits once, then per-graph swaps."""
     emitters = [(None, main_emitter)] + [(sc, make_emitter(sc.graph, sc.info)) for sc in scopes]
-    names = set(main_emitter._names)
-    for _, em in emitters[1:]:
-        names |= em._names
+    names = set().union(*(em._names for _, em in emitters))
     for _, em in emitters:
         em._names = names  # one namespace: new tensors are hoisted to the main graph on export
 
