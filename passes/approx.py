@@ -1,23 +1,12 @@
 """The approximate swap (mode "rms-approx"): LayerNorms that cannot be folded, swapped for RMSNorm
 anyway, only where the measured error stays within a budget. NOT exact, and every place it shows
-says so.
+says so (ONNX: metadata_props `lnfold_approximate`).
 
-Where a norm's stream cannot be centered (a Post-LN block: a linear layer reads the sum), its
-input still has a mean, and RMSNorm(x) differs from LN(x) by that mean (DESIGN §1, Lemma 2). In
-trained models the mean is small (seed 003: the inputs are nearly orthogonal to 1; our angles:
-passes/geometry.py), so the swap may cost little. How little is measured, never assumed:
-
-- the user gives calibration inputs and a budget: the largest relative error of the outputs
-  (`relative_error`: ‖y' − y‖ / ‖y‖ per output, the worst output), or a metric of their own;
-- `choose` measures each candidate norm swapped alone, then adds them greedily, smallest effect
-  first, keeping a norm only while the error of the whole selection stays within the budget
-  (so the result never exceeds it on the calibration data); budget 0 swaps nothing;
-- the error on a held-out part of the inputs (not used to choose) is reported next to the budget.
-
-The choice is a set of norm names: the plan's `PlanRequest.approx` (make_plan marks them
-"approx", keeps their β as an Add, and lists them in `Plan.approx`); the frontends apply it like
-a swap, and write that the model is not exactly equivalent (ONNX: metadata_props
-`lnfold_approximate`). The exact fold of the foldable norms stays as it is and stays verified.
+A kept norm's input still has a mean, by which RMSNorm differs from LN (DESIGN §1, Lemma 2); in
+trained models it is small (seed 003; passes/geometry.py), so the swap may cost little. How little
+is measured on the user's calibration inputs (`choose`), never assumed, and the error on a held-out
+part is reported next to the budget. The choice is `PlanRequest.approx`: make_plan marks those norms
+"approx" and keeps their β as an Add; the exact fold of the foldable norms stays verified.
 """
 from __future__ import annotations
 

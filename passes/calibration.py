@@ -1,14 +1,7 @@
-"""Calibration, one phase of the pipeline (DESIGN §2, "Calibration, one phase"): the approximate swap
-(passes/approx.py), slicing (passes/slicer.py) and the geometry figures (passes/geometry.py) run
-calibration data through a model and its folds over the same two pieces:
-
-- `Folds`, one per IR (onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds): the IR analysed once,
-  folded as often as the decision asks (each fold `pipeline.fold` over a fresh frontend whose request
-  differs only in `approx` or `bases`), measured by its frontend's `capture` and `run`;
-- `split`, the one held-out rule: two or more batches, the first half of them (rounded up) decide
-  and the rest only report; one batch, the first half of its rows (rounded up); nothing held out
-  from a single row or inputs that share no batch axis; held-out batches given are used as given.
-  Figures that decide nothing (the geometry) use every row.
+"""Calibration, one phase of the pipeline (DESIGN §2, "Calibration, one phase"): the approximate swap,
+slicing and the geometry figures run calibration data through a model and its folds over the same
+two pieces, `Folds` (one per IR: onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds) and `split`,
+the one held-out rule.
 """
 from __future__ import annotations
 
@@ -34,9 +27,10 @@ class Data:
 
 def split(batches: list, rows: Callable[[Any], Optional[int]], cut: Callable[[Any, int, Optional[int]], Any],
           heldout: Optional[list] = None) -> Data:
-    """The one held-out rule (the module doc) over `batches`; `heldout` given: used as given.
-    `rows(batch)` is a batch's shared first-axis size (None: none), `cut(batch, lo, hi)` its rows
-    [lo, hi): each IR's own."""
+    """The one held-out rule over `batches`: two or more, the first half of them (rounded up) decide and
+    the rest only report; one, the first half of its rows (rounded up); nothing held out from a single
+    row or inputs that share no batch axis; `heldout` given: used as given. `rows(batch)` is a batch's
+    shared first-axis size (None: none), `cut(batch, lo, hi)` its rows [lo, hi): each IR's own."""
     if heldout is not None:
         return Data(batches, heldout)
     if len(batches) >= 2:

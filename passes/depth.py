@@ -1,27 +1,8 @@
-"""A plan made on a shallow copy of a deep model, extended by name to its full depth (issue 25).
-
-Exporting a model to analyse it costs ~0.3 s per block on the meta device: 8 s of OPT-1.3B's
-24 blocks, the largest fixed cost of folding a checkpoint (fx_rewrite/checkpoint.py). A
-`transformers` model is a stack of L blocks of one class built from one config, so a copy with
-SHALLOW blocks (the first, two middle ones, the last) is planned instead, and what the plan says
-of its blocks is said of the full model's: block 0 of block 0, the middle block of blocks
-1 … L-2, the last of block L-1. The frontend checks first that both models' blocks have the same
-parameter names and shapes (and that the config has no per-block list); here, from the names
-alone (IR-neutral).
-
-An item of the plan (an edit, a norm's verdict, a line of the report) is extended through its
-own `renamed(fn)`: the records hand every name they hold (a tensor's, a module's, a norm's, or
-one a sentence of the report quotes) to `fn`, which moves a name of one block to another; no
-other text is read. Then:
-
-- every item names at most one block: a cross-block item would need an offset rule, and is not
-  extended;
-- the two middle blocks are planned alike: block 2's items, renamed to block 1, are block 1's,
-  in order: the induction step that makes block 1 stand for every middle block;
-- no stream belongs to one block alone (a per-head norm's stream: one per block, which would
-  have to be replicated with its index).
-
-Anything else: `NotExtensible`, and the caller plans the whole model.
+"""A plan made on a shallow copy of a deep model, extended by name to its full depth (issue 25;
+DESIGN §2, "Checkpoints", *Depth*): block 0's items stay, block 1's stand for blocks 1 … L-2, the
+last for L-1, each item renamed through its own `renamed(fn)`; from the names alone (IR-neutral).
+Where the shallow plan cannot stand for the deep one: `NotExtensible`, and the caller plans the
+whole model.
 """
 from __future__ import annotations
 

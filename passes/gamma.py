@@ -1,12 +1,6 @@
-"""γ into the readers (issue 22; DESIGN §6b): which folded norms leave a unit-weight RMSNorm.
-
-Where every reader of a folded norm's output is a linear layer with a constant weight (the same
-readers β goes into, passes/readers.py), `W(γ⊙n + β) + b = (W·diag γ) n + (W β + b)`: γ becomes
-an edit of each reader's weight (`Scale` along its input-feature axis) and the norm's own γ
-becomes ones. β must go into the readers' biases too (passes/beta.py) or be zero: a β Add after a
-unit-γ norm would be scaled by the readers' γ. A stream rotation (passes/rotate.py) needs this
-of every norm of the stream: an RMSNorm with unit γ commutes with an orthogonal Q, one with γ
-does not.
+"""γ into the readers (issue 22; DESIGN §6b, "γ into readers"): which folded norms leave a unit-weight
+RMSNorm, `W(γ⊙n + β) + b = (W·diag γ) n + (W β + b)`, γ a `Scale` of each reader's weight. A stream
+rotation needs it of every norm of the stream (a unit-γ RMSNorm commutes with Q, one with γ does not).
 """
 from __future__ import annotations
 

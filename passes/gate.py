@@ -1,30 +1,14 @@
-"""The verification gate (DESIGN §4): is a folded model as exact as the original?
+"""The verification gate (DESIGN §4): is a folded model as exact as the original? Pure numpy.
 
-Both frontends run the original and the folded model on the same inputs and, where they can, a
-float64 copy of the original (the exact arithmetic both approximate). A fold passes when, for
-every output, the folded model's error against float64 is at most FACTOR times the original's own
-error against float64, plus a floor relative to the output's scale (FLOOR, by dtype). A fold is
-often *more* exact than the original — a LayerNorm on a large-mean stream cancels digits the
-folded model never has — and a fixed tolerance between folded and original would refuse it; a
-real mistake (a missed centering) is far outside both models' rounding and still fails.
-
-Where the original can only be run in onnx's reference evaluator (onnxruntime refuses to load
-it), its run is no measure of its users' error: the folded model's error against float64 must
-then be within TOLERANCE ("float64, fixed tolerance").
-
-Where no float64 run is possible (an op with no double kernel anywhere, a model too big to copy
-in float64), the gate falls back, and says so in `Verdict.criterion`:
-  "tolerance": folded vs original within TOLERANCE (the dtype's fixed tolerance);
-  "zero-mean norm inputs": otherwise, every folded norm's input in the folded model has a
-      per-row mean below MEAN_TOL of its RMS (then LayerNorm = RMSNorm there, DESIGN §1), and
-      the outputs still agree within LOOSE times TOLERANCE (which an affine mistake would break).
-
-Where the original cannot be run in its own dtype at all (onnxruntime refuses to load it and
-onnx's reference evaluator cannot run it: onnxconverter-common's fp16 files), float64 copies of
-both models are compared ("float64 copies", judge_float64_copies): there the fold is exact algebra
-but for one rounding, the weights it edits stored back in the model's dtype.
-
-Pure numpy: no frontend types here.
+The criterion a verdict names (`Verdict.criterion`):
+  "float64": every output's error against a float64 run at most FACTOR x the original's, plus FLOOR;
+  "float64, fixed tolerance": the original ran only in onnx's reference evaluator (no measure of
+      its users' error), so the folded model's error against float64 must be within TOLERANCE;
+  "float64 copies": the original cannot run in its own dtype; float64 copies of both models are
+      compared (judge_float64_copies, within rounding_bound).
+Without a float64 run: "tolerance" (folded vs original within TOLERANCE), else "zero-mean norm
+inputs" (every folded norm's input has a per-row mean below MEAN_TOL of its RMS, and the outputs
+agree within LOOSE x TOLERANCE, which an affine mistake would break).
 """
 from __future__ import annotations
 
@@ -104,10 +88,6 @@ class Verdict:
         return f"folded vs original {self.diff:.2e} (no float64 run{why}; criterion: {self.criterion})"
 
 
-def _floor(dtype: str) -> float:
-    return FLOOR.get(dtype, 0.0)
-
-
 def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]] = None,
           norm_dtype: str = "float32", original_is_faithful: bool = True, no_float64: str = "") -> Verdict:
     """The verdict on a fold. `norm_inputs` (folded norm -> its input in the folded model, feature
@@ -119,16 +99,15 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     unjudged = _non_finite(outputs)
     if unjudged is not None:
         return unjudged
-    diff = max((max_rel_err(o.original, o.folded) for o in outputs), default=0.0)
+    errs = [max_rel_err(o.original, o.folded) for o in outputs]
+    diff = max(errs, default=0.0)
     if len(outputs) and all(o.exact is not None for o in outputs):
         return _judge_exact(outputs, diff, original_is_faithful)
-    worst = max(outputs, key=lambda o: max_rel_err(o.original, o.folded) / TOLERANCE.get(o.dtype, 1.0),
-                default=None)
-    if worst is None or all(max_rel_err(o.original, o.folded) <= TOLERANCE.get(o.dtype, 0.0) for o in outputs):
+    if all(e <= TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
         return Verdict(True, "tolerance", diff, no_float64=no_float64)
-    tol = TOLERANCE.get(worst.dtype, 0.0)
-    too_far = f"output {worst.name} differs from the original's by {max_rel_err(worst.original, worst.folded):.3g} " \
-              f"(relative), above {tol:g}, and no float64 run of the model was possible" + \
+    worst_err, worst = max(zip(errs, outputs), key=lambda eo: eo[0] / TOLERANCE.get(eo[1].dtype, 1.0))
+    too_far = f"output {worst.name} differs from the original's by {worst_err:.3g} " \
+              f"(relative), above {TOLERANCE.get(worst.dtype, 0.0):g}, and no float64 run of the model was possible" + \
               (f" ({no_float64})" if no_float64 else "")
     if not norm_inputs:
         return Verdict(False, "tolerance", diff, failure=too_far, no_float64=no_float64)
@@ -137,7 +116,7 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
         return Verdict(False, "zero-mean norm inputs", diff, no_float64=no_float64,
                        failure=f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS "
                                f"(above {MEAN_TOL.get(norm_dtype, 1e-4):g})")
-    if any(max_rel_err(o.original, o.folded) > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o in outputs):
+    if any(e > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
         return Verdict(False, "zero-mean norm inputs", diff, failure=f"{too_far}, even {LOOSE:g}x that",
                        no_float64=no_float64)
     return Verdict(True, "zero-mean norm inputs", diff, no_float64=no_float64)
@@ -150,7 +129,7 @@ def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verd
         own = max_rel_err(o.exact, o.original)
         now = max_rel_err(o.exact, o.folded)
         folded_worst, original_worst = max(folded_worst, now), max(original_worst, own)
-        bound = FACTOR * own + _floor(o.dtype) if faithful else TOLERANCE.get(o.dtype, 0.0)
+        bound = FACTOR * own + FLOOR.get(o.dtype, 0.0) if faithful else TOLERANCE.get(o.dtype, 0.0)
         if not now <= bound and not failure:
             failure = (f"output {o.name} ({o.dtype}) is {now:.3g} (relative) away from a float64 run, "
                        f"the original model {own:.3g}; allowed {bound:.3g}")
@@ -166,7 +145,7 @@ def rounding_bound(storage_dtype: str, sensitivity: Optional[float]) -> float:
     roundings touch fewer weights by at most as much, so FACTOR x sensitivity bounds them. This
     follows the model: a CLIP whose logits are exp(logit_scale) x cosines near 0 amplifies
     roundings that a GPT-2 does not. Without a measure (None): FLOOR of the dtype."""
-    return COPIES_REL + (_floor(storage_dtype) if sensitivity is None else FACTOR * sensitivity)
+    return COPIES_REL + (FLOOR.get(storage_dtype, 0.0) if sensitivity is None else FACTOR * sensitivity)
 
 
 def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str,
@@ -187,7 +166,7 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str,
             failure = (f"output {o.name}: the float64 copies of the folded and the original model differ by {d:.3g} "
                        f"(relative), above {bound:.3g} (float64 arithmetic plus the rounding of the edited weights to "
                        f"{storage_dtype})")
-    how = f"{_floor(storage_dtype):g}" if sensitivity is None else \
+    how = f"{FLOOR.get(storage_dtype, 0.0):g}" if sensitivity is None else \
         f"{FACTOR:g} x {sensitivity:.3g}, the outputs' move under one {storage_dtype} rounding of every weight"
     criterion = f"float64 copies, within {COPIES_REL:g} + {how}"
     return Verdict(not failure, criterion, diff, diff, None, failure)

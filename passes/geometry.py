@@ -1,15 +1,7 @@
-"""Where each LayerNorm's input points: its angle to the uniform vector 1 (seed 003).
-
-LayerNorm removes the component of its input along `1`; seed 003 (its Figure 3) measures, per
-layer of trained LLMs, the angle between the hidden vector reaching a norm and `1`: ≈ 90° with a
-spread of a few degrees, i.e. the mean subtraction removes almost nothing. For one row `x ∈ ℝᵈ`
-
-    cos θ = 1ᵀx / (‖1‖ ‖x‖) = μ(x) √d / ‖x‖ = μ(x) / rms(x)
-
-so the angle and |mean|/rms are one quantity seen two ways: 90° ⇔ a zero mean. A folded norm
-reads a zero-mean stream (DESIGN §1), so after the fold its angle is 90° by construction: a
-built-in sanity check. `measure` captures each norm's input through the calibration phase
-(passes/calibration.py: each frontend's `capture`) and computes the statistics here.
+"""Where each LayerNorm's input points: its angle to the uniform vector 1 (seed 003, Figure 3: ≈ 90°
+in trained LLMs). For a row x, cos θ = μ(x) / rms(x): 90° ⇔ a zero mean, so a folded norm's input is
+at 90° by construction (DESIGN §1), a built-in sanity check. `measure` captures the norm inputs
+through the calibration phase (passes/calibration.py); the statistics are computed here.
 """
 from __future__ import annotations
 
@@ -23,6 +15,7 @@ from . import calibration
 from .calibration import Folds, Planner
 from .errors import NothingToFold
 from .options import FoldOptions
+from .slicing import norm_input
 from .view import View
 
 # Made-up inputs (random token ids, noise pixels) are not what the model was trained on.
@@ -91,14 +84,7 @@ class Geometry:
 
 def norm_inputs(view: View) -> list[NormInput]:
     """Each LayerNorm of the view, in graph order, with the value it normalizes and its axis."""
-    out = []
-    for node in view.norms():
-        spec = node.norm
-        x = node.inputs[spec.input]
-        rank = view.values[x].rank
-        axis = spec.axis if rank is None or spec.axis >= 0 else spec.axis + rank
-        out.append(NormInput(node.name, x, axis))
-    return out
+    return [NormInput(node.name, *norm_input(view, node.name)) for node in view.norms()]
 
 
 def angle_stats(rows: Iterable[np.ndarray], axis: int = -1) -> AngleStats:

@@ -1,34 +1,21 @@
-"""The orthogonal matrices a stream rotation applies (passes/rotate.py), in float64, from a seed.
-
-- `hadamard(n)`: a Hadamard matrix of order n (entries ±1, H Hᵀ = n I) where one is known here:
-  n = 2ᵏ·m with m = 1 (Sylvester), m = q + 1 for a prime q ≡ 3 mod 4 (Paley I) or m = 2(q + 1)
-  for a prime q ≡ 1 mod 4 (Paley II); None otherwise. 768 = 2⁶·12 (Paley I, q = 11),
-  5120 = 2⁸·20 (Paley I, q = 19), 1536 = 2⁷·12.
-- `matrix(kind, d, seed)`: the Q of a rotation kind. "hadamard": H/√d times a random ±1 diagonal
-  (falls back to "orthogonal" where no Hadamard order fits: `resolved_kind` says which);
-  "orthogonal": the Q of a Gaussian matrix's QR, signs fixed by R's diagonal (Haar-distributed);
-  "…-keep-ln": the same followed by a Householder reflection that maps Q·1 back to 1, so that
-  Q·1 = 1 and Qᵀ·1 = 1: the rotation commutes with centering (DESIGN §6b).
+"""The orthogonal matrices a stream rotation applies (passes/rotate.py), in float64, from a seed:
+`matrix(kind, d, seed)`, the Q of a rotation kind, and `hadamard(n)`, a Hadamard matrix of order
+n = 2ᵏ·m (Sylvester doublings of a Paley I or II base; None where none is known here). The kinds
+and their constructions: DESIGN §6b, *Q.* and "Keep-LN rotations".
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from math import isqrt
 from typing import Optional
 
 import numpy as np
 
-KINDS = ("hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln")
+from .options import ROTATIONS as KINDS
 
 
 def _is_prime(q: int) -> bool:
-    if q < 2:
-        return False
-    k = 2
-    while k * k <= q:
-        if q % k == 0:
-            return False
-        k += 1
-    return True
+    return q >= 2 and all(q % k for k in range(2, isqrt(q) + 1))
 
 
 def _jacobsthal(q: int) -> np.ndarray:
@@ -39,25 +26,25 @@ def _jacobsthal(q: int) -> np.ndarray:
     return chi[idx]
 
 
+def _bordered(q: int, column: int) -> np.ndarray:
+    """[[0, 1ᵀ], [column·1, Q]] of order q + 1, Q the Jacobsthal matrix of GF(q)."""
+    s = np.zeros((q + 1, q + 1), dtype=np.int64)
+    s[0, 1:] = 1
+    s[1:, 0] = column
+    s[1:, 1:] = _jacobsthal(q)
+    return s
+
+
 def _paley1(q: int) -> np.ndarray:
     """Order q + 1, q ≡ 3 mod 4 prime: H = I + S, S = [[0, 1ᵀ], [−1, Q]] (skew)."""
-    n = q + 1
-    s = np.zeros((n, n), dtype=np.int64)
-    s[0, 1:] = 1
-    s[1:, 0] = -1
-    s[1:, 1:] = _jacobsthal(q)
-    return np.eye(n, dtype=np.int64) + s
+    return np.eye(q + 1, dtype=np.int64) + _bordered(q, -1)
 
 
 def _paley2(q: int) -> np.ndarray:
     """Order 2(q + 1), q ≡ 1 mod 4 prime: C = [[0, 1ᵀ], [1, Q]] (symmetric conference matrix),
     H = C ⊗ [[1, 1], [1, −1]] + I ⊗ [[1, −1], [−1, −1]]."""
-    n = q + 1
-    c = np.zeros((n, n), dtype=np.int64)
-    c[0, 1:] = 1
-    c[1:, 0] = 1
-    c[1:, 1:] = _jacobsthal(q)
-    return np.kron(c, np.array([[1, 1], [1, -1]])) + np.kron(np.eye(n, dtype=np.int64), np.array([[1, -1], [-1, -1]]))
+    return (np.kron(_bordered(q, 1), np.array([[1, 1], [1, -1]]))
+            + np.kron(np.eye(q + 1, dtype=np.int64), np.array([[1, -1], [-1, -1]])))
 
 
 def _base(m: int) -> Optional[np.ndarray]:
@@ -67,7 +54,7 @@ def _base(m: int) -> Optional[np.ndarray]:
         return np.array([[1, 1], [1, -1]], dtype=np.int64)
     if m % 4 == 0 and _is_prime(m - 1) and (m - 1) % 4 == 3:
         return _paley1(m - 1)
-    if m % 4 == 0 and m % 2 == 0 and _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
+    if m % 4 == 0 and _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
         return _paley2(m // 2 - 1)
     return None
 

@@ -1,15 +1,5 @@
-"""The one pipeline every entry point runs: view → plan → apply → verify → result.
-
-    fold_onnx / lnfold fold ─┐                       ┌─ onnx_rewrite (graphsurgeon, onnxruntime)
-    fold_module ─────────────┤  fold(frontend, ...)  ├─ fx_rewrite.api (torch.export)
-    fold_for_training ───────┤  analyze(frontend)    ├─ fx_rewrite.train (the eager module)
-    backend "lnfold" ────────┘                       └─ fx_rewrite.backend (Dynamo's graph)
-
-A frontend implements `Frontend`: it builds its view, says what it asks of the planner (its
-target's capabilities, its constants' predicates), applies a plan to its IR and emits the
-folded artifact, and runs the original and the folded artifact for the gate (passes/gate.py).
-Every decision is made once, in `make_plan`; verification is decided and recorded here, once.
-A frontend that calibrates (passes/calibration.py) also has `capture` and `run`, once per IR.
+"""The one pipeline every entry point runs: view → plan → apply → verify → result (DESIGN §2, "The
+pipeline"). Every decision is made once, in `make_plan`; verification is decided and recorded here.
 """
 from __future__ import annotations
 

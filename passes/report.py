@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import textwrap
 from dataclasses import asdict, dataclass, field, replace
@@ -241,11 +242,9 @@ class Report:
         s = self.streams[n.stream] if n.stream is not None and n.stream < len(self.streams) else None
         parts = [f"stream {n.stream + 1}" if n.stream is not None else "folded"]
         if s is not None:
-            edits = [f"{len(s.centered)} centered" if s.centered else "",
-                     f"{len(s.cloned)} cloned" if s.cloned else "",
-                     f"{len(s.scaled)} LayerScale(s) folded" if s.scaled else "",
-                     f"{len(s.recentered)} recenter(s)" if s.recentered else ""]
-            edits = [e for e in edits if e]
+            counts = ((s.centered, "centered"), (s.cloned, "cloned"), (s.scaled, "LayerScale(s) folded"),
+                      (s.recentered, "recenter(s)"))
+            edits = [f"{len(items)} {what}" for items, what in counts if items]
             if edits:  # counts of the weights edited; the stream's block below names them
                 parts[0] += f" ({', '.join(edits)})"
         elif n.recentered:
@@ -270,7 +269,7 @@ def clip_middle(text: str, width: int) -> str:
         return text
     if width < 3:
         return text[:width]
-    head = (width - 1 + 1) // 2
+    head = width // 2
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
@@ -289,7 +288,7 @@ def _clip_apart(name: str, others: list[str], width: int) -> str:
     # each other name: the lengths of the prefix and the suffix it shares with `name`; the cut
     # `head…tail` tells them apart when the head or the tail reaches past the shared part
     shared = [(_common(name, o), _common(name[::-1], o[::-1])) for o in others if o != name]
-    middle = (width - 1 + 1) // 2
+    middle = width // 2
 
     def score(h: int) -> tuple:
         t = width - 1 - h
@@ -306,8 +305,4 @@ _SEPARATORS = "/._:"
 
 def _common(a: str, b: str) -> int:
     """The length of the prefix `a` and `b` share."""
-    n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k
+    return len(os.path.commonprefix([a, b]))

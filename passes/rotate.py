@@ -1,26 +1,7 @@
-"""Stream rotation (issue 22; DESIGN §6b): which folded streams can carry x·Q instead of x, and the
-edits that make them.
-
-Once a stream is centered and every norm reading it is an RMSNorm with unit weight (γ in the
-readers, passes/gamma.py), any orthogonal Q leaves the model's function unchanged
-(computational invariance): the writers (linear layers, embedding and position tables, constants
-added to the stream) produce x·Q — a `Project` of their output side —, every op on the stream
-between them commutes with a map of the feature axis (the shift-transparent ops of DESIGN §1:
-sums, per-row scalars, layout on other axes), RMSNorm(x·Q) = RMSNorm(x)·Q because ‖x·Q‖ = ‖x‖,
-and each norm's readers take Qᵀ back — a `Project` of their input side (W·Q read x·Q as W read x).
-All in float64, one matrix per stream width (passes/orthogonal.py).
-
-A stream started by an opaque op (a GELU after a conv stem, a kept norm's output: no constant
-writes it) is zero-mean through its explicit recenter (passes/edits.Recenter), exactly as a
-centered writer's term is; no constant can absorb Q there (the op is non-linear), so the recenter
-is followed by an emitted MatMul by Q (`Recenter.project`, `StreamBasis.starts`): one d×d GEMM
-per start, said in the report.
-
-A stream is kept unrotated, with the node that blocks it named, where any of that fails: a
-graph output or an op other than a transparent op or one of its norms reads a stream tensor (a
-Softmax over the features, a per-channel op), a norm's γ could not move, a recentered start has
-its features on an axis a MatMul cannot project (neither of its last two), or its norms normalize
-blocks of features.
+"""Stream rotation (issue 22): which folded streams can carry x·Q instead of x, and the edits that
+make them — a `Project` of each writer's output side and each norm reader's input side. Why that is
+exact (computational invariance), the recentered starts' MatMul and what keeps a stream unrotated:
+DESIGN §6b.
 """
 from __future__ import annotations
 
@@ -32,7 +13,7 @@ import numpy as np
 from . import orthogonal
 from .analysis import Component
 from .compress import size_along
-from .edits import Basis, Project, Seeded
+from .edits import Basis, Project, Seeded, dense
 from .segments import segments
 from .gamma import GammaFold
 from .rules import kind_of
@@ -56,8 +37,7 @@ class BasisShortcut:
     keep: int
 
     def matrix(self) -> np.ndarray:
-        s, t = (np.eye(b.dim) if b.matrix() is None else b.matrix() for b in (self.source, self.target))
-        return s[:, :self.keep].T @ t[:, :self.keep]
+        return dense(self.source)[:, :self.keep].T @ dense(self.target)[:, :self.keep]
 
 
 @dataclass

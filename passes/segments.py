@@ -1,17 +1,10 @@
-"""A residual stream cut into segments, one per block input (SliceGPT's per-block bases, issue 32).
+"""A residual stream cut into segments, one per block input (SliceGPT's per-block bases, issue 32;
+DESIGN §6b, "Slicing"): x_{l+1} = x_l + f(x_l) is computed as `x_l·Q_l · (Q_lᵀQ_{l+1}) + f(x_l)·Q_{l+1}`.
 
-One basis per stream carries every stream tensor in the same Q. SliceGPT gives each block input its
-own Q_l and re-expresses the shortcut: x_{l+1} = x_l + f(x_l) is computed as
-`x_l·Q_l · (Q_lᵀQ_{l+1}) + f(x_l)·Q_{l+1}` — the writers of f (after norm l) write in Q_{l+1}, and one
-constant MatMul on the Add's shortcut input takes x_l from Q_l to Q_{l+1} (k×k once sliced).
-
-Which basis a stream tensor is carried in follows from where its values are next normalized: the
-tensor's *segment* is the group of norms (those reading one tensor share a basis) it reaches first,
-i.e. the one whose input reaches every other norm the tensor reaches. Where two segments meet at an
-op, the op must be an Add (two data inputs, the features on the last axis: a MatMul can take one
-of them across) and its output's segment is the target; every other meeting, a tensor reaching two
-norms neither before the other (parallel branches), or one reaching none, leaves the stream with one
-basis, and `Segments.why` says which tensor.
+A tensor's *segment* is the group of norms (those reading one tensor share a basis) it reaches
+first, i.e. the one whose input reaches every other norm the tensor reaches. Segments may meet
+only at an Add of two data inputs with the features last (a MatMul takes one across); any other
+meeting, parallel branches, or a tensor reaching no norm leaves one basis (`Segments.why` says why).
 """
 from __future__ import annotations
 

@@ -1,31 +1,7 @@
 """Slicing (issue 32; SliceGPT, Ashkboos et al., ICLR 2024): a folded stream carried in its first k
 principal directions instead of its d features. NOT exact: what lies outside those k directions is
-deleted.
-
-After the exact fold with γ in the readers, a rotatable stream (passes/rotate.py) can be carried
-in any orthogonal basis Q exactly. Here Q is calibrated: the eigenvectors, by descending
-eigenvalue, of the float64 second moment of the stream's normalized rows (each norm input scaled
-to unit RMS, over the calibration rows, every norm of the stream pooled). Keeping k = d − round(F·d)
-of them, each writer's output side and each reader's input side is `Project(axis, Data(Q), k)`
-(passes/edits.py); each norm of the stream is an RMSNorm over the k kept features with weight
-√(d/k) and ε·d/k, which is the d-feature RMSNorm of the projected row exactly:
-`x_k / sqrt(‖x_k‖²/k + ε·d/k) · √(d/k) = x_k / sqrt(‖x_k‖²/d + ε)` (`plan.NormEmission`); a norm
-whose output leaves the stream (a readout) is taken back to d features by `Q[:, :k]ᵀ·diag γ`. The
-only error is the part of each stream row outside span(Q[:, :k]); at k = d the slice is a rotation
-(exact). The frontends capture the norm inputs and measure the error; this module decides.
-
-Per-block bases (`per_block`, SliceGPT's own choice): each segment of the stream between norms
-(passes/segments.py) gets the basis of its own norms' inputs, its writers write in it, and each
-residual Add where one segment flows into the next re-expresses its shortcut input by the constant
-k×k MatMul `Q_l[:, :k]ᵀ·Q_{l+1}[:, :k]` (at k = d a pure change of basis: exact). A stream whose
-residual Adds do not allow it keeps one basis, with why.
-
-The per-block bases are sequential, as SliceGPT's: segment i's basis is computed from its norms'
-inputs in the model already sliced at segments < i (so it sees, and can keep, what the upstream
-deletions left), segment 0's from the exact fold (passes/slicer.py runs the steps). The slice at
-k < d cannot show segment i at full width, but a slice in a permutation basis keeps k chosen
-features of it untouched (`window_basis`): `windows(d, k)` such slices see all d features of the
-same rows, from which the full-width rows are put back together (`from_windows`).
+deleted. The bases, the norms over k features and the per-block scheme: DESIGN §6b, "Slicing";
+this module decides, the frontends capture and measure (passes/slicer.py runs the steps).
 """
 from __future__ import annotations
 
@@ -155,7 +131,7 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
         out.streams.append(s)
         s.dim, why = rotatable(view, comp, gammas)
         if why is None:
-            missing = [n for n in comp.norms if not captured.get(_norm_input(view, n)[0])]
+            missing = [n for n in comp.norms if not captured.get(norm_input(view, n)[0])]
             if missing:
                 why = (f"the input of `{missing[0]}` is not a tensor the model computes by itself (a fused op's "
                        "part): it cannot be captured")
@@ -174,7 +150,7 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
             out.order.append((s, list(groups)))
         kept, s.rows = 0.0, 0
         for head, norms in groups.items():
-            out.inputs[head] = [_norm_input(view, n) for n in norms]
+            out.inputs[head] = [norm_input(view, n) for n in norms]
             moments = [unit_rms_moment(captured[value], axis) for value, axis in out.inputs[head]]
             rows = sum(n for _, n in moments)
             q, eigenvalues = principal_basis(sum(m * n for m, n in moments) / rows)
@@ -213,7 +189,8 @@ def from_windows(parts: Mapping[int, list[np.ndarray]], axis: int, d: int) -> li
     return out
 
 
-def _norm_input(view: View, norm: str) -> tuple[str, int]:
+def norm_input(view: View, norm: str) -> tuple[str, int]:
+    """The value `norm` normalizes and its feature axis (non-negative where the rank is known)."""
     node = view.nodes[norm]
     value = node.inputs[node.norm.input]
     rank = view.values[value].rank
