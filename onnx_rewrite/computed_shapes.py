@@ -1,32 +1,19 @@
 """Shape vectors computed at run time, read as far as they can be read.
 
-Exporters compute the target of a Reshape or an Expand (and Resize's sizes) from other tensors'
-shapes when a size is dynamic. TorchScript, for instance:
+Exporters compute a Reshape's or Expand's target (and Resize's sizes) from other tensors' shapes
+when a size is dynamic. TorchScript: `x.flatten(2)` is `Reshape(x, Concat(Slice(Shape(x), 0, 2),
+[-1]))`; `t.expand(B, -1, -1)` is `Expand(t, Where(Equal(s, -1), ones, s))` (-1 is no valid Expand
+entry); `F.interpolate(size=...)` is `Resize` with sizes `Concat(Slice(Shape(x), 0, 2), [h, w])`.
 
-- `x.flatten(2)`: `Reshape(x, Concat(Slice(Shape(x), 0, 2), [-1]))` (a conv stem's [B, C, h, w]
-  -> [B, C, h*w]);
-- `t.expand(B, -1, -1)`: `Expand(t, Where(Equal(s, -1), ones, s))` over s = [B, -1, -1], B from
-  `Shape(input)` (-1, "keep the size", is no valid Expand entry: the Where makes it 1);
-- `table.reshape(1, n, n, dim)` with dim = `Shape(stream)[2]`, and `F.interpolate(size=...)`:
-  `Resize` with sizes `Concat(Slice(Shape(x), 0, 2), [h, w])`.
+`shape_entries` reads such a vector entry by entry: a known int, `SizeOf(t, a)` (entry a of
+`Shape(t)`, with its value where static), or None (unknown); through constants, Shape,
+Gather/Slice/Concat, Unsqueeze/Squeeze/Reshape/Cast/Identity, ConstantOfShape, integer arithmetic,
+Equal and Where. Whether a `SizeOf` follows a narrowed stream is passes/compress.follows_stream's call.
 
-`shape_entries` reads such a vector entry by entry: a known int, `SizeOf(t, a)` ("the size of
-tensor t along axis a": an entry of `Shape(t)`, with its value where the shapes say it is
-static), or None (unknown). It reads through constants, Shape, Gather/Slice/Concat of 1-D
-vectors, Unsqueeze/Squeeze/Reshape/Cast/Identity of one, ConstantOfShape of a known length,
-Add/Sub/Mul/Div of known ints, Equal and Where. Whether a `SizeOf` follows a stream's width when
-the stream narrows is the analysis's question (passes/compress.follows_stream).
-
-`computed_axis_map` places a Reshape's axes where shape inference leaves the target symbolic,
-soundly:
-
-- prefix rule: if the target's first p entries are provably the input's first p dims, every
-  axis a < p stays at a (row-major: the same prefix indices leave the same element blocks);
-- suffix rule: if the target's last s entries are provably the input's last s dims, every axis
-  among those keeps its place counted from the end.
-
-"Provably the input's dim k": `SizeOf(input, k)`, a 0 at the same position (Reshape's
-copy-the-dim, when allowzero is 0), or a number equal to the input's static dim k.
+`computed_axis_map` places a Reshape's axes where shape inference leaves the target symbolic: the
+axes of a prefix (or suffix) of the target that provably repeats the input's first (last) dims keep
+their place, row-major. "Provably dim k": `SizeOf(input, k)`, a 0 at position k (allowzero 0), or
+a number equal to the input's static dim k.
 """
 from __future__ import annotations
 

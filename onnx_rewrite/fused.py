@@ -1,26 +1,18 @@
-"""onnxruntime's fused transformer ops (com.microsoft), as the transformer optimizer emits them.
+"""onnxruntime's fused transformer ops (com.microsoft), as its transformer optimizer emits them.
 
 - `EmbedLayerNormalization(input_ids, segment_ids, word, position, segment, γ, β, mask, position_ids)`
-  computes `LN(word[ids] + position[pos] + segment[seg])` and, from `mask`, a per-batch
-  `mask_index` (the count of ones per row on CPU). Its three tables are the stream's sources,
-  each centered row by row (DESIGN §1: Gather on a constant table); its LayerNorm is the norm.
-  The view sees it as a source node (`#sum`, the sum of the lookups) feeding a LayerNorm.
-
-  Emission (the simplest exact choice): the fused op is replaced by its parts on the centered
-  tables: Gather per table (position rows 0..S-1 by a Slice when no position_ids are given),
-  the Adds, and the target's RMSNorm. `mask_index`, when read, becomes
-  `ReduceSum(Cast(Equal(mask, 1)))` — what the CPU kernel computes (zeros without a mask);
-  `embedding_sum`, when read, is the (now centered) sum. There is no fused "embed + RMSNorm"
-  op in onnxruntime, so this trades the fused kernel for Gathers + Add + SimplifiedLayerNorm.
-- `SkipLayerNormalization` is in norms.py/classify.py (an Add feeding a LayerNorm).
-- `Attention(input, weights, bias, ...)` projects its input by a constant weight first
-  (`QKV = input·W + bias`), so it is a linear reader of input 0 (a norm's β folds into its bias),
-  but not a source: what it outputs is no linear image of its input. The other attention ops
-  (`MultiHeadAttention`, `GroupQueryAttention`, ...) take projected Q/K/V: they stay plain
-  (non-linear) readers, and β stays an Add before them.
+  is `LN(word[ids] + position[pos] + segment[seg])` and a per-batch `mask_index` (on CPU, the count
+  of ones per row of `mask`). The view sees a source node (`#sum`, the lookups' sum: its tables are
+  centered row by row) feeding a LayerNorm. Emitted as its parts on the centered tables (onnxruntime
+  has no fused embed + RMSNorm op): a Gather per table (position rows 0..S-1 by a Slice without
+  position_ids), the Adds, the target's RMSNorm; a read `mask_index` becomes the CPU kernel's
+  `ReduceSum(Cast(Equal(mask, 1)))` (zeros without a mask), a read `embedding_sum` the centered sum.
+- `SkipLayerNormalization` is in norm_patterns.py and classify.py (an Add feeding a LayerNorm).
+- `Attention(input, weights, bias, ...)` projects its input by a constant weight first, so it is a
+  linear reader of input 0 (a norm's β folds into its bias), but no source. The other attention ops
+  take projected Q/K/V: plain readers, with β an Add before them.
 """
 from __future__ import annotations
-
 
 import numpy as np
 import onnx

@@ -1,17 +1,11 @@
 """How a LayerNorm is spelled in an ONNX graph: one list of rules, `PATTERNS`, in the style of
-onnxscript's rewriter (DESIGN §7, "Adding a norm pattern"). Each `NormPattern` is
-
-- a pattern: the op types (and domains) a match starts at;
-- a check: `match(node, shapes, graph outputs)` returns the one result type, a `NormMatch` (the
-  nodes it covers, its data input and output, γ, β, eps, axes), or a `passes.match.NoMatch` that
-  says why not; a near miss (depth >= 1) is listed in the report;
-- a rewrite: the emitter's (emit.py), which removes the covered nodes and writes the target's
-  RMSNorm from `x` to `output`; only a fused op with outputs of its own (Skip's sum, Embed's
-  mask index) needs more, chosen by `NormMatch.kind`.
-
-The patterns here are the spellings that exist only as ONNX ops. The decomposed form both
-frontends see (torch's ReduceMean, Sub, Pow, ... chain and hand-written modules) is matched once
-over the view, by passes/patterns.py, for every IR; classify.py turns its matches into NormMatch.
+onnxscript's rewriter (DESIGN §7, "Adding a norm pattern"). A `NormPattern` names the op types a
+match starts at; its `match(node, shapes, graph outputs)` returns a `NormMatch` (the nodes it covers,
+x, output, γ, β, eps, axes) or a `passes.match.NoMatch` saying why not (a near miss, depth >= 1, is
+reported). The rewrite is the emitter's (emit.py): it removes the covered nodes and writes the
+RMSNorm from `x` to `output`. Only spellings that exist as ONNX ops are here: the decomposed form
+both frontends see (torch's ReduceMean, Sub, Pow, ... chain) is matched over the view by
+passes/patterns.py, and classify.py makes its matches NormMatches.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Random ops in verification: the same draws in the original, the folded model and the float64 copy.
 
-A graph with RandomNormal(Like), RandomUniform(Like), Multinomial, Bernoulli or a training-mode
-Dropout draws new numbers on every run unless the node has a seed (a VITS voice's noise). Verified
-as they are, a correct fold would differ from its original by the noise. So verification runs
-copies (the written model keeps its nodes as they were) with a seed pinned on every random node,
-derived from the node's name: the fold keeps node names, so the folded model draws exactly what
-the original draws, from its own nodes; a fold that changed a random node still shows.
-
-The float64 copy cannot draw in double: onnxruntime's double draws are other numbers than its
-float draws with the same seed (RandomNormal seed 3: -0.750 float, -1.615 double). There each
-random node runs in its original type between Casts (inputs down, outputs up to double), drawing
-what the original draws.
+A RandomNormal(Like), RandomUniform(Like), Multinomial, Bernoulli or training-mode Dropout without
+a seed draws new numbers on every run (a VITS voice's noise): a correct fold would differ from its
+original by the noise. So verification runs copies with a seed pinned on every random node, derived
+from its name, which the fold keeps: the folded model draws what the original draws (the written
+model keeps its nodes as they were). The float64 copy runs each random node in its original type
+between Casts: onnxruntime's double draws are other numbers than its float draws with the same seed.
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """The branches of an If, folded with the main graph as one (Optimum's merged decoders).
 
-Optimum's default decoder export, `decoder_model_merged.onnx`, is one `If(use_cache_branch)` whose
-two branches hold the whole decoder twice (without and with past key/values); both read the outer
-graph's initializers, which they share. Folding one branch alone would edit weights the other
-reads. So the branches of every top-level If are inlined into the one stream view the analysis
-sees, each under its own scope (`<If name>/then_branch::<name>`), next to the main graph:
+Optimum's `decoder_model_merged.onnx` is one `If(use_cache_branch)` whose two branches hold the
+whole decoder twice and share the outer graph's initializers: folding one branch alone would edit
+weights the other reads. So the branches of every top-level If join the one stream view, each under
+its own scope (`<If name>/then_branch::<name>`). Outer names stay unscoped: a shared weight is one
+value read in both branches (edited once where every reader is centered alike, cloned where one
+needs the original: DESIGN §1). A branch's outputs leave through the If, so stream tensors among
+them block as graph outputs do. Shapes are inferred per branch (outer names as its inputs).
 
-- names a branch reads from the outer scope (initializers, graph inputs, main-graph tensors) stay
-  unscoped, so a shared weight is one value with readers in both branches: the plan edits it once
-  in place when every reader is centered the same way (both branches fold), and clones it where a
-  reader needs the original (DESIGN §1, shared constants);
-- a branch's outputs are observable (they leave through the If), so stream tensors among them
-  block, as graph outputs do;
-- shapes are inferred per branch (a branch as a standalone model, outer names as its inputs), since
-  both branches use the same internal names.
-
-Emission: the constant edits are applied once for all scopes (one new tensor per edit, shared by
-every reader in any branch), then one `Emitter` per scope does its swaps and recenters in its own
-graph. On export, initializers that graphsurgeon writes into each branch are hoisted back to the
-main graph (one copy, shared again).
+Emission: the constant edits once for all scopes, then one `Emitter` per scope for its swaps and
+recenters; on export, the initializers graphsurgeon copies into each branch go back to the main
+graph, once.
 """
 from __future__ import annotations
 
