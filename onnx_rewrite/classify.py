@@ -44,9 +44,6 @@ class GraphInfo:
         s = self.shape(t)
         return None if s is None else len(s)
 
-    def is_const(self, t) -> bool:
-        return t is not None and is_constant(t)
-
 
 def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
@@ -100,7 +97,7 @@ def _gather(info: GraphInfo, node: gs.Node) -> Optional[Rule]:
     if r is None or q is None:
         return None
     g = _norm_axis(int(node.attrs.get("axis", 0)), r)
-    if info.is_const(data):  # an embedding table
+    if is_constant(data):  # an embedding table
         return rule("embedding", table=0, q=q) if g == 0 else None
     k = const_values(idx) if q == 0 else None  # a scalar index: a select
     return rule("take", data=0, start=g, stop=g + 1, q=q, index=None if k is None else [int(np.asarray(k).reshape(-1)[0])])
@@ -414,8 +411,7 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
             r = OPS[node.op](info, node, opset)
         elif node.domain == fused.MS and node.op in fused.MS_OPS:
             r = fused.MS_OPS[node.op](info, node, opset)
-        inputs = [t.name if t is not None else "" for t in node.inputs]
-        inputs += _captured(node)
+        inputs = [t.name if t is not None else "" for t in node.inputs] + _captured(node)
         view.add_node(Node(node.name, _op_name(node), inputs, [t.name for t in node.outputs], rule=r))
 
     for name, v in view.values.items():
@@ -423,7 +419,7 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
         s = info.shape(t) if t is not None else shapes.get(name)
         v.shape = s
         v.rank = None if s is None else len(s)
-        v.is_const = t is not None and info.is_const(t)
+        v.is_const = is_constant(t)
         if v.is_const and s is not None and all(d == 1 for d in s):
             v.scalar = float(np.asarray(const_values(t)).reshape(-1)[0])
     for t in graph.inputs:

@@ -1,4 +1,4 @@
-"""The float64 copy of an ONNX model (DESIGN §4; the twin of fx_rewrite/float64.py, named for the run it makes): every float
+"""The float64 copy of an ONNX model (DESIGN §4; the twin of fx_rewrite/float64.py): every float
 tensor of the computation double, run in onnxruntime, segment by segment where a few ops lack a
 double kernel there (those in onnx's reference evaluator), or in the reference evaluator whole."""
 from __future__ import annotations
@@ -18,11 +18,9 @@ FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFL
 
 
 def float64_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The same graph computing in float64 (float constants, casts, inputs and outputs become
-    double; value_info is dropped: onnxruntime re-infers it), and its float weights in float64.
-    The weights become inputs of the copy, fed with its inputs: onnxruntime takes them from numpy
-    without a serialized copy (a GPT-2's 1 GB in float64 took longer to serialize and parse than
-    to run)."""
+    """The same graph computing in float64 (value_info dropped: onnxruntime re-infers it), and its
+    float weights in float64: inputs of the copy, fed with its inputs, so that onnxruntime takes
+    them from numpy unserialized (a GPT-2's 1 GB took longer to serialize and parse than to run)."""
     g = model.graph
     weights = {t.name: numpy_helper.to_array(t).astype(np.float64) for t in g.initializer if t.data_type in FLOATS}
     declared = {i.name for i in g.input}
@@ -80,10 +78,8 @@ def float_elems(model: onnx.ModelProto) -> int:
 
 
 class Float64Run:
-    """A float64 copy of a model, run in onnxruntime; where onnxruntime has no double kernel for
-    some of its ops, those run in onnx's reference evaluator and the rest in onnxruntime
-    (_Segments); where that fails too (or onnxruntime refuses the model), the whole copy runs in
-    onnx's reference evaluator."""
+    """A float64 copy of a model, run in onnxruntime (in _Segments where it lacks a double kernel
+    for some ops), else wholly in onnx's reference evaluator."""
 
     def __init__(self, model: ModelLike) -> None:
         self.model, self.weights = float64_copy(proto_of(model))
@@ -126,9 +122,8 @@ class Float64Run:
 
 def exact_run(model: ModelLike, feeds: dict, prepared: Optional["Float64Run"] = None
               ) -> tuple[Optional[list[np.ndarray]], str]:
-    """The outputs of a float64 copy of `model` on `feeds` (floats upcast), and how they were
-    computed; (None, why) where no float64 run was possible. `prepared`: its Float64Run, made
-    beforehand (`prepare`: verify.reference builds it while the original runs)."""
+    """(the outputs of a float64 copy of `model` on `feeds`, how they were computed); (None, why)
+    where no float64 run was possible. `prepared`: its Float64Run, made beforehand (`prepare`)."""
     if float_elems(skeleton_of(model)) > EXACT_MAX_ELEMS:
         return None, f"a float64 copy would hold more than {EXACT_MAX_ELEMS} float weights"
     try:
@@ -175,9 +170,9 @@ def _segmentable(model: onnx.ModelProto) -> bool:
 
 
 class _Segments:
-    """A float64 copy run as consecutive runs of nodes (the graph's topological order): each run
-    of nodes onnxruntime has double kernels for in one session, each other run in onnx's reference
-    evaluator. The sessions are built on the first call, from the dtypes of the values then."""
+    """A float64 copy run as consecutive runs of nodes in graph order: in one onnxruntime session
+    each, or in onnx's reference evaluator where onnxruntime has no double kernel. Built on the first
+    call, from the dtypes of the values then."""
 
     def __init__(self, model: onnx.ModelProto, lacking: list[onnx.NodeProto]) -> None:
         self.model, self.ref_ops = model, sorted({n.op_type for n in lacking})

@@ -22,9 +22,9 @@ QUIET.log_severity_level = 4
 
 class Source:
     """A model as given, a ModelProto or a path, read at most once: its graph without external
-    weights (`skeleton`) first, the weights (`proto`) only if something needs them; onnxruntime
-    loads a path itself. `parsed`: the file at the path, already in memory (the caller's, never
-    written here): its graph is the skeleton, and, where it holds every weight, the proto."""
+    weights (`skeleton`) first, the weights (`proto`) only if something needs them. `parsed`: the
+    caller's copy of the file, never written here (the skeleton, and the proto where it holds every
+    weight)."""
 
     def __init__(self, model: ModelLike, parsed: Optional[onnx.ModelProto] = None) -> None:
         self.path = None if isinstance(model, onnx.ModelProto) else str(model)
@@ -56,8 +56,8 @@ class Source:
 
 
 def in_background(name: str, fn: Callable, *args, **kwargs) -> Future:
-    """`fn(*args, **kwargs)` started in a thread of its own (onnxruntime and numpy release the GIL:
-    verification's runs overlap the fold's other work); its Future."""
+    """`fn(*args, **kwargs)`'s Future, run in a thread of its own (onnxruntime and numpy release
+    the GIL: verification's runs overlap the fold's other work)."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lnfold-{name}")
     future = pool.submit(fn, *args, **kwargs)
     pool.shutdown(wait=False)
@@ -124,10 +124,9 @@ def reference(model: onnx.ModelProto):
 
 
 def contrib_ops() -> list:
-    """Ops onnx's reference evaluator lacks: onnxruntime's RMSNorm ops (what `--target ort`
-    emits), and Erfc. Erfc is for the reference evaluator only: onnxruntime has no schema for it.
-    And Erf and Gelu, which it has but rounds to float32 (`np.vectorize(erf, otypes=["f"])`): in a float64
-    copy (onnxruntime has no double Erf) every GELU would carry a float32 error into the reference."""
+    """Ops onnx's reference evaluator lacks (onnxruntime's RMSNorm ops, tf2onnx's Erfc), or rounds
+    to float32 (Erf, Gelu: `np.vectorize(erf, otypes=["f"])`, a float32 error in every GELU of a
+    float64 copy)."""
     from onnx.reference.op_run import OpRun
 
     def rms(x, gamma, axis, eps):
@@ -150,8 +149,8 @@ def contrib_ops() -> list:
             return (rms(s, gamma, -1, epsilon), None, None, s)
 
     class Erfc(OpRun):
-        """tf2onnx writes Erfc, which is not an ONNX op (its GELU: 0.5 x erfc(-x/√2)): 1 - erf(x),
-        computed as math.erfc (exact where 1 - erf(x) would cancel, for large x)."""
+        """tf2onnx's GELU, 0.5 x erfc(-x/√2), writes Erfc, no ONNX op: computed as erfc, exact where
+        1 - erf(x) would cancel."""
         op_domain = ""
 
         def _run(self, x):
@@ -170,10 +169,8 @@ def contrib_ops() -> list:
 
         def _run(self, x, approximate="none"):
             if approximate == "tanh":
-                y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-            else:
-                y = 0.5 * x * (1 + _ERF(x / np.sqrt(2)))
-            return (y.astype(x.dtype),)
+                return ((0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))).astype(x.dtype),)
+            return ((0.5 * x * (1 + _ERF(x / np.sqrt(2)))).astype(x.dtype),)
 
     return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf, Gelu]
 
