@@ -15,6 +15,16 @@ def _static(dims) -> bool:
     return all(isinstance(d, int) for d in dims)
 
 
+def _axes_before(dst: tuple, tail_size: int):
+    """The axes j of `dst`, last first, whose later dims are static and hold `tail_size` elements."""
+    for j in range(len(dst) - 1, -1, -1):
+        later = dst[j + 1:]
+        if not _static(later) or prod(later) > tail_size:
+            return
+        if prod(later) == tail_size:
+            yield j
+
+
 def reshape_axis(src: Shape, dst: Shape, axis: int) -> Optional[int]:
     """The axis of `dst` that holds `src`'s axis whole after a reshape, or None.
 
@@ -107,16 +117,8 @@ def reshape_block_axis(src: Shape, dst: Shape, axis: int, block: Optional[int]) 
     block = size if block is None else block
     if not isinstance(size, int) or not _static(tail) or block < 2 or size % block:
         return None
-    t = prod(tail)
-    for j in range(len(dst) - 1, -1, -1):
-        if not _static(dst[j + 1:]):
-            return None
-        later = prod(dst[j + 1:])
-        if later > t:
-            return None
-        if later == t and isinstance(dst[j], int) and dst[j] % block == 0:
-            return j, block
-    return None
+    return next(((j, block) for j in _axes_before(dst, prod(tail)) if isinstance(dst[j], int) and dst[j] % block == 0),
+                None)
 
 
 def split_periodic_runs(src: Shape, dst: Shape, axis: int, size: int, lo: int, stride: int) -> Optional[tuple[int, int, int]]:
@@ -135,15 +137,8 @@ def split_periodic_runs(src: Shape, dst: Shape, axis: int, size: int, lo: int, s
     n, tail = src[axis], src[axis + 1:]
     if not isinstance(n, int) or not _static(tail) or n % stride:
         return None
-    t = prod(tail)
-    for j in range(len(dst) - 1, 0, -1):
-        if not _static(dst[j + 1:]) or prod(dst[j + 1:]) > t:
-            return None
-        if prod(dst[j + 1:]) == t:
-            if dst[j] == size and dst[j - 1] == stride // size:
-                return j, j - 1, lo // size
-            return None
-    return None
+    j = next(_axes_before(dst, prod(tail)), 0)
+    return (j, j - 1, lo // size) if j > 0 and dst[j] == size and dst[j - 1] == stride // size else None
 
 
 def merge_row_runs(src: Shape, dst: Shape, axis: int, row: int, index: int) -> Optional[tuple[int, int, int]]:
@@ -156,14 +151,9 @@ def merge_row_runs(src: Shape, dst: Shape, axis: int, row: int, index: int) -> O
     size, k, tail = src[axis], src[row], src[axis + 1:]
     if not isinstance(size, int) or not isinstance(k, int) or not _static(tail):
         return None
-    t = prod(tail)
-    for j in range(len(dst) - 1, -1, -1):
-        if not _static(dst[j + 1:]) or prod(dst[j + 1:]) > t:
-            return None
-        if prod(dst[j + 1:]) == t:
-            ok = isinstance(dst[j], int) and dst[j] > 0 and dst[j] % (k * size) == 0
-            return (j, index * size, k * size) if ok else None
-    return None
+    j = next(_axes_before(dst, prod(tail)), None)
+    ok = j is not None and isinstance(dst[j], int) and dst[j] > 0 and dst[j] % (k * size) == 0
+    return (j, index * size, k * size) if ok else None
 
 
 # --- a feature axis merged with the axes before it, and split back out (MobileViT's unfolding) ----
