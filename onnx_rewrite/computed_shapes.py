@@ -33,12 +33,6 @@ _MAX_ENTRIES = 64  # a longer vector is no shape
 _VECTOR_OPS = ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape")  # a vector's entries, kept
 
 
-def shape_entries(t, shape_of: ShapeOf) -> Optional[list[Entry]]:
-    """The entries of the 0-D or 1-D integer tensor `t` (a 0-D one as one entry), as far as they
-    are known; None where not even their number is."""
-    return _entries(t, shape_of, 0)
-
-
 def _known(e: Entry) -> Optional[int]:
     """An entry's value where it is known."""
     return e.known if isinstance(e, SizeOf) else e
@@ -51,8 +45,9 @@ def _constant(v) -> list[Entry]:
     return [int(a) if v.dtype.kind == "f" and float(a).is_integer() else None for a in v]
 
 
-def _entries(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
-    """`t`'s entries; where they cannot be read but their number is known, that many unknowns."""
+def shape_entries(t, shape_of: ShapeOf, depth: int = 0) -> Optional[list[Entry]]:
+    """The entries of the 0-D or 1-D integer tensor `t` (a 0-D one as one entry), as far as they
+    are known (where only their number is, that many unknowns); None where not even that is."""
     if t is None or not t.name:
         return None
     got = _read(t, shape_of, depth) if depth <= _MAX_DEPTH else None
@@ -80,7 +75,7 @@ def _read(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
         start, end = int(p.attrs.get("start", 0)), p.attrs.get("end")
         dims = list(range(len(src)))[start: None if end is None else int(end)]
         return [SizeOf(p.inputs[0].name, k, src[k] if isinstance(src[k], int) else None) for k in dims]
-    ins = [_entries(i, shape_of, depth + 1) if i is not None and i.name else None for i in p.inputs]
+    ins = [shape_entries(i, shape_of, depth + 1) for i in p.inputs]
     if not ins or ins[0] is None:
         return None
     if p.op in _VECTOR_OPS:
@@ -108,8 +103,7 @@ def _read(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
 
 
 def _slice(p: gs.Node, data: list[Entry]) -> Optional[list[Entry]]:
-    ins = list(p.inputs) + [None] * 5
-    vals = [const_values(i) if i is not None and i.name else None for i in ins[1:5]]
+    vals = [const_values(i) for i in (list(p.inputs) + [None] * 4)[1:5]]  # starts, ends, axes, steps
     if vals[0] is None or vals[1] is None:
         return None
     if vals[2] is not None and [int(a) for a in np.asarray(vals[2]).reshape(-1)] not in ([0], [-1]):
