@@ -9,20 +9,19 @@ from typing import Optional
 import numpy as np
 
 from ..passes.rules import Rule, rule
-from .norms import const_values
+from .norms import const_values, given
 
 
 def _bound(node, i: int, attr: str, opset: int) -> Optional[float]:
     """Clip's min (i=1) or max (i=2): +-inf when absent, None when not a constant."""
-    if opset < 11:
-        v = node.attrs.get(attr)
-        return (-np.inf if i == 1 else np.inf) if v is None else float(v)
-    if len(node.inputs) <= i or node.inputs[i] is None or not node.inputs[i].name:
+    bound = node.attrs.get(attr) if opset < 11 else given(node.inputs, i)
+    if bound is None:
         return -np.inf if i == 1 else np.inf
-    vals = _possible_values(node.inputs[i])
+    if opset < 11:
+        return float(bound)
+    vals = _possible_values(bound)
     if vals is None or vals.size == 0:
         return None
-    vals = vals.astype(np.float64)
     return float(np.max(vals)) if i == 1 else float(np.min(vals))
 
 
