@@ -216,7 +216,6 @@ def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, se
     if f.length_limit is not None and past + seq > f.length_limit:
         past = max(1, f.length_limit // 3) if f.length_limit >= 2 else 0
         seq = max(1, f.length_limit - past)
-    tried = set()
     sides = f.image_sides or [None]
     plans = [(seq, past, side, _IMAGE_BATCH if side else _BATCH) for side in sides]
     # then sizes exporters often bake into a graph traced at them (a Reshape to [7, 1] in a
@@ -225,11 +224,7 @@ def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, se
         if f.length_limit is None or s_ + p_ <= f.length_limit:
             plans.append((s_, p_, sides[0], plans[0][3]))
     plans.append((seq, past, sides[0], _BATCH))  # an image model that needs a batch of 2
-    for plan in plans:
-        if plan in tried:
-            continue
-        tried.add(plan)
-        seq_, past_, side, batch = plan
+    for seq_, past_, side, batch in dict.fromkeys(plans):  # each once, in order
         sizes = _assign(f, dims, seq_, past_, side, batch)
         yield f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else "") + f", batch {batch}", \
             _values(f, sizes, past_, seed)
