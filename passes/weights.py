@@ -34,20 +34,18 @@ def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None, m
             raise ValueError(f"cannot center runs of {block} every {stride} from {lo} along an axis of {n}")
         out = a.copy()
         periods = out.reshape(a.shape[:axis] + (n // stride, stride) + a.shape[axis + 1:])  # a view of `out`
-        part = [slice(None)] * periods.ndim
-        part[axis + 1] = slice(lo, lo + block)
-        periods[tuple(part)] = center(periods[tuple(part)], axis + 1)
+        runs = (slice(None),) * (axis + 1) + (slice(lo, lo + block),)
+        periods[runs] = center(periods[runs], axis + 1)
         return out
     if block is not None and n != 1 and (block, lo, hi) != (n, 0, None):
         hi = n if hi is None else hi
         if n % block or lo % block or hi % block or not 0 <= lo < hi <= n:
             raise ValueError(f"cannot center blocks of {block} in [{lo}, {hi}) along an axis of {n}")
         out = a.copy()
-        part = [slice(None)] * a.ndim
-        part[axis] = slice(lo, hi)
-        runs = a[tuple(part)]
-        runs = runs.reshape(runs.shape[:axis] + ((hi - lo) // block, block) + runs.shape[axis + 1:])
-        out[tuple(part)] = center(runs, axis + 1).reshape(a[tuple(part)].shape)
+        window = (slice(None),) * axis + (slice(lo, hi),)
+        part = a[window]
+        runs = part.reshape(part.shape[:axis] + ((hi - lo) // block, block) + part.shape[axis + 1:])
+        out[window] = center(runs, axis + 1).reshape(part.shape)
         return out
     # the mean in float64 without a float64 copy of `a`; the subtraction upcasts element-wise
     if mean is None:
@@ -57,9 +55,7 @@ def center(a: np.ndarray, axis, block=None, lo: int = 0, hi=None, stride=None, m
 
 def vector_along(a: np.ndarray, axis: int) -> np.ndarray:
     """The 1-D profile of a tensor that varies only along `axis` (a LayerScale vector)."""
-    x = _f64(a)
-    moved = np.moveaxis(x, axis, -1).reshape(-1, x.shape[axis])
-    return moved[0]
+    return np.moveaxis(_f64(a), axis, -1).reshape(-1, np.shape(a)[axis])[0]
 
 
 def scale(a: np.ndarray, vec: np.ndarray, axis: int) -> np.ndarray:
@@ -73,31 +69,22 @@ def scale(a: np.ndarray, vec: np.ndarray, axis: int) -> np.ndarray:
     return (x * v).astype(a.dtype)
 
 
-def rotate(a, q, axis: int, matmul=None):
-    """`a ×_axis q`: along `axis`, entry j becomes Σᵢ aᵢ q[i, j] (a stream rotation's edit of a
-    writer's output side or a reader's input side; passes/rotate.py). numpy in float64 by default."""
+def project(a, q, keep: int, axis: int, matmul=None):
+    """`a ×_axis q[:, :keep]` (passes/edits.Project): along `axis`, entry j becomes Σᵢ aᵢ q[i, j]; q None:
+    the identity, i.e. the first `keep` entries (CRMSNorm's drop of the last one), no arithmetic.
+    numpy in float64 by default; `matmul` is the array library's own (`torch.matmul`)."""
+    if q is None:
+        return _first(a, axis, keep)
+    if keep != q.shape[1]:
+        q = q[:, :keep]
     if matmul is None:
         a, q = _f64(a), _f64(q)
         return np.moveaxis(np.moveaxis(a, axis, -1) @ q, -1, axis)
     return matmul(a.movedim(axis, -1), q).movedim(-1, axis)
 
 
-def project(a, q, keep: int, axis: int, matmul=None):
-    """`a ×_axis q[:, :keep]` (passes/edits.Project); q None: the identity, i.e. the first `keep`
-    entries along `axis` (CRMSNorm's drop of the last one), no arithmetic."""
-    if q is None:
-        return _first(a, axis, keep)
-    if keep != q.shape[1]:
-        q = q[:, :keep]
-    return rotate(a, q, axis, matmul)
-
-
 def beta_into_bias(weight: np.ndarray, beta: np.ndarray, bias, in_axis: int, out_dtype) -> np.ndarray:
-    """`W β + b` for a linear layer whose weight has its input features on `in_axis`.
-
-    Used to fold a norm's β into the biases of the linear layers that read the norm, since
-    RMSNorm ops take no bias: `W(γ⊙n + β) + b = W(γ⊙n) + (Wβ + b)`.
-    """
+    """`W β + b` (β into a reader's bias) for a weight with its input features on `in_axis`."""
     out = weight_times(weight, beta, in_axis)
     if bias is not None:
         out = out + _f64(bias).reshape(out.shape)
@@ -120,9 +107,8 @@ def fold_decompression(a, axis: int):
 
 
 def weight_times(weight, vec, in_axis: int, tensordot=None):
-    """`W v` for a weight holding its input features on `in_axis`: the other axes remain.
-
-    numpy in float64 by default; `tensordot` is the array library's own (`torch.tensordot`)."""
+    """`W v` for a weight holding its input features on `in_axis`: the other axes remain. numpy in
+    float64 by default; `tensordot` is the array library's own (`torch.tensordot`)."""
     if tensordot is None:
         weight, vec, tensordot = _f64(weight), _f64(vec), np.tensordot
     return tensordot(vec.reshape(-1), weight, ([0], [in_axis]))
@@ -135,8 +121,7 @@ def add_weight_times(a, weight, in_axis: int, vec, tensordot=None):
 
 def max_rel_err(ref: np.ndarray, got: np.ndarray) -> float:
     """max |ref - got| / max |ref|: the equivalence measure of every verification."""
-    r = _f64(ref)
-    g = _f64(got)
+    r, g = _f64(ref), _f64(got)
     if r.shape != g.shape:
         return float("inf")
     if r.size == 0:
