@@ -20,6 +20,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..passes import LnfoldError
+from .shapes import dims_of
 
 # ops that pass an index tensor through unchanged in value (maybe reshaped)
 _INDEX_PASSTHROUGH = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Identity", "Expand", "Slice",
@@ -63,14 +64,8 @@ class GraphFacts:
 
 def graph_inputs(model: onnx.ModelProto) -> list[InputSpec]:
     inits = {t.name for t in model.graph.initializer}
-    out = []
-    for vi in model.graph.input:
-        if vi.name in inits or not vi.type.HasField("tensor_type"):
-            continue
-        t = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
-        out.append(InputSpec(vi.name, t.elem_type, dims))
-    return out
+    return [InputSpec(vi.name, vi.type.tensor_type.elem_type, list(dims_of(vi.type.tensor_type)))
+            for vi in model.graph.input if vi.name not in inits and vi.type.HasField("tensor_type")]
 
 
 def _attr(n: onnx.NodeProto, name: str, default):

@@ -138,15 +138,14 @@ def _made_of(dim: str, names: set) -> bool:
     return all(word in names or word.isdigit() for word in re.findall(r"[A-Za-z_0-9.]+", dim))
 
 
+def dims_of(t: onnx.TypeProto.Tensor) -> Shape:
+    """A tensor type's dims: ints, dim names, None (unnamed)."""
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
+
+
 def _read_shapes(m: onnx.ModelProto) -> dict[str, Shape]:
-    out = {}
-    for vi in list(m.graph.value_info) + list(m.graph.input) + list(m.graph.output):
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            out[vi.name] = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim
-            )
-    return out
+    return {vi.name: dims_of(vi.type.tensor_type) for vi in list(m.graph.value_info) + list(m.graph.input)
+            + list(m.graph.output) if vi.type.tensor_type.HasField("shape")}
 
 
 def _known(shape: Shape) -> int:
