@@ -165,23 +165,17 @@ def _write_inline(model: onnx.ModelProto, target: Path) -> None:
             copy_fields(t, meta, {"raw_data", "external_data", "data_location"})
             meta_bytes = meta.SerializeToString()
             if is_lazy(t):
-                src, src_off, length = external_source(t)
-                data = None
+                source = external_source(t)
+                data, length = None, source[2]
             else:
-                src, data = None, t.raw_data
+                data = t.raw_data
                 length = len(data)
             f.write(initializer_head(meta_bytes, length))
             if data is not None:
                 f.write(data)
                 del data
             else:
-                try:
-                    f.flush()
-                    pos = f.tell()
-                    _copy_range(src, f.fileno(), src_off, pos, length, t.name)
-                finally:
-                    os.close(src)
-                f.seek(pos + length)
+                _append_lazy(f, source, t.name)
 
 
 def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
@@ -204,13 +198,7 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
                 f.write(b"\0" * pad)
                 offset += pad
             if lazy:
-                src, src_off, length = external_source(t)
-                try:
-                    f.flush()
-                    _copy_range(src, f.fileno(), src_off, offset, length, t.name)
-                finally:
-                    os.close(src)
-                f.seek(offset + length)
+                length = _append_lazy(f, external_source(t), t.name)
             else:
                 data = t.raw_data
                 length = len(data)
@@ -226,6 +214,20 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
         if f is not None:
             f.close()
     return f is not None
+
+
+def _append_lazy(f, source: tuple[int, int, int], name: str) -> int:
+    """Append a lazily loaded tensor's bytes (`source`: read.external_source's fd, closed here, offset
+    and length) to the open file `f`; returns their length."""
+    src, src_off, length = source
+    try:
+        f.flush()
+        pos = f.tell()
+        _copy_range(src, f.fileno(), src_off, pos, length, name)
+    finally:
+        os.close(src)
+    f.seek(pos + length)
+    return length
 
 
 def _copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, name: str) -> None:
@@ -267,8 +269,5 @@ def _publish(tmp: Path, model_file: Path, dst: Path, data_dst: Path | None) -> N
         if had_old:
             os.replace(backup, data_dst)
         else:
-            try:
-                data_dst.unlink()
-            except FileNotFoundError:
-                pass
+            data_dst.unlink(missing_ok=True)
         raise
