@@ -92,8 +92,7 @@ def _drop_basepaths(model: onnx.ModelProto) -> None:
         if any(e.key == _BASEPATH for e in t.external_data):
             keep = [(e.key, e.value) for e in t.external_data if e.key != _BASEPATH]
             del t.external_data[:]
-            for k, v in keep:
-                t.external_data.add(key=k, value=v)
+            t.external_data.extend(onnx.StringStringEntryProto(key=k, value=v) for k, v in keep)
 
 
 def _keep_big_on_disk(model: onnx.ModelProto, folder: Path) -> None:
@@ -156,11 +155,7 @@ def read_external(t: onnx.TensorProto) -> np.ndarray:
 
 def external_files(path: str | os.PathLike, model: onnx.ModelProto) -> set[Path]:
     """The external-data files that `model`, read from `path` without its data, refers to."""
-    p = Path(path)
-    files = set()
-    for t in list(model.graph.initializer) + [s.values for s in model.graph.sparse_initializer]:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            loc = next((e.value for e in t.external_data if e.key == "location"), None)
-            if loc:
-                files.add((p.parent / loc).resolve())
-    return files
+    tensors = list(model.graph.initializer) + [s.values for s in model.graph.sparse_initializer]
+    external = [t for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL]
+    locations = (next((e.value for e in t.external_data if e.key == "location"), None) for t in external)
+    return {(Path(path).parent / loc).resolve() for loc in locations if loc}
