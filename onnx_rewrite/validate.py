@@ -4,6 +4,8 @@ Each failure is a one-line LnfoldError saying what is wrong with the input.
 """
 from __future__ import annotations
 
+import math
+
 import onnx
 
 from ..passes import LnfoldError
@@ -32,12 +34,9 @@ def check_opset(model: onnx.ModelProto) -> int:
 
 def element_count(t: onnx.TensorProto) -> int:
     """The number of elements `t`'s dims say it holds (a negative dim is a corrupt tensor)."""
-    n = 1
-    for d in t.dims:
-        if d < 0:
-            raise LnfoldError(f"initializer `{t.name}` has a negative dimension {list(t.dims)}")
-        n *= d
-    return n
+    if any(d < 0 for d in t.dims):
+        raise LnfoldError(f"initializer `{t.name}` has a negative dimension {list(t.dims)}")
+    return math.prod(t.dims)
 
 
 def raw_bytes(t: onnx.TensorProto) -> int:
