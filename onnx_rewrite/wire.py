@@ -14,14 +14,11 @@ _GRAPH_FIELD = 7  # ModelProto.graph
 
 def _varint(n: int) -> bytes:
     out = bytearray()
-    while True:
-        b = n & 0x7F
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
         n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+    out.append(n)
+    return bytes(out)
 
 
 def _len_field(number: int, length: int) -> bytes:
