@@ -18,6 +18,8 @@ Whisper encoder (benchmarks/RESULTS.md). The emitter names them (emit.BASIS_CHAN
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -25,10 +27,6 @@ from onnx import helper, numpy_helper
 from .emit import BASIS_CHANGE
 
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def name_nodes(model: onnx.ModelProto) -> None:
@@ -45,16 +43,13 @@ def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
     Returns (how many were rewritten, [why each other Gemm was kept])."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
-    uses: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            uses[i] = uses.get(i, 0) + 1
+    uses = Counter(i for n in g.node for i in n.input)
     rewritten, kept, nodes = 0, [], []
     for node in g.node:
         if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
             nodes.append(node)
             continue
-        a = _attrs(node)
+        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
         b = node.input[1]
         c = node.input[2] if len(node.input) > 2 and node.input[2] else None
         why = ("its weight is not an initializer" if b not in inits else
