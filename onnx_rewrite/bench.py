@@ -36,7 +36,6 @@ def timing_session(path: Path, threads: int, profile_prefix: Optional[str] = Non
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    so.log_severity_level = 3
     so.intra_op_num_threads = threads
     so.log_severity_level = 3  # failures raise; its warnings are about its own graph optimizations
     so.inter_op_num_threads = 1
@@ -135,10 +134,6 @@ def _signature(model) -> list[tuple]:
     return [(s.name, s.elem, tuple(s.dims)) for s in graph_inputs(model)]
 
 
-def _shapes(feeds: dict) -> str:
-    return ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
-
-
 def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 8.0, inputs=None,
               dims: Optional[dict] = None) -> int:
     """`lnfold bench`: both models must take the same inputs; they run on the user's (`inputs`,
@@ -160,7 +155,8 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     _, feeds, _ = original_run(original, inputs=feeds, dims=dims)
     made = "given" if inputs is not None else "made up; --inputs FILE.npz or --dim NAME=SIZE to change"
     print(f"lnfold bench: {original} (original) vs {folded} (folded), onnxruntime {ort.__version__} CPU")
-    print(f"inputs: {_shapes(feeds)} ({made})")
+    shapes = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
+    print(f"inputs: {shapes} ({made})")
     for line in describe(measure(Path(original), Path(folded), feeds, threads=threads, seconds=seconds)):
         print(line)
     return 0
