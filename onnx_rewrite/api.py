@@ -64,11 +64,7 @@ def _import(model: onnx.ModelProto) -> gs.Graph:
     # graphsurgeon keeps the model's own opset_import list and appends the domains of new nodes
     # to it on export: give it a copy, or folding would edit the caller's model
     graph.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in model.opset_import]
-    seen: set[str] = set()
-    for k, node in enumerate(graph.nodes):  # the analysis names nodes: they must be unique
-        if not node.name or node.name in seen:
-            node.name = f"{node.op}_{k}" if not node.name else f"{node.name}_{k}"
-        seen.add(node.name)
+    subgraphs.dedupe_node_names(graph, set())  # the analysis names nodes: they must be unique
     return graph
 
 
@@ -194,6 +190,13 @@ class OnnxFrontend:
         return approx_io.run(self.model if artifact is None else artifact, batches)
 
 
+def stamp(model: onnx.ModelProto, key: str, value: str) -> None:
+    """Set the model's metadata entry `key`, replacing any it had."""
+    for p in [p for p in model.metadata_props if p.key == key]:
+        model.metadata_props.remove(p)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
+
+
 def _analyze(model: onnx.ModelProto, mode: str):
     frontend = OnnxFrontend(model, FoldOptions(mode=mode), targets.resolve("ort", "cpu"))
     _, plan = pipeline.plan(frontend, make_plan)
@@ -289,13 +292,9 @@ def fold_model(
         approx.check_not_rotated(gamma_into_readers, rotate)
         return fold_approx(as_model(model), calibration=calibration, budget=budget, heldout=heldout, metric=metric,
                            defer=defer, verify=verify, target=target, device=device, progress=progress)
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
-                       rotate=rotate, seed=seed)
-    tgt = targets.resolve(target, device)
-    model = as_model(model)
-    if opts.verify:  # bad inputs or dims are the user's error: say so before any work
-        inputs, dims = check_verify_args(model, inputs, dims)
-    return run_frontend(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress), progress)
+    return fold_file(None, model, None, mode=mode, defer=defer, verify=verify, target=target, device=device,
+                     inputs=inputs, dims=dims, progress=progress, gamma_into_readers=gamma_into_readers, rotate=rotate,
+                     seed=seed)
 
 
 def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str = "off", verify: bool = True,
@@ -305,15 +304,16 @@ def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str
     """`fold_model` of `model` (loaded from the file `src`), written to `dst` atomically (its
     weights as `layout` says: write.data_layout): the written files are verified against `src`
     (any size: onnxruntime reads them) and published only when verification passes (the
-    `lnfold fold` command)."""
+    `lnfold fold` command). With `dst` None: fold_model, in memory."""
     opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
                        rotate=rotate, seed=seed)
     tgt = targets.resolve(target, device)
-    if opts.verify:
+    model = as_model(model)
+    if opts.verify:  # bad inputs or dims are the user's error: say so before any work
         inputs, dims = check_verify_args(model, inputs, dims)
-    return run_frontend(OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
-                                  layout=layout),
-                 progress)
+    frontend = OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
+                            layout=layout)
+    return run_frontend(frontend, progress)
 
 
 def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, metric=None, defer: str = "off",

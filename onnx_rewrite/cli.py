@@ -204,6 +204,8 @@ def fold_file(src: Path, dst: Path, args):
     The one pipeline (passes/pipeline.py) verifies the written files before they are published."""
     import onnx
 
+    from .api import fold_file as fold_to_file
+    from .inputs import parse_dims
     from .read import load
     from .write import data_layout
 
@@ -227,19 +229,12 @@ def fold_file(src: Path, dst: Path, args):
     if args.mode == APPROX_MODE or args.budget is not None or args.calibrate:
         result = _fold_approx(src, model, dst, args, progress, layout)
     else:
-        result = _fold_exact(src, model, dst, args, progress, layout)
+        result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
+                              defer=args.defer, verify=not args.no_verify, inputs=args.inputs,
+                              dims=parse_dims(args.dim), progress=progress, layout=layout,
+                              gamma_into_readers=args.gamma_into_readers, rotate=args.rotate, seed=args.seed)
     result.timings = {"loading": loading, **result.timings}  # (the stages in the order they ran)
     return result
-
-
-def _fold_exact(src: Path, model, dst: Path, args, progress, layout):
-    from .api import fold_file as fold_to_file
-    from .inputs import parse_dims
-
-    return fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
-                        defer=args.defer, verify=not args.no_verify, inputs=args.inputs, dims=parse_dims(args.dim),
-                        progress=progress, layout=layout, gamma_into_readers=args.gamma_into_readers,
-                        rotate=args.rotate, seed=args.seed)
 
 
 def _fold_approx(src: Path, model, dst: Path, args, progress, layout):

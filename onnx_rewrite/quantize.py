@@ -49,10 +49,9 @@ from ..passes.weights import max_rel_err
 from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
-from .api import check_equivalent, check_verify_args, fold_model
+from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
 from .linear_layers import basis_changes, gemm_to_matmul, linear_layers, name_nodes
 from .quantize_report import QuantizeReport, scheme_name
-from .read import load
 from .write import is_large
 
 WEIGHTS = ("int8", "int4")
@@ -268,7 +267,8 @@ def _quantize(prepared, nodes, keep_float, weights, activations, calibration, bl
     by_name = {n.name: n for n in prepared.graph.node}
     extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
     if weights == "int4":
-        MatMulNBitsQuantizer = _nbits_quantizer()
+        with _root_logger_kept():  # importing the module calls logging.basicConfig(INFO)
+            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
         # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
         # (keep_float among them) are excluded
         others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
@@ -293,30 +293,27 @@ def _quiet_quantizers():
     """onnxruntime's quantizers log every node at INFO and advice at WARNING (a bare
     `logging.warning`, which installs a handler on the root logger): errors only while they run
     for lnfold, and the caller's logging as it was after."""
-    root = logging.getLogger()
-    handlers, disabled = list(root.handlers), logging.root.manager.disable
+    disabled = logging.root.manager.disable
     logging.disable(logging.WARNING)
+    try:
+        with _root_logger_kept():
+            yield
+    finally:
+        logging.disable(disabled)
+
+
+@contextlib.contextmanager
+def _root_logger_kept():
+    """The root logger's handlers and level put back after the block (a handler it added removed)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
         yield
     finally:
-        logging.disable(disabled)
         for h in root.handlers[:]:
             if h not in handlers:
                 root.removeHandler(h)
-
-
-def _nbits_quantizer():
-    """onnxruntime's MatMulNBitsQuantizer. Importing its module calls logging.basicConfig(INFO)
-    (a handler on the root logger of the user's process): undone here."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    for h in root.handlers[:]:
-        if h not in handlers:
-            root.removeHandler(h)
-    root.setLevel(level)
-    return MatMulNBitsQuantizer
+        root.setLevel(level)
 
 
 def parameters(model: onnx.ModelProto) -> int:
@@ -377,11 +374,6 @@ def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
     return Rows(feeds, None)
 
 
-def made_up_description(rows: Rows) -> str:
-    return (f"made-up inputs ({rows.describe()}) — NOT your data: the error on real inputs can be far larger; "
-            "give --inputs or --calibrate")
-
-
 def score(errors: dict) -> float:
     """What --rotate auto minimizes: the worst output's relative RMS error."""
     return max((e["rel_rms"] for e in errors.values()), default=0.0)
@@ -408,7 +400,8 @@ def measurement_rows(model: onnx.ModelProto, inputs, calibrate, activations: Opt
         return Measured(rows, f"your inputs ({rows.describe()})", calibration, rows.runs()[0])
     if calibration is None:
         rows = made_up_rows(model, dims)
-        return Measured(rows, made_up_description(rows), None, None)
+        return Measured(rows, f"made-up inputs ({rows.describe()}) — NOT your data: the error on real inputs can be "
+                        "far larger; give --inputs or --calibrate", None, None)
     if activations is None:  # nothing calibrates: every row measures
         return Measured(calibration, f"your --calibrate rows ({calibration.describe()})", None, calibration.runs()[0])
     unit = calibration.batch or 1
@@ -448,10 +441,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     if rotate == AUTO and (gamma_into_readers is not None or not fold):
         raise LnfoldError("--rotate auto chooses the fold, γ's place and the rotation itself: "
                           "drop fold=False / gamma_into_readers")
-    if isinstance(model, (str, os.PathLike)):
-        model = load(model)
-    elif not isinstance(model, onnx.ModelProto):
-        raise LnfoldError(f"expected an onnx.ModelProto or a path to one, got {type(model).__name__}")
+    model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, activations, dims)
     reference = _outputs(model, m.rows)
@@ -486,7 +476,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         bytes_before=model.ByteSize(), bytes_after=quantized.ByteSize(), errors=errors, error_inputs=m.described,
         notes=prepared.notes, timings={"total": t1 - t0}, candidates=trials,
         chosen=chosen["why"] if chosen else None)
-    _stamp(quantized, report)
+    stamp(quantized, METADATA_KEY, report.metadata())  # the model says what was done to it: not exact
     return QuantizeResult(quantized, report, f)
 
 
@@ -542,10 +532,3 @@ def _rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
     """The fold report's word on each folded stream's rotation (rotated by what, or its blocker)."""
     said = [f"stream {k}: {s.rotation}" for k, s in enumerate(fold.report.streams) if s.rotation] if fold else []
     return "; ".join(said) or None
-
-
-def _stamp(model: onnx.ModelProto, report: QuantizeReport) -> None:
-    """The model says what was done to it, and that it is not exact."""
-    for p in [p for p in model.metadata_props if p.key == METADATA_KEY]:
-        model.metadata_props.remove(p)
-    model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value=report.metadata()))

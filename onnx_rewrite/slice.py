@@ -14,7 +14,7 @@ from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
 from ..passes.options import FoldOptions
 from . import approx as approx_io
 from . import targets
-from .api import OnnxFolds, Progress, as_model, calibration_data
+from .api import OnnxFolds, Progress, as_model, calibration_data, stamp
 
 
 def parameters(model: onnx.ModelProto) -> int:
@@ -47,9 +47,5 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     feeds, held = approx_io.calibration_split(model, calibration, heldout)
     exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), feeds, held, progress),
                                        fraction, make_plan, budget, per_block)
-    out = sliced.model
-    for p in [p for p in out.metadata_props if p.key == slicing.METADATA_KEY]:
-        out.metadata_props.remove(p)
-    out.metadata_props.append(onnx.StringStringEntryProto(key=slicing.METADATA_KEY, value=report.metadata()))
-    return SliceResult(report, exact, model=out)
-
+    stamp(sliced.model, slicing.METADATA_KEY, report.metadata())
+    return SliceResult(report, exact, model=sliced.model)
