@@ -128,6 +128,6 @@ def _attention(info, node: gs.Node, opset: int):
     return rule("linear", weight=1, w_axis=1, bias=2 if given(node.inputs, 2) else None, data=0, source=False)
 
 
-# com.microsoft ops the view classifies (the fused norms are matched in norms.py)
+# com.microsoft ops the view classifies (the fused norms are matched in norm_patterns.py)
 MS_OPS = {"Attention": _attention,
           **{op: lambda info, node, opset: dequantized(node) for op in MS_DEQUANTIZING}}

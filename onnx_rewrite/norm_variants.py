@@ -94,7 +94,7 @@ def _what_reads(t: gs.Tensor) -> str:
     return ", ".join(_desc(n) for n in r[:3]) + (f" and {len(r) - 3} more" if len(r) > 3 else "")
 
 
-def _rsqrt(v: gs.Tensor, nodes: list, depth: int) -> MatchResult[tuple[gs.Tensor, float]]:
+def _sqrt(v: gs.Tensor, nodes: list) -> MatchResult[tuple[gs.Tensor, float]]:
     """[Add eps] -> Sqrt: returns (sqrt output, eps)."""
     eps, t = 0.0, v
     add = _one(t, "Add")
@@ -103,19 +103,19 @@ def _rsqrt(v: gs.Tensor, nodes: list, depth: int) -> MatchResult[tuple[gs.Tensor
         e = _scalar(other)
         if e is None:
             what = f"`{other.name}`" if other is not None else "something"
-            return NoMatch(f"{_desc(add)} adds {what} to the variance: not a constant scalar eps", depth)
+            return NoMatch(f"{_desc(add)} adds {what} to the variance: not a constant scalar eps", 3)
         eps, t = e, add.outputs[0]
         nodes.append(add)
     sqrt = _one(t, "Sqrt")
     if sqrt is None:
-        return NoMatch(f"the variance `{t.name}` is read by {_what_reads(t)}, not by one Sqrt", depth)
+        return NoMatch(f"the variance `{t.name}` is read by {_what_reads(t)}, not by one Sqrt", 3)
     nodes.append(sqrt)
     return sqrt.outputs[0], eps
 
 
 def _inverse_std(v: gs.Tensor, nodes: list) -> MatchResult[tuple[gs.Tensor, float]]:
     """[Add eps] -> Sqrt -> Reciprocal (TF's rsqrt): returns (1/std, eps)."""
-    got = _rsqrt(v, nodes, 3)
+    got = _sqrt(v, nodes)
     if not got:
         return got
     s, eps = got
@@ -258,7 +258,7 @@ def match_flax(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRe
             return NoMatch(f"{_desc(mx)} clips the variance at something other than 0", 3)
         nodes.append(mx)
         v = mx.outputs[0]
-    got = _rsqrt(v, nodes, 3)
+    got = _sqrt(v, nodes)
     if not got:
         return got
     s, eps = got
