@@ -170,8 +170,8 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
     outs = [gate.Output(name, _narrower(a.dtype.name, compute), a, b, None if exact is None else exact[k])
             for k, (name, a, b) in enumerate(zip(runner.names, ra, rb))]
     norm_inputs = {name: np.moveaxis(np.asarray(val), axis, -1) for (name, axis), val in zip(norm_names, extra)}
-    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(o.dtype for o in outs), original_is_faithful=runner.sess is not None,
-                         no_float64=ref.how if exact is None else "")
+    verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(o.dtype for o in outs),
+                         original_is_faithful=runner.sess is not None, no_float64=ref.how if exact is None else "")
     if runner.sess is None:
         erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
             if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
