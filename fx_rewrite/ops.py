@@ -3,12 +3,9 @@
 torch.export writes ATen overloads (`aten.linear.default`, `aten.view.default`); Dynamo hands
 backends torch-level calls (`F.linear`, `operator.add`, `x.view(...)` as a `call_method`). The
 classifier (classify.py) should not care: `canonical(node)` names the operation's *kind* and binds
-its arguments by name, so one builder serves every spelling. Adding a spelling is one entry in a
-table below.
-
-ATen arguments are bound through the op's schema; torch-level functions and methods through the
-positional parameter lists in `_TORCH` and `_METHODS` (the names of torch's Python API, with
-`self` read as `input`).
+its arguments by name, so one builder serves every spelling. Adding a spelling is one name in a
+registration below. ATen arguments are bound through the op's schema, torch-level functions and
+methods through the parameter names of torch's Python API (`self` read as `input`).
 """
 from __future__ import annotations
 
@@ -48,171 +45,123 @@ def _aten(kind: str, *names: str) -> None:
 
 _aten("identity", "clone", "alias", "detach", "contiguous", "lift_fresh_copy", "_to_copy", "to", "type_as")
 _aten("dropout", "dropout", "feature_dropout")
-_aten("neg", "neg")
 _aten("add", "add", "add_")
 _aten("sub", "sub", "sub_")
-_aten("rsub", "rsub")
 _aten("mul", "mul", "mul_")
 _aten("div", "div", "div_")
 _aten("reshape", "view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
       "view_as", "reshape_as")
 _aten("expand", "expand", "expand_as", "broadcast_to")
 _aten("transpose", "transpose", "swapaxes", "swapdims")
-_aten("permute", "permute")
-_aten("t", "t")
 _aten("slice", "slice", "narrow")
-_aten("select", "select")
-_aten("index", "index")
-_aten("index_select", "index_select")
 _aten("cat", "cat", "concat", "concatenate")
 _aten("split", "split", "split_with_sizes", "chunk", "tensor_split")
-_aten("unbind", "unbind")
-_aten("mean", "mean")
-_aten("sum", "sum")
-_aten("pow", "pow")
-_aten("sqrt", "sqrt")
-_aten("rsqrt", "rsqrt")
-_aten("reciprocal", "reciprocal")
-_aten("gather", "gather")
-_aten("masked_fill", "masked_fill")
-_aten("repeat", "repeat")
 _aten("upsample", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "upsample_linear1d",
       "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_nearest_exact1d",
       "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "_upsample_bilinear2d_aa",
       "_upsample_bicubic2d_aa")
-_aten("numpy_T", "numpy_T")
 _aten("softmax", "softmax", "_softmax", "log_softmax", "_log_softmax", "argmax", "argmin")
 _aten("layer_norm", "layer_norm", "native_layer_norm")
-_aten("linear", "linear")
-_aten("addmm", "addmm")
 _aten("matmul", "mm", "matmul", "bmm")
-_aten("einsum", "einsum")
-_aten("embedding", "embedding")
 _aten("conv", "convolution", "conv1d", "conv2d", "conv3d", "_convolution")
 _aten("conv_transpose", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
 _aten("pad", "constant_pad_nd", "pad")
 _aten("reorder", "roll", "flip")
+for _kind in ("neg", "rsub", "permute", "t", "select", "index", "index_select", "unbind", "mean", "sum", "pow", "sqrt",
+              "rsqrt", "reciprocal", "gather", "masked_fill", "repeat", "numpy_T", "linear", "addmm", "einsum",
+              "embedding"):
+    _aten(_kind, _kind)  # the ATen op of the same name
 # Reads only a tensor's metadata (shape, dtype): unchanged by any shift.
 _aten("metadata", "_assert_tensor_metadata", "sym_size", "sym_numel", "sym_stride", "sym_storage_offset",
       "_assert_scalar", "_assert_async")
 
 
-# --- torch-level functions (Dynamo): callable -> (kind, positional parameter names) -------------
-def _f(*names: str) -> tuple:
-    return names
+# --- torch-level functions (Dynamo) and tensor methods (call_method): target -> (kind, positional parameter names)
+_TORCH: dict[Any, tuple[str, tuple]] = {}
+_METHODS: dict[str, tuple[str, tuple]] = {}
 
 
-_TORCH: dict[Any, tuple[str, tuple]] = {
-    operator.add: ("add", _f("input", "other")), operator.iadd: ("add", _f("input", "other")),
-    torch.add: ("add", _f("input", "other")),
-    operator.sub: ("sub", _f("input", "other")), operator.isub: ("sub", _f("input", "other")),
-    torch.sub: ("sub", _f("input", "other")), torch.subtract: ("sub", _f("input", "other")),
-    torch.rsub: ("rsub", _f("input", "other")),
-    operator.mul: ("mul", _f("input", "other")), operator.imul: ("mul", _f("input", "other")),
-    torch.mul: ("mul", _f("input", "other")), torch.multiply: ("mul", _f("input", "other")),
-    operator.truediv: ("div", _f("input", "other")), operator.itruediv: ("div", _f("input", "other")),
-    torch.div: ("div", _f("input", "other")), torch.true_divide: ("div", _f("input", "other")),
-    operator.neg: ("neg", _f("input")), torch.neg: ("neg", _f("input")),
-    torch.clone: ("identity", _f("input")), torch.detach: ("identity", _f("input")),
-    F.dropout: ("dropout", _f("input", "p", "training", "inplace")),
-    torch.dropout: ("dropout", _f("input", "p", "training")),
-    F.dropout1d: ("dropout", _f("input", "p", "training", "inplace")),
-    torch.reshape: ("reshape", _f("input")), torch.flatten: ("reshape", _f("input")),
-    torch.squeeze: ("reshape", _f("input")), torch.unsqueeze: ("reshape", _f("input")),
-    torch.unflatten: ("reshape", _f("input")),
-    torch.broadcast_to: ("expand", _f("input")),
-    torch.transpose: ("transpose", _f("input", "dim0", "dim1")),
-    torch.swapaxes: ("transpose", _f("input", "dim0", "dim1")),
-    torch.permute: ("permute", _f("input", "*dims")),
-    torch.t: ("t", _f("input")),
-    torch.narrow: ("slice", _f("input", "dim", "start", "length")),
-    torch.select: ("select", _f("input", "dim", "index")),
-    torch.index_select: ("index_select", _f("input", "dim", "index")),
-    torch.cat: ("cat", _f("tensors", "dim")), torch.concat: ("cat", _f("tensors", "dim")),
-    torch.concatenate: ("cat", _f("tensors", "dim")),
-    torch.split: ("split", _f("input", "split_size", "dim")),
-    torch.chunk: ("split", _f("input", "chunks", "dim")),
-    torch.unbind: ("unbind", _f("input", "dim")),
-    torch.mean: ("mean", _f("input", "dim", "keepdim")), torch.sum: ("sum", _f("input", "dim", "keepdim")),
-    torch.pow: ("pow", _f("input", "exponent")), operator.pow: ("pow", _f("input", "exponent")),
-    torch.sqrt: ("sqrt", _f("input")), torch.rsqrt: ("rsqrt", _f("input")),
-    torch.reciprocal: ("reciprocal", _f("input")),
-    torch.gather: ("gather", _f("input", "dim", "index")),
-    torch.masked_fill: ("masked_fill", _f("input", "mask", "value")),
-    F.interpolate: ("upsample", _f("input", "size", "scale_factor", "mode")),
-    F.softmax: ("softmax", _f("input", "dim")), torch.softmax: ("softmax", _f("input", "dim")),
-    F.log_softmax: ("softmax", _f("input", "dim")), torch.log_softmax: ("softmax", _f("input", "dim")),
-    torch.argmax: ("softmax", _f("input", "dim")), torch.argmin: ("softmax", _f("input", "dim")),
-    F.layer_norm: ("layer_norm", _f("input", "normalized_shape", "weight", "bias", "eps")),
-    torch.layer_norm: ("layer_norm", _f("input", "normalized_shape", "weight", "bias", "eps")),
-    F.linear: ("linear", _f("input", "weight", "bias")),
-    torch.einsum: ("einsum", _f("equation", "*tensors")),
-    torch.addmm: ("addmm", _f("input", "mat1", "mat2")),
-    torch.mm: ("matmul", _f("input", "other")), torch.matmul: ("matmul", _f("input", "other")),
-    torch.bmm: ("matmul", _f("input", "other")), operator.matmul: ("matmul", _f("input", "other")),
-    # F.embedding takes the indices first, aten.embedding the table first: bind by name.
-    F.embedding: ("embedding", _f("indices", "weight", "padding_idx", "max_norm")),
-    F.conv1d: ("conv", _f("input", "weight", "bias", "stride", "padding", "dilation", "groups")),
-    F.conv2d: ("conv", _f("input", "weight", "bias", "stride", "padding", "dilation", "groups")),
-    F.conv3d: ("conv", _f("input", "weight", "bias", "stride", "padding", "dilation", "groups")),
-    torch.conv1d: ("conv", _f("input", "weight", "bias", "stride", "padding", "dilation", "groups")),
-    torch.conv2d: ("conv", _f("input", "weight", "bias", "stride", "padding", "dilation", "groups")),
-    torch.conv3d: ("conv", _f("input", "weight", "bias", "stride", "padding", "dilation", "groups")),
-    F.conv_transpose1d: ("conv_transpose", _f("input", "weight", "bias", "stride", "padding", "output_padding", "groups")),
-    F.conv_transpose2d: ("conv_transpose", _f("input", "weight", "bias", "stride", "padding", "output_padding", "groups")),
-    F.conv_transpose3d: ("conv_transpose", _f("input", "weight", "bias", "stride", "padding", "output_padding", "groups")),
-    F.pad: ("pad", _f("input", "pad", "mode", "value")),
-    torch._C._nn.pad: ("pad", _f("input", "pad", "mode", "value")),
-    torch.roll: ("reorder", _f("input", "shifts", "dims")),
-    torch.flip: ("reorder", _f("input", "dims")),
-    torch._assert: ("metadata", _f("input")),
-}
-
-# --- tensor methods (Dynamo call_method): name -> (kind, positional parameter names) -------------
-_METHODS: dict[str, tuple[str, tuple]] = {
-    "add": ("add", _f("input", "other")), "add_": ("add", _f("input", "other")),
-    "__add__": ("add", _f("input", "other")), "__radd__": ("add", _f("input", "other")),
-    "sub": ("sub", _f("input", "other")), "sub_": ("sub", _f("input", "other")),
-    "__sub__": ("sub", _f("input", "other")), "__rsub__": ("rsub", _f("input", "other")),
-    "mul": ("mul", _f("input", "other")), "mul_": ("mul", _f("input", "other")),
-    "__mul__": ("mul", _f("input", "other")), "__rmul__": ("mul", _f("input", "other")),
-    "div": ("div", _f("input", "other")), "div_": ("div", _f("input", "other")),
-    "__truediv__": ("div", _f("input", "other")),
-    "neg": ("neg", _f("input")), "__neg__": ("neg", _f("input")),
-    "clone": ("identity", _f("input")), "detach": ("identity", _f("input")),
-    "contiguous": ("identity", _f("input")), "to": ("identity", _f("input")),
-    "type": ("identity", _f("input")), "type_as": ("identity", _f("input")),
-    "float": ("identity", _f("input")), "double": ("identity", _f("input")),
-    "half": ("identity", _f("input")), "bfloat16": ("identity", _f("input")),
-    "view": ("reshape", _f("input")), "reshape": ("reshape", _f("input")),
-    "flatten": ("reshape", _f("input")), "unflatten": ("reshape", _f("input")),
-    "squeeze": ("reshape", _f("input")), "unsqueeze": ("reshape", _f("input")),
-    "view_as": ("reshape", _f("input")), "reshape_as": ("reshape", _f("input")),
-    "expand": ("expand", _f("input")), "expand_as": ("expand", _f("input")),
-    "transpose": ("transpose", _f("input", "dim0", "dim1")), "swapaxes": ("transpose", _f("input", "dim0", "dim1")),
-    "permute": ("permute", _f("input", "*dims")),
-    "t": ("t", _f("input")),
-    "narrow": ("slice", _f("input", "dim", "start", "length")),
-    "select": ("select", _f("input", "dim", "index")),
-    "index_select": ("index_select", _f("input", "dim", "index")),
-    "split": ("split", _f("input", "split_size", "dim")),
-    "chunk": ("split", _f("input", "chunks", "dim")),
-    "unbind": ("unbind", _f("input", "dim")),
-    "mean": ("mean", _f("input", "dim", "keepdim")), "sum": ("sum", _f("input", "dim", "keepdim")),
-    "pow": ("pow", _f("input", "exponent")), "__pow__": ("pow", _f("input", "exponent")),
-    "sqrt": ("sqrt", _f("input")), "rsqrt": ("rsqrt", _f("input")), "reciprocal": ("reciprocal", _f("input")),
-    "gather": ("gather", _f("input", "dim", "index")),
-    "masked_fill": ("masked_fill", _f("input", "mask", "value")),
-    "repeat": ("repeat", _f("input", "*repeats")),
-    "softmax": ("softmax", _f("input", "dim")), "log_softmax": ("softmax", _f("input", "dim")),
-    "argmax": ("softmax", _f("input", "dim")), "argmin": ("softmax", _f("input", "dim")),
-    "roll": ("reorder", _f("input", "shifts", "dims")), "flip": ("reorder", _f("input", "*dims")),
-    "size": ("metadata", _f("input")), "dim": ("metadata", _f("input")), "numel": ("metadata", _f("input")),
-    "stride": ("metadata", _f("input")),
-}
+def _torch(kind: str, params: tuple, *fns) -> None:
+    _TORCH.update({f: (kind, params) for f in fns})
 
 
-def _bind(params: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
+def _methods(kind: str, params: tuple, *names: str) -> None:
+    _METHODS.update({n: (kind, params) for n in names})
+
+
+def _both(kind: str, params: tuple, *names: str) -> None:
+    """`torch.<name>` and the tensor method `<name>`, bound alike."""
+    _torch(kind, params, *(getattr(torch, n) for n in names))
+    _methods(kind, params, *names)
+
+
+_X, _XY, _XDIM = ("input",), ("input", "other"), ("input", "dim")
+_DIM_INDEX, _REDUCE = ("input", "dim", "index"), ("input", "dim", "keepdim")
+_CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups")
+_both("add", _XY, "add")
+_both("sub", _XY, "sub")
+_both("mul", _XY, "mul")
+_both("div", _XY, "div")
+_both("neg", _X, "neg")
+_both("identity", _X, "clone", "detach")
+_both("reshape", _X, "reshape", "flatten", "squeeze", "unsqueeze", "unflatten")
+_both("transpose", ("input", "dim0", "dim1"), "transpose", "swapaxes")
+_both("permute", ("input", "*dims"), "permute")
+_both("slice", ("input", "dim", "start", "length"), "narrow")
+_both("split", ("input", "split_size", "dim"), "split")
+_both("split", ("input", "chunks", "dim"), "chunk")
+_both("pow", ("input", "exponent"), "pow")
+_both("masked_fill", ("input", "mask", "value"), "masked_fill")
+_both("softmax", _XDIM, "softmax", "log_softmax", "argmax", "argmin")
+_both("reorder", ("input", "shifts", "dims"), "roll")
+for _kind, _params in {"t": _X, "sqrt": _X, "rsqrt": _X, "reciprocal": _X, "select": _DIM_INDEX,
+                       "index_select": _DIM_INDEX, "gather": _DIM_INDEX, "unbind": _XDIM, "mean": _REDUCE,
+                       "sum": _REDUCE}.items():
+    _both(_kind, _params, _kind)
+
+_torch("add", _XY, operator.add, operator.iadd)
+_torch("sub", _XY, operator.sub, operator.isub, torch.subtract)
+_torch("rsub", _XY, torch.rsub)
+_torch("mul", _XY, operator.mul, operator.imul, torch.multiply)
+_torch("div", _XY, operator.truediv, operator.itruediv, torch.true_divide)
+_torch("neg", _X, operator.neg)
+_torch("dropout", ("input", "p", "training", "inplace"), F.dropout, F.dropout1d)
+_torch("dropout", ("input", "p", "training"), torch.dropout)
+_torch("expand", _X, torch.broadcast_to)
+_torch("cat", ("tensors", "dim"), torch.cat, torch.concat, torch.concatenate)
+_torch("pow", ("input", "exponent"), operator.pow)
+_torch("upsample", ("input", "size", "scale_factor", "mode"), F.interpolate)
+_torch("softmax", _XDIM, F.softmax, F.log_softmax)
+_torch("layer_norm", ("input", "normalized_shape", "weight", "bias", "eps"), F.layer_norm, torch.layer_norm)
+_torch("linear", ("input", "weight", "bias"), F.linear)
+_torch("einsum", ("equation", "*tensors"), torch.einsum)
+_torch("addmm", ("input", "mat1", "mat2"), torch.addmm)
+_torch("matmul", _XY, torch.mm, torch.matmul, torch.bmm, operator.matmul)
+# F.embedding takes the indices first, aten.embedding the table first: bind by name.
+_torch("embedding", ("indices", "weight", "padding_idx", "max_norm"), F.embedding)
+_torch("conv", _CONV, F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d)
+_torch("conv_transpose", _CONV_T, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+_torch("pad", ("input", "pad", "mode", "value"), F.pad, torch._C._nn.pad)
+_torch("reorder", ("input", "dims"), torch.flip)
+_torch("metadata", _X, torch._assert)
+
+_methods("add", _XY, "add_", "__add__", "__radd__")
+_methods("sub", _XY, "sub_", "__sub__")
+_methods("rsub", _XY, "__rsub__")
+_methods("mul", _XY, "mul_", "__mul__", "__rmul__")
+_methods("div", _XY, "div_", "__truediv__")
+_methods("neg", _X, "__neg__")
+_methods("identity", _X, "contiguous", "to", "type", "type_as", "float", "double", "half", "bfloat16")
+_methods("reshape", _X, "view", "view_as", "reshape_as")
+_methods("expand", _X, "expand", "expand_as")
+_methods("pow", ("input", "exponent"), "__pow__")
+_methods("repeat", ("input", "*repeats"), "repeat")
+_methods("reorder", ("input", "*dims"), "flip")
+_methods("metadata", _X, "size", "dim", "numel", "stride")
+
+
+def _bind(params, args: tuple, kwargs: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, p in enumerate(params):
         if p.startswith("*"):  # varargs: x.permute(0, 2, 1) or x.permute((0, 2, 1))
@@ -220,15 +169,7 @@ def _bind(params: tuple, args: tuple, kwargs: dict) -> dict[str, Any]:
             out[p[1:]] = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
             break
         if k < len(args):
-            out[p] = args[k]
-    for k, v in kwargs.items():
-        out[ALIASES.get(k, k)] = v
-    return out
-
-
-def _bind_schema(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
-    positional = [a.name for a in op._schema.arguments if not a.kwarg_only]
-    out = {ALIASES.get(name, name): v for name, v in zip(positional, args)}
+            out[ALIASES.get(p, p)] = args[k]  # (an ATen schema's names: `self` is `input`)
     for k, v in kwargs.items():
         out[ALIASES.get(k, k)] = v
     return out
@@ -240,7 +181,8 @@ def canonical(node: fx.Node) -> Optional[Call]:
     if node.op == "call_function":
         if isinstance(t, torch._ops.OpOverload):
             kind = _ATEN.get(t.overloadpacket._qualified_op_name)
-            return None if kind is None else Call(kind, _bind_schema(t, node.args, node.kwargs))
+            positional = [a.name for a in t._schema.arguments if not a.kwarg_only]
+            return None if kind is None else Call(kind, _bind(positional, node.args, node.kwargs))
         if t is operator.getitem:
             return Call("getitem", {"input": node.args[0], "index": node.args[1]})
         try:
