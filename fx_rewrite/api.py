@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import fx
@@ -29,7 +29,7 @@ from ..passes.plan import Plan, first_kept_reason
 from . import calibration as calibration_io
 from . import deferred_norm
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
-from .edits import from_numpy, to_numpy, unique_attr
+from .edits import attr_of, from_numpy, new_attr, tensor_attrs, to_numpy
 from .classify import build_view
 from .hf import export_error, pytree, register_caches
 from .inline import inline_no_grad_regions
@@ -54,7 +54,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
     register_caches(module)
     if dynamic:
         ds_args, ds_kwargs = _dynamic_shapes(args, kwargs)
-        shapes = {**_named(module, ds_args), **ds_kwargs} if kwargs else ds_args
+        named = dict(zip(inspect.signature(module.forward).parameters, ds_args))
+        shapes = {**named, **ds_kwargs} if kwargs else ds_args
         try:
             return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception:  # some models cannot be exported with dynamic sizes: fall back to static
@@ -68,10 +69,6 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         raise short from e
 
 
-def _named(module: torch.nn.Module, ds_args: tuple) -> dict:
-    return dict(zip(inspect.signature(module.forward).parameters, ds_args))
-
-
 def _own_tensors(gm: fx.GraphModule) -> None:
     """Give `gm` its own copy of every parameter, buffer and constant (aliases stay aliases)."""
     copies: dict[int, torch.Tensor] = {}
@@ -83,12 +80,10 @@ def _own_tensors(gm: fx.GraphModule) -> None:
         return copies[id(t)]
 
     for mod in gm.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[name] = copy(p)
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                mod._buffers[name] = copy(b)
+        for tensors in (mod._parameters, mod._buffers):
+            for name, t in list(tensors.items()):
+                if t is not None:
+                    tensors[name] = copy(t)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             owner, _, attr = node.target.rpartition(".")
@@ -98,17 +93,10 @@ def _own_tensors(gm: fx.GraphModule) -> None:
                 setattr(mod, attr, copy(t))
 
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    owner, _, attr = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, attr)
-
-
 def exported_view(module, args, kwargs, dynamic):
-    """torch.export `module` and classify its graph: (graph module, attrs, view, info).
-
-    `attrs` maps each get_attr node that reads a tensor to its target: `ep.module()` names its
-    attributes by the fully qualified names of the graph signature, i.e. the module's own
-    parameter and buffer names (one of them where parameters are tied)."""
+    """torch.export `module` and classify its graph: (graph module, attrs, view, info). `attrs`: the
+    get_attr nodes' targets, i.e. the module's own parameter and buffer names (`ep.module()` names
+    its attributes so; one of them where parameters are tied)."""
     return program_view(export(module, args, kwargs, dynamic=dynamic))
 
 
@@ -118,8 +106,7 @@ def program_view(ep) -> tuple:
     gm = ep.module()
     inline_no_grad_regions(gm)
     gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)
-    attrs = {n.name: n.target for n in gm.graph.nodes
-             if n.op == "get_attr" and isinstance(_attr(gm, n.target), torch.Tensor)}
+    attrs = tensor_attrs(gm)
     view, info = build_view(gm.graph, set(attrs))
     return gm, attrs, view, info
 
@@ -147,7 +134,7 @@ class ExportFrontend:
         return view
 
     def tensor(self, name: str) -> torch.Tensor:
-        return _attr(self.gm, self.attrs[name])
+        return attr_of(self.gm, self.attrs[name])
 
     def zero(self, name: str) -> bool:
         # the module is folded as it is now: a β of zeros needs neither an Add nor a fold
@@ -163,12 +150,11 @@ class ExportFrontend:
     def apply(self, plan: Plan) -> fx.GraphModule:
         gm = self.gm
         _own_tensors(gm)
-        tensor_of = lambda name: _attr(gm, self.attrs[name])  # noqa: E731  (the originals: edits are new attributes)
-        constants = AttrConstants(gm, tensor_of)
+        constants = AttrConstants(gm, self.tensor)  # (the originals: edits are new attributes)
         constants.prepare(plan, self.info)
         Applier(gm, self._view, self.info, ATEN, constants, norm=self.norm).apply(plan)
         if plan.deferral.deferred:
-            deferred_norm.emit_all(gm, plan.deferral, _buffer_biases(gm, plan, tensor_of))
+            deferred_norm.emit_all(gm, plan.deferral, _buffer_biases(gm, plan, self.tensor))
         _drop_unused_attrs(gm)
         return gm
 
@@ -300,12 +286,7 @@ def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], to
         if arr is None:  # no β: the reader keeps its own bias
             return None
         t = from_numpy(arr, tensor_of(rd.bias.value if rd.bias is not None else rd.weight.value))
-        name = unique_attr(gm, f"lnfold_bias_{rd.node}")
-        gm.register_buffer(name, t)
-        with gm.graph.inserting_before(nodes[rd.node]):
-            node = gm.graph.get_attr(name)
-        node.meta["val"] = t
-        return node
+        return new_attr(gm, f"lnfold_bias_{rd.node}", t, nodes[rd.node])
 
     return bias_node
 

@@ -31,8 +31,8 @@ from ..passes.edits import ConstEdit, apply_ops
 from ..passes.plan import NormEmission
 
 from . import crms
-from .classify import GraphInfo, is_tuple_getitem, meta_val
-from .edits import from_numpy, graph_algebra, to_numpy, unique_attr
+from .classify import GraphInfo, meta_val, norm_outputs
+from .edits import from_numpy, graph_algebra, new_attr, to_numpy
 from .ops import canonical, set_arg
 
 NORMS = ("rms_norm", "layer_norm")
@@ -50,7 +50,6 @@ class Dialect:
     rms_norm: Callable  # (x, normalized_shape, weight, eps)
     zeros_like: Callable
     ones_like: Callable
-
 
 
 ATEN = Dialect(
@@ -94,22 +93,13 @@ class AttrConstants(Constants):
     def prepare(self, plan: Plan, info: GraphInfo) -> None:
         """Compute every edited tensor (Python numbers in the stream are the Applier's)."""
         ks = [k for k, e in enumerate(plan.const_edits) if e.value not in info.scalars]
-        edits = [plan.const_edits[k] for k in ks]
-        for k, (_, arr) in zip(ks, compute_constants(edits, lambda n: to_numpy(self.tensor_of(n)))):
-            self.arrays[k] = arr
+        computed = compute_constants([plan.const_edits[k] for k in ks], lambda n: to_numpy(self.tensor_of(n)))
+        self.arrays = {k: arr for k, (_, arr) in zip(ks, computed)}
 
     def node_for(self, applier, edit, k):
         like = self.tensor_of(edit.value)
-        t = from_numpy(self.arrays[k], like)
-        name = unique_attr(self.gm, f"lnfold_{edit.value}")
-        if isinstance(like, torch.nn.Parameter):
-            self.gm.register_parameter(name, torch.nn.Parameter(t, requires_grad=like.requires_grad))
-        else:
-            self.gm.register_buffer(name, t)
-        with applier.graph.inserting_before(applier.first_user(edit)):
-            node = applier.graph.get_attr(name)
-        node.meta["val"] = t
-        return node
+        return new_attr(self.gm, f"lnfold_{edit.value}", from_numpy(self.arrays[k], like), applier.first_user(edit),
+                        like)
 
 
 class GraphConstants(Constants):
@@ -209,23 +199,18 @@ class Applier:
         Two passes, as in onnx_rewrite/emit.py (DESIGN §4 says why): c = x - mean(x), then
         c - mean(c), which removes the rounding of mean(x) that one pass leaves along 1."""
         x = self.nodes[value]
-        where = x
-        if x.op == "placeholder":
-            where = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
-        with self.graph.inserting_after(where):
-            mean = self.dialect.mean(self.graph, x, axis)
-        with self.graph.inserting_after(mean):
-            rough = self.dialect.sub(self.graph, x, mean)
-        with self.graph.inserting_after(rough):
-            residual = self.dialect.mean(self.graph, rough, axis)
-        with self.graph.inserting_after(residual):
-            centered = self.dialect.sub(self.graph, rough, residual)
-        if project is not None:
-            like = meta_val(x)
-            last = axis == like.dim() - 1
-            matrix = self._buffer(f"lnfold_projection_{value}", project if last else project.T, like, centered)
-            with self.graph.inserting_after(centered):
-                centered = self.graph.call_function(aten.matmul.default, (centered, matrix) if last else (matrix, centered))
+        where = [n for n in self.graph.nodes if n.op == "placeholder"][-1] if x.op == "placeholder" else x
+        g, d = self.graph, self.dialect
+        with g.inserting_before(where.next):  # (in this order, right after `where`)
+            mean = d.mean(g, x, axis)
+            rough = d.sub(g, x, mean)
+            residual = d.mean(g, rough, axis)
+            centered = d.sub(g, rough, residual)
+            if project is not None:
+                like = meta_val(x)
+                last = axis == like.dim() - 1
+                matrix = self._buffer(f"lnfold_projection_{value}", project if last else project.T, like, centered)
+                centered = g.call_function(aten.matmul.default, (centered, matrix) if last else (matrix, centered))
         x.replace_all_uses_with(centered, delete_user_cb=lambda u: u is not mean and u is not rough)
 
     def _shortcut(self, add: str, i: int, matrix: np.ndarray) -> None:
@@ -259,12 +244,7 @@ class Applier:
     def _buffer(self, base: str, arr: np.ndarray, like: Optional[torch.Tensor], before: fx.Node) -> fx.Node:
         """A float64 constant as a buffer of `like`'s dtype (float32 without one), read before node `before`."""
         t = torch.from_numpy(np.ascontiguousarray(arr)).to(like.dtype if like is not None else torch.float32)
-        attr = unique_attr(self.gm, base)
-        self.gm.register_buffer(attr, t)
-        with self.graph.inserting_before(before):
-            node = self.graph.get_attr(attr)
-        node.meta["val"] = t
-        return node
+        return new_attr(self.gm, base, t, before)
 
     def _swap(self, node: fx.Node, beta_add: bool, unit_gamma: bool = False, rotated: bool = False,
               readout: Optional[fx.Node] = None, resized: Optional[tuple] = None) -> None:
@@ -287,7 +267,7 @@ class Applier:
                 self.graph.erase_node(add)
             if readout is not None and decomposed.gamma is None:  # un-rotate the unit-weight output: · Qᵀ
                 with self.graph.inserting_after(normed):
-                    mm = self.graph.call_function(torch.ops.aten.matmul.default, (normed, readout))
+                    mm = self.graph.call_function(aten.matmul.default, (normed, readout))
                 normed.replace_all_uses_with(mm, delete_user_cb=lambda user: user is not mm)
             if unit_gamma and decomposed.gamma is not None:  # its γ Mul reads through
                 mul = next(self.nodes[n] for n in decomposed.nodes
@@ -295,7 +275,7 @@ class Applier:
                 (data,) = [a for a in mul.all_input_nodes if a.name != decomposed.gamma]
                 if readout is not None:
                     with self.graph.inserting_after(mul):
-                        data = self.graph.call_function(torch.ops.aten.matmul.default, (data, readout))
+                        data = self.graph.call_function(aten.matmul.default, (data, readout))
                 mul.replace_all_uses_with(data)
                 self.graph.erase_node(mul)
             return
@@ -333,13 +313,11 @@ def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool =
     eps = float(call.get("eps", 1e-5))
     if resized is not None:
         shape, eps = shape[:-1] + [resized[0]], eps * resized[1]
-    tuple_out = isinstance(meta_val(node), (tuple, list))  # native_layer_norm: (y, mean, rstd)
-    outs = [u for u in node.users if is_tuple_getitem(u)] if tuple_out else []
-    out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node
+    outs, out = norm_outputs(node)
     with graph.inserting_before(node):
         y = dialect.rms_norm(graph, x, shape, w, eps)
         if readout is not None:
-            y = graph.call_function(torch.ops.aten.matmul.default, (y, readout))
+            y = graph.call_function(aten.matmul.default, (y, readout))
         if b is not None:
             y = dialect.add(graph, y, b)
     if out is not None:

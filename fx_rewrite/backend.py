@@ -20,20 +20,13 @@ folded norms read only by linear layers as deferred normalization, passes/defer.
 "off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
 
-Inference (grad mode off, or parameters that do not require grad): each centered weight is
-computed once in float64 and cached; the compiled graph reads the cached copies as extra inputs.
-The user's parameters are never written. The cache notices a parameter that changed (another
-tensor, or an in-place update: its version counter moved) and recomputes. Memory: one extra
-copy of every edited tensor (the weights that write into the residual stream: embeddings, the
-output projections of attention and MLP, their biases).
-
-Training (grad mode on and the edited parameters require grad): the graph keeps reading the
-optimizer's parameters and computes `W - mean(W)` itself, so loss and gradients are the original
-model's (DESIGN §1); the cost is one mean and one subtraction per edited weight per step.
-
-Low precision: a bf16/fp16 graph carries weights already rounded once, and each edited weight is
-rounded again; the backend warns once per process (LowPrecisionWarning) and names the remedy, to
-fold the fp32 model (fold_to_rmsnorm) and cast it afterwards (DESIGN §4, "Low precision").
+Inference (grad mode off, or parameters that do not require grad): the compiled graph reads
+centered copies of the edited weights as extra inputs, computed in float64 and cached until a
+parameter changes (cache.py); the user's parameters are never written. Memory: one extra copy of
+every edited tensor (embeddings, the output projections of attention and MLP, their biases).
+Training (grad on, the edited parameters require grad): the graph computes `W - mean(W)` from the
+optimizer's own parameters, so loss and gradients are the original model's (DESIGN §1), for one
+mean and one subtraction per edited weight per step. A bf16/fp16 graph gets a LowPrecisionWarning.
 """
 from __future__ import annotations
 
@@ -42,7 +35,7 @@ import functools
 import logging
 import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import fx
@@ -58,6 +51,7 @@ from .backend_log import KEPT, reports, timings  # noqa: F401  (the backend's lo
 from .cache import CachedInputs, derived_biases, with_extra_inputs
 from .classify import build_view
 from .dynamo import constant_inputs, specialize_scalars, static_examples, working_copy
+from .edits import attr_of, tensor_attrs
 from .verify import verify_graph
 
 log = logging.getLogger("lnfold")
@@ -125,13 +119,12 @@ class DynamoFrontend:
         self.gm, self.example_inputs, self.opts, self.on_report = gm, example_inputs, opts, on_report
         self.placeholders = constant_inputs(gm, example_inputs)
         self.work = working_copy(gm)
-        self.attrs = {n.name: n.target for n in self.work.graph.nodes
-                      if n.op == "get_attr" and isinstance(_attr(self.work, n.target), torch.Tensor)}
+        self.attrs = tensor_attrs(self.work)
 
     def tensor(self, name: str) -> torch.Tensor:
         if name in self.placeholders:
             return self.example_inputs[self.placeholders[name]]
-        return _attr(self.work, self.attrs[name])
+        return attr_of(self.work, self.attrs[name])
 
     def view(self) -> View:
         with self._unfolded_on_failure("analysis failed"):
@@ -200,12 +193,9 @@ class DynamoFrontend:
 def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str = "rms",
                    inner: Callable, on_report: Optional[Callable] = None, verify: bool = False,
                    defer: str = "off") -> Callable:
-    """Fold a copy of `gm` (Dynamo reads its own graph after the backend returns), compile it.
-
-    A failure of the fold itself never costs the user their compile: it is logged and the
-    unfolded graph compiled. `verify` runs both graphs eagerly on the example inputs first and
-    raises VerificationError when they differ.
-    """
+    """Fold a copy of `gm` (Dynamo reads its own graph after the backend returns), compile it; the
+    unfolded graph where the fold fails (DynamoFrontend). `verify`: run both graphs eagerly on the
+    example inputs first, VerificationError when they differ."""
     opts = FoldOptions(mode=fold_mode, defer=defer, verify=verify)  # checked before the fold, whose failures are only logged
     frontend = DynamoFrontend(gm, example_inputs, opts, on_report)
     try:
@@ -235,21 +225,16 @@ def _say_if_fragment(plan: Plan, view) -> None:
     which no constant edit can center, so nothing inside the fragment can be proven zero-mean.
     The module-level fold sees the whole model (a module folded with it has RMSNorms here
     already, and this graph has no LayerNorm left to keep)."""
-    global _fragment_warned
     starts = [o for comp in plan.components if not comp.foldable for o in comp.opaque
               if view.values[o.value].producer is None and not view.values[o.value].is_const]
     if not starts:
         return
     kept = sum(n.verdict == "keep" for n in plan.report.norms)
-    msg = (f"lnfold: {kept} of {len(plan.report.norms)} LayerNorm(s) of this graph kept: it is a fragment "
-           f"(graph break, per-block torch.compile or FSDP2): the stream starts at {starts[0].what}, so "
-           "nothing in it can be proven zero-mean; fold the whole model before wrapping and compiling: "
-           "lnfold.fold_for_training(model, args)")
-    if _fragment_warned:
-        log.info(msg)
-        return
-    _fragment_warned = True
-    warnings.warn(msg, FragmentWarning, stacklevel=2)
+    _warn_once("_fragment_warned", FragmentWarning,
+               f"lnfold: {kept} of {len(plan.report.norms)} LayerNorm(s) of this graph kept: it is a fragment "
+               f"(graph break, per-block torch.compile or FSDP2): the stream starts at {starts[0].what}, so "
+               "nothing in it can be proven zero-mean; fold the whole model before wrapping and compiling: "
+               "lnfold.fold_for_training(model, args)")
 
 
 class LowPrecisionWarning(UserWarning):
@@ -269,24 +254,24 @@ def _say_if_low_precision(edited_dtypes: set[torch.dtype]) -> None:
     to 2x the original's logits error on a GPT-2-small in bf16 on a GPU, 4x on a d=4096 OPT stack
     (on CPU: benchmarks/lowprecision.py, RESULTS.md "Low precision"). Inference only: in training
     the graph centers the optimizer's own parameters each step, and there is no fp32 copy to fold."""
-    global _low_precision_warned
     low = sorted(str(t).removeprefix("torch.") for t in edited_dtypes & set(LOW_PRECISION))
     if not low:
         return
-    msg = (f"lnfold: folding a {'/'.join(low)} model: each weight the fold edits is rounded to {low[0]} a "
-           "second time (its fp32 values are not in the graph), so the folded model can be less exact than "
-           "the original; for one rounding, fold the fp32 checkpoint, then cast: "
-           f"lnfold.fold_to_rmsnorm(model_fp32, args); model_fp32.to(torch.{low[0]}); then torch.compile it")
-    if _low_precision_warned:
+    _warn_once("_low_precision_warned", LowPrecisionWarning,
+               f"lnfold: folding a {'/'.join(low)} model: each weight the fold edits is rounded to {low[0]} a "
+               "second time (its fp32 values are not in the graph), so the folded model can be less exact than "
+               "the original; for one rounding, fold the fp32 checkpoint, then cast: "
+               f"lnfold.fold_to_rmsnorm(model_fp32, args); model_fp32.to(torch.{low[0]}); then torch.compile it")
+
+
+def _warn_once(flag: str, category: type, msg: str) -> None:
+    """A warning the first time per process (`flag`: this module's global that remembers it), a log
+    line after."""
+    if globals()[flag]:
         log.info(msg)
         return
-    _low_precision_warned = True
-    warnings.warn(msg, LowPrecisionWarning, stacklevel=2)
-
-
-def _attr(gm: torch.nn.Module, target: str) -> Any:
-    owner, _, attr = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, attr, None)
+    globals()[flag] = True
+    warnings.warn(msg, category, stacklevel=3)
 
 
 def register() -> None:

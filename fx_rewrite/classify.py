@@ -50,17 +50,21 @@ def shape_of(node: Any) -> Shape:
     return tuple(_dim(d) for d in v.shape) if isinstance(v, torch.Tensor) else None
 
 
-def _is_float(node: Any) -> bool:
-    v = meta_val(node)
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-
-
 def is_tuple_getitem(node: fx.Node) -> bool:
     """`getitem` on a tuple result (split, native_layer_norm): part of its producer's outputs."""
     if node.op != "call_function" or node.target is not operator.getitem or not node.args:
         return False
     src = node.args[0]
     return isinstance(src, fx.Node) and isinstance(meta_val(src), (tuple, list))
+
+
+def norm_outputs(node: fx.Node) -> tuple[list[fx.Node], Optional[fx.Node]]:
+    """A layer_norm node's getitems (native_layer_norm returns (y, mean, rstd)) and the node that
+    holds y (None: nothing reads it)."""
+    if not isinstance(meta_val(node), (tuple, list)):
+        return [], node
+    outs = [u for u in node.users if is_tuple_getitem(u)]
+    return outs, next((u for u in outs if u.args[1] == 0), None)
 
 
 class GraphInfo:
@@ -142,13 +146,12 @@ def _identity(g: GraphInfo, node: fx.Node, call: Call, op: str = "identity") -> 
     """Shape- and value-preserving ops (clone, contiguous, float casts; a copy of any dtype that
     keeps it: ViT-MAE's `index.to(device)`, which passes/rules.uniform_along looks through)."""
     x = call.node("input")
-    i = g.index(node, x)
-    xv, v = meta_val(x), meta_val(node)
-    copy = isinstance(xv, torch.Tensor) and isinstance(v, torch.Tensor) and xv.dtype == v.dtype
-    if i is None or not (copy or (_is_float(x) and _is_float(node))):
+    i, xv, v = g.index(node, x), meta_val(x), meta_val(node)
+    if i is None or not (isinstance(xv, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
-    return rule("elementwise", data=i, op="cast" if call.kind == "identity" and x is not None
-                and meta_val(x).dtype != meta_val(node).dtype else op)
+    if xv.dtype != v.dtype and not (xv.dtype.is_floating_point and v.dtype.is_floating_point):
+        return None
+    return rule("elementwise", data=i, op="cast" if call.kind == "identity" and xv.dtype != v.dtype else op)
 
 
 def _dropout(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -157,11 +160,6 @@ def _dropout(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     if call.get("training", True) is not False and call.get("p", 0.5) != 0:
         return None
     return _identity(g, node, call, "dropout")
-
-
-def _neg(g: GraphInfo, node: fx.Node, call: Call) -> Built:
-    i = g.index(node, call.node("input"))
-    return None if i is None else rule("elementwise", data=i, op="neg")
 
 
 def _add(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -215,10 +213,10 @@ def _pow(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     return rule("pow", data=i, exponent=float(e) if isinstance(e, numbers.Number) else None)
 
 
-def _unary(kind: str):
+def _unary(kind: str, **extra):
     def build(g: GraphInfo, node: fx.Node, call: Call) -> Built:
         i = g.index(node, call.node("input"))
-        return None if i is None else rule(kind, data=i)
+        return None if i is None else rule(kind, data=i, **extra)
     return build
 
 
@@ -356,9 +354,14 @@ def _index(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     """aten.index: tensors index a contiguous block of axes; the others keep their order."""
     x = call.node("input")
     i, r, R = g.index(node, x), g.rank(x), g.rank(node)
-    indices = list(call.get("indices") or [])
-    used = [k for k, t in enumerate(indices) if t is not None]
-    if i is None or r is None or R is None or not used or used != list(range(used[0], used[-1] + 1)):
+    used = [k for k, t in enumerate(call.get("indices") or []) if t is not None]
+    return None if i is None else _take_block(i, used, r, R)
+
+
+def _take_block(i: int, used: list[int], r: Optional[int], R: Optional[int]) -> Built:
+    """Index tensors on the axes `used` of a rank-`r` input (rank-`R` output): a take when they are
+    one contiguous block, else opaque."""
+    if r is None or R is None or not used or used != list(range(used[0], used[-1] + 1)):
         return None
     s, e = used[0], used[-1] + 1
     return rule("take", data=i, start=s, stop=e, q=R - (r - (e - s)))
@@ -377,11 +380,9 @@ def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     if any(not (k is None or k is Ellipsis or isinstance(k, (int, slice))) for k in idx):
         return None
     fill = len(src) - sum(1 for k in idx if k is not None and k is not Ellipsis)
-    expanded: list = []
-    for k in idx:
-        expanded.extend([slice(None)] * fill if k is Ellipsis else [k])
-    if Ellipsis not in idx:
-        expanded.extend([slice(None)] * (len(src) - sum(1 for k in idx if k is not None)))
+    if Ellipsis not in idx:  # the axes not indexed are full slices after the last index
+        idx += (Ellipsis,)
+    expanded = [s for k in idx for s in ([slice(None)] * fill if k is Ellipsis else [k])]
     perm: list = [None] * len(dst)  # output axis -> the input axis it holds whole
     a = b = 0
     for k in expanded:
@@ -400,15 +401,11 @@ def _getitem(g: GraphInfo, node: fx.Node, call: Call) -> Built:
 def _tensor_getitem(g: GraphInfo, i: int, x: fx.Node, node: fx.Node, idx: tuple) -> Built:
     """`table[position_ids]`, `x[:, idx]` (Dynamo graphs): integer tensors indexing a contiguous
     block of axes, full slices elsewhere, as aten.index (`_index`); anything else is opaque."""
-    r, R = g.rank(x), g.rank(node)
     used = [k for k, t in enumerate(idx) if isinstance(t, fx.Node)]
     ints = all(isinstance(v := meta_val(idx[k]), torch.Tensor) and not v.dtype.is_floating_point
                and v.dtype != torch.bool for k in used)
     full = all(isinstance(t, fx.Node) or t == slice(None) for t in idx)
-    if r is None or R is None or not ints or not full or used != list(range(used[0], used[-1] + 1)):
-        return None
-    s, e = used[0], used[-1] + 1
-    return rule("take", data=i, start=s, stop=e, q=R - (r - (e - s)))
+    return _take_block(i, used, g.rank(x), g.rank(node)) if ints and full else None
 
 
 def _cat(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -531,22 +528,16 @@ Builder = Callable[[GraphInfo, fx.Node, Call], Built]
 KINDS: dict[str, Builder] = {
     "identity": _identity,
     "dropout": _dropout,
-    "neg": _neg,
-    "add": _add,
-    "sub": _add,
-    "rsub": _add,
-    "mul": _mul,
-    "div": _mul,
+    "neg": _unary("elementwise", op="neg"),
+    **dict.fromkeys(("add", "sub", "rsub"), _add),
+    **dict.fromkeys(("mul", "div"), _mul),
     "pow": _pow,
     "sqrt": _unary("sqrt"),
     "rsqrt": _unary("rsqrt"),
     "reciprocal": _unary("reciprocal"),
     "reshape": _reshape,
     "expand": _expand,
-    "transpose": _permute,
-    "permute": _permute,
-    "t": _permute,
-    "numpy_T": _permute,
+    **dict.fromkeys(("transpose", "permute", "t", "numpy_T"), _permute),
     "slice": _slice,
     "pad": _pad,
     "reorder": _reorder,
@@ -561,8 +552,7 @@ KINDS: dict[str, Builder] = {
     "getitem": _getitem,
     "cat": _cat,
     "split": _split,
-    "mean": _reduce,
-    "sum": _reduce,
+    **dict.fromkeys(("mean", "sum"), _reduce),
     "softmax": _softmax,
     "metadata": _metadata,
     "linear": _linear,
@@ -570,8 +560,7 @@ KINDS: dict[str, Builder] = {
     "matmul": _matmul,
     "einsum": _einsum,
     "embedding": _embedding,
-    "conv": _conv,
-    "conv_transpose": _conv,
+    **dict.fromkeys(("conv", "conv_transpose"), _conv),
     "layer_norm": _layer_norm,
 }
 

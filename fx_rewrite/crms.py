@@ -14,9 +14,9 @@ from ..passes.compress import CrmsNorm
 from ..passes.edits import apply_ops, compute_new_bias
 from ..passes.plan import Plan
 
-from .classify import is_tuple_getitem, meta_val, varargs_sizes
+from .classify import meta_val, norm_outputs, varargs_sizes
 from .deferred_norm import erase_unread
-from .edits import from_numpy, graph_algebra, to_numpy, unique_attr, weight_times
+from .edits import from_numpy, graph_algebra, new_attr, to_numpy, weight_times
 from .ops import canonical, set_arg
 
 
@@ -44,14 +44,13 @@ def patch_dims(applier, plan: Plan) -> None:
     stream, k on a sliced one: `Plan.resized_dims`)."""
     for ref, shrink in dict(plan.resized_dims).items():
         node = applier.nodes[ref.node]
-        if isinstance(ref.slot, tuple):  # x.view(a, b, c): sizes as positional arguments
-            sizes = varargs_sizes(node)
-            sizes[ref.index] = sizes[ref.index] - shrink
-            node.args = (node.args[0], *sizes)
-            continue
-        sizes = list(canonical(node).args[ref.slot])
+        varargs = isinstance(ref.slot, tuple)  # x.view(a, b, c): sizes as positional arguments
+        sizes = varargs_sizes(node) if varargs else list(canonical(node).args[ref.slot])
         sizes[ref.index] = sizes[ref.index] - shrink
-        set_arg(node, ref.slot, sizes)
+        if varargs:
+            node.args = (node.args[0], *sizes)
+        else:
+            set_arg(node, ref.slot, sizes)
 
 
 def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
@@ -63,9 +62,7 @@ def swap(applier, node: fx.Node, crms: CrmsNorm) -> None:
     else:
         call = canonical(node)
         x, w, b = call.args["input"], call.args.get("weight"), call.args.get("bias")
-        tuple_out = isinstance(meta_val(node), (tuple, list))
-        outs = [u for u in node.users if is_tuple_getitem(u)] if tuple_out else []
-        out = next((u for u in outs if u.args[1] == 0), None) if tuple_out else node
+        outs, out = norm_outputs(node)
     with g.inserting_before(node):
         n = g.call_function(crms_norm, (x, crms.width, float(crms.epsilon)))
     for reader, _ in crms.compressed_readers:
@@ -87,12 +84,8 @@ def add_new_biases(applier, plan: Plan, tensor_of) -> None:
     for nb in plan.new_biases:
         node = applier.nodes[nb.node]
         if tensor_of is not None:
-            like = tensor_of(nb.op.weight)
-            t = from_numpy(compute_new_bias(nb, lambda name: to_numpy(tensor_of(name))), like)
-            name = unique_attr(applier.gm, f"lnfold_bias_{nb.node}")
-            applier.gm.register_buffer(name, t)
-            with g.inserting_after(node):
-                c = g.get_attr(name)
+            t = from_numpy(compute_new_bias(nb, lambda name: to_numpy(tensor_of(name))), tensor_of(nb.op.weight))
+            c = new_attr(applier.gm, f"lnfold_bias_{nb.node}", t, node.next)
         else:  # W β, then the reader's own source edits when it writes a stream (W β lacks W's input axis)
             w = applier.node_named(nb.op.weight)
             shape = tuple(n for k, n in enumerate(meta_val(w).shape) if k != nb.op.axis)

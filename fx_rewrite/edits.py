@@ -11,6 +11,8 @@ spelled here, because torch needs its dtype handling (float16/bfloat16 means in 
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import numpy as np
 import torch
 from torch import fx
@@ -150,3 +152,30 @@ def unique_attr(gm: torch.nn.Module, base: str) -> str:
         k += 1
         name = f"{base}_{k}"
     return name
+
+
+def attr_of(gm: torch.nn.Module, target: str) -> Any:
+    """The attribute a get_attr node's `target` names (None: `gm` has none)."""
+    owner, _, attr = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, attr, None)
+
+
+def tensor_attrs(gm: fx.GraphModule) -> dict[str, str]:
+    """get_attr node name -> its target, for the nodes that read a tensor (the graph's constants)."""
+    return {n.name: n.target for n in gm.graph.nodes
+            if n.op == "get_attr" and isinstance(attr_of(gm, n.target), torch.Tensor)}
+
+
+def new_attr(gm: fx.GraphModule, base: str, t: torch.Tensor, before: fx.Node,
+             like: Optional[torch.Tensor] = None) -> fx.Node:
+    """`t` as a new attribute of `gm` named from `base` (a Parameter when `like` is one, else a
+    buffer), read by a get_attr inserted before node `before`."""
+    name = unique_attr(gm, base)
+    if isinstance(like, torch.nn.Parameter):
+        gm.register_parameter(name, torch.nn.Parameter(t, requires_grad=like.requires_grad))
+    else:
+        gm.register_buffer(name, t)
+    with gm.graph.inserting_before(before):
+        node = gm.graph.get_attr(name)
+    node.meta["val"] = t
+    return node
