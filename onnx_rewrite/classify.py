@@ -84,7 +84,7 @@ def _slice(info: GraphInfo, node: gs.Node) -> Rule:
         return rule("along", data=[0], axes=axes)
     starts = const_values(node.inputs[1])
     step = given(node.inputs, 4)
-    steps = const_values(step) if step is not None else None
+    steps = const_values(step)
     one_step = step is None or (steps is not None and np.all(np.asarray(steps) == 1))
     if starts is None or np.size(starts) != 1 or not one_step:
         return rule("along", data=[0], axes=axes)

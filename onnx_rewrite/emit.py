@@ -99,8 +99,7 @@ class Emitter:
 
     # --- the plan ----------------------------------------------------------------------------
     def apply(self, plan: Plan, matches: dict[str, NormMatch]) -> None:
-        """Execute `plan` (every decision is in it): constant edits, recenters, bypassed Muls,
-        swaps, CRMS shapes and biases."""
+        """Execute `plan`: every decision is in it."""
         deferred = {d.norm: d for d in plan.deferral.deferred} if plan.deferral is not None else {}
         # γ into the readers' weights is among the plan's edits; W β + b from the original weights
         biases = compute_biases(plan.deferral, lambda n: const_values(self.info.tensors[n])) if deferred else {}

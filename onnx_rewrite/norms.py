@@ -58,12 +58,9 @@ def constant_shape(t) -> Optional[tuple]:
 
 
 def const_values(t) -> Optional[np.ndarray]:
-    """The value of a constant tensor (an initializer or a Constant node's output), else None.
-
-    Read afresh each time and not kept in the graph: a big model's weights are read one at a
-    time where the fold uses them (from the input's data file, when loaded lazily) and dropped
-    after, and graphsurgeon exports the untouched ones from their original TensorProto.
-    """
+    """The value of a constant tensor (an initializer or a Constant node's output), else None;
+    read afresh each time, not kept: a big model's weights are read one at a time where the fold
+    uses them, and graphsurgeon exports the untouched ones from their original TensorProto."""
     c = t if isinstance(t, gs.Constant) else _constant_node_value(t)
     if not isinstance(c, gs.Constant):
         return None

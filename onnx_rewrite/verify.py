@@ -43,10 +43,8 @@ class _RefusedAndUnrunnable(LnfoldError):
 
 def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Optional[dict] = None,
                  seed: int = 0) -> tuple[Runner, dict, list[np.ndarray]]:
-    """Run the original on the user's inputs, or on made-up ones that it accepts.
-
-    Raises LnfoldError naming the input(s) and the op that failed when no attempt runs.
-    """
+    """Run the original on the user's inputs, or on made-up ones that it accepts; a LnfoldError
+    naming the input(s) and the op that failed when no attempt runs."""
     original = Source.of(original)
     skel = original.skeleton
     try:
@@ -182,8 +180,7 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
 
 
 def _pinned(model: Union[ModelLike, Source]) -> Source:
-    """The model as verification runs it: a copy with seeds pinned on its random nodes, if any
-    (random_ops.py); else as given."""
+    """The model as verification runs it: with seeds pinned on its random nodes (random_ops.py)."""
     src = Source.of(model)
     return Source(random_ops.pinned(src.proto)) if random_ops.random_nodes(src.skeleton) else src
 
@@ -262,8 +259,7 @@ _FLOAT_NAMES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: 
 
 
 def _storage_dtype(model: onnx.ModelProto) -> str:
-    """The narrowest float type of the model's weights: the fold stores the weights it edits
-    back in it."""
+    """The narrowest float type of the model's weights, where the fold stores those it edits."""
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
                                                for a in n.attribute if a.type == onnx.AttributeProto.TENSOR]
     return _narrowest(_FLOAT_NAMES.get(t.data_type) for t in tensors)
