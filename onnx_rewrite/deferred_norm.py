@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 
 from ..passes.defer import Deferral
 
-from .norms import NormMatch, dtype_of
+from .norms import NormMatch, dtype_of, given, replace_input
 
 
 def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
@@ -31,9 +31,7 @@ def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
     r = _row_scale(em, x, dtype, shape, d.axis, d.epsilon, m.name)
     flat: Optional[gs.Tensor] = None
     for reader in list(m.output.outputs):  # layout ops and linear layers (checked by the plan)
-        for i, t in enumerate(reader.inputs):
-            if t is m.output:
-                reader.inputs[i] = x
+        replace_input(reader, m.output, x)
     for rd in d.readers:
         scale = r
         if rd.rank != rank:  # behind a reshape that flattened the rows
@@ -74,7 +72,7 @@ def _scale_product(em, node: gs.Node, scale: gs.Tensor, new_bias: Optional[np.nd
     out = node.outputs[0]
     prod = em.var(f"{node.name}/lnfold_product", out.dtype)
     gemm_c = None
-    if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name:
+    if node.op == "Gemm" and given(node.inputs, 2) is not None:
         gemm_c = node.inputs[2]
         del node.inputs[2]  # the bias goes after the row scale
     node.outputs[0] = prod

@@ -22,7 +22,7 @@ from . import fused
 from . import deferred_norm
 from . import crms
 from .classify import GraphInfo
-from .norms import NormMatch, const_values, dtype_of, float_dtype, given, is_constant, np_dtype
+from .norms import NormMatch, const_values, dtype_of, float_dtype, given, is_constant, np_dtype, replace_input
 from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
@@ -173,7 +173,7 @@ class Emitter:
         data = next(t for t in mul.inputs if not is_constant(t))
         out = mul.outputs[0]
         for reader in list(out.outputs):
-            _replace_input(reader, out, data)
+            replace_input(reader, out, data)
         mul.outputs.clear()
 
     def _recenter(self, value: str, axis: int, project=None) -> None:
@@ -203,7 +203,7 @@ class Emitter:
             self.basis_change([centered, matrix] if last else [matrix, centered], rotated)
             centered = rotated
         for r in readers:
-            _replace_input(r, x, centered)
+            replace_input(r, x, centered)
 
     def _shortcut(self, add: gs.Node, i: int, matrix: np.ndarray) -> None:
         """Per-block bases: the residual Add's input `i` times the constant (k × k) change of basis
@@ -349,10 +349,3 @@ def _type_outputs(n: gs.Node) -> None:
         if not out.name or out.dtype is not None or i in (1, 2):  # 1, 2: mean and inv std (training)
             continue
         out.dtype = gamma_dtype if gamma_dtype is not None else x.dtype
-
-
-def _replace_input(node: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
-    # graphsurgeon's input lists keep tensor.outputs in sync only through item assignment
-    for i, t in enumerate(node.inputs):
-        if t is old:
-            node.inputs[i] = new

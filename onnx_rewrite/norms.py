@@ -39,6 +39,13 @@ def given(slots, i: int):
     return slots[i] if i < len(slots) and slots[i] is not None and slots[i].name else None
 
 
+def replace_input(node: gs.Node, old: gs.Tensor, new: gs.Tensor) -> None:
+    # graphsurgeon's input lists keep tensor.outputs in sync only through item assignment
+    for i, t in enumerate(node.inputs):
+        if t is old:
+            node.inputs[i] = new
+
+
 def _constant_node_value(t):
     if t is not None and len(t.inputs) == 1 and t.inputs[0].op == "Constant":
         return t.inputs[0].attrs.get("value")
