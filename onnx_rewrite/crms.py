@@ -1,10 +1,7 @@
-"""Emit a CRMSNorm compression plan (passes/compress.py) into an ONNX graph.
-
-The constants (sources dropping their last row, readers absorbing γ, β and the decompression)
-are written by the Emitter's constant edits like any other; here: the shapes that spell d, the
-CRMSNorm ops, the decompression where a reader needs the d-vector, and biases for readers that
-had none. CRMSNorm is emitted as standard ops for every target (see benchmarks/RESULTS.md,
-"CRMSNorm"): `z · 1/sqrt((ReduceSumSquare(z) + ReduceSum(z)²)/d + eps)`.
+"""Emit a CRMSNorm compression plan (passes/compress.py) into an ONNX graph: the shapes that spell
+d, the CRMSNorm ops (standard ops for every target, benchmarks/RESULTS.md "CRMSNorm":
+`z · 1/sqrt((ReduceSumSquare(z) + ReduceSum(z)²)/d + eps)`), the decompression where a reader needs
+the d-vector, and biases for readers that had none (the constants are the plan's edits).
 """
 from __future__ import annotations
 

@@ -3,10 +3,9 @@
     r = Reciprocal(Sqrt(ReduceSumSquare(x) / d + eps))        per row, [..., 1]
     reader: MatMul(x, W·diag γ) -> Mul r -> Add (W β + b)      the row scale before the bias
 
-The readers' γ-scaled weights are constant edits of the plan (already applied); here the norm is
-detached, its readers read the stream itself, and each product gets its row scale. ReduceSumSquare
-reads x once without writing x² (ReduceMean(x·x) would write a d-wide tensor: the very pass this
-emission exists to remove). Statistics of fp16/bf16 streams are computed in fp32.
+The γ-scaled weights are the plan's constant edits; here the readers read the stream itself and
+each product gets its row scale. ReduceSumSquare reads x once without writing x² (a d-wide tensor:
+the very pass this emission removes). fp16/bf16 statistics are computed in fp32.
 """
 from __future__ import annotations
 

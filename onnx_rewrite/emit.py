@@ -1,11 +1,7 @@
-"""Apply a fold plan to an onnx-graphsurgeon graph and emit the RMSNorms for one target.
-
-Targets (onnx_rewrite/targets.py, DESIGN §3): a target's norm op where it has one
-(`SimplifiedLayerNormalization`, `RMSNormalization`), `SkipSimplifiedLayerNormalization` where
-the plan fuses the residual Add that feeds a norm, else primitive ops any runtime runs.
-The emitter only executes the plan: where β goes (an Add after the norm, or the readers'
-biases: passes/beta.py), which Muls by ones go, which norms fuse with their residual Add are the
-plan's decisions.
+"""Apply a fold plan to an onnx-graphsurgeon graph and emit the RMSNorms for one target
+(targets.py, DESIGN §3): its norm op where it has one, SkipSimplifiedLayerNormalization where the
+plan fuses the residual Add, else primitive ops any runtime runs. The emitter only executes the
+plan: where β goes, which Muls by ones go and which norms fuse are the plan's decisions.
 """
 from __future__ import annotations
 

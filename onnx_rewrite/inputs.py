@@ -1,12 +1,11 @@
 """Inputs that a model accepts, made up from its graph (DESIGN §4), or given by the user.
 
-Verification runs the model, so its inputs must fit: sizes that agree across inputs sharing a
-symbolic dim name (Optimum's `past_sequence_length`, and `past_sequence_length + sequence_length`
-for the attention mask), masks of ones, `position_ids = arange(past, past + seq)`, widths fixed
-by the first MatMul/Gemm/Conv that reads an input, index inputs inside every table they reach,
-and lengths small enough that indices the graph *computes* (Range, CumSum, position inputs) stay
-inside the smallest table they index. `candidates` yields a few such assignments, most likely
-first; the caller runs the model on each until one works.
+Made-up inputs must fit: sizes that agree across inputs sharing a symbolic dim (Optimum's
+`past_sequence_length`, and `past_sequence_length + sequence_length` for the mask), masks of ones,
+`position_ids = arange(past, past + seq)`, widths fixed by the first MatMul/Gemm/Conv reading an
+input, indices inside every table they reach, lengths that keep computed indices (Range, CumSum,
+position inputs) inside the smallest table they index. `candidates` yields a few such assignments,
+most likely first; the caller runs the model on each until one works.
 """
 from __future__ import annotations
 
