@@ -68,9 +68,8 @@ def _branch_model(model: onnx.ModelProto, branch: onnx.GraphProto, outer: set, t
             inits.append(t)
         else:
             inputs.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    for name in sorted(used & outer):
-        if name in types and all(i.name != name for i in inputs) and all(t.name != name for t in inits):
-            inputs.append(types[name])
+    weights = {t.name for t in g.initializer}  # (the used ones are inputs or inits already)
+    inputs += [types[name] for name in sorted(used & outer - weights) if name in types]
     sub = helper.make_graph(list(branch.node), branch.name or "branch", inputs, list(branch.output), inits,
                             value_info=list(branch.value_info))
     m = helper.make_model(sub, opset_imports=list(model.opset_import), ir_version=model.ir_version)
