@@ -75,6 +75,10 @@ class Component:
     def recenter_pays(self) -> bool:
         return len(self.norms) >= RECENTER_PAYOFF * len(self.opaque)
 
+    def add_blocker(self, b: "Blocker") -> None:
+        if all(have.text != b.text for have in self.blockers):
+            self.blockers.append(b)
+
     def blocker_texts(self) -> list[str]:
         """Every blocker, in full (the JSON report lists them all)."""
         return [b.text for b in self.blockers]
@@ -128,9 +132,8 @@ class _ComponentBuilder:
         self._seen_sources: set[tuple] = set()
 
     def block(self, value: Optional[str], what: str, post_ln: bool = False) -> None:
-        b = Blocker(value, self._subject(value) if value is not None else "the stream", what, post_ln)
-        if all(have.text != b.text for have in self.comp.blockers):
-            self.comp.blockers.append(b)
+        subject = self._subject(value) if value is not None else "the stream"
+        self.comp.add_blocker(Blocker(value, subject, what, post_ln))
 
     def _subject(self, value: str) -> str:
         """A stream tensor, and the norm that makes it where one does (a Post-LN stream)."""
@@ -229,13 +232,8 @@ class _ComponentBuilder:
     # -- how a stream tensor comes to be -------------------------------------------------------
     def _producer_side(self, value: str, axis: int) -> None:
         v = self.view.values[value]
-        if v.producer is None:
-            if v.is_const:
-                # Reached only as the output of nothing: a constant used directly as stream
-                # (rare: e.g. a graph whose stream starts at a constant). Not an edit we make.
-                self._add_opaque(value, axis, f"constant {_fmt_value(value)}")
-            else:
-                self._add_opaque(value, axis, f"graph input {_fmt_value(value)}")
+        if v.producer is None:  # a constant as the stream's start is rare: no edit of ours centers it
+            self._add_opaque(value, axis, f"{'constant' if v.is_const else 'graph input'} {_fmt_value(value)}")
             return
         node = self.view.nodes[v.producer]
         o = node.outputs.index(value)
@@ -359,9 +357,7 @@ class _ComponentBuilder:
             c = self.view.nodes[cname]
             outs = c.transfer_block(i, axis, block)
             if outs is not None:
-                for o, oaxis, oblock in outs:
-                    if c.outputs[o]:
-                        self.visit(c.outputs[o], oaxis, oblock)
+                self._visit_outputs(c, outs)
                 continue
             if c.shape_only:
                 continue
@@ -415,6 +411,12 @@ class _ComponentBuilder:
             self.comp.opaque.append(OpaqueStart(value, axis, what, stored))
 
     # -- who reads a stream tensor -------------------------------------------------------------
+    def _visit_outputs(self, node: Node, outs: list) -> None:
+        """Follow the stream into the outputs `node` passes it to: (index, axis, runs) each."""
+        for o, axis, block in outs:
+            if node.outputs[o]:
+                self.visit(node.outputs[o], axis, block)
+
     def _consumer_side(self, value: str, axis: int) -> None:
         v = self.view.values[value]
         if v.is_graph_output:
@@ -423,15 +425,11 @@ class _ComponentBuilder:
             c = self.view.nodes[cname]
             outs = c.transfer(i, axis)
             if outs is not None:
-                for o, oaxis in outs:
-                    if c.outputs[o]:
-                        self.visit(c.outputs[o], oaxis)
+                self._visit_outputs(c, [(o, oaxis, None) for o, oaxis in outs])
                 continue
-            bouts = c.transfer_block(i, axis, None) if c.norm is None else None
-            if bouts is not None:  # head_dim merged into a wider axis: per-block from here on
-                for o, oaxis, oblock in bouts:
-                    if c.outputs[o]:
-                        self.visit(c.outputs[o], oaxis, oblock)
+            outs = c.transfer_block(i, axis, None) if c.norm is None else None
+            if outs is not None:  # head_dim merged into a wider axis: per-block from here on
+                self._visit_outputs(c, outs)
                 continue
             if c.norm is not None and c.norm.input == i:
                 if c.norm.axis == axis:
@@ -476,17 +474,13 @@ def _block_shared(components: list[Component]) -> None:
                 if other.axes[value] == axis and _disjoint(mine, other.blocks.get(value)):
                     continue
                 for c in (other, comp):
-                    b = Blocker(value, _fmt_value(value), "is shared with another group of norms, "
-                                                          "with edits of its own")
-                    if all(have.text != b.text for have in c.blockers):
-                        c.blockers.append(b)
+                    c.add_blocker(Blocker(value, _fmt_value(value),
+                                          "is shared with another group of norms, with edits of its own"))
             seen[value].append(comp)
 
 
 def _disjoint(a: Optional[FeatureRuns], b: Optional[FeatureRuns]) -> bool:
-    if a is None or b is None or a.size != b.size:
-        return False
-    if a.spacing is not None or b.spacing is not None:
+    if a is None or b is None or a.size != b.size or a.spacing is not None or b.spacing is not None:
         return False
     if a.row is not None or b.row is not None:  # two selections of the same axis, different rows
         return a.row is not None and b.row is not None and a.row[0] == b.row[0] and a.row[1] != b.row[1]
