@@ -1,11 +1,7 @@
-"""Where each folded norm's β goes (DESIGN §3): into the biases of its readers, or an Add.
-
-RMSNorm ops take no bias, and a separate β Add costs about as much as the RMS op itself. When
-every reader of a norm's output is a linear layer with a constant weight and a bias of its own
-(possibly behind reshapes that keep the feature axis last), `W(γ⊙n + β) + b = W(γ⊙n) + (Wβ + b)`:
-β becomes an edit of each bias (`AddWeightTimes`), and the norm emits no Add. A reader without a
-bias keeps β as an Add in both frontends (a new bias is a new op in ONNX; folding into one
-would give the two IRs of one model different emissions).
+"""Where each folded norm's β goes (DESIGN §1, "β into the readers"): into the biases of its readers
+(an `AddWeightTimes` of each), or an Add. A reader without a bias keeps β as an Add in both frontends
+(a new bias is a new op in ONNX; folding into one would give the two IRs of one model different
+emissions), except where `decide(into_readers=True)` asks for one (W β).
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
-"""CRMSNorm compression plan (seed 001 §3.2): a foldable component carried in d-1 features.
+"""CRMSNorm compression plan (seed 001 §3.2; DESIGN §1, "CRMSNorm"): a foldable component carried in
+d-1 features, decided from the view alone — which layout ops spell d, which readers absorb γ, β and
+the decompression, which norms still emit the decompressed vector — or a fallback to RMSNorm with
+a reason naming the node.
 
-A zero-mean d-vector is fully described by its first d-1 entries (x_d = -Σ z). For one foldable
-component this module decides, from the view alone:
-- which constants shrink: every source drops its last output row/column after centering;
-- which layout ops spell d and are patched to d-1 (a Reshape's or an Expand's target shape);
-- each LayerNorm becomes CRMSNorm `z · rsqrt((Σ z² + (Σ z)²)/d + eps)` (unscaled: γ and β move
-  into the readers), and which of its readers absorb γ, β and the decompression
-  (`W' = (W·diag γ)[:, :d-1] - (W·diag γ)[:, d-1:]`, `b' = b + W β`), which need the
-  decompressed vector `γ ⊙ concat(n, -Σn) + β` (a graph output, an Add, anything not linear);
-- or that the component falls back to RMSNorm, with a reason naming the node.
-
-The cost rule: a decompression (a reduction and a concat over d) costs about `DECOMPRESS_COST·d`
-per token; compression saves one multiply-add per output row of every absorbing reader's weight
-and one element per stream tensor. Decompress only where the total saved exceeds the total cost.
+The cost rule: a decompression costs about `DECOMPRESS_COST·d` per token; compression saves one
+multiply-add per output row of every absorbing reader's weight and one element per stream tensor.
+Decompress only where the total saved exceeds the total cost.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""Deferred normalization: which folded norms may skip writing their normalized tensor, and whether
-it pays (issue 14).
-
-A folded norm computes `y = γ ⊙ x · r(x)`, `r(x) = rsqrt(mean(x²) + eps)` per row. When every reader
-of `y` is a linear layer with a constant weight, `W y + b = r(x) · ((W·diag γ) x) + (W β + b)`: γ
-(and β) go into the readers' constants, and the per-row scale `r(x)` is applied to each reader's
-*product*, before its bias. No normalized tensor is written; instead each reader's output rows are
-multiplied once — cheaper only where that multiply rides in the GEMM's epilogue or the outputs
-are narrow. `plan_deferral` decides (pure, on the view), `gamma_edits` are the γ folds make_plan
-adds to the plan (float64, cast once, with the other constant edits), `compute_biases` gives `W β + b`.
+"""Deferred normalization (issue 14): which folded norms may skip writing their normalized tensor,
+and whether it pays. With `r(x) = rsqrt(mean(x²) + eps)` per row and only linear readers,
+`W (γ ⊙ x · r(x) + β) + b = r(x) · ((W·diag γ) x) + (W β + b)`: the row scale is applied to each
+reader's product — cheaper only where that multiply rides in the GEMM's epilogue.
 """
 from __future__ import annotations
 
@@ -27,13 +21,10 @@ from .view import ConstRef, View
 
 @dataclass(frozen=True)
 class Costs:
-    """Memory traffic per row, in units of one element, of the two exact emissions of a norm.
-
-    RMS op: reads x, writes y (2d). Deferred: one reduction reads x (d); each reader's product is
-    read and written once more by the row scale (2·out) unless the compiler fuses that multiply
-    into the GEMM's epilogue. The parameter is a measured property of a target (see
-    benchmarks/RESULTS.md, "Deferred normalization"), not a guess.
-    """
+    """Memory traffic per row, in elements, of the two exact emissions of a norm: the RMS op reads x
+    and writes y (2d); deferred, one reduction reads x (d) and the row scale reads and writes each
+    reader's product (2·out) unless fused into the GEMM's epilogue (measured per target:
+    benchmarks/RESULTS.md, "Deferred normalization")."""
 
     epilogue_fused: bool = False
 

@@ -1,11 +1,6 @@
-"""Which tensor of a sharded checkpoint gets which edit, and how an edit can be streamed.
-
-A checkpoint fold (fx_rewrite/checkpoint.py) turns a plan's constant edits into edits keyed by
-the checkpoint's tensor names. This module decides, without any framework type: which output
-shard each edited, kept or new tensor goes to (`shard_work`), what breaking a tie costs (a tied
-table edited for one of its readers and not for another becomes two tensors: `untie`), and
-along which axis an edit's ops act independently, so that a large tensor can be edited in
-slices instead of one float64 copy of it (`chunk_axis`).
+"""Which tensor of a sharded checkpoint (fx_rewrite/checkpoint.py) gets which edit, without any
+framework type: the output shard of each edited, kept or new tensor (`shard_work`), the ties an
+edit breaks (`untie`), and which edits can be streamed a block of rows at a time (`rows_mean_axis`).
 """
 from __future__ import annotations
 

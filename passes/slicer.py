@@ -1,18 +1,8 @@
 """A slice's steps over any frontend (passes/slicing.py decides; this runs the decisions), so that
-`slice_onnx` and `slice_module` are one procedure:
-
-1. the exact fold with γ in the readers, verified on the calibration rows;
-2. each folded norm's input captured in that model on the calibration rows;
-3. `slicing.plan_slices`: a principal basis and its kept width per rotatable stream; per-block,
-   sequentially (`sequential`): segment i's basis from captures in the model sliced at segments < i;
-4. the fold again, asking for those bases (PlanRequest.bases): not verified (it is not exact), but
-5. measured: its outputs against the exact fold's on the held-out rows.
-
-With an error budget B instead of a fraction, steps 3–5 repeat over the fractions of `GRID` (steps
-1–2, the exact fold and the capture, are done once) and the largest F whose measured error is ≤ B
-is kept: the smallest F first (too much error there: refused), then the largest (within: done),
-then bisection between, which assumes the error grows with F (it does where the deleted
-directions' energy does).
+`slice_onnx` and `slice_module` are one procedure: the verified exact fold with γ in the readers, its
+norm inputs captured on the calibration rows, `slicing.plan_slices` (per-block: `sequential`), and
+the fold again with those bases (PlanRequest.bases), unverified (it is not exact) but measured
+against the exact fold on the held-out rows. A budget instead of a fraction: `_largest_within`.
 """
 from __future__ import annotations
 
@@ -53,10 +43,11 @@ class Slicing:
     """The steps' frontend, over any IR's `calibration.Folds` (its options: γ into the readers), the
     calibration data split by the one held-out rule, and the IR's count of a fold's parameters
     (benchmarks/realmodels_slice.py wraps one to keep the exact fold, its capture and its outputs
-    across fractions: `slice_with` needs only these five methods and `rows`)."""
+    across fractions: `slice_with` needs only its four methods, `parameters` and `rows`)."""
 
     def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int]) -> None:
-        self.folds, self.data, self.count = folds, data, parameters
+        self.folds, self.data = folds, data
+        self.parameters = parameters  # the parameters of a fold's model
         self.measured = data.held if data.held is not None else data.deciding  # where the error is measured
         self.rows = (f"{folds.rows(data.held)} held-out row(s)" if data.held is not None else
                      f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)")
@@ -77,9 +68,6 @@ class Slicing:
     def outputs(self, result: FoldResult) -> list:
         """The outputs on the held-out rows (the calibration rows where none are held out: `rows` says)."""
         return calibration.run(self.folds, result, self.measured)
-
-    def parameters(self, result: FoldResult) -> int:
-        return self.count(result)
 
 
 def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
@@ -165,7 +153,9 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
 
 
 def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldResult, SliceReport]:
-    """The attempt at the largest fraction of GRID whose error is <= budget (the search in the module doc)."""
+    """The attempt at the largest fraction of GRID whose error is <= budget (the exact fold and its
+    capture made once): the smallest first (over: refused), then the largest (within: done), then
+    bisection between, which assumes the error grows with F (as the deleted directions' energy does)."""
     tried: dict[int, tuple[FoldResult, SliceReport]] = {}
 
     def within(i: int) -> bool:
