@@ -5,20 +5,10 @@ onnxruntime's own quantizers.
 
 The first three steps are the one pipeline's (fold_model); quantization is a stage after it that
 reads the fold's plan records (`FoldResult.plan`), never its report's sentences. The gate verifies
-the fold and the Gemm rewrite below together (`check_exact_steps`). The last step is onnxruntime's,
-as users already run it — lnfold quantizes nothing itself:
-
-- `weights="int8"`: `onnxruntime.quantization.quantize_dynamic` (int8 weights; activations
-  quantized at run time, per tensor: MatMulInteger);
-- `weights="int8", activations="int8"`: `quantize_static` in QDQ format, calibrated on the
-  user's inputs (a CalibrationDataReader over an .npz) — W8A8;
-- `weights="int4"`: `MatMulNBitsQuantizer` (weight-only, blocks of `block_size` along K).
-
-Quantized are the linear layers: MatMuls with a constant 2-D weight (linear_layers.py; Gemms are
-rewritten into MatMul + Add first, exactly, so that every quantizer sees them). Embedding tables,
-attention's activation × activation products and the MatMuls the fold inserted to change a rotated
-stream's basis (a readout's un-rotation, a recentered start's projection: linear_layers.basis_changes)
-stay float; the report names those and their share of the parameters.
+the fold and the Gemm → MatMul rewrite together (`check_exact_steps`). The last step is
+onnxruntime's, as users already run it (`quantize_model` says which quantizer for which scheme) —
+lnfold quantizes nothing itself — on the linear layers only (linear_layers.py: which ones, and why
+the fold's basis changes stay float; the report names those and their share of the parameters).
 
 Quantization is NOT exact. The result's report (quantize_report.py) says so, and says by how much
 (relative RMS and max relative error per output): the quantized model against the float original
@@ -31,6 +21,7 @@ on those rows (issue 33: on DINOv2 rotation pays for int8 and hurts weight-only 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import tempfile
@@ -137,7 +128,7 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
             if rotate or gamma:
                 raise LnfoldError(f"cannot rotate: {e}") from None
             notes.append(f"nothing folded ({e}); quantized as given")
-    work = _copy(work)
+    work = copy.deepcopy(work)
     name_nodes(work)
     rewritten, kept = gemm_to_matmul(work)
     if rewritten:
@@ -155,12 +146,6 @@ def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) 
     protobuf's 2 GB in memory (as fold_model)."""
     if prepared.fold is not None and not is_large(prepared.model):
         record(prepared.fold, check_equivalent(model, prepared.model, inputs=inputs, dims=dims))
-
-
-def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    return out
 
 
 # --- rows: the user's arrays, fed in the model's own batch size ------------------------------------
@@ -254,38 +239,33 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
             "before merging)" if branches else " (no MatMul or Gemm with a constant 2-D weight)"))
     keep_float = [] if quantize_basis_changes else list(basis_changes(prepared))
     with _quiet_quantizers():
-        return _quantize(prepared, nodes, keep_float, weights, activations, calibration, block_size, per_channel)
+        from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-
-def _quantize(prepared, nodes, keep_float, weights, activations, calibration, block_size,
-              per_channel) -> onnx.ModelProto:
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
-
-    # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
-    # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
-    inits = {t.name: t for t in prepared.graph.initializer}
-    by_name = {n.name: n for n in prepared.graph.node}
-    extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
-    if weights == "int4":
-        with _root_logger_kept():  # importing the module calls logging.basicConfig(INFO)
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-        # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
-        # (keep_float among them) are excluded
-        others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
-        q = MatMulNBitsQuantizer(_copy(prepared), bits=4, block_size=block_size, is_symmetric=True,
-                                 nodes_to_include=nodes, nodes_to_exclude=others)
-        q.process()
-        return q.model.model
-    with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
-        out = Path(tmp) / "quantized.onnx"
-        if activations is None:
-            quantize_dynamic(_copy(prepared), out, weight_type=QuantType.QInt8, per_channel=per_channel,
-                             nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
-        else:
-            quantize_static(_copy(prepared), out, _calibration_reader(calibration), quant_format=QuantFormat.QDQ,
-                            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=per_channel,
-                            nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
-        return onnx.load(str(out))
+        # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
+        # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
+        inits = {t.name: t for t in prepared.graph.initializer}
+        by_name = {n.name: n for n in prepared.graph.node}
+        extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
+        if weights == "int4":
+            with _root_logger_kept():  # importing the module calls logging.basicConfig(INFO)
+                from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+            # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
+            # (keep_float among them) are excluded
+            others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
+            q = MatMulNBitsQuantizer(copy.deepcopy(prepared), bits=4, block_size=block_size, is_symmetric=True,
+                                     nodes_to_include=nodes, nodes_to_exclude=others)
+            q.process()
+            return q.model.model
+        with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
+            out = Path(tmp) / "quantized.onnx"
+            if activations is None:
+                quantize_dynamic(copy.deepcopy(prepared), out, weight_type=QuantType.QInt8, per_channel=per_channel,
+                                 nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
+            else:
+                quantize_static(copy.deepcopy(prepared), out, _calibration_reader(calibration), quant_format=QuantFormat.QDQ,
+                                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=per_channel,
+                                nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
+            return onnx.load(str(out))
 
 
 @contextlib.contextmanager
