@@ -47,15 +47,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"lnfold: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _version() -> str:
+def _parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    return f"lnfold {__version__}"
-
-
-def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lnfold", description="Fold the LayerNorms of a model into RMSNorms, exactly.")
-    p.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    p.add_argument("--version", action="version", version=f"lnfold {__version__}", help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands",
                            help="`lnfold COMMAND --help` lists a command's options")
 
