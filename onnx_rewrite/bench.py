@@ -5,10 +5,8 @@ Two figures, each from onnxruntime on CPU:
 - the norm kernels' own time and their share of a run, from onnxruntime's profiler (one thread,
   so that kernel times are not split across a pool): the part of the run the fold changes;
 - end-to-end time over interleaved rounds (onnx_rewrite/timing.py): original, folded, and the original
-  again in a second session (an A/A pair), wall and CPU time, medians, the ratio of the medians
-  with its bootstrap interval, in three repeats with fresh sessions; a difference is claimed only
-  when every repeat shows it beyond its A/A spread and the pooled interval lies beyond three times the
-  largest spread (timing.compare_repeats), so that a rerun does not contradict it.
+  again in a second session (an A/A pair), wall and CPU time, in three repeats with fresh sessions;
+  a difference is claimed only as timing.compare_repeats allows, so that a rerun does not contradict it.
 """
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 20, warmup: int = 3) -> dict[str, dict]:
-    """Per variant: median and quartiles of wall time (`median`, `q1`, `q3`) and CPU time
-    (`cpu_median`, `cpu_q1`, `cpu_q3`), in seconds, and the raw per-round samples."""
+    """Per variant: the `summary` of its wall and CPU times (seconds) over `rounds` interleaved rounds."""
     for _ in range(warmup):
         for f in fns.values():
             f()
