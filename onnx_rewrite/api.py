@@ -69,7 +69,6 @@ def _import(model: onnx.ModelProto) -> gs.Graph:
 
 
 def as_model(model) -> onnx.ModelProto:
-    """A ModelProto as given, or one loaded from a path; anything else is a clear error."""
     if isinstance(model, str) or hasattr(model, "__fspath__"):
         return read.load(model)
     if not isinstance(model, onnx.ModelProto):

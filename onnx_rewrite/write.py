@@ -180,10 +180,10 @@ def _write_inline(model: onnx.ModelProto, target: Path) -> None:
 
 def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
                     threshold: int = _EXTERNAL_THRESHOLD) -> bool:
-    """Stream every tensor of `model` worth it into `data_path`, one at a time: inline ones
-    (≥ `threshold` bytes of raw data, 1 KiB unless the input's layout says less) are written and dropped from the proto, lazily loaded ones copied from
-    the input's data file; each gets external_data pointing at its new place. Returns whether
-    a data file was written (not when every tensor is small)."""
+    """Stream every tensor of `model` worth it into `data_path`, one at a time: inline ones (≥ `threshold`
+    bytes of raw data, 1 KiB unless the input's layout says less) are written and dropped from the proto,
+    lazily loaded ones copied from the input's data file; each gets external_data pointing at its new
+    place. Returns whether a data file was written (not when every tensor is small)."""
     f = None
     offset = 0
     try:
