@@ -61,13 +61,18 @@ def _is_cast(node: Node) -> bool:
     return node.rule is not None and node.rule.kind == "elementwise" and node.rule.params.get("op") in ("cast", "identity")
 
 
-def _other(node: Node, i: int) -> Optional[int]:
-    """The index of the other operand of a binary rule whose operand `i` is given."""
-    p = node.rule.params
+def _other(node: Node, value: str) -> Optional[int]:
+    """The index of the other operand of a binary rule one of whose operands is `value`."""
+    p, i = node.rule.params, node.inputs.index(value)
     ops = p.get("operands", p.get("data"))
     if ops is None or len(ops) != 2 or i not in ops:
         return None
     return ops[1 - ops.index(i)]
+
+
+def _is_add(node: Node) -> bool:
+    """A broadcast rule that adds two inputs (no subtraction, no expand)."""
+    return not node.rule.params.get("minus") and len(node.rule.params["data"]) == 2
 
 
 def _const_along(view: View, node: Node, i: Optional[int], axis: int, rank: int) -> bool:
@@ -81,10 +86,6 @@ def _const_along(view: View, node: Node, i: Optional[int], axis: int, rank: int)
     return all(d == 1 for k, d in enumerate(s) if k != axis)
 
 
-def _index_of(node: Node, value: str) -> int:
-    return node.inputs.index(value)
-
-
 def _what_reads(view: View, value: str) -> str:
     v = view.values[value]
     names = [n.describe() for n in _readers(view, value)] + (["the model's output"] if v.is_graph_output else [])
@@ -95,12 +96,8 @@ def _what_reads(view: View, value: str) -> str:
 
 def _squared_mean_of(view: View, value: str, axes: tuple) -> bool:
     """`value` is squared and the square averaged over `axes` (a variance of it, uncentered)."""
-    for n in _readers(view, value):
-        if _is_square(view, n, {value}):
-            m = _only_reader(view, n.outputs[0], "reduce")
-            if m is not None and _reduce_mean(m) == axes:
-                return True
-    return False
+    means = [_only_reader(view, n.outputs[0], "reduce") for n in _readers(view, value) if _is_square(view, n, {value})]
+    return any(m is not None and _reduce_mean(m) == axes for m in means)
 
 
 def _axes_text(axes) -> str:
@@ -169,9 +166,9 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     eps = 0.0
     add = _only_reader(view, t, "broadcast")
     if add is not None:
-        o = _other(add, _index_of(add, t))
+        o = _other(add, t)
         e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
-        if e is None or add.rule.params.get("minus") or len(add.rule.params["data"]) != 2:
+        if e is None or not _is_add(add):
             what = f"`{add.inputs[o]}`" if o is not None and add.inputs[o] else "something"
             return NoMatch(f"{add.describe()} adds {what} to the variance: not a constant scalar eps", 3)
         eps, t = e, add.outputs[0]
@@ -217,16 +214,13 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     m = DecomposedNorm(mean1.name, [], x, out, axis, why, [s.name for s in subs], epsilon=eps)
     if why is None:
         gm = _only_reader(view, out, "scale")
-        if gm is not None and not gm.rule.params.get("divide") and _const_along(view, gm, _other(gm, _index_of(gm, out)), axis, rank):
-            m.gamma = gm.inputs[_other(gm, _index_of(gm, out))]
+        if gm is not None and not gm.rule.params.get("divide") and _const_along(view, gm, _other(gm, out), axis, rank):
+            m.gamma, out = gm.inputs[_other(gm, out)], gm.outputs[0]
             covered.append(gm)
-            out = gm.outputs[0]
         bt = _only_reader(view, out, "broadcast") if m.gamma is not None else None
-        if bt is not None and not bt.rule.params.get("minus") and len(bt.rule.params["data"]) == 2 \
-                and _const_along(view, bt, _other(bt, _index_of(bt, out)), axis, rank):
-            m.beta = bt.inputs[_other(bt, _index_of(bt, out))]
+        if bt is not None and _is_add(bt) and _const_along(view, bt, _other(bt, out), axis, rank):
+            m.beta, out = bt.inputs[_other(bt, out)], bt.outputs[0]
             covered.append(bt)
-            out = bt.outputs[0]
     m.nodes, m.output = [n.name for n in covered], out
     return m
 
@@ -259,9 +253,7 @@ def collapse_norms(view: View) -> dict[str, DecomposedNorm]:
     found: dict[str, DecomposedNorm] = {}
     taken: set[str] = set()
     for node in list(view.nodes.values()):
-        if node.name in taken or node.name not in view.nodes:
-            continue
-        if _reduce_mean(node) is None:
+        if node.name in taken or node.name not in view.nodes or _reduce_mean(node) is None:
             continue
         m = match(view, node)
         if not m:
