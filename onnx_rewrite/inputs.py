@@ -242,11 +242,8 @@ def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Opti
             if d in named:
                 return named[d]
             if _EXPR.match(d):  # Optimum: "past_sequence_length + sequence_length"
-                total = 0
-                for part in d.split("+"):
-                    part = part.strip()
-                    total += int(part) if part.isdigit() else named.setdefault(part, past if _is_past(part) else seq)
-                return total
+                return sum(int(part) if part.isdigit() else named.setdefault(part, past if _is_past(part) else seq)
+                           for part in map(str.strip, d.split("+")))
             named[d] = batch if _is_batch(d) else past if _is_past(d) else seq
             return named[d]
         return seq
