@@ -186,13 +186,8 @@ def chunk_axis(ops: Iterable[Op], ndim: int) -> Optional[int]:
     otherwise (the whole tensor at once)."""
     if ndim < 2:
         return None
-    used: set = set()
-    for op in ops:
-        m = op.mixes(ndim)
-        if m is None:
-            return None
-        used |= m
-    return None if 0 in used else 0
+    mixed = [op.mixes(ndim) for op in ops]
+    return None if any(m is None or 0 in m for m in mixed) else 0
 
 
 @dataclass(frozen=True)
@@ -283,10 +278,8 @@ def compute_constants(
 ) -> list[tuple[ConstEdit, np.ndarray]]:
     """The new value of every edited constant, computed from the originals in float64 and cast
     back once (a LayerScale fold and its centering round together, not one after the other)."""
-    last_use: dict[str, int] = {}  # originals are dropped after their last reader: big models
-    for k, edit in enumerate(edits):
-        for name in edit.sources():
-            last_use[name] = k
+    # originals are dropped after their last reader: big models
+    last_use = {name: k for k, edit in enumerate(edits) for name in edit.sources()}
     cache: dict[str, np.ndarray] = {}
 
     def original(name: str) -> np.ndarray:

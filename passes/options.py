@@ -1,10 +1,6 @@
-"""The fold's options, checked in one place.
-
-Both frontends (`fold_onnx`, `fold_module`, `fold_for_training`) and the torch.compile backend
-build a `FoldOptions` from their keywords: a bad value is the same one-line `LnfoldError`
-wherever it is given. What a frontend emits (ONNX targets and devices, the torch `norm=`) is the
-frontend's to name and check, with `check_choice` (onnx_rewrite/targets.py, fx_rewrite/api.py). The verification tolerances per dtype are passes/gate.py's; nothing else
-holds a copy.
+"""The fold's options, checked in one place: every entry point builds a `FoldOptions` from its
+keywords, so a bad value is the same one-line `LnfoldError` wherever it is given. What a frontend
+emits (ONNX targets and devices, the torch `norm=`) is the frontend's to check, with `check_choice`.
 """
 from __future__ import annotations
 

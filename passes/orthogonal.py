@@ -64,13 +64,8 @@ def hadamard_factors(n: int) -> Optional[tuple[int, int]]:
     power of two that works. None: no known construction for n."""
     if n < 1:
         return None
-    k = 0
-    while n % (2 ** (k + 1)) == 0:
-        k += 1
-    for j in range(k, -1, -1):
-        if _base(n // 2 ** j) is not None:
-            return 2 ** j, n // 2 ** j
-    return None
+    k = (n & -n).bit_length() - 1  # 2ᵏ: the largest power of two dividing n
+    return next(((2 ** j, n // 2 ** j) for j in range(k, -1, -1) if _base(n // 2 ** j) is not None), None)
 
 
 @lru_cache(maxsize=16)

@@ -43,9 +43,8 @@ class Readout:
 
     def matrix(self, gamma: Optional[np.ndarray]) -> np.ndarray:
         """The float64 (keep × d) matrix, given γ's values."""
-        q = dense(self.basis)
         g = np.ones(self.basis.dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
-        return q[:, :self.keep].T * g[None, :]
+        return dense(self.basis)[:, :self.keep].T * g[None, :]
 
 
 @dataclass(frozen=True)

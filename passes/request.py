@@ -1,10 +1,6 @@
-"""What a fold asks of the planner: everything `make_plan` decides from, in one object.
-
-A frontend builds a `PlanRequest` from the user's options, the view's constants and its
-target's `Capabilities`; `make_plan(view, request)` returns the complete plan. A new decision
-(γ into readers, a stream rotation, quantization, an approximate swap under an error budget)
-is a new field here and a new step in make_plan: every entry point then makes it, none is
-rewired.
+"""What a fold asks of the planner: everything `make_plan` decides from, in one object. A new
+decision is a new field here and a new step in make_plan: every entry point then makes it, none is
+rewired (DESIGN §2).
 """
 from __future__ import annotations
 
@@ -83,10 +79,8 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                  refuse: Optional[Callable[[Component], Optional[str]]] = None,
                  trainable: Optional[Callable[[str], bool]] = None,
                  approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None) -> PlanRequest:
-    """The one way a frontend asks: the user's options (checked once, in FoldOptions), the target's
-    capabilities, the predicates over the frontend's constants and, for the approximate swap, the
-    kept norms chosen (passes/approx.py); for a slice, the calibrated bases (passes/slicing.py). Every entry point builds its request here, so a new
-    option reaches all of them."""
+    """The one way a frontend asks (the user's options were checked once, in FoldOptions): every entry
+    point builds its request here, so a new option reaches all of them."""
     return PlanRequest(options.mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
                        approx=approx, bases=bases)

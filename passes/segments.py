@@ -9,6 +9,7 @@ meeting, parallel branches, or a tensor reaching no norm leaves one basis (`Segm
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from graphlib import CycleError, TopologicalSorter
 from typing import Optional
 
 from .analysis import Component
@@ -122,22 +123,13 @@ def _stream_edges(view: View, comp: Component, value: str) -> list:
 
 def _topological(view: View, comp: Component) -> Optional[list[str]]:
     """The stream tensors, each after every stream tensor it is computed from (None: a cycle)."""
-    preds = {v: set() for v in comp.axes}
+    preds: dict[str, set] = {v: set() for v in comp.axes}
     for v in comp.axes:
         for node, _ in _stream_edges(view, comp, v):
             for o in node.outputs:
                 if o in comp.axes and o != v:
                     preds[o].add(v)
-    order, ready = [], [v for v, p in preds.items() if not p]
-    succs: dict[str, set] = {v: set() for v in comp.axes}
-    for o, ps in preds.items():
-        for v in ps:
-            succs[v].add(o)
-    while ready:
-        v = ready.pop()
-        order.append(v)
-        for o in succs[v]:
-            preds[o].discard(v)
-            if not preds[o]:
-                ready.append(o)
-    return order if len(order) == len(comp.axes) else None
+    try:
+        return list(TopologicalSorter(preds).static_order())
+    except CycleError:
+        return None

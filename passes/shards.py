@@ -64,8 +64,7 @@ def untie(groups: Iterable[list[str]], stored: Mapping[str, str], edits: Mapping
             in_place[src] = kinds.pop()
             continue
         untied.append(list(g))
-        owner = next((n for n in g if n == src), None)
-        own_ops = edits.get(owner, ()) if owner is not None else ()
+        own_ops = edits.get(src, ()) if src in g else ()
         if own_ops:
             in_place[src] = own_ops
         for n in g:
