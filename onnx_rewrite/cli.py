@@ -173,11 +173,11 @@ def cmd_fold(args) -> int:
     from .folders import default_output, fold_summary, verification_line
 
     dst = Path(args.output) if args.output else default_output(src)
-    if dst.exists() and dst.is_dir():
+    if dst.is_dir():
         raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
     if src.resolve() == dst.resolve() or (src.exists() and dst.exists() and os.path.samefile(src, dst)):
         raise LnfoldError(f"{dst}: output would overwrite the input; choose another path")
-    out_dir = dst.parent if str(dst.parent) else Path(".")
+    out_dir = dst.parent
     if out_dir.exists() and not out_dir.is_dir():
         raise LnfoldError(f"{out_dir}: not a directory, cannot write {dst.name} into it")
     if not out_dir.is_dir():

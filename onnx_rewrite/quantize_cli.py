@@ -64,9 +64,8 @@ def file_paths(args) -> tuple[Path, Path]:
         raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
     if dst.exists() and os.path.samefile(src, dst):
         raise LnfoldError(f"{dst}: output would overwrite the input; choose another path")
-    out_dir = dst.parent if str(dst.parent) else Path(".")
-    if not out_dir.is_dir():
-        raise LnfoldError(f"{out_dir}: output directory does not exist")
+    if not dst.parent.is_dir():
+        raise LnfoldError(f"{dst.parent}: output directory does not exist")
     return src, dst
 
 
