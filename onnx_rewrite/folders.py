@@ -1,15 +1,10 @@
 """`lnfold fold` on a folder, and where an output goes when `-o` is not given.
 
-An exporter's folder (Optimum writes `encoder_model.onnx`, `decoder_model.onnx`,
-`decoder_with_past_model.onnx`, `decoder_model_merged.onnx`, with `config.json` and the
-tokenizer's files beside them) is folded file by file into a new folder: each ONNX file folded
-and verified as `lnfold fold FILE` would, one with nothing to fold copied as it is, every other
-file copied. The new folder is built beside the output under a temporary name and renamed into
-place once every file is written, so a failure leaves nothing behind.
-
-A `transformers` checkpoint folder (config.json with model.safetensors or a shard index, no ONNX
-file) is another kind of folder, told apart by its contents: the torch frontend folds it shard by
-shard (fx_rewrite/checkpoint_fold.py, `fold_checkpoint_folder` below; issue 25).
+An exporter's folder (Optimum's `encoder_model.onnx`, `decoder_model.onnx`, ... with
+`config.json` and the tokenizer's files beside them) is folded file by file into a new folder,
+built beside the output under a temporary name and renamed into place once every file is
+written, so a failure leaves nothing behind. A `transformers` checkpoint folder, told apart by
+its contents, is folded shard by shard by the torch frontend (fx_rewrite/checkpoint_fold.py).
 """
 from __future__ import annotations
 
@@ -131,9 +126,8 @@ def _check_destination(src: Path, dst: Path) -> None:
         raise LnfoldError(f"{dst}: the output folder would be inside the input folder; choose another path")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise LnfoldError(f"{dst}: exists; choose another output folder or remove it")
-    parent = dst.parent if str(dst.parent) else Path(".")
-    if not parent.is_dir():
-        raise LnfoldError(f"{parent}: output directory does not exist")
+    if not dst.parent.is_dir():
+        raise LnfoldError(f"{dst.parent}: output directory does not exist")
 
 
 def _data_files_of(model_file: Path) -> set[Path]:
