@@ -106,12 +106,10 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
     receives (to verify it from files: the pipeline's check of a model over 2 GB), and only
     renamed into place when the block exits without an error, so an error, a failed check or an
     interrupt never leaves a half-written model. Saving with external data empties `model`'s
-    in-memory weights (they move to the data file, one tensor at a time). Weights a lazy load
-    left in the input's data file are copied from there, in chunks, or read in when the output
-    holds its weights inline.
+    in-memory weights (they move to the data file, one tensor at a time).
     """
     p = Path(path)
-    out_dir = p.parent if str(p.parent) else Path(".")
+    out_dir = p.parent
     if not out_dir.is_dir():
         raise LnfoldError(f"{out_dir}: output directory does not exist")
     if layout is not None:
