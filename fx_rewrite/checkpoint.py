@@ -111,7 +111,7 @@ def model_class(config):
     return next((cls for cls in named if cls is not None), transformers.AutoModelForCausalLM)
 
 
-def skeleton(config, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+def skeleton(config) -> torch.nn.Module:
     """The model built from `config` with no weights: parameters on the meta device, buffers (rotary
     tables, masks) real. Eager attention: the one every exporter and the float64 run can trace."""
     from accelerate import init_empty_weights
@@ -121,7 +121,7 @@ def skeleton(config, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     cls = model_class(config)
     try:
         with init_empty_weights():
-            m = cls._from_config(config, torch_dtype=dtype) if dtype is not None else cls._from_config(config)
+            m = cls._from_config(config)
     except Exception as e:
         raise LnfoldError(f"cannot build {cls.__name__} from config.json on the meta device: {first_line(e)}") from None
     if hasattr(m, "tie_weights"):  # (from_pretrained ties after loading; a model built empty is not tied yet)
@@ -196,25 +196,21 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     plan extended by name to the full depth, where the blocks allow it (`repeated_blocks`);
     otherwise, or where the shallow plan cannot stand for the deep one, the whole model."""
     model = skeleton(ck.config)
-    return _as_loaded(_plan_of_depth(model, ck, mode), ck)
-
-
-def _plan_of_depth(model: torch.nn.Module, ck: Checkpoint, mode: str) -> CheckpointPlan:
     path = repeated_blocks(model, ck.config)
-    if path is not None:
-        shallow = skeleton(with_depth(ck.config, SHALLOW))
-        if same_blocks(model, shallow, path):
-            blocks = LayerStack(path, len(model.get_submodule(path)))
-            plan = _plan_of(shallow, ck, mode)
-            try:
-                return CheckpointPlan(
-                    blocks.extend_report(plan.report), blocks.extend_edits(plan.in_place), blocks.extend(plan.new),
-                    blocks.extend(plan.untied, named), blocks.extend(plan.norms, named),
-                    stored_names(model, ck),
-                    traced=f"{SHALLOW} of {blocks.depth} blocks ({path}.1 … {blocks.depth - 2} planned as {path}.1)")
-            except NotExtensible:
-                pass
-    return _plan_of(model, ck, mode)
+    shallow = skeleton(with_depth(ck.config, SHALLOW)) if path is not None else None
+    if shallow is not None and same_blocks(model, shallow, path):
+        blocks = LayerStack(path, len(model.get_submodule(path)))
+        plan = _plan_of(shallow, ck, mode)
+        try:
+            extended = CheckpointPlan(
+                blocks.extend_report(plan.report), blocks.extend_edits(plan.in_place), blocks.extend(plan.new),
+                blocks.extend(plan.untied, named), blocks.extend(plan.norms, named), stored_names(model, ck),
+                traced=f"{SHALLOW} of {blocks.depth} blocks ({path}.1 … {blocks.depth - 2} planned as {path}.1)")
+        except NotExtensible:
+            pass
+        else:
+            return _as_loaded(extended, ck)
+    return _as_loaded(_plan_of(model, ck, mode), ck)
 
 
 def _as_loaded(plan: CheckpointPlan, ck: Checkpoint) -> CheckpointPlan:
