@@ -36,10 +36,9 @@ SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by ro
 # --- streaming the edits -------------------------------------------------------------------------------------
 
 def fold_shard(ck: Checkpoint, out: Path, job: ShardJob) -> dict:
-    """Write one output shard: every tensor of `job`, copied or edited in float64. Returns its
-    new tensor names with their sizes (for the index). Tensors are read with pread, not through
-    a memory map: the pages of a mapped file count in the process's resident memory while they
-    are mapped, so that mapping two 400 MB shards alone would take the memory budget."""
+    """Write one output shard: every tensor of `job`, copied or edited in float64; returns its tensor
+    names -> their sizes (for the index). Read with pread, not a memory map, whose pages count in
+    the process's resident memory (two mapped 400 MB shards alone would take the memory budget)."""
     header, handles = ck.shards[job.file], {}
 
     def rows(name: str) -> Rows:
@@ -127,8 +126,7 @@ def write_shards(ck: Checkpoint, jobs_list: list[ShardJob], out: Path, jobs: int
 
 def _write_index(ck: Checkpoint, jobs_list: list[ShardJob], sizes: dict, out: Path) -> None:
     if (ck.folder / INDEX).is_file():
-        meta = dict(ck.index_meta)
-        meta["total_size"] = sum(sizes.values())
+        meta = {**ck.index_meta, "total_size": sum(sizes.values())}
         weight_map = {t.name: j.file for j in jobs_list for t in j.tensors}
         (out / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))},
                                             indent=2) + "\n")
@@ -143,19 +141,16 @@ def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> None:
             continue
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         if str(rel) == "config.json" and untied:
-            cfg = dict(ck.config_dict)
-            cfg["tie_word_embeddings"] = False
+            cfg = {**ck.config_dict, "tie_word_embeddings": False}
             (out / rel).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         else:
             shutil.copy2(p, out / rel)
 
 
 def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> None:
-    """The output holds every tensor of the input, under its name, with its dtype and shape, and
-    every tensor its stock class loads that the input's files gave it: a tensor lost on the way
-    would load at random in `from_pretrained`, a wrong model with no error (the gate's runs load
-    only what they run). Cheap: headers and a model on the meta device, whether or not the fold
-    is verified."""
+    """The output holds every tensor of the input (name, dtype, shape) and every tensor its stock
+    class loads that the input's files gave it (DESIGN §2 "Checkpoints"). Cheap: headers and a
+    model on the meta device, so it runs whether or not the fold is verified."""
     def entries(c: Checkpoint) -> dict:
         return {n: (e.dtype, e.shape) for h in c.shards.values() for n, e in h.entries.items()}
 
@@ -179,21 +174,21 @@ def _flush(folder: Path) -> None:
     must not leave a published folder whose shards are still only in the page cache."""
     for p in sorted(folder.rglob("*")):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(p)
     _flush_folder(folder)
 
 
 def _flush_folder(folder: Path) -> None:
     with contextlib.suppress(OSError):  # (a system that cannot open or fsync a folder: nothing to flush)
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def destination(src: Path, dst: Optional[Path]) -> Path:

@@ -59,10 +59,9 @@ def read_header(path: Path) -> Header:
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise LnfoldError(f"{path}: not a readable safetensors file ({first_line(e)}); truncated?") from None
     meta = raw.pop("__metadata__", None) or {}
-    entries = {}
     try:
-        for name, v in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            entries[name] = Entry(v["dtype"], tuple(v["shape"]), *v["data_offsets"])
+        entries = {name: Entry(v["dtype"], tuple(v["shape"]), *v["data_offsets"])
+                   for name, v in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0])}
     except (KeyError, TypeError, ValueError) as e:
         raise LnfoldError(f"{path}: not a readable safetensors file (bad header entry: {first_line(e)})") from None
     data = size - 8 - n
