@@ -43,7 +43,7 @@ class Streamed:
         holder = torch.empty(0, dtype=run)  # what a parameter is between its module's runs: cpu, the run's dtype
         for name, b in list(self.model.named_buffers()):
             owner, _, attr = name.rpartition(".")
-            mod = self.model.get_submodule(owner) if owner else self.model
+            mod = self.model.get_submodule(owner)
             value = self._load(name, pooled=False) if name in self.stored else \
                 (b.to(run) if b.is_floating_point() else b)
             mod._buffers[attr] = value
@@ -110,12 +110,10 @@ class Streamed:
 
     def _load(self, name: str, keep_dtype: bool = False, rows: Optional[tuple] = None,
               pooled: bool = True) -> torch.Tensor:
-        """The tensor (or its rows [lo, hi)), read into memory (no mapping of the file outlives the
-        call), in the run's dtype. The file's bytes go straight into the output where
-        the run keeps the stored dtype; else a slice of at most SLICE_BYTES in the run's dtype at a
-        time is read into a buffer of the stored dtype and converted into the output (never a
-        second full copy beside it). `pooled`: in memory of self.pool (a parameter, dropped after
-        its module runs), else of its own (a buffer, kept)."""
+        """The tensor (or its rows [lo, hi)) in the run's dtype, read into memory (no mapping of the
+        file outlives the call): straight from the file where the run keeps the stored dtype, else
+        through one buffer of the stored dtype, SLICE_BYTES at a time (never a second full copy).
+        `pooled`: in self.pool's memory (a parameter, dropped after its module runs), else its own."""
         file, e = self._entry(name)
         stored = DTYPES[e.dtype]
         run = stored if keep_dtype or self.dtype is None or not stored.is_floating_point else self.dtype
@@ -232,30 +230,29 @@ def verify_checkpoint(original: Checkpoint, folded: Checkpoint, plan: Checkpoint
     """The gate's verdict on the folded checkpoint (raises VerificationError when it fails)."""
     vocab = getattr(original.config, "vocab_size", None) or 100
     ids = torch.randint(0, vocab, TOKENS, generator=torch.Generator().manual_seed(0))
-    norms = list(plan.norms)
-    runs, stored = {}, {}
-    for which, ck, dtype in (("original", original, None), ("exact", original, torch.float64),
-                             ("folded", folded, None)):
-        m = Streamed(ck, dtype)
+
+    def run(ck: Checkpoint, dtype: Optional[torch.dtype]) -> tuple:
+        model = Streamed(ck, dtype)
         try:
-            runs[which], stored[which] = m.run(ids, norms), m.stored_dtype
+            return model.run(ids, list(plan.norms)), model.stored_dtype
         finally:
-            m.close()
-        del m
-    (ref, _, ref_out), (exact, _, exact_out), (got, got_in, got_out) = runs["original"], runs["exact"], runs["folded"]
-    dtype = _name(ref.dtype)
+            model.close()
+
+    (ref, _, ref_out), _ = run(original, None)
+    (exact, _, exact_out), _ = run(original, torch.float64)
+    (got, got_in, got_out), folded_dtype = run(folded, None)
+    a, b, x = _np(ref), _np(got), _np(exact)
     # The folded norms first, in the order they ran (the first one that fails is where the fold
     # broke), then the model's output: one criterion for all, the gate's.
     outputs = [gate.Output(f"of folded norm {n}", _name(ref_out[n].dtype), _np(ref_out[n]), _np(got_out[n]),
                            _np(exact_out[n])) for n in got_out]
-    outputs.append(gate.Output("logits" if ref.ndim == 3 else "output", dtype, _np(ref), _np(got), _np(exact)))
+    outputs.append(gate.Output("logits" if ref.ndim == 3 else "output", _name(ref.dtype), a, b, x))
     verdict = gate.judge(outputs)
     # (what is reported is the model output's: the norms' errors are checked, not summed up)
-    a, b, x = _np(ref), _np(got), _np(exact)
     verdict = dataclasses.replace(verdict, diff=max_rel_err(a, b), folded_err=max_rel_err(x, b),
                                   original_err=max_rel_err(x, a)) if verdict.judged else verdict
     if verdict.ok:
-        mean_dtype = _name(stored["folded"])
+        mean_dtype = _name(folded_dtype)
         bad = gate.off_center({n: _np(x) for n, x in got_in.items()}, mean_dtype)
         if bad:
             verdict = dataclasses.replace(verdict, ok=False, failure=(
