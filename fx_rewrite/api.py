@@ -1,15 +1,13 @@
 """The torch frontend's public API: `analyze_module` and `fold_module` (torch.export graphs).
 
-`fold_module` exports the module with torch.export (non-strict; batch and sequence sizes dynamic
-where export allows it), classifies the ATen graph into the stream view, asks passes/ for a plan
-and applies it to `ExportedProgram.module()` with its own copy of every parameter: the user's
-module and its state_dict are never touched.
+`fold_module` exports the module with torch.export (non-strict; sizes dynamic where export allows
+it), classifies the ATen graph, asks passes/ for a plan and applies it to `ExportedProgram.module()`
+with its own copy of every parameter: the user's module and its state_dict are never touched.
 
-What the returned module runs (DESIGN "Speed honesty"): in eager mode on CPU `F.rms_norm` is a
-chain of separate kernels and slower than the fused `F.layer_norm` (benchmarks/RESULTS.md), and a
-LayerNorm on a zero-mean stream computes exactly what RMSNorm does. So `norm="auto"` keeps `aten.layer_norm` on the now
-centered stream (same speed as the original, and exact); `norm="rms_norm"` emits `aten.rms_norm`
-(+ an Add for β). Under torch.compile use the `lnfold` backend, which emits RMSNorm for Inductor.
+What the returned module runs (DESIGN "Speed honesty"): in eager mode on CPU `F.rms_norm` is slower
+than the fused `F.layer_norm` (benchmarks/RESULTS.md), and a LayerNorm on a zero-mean stream is an
+RMSNorm; so `norm="auto"` keeps `aten.layer_norm` on the centered stream, `norm="rms_norm"` emits
+`aten.rms_norm` (+ an Add for β). Under torch.compile the `lnfold` backend emits RMSNorm for Inductor.
 """
 from __future__ import annotations
 

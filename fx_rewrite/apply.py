@@ -1,16 +1,11 @@
 """Apply a fold plan to an FX graph: new constants, recenters, and the norms each target runs best.
+Every decision (where β goes, which Muls by ones go) is the plan's; the Applier only executes it.
 
-Where a centered constant comes from depends on who calls (see `Constants` below):
-- `fold_module` computes it once in float64 and stores it as a new attribute of its own copy;
-- the torch.compile backend at inference feeds cached centered copies as extra graph inputs, so
-  the user's parameters stay untouched and a changed parameter is noticed;
-- the backend under autograd computes `W - mean(W)` in the graph from the optimizer's own
-  parameters, so gradients reach them unchanged (DESIGN §1, "Equivalence in training").
-
-Norms: a folded LayerNorm reads a zero-mean stream, so both `layer_norm` and `rms_norm` are exact
-there; `norm="rms_norm"` swaps it, `norm="layer_norm"` keeps the op as it is. Where β goes (an
-Add after the norm, or the readers' biases) is the plan's decision (passes/beta.py), as is which
-Muls by ones go: the Applier only executes the plan.
+Where an edited constant comes from depends on who calls (`Constants`): a new attribute computed
+once in float64 (fold_module), a cached extra input (the backend at inference, cache.py), or
+`W - mean(W)` in the graph from the optimizer's own parameters (the backend under autograd, so
+gradients reach them unchanged: DESIGN §1). A folded LayerNorm reads a zero-mean stream, where
+`layer_norm` and `rms_norm` are both exact: `norm` says which one runs.
 """
 from __future__ import annotations
 
@@ -76,7 +71,7 @@ TORCH = Dialect(
 # --- where centered constants come from ------------------------------------------------------------
 
 class Constants:
-    """Strategy: make the graph read the edited version of a constant; returns the node to read."""
+    """Make the graph read the edited version of a constant; returns the node to read."""
 
     def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
         raise NotImplementedError
@@ -118,13 +113,8 @@ class Applier:
     def __init__(self, gm: fx.GraphModule, view: View, info: GraphInfo, dialect: Dialect,
                  constants: Constants, norm: str = "rms_norm") -> None:
         check_choice("norm", norm, NORMS)  # resolved: FoldOptions turned "auto" into one of these
-        self.gm = gm
-        self.graph = gm.graph
-        self.view = view
-        self.info = info
-        self.dialect = dialect
-        self.constants = constants
-        self.norm = norm
+        self.gm, self.graph, self.view, self.info = gm, gm.graph, view, info
+        self.dialect, self.constants, self.norm = dialect, constants, norm
         self.nodes = {n.name: n for n in self.graph.nodes}
 
     def node_named(self, name: str) -> fx.Node:
@@ -175,7 +165,8 @@ class Applier:
     def _const_edit(self, edit: ConstEdit, k: int) -> None:
         if edit.value in self.info.scalars:  # a Python number in the stream: write it in place
             node, arg = self.info.scalars[edit.value]
-            set_arg(node, arg, _scalar_after(edit, canonical(node).args[arg]))
+            value = np.asarray(canonical(node).args[arg], np.float64)
+            set_arg(node, arg, float(compute_constants([edit], lambda _: value)[0][1]))
             return
         new = self.constants.node_for(self, edit, k)
         for user, idx in edit.users:
@@ -333,12 +324,8 @@ def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool =
 
 
 def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed: Optional[dict] = None) -> fx.GraphModule:
-    """A twin of `gm` (sharing its tensors) whose folded LayerNorms are RMSNorms.
-
-    A LayerNorm is exact whether or not its input was centered, so checking a module that kept
-    them proves little about the centering; its RMSNorm twin is exact only if every stream the
-    plan centered really is zero-mean.
-    """
+    """A twin of `gm` (sharing its tensors) whose folded LayerNorms are RMSNorms: exact only if every
+    stream the plan centered really is zero-mean (a kept LayerNorm is exact either way)."""
     with warnings.catch_warnings():  # torch's own deprecation, raised by copying its pytree specs in node meta
         warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 category=FutureWarning)
@@ -353,8 +340,3 @@ def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed
             swap_norm(probe.graph, nodes[name], dialect)
     probe.recompile()
     return probe
-
-
-def _scalar_after(edit: ConstEdit, value: float) -> float:
-    out = compute_constants([edit], lambda _: np.asarray(value, np.float64))
-    return float(out[0][1])

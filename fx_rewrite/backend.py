@@ -51,7 +51,7 @@ from .backend_log import KEPT, reports, timings  # noqa: F401  (the backend's lo
 from .cache import CachedInputs, derived_biases, with_extra_inputs
 from .classify import build_view
 from .dynamo import constant_inputs, specialize_scalars, static_examples, working_copy
-from .edits import attr_of, tensor_attrs
+from .edits import LOW_PRECISION, attr_of, tensor_attrs
 from .verify import verify_graph
 
 log = logging.getLogger("lnfold")
@@ -107,12 +107,9 @@ class _Unfolded(Exception):
 
 
 class DynamoFrontend:
-    """The backend in the pipeline (passes/pipeline.py): a copy of Dynamo's graph folded, the
-    edited constants as extra inputs (inference) or computed in the graph (training).
-
-    A failure of the fold itself never costs the user their compile: `view`, `plan` and `apply`
-    turn it into `_Unfolded` (logged), and the unfolded graph is compiled; a failed verification
-    is raised."""
+    """The backend in the pipeline (passes/pipeline.py): a copy of Dynamo's graph folded. A failure
+    of the fold never costs the user their compile: `view`, `plan` and `apply` turn it into
+    `_Unfolded` (logged), and the unfolded graph is compiled; a failed verification is raised."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, opts: FoldOptions,
                  on_report: Optional[Callable]) -> None:
@@ -242,7 +239,6 @@ class LowPrecisionWarning(UserWarning):
 
 
 _low_precision_warned = False
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _say_if_low_precision(edited_dtypes: set[torch.dtype]) -> None:
@@ -275,11 +271,8 @@ def _warn_once(flag: str, category: type, msg: str) -> None:
 
 
 def register() -> None:
-    """Make backend="lnfold" resolve to this module, unless torch already knows the name.
-
-    An installed lnfold registers through the `torch_dynamo_backends` entry point, which torch
-    loads itself; registering again here would make that load fail as a duplicate.
-    """
+    """Make backend="lnfold" resolve to this module, unless torch already knows the name (an
+    installed lnfold's entry point, which a second registration would make fail as a duplicate)."""
     from torch._dynamo.backends.registry import list_backends, register_backend
 
     if "lnfold" not in list_backends(exclude_tags=()):

@@ -2,7 +2,7 @@
 parameters Dynamo passes, cached, and recomputed only when a parameter changes."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,13 +18,9 @@ from .deferred_norm import BiasNode
 
 
 class CachedInputs(Constants):
-    """Inference: centered copies of constants, fed to the graph as extra inputs.
-
-    Computed in float64 when first needed and again only when a source parameter changes
-    (another tensor object, storage or version counter). A constant that is a graph attribute
-    rather than an input is centered once. (New attributes are no option: AOTAutograd would
-    lift them as parameters Dynamo does not know.)
-    """
+    """Inference: edited copies of constants as extra graph inputs (new attributes are no option:
+    AOTAutograd would lift them as parameters Dynamo does not know), computed in float64 and again
+    only when a source parameter changes (tensor object, storage or version); an attribute's, once."""
 
     def __init__(self, placeholders: dict[str, int], tensor: Callable) -> None:
         self.placeholders = placeholders
@@ -35,26 +31,22 @@ class CachedInputs(Constants):
 
     def node_for(self, applier, edit, k):
         g = applier.graph
-        last = [n for n in g.nodes if n.op == "placeholder"][-1]
         name = f"lnfold_{edit.value}"
         if any(n.op == "placeholder" and n.target == name for n in g.nodes):
             name = f"{name}_{k}"  # one constant, two edits (CRMS: a tied table and its lm_head)
-        with g.inserting_after(last):
-            node = g.placeholder(name)
-        node._dynamo_source = None  # AOTAutograd asks every Dynamo input where it came from
-        if all(n in self.placeholders for n in edit.sources()):
-            self.extra.append(edit)
-        else:
-            self.extra.append(self._compute([edit], self.tensor)[0])
-        return node
+        fixed = not all(n in self.placeholders for n in edit.sources())  # (an attribute's: centered once)
+        return self._input(g, name, self._compute([edit], self.tensor)[0] if fixed else edit)
 
     def derived_input(self, g: fx.Graph, name: str, sources: list[str], compute: Callable) -> fx.Node:
-        last = [n for n in g.nodes if n.op == "placeholder"][-1]
-        with g.inserting_after(last):
+        fixed = not all(n in self.placeholders for n in sources)
+        return self._input(g, name, compute(self.tensor) if fixed else Derived(sources, compute))
+
+    def _input(self, g: fx.Graph, name: str, entry: Any) -> fx.Node:
+        """A new last input of `g`, fed `entry` (see `extra`)."""
+        with g.inserting_after([n for n in g.nodes if n.op == "placeholder"][-1]):
             node = g.placeholder(name)
-        node._dynamo_source = None
-        entry = Derived(sources, compute)
-        self.extra.append(entry if all(n in self.placeholders for n in sources) else compute(self.tensor))
+        node._dynamo_source = None  # AOTAutograd asks every Dynamo input where it came from
+        self.extra.append(entry)
         return node
 
     def _compute(self, edits: list[ConstEdit], tensor: Callable) -> list[torch.Tensor]:
@@ -82,12 +74,12 @@ def _identity(t: torch.Tensor):
         return (id(t), t.data_ptr(), -1)
 
 
+@dataclass
 class Derived:
     """An extra input computed from constants (a deferred norm's bias), and what it reads."""
 
-    def __init__(self, sources: list[str], compute: Callable[[Callable[[str], torch.Tensor]], torch.Tensor]) -> None:
-        self.sources = sources
-        self.compute = compute
+    sources: list[str]
+    compute: Callable[[Callable[[str], torch.Tensor]], torch.Tensor]
 
 
 def with_extra_inputs(compiled: Callable, extra: CachedInputs) -> Callable:

@@ -302,19 +302,16 @@ def _reorder(g: GraphInfo, node: fx.Node, call: Call) -> Built:
 
 
 def _select(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    """select (one index of `dim`) and unbind (each index, one output each): a take of that axis."""
     x = call.node("input")
     i, dim = g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x))
-    k = call.get("index")
-    k = [k] if isinstance(k, int) and not isinstance(k, bool) else None  # a SymInt: not known
-    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, index=k)
-
-
-def _unbind(g: GraphInfo, node: fx.Node, call: Call) -> Built:
-    x = call.node("input")
-    i, dim = g.index(node, x), _norm_axis(call.get("dim", 0), g.rank(x))
-    n = len(meta_val(node) or ())
-    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, outs=list(range(n)),
-                                                      index=list(range(n)))
+    if call.kind == "unbind":
+        n = len(meta_val(node) or ())
+        picked = dict(outs=list(range(n)), index=list(range(n)))
+    else:
+        k = call.get("index")
+        picked = dict(index=[k] if isinstance(k, int) and not isinstance(k, bool) else None)  # a SymInt: not known
+    return None if i is None or dim is None else rule("take", data=i, start=dim, stop=dim + 1, q=0, **picked)
 
 
 def _index_select(g: GraphInfo, node: fx.Node, call: Call) -> Built:
@@ -514,12 +511,9 @@ def _layer_norm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     eps = call.get("eps", 1e-5)
     return rule("layer_norm", data=0 if i is None else i, axes=list(range(-n, 0)) if rank is not None else [-1],
                 gamma=g.index(node, w) if w is not None else None, beta=g.index(node, b) if b is not None else None,
-                eps=eps if isinstance(eps, numbers.Number) else None, stats_used=_stats_used(node))
-
-
-def _stats_used(node: fx.Node) -> bool:
-    """native_layer_norm also returns mean and rstd; a fold changes both."""
-    return any(is_tuple_getitem(u) and u.args[1] != 0 and u.users for u in node.users)
+                eps=eps if isinstance(eps, numbers.Number) else None,
+                # native_layer_norm also returns mean and rstd; a fold changes both
+                stats_used=any(is_tuple_getitem(u) and u.args[1] != 0 and u.users for u in node.users))
 
 
 Builder = Callable[[GraphInfo, fx.Node, Call], Built]
@@ -541,8 +535,7 @@ KINDS: dict[str, Builder] = {
     "slice": _slice,
     "pad": _pad,
     "reorder": _reorder,
-    "select": _select,
-    "unbind": _unbind,
+    **dict.fromkeys(("select", "unbind"), _select),
     "index": _index,
     "index_select": _index_select,
     "gather": _gather,
@@ -609,16 +602,10 @@ def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
         v.rank = None if v.shape is None else len(v.shape)
         v.is_const = name in consts
         v.is_graph_input = fxn is not None and fxn.op == "placeholder" and not v.is_const
-    for node in graph.nodes:
-        if node.op == "output":
-            for leaf in _leaves(node.args):
-                if leaf.name in view.values:
-                    view.values[leaf.name].is_graph_output = True
+    outputs: list[fx.Node] = []
+    fx.node.map_arg([n.args for n in graph.nodes if n.op == "output"], outputs.append)
+    for leaf in outputs:
+        if leaf.name in view.values:
+            view.values[leaf.name].is_graph_output = True
     g.decomposed = collapse_norms(view)
     return view, g
-
-
-def _leaves(args: Any) -> list[fx.Node]:
-    out: list[fx.Node] = []
-    fx.node.map_arg(args, lambda n: out.append(n))
-    return out

@@ -16,14 +16,14 @@ from ..passes.plan import Plan
 
 from .classify import meta_val, norm_outputs, varargs_sizes
 from .deferred_norm import erase_unread
-from .edits import from_numpy, graph_algebra, new_attr, to_numpy, weight_times
+from .edits import LOW_PRECISION, from_numpy, graph_algebra, new_attr, to_numpy, weight_times
 from .ops import canonical, set_arg
 
 
 def crms_norm(x: torch.Tensor, d: int, eps: float) -> torch.Tensor:
     """CRMSNorm (seed 001 eq. 5) over the last axis of `x` (d-1 wide): the RMSNorm of the
     zero-mean d-vector concat(x, -Σx), in its first d-1 entries, without γ."""
-    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xs = x.float() if x.dtype in LOW_PRECISION else x
     s = xs.sum(-1, keepdim=True)
     ms = ((xs * xs).sum(-1, keepdim=True) + s * s) / d
     return (xs * torch.rsqrt(ms + eps)).to(x.dtype)

@@ -22,10 +22,8 @@ from ..passes.defer import DeferDecision, Deferral
 from ..passes.readers import LinearReader
 
 from .classify import is_tuple_getitem, meta_val
+from .edits import LOW_PRECISION
 from .ops import canonical
-
-_LOW = (torch.float16, torch.bfloat16)
-
 
 BiasNode = Callable[[Deferral, LinearReader], Optional[fx.Node]]
 
@@ -44,8 +42,7 @@ def emit_all(gm: fx.GraphModule, decision: DeferDecision, bias_node: BiasNode) -
 
 def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
          bias_node: Callable[[LinearReader], Optional[fx.Node]]) -> None:
-    """`bias_node(reader)` gives the node holding the reader's new bias (W β + b), or None when
-    the reader keeps its own bias (β absent)."""
+    """One deferred norm; `bias_node(reader)`: as for `emit_all`."""
     norm = nodes[d.norm]
     call = canonical(norm)
     if call is None or call.kind != "layer_norm":  # a norm written out: its first mean, its last op
@@ -57,11 +54,11 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
             else [norm]
     dtype = getattr(meta_val(x), "dtype", torch.float32)
     with graph.inserting_before(norm):
-        xs = graph.call_method("float", (x,)) if dtype in _LOW else x
+        xs = graph.call_method("float", (x,)) if dtype in LOW_PRECISION else x
         sq = graph.call_function(operator.mul, (xs, xs))
         ms = graph.call_function(torch.mean, (sq,), {"dim": -1, "keepdim": True})
         r = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (ms, d.epsilon)),))
-        if dtype in _LOW:
+        if dtype in LOW_PRECISION:
             r = graph.call_method("to", (r, dtype))
         r2 = graph.call_method("reshape", (r, -1, 1))
     for out in outs:

@@ -29,14 +29,9 @@ def _is_module_state(node: fx.Node) -> bool:
 
 
 def specialize_scalars(gm: fx.GraphModule) -> None:
-    """Put the value in place of every scalar node that Dynamo has specialized.
-
-    Under dynamic shapes (`dynamic=True`, or the recompile after a second shape) Dynamo passes a
-    module's float attributes (a LayerNorm's eps) as 0-d tensor inputs read through `.item()`;
-    where an op needs a plain number it specializes that SymFloat to its value and guards on it
-    (`ln.eps == 1e-05`). The graph still reads the `.item()` node, whose value is that constant:
-    using the number itself is what the guard guarantees, and lets the analysis see a constant
-    eps (otherwise every norm is kept: "its eps is not a constant")."""
+    """Put the value in place of every scalar node that Dynamo has specialized: under dynamic shapes
+    a LayerNorm's eps comes as a 0-d tensor input read through `.item()`, specialized and guarded
+    (`ln.eps == 1e-05`); the guard guarantees the number, which the analysis needs as a constant."""
     changed = False
     for node in list(gm.graph.nodes):
         if node.op == "placeholder":

@@ -20,7 +20,7 @@ from torch import fx
 from ..passes import weights
 from ..passes.edits import Algebra
 
-_LOW = (torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # their means are taken in float32
 
 
 def center(x: torch.Tensor, axis, block=None, lo: int = 0, hi=None, stride=None) -> torch.Tensor:
@@ -44,7 +44,7 @@ def center(x: torch.Tensor, axis, block=None, lo: int = 0, hi=None, stride=None)
         head, part, tail = x.narrow(axis, 0, lo), x.narrow(axis, lo, hi - lo), x.narrow(axis, hi, n - hi)
         runs = part.unflatten(axis, (-1, block))
         return torch.cat([head, center(runs, axis + 1).flatten(axis, axis + 1), tail], axis)
-    mean = x.mean(axis, keepdim=True, dtype=torch.float32).to(x.dtype) if x.dtype in _LOW \
+    mean = x.mean(axis, keepdim=True, dtype=torch.float32).to(x.dtype) if x.dtype in LOW_PRECISION \
         else x.mean(axis, keepdim=True)
     return x - mean
 
@@ -144,16 +144,6 @@ def rounded(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(f).to(torch.bfloat16)
 
 
-def unique_attr(gm: torch.nn.Module, base: str) -> str:
-    """A fresh attribute name of `gm` for a new constant, from `base`."""
-    base = base.replace(".", "_")
-    name, k = base, 0
-    while hasattr(gm, name):
-        k += 1
-        name = f"{base}_{k}"
-    return name
-
-
 def attr_of(gm: torch.nn.Module, target: str) -> Any:
     """The attribute a get_attr node's `target` names (None: `gm` has none)."""
     owner, _, attr = target.rpartition(".")
@@ -170,7 +160,11 @@ def new_attr(gm: fx.GraphModule, base: str, t: torch.Tensor, before: fx.Node,
              like: Optional[torch.Tensor] = None) -> fx.Node:
     """`t` as a new attribute of `gm` named from `base` (a Parameter when `like` is one, else a
     buffer), read by a get_attr inserted before node `before`."""
-    name = unique_attr(gm, base)
+    base = base.replace(".", "_")
+    name, k = base, 0
+    while hasattr(gm, name):  # a fresh attribute name
+        k += 1
+        name = f"{base}_{k}"
     if isinstance(like, torch.nn.Parameter):
         gm.register_parameter(name, torch.nn.Parameter(t, requires_grad=like.requires_grad))
     else:

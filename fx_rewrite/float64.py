@@ -1,11 +1,7 @@
-"""The float64 run of a torch module, made as onnx_rewrite/verify.py makes a float64 copy of a graph.
-
-The ONNX copy turns float initializers, constants, Casts and inputs into double: every float tensor
-of the computation is float64. For a module, `.double()` converts parameters and buffers only; the
-tensors it makes at run time keep their float32 (a cast, `torch.full((), finfo(float64).min)` with
-the default dtype: transformers' eager attention overflows there). Under this dispatch mode every op
-computes in float64.
-"""
+"""The float64 run of a torch module, as onnx_rewrite/verify.py's float64 copy of a graph: every
+float tensor of the computation in float64. `.double()` alone converts parameters and buffers only;
+the tensors made at run time keep float32 (a cast, `torch.full((), finfo(float64).min)` with the
+default dtype: transformers' eager attention overflows there)."""
 from __future__ import annotations
 
 import torch
@@ -48,8 +44,7 @@ class Float64Everywhere(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def suspended():
-    """A block in which no dispatch mode runs (Float64Everywhere included): a checkpoint's tensors
-    are read from their files there, in their stored dtype, while a float64 run is under way
-    (fx_rewrite/checkpoint_verify.py loads each module's weights as the module is reached)."""
-    return disable_dispatch_modes()
+# `with suspended():` a block in which no dispatch mode runs (Float64Everywhere included): a checkpoint's
+# tensors are read from their files there, in their stored dtype, while a float64 run is under way
+# (fx_rewrite/checkpoint_verify.py loads each module's weights as the module is reached).
+suspended = disable_dispatch_modes

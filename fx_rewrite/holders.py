@@ -30,15 +30,12 @@ class Holder:
         return self.module._buffers[self.name] if t is None else t
 
 
-
 # --- from the exported graph back to the module ---------------------------------------------------
 
 class ModuleMap:
-    """Maps the plan's constants (graph values) to where the module holds them, per reader.
-
-    A reader (a graph node) reads a tensor through the attribute of the module it runs in
-    (`nn_module_stack`), or of the one module below it that holds the tensor; a tied tensor has
-    one holder per module that holds it (GPT-2: `wte.weight` and `lm_head.weight`)."""
+    """Maps the plan's constants (graph values) to where the module holds them, per reader: the
+    attribute of the module the reader runs in (`nn_module_stack`) or of the one module below it
+    that holds the tensor (a tied tensor: one per module, GPT-2's `wte.weight`, `lm_head.weight`)."""
 
     def __init__(self, module: nn.Module, gm: fx.GraphModule, attrs: dict[str, str], info: GraphInfo,
                  who: str = "the module-level training fold") -> None:

@@ -16,19 +16,12 @@ import torch
 from torch import fx
 
 
-def _grad_region_op():
-    try:
-        from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
-    except ImportError:  # a torch without it exports no such regions
-        return None
-    return wrap_with_set_grad_enabled
-
-
 def inline_no_grad_regions(gm: fx.GraphModule) -> None:
     """Replace every `wrap_with_set_grad_enabled(False, ...)` call of `gm` by its submodule's nodes
     (nested regions too); a region that reads attributes of its own or returns no tuple stays."""
-    op = _grad_region_op()
-    if op is None:
+    try:
+        from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled as op
+    except ImportError:  # a torch without it exports no such regions
         return
     changed = True
     while changed:

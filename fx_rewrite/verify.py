@@ -9,20 +9,18 @@ from typing import Callable, Optional
 
 import torch
 from torch import fx
-from .hf import pytree
 
 from ..passes import VerificationError, gate
 
 from .dynamo import concrete_inputs
+from .edits import to_numpy
 from .float64 import Float64Everywhere
-from .hf import fresh
+from .hf import fresh, pytree
 
 
 class Verifier:
-    """Runs the original (and a float64 copy of it) once and judges folded modules with the gate
-    of passes/gate.py (DESIGN §4): each output's error against float64 may not exceed the
-    original's own error times a small factor, plus a floor. Where the float64 copy cannot be
-    made or run, the gate's fallback (a fixed tolerance against the original) is used."""
+    """Runs the original (and a float64 copy of it, `ref64`) once and judges folded modules with the
+    gate of passes/gate.py (DESIGN §4; its fallback where the float64 copy cannot be run)."""
 
     def __init__(self, original: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self.original, self.args, self.kwargs = original, args, kwargs
@@ -43,11 +41,8 @@ class Verifier:
 
 
 def ref64(original: Callable, args, kwargs: dict, ref: list) -> Optional[list]:
-    """The leaves of a float64 run of a copy of `original`, or None where it cannot be made (a
-    module that does not copy or does not run in float64).
-
-    Every op runs in float64, the tensors the module makes at run time included, as in the ONNX
-    frontend's float64 copy (float64.py says why `.double()` alone is not that)."""
+    """The leaves of a float64 run of a copy of `original` (every op in float64: float64.py), or None
+    where it cannot be made (a module that does not copy or does not run in float64)."""
     cast = lambda x: x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
     try:
         m64 = copy.deepcopy(original).double()
@@ -71,8 +66,8 @@ def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:
                 return gate.Verdict(False, "outputs", float("inf"), failure=f"output {r!r} became {g!r}")
             continue
         e = exact[k] if exact is not None and isinstance(exact[k], torch.Tensor) else None
-        outs.append(gate.Output(f"#{k}", str(r.dtype).removeprefix("torch."), _np(r), _np(g),
-                                None if e is None else _np(e)))
+        outs.append(gate.Output(f"#{k}", str(r.dtype).removeprefix("torch."), to_numpy(r), to_numpy(g),
+                                None if e is None else to_numpy(e)))
     return gate.judge(outs)
 
 
@@ -84,21 +79,15 @@ def _seeded(module: torch.nn.Module, args: tuple, kwargs: dict):
         return module(*fresh(args), **fresh(kwargs))
 
 
-def _np(t: torch.Tensor):
-    t = t.detach().to("cpu")
-    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-
-
 def verify_graph(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
     """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
     the original graph where one can be made). Under dynamic shapes the graphs take symbolic
     sizes among their inputs: they run here with the sizes of the tensors at hand."""
-    concrete = concrete_inputs(original, example_inputs)
-    if concrete is None:
+    example_inputs = concrete_inputs(original, example_inputs)
+    if example_inputs is None:
         raise VerificationError("lnfold: cannot verify: a symbolic size of this graph has no example value "
                                 "(an unbacked size no input carries); compile without lnfold.verify, or verify "
                                 "with lnfold.fold_module")
-    example_inputs = concrete
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))
         got = pytree.tree_leaves(folded(*example_inputs, *extra))
