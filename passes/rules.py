@@ -268,20 +268,13 @@ def _scale(view, node, operands, divide=False):
     def channel_scale(o, a):
         if divide or R is None:
             return None
-        for j in (0, 1):
-            x, s = operands[1 - j], operands[j]
-            if x is None or not _is_const(view, node, s) or _is_const(view, node, x):
+        for j in (0, 1):  # operand j a constant factor along the feature axis only, 1 - j the stream
+            x, s, shape, xs = operands[1 - j], operands[j], shapes[j], shapes[1 - j]
+            if x is None or not _is_const(view, node, s) or _is_const(view, node, x) or shape is None or xs is None:
                 continue
-            shape, xs = shapes[j], shapes[1 - j]
-            if shape is None or xs is None:
-                continue
-            k = a - (R - len(shape))
-            if k < 0 or any(d != 1 for n, d in enumerate(shape) if n != k):
-                continue
-            b = a - (R - len(xs))
-            if b < 0:
-                continue
-            return ChannelScale(x, b, ConstRef(node.inputs[s], k, node.name, s))
+            k, b = a - (R - len(shape)), a - (R - len(xs))
+            if k >= 0 and b >= 0 and all(d == 1 for n, d in enumerate(shape) if n != k):
+                return ChannelScale(x, b, ConstRef(node.inputs[s], k, node.name, s))
         return None
 
     return dict(transfer=transfer, backward=backward, channel_scale=channel_scale)
@@ -504,18 +497,15 @@ def uniform_along(view: View, value: str, axis: int) -> bool:
         return True
     p = view.nodes.get(v.producer) if v.producer else None
     kind, prm = kind_of(p.rule) if p is not None else (None, {})
-    if kind == "broadcast" and not prm.get("minus") and len(prm["data"]) == 1:  # expand
-        d = prm["data"][0]
-        s = _shape(view, p, d)
-        k = None if s is None else axis - (len(v.shape) - len(s))
-        return s is not None and (k < 0 or s[k] == 1 or uniform_along(view, p.inputs[d], k))
     if kind == "elementwise":
         return uniform_along(view, p.inputs[prm.get("data", 0)], axis)
-    if kind == "tile" and prm.get("axes") is not None:  # `idx.unsqueeze(-1).repeat(1, 1, d)`
-        d = prm.get("data", 0)
+    expand = kind == "broadcast" and not prm.get("minus") and len(prm["data"]) == 1
+    if expand or (kind == "tile" and prm.get("axes") is not None):  # `idx.unsqueeze(-1).repeat(1, 1, d)`
+        d = prm["data"][0] if expand else prm.get("data", 0)
         s = _shape(view, p, d)
         k = None if s is None else axis - (len(v.shape) - len(s))
-        return s is not None and (k < 0 or s[k] == 1 or (axis not in prm["axes"] and uniform_along(view, p.inputs[d], k)))
+        tiled = not expand and axis in prm["axes"]  # copies of the whole input along it
+        return s is not None and (k < 0 or s[k] == 1 or (not tiled and uniform_along(view, p.inputs[d], k)))
     return False
 
 
@@ -551,22 +541,17 @@ def _tile(view, node, data=0, axes=None):
 
 
 def _resample(view, node, data=0, axes=None, sizes=None, slot=None, fixed=False):
-    """Interpolation along `axes` (YOLOS resizes its patch position table to the image): each
-    output row is a sum of input rows along those axes, with weights that are the same for every
-    entry of the other axes. With the feature axis not among them, a per-row shift a·1 becomes
-    (Σ w·a)·1, again a per-row scalar, and zero-mean rows sum to zero-mean rows: shift-transparent
-    (DESIGN §1). It computes new values, so it is no layout op. Its output sizes, where it
-    spells them (ONNX Resize's `sizes`), spell the width too."""
+    """Interpolation along `axes` (YOLOS resizes its patch position table to the image): a per-row
+    map of the shift off those axes (DESIGN §1), computing new values, so no layout op. Its output
+    sizes, where it spells them (ONNX Resize's `sizes`), spell the width too."""
     return dict(same_axes_rules([data], [0], None if axes is None else set(axes)),
                 width_refs=_width_refs(view, node, sizes, slot, fixed))
 
 
 def _zero_rows(view, node, data=0, mask=1):
-    """masked_fill(x, mask, 0) (ESM's token dropout zeroes the mask tokens' embeddings): where the
-    mask is the same for every feature of a row, each output row is x's row, carrying its shift,
-    or zeros. A shift α·1 per row becomes α·(1 − mask)·1, again a per-row scalar, and a zero-mean
-    row stays zero-mean (a zero row is): shift-transparent (DESIGN §1). Another fill value c
-    would write c·1, a row of mean c: opaque."""
+    """masked_fill(x, mask, 0) (ESM's token dropout): where the mask is one value along a row's
+    features, the row is x's or zeros, a per-row map of the shift (DESIGN §1). Another fill value
+    writes rows of its mean: opaque."""
     R = _out_rank(view, node)
 
     def along_rows(a):  # the mask is one value along output axis a
@@ -716,13 +701,10 @@ def _matmul(view, node, a=0, b=1, bias_after=False):
         R = _out_rank(view, node)
         if R is None or R < 2:
             return None
-        r0, r1 = _rank(view, node, a), _rank(view, node, b)
-        if ax == R - 1 and r1 is not None and r1 >= 2:
-            ref = const_ref(view, node, b, r1 - 1)
-            if ref is not None:
-                return [ref]
-        if ax == R - 2 and r0 is not None and r0 >= 2:  # W @ x: rows of W are output features
-            ref = const_ref(view, node, a, r0 - 2)
+        # x @ W: W's last axis holds the output features; W @ x: its rows
+        for w, out_axis, w_axis in ((b, R - 1, -1), (a, R - 2, -2)):
+            rank = _rank(view, node, w)
+            ref = const_ref(view, node, w, rank + w_axis) if ax == out_axis and rank is not None and rank >= 2 else None
             if ref is not None:
                 return [ref]
         return None
@@ -827,10 +809,7 @@ RULES: dict[str, Callable[..., dict]] = {
     "elementwise": _elementwise,
     "broadcast": _broadcast,
     "scale": _scale,
-    "pow": _opaque,
-    "sqrt": _opaque,
-    "rsqrt": _opaque,
-    "reciprocal": _opaque,
+    **dict.fromkeys(("pow", "sqrt", "rsqrt", "reciprocal"), _opaque),
     "reshape": _reshape,
     "permute": _permute,
     "along": _along,
