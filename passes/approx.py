@@ -153,9 +153,7 @@ def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, me
                        progress: Progress = None) -> FoldResult:
     """Mode "rms-approx" for any frontend: the exact fold verified as always (when `folds.opts.verify`),
     then `choose` over the kept norms by their measured error on `data.deciding`, the chosen fold
-    built once more and measured on `data.held` (passes/calibration.split's rule). NOT exact: the
-    result says so. Cost: the exact fold (its view and plan are the decision's), one fold per measured
-    set, the final fold; one run per fold measured and one of the original."""
+    built once more and measured on `data.held`. NOT exact: the result says so."""
     budget = check_budget(budget)
     measure = metric or relative_error
     if folds.opts.verify:  # the exact part is judged by the gate, as in every fold; its plan is the one read

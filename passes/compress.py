@@ -54,14 +54,6 @@ class ComponentCompression:
     decompressions: int = 0
     saved_per_token: int = 0  # multiply-adds and element operations, the cost rule's units
 
-    def describe(self) -> str:
-        head = f"{len(self.norms)} norm(s) from `{self.norms[0]}`"
-        if self.compressed:
-            return (f"{head}: compressed to {self.width - 1} features "
-                    f"({len(self.absorbs)} reader(s) absorb the decompression, "
-                    f"{self.decompressions} decompression(s))")
-        return f"{head}: RMSNorm, not compressed: {self.reason}"
-
 
 class _Fallback(Exception):
     pass

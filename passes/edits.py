@@ -196,7 +196,6 @@ class ConstEdit:
     ops: tuple  # of Op, applied left to right to the original array
     users: tuple[tuple[str, int], ...]  # (node, input index) that must read the edited tensor
     clone: bool  # other readers exist: write a new constant and rewire `users` to it
-    new_name: str = ""  # the name of the clone (or of the edited constant when not cloned)
 
     def sources(self) -> list[str]:
         return [self.value] + [n for op in self.ops for n in op.constants()]

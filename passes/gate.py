@@ -138,13 +138,9 @@ def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verd
 
 
 def rounding_bound(storage_dtype: str, sensitivity: Optional[float]) -> float:
-    """How far a correct fold's float64 copy may be from the original's (DESIGN §4): the fold is
-    exact algebra but for storing each weight it edits back in `storage_dtype`, which moves it by
-    at most one unit roundoff. `sensitivity` is how far the original's outputs move when every
-    weight stored in that dtype is moved by one unit roundoff (a random sign each): the fold's
-    roundings touch fewer weights by at most as much, so FACTOR x sensitivity bounds them. This
-    follows the model: a CLIP whose logits are exp(logit_scale) x cosines near 0 amplifies
-    roundings that a GPT-2 does not. Without a measure (None): FLOOR of the dtype."""
+    """How far a correct fold's float64 copy may be from the original's (DESIGN §4 derives it):
+    `sensitivity` is how far the outputs move when every weight stored in `storage_dtype` is moved
+    by one unit roundoff (a random sign each); without a measure (None): FLOOR of the dtype."""
     return COPIES_REL + (FLOOR.get(storage_dtype, 0.0) if sensitivity is None else FACTOR * sensitivity)
 
 

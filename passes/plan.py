@@ -195,7 +195,8 @@ class _Draft:
         bf = self.betas.pop(norm, None)
         if bf is None or not bf.folded:
             return
-        self.new_biases[:] = [nb for nb in self.new_biases if (nb.node, nb.op) not in {(n, add) for n, add, _ in bf.new}]
+        gone = {(n, add) for n, add, _ in bf.new}
+        self.new_biases[:] = [nb for nb in self.new_biases if (nb.node, nb.op) not in gone]
         mine = {(b.user, b.user_input): add for b, add in bf.edits}
         kept = []
         for e in self.const_edits:
@@ -209,14 +210,7 @@ class _Draft:
 
 def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **fields) -> Plan:
     """The complete plan that folds every foldable component of `view`, as `request` asks
-    (passes/request.py; a mode name, or PlanRequest's fields as keywords, stand for a request).
-
-    Decided here, in order: which components fold (the analysis, and the frontend's refusals),
-    their constant edits and recenters, β (into the readers' biases or an Add), compression
-    (mode "crms"), the Muls that go, which norms the target fuses with their residual Add,
-    which norms are emitted deferred (and γ into their readers' weights), and whether the fold
-    trains (its edits then computed in the graph).
-    """
+    (passes/request.py; a mode name, or PlanRequest's fields as keywords, stand for a request)."""
     if isinstance(request, str):
         request = PlanRequest(mode=request, **fields)
     elif request is None:

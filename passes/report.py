@@ -157,10 +157,8 @@ class Report:
 
     def renamed(self, names: Mapping[str, str]) -> "Report":
         """A copy that says `names[x]` wherever this report names `x` (a norm, or a name quoted in a
-        sentence): the torch frontend's graph names its weights after their module path with the
-        dots mangled (`transformer_h_0_attn_c_proj_weight`), the user knows them by their
-        state_dict names (`transformer.h.0.attn.c_proj.weight`). A copy: the plan's own report
-        stays as planned."""
+        sentence): the user's names (`transformer.h.0.attn.c_proj.weight`) for the torch graph's
+        (`transformer_h_0_attn_c_proj_weight`). A copy: the plan's own report stays as planned."""
         fn = lambda x: names.get(x, x)  # noqa: E731
         r = copy.deepcopy(self)
         r.norms, r.streams = [n.renamed(fn) for n in r.norms], [s.renamed(fn) for s in r.streams]

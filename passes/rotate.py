@@ -106,12 +106,9 @@ class StreamBasis:
     def describe(self) -> str:
         if not self.rotated:
             return f"not rotated: {self.why}"
-        if self.given is not None:
-            text = (f"projected on a calibrated basis ({self.kind}), d={self.dim} -> {self.width}: "
-                    f"{len(self.writers)} writer constant(s), {len(self.readers)} reader weight(s)")
-        else:
-            text = (f"rotated ({self.kind}, d={self.dim}, seed {self.seed}): {len(self.writers)} writer "
-                    f"constant(s), {len(self.readers)} reader weight(s)")
+        how = (f"projected on a calibrated basis ({self.kind}), d={self.dim} -> {self.width}" if self.given is not None
+               else f"rotated ({self.kind}, d={self.dim}, seed {self.seed})")
+        text = f"{how}: {len(self.writers)} writer constant(s), {len(self.readers)} reader weight(s)"
         if self.shortcuts:
             text += (f"; {len(set(self.norm_bases.values()))} per-block bases, "
                      f"{len(self.shortcuts)} residual shortcut(s) re-expressed by a constant "
@@ -227,7 +224,8 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
                 continue  # a transparent op: it commutes with a map of the feature axis
             if node.rule is not None and kind_of(node.rule)[0] in _BLIND:
                 continue
-            return f"{node.describe()} reads the stream tensor `{value}` and is neither one of its norms nor transparent"
+            return (f"{node.describe()} reads the stream tensor `{value}` and is neither one of its norms nor "
+                    "transparent")
     for src in comp.sources:
         for ref in src.refs:
             if ref.block is not None:
