@@ -23,9 +23,8 @@ from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
 
 # The name (a prefix: `unique` numbers repeats) of every constant MatMul the emitter inserts to take
-# a stream into or out of a rotated basis: a recentered start's projection, a readout's un-rotation,
-# a residual shortcut's change between per-block bases.
-# They are no layer of the model: quantizers keep them float (onnx_rewrite/linear_layers.py).
+# a stream into or out of a rotated basis (a recentered start's projection, a readout's un-rotation,
+# a shortcut between per-block bases): no layer of the model, quantizers keep them float.
 BASIS_CHANGE = "lnfold/basis_change"
 
 

@@ -9,6 +9,7 @@ most likely first; the caller runs the model on each until one works.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,16 +178,9 @@ def _conv_sides(conv: onnx.NodeProto, w_shape: list, consts: dict) -> list[int]:
     onnxslim fold the position lookup into a [1, N, D] Constant)."""
     kernel = w_shape[2] if len(w_shape) > 2 else 1
     stride = (_attr(conv, "strides", None) or [1])[0]
-    sides = []
-    for t in consts.values():
-        if len(t.dims) in (2, 3) and len(t.dims) and t.dims[-2] > 1:
-            rows = t.dims[-2]
-            for n in (rows, rows - 1):
-                r = int(round(n ** 0.5))
-                if r > 0 and r * r == n:
-                    sides.append(stride * r + (kernel - stride))
-    sides.append(2 * stride + (kernel - stride))
-    return sorted(set(sides))
+    squares = [n for t in consts.values() if len(t.dims) in (2, 3) and t.dims[-2] > 1
+               for n in (t.dims[-2], t.dims[-2] - 1) if math.isqrt(n) ** 2 == n]
+    return sorted({stride * math.isqrt(n) + (kernel - stride) for n in squares} | {2 * stride + (kernel - stride)})
 
 
 _EXPR = re.compile(r"^[\w.:/\- ]+(\s*[+]\s*[\w.:/\- ]+)+$")
