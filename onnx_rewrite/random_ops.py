@@ -22,9 +22,8 @@ _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BF
 
 def is_random(node: onnx.NodeProto) -> bool:
     """Does `node` draw random numbers (Dropout: only given a training_mode input)?"""
-    if node.domain not in ("", "ai.onnx"):
-        return False
-    return node.op_type in RANDOM_OPS or (node.op_type == "Dropout" and len(node.input) > 2 and bool(node.input[2]))
+    return node.domain in ("", "ai.onnx") and (
+        node.op_type in RANDOM_OPS or (node.op_type == "Dropout" and len(node.input) > 2 and bool(node.input[2])))
 
 
 def random_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
@@ -37,17 +36,13 @@ def runs_in_own_dtype(node: onnx.NodeProto) -> bool:
     return is_random(node) or (node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"))
 
 
-def _seed(node: onnx.NodeProto) -> float:
-    return float(zlib.crc32(node.name.encode()) % (1 << 24))  # a float attribute: exact below 2^24
-
-
 def pinned(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` with a seed on every random node that has none (unchanged seeds kept)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for n in random_nodes(out):
         if not any(a.name == "seed" for a in n.attribute):  # Dropout's seed is an int, the others' a float
-            seed = _seed(n)
+            seed = float(zlib.crc32(n.name.encode()) % (1 << 24))  # a float attribute: exact below 2^24
             n.attribute.append(helper.make_attribute("seed", int(seed) if n.op_type == "Dropout" else seed))
     return out
 
