@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..passes import LnfoldError, VerificationError, gate
+from ..passes import LnfoldError, pipeline
 from ..passes.approx import MODE as APPROX_MODE
 from ..passes.options import DEFER_POLICIES, MODES, ROTATIONS
 from .targets import DEVICES, names as target_names
@@ -124,13 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
 
-    from .quantize_cli import add_parser as add_quantize  # issue 22: onnx_rewrite/quantize_cli.py
+    from . import quantize_cli, slice_cli  # issues 22 and 32
 
-    add_quantize(sub)
-
-    from .slice_cli import add_parser as add_slice  # issue 32: onnx_rewrite/slice_cli.py
-
-    add_slice(sub)
+    quantize_cli.add_parser(sub)
+    slice_cli.add_parser(sub)
 
     d = sub.add_parser("demo", help="fold a small random GPT-2 end to end and time it in onnxruntime")
     d.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT-2 (default 4)")
@@ -206,8 +203,7 @@ def fold_file(src: Path, dst: Path, args):
     from .write import data_layout
 
     progress = _progress_for(src)
-    if progress:
-        progress(f"loading {src}")
+    pipeline.stage(progress, f"loading {src}")
     inputs = {src.resolve()}
     t0 = time.perf_counter()
     # big weights stay in the input's data file: read where the fold edits them, copied on save
@@ -281,13 +277,13 @@ def main(argv=None) -> int:
             if args.cmd == "report":
                 return cmd_report(args)
             if args.cmd == "quantize":
-                from .quantize_cli import run as cmd_quantize
+                from . import quantize_cli
 
-                return cmd_quantize(args)
+                return quantize_cli.run(args)
             if args.cmd == "slice":
-                from .slice_cli import run as cmd_slice
+                from . import slice_cli
 
-                return cmd_slice(args)
+                return slice_cli.run(args)
             if args.cmd == "bench":
                 from .bench import run_bench
                 from .inputs import parse_dims
