@@ -14,7 +14,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import version_converter
 
-from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError, View, make_plan, pipeline
+from ..passes import FoldResult, LnfoldError, NothingToFold, Report, View, make_plan, pipeline
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
