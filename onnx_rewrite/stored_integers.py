@@ -49,7 +49,8 @@ def stored_integer(t, depth: int = 8) -> Optional[str]:
 def _integer_name(dtype) -> Optional[str]:
     try:
         if isinstance(dtype, int):  # an onnx element type graphsurgeon has no numpy type for (int4)
-            return onnx.TensorProto.DataType.Name(dtype).lower() if "INT" in onnx.TensorProto.DataType.Name(dtype) else None
+            name = onnx.TensorProto.DataType.Name(dtype)
+            return name.lower() if "INT" in name else None
         d = np.dtype(dtype)
     except (TypeError, ValueError):
         return None
