@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 from ..passes import Node, View
 from ..passes.axes import Shape
 from ..passes.match import deepest
-from ..passes.patterns import DecomposedNorm, collapse_norms
+from ..passes.patterns import collapse_norms
 from ..passes.rules import Rule, rule
 from ..passes.view import SizeOf
 
@@ -429,9 +429,12 @@ def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]
         if t.name in view.values:
             view.values[t.name].is_graph_output = True
 
-    nodes = {n.name: n for n in graph.nodes}
+    nodes, tensors = {n.name: n for n in graph.nodes}, info.tensors
     for name, d in collapse_norms(view).items():
-        by_name[name] = _decomposed_match(info, nodes, d)
+        by_name[name] = NormMatch(d.name, "decomposed", [nodes[n] for n in d.nodes], tensors[d.x], tensors[d.output],
+                                  gamma=tensors[d.gamma] if d.gamma else None,
+                                  beta=tensors[d.beta] if d.beta else None,
+                                  epsilon=d.epsilon, axis=d.axis, rejection=d.rejection)
     for name, miss in variant_misses.items():  # a mean neither torch's form nor tf2onnx's/jax2onnx's
         if name not in by_name:
             have = view.near_misses.get(name)
@@ -447,13 +450,6 @@ def _op_name(node: gs.Node) -> str:
     (`com.microsoft.Attention`), as the torch frontend names `aten.mm.default`."""
     domain = node.domain or ""
     return node.op if domain in ("", "ai.onnx") else f"{domain}.{node.op}"
-
-
-def _decomposed_match(info: GraphInfo, nodes: dict, d: DecomposedNorm) -> NormMatch:
-    t = info.tensors
-    return NormMatch(d.name, "decomposed", [nodes[n] for n in d.nodes], t[d.x], t[d.output],
-                     gamma=t[d.gamma] if d.gamma else None, beta=t[d.beta] if d.beta else None,
-                     epsilon=d.epsilon, axis=d.axis, rejection=d.rejection)
 
 
 def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:

@@ -218,12 +218,11 @@ class _Segments:
         ref, nodes = self.runs[k]
         reads = [i for i in dict.fromkeys(i for n in nodes for i in n.input if i) if i not in made]
         fed = [i for i in reads if i in values]
-        graph = helper.make_graph(nodes, f"segment{k}", [_value_info(i, values[i]) for i in fed],
+        typed = [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(np.asarray(values[i]).dtype), None)
+                 for i in fed]
+        graph = helper.make_graph(nodes, f"segment{k}", typed,
                                   [onnx.ValueInfoProto(name=o) for o in wanted],
                                   [inits[i] for i in reads if i not in values and i in inits])
         sub = helper.make_model(graph, opset_imports=self.model.opset_import, ir_version=self.model.ir_version)
         return (reference(sub) if ref else session(sub)), fed
 
-
-def _value_info(name: str, value: np.ndarray) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.asarray(value).dtype), None)

@@ -49,12 +49,6 @@ class Scope:
         return scoped_name[len(self.prefix) + len(SEP):] if self.owns(scoped_name) else scoped_name
 
 
-def _outer_names(model: onnx.ModelProto) -> set:
-    g = model.graph
-    return ({t.name for t in g.initializer} | {t.name for t in g.input} | {o for n in g.node for o in n.output}
-            | {t.name for t in g.sparse_initializer})
-
-
 def _branch_model(model: onnx.ModelProto, branch: onnx.GraphProto, outer: set, types: dict) -> onnx.ModelProto:
     """A branch as a standalone model for shape inference: the outer names it reads become typed
     inputs (small initializers stay, their values matter: Reshape shapes, axes)."""
@@ -93,7 +87,9 @@ def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: 
     ifs = [(k, n) for k, n in enumerate(graph.nodes) if n.op == "If"]
     if not ifs:
         return []
-    outer = _outer_names(model)
+    g = model.graph
+    outer = ({t.name for t in g.initializer} | {t.name for t in g.input} | {o for n in g.node for o in n.output}
+             | {t.name for t in g.sparse_initializer})
     types = {vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
     if any(o not in types for n in model.graph.node if n.op_type != "If" for o in n.output):
         types = {**infer_types(model), **types}  # main-graph tensors the branches read need types
