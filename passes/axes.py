@@ -158,16 +158,20 @@ def merge_row_runs(src: Shape, dst: Shape, axis: int, row: int, index: int) -> O
 
 # --- a feature axis merged with the axes before it, and split back out (MobileViT's unfolding) ----
 
+def _depths(s: str):
+    """(index, character, parenthesis depth after it) along `s`."""
+    depth = 0
+    for k, ch in enumerate(s):
+        depth += (ch == "(") - (ch == ")")
+        yield k, ch, depth
+
+
 def _strip(s: str) -> str:
     """`s` without parentheses that enclose all of it."""
     s = s.strip()
     while s.startswith("(") and s.endswith(")"):
-        depth = 0
-        for k, ch in enumerate(s):
-            depth += ch == "("
-            depth -= ch == ")"
-            if depth == 0 and k < len(s) - 1:
-                return s
+        if any(depth == 0 and k < len(s) - 1 for k, _, depth in _depths(s)):
+            return s
         s = s[1:-1].strip()
     return s
 
@@ -182,17 +186,10 @@ def _product(dims) -> Optional[tuple[int, tuple]]:
         if isinstance(d, int):
             coef *= d
             continue
-        parts, depth, cur = [], 0, ""
-        for ch in _strip(str(d)):
-            depth += ch == "("
-            depth -= ch == ")"
-            if ch == "*" and depth == 0:
-                parts.append(cur)
-                cur = ""
-            else:
-                cur += ch
-        for p in parts + [cur]:
-            p = _strip(p)
+        text = _strip(str(d))
+        cuts = [-1] + [k for k, ch, depth in _depths(text) if ch == "*" and depth == 0] + [len(text)]
+        for a, b in zip(cuts, cuts[1:]):
+            p = _strip(text[a + 1:b])
             if p.isdigit():
                 coef *= int(p)
             elif p:
