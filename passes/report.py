@@ -201,10 +201,9 @@ class Report:
                                  ("recentered", s.recentered), ("Mul by ones dropped", s.dropped),
                                  ("fused with the residual Add", s.fused)):
                 if items:
-                    lines.extend(textwrap.wrap(f"{label} ({len(items)}): " + "; ".join(items), width,
-                                               initial_indent="  ", subsequent_indent="      "))
+                    lines.extend(_indented(f"{label} ({len(items)}): " + "; ".join(items), width))
             if s.rotation:
-                lines.extend(textwrap.wrap(s.rotation, width, initial_indent="  ", subsequent_indent="      "))
+                lines.extend(_indented(s.rotation, width))
         for c in self.compression:
             what = (f"compressed to {c.width - 1} features, {c.decompressions} decompression(s)"
                     if c.verdict == "compressed" else f"RMSNorm: {c.reason}")
@@ -229,8 +228,7 @@ class Report:
     def _near_miss_lines(self, width: int) -> str:
         lines = [f"{len(self.near_misses)} near miss(es): op chains that look like a LayerNorm but are not one"]
         for m in self.near_misses:
-            lines.extend(textwrap.wrap(f"{clip_middle(m.name, NAME_WIDTH)}: {m.reason}", width,
-                                       initial_indent="  ", subsequent_indent="      "))
+            lines.extend(_indented(f"{clip_middle(m.name, NAME_WIDTH)}: {m.reason}", width))
         return "\n".join(lines)
 
     def _how(self, n: NormVerdict) -> str:
@@ -258,6 +256,11 @@ class Report:
 
 # Longest norm name the table shows whole; longer ones are cut in the middle.
 NAME_WIDTH = 48
+
+
+def _indented(text: str, width: int) -> list[str]:
+    """`text` wrapped to `width` as an item of the table: indented, its next lines further."""
+    return textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ")
 
 
 def clip_middle(text: str, width: int) -> str:

@@ -113,11 +113,9 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
 
 def sequential(frontend: Slicing, planner: Callable, decide: Callable[[dict], SlicePlan],
                captured: dict) -> tuple[SlicePlan, int]:
-    """(the slice plan, the sliced folds it took): `decide(captured)`, and where it has per-block
-    streams, their bases made sequential as SliceGPT's are: step i captures segment i's norm inputs
-    at full width in the model sliced at segments < i by the bases of the steps before (every
-    stream's i-th segment in one step: `full_width_inputs`); the next decision reads them instead of
-    the exact fold's."""
+    """(the slice plan, the sliced folds it took): `decide(captured)`, its per-block bases made
+    sequential as SliceGPT's are: step i captures every stream's segment i's norm inputs at full width
+    in the model sliced at segments < i (`full_width_inputs`), and decides again from them."""
     decided, folds = decide(captured), 0
     for i in range(1, max((len(heads) for _, heads in decided.order), default=0)):
         at = [(s, heads[i]) for s, heads in decided.order if len(heads) > i]
@@ -132,9 +130,8 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
     """(norm input -> its full-width batches, the sliced folds it took): the inputs of the norms of
     segments `at` (each a stream's and its segment's first norm) in the model sliced by `decided`'s
     bases, seen through `windows(d, k)` sliced folds, each carrying the segment in a `window_basis`
-    (k of its d features kept unchanged; the bases of the segments after it do not matter: they do
-    not reach it), and put back together. A stream whose rotation its fold withdraws is left out
-    (its slice is withdrawn alike)."""
+    (the later segments' bases do not reach it), and put back together. A stream whose rotation its
+    fold withdraws is left out (its slice is withdrawn alike)."""
     parts: dict[str, dict[int, list]] = {}  # norm input -> window start -> its batches
     count = max(windows(s.dim, s.keep) for s, _ in at)
     for j in range(count):
