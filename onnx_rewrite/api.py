@@ -36,9 +36,7 @@ from .write import is_large
 
 # New constants at least this big are exported without a second copy (see _export).
 _HOLD_BYTES = 2**16
-_PLAIN_DTYPES = {np.dtype(d): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(d)) for d in (
-    np.float32, np.float64, np.float16, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
-    np.uint64, np.bool_)}
+_PLAIN_DTYPES = {onnx.helper.tensor_dtype_to_np_dtype(t): t for t in read.PLAIN_TYPES}
 Progress = Optional[Callable[[str], None]]
 
 

@@ -28,7 +28,7 @@ _EAGER_BYTES = 2**20
 # resolved. Any `basepath` the input itself carries is dropped (a model may not point us elsewhere).
 _BASEPATH = "basepath"
 # Types whose external bytes are the array itself (little-endian, as ONNX stores raw data).
-_PLAIN_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+PLAIN_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
                 onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.INT16, onnx.TensorProto.UINT16,
                 onnx.TensorProto.INT32, onnx.TensorProto.UINT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT64,
                 onnx.TensorProto.BOOL}
@@ -102,7 +102,7 @@ def _keep_big_on_disk(model: onnx.ModelProto, folder: Path) -> None:
     if sys.byteorder != "little":
         return
     for t in model.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in _PLAIN_TYPES:
+        if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in PLAIN_TYPES:
             continue
         need = element_count(t) * ITEM_BYTES[t.data_type]
         if need < _EAGER_BYTES:
