@@ -125,11 +125,10 @@ class ExportFrontend:
         self.bases: Optional[dict] = None  # a slice: the calibrated basis per stream (fx_rewrite/slice.py)
 
     def view(self) -> View:
-        self.gm, self.attrs, view, self.info = (
+        self.gm, self.attrs, self._view, self.info = (
             exported_view(self.module, self.args, self.kwargs, self.dynamic) if self.program is None
             else program_view(self.program))
-        self._view = view
-        return view
+        return self._view
 
     def tensor(self, name: str) -> torch.Tensor:
         return attr_of(self.gm, self.attrs[name])
@@ -212,12 +211,10 @@ class ExportFolds:
 
 def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *,
                    mode: str = "rms", dynamic: bool = True, calibration=None, angles: bool = False) -> Report:
-    """The report alone: every LayerNorm of `module` (a module, or an ExportedProgram as for
-    `fold_module`), its verdict and the reason for each kept one.
-
-    With `calibration` (an args tuple, or a list of them) or `angles=True` (on `args`, which then
-    mean little) `report.geometry` holds each norm's angle to 1 before and, for folded norms,
-    after the fold (passes/geometry.py)."""
+    """The report alone: every LayerNorm of `module` (or ExportedProgram), its verdict and the reason
+    for each kept one. With `calibration` (an args tuple, or a list of them) or `angles=True` (on
+    `args`, which then mean little) `report.geometry` holds each norm's angle to 1 before and, for
+    folded norms, after the fold (passes/geometry.py)."""
     opts = FoldOptions(mode=mode)
     folds = ExportFolds(module, tuple(args), kwargs or {}, opts, dynamic=dynamic)
     view, plan = folds.plan(make_plan)
@@ -247,21 +244,16 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
                 gamma_into_readers: bool = False, rotate: Optional[str] = None, seed: int = 0,
                 calibration=None, budget: Optional[float] = None, heldout=None,
                 metric: Optional[Callable] = None) -> FoldResult:
-    """Fold every foldable LayerNorm of `module`; the module and its parameters are not modified.
-    `module` may be an ExportedProgram already made (`torch.export.export`): it is read as it is
-    (`dynamic` then means nothing), not exported again.
+    """Fold every foldable LayerNorm of `module` (or of an ExportedProgram already made, read as it
+    is: `dynamic` then means nothing); the module and its parameters are not modified. Returns a
+    FoldResult whose `.module` takes the same inputs and returns the same outputs.
 
-    Returns a FoldResult whose `.module` takes the same inputs and returns the same outputs.
-    `mode`, `defer` and `verify` mean what they mean for `fold_onnx` (passes/options.py checks
-    them; `defer="on"` emits the folded norms read only by linear layers as deferred
-    normalization, "auto" asks the cost model, which defers nothing in eager mode). `norm`:
-    "auto" (eager: keep the fused LayerNorm kernel on the centered stream), "rms_norm" or
-    "layer_norm". `gamma_into_readers`, `rotate`, `seed` mean what they mean for `fold_onnx`
-    (γ into the readers' weights; a rotation of each folded stream): the norms of a stream rotated
-    by a Q with Q·1 ≠ 1 are emitted as `aten.rms_norm` whatever `norm` says (a LayerNorm is exact
-    only on a zero-mean input); "-keep-ln" rotations keep `norm`'s choice. Raises NothingToFold
-    when no LayerNorm can be folded and VerificationError when the folded module's outputs on
-    `args` differ from the original's.
+    `mode`, `defer`, `verify`, `gamma_into_readers`, `rotate` and `seed` mean what they mean for
+    `fold_onnx` (passes/options.py; `defer="auto"` defers nothing in eager mode). `norm`: "auto"
+    (the fused LayerNorm kernel on the centered stream), "rms_norm" or "layer_norm"; the norms of a
+    stream rotated by a Q with Q·1 ≠ 1 are `aten.rms_norm` whatever it says (a LayerNorm is exact
+    only on a zero-mean input), "-keep-ln" rotations keep its choice. Raises NothingToFold when no
+    LayerNorm can be folded, VerificationError when the folded module's outputs on `args` differ.
     """
     if mode == approx.MODE:  # NOT exact: see fold_approx
         approx.check_not_rotated(gamma_into_readers, rotate)

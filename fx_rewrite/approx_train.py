@@ -1,11 +1,8 @@
-"""Training with the approximate swap in place (issue 26, item 3): LayerNorm modules replaced, in
-place, by RMSNorm with the same γ, β and eps — NOT the same function (passes/approx.py), so that a
-few fine-tuning steps can adapt the model to the swap (the Post-LN case, where no fold is exact).
-
-The replacement holds the LayerNorm's own Parameters under the same names (`weight`, `bias`):
-the state_dict keys, an optimizer built before or after, and checkpoints stay as they were.
-Which norms to swap is the user's choice, e.g. those `fold_module(mode="rms-approx")` swapped
-within a budget (benchmarks/trained/geometry_bench.py fine-tunes BERT this way)."""
+"""Training with the approximate swap in place (issue 26, item 3): LayerNorm modules replaced by
+RMSNorm with the same γ, β and eps — NOT the same function (passes/approx.py) — so that a few
+fine-tuning steps can adapt the model to it (Post-LN, where no fold is exact). The replacement holds
+the LayerNorm's own Parameters under the same names: state_dict keys, optimizers and checkpoints stay
+as they were. Which norms: the user's choice, e.g. those `fold_module(mode="rms-approx")` swapped."""
 from __future__ import annotations
 
 import torch.nn.functional as F

@@ -215,13 +215,10 @@ _fragment_warned = False
 
 
 def _say_if_fragment(plan: Plan, view) -> None:
-    """Say, once per process, that norms were kept because the graph starts mid-stream.
-
-    Under a graph break, per-block torch.compile or FSDP2 (`fully_shard` per block), Dynamo
-    hands over one piece of the model at a time: its residual stream starts at a graph input,
-    which no constant edit can center, so nothing inside the fragment can be proven zero-mean.
-    The module-level fold sees the whole model (a module folded with it has RMSNorms here
-    already, and this graph has no LayerNorm left to keep)."""
+    """Say, once per process, that norms were kept because the graph starts mid-stream: under a graph
+    break, per-block torch.compile or FSDP2, Dynamo hands over one piece of the model at a time, whose
+    stream starts at a graph input no constant edit can center. The module-level fold sees the whole
+    model (a module folded with it has no LayerNorm left here)."""
     starts = [o for comp in plan.components if not comp.foldable for o in comp.opaque
               if view.values[o.value].producer is None and not view.values[o.value].is_const]
     if not starts:
@@ -242,14 +239,11 @@ _low_precision_warned = False
 
 
 def _say_if_low_precision(edited_dtypes: set[torch.dtype]) -> None:
-    """Say, once per process, that folding a bf16/fp16 model rounds each edited weight twice.
-
-    The model was rounded once when it was cast; the fold computes each centered weight in
-    float64 from those rounded values and rounds it again to the model's dtype. The fp32 weights
-    that would make it one rounding are not in the graph Dynamo hands over. Issue 33 measured up
-    to 2x the original's logits error on a GPT-2-small in bf16 on a GPU, 4x on a d=4096 OPT stack
-    (on CPU: benchmarks/lowprecision.py, RESULTS.md "Low precision"). Inference only: in training
-    the graph centers the optimizer's own parameters each step, and there is no fp32 copy to fold."""
+    """Say, once per process, that folding a bf16/fp16 model rounds each edited weight twice (once at
+    the cast, once after the float64 centering; the fp32 weights are not in Dynamo's graph). Issue 33
+    measured up to 2x the original's logits error on a bf16 GPT-2-small (GPU), 4x on a d=4096 OPT
+    stack (CPU: benchmarks/lowprecision.py). Inference only: training centers the optimizer's own
+    parameters each step, and there is no fp32 copy to fold."""
     low = sorted(str(t).removeprefix("torch.") for t in edited_dtypes & set(LOW_PRECISION))
     if not low:
         return

@@ -68,11 +68,9 @@ def norm_outputs(node: fx.Node) -> tuple[list[fx.Node], Optional[fx.Node]]:
 
 
 class GraphInfo:
-    """Shapes, constant-ness and view-input positions of one FX graph's nodes."""
+    """Shapes and view-input positions of one FX graph's nodes, and what the view made of them."""
 
-    def __init__(self, graph: fx.Graph, consts: set[str]) -> None:
-        self.graph = graph
-        self.consts = consts  # node names of constant tensors (parameters, buffers, constants)
+    def __init__(self, graph: fx.Graph) -> None:
         self.nodes = {n.name: n for n in graph.nodes}
         self.inputs: dict[str, list[str]] = {}  # view node name -> its input value names
         self.scalars: dict[str, tuple[fx.Node, str]] = {}  # synthetic constant -> (node, argument)
@@ -86,9 +84,6 @@ class GraphInfo:
     def rank(self, x: Any) -> Optional[int]:
         s = self.shape(x)
         return None if s is None else len(s)
-
-    def is_const(self, x: Any) -> bool:
-        return isinstance(x, fx.Node) and x.name in self.consts
 
     def index(self, node: fx.Node, x: Any) -> Optional[int]:
         """Position of `x` among the view inputs of `node`."""
@@ -208,9 +203,7 @@ def _mul(g: GraphInfo, node: fx.Node, call: Call) -> Built:
 
 def _pow(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i, e = g.index(node, call.node("input")), call.get("exponent")
-    if i is None:
-        return None
-    return rule("pow", data=i, exponent=float(e) if isinstance(e, numbers.Number) else None)
+    return None if i is None else rule("pow", data=i, exponent=float(e) if isinstance(e, numbers.Number) else None)
 
 
 def _unary(kind: str, **extra):
@@ -576,7 +569,7 @@ def _outputs(node: fx.Node) -> tuple[list[str], list[fx.Node]]:
 
 def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
     """The stream view of `graph`; `consts` names the nodes that hold constant tensors."""
-    g = GraphInfo(graph, consts)
+    g = GraphInfo(graph)
     view = View()
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr", "output") or is_tuple_getitem(node):

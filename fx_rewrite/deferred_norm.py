@@ -29,11 +29,9 @@ BiasNode = Callable[[Deferral, LinearReader], Optional[fx.Node]]
 
 
 def emit_all(gm: fx.GraphModule, decision: DeferDecision, bias_node: BiasNode) -> None:
-    """Every deferred norm of the plan, after its other edits (γ is in the readers' weights
-    already). `bias_node(d, reader)` gives the node holding the reader's new bias (W β + b), or
-    None when the reader keeps its own bias (β absent): the one thing the frontends do their own
-    way (fold_module: a buffer computed once; the backend: an extra input, recomputed when a
-    parameter it derives from changes)."""
+    """Every deferred norm of the plan, after its other edits (γ is in the readers' weights already).
+    `bias_node(d, reader)`: the node holding the reader's new bias W β + b (fold_module: a buffer; the
+    backend: an extra input, recomputed when a parameter changes), None where it keeps its own (no β)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for d in decision.deferred:
         emit(gm.graph, nodes, d, functools.partial(bias_node, d))

@@ -11,12 +11,12 @@ from torch import fx
 
 def constant_inputs(gm: fx.GraphModule, example_inputs: list) -> dict[str, int]:
     """Placeholders that hold parameters or buffers (name -> position), as Dynamo lifted them."""
-    out = {}
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for k, (node, t) in enumerate(zip(placeholders, example_inputs)):
-        if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or _is_module_state(node)):
-            out[node.name] = k
-    return out
+    return {node.name: k for k, (node, t) in enumerate(zip(_placeholders(gm), example_inputs))
+            if isinstance(t, torch.Tensor) and (isinstance(t, torch.nn.Parameter) or _is_module_state(node))}
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _is_module_state(node: fx.Node) -> bool:
@@ -63,7 +63,7 @@ def concrete_inputs(gm: fx.GraphModule, example_inputs: list) -> Optional[list]:
     example tensors (the ones Dynamo is compiling for), else by its hint; None where a symbol
     has neither (an unbacked size no input tensor carries)."""
     sizes: dict = {}  # sympy symbol -> the example tensors' size
-    for node, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
+    for node, x in zip(_placeholders(gm), example_inputs):
         fake = node.meta.get("example_value")
         if isinstance(x, torch.Tensor) and isinstance(fake, torch.Tensor) and fake.ndim == x.ndim:
             for d, n in zip(fake.shape, x.shape):
@@ -98,9 +98,7 @@ def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
     for attr in ("_param_name_to_source", "shape_env"):
         if hasattr(gm, attr):
             setattr(new, attr, getattr(gm, attr))
-    old_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    new_ph = [n for n in new.graph.nodes if n.op == "placeholder"]
-    for a, b in zip(old_ph, new_ph):
+    for a, b in zip(_placeholders(gm), _placeholders(new)):
         if hasattr(a, "_dynamo_source"):
             b._dynamo_source = a._dynamo_source
     return new

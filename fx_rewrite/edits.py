@@ -1,13 +1,9 @@
-"""The constant edits of passes/edits.py over torch: the algebras its one interpreter (`apply_ops`) walks.
-
-- `TENSOR`: eager tensors, in their own dtype (the module-level training fold computes a
-  centered weight in each forward from the Parameter itself, so gradients reach it unchanged);
-- `graph_algebra`: the same ops as nodes of an FX graph (the backend under autograd);
-- `to_numpy` / `from_numpy`: the float64 numpy algebra of passes/ for everything computed once.
-
-The CRMS weight math (drop, fold the decompression, `W v`) is passes/weights.py's own, which is
-written over any array with numpy-style indexing; only centering and the LayerScale profile are
-spelled here, because torch needs its dtype handling (float16/bfloat16 means in float32).
+"""The constant edits of passes/edits.py over torch: the algebras its one interpreter (`apply_ops`)
+walks: `TENSOR` on eager tensors in their own dtype (the training fold centers a weight in each
+forward from the Parameter itself), `graph_algebra` as nodes of an FX graph (the backend under
+autograd); `to_numpy` / `from_numpy` to and from the float64 numpy of passes/ for what is computed
+once; a graph module's constants as attributes. Only centering and the LayerScale profile are spelled
+here (torch's dtype handling: fp16/bf16 means in float32); the CRMS weight math is passes/weights.py's.
 """
 from __future__ import annotations
 

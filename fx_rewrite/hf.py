@@ -1,12 +1,9 @@
 """Hugging Face `transformers` models as users bring them: caches on, `return_dict`, masks.
 
-transformers' decoders return their key/value cache objects by default (`use_cache=True`), and
-torch.export refuses inputs and outputs of a type it cannot flatten. transformers registers its
-caches as pytree nodes itself when it exports a model; `fold_module` does the same before its
-export, with transformers' own registration (whichever its version has), so that the folded
-module takes and returns the same cache objects as the original. The registration is global to
-the process, as when transformers exports. Where a type stays unknown to torch.export, its
-error is replaced by one line that says what to change.
+transformers' decoders return key/value cache objects by default, and torch.export refuses types it
+cannot flatten. `fold_module` registers them as pytree nodes before its export with transformers' own
+registration (global to the process, as when transformers exports), so that the folded module takes
+and returns the same cache objects; a type still unknown gets one line that says what to change.
 """
 from __future__ import annotations
 

@@ -177,27 +177,23 @@ def _bind(params, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def canonical(node: fx.Node) -> Optional[Call]:
     """The kind and named arguments of `node`'s operation, or None when it is not one we know."""
-    t = node.target
+    t, entry = node.target, None  # entry: (kind, positional parameter names)
     if node.op == "call_function":
         if isinstance(t, torch._ops.OpOverload):
             kind = _ATEN.get(t.overloadpacket._qualified_op_name)
-            positional = [a.name for a in t._schema.arguments if not a.kwarg_only]
-            return None if kind is None else Call(kind, _bind(positional, node.args, node.kwargs))
-        if t is operator.getitem:
+            entry = None if kind is None else (kind, [a.name for a in t._schema.arguments if not a.kwarg_only])
+        elif t is operator.getitem:
             return Call("getitem", {"input": node.args[0], "index": node.args[1]})
-        try:
-            entry = _TORCH.get(t)
-        except TypeError:  # unhashable target
-            entry = None
-        if entry is not None:
-            return Call(entry[0], _bind(entry[1], node.args, node.kwargs))
+        else:
+            try:
+                entry = _TORCH.get(t)
+            except TypeError:  # unhashable target
+                pass
     elif node.op == "call_module" and t == "_guards_fn":
         return Call("metadata", {})  # ExportedProgram.module()'s check of the input shapes
     elif node.op == "call_method" and isinstance(t, str):
         entry = _METHODS.get(t)
-        if entry is not None:
-            return Call(entry[0], _bind(entry[1], node.args, node.kwargs))
-    return None
+    return None if entry is None else Call(entry[0], _bind(entry[1], node.args, node.kwargs))
 
 
 def op_name(node: fx.Node) -> str:
