@@ -93,7 +93,7 @@ class Component:
             elif b.value == x:
                 why = f"its input {b.subject} {b.what}"
             else:
-                why = f"its input {_fmt_value(x)} is in one stream with {b.subject}, which {b.what}"
+                why = f"its input `{x}` is in one stream with {b.subject}, which {b.what}"
             if b.post_ln:
                 why += f" — {POST_LN}"
             if len(self.blockers) > 1:
@@ -108,10 +108,6 @@ class Component:
                 why += f"; its writer's weights are stored as {'/'.join(stored)}: fold the float model, then quantize"
             return why
         return ""
-
-
-def _fmt_value(name: str) -> str:
-    return f"`{name}`"
 
 
 def _fmt_blocks(block: Optional[FeatureRuns]) -> str:
@@ -138,7 +134,7 @@ class _ComponentBuilder:
     def _subject(self, value: str) -> str:
         """A stream tensor, and the norm that makes it where one does (a Post-LN stream)."""
         norm = self._norm_behind(value)
-        return _fmt_value(value) if norm is None else f"{_fmt_value(value)} (from {norm.describe()})"
+        return f"`{value}`" if norm is None else f"`{value}` (from {norm.describe()})"
 
     def _norm_behind(self, value: str) -> Optional[Node]:
         """The norm whose output `value` is, directly or through ops that only copy, cast,
@@ -233,7 +229,7 @@ class _ComponentBuilder:
     def _producer_side(self, value: str, axis: int) -> None:
         v = self.view.values[value]
         if v.producer is None:  # a constant as the stream's start is rare: no edit of ours centers it
-            self._add_opaque(value, axis, f"{'constant' if v.is_const else 'graph input'} {_fmt_value(value)}")
+            self._add_opaque(value, axis, f"{'constant' if v.is_const else 'graph input'} `{value}`")
             return
         node = self.view.nodes[v.producer]
         o = node.outputs.index(value)
@@ -309,11 +305,11 @@ class _ComponentBuilder:
         the axis (a scalar bias) also feeds the rows no norm reads (v's, of a fused q/k/v)."""
         b = ref.block
         if b is not None and b.spacing is not None:
-            self.block(None, f"{_fmt_value(ref.value)} would be centered along an axis that merges the features "
+            self.block(None, f"`{ref.value}` would be centered along an axis that merges the features "
                              "with other axes, which no constant edit here does")
             return False
         if b is not None and b.row is not None:  # a constant edited in one row of another axis: no such edit
-            self.block(None, f"{_fmt_value(ref.value)} would be centered only at index {b.row[1]} of its axis "
+            self.block(None, f"`{ref.value}` would be centered only at index {b.row[1]} of its axis "
                              f"{b.row[0]}, which no constant edit does")
             return False
         if b is None or (not b.lo and b.hi is None and b.step == b.size):
@@ -322,7 +318,7 @@ class _ComponentBuilder:
         size = None if shape is None or ref.axis is None or ref.axis >= len(shape) else shape[ref.axis]
         if isinstance(size, int) and size > 1 and size % b.step == 0 and (b.hi or 0) <= size:
             return True
-        self.block(None, f"{_fmt_value(ref.value)} would be centered in part ({_fmt_blocks(b)}) but is broadcast "
+        self.block(None, f"`{ref.value}` would be centered in part ({_fmt_blocks(b)}) but is broadcast "
                          "along the feature axis to the rest too")
         return False
 
@@ -344,7 +340,7 @@ class _ComponentBuilder:
                 if all([self._spans_its_runs(r) for r in refs]):
                     self._add_source(CenteredSource(node.name, refs))
                 return
-        what = node.describe() if node is not None else f"graph input {_fmt_value(value)}"
+        what = node.describe() if node is not None else f"graph input `{value}`"
         self.block(value, f"must be centered per {_fmt_blocks(block)} (a per-head norm reads it), but it is "
                           f"made by {what}, which no per-block edit can center")
 
@@ -474,8 +470,8 @@ def _block_shared(components: list[Component]) -> None:
                 if other.axes[value] == axis and _disjoint(mine, other.blocks.get(value)):
                     continue
                 for c in (other, comp):
-                    c.add_blocker(Blocker(value, _fmt_value(value),
-                                          "is shared with another group of norms, with edits of its own"))
+                    shared = "is shared with another group of norms, with edits of its own"
+                    c.add_blocker(Blocker(value, f"`{value}`", shared))
             seen[value].append(comp)
 
 

@@ -68,13 +68,11 @@ class FeatureRuns:
     """Runs of `size` entries along a feature axis, each centered on its own; only the runs in
     entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection).
 
-    `stride`: the runs start every `stride` entries from `lo` (None: every `size`, back to back);
-    Persimmon's fused q/k/v, viewed as (heads, 3, head_dim), holds q's runs of head_dim every
-    3·head_dim entries. `row` (axis, index): only the entries at `index` along that other axis
-    are in the stream (that (heads, 3, head_dim) view before q is selected along the 3).
-    `spacing`: one run is `size` entries `spacing` apart (None: adjacent), on an axis that merges
-    the feature axis with axes around it (MobileViT's (B·C·nph, ...) unfolding: C channels, nph
-    apart); only layout ops follow such a run, and a reshape that splits the features back out."""
+    DESIGN §1 says where the other fields arise: `stride`, the runs start every `stride` entries
+    from `lo` (None: back to back; Persimmon's q, every 3·head_dim); `row` (axis, index), only
+    that index of another axis is in the stream; `spacing`, one run is `size` entries `spacing`
+    apart (None: adjacent) on an axis merging the features with others (MobileViT's unfolding),
+    followed only by layout ops and a reshape that splits the features back out."""
 
     size: int
     lo: int = 0
@@ -190,8 +188,7 @@ class Answers:
     layout: bool = False
     regroups: bool = False
     norm: Optional[NormSpec] = None
-    # Why a norm-like node is not a foldable LayerNorm (e.g. it normalizes two axes), for the report.
-    norm_rejection: Optional[str] = None
+    norm_rejection: Optional[str] = None  # e.g. it normalizes two axes
     # Reads only the shapes of its inputs (ONNX Shape/Size): no weight edit can reach its output.
     shape_only: bool = False
     # Computes a float weight from one stored as this integer type ("int8"): no constant edit
@@ -278,9 +275,7 @@ class View:
     __hash__ = None  # mutable
 
     def value(self, name: str) -> Value:
-        if name not in self.values:
-            self.values[name] = Value(name)
-        return self.values[name]
+        return self.values.setdefault(name, Value(name))
 
     def add_node(self, node: Node) -> Node:
         if node.name in self.nodes:
