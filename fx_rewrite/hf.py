@@ -30,8 +30,8 @@ def register_caches(module: torch.nn.Module) -> None:
     try:  # transformers >= 5: every Cache subclass, and the model files' own cache classes
         from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
     except ImportError:
-        register_cache_pytrees_for_model = None
-    if register_cache_pytrees_for_model is not None:
+        pass
+    else:
         for m in models.values():
             register_cache_pytrees_for_model(m)
         return

@@ -1,12 +1,9 @@
 """Inline torch.export's no-grad regions into the graph the classifier reads.
 
-torch.export wraps code run under `torch.no_grad()` (a `@torch.no_grad()` forward: M2M100's and
-Speech2Text's sinusoidal positions) in one `wrap_with_set_grad_enabled(False, submodule, *args)`
-call, which the classifier would see as a single opaque op: the stream it starts would need a
-Recenter where the table it looks up could be centered. Grad mode changes no value, so the
-region's nodes are copied into the graph in place of the call, and each of its results is
-detached, as no_grad made it (a module folded for training gets no gradient through the region).
-A region that writes to a tensor stays as it is.
+torch.export wraps code run under `torch.no_grad()` (M2M100's and Speech2Text's sinusoidal positions)
+in one `wrap_with_set_grad_enabled(False, submodule, *args)` call, an opaque op to the classifier: the
+stream it starts would need a Recenter where its table could be centered. Grad mode changes no value,
+so the region's nodes replace the call, each result detached as no_grad made it.
 """
 from __future__ import annotations
 
@@ -18,7 +15,8 @@ from torch import fx
 
 def inline_no_grad_regions(gm: fx.GraphModule) -> None:
     """Replace every `wrap_with_set_grad_enabled(False, ...)` call of `gm` by its submodule's nodes
-    (nested regions too); a region that reads attributes of its own or returns no tuple stays."""
+    (nested regions too); a region that reads attributes of its own, writes to a tensor or returns
+    no tuple stays."""
     try:
         from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled as op
     except ImportError:  # a torch without it exports no such regions
