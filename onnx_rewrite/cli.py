@@ -174,11 +174,10 @@ def cmd_fold(args) -> int:
         raise LnfoldError(f"{dst}: is a directory; give a file name for the output")
     if src.resolve() == dst.resolve() or (src.exists() and dst.exists() and os.path.samefile(src, dst)):
         raise LnfoldError(f"{dst}: output would overwrite the input; choose another path")
-    out_dir = dst.parent
-    if out_dir.exists() and not out_dir.is_dir():
-        raise LnfoldError(f"{out_dir}: not a directory, cannot write {dst.name} into it")
-    if not out_dir.is_dir():
-        raise LnfoldError(f"{out_dir}: output directory does not exist")
+    if dst.parent.exists() and not dst.parent.is_dir():
+        raise LnfoldError(f"{dst.parent}: not a directory, cannot write {dst.name} into it")
+    if not dst.parent.is_dir():
+        raise LnfoldError(f"{dst.parent}: output directory does not exist")
     t0 = time.perf_counter()
     result = fold_file(src, dst, args)
     elapsed = time.perf_counter() - t0
