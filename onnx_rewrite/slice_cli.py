@@ -1,6 +1,5 @@
-"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block] [--json]`: the command line of
-onnx_rewrite/slice.py (NOT exact). cli.py adds the subcommand (`add_parser`) and runs it (`run`);
-its error handling (one line, exit 2 for bad input, nothing written) is the fold's.
+"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block] [--json]`:
+the command line of onnx_rewrite/slice.py (NOT exact), built and run as quantize_cli.py's.
 """
 from __future__ import annotations
 
