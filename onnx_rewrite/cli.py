@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..passes import LnfoldError, pipeline
+from ..passes import LnfoldError, approx, pipeline
 from ..passes.approx import MODE as APPROX_MODE
 from ..passes.options import DEFER_POLICIES, MODES, ROTATIONS
 from .targets import DEVICES, names as target_names
@@ -196,7 +196,7 @@ def fold_file(src: Path, dst: Path, args):
     The one pipeline (passes/pipeline.py) verifies the written files before they are published."""
     import onnx
 
-    from .api import fold_file as fold_to_file
+    from .api import fold_approx, fold_file as fold_to_file
     from .inputs import parse_dims
     from .read import load
     from .write import data_layout
@@ -218,7 +218,14 @@ def fold_file(src: Path, dst: Path, args):
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
     if args.mode == APPROX_MODE or args.budget is not None or args.calibrate:
-        result = _fold_approx(src, model, dst, args, progress, layout)
+        if args.mode != APPROX_MODE:
+            raise LnfoldError(f"--calibrate and --budget belong to --mode {APPROX_MODE}")
+        approx.check_budget(args.budget)
+        approx.check_calibration(args.calibrate)
+        approx.check_not_rotated(args.gamma_into_readers, args.rotate)
+        result = fold_approx(model, calibration=args.calibrate, budget=args.budget, heldout=args.heldout,
+                             defer=args.defer, verify=not args.no_verify, target=args.target, device=args.device,
+                             progress=progress, output=dst, source=src, layout=layout)
     else:
         result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
                               defer=args.defer, verify=not args.no_verify, inputs=args.inputs,
@@ -226,20 +233,6 @@ def fold_file(src: Path, dst: Path, args):
                               gamma_into_readers=args.gamma_into_readers, rotate=args.rotate, seed=args.seed)
     result.timings = {"loading": loading, **result.timings}  # (the stages in the order they ran)
     return result
-
-
-def _fold_approx(src: Path, model, dst: Path, args, progress, layout):
-    from ..passes import approx
-    from .api import fold_approx
-
-    if args.mode != APPROX_MODE:
-        raise LnfoldError(f"--calibrate and --budget belong to --mode {APPROX_MODE}")
-    approx.check_budget(args.budget)
-    approx.check_calibration(args.calibrate)
-    approx.check_not_rotated(args.gamma_into_readers, args.rotate)
-    return fold_approx(model, calibration=args.calibrate, budget=args.budget, heldout=args.heldout, defer=args.defer,
-                       verify=not args.no_verify, target=args.target, device=args.device, progress=progress,
-                       output=dst, source=src, layout=layout)
 
 
 def cmd_report(args) -> int:
