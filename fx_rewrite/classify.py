@@ -1,10 +1,7 @@
-"""FX nodes -> the stream view of passes/. One builder per op kind names the op in the vocabulary
-of passes/rules.py, its arguments decoded to view input indices and non-negative axes; nothing
-here decides a fold (what an op means for the stream, and what a multi-op LayerNorm looks like:
-passes/rules.py and passes/patterns.py). Shapes come from what torch recorded on each node
-(`meta["val"]` from torch.export, `meta["example_value"]` from Dynamo). `ops.canonical` has
-already reduced every spelling of an op (ATen overload, torch function, tensor method) to one
-kind with named arguments.
+"""FX nodes -> the stream view of passes/. One builder per op kind (`ops.canonical`'s) names the op
+in the vocabulary of passes/rules.py, its arguments decoded to view input indices and non-negative
+axes; nothing here decides a fold (passes/rules.py, passes/patterns.py). Shapes come from what torch
+recorded on each node (`meta["val"]` from torch.export, `meta["example_value"]` from Dynamo).
 
 View names are FX node names. A node with a tuple result (split, native_layer_norm) has one view
 output per element, named after the `getitem` node that reads it. A Python number added to the

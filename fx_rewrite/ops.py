@@ -213,9 +213,7 @@ def set_arg(node: fx.Node, name: str, value: Any) -> None:
     names = list(canonical(node).args)  # bound positionally first, in order, then by keyword
     k = names.index(name)
     if k < len(node.args):
-        args = list(node.args)
-        args[k] = value
-        node.args = tuple(args)
+        node.update_arg(k, value)
         return
     key = next(key for key in node.kwargs if ALIASES.get(key, key) == name)
     node.update_kwarg(key, value)
