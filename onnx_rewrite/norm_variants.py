@@ -213,17 +213,11 @@ def match_keras(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchR
     if mx is None or mn is None or mx is mn:
         return NoMatch(f"the inverse std `{inv.name}` does not scale both x and -mean", 4)
     nodes += [mx, mn]
-    shift = mn.outputs[0]
-    beta = None
-    add_b = _one(shift, "Add")
-    if add_b is not None and _other(add_b, shift) is not None and _affine_const(_other(add_b, shift), axis, rank):
-        beta, shift = _other(add_b, shift), add_b.outputs[0]
-        nodes.append(add_b)
+    beta, shift = _affine_after(mn.outputs[0], "Add", axis, rank, nodes)
     final = _one(shift, "Add")
     if final is None or _other(final, shift) is not mx.outputs[0] or len(_readers(mx.outputs[0])) != 1:
-        b = _other(add_b, shift) if add_b is not None else None
-        if b is not None and final is not None and _other(final, shift) is not mx.outputs[0] \
-                and _other(final, shift) is not None:  # an Add of a β that is no β of this norm
+        b = _other(final, shift) if final is not None and beta is None else None
+        if b is not None and b is not mx.outputs[0]:  # an Add of a β that is no β of this norm
             return NoMatch(_not_affine(b, axis, rank, "β"), 4)
         return NoMatch("x·inv and the shift (β - mean·inv) are not added together", 4)
     nodes.append(final)
