@@ -123,12 +123,9 @@ def facts(model: onnx.ModelProto) -> GraphFacts:
 
     # tables indexed by computed positions bound the sequence (+ past) length
     position_inputs = {s.name for s in specs if "position" in s.name.lower()}
-    for n in g.node:
-        if n.op_type != "Gather" or len(n.input) < 2 or not shape(n.input[0]) or len(shape(n.input[0])) != 2:
-            continue
-        if _computed_index(n.input[1], producer, position_inputs):
-            rows = shape(n.input[0])[0]
-            f.length_limit = rows if f.length_limit is None else min(f.length_limit, rows)
+    f.length_limit = min((shape(n.input[0])[0] for n in g.node if n.op_type == "Gather" and len(n.input) >= 2
+                          and len(shape(n.input[0]) or ()) == 2
+                          and _computed_index(n.input[1], producer, position_inputs)), default=None)
 
     # widths fixed by the first weight an input meets
     for s in specs:

@@ -20,16 +20,11 @@ _SKELETON_ELEMS = 4096
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with its big initializers as typed graph inputs (shapes, not data)."""
     g = model.graph
-    small, fake_inputs = [], []
-    for init in g.initializer:
-        if prod(init.dims) > _SKELETON_ELEMS:
-            fake_inputs.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-        else:
-            small.append(init)
-    skel_graph = helper.make_graph(
-        [_shaped_like_onnx(n) for n in g.node], g.name or "g", list(g.input) + fake_inputs, list(g.output), small,
-        value_info=list(g.value_info),
-    )
+    small = [init for init in g.initializer if prod(init.dims) <= _SKELETON_ELEMS]
+    fake_inputs = [helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+                   for init in g.initializer if prod(init.dims) > _SKELETON_ELEMS]
+    skel_graph = helper.make_graph([_shaped_like_onnx(n) for n in g.node], g.name or "g", list(g.input) + fake_inputs,
+                                   list(g.output), small, value_info=list(g.value_info))
     skel_graph.sparse_initializer.extend(g.sparse_initializer)
     skel = helper.make_model(skel_graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
     skel.functions.extend(model.functions)

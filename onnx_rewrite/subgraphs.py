@@ -54,14 +54,12 @@ def _branch_model(model: onnx.ModelProto, branch: onnx.GraphProto, outer: set, t
     inputs (small initializers stay, their values matter: Reshape shapes, axes)."""
     g = model.graph
     used = {i for n in branch.node for i in n.input} | _nested_reads(branch)
-    inputs, inits = [], []
-    for t in g.initializer:
-        if t.name not in used:
-            continue
-        if int(np.prod(t.dims)) <= 4096 and t.data_location != onnx.TensorProto.EXTERNAL:
-            inits.append(t)
-        else:
-            inputs.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    def small(t: onnx.TensorProto) -> bool:
+        return int(np.prod(t.dims)) <= 4096 and t.data_location != onnx.TensorProto.EXTERNAL
+
+    inits = [t for t in g.initializer if t.name in used and small(t)]
+    inputs = [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+              for t in g.initializer if t.name in used and not small(t)]
     weights = {t.name for t in g.initializer}  # (the used ones are inputs or inits already)
     inputs += [types[name] for name in sorted(used & outer - weights) if name in types]
     sub = helper.make_graph(list(branch.node), branch.name or "branch", inputs, list(branch.output), inits,
