@@ -3,6 +3,7 @@ tensor of the computation double, run in onnxruntime, segment by segment where a
 double kernel there (those in onnx's reference evaluator), or in the reference evaluator whole."""
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import numpy as np
@@ -177,13 +178,8 @@ class _Segments:
     def __init__(self, model: onnx.ModelProto, lacking: list[onnx.NodeProto]) -> None:
         self.model, self.ref_ops = model, sorted({n.op_type for n in lacking})
         ids = {id(n) for n in lacking}
-        self.runs: list[tuple[bool, list[onnx.NodeProto]]] = []  # (in the reference evaluator, nodes)
-        for n in model.graph.node:
-            ref = id(n) in ids
-            if self.runs and self.runs[-1][0] == ref:
-                self.runs[-1][1].append(n)
-            else:
-                self.runs.append((ref, [n]))
+        self.runs: list[tuple[bool, list[onnx.NodeProto]]] = [  # (in the reference evaluator, nodes)
+            (ref, list(nodes)) for ref, nodes in itertools.groupby(model.graph.node, key=lambda n: id(n) in ids)]
         self.runners: list = [None] * len(self.runs)
 
     def describe(self) -> str:
