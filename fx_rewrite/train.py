@@ -9,25 +9,21 @@ torch.export analysis of `fold_module`), and the plan is applied to the user's `
   DESIGN §1 "Equivalence in training"): the module that holds it gets a property of the same
   name (the mechanism of `torch.nn.utils.parametrize`) that centers it while one of the plan's
   readers runs its forward (hooks count them in and out) and is the Parameter itself otherwise.
-  The Parameter stays in `_parameters` under its own name: the optimizer's parameters,
-  `named_parameters()` and the `state_dict` keys and values are the original ones, so a
-  checkpoint of the folded model loads into the unfolded model; FSDP2, which swaps
-  `_parameters` between sharded and all-gathered tensors and reads them back with `getattr`
-  outside forward, sees its own tensors, and the property centers the full one in forward;
-- a tied weight is centered only where the plan's readers read it (GPT-2's wte is centered
-  for the embedding, not for lm_head, which holds the same Parameter);
+  The Parameter stays in `_parameters` under its own name: the optimizer, `named_parameters()`
+  and the `state_dict` see the original ones (a checkpoint of the folded model loads into the
+  unfolded one), and FSDP2, which swaps `_parameters` and reads them back with `getattr` outside
+  forward, sees its own tensors;
+- a tied weight is centered only where the plan's readers read it (GPT-2's wte: for the
+  embedding, not for lm_head);
 - a LayerScale vector is folded into its sources' centered weights and reads as ones;
-- each folded `nn.LayerNorm` becomes an RMSNorm (`F.rms_norm` + β), same object, same `weight`
-  and `bias` Parameters (its class is swapped, as `fully_shard` does).
-
-Fold before wrapping (DDP, `fully_shard`, activation checkpointing, `torch.compile`): the
-analysis exports the plain module. `unfold_for_training(module)` (or `result.unfold()`) undoes it all.
+- each folded `nn.LayerNorm` becomes an RMSNorm (`F.rms_norm` + β), same object and Parameters
+  (its class is swapped, as `fully_shard` does).
 
 The analysis runs in the module's current mode: a train-mode Dropout with p > 0 on the residual
 stream is not shift-transparent, so its norms are kept, correctly. A component is also kept
-where the module-level fold cannot apply an edit (a Python number or a tensor created in
-`forward` writes into the stream, a stream that needs a recenter, a weight read through an
-attribute that is also read uncentered); the report says which.
+where this fold cannot apply an edit (a Python number or a tensor created in `forward` writes
+into the stream, a stream that needs a recenter, a weight read through an attribute that is also
+read uncentered); the report says which.
 """
 from __future__ import annotations
 
@@ -41,10 +37,9 @@ from torch import nn
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
-from ..passes.request import Capabilities, PlanRequest, request_from
-from ..passes.plan import Ones, Plan, Scale
-
 from ..passes.edits import apply_ops
+from ..passes.plan import Ones, Plan, Scale
+from ..passes.request import Capabilities, PlanRequest, request_from
 
 from .api import check_plan, exported_view
 from .edits import TENSOR
@@ -107,14 +102,10 @@ def _with_edited_attributes(cls: type, names: frozenset) -> type:
     return _classes[key]
 
 
-def _start_reading(holders: list[nn.Module], module, args) -> None:
+def _count_reading(holders: list[nn.Module], step: int, module, *hook_args) -> None:
+    """A reader's forward hooks: pre (step 1) and post (step -1) count it in and out of its holders."""
     for h in holders:
-        h._lnfold_reading += 1
-
-
-def _stop_reading(holders: list[nn.Module], module, args, output) -> None:
-    for h in holders:
-        h._lnfold_reading -= 1
+        h._lnfold_reading += step
 
 
 @dataclass
@@ -136,14 +127,15 @@ def fold_for_training(module: nn.Module, args: tuple, kwargs: Optional[dict] = N
                       verify: bool = True, dynamic: bool = True) -> TrainingFold:
     """Fold `module` in place for training: centered weights computed in forward, RMSNorms.
 
-    Call it on the plain module, before DDP / fully_shard / checkpointing / torch.compile.
-    Parameters, their names and the state_dict are unchanged. Returns a TrainingFold whose
+    Call it on the plain module, before DDP / fully_shard / checkpointing / torch.compile (the
+    analysis exports the plain module); `unfold_for_training(module)` (or `result.unfold()`) undoes
+    it. Parameters, their names and the state_dict are unchanged. Returns a TrainingFold whose
     report is `fold_module`'s (less the components this fold cannot edit, kept with a reason).
     Raises NothingToFold when no LayerNorm can be folded, and VerificationError (the module
     restored) when the folded module's outputs on `args` differ from the original's.
     """
     opts = FoldOptions(mode=mode, verify=verify)
-    if RECORD in module.__dict__:
+    if is_folded(module):
         raise LnfoldError("the module is already folded for training (unfold it first)")
     frontend = _TrainingFrontend(module, tuple(args), dict(kwargs or {}), opts, dynamic)
     return pipeline.fold(frontend, verify=opts.verify, planner=frontend.plan)
@@ -224,9 +216,8 @@ def unfold_for_training(module: nn.Module) -> nn.Module:
 
 
 def _apply_edits(root: nn.Module, plan: Plan, mapper: ModuleMap, record: _Fold) -> None:
-    """Give each holder of an edited tensor a property that centers it while one of the plan's
-    readers runs: hooks on the reader's module count it in and out. Outside those forwards
-    (an uncentered reader of a tied weight, FSDP2's `getattr`, user code) it reads the Parameter."""
+    """Each holder of an edited tensor gets its property, each of the plan's readers the hooks that
+    count its forward in and out (the module docstring)."""
     recipes: dict[int, tuple[nn.Module, dict[str, _EditInForward]]] = {}
     readers: dict[int, tuple[nn.Module, dict[int, nn.Module]]] = {}
     ones_holders = {e.value: mapper.holder(e.value, e.users[0][0]) for e in plan.const_edits if e.ops == (Ones(),)}
@@ -246,8 +237,8 @@ def _apply_edits(root: nn.Module, plan: Plan, mapper: ModuleMap, record: _Fold) 
         mod.__class__ = _with_edited_attributes(type(mod), frozenset(table))
     for scope, holders in readers.values():
         hs = list(holders.values())
-        record.hooks.append(scope.register_forward_pre_hook(functools.partial(_start_reading, hs)))
-        record.hooks.append(scope.register_forward_hook(functools.partial(_stop_reading, hs), always_call=True))
+        record.hooks.append(scope.register_forward_pre_hook(functools.partial(_count_reading, hs, 1)))
+        record.hooks.append(scope.register_forward_hook(functools.partial(_count_reading, hs, -1), always_call=True))
 
 
 def _dropout_advice(root: nn.Module, plan: Plan, nodes: dict) -> str:
