@@ -3,28 +3,22 @@
 Rotation-based quantizers and their exporters (QuaRot, SpinQuant, ModelOpt, llm-compressor,
 Brevitas) find a model's norms by class name ("RMSNorm") and read `config.rms_norm_eps`; they do
 not take a graph. `fold_to_rmsnorm(module, args)` runs the one pipeline (torch.export, make_plan,
-β into the readers) and applies its plan to the module itself:
+β into the readers) and applies its plan to the module itself, in place (big models: no second
+copy; the original is kept only for verification's float64 run):
 
 - every edited constant (centered tables and writers, biases with `W β`) is computed once in
   float64 (passes/edits.compute_constants) and baked into the Parameter or buffer the reader
-  reads, by attribute (fx_rewrite/holders.py: from graph node to module). A tensor held by several
-  attributes (a tied embedding / lm_head) stays tied where every holder gets the same values; where
-  the fold makes them differ (GPT-2's wte is centered, lm_head reads the norm's output and is not)
-  the tie is broken and the report says so (and `config.tie_word_embeddings` becomes False, so that
-  `from_pretrained` does not tie them again);
+  reads, by attribute (fx_rewrite/holders.py). A tensor held by several attributes (a tied
+  embedding / lm_head) stays tied where every holder gets the same values; where the fold makes
+  them differ (GPT-2's wte is centered, lm_head is not) the tie is broken, the report says so,
+  and `config.tie_word_embeddings` becomes False, so that `from_pretrained` does not tie them again;
 - a reader Linear without a bias gets one (`W β`: `Capabilities.new_biases`);
-- each folded `nn.LayerNorm` becomes a plain `torch.nn.RMSNorm` (elementwise_affine=True; its
-  weight is γ), exact because its input is zero-mean now (DESIGN §1). A folded norm whose β cannot
-  move into its readers (its output is a graph output, a reader is not linear) stays an
-  `nn.LayerNorm` on its centered stream (exact as well) and is reported kept;
+- each folded `nn.LayerNorm` becomes a plain `torch.nn.RMSNorm` (its weight is γ), exact because
+  its input is zero-mean now (DESIGN §1). A folded norm whose β cannot move into its readers (its
+  output is a graph output, a reader is not linear) stays an `nn.LayerNorm` on its centered stream
+  (exact as well) and is reported kept;
 - transformers models: `config.rms_norm_eps` is set where every swapped norm has one ε, and
-  `config.lnfold` lists the swapped norms and the new biases, for `restore_rmsnorm` after
-  `from_pretrained`.
-
-The result is judged like every fold (passes/gate.py, against a float64 run of the original on
-the same inputs): a hand-off whose outputs differ is undone and refused (VerificationError).
-The module is edited in place (big models: no second copy); the original is kept only for
-verification's float64 run.
+  `config.lnfold` lists the swapped norms and the new biases, for `restore_rmsnorm`.
 """
 from __future__ import annotations
 
@@ -43,8 +37,8 @@ from ..passes.options import FoldOptions
 from ..passes.plan import Plan
 from ..passes.defer import EAGER
 from ..passes.request import Capabilities, PlanRequest, request_from
-
 from .api import ExportFrontend, check_plan
+from .checkpoint import INDEX, SINGLE
 from .edits import from_numpy, to_numpy
 from .hf import register_caches
 from .holders import Holder, ModuleMap, layernorm_module_refusal, scope_of
@@ -143,6 +137,7 @@ class HandoffFrontend(ExportFrontend):
 
     def apply(self, plan: Plan) -> nn.Module:
         self.done = Handoff()
+        self.names = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}  # (as the user has it)
         try:
             self._bake(plan)
             self._new_biases(plan)
@@ -180,13 +175,13 @@ class HandoffFrontend(ExportFrontend):
         table[h.name] = t
         self.undo.append(lambda: table.__setitem__(h.name, old))
 
-    def _names(self) -> dict[int, str]:
-        return {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+    def _qualified(self, h: Holder) -> str:
+        owner = self.names[id(h.module)]
+        return f"{owner}.{h.name}" if owner else h.name
 
     def _bake(self, plan: Plan) -> None:
         """Every edited constant, computed once in float64 from the originals, into the attribute
         each of its readers reads. Equal edits of one tensor stay one (tied) Parameter."""
-        names = self._names()
         edited = {id(t): t for t in (self.mapper.tensor(e.value) for e in plan.const_edits) if t is not None}
         tied = {k: hs for k, hs in _holders_of(self.module, edited).items() if len(hs) > 1}
         made: dict[tuple, torch.Tensor] = {}
@@ -197,22 +192,21 @@ class HandoffFrontend(ExportFrontend):
                 h = self.mapper.holder(edit.value, user)
                 key = (id(old), edit.ops)
                 if assigned.setdefault(h, key) != key:
-                    raise LnfoldError(f"`{_qualified(names, h)}` would need two different edits (read by `{user}` "
+                    raise LnfoldError(f"`{self._qualified(h)}` would need two different edits (read by `{user}` "
                                       f"and another reader); {HANDOFF} cannot bake both")
                 if key not in made:
                     t = from_numpy(arr, old)
                     made[key] = nn.Parameter(t, requires_grad=old.requires_grad) \
                         if isinstance(old, nn.Parameter) else t
                 self._set(h, made[key])
-        self.done.parameters = sorted({_qualified(names, h) for h in assigned})
+        self.done.parameters = sorted({self._qualified(h) for h in assigned})
         for hs in tied.values():  # one tensor, several attributes, now different values: the tie is broken
             if len({id(h.raw()) for h in hs}) > 1:
-                self.done.untied.append(" / ".join(_qualified(names, h) for h in hs)
+                self.done.untied.append(" / ".join(self._qualified(h) for h in hs)
                                         + ": the fold makes them differ (each holds its own tensor now)")
 
     def _new_biases(self, plan: Plan) -> None:
         """A reader Linear without a bias gets `W β` as its bias (float64, the weight's dtype)."""
-        names = self._names()
         for nb in plan.new_biases:
             h = self.mapper.holder(nb.op.weight, nb.node)
             m = h.module if h is not None else None
@@ -223,11 +217,10 @@ class HandoffFrontend(ExportFrontend):
             b = from_numpy(compute_new_bias(nb, lambda n: to_numpy(self.tensor(n))), w)
             m._parameters["bias"] = nn.Parameter(b, requires_grad=w.requires_grad)
             self.undo.append(lambda m=m: m._parameters.__setitem__("bias", None))
-            self.done.new_biases.append(names[id(m)])
+            self.done.new_biases.append(self.names[id(m)])
 
     def _swap(self, plan: Plan) -> None:
         """Each folded LayerNorm module becomes a torch.nn.RMSNorm with its ε and its (baked) γ."""
-        names = self._names()
         norms = {id(m): m for m in (scope_of(self.module, self.info.nodes[n]) for n in plan.swaps)}
         unit = {id(scope_of(self.module, self.info.nodes[n])) for n in plan.unit_gamma}
         for ln in norms.values():
@@ -238,19 +231,18 @@ class HandoffFrontend(ExportFrontend):
                     if child is ln:
                         parent._modules[attr] = rms
                         self.undo.append(lambda p=parent, a=attr, old=ln: p._modules.__setitem__(a, old))
-            self.done.rmsnorm.append(names[id(ln)])
-            self.done.eps[names[id(ln)]] = float(ln.eps)
-        order = {n: k for k, n in enumerate(names.values())}
+            self.done.rmsnorm.append(self.names[id(ln)])
+            self.done.eps[self.names[id(ln)]] = float(ln.eps)
+        order = {n: k for k, n in enumerate(self.names.values())}
         self.done.rmsnorm.sort(key=order.__getitem__)  # in the module's order
         for name in plan.kept_by_target:
             m = scope_of(self.module, self.info.nodes[name])
             why = next(v.reason for v in plan.report.norms if v.name == name)
-            self.done.kept[names.get(id(m), name)] = why
+            self.done.kept[self.names.get(id(m), name)] = why
 
     def _configure(self, plan: Plan) -> None:
         """transformers models: rms_norm_eps where one ε serves every swapped norm, the hand-off's
         record for restore_rmsnorm, and no re-tying of a tie the fold broke."""
-        names = self._names()
         for prefix, model in _hf_models(self.module):
             mine = lambda n: n == prefix[:-1] or n.startswith(prefix)  # noqa: E731
             rel = lambda n: n[len(prefix):]  # noqa: E731
@@ -262,7 +254,7 @@ class HandoffFrontend(ExportFrontend):
                       "new_biases": [rel(n) for n in self.done.new_biases if mine(n)],
                       "rotation": self.rotation}
             self._config(cfg, CONFIG_KEY, record)
-            self.done.config.append(f"{names[id(model)] or type(model).__name__}.config.{CONFIG_KEY}")
+            self.done.config.append(f"{self.names[id(model)] or type(model).__name__}.config.{CONFIG_KEY}")
             epss = {self.done.eps[n] for n in norms}
             if len(epss) == 1:
                 self._config(cfg, "rms_norm_eps", epss.pop())
@@ -291,11 +283,6 @@ def rmsnorm_like(ln: nn.LayerNorm, weight: Optional[torch.Tensor] = None) -> nn.
             rms.weight.copy_(w)
     rms.train(ln.training)
     return rms
-
-
-def _qualified(names: dict[int, str], h: Holder) -> str:
-    owner = names[id(h.module)]
-    return f"{owner}.{h.name}" if owner else h.name
 
 
 def _holders_of(root: nn.Module, tensors: dict[int, torch.Tensor]) -> dict[int, list[Holder]]:
@@ -336,12 +323,10 @@ def restore_rmsnorm(model: nn.Module, folder: Optional[str] = None) -> nn.Module
         model = AutoModelForCausalLM.from_pretrained(path)
         lnfold.fx_rewrite.restore_rmsnorm(model)
     """
-    found = False
-    for prefix, hf in _hf_models(model):
-        record = getattr(hf.config, CONFIG_KEY, None)
-        if not record:
-            continue
-        found = True
+    records = [(hf, record) for _, hf in _hf_models(model) if (record := getattr(hf.config, CONFIG_KEY, None))]
+    if not records:
+        raise LnfoldError(f"the model has no config.{CONFIG_KEY}: it was not saved from fold_to_rmsnorm's result")
+    for hf, record in records:
         for name in record["rmsnorm"]:
             ln = hf.get_submodule(name)
             if isinstance(ln, nn.RMSNorm):
@@ -359,8 +344,6 @@ def restore_rmsnorm(model: nn.Module, folder: Optional[str] = None) -> nn.Module
         path = folder if folder is not None else getattr(hf.config, "_name_or_path", None)
         if record["new_biases"] and path and os.path.isdir(path):
             _load_tensors(hf, path, [f"{n}.bias" for n in record["new_biases"]])
-    if not found:
-        raise LnfoldError(f"the model has no config.{CONFIG_KEY}: it was not saved from fold_to_rmsnorm's result")
     return model
 
 
@@ -368,15 +351,13 @@ def _load_tensors(model: nn.Module, folder: str, keys: list[str]) -> None:
     """Copy tensors `keys` of a save_pretrained folder (safetensors, sharded or not) into `model`."""
     from safetensors import safe_open
 
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
+    where = {}
+    if os.path.exists(os.path.join(folder, INDEX)):
+        with open(os.path.join(folder, INDEX)) as f:
             where = json.load(f)["weight_map"]
-    else:
-        where = {k: "model.safetensors" for k in keys}
     params = dict(model.named_parameters())
     for key in keys:
-        file = os.path.join(folder, where.get(key, "model.safetensors"))
+        file = os.path.join(folder, where.get(key, SINGLE))
         with safe_open(file, framework="pt") as f:
             if key not in f.keys():
                 raise LnfoldError(f"`{key}` is not in {folder}: not a folder saved from fold_to_rmsnorm's result")
