@@ -268,13 +268,9 @@ class _ComponentBuilder:
         an int8 weight dequantized by Cast -> Mul). A norm ends the search (its input is a stream)."""
         if node.stored_as is not None or depth == 0 or node.norm is not None:
             return node.stored_as
-        for name in node.inputs:
-            v = self.view.values[name] if name else None
-            p = self.view.nodes.get(v.producer) if v is not None and v.producer else None
-            stored = self._stored_behind(p, depth - 1) if p is not None else None
-            if stored is not None:
-                return stored
-        return None
+        writers = [self.view.values[name].producer for name in node.inputs if name]
+        found = (self._stored_behind(self.view.nodes[p], depth - 1) for p in writers if p and p in self.view.nodes)
+        return next((stored for stored in found if stored is not None), None)
 
     def _splits_back_out(self, value: str, axis: int, block: Optional[FeatureRuns], depth: int = 32) -> bool:
         """Does a feature axis merged with other axes (`block.spacing`) come out whole again

@@ -157,8 +157,8 @@ def _rank(view: View, node: Node, i: Optional[int]) -> Optional[int]:
     return None if s is None else len(s)
 
 
-def _out_rank(view: View, node: Node, o: int = 0) -> Optional[int]:
-    s = view.values[node.outputs[o]].shape if node.outputs[o] else None
+def _out_rank(view: View, node: Node) -> Optional[int]:
+    s = view.values[node.outputs[0]].shape if node.outputs[0] else None
     return None if s is None else len(s)
 
 

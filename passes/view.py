@@ -25,10 +25,10 @@ That is all a view stores. The analysis asks each node these questions (`node.tr
   only where that tensor's axis is on the same stream (`compress.follows_stream` judges it). On a
   `shape_only` node: [] when its result does not depend on the width (a dtype assert).
 - `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same questions for a
-  tensor centered per block (`FeatureRuns`: runs of `size` entries, those in [lo, hi) edited; None:
-  the whole axis), answered with (index, axis, blocks) triples (an empty list: a slice that
-  reads none of the edited runs, its output unchanged): a reshape that splits the feature axis into (heads,
-  head_dim) maps "feature axis head_dim" to "blocks of head_dim" on the merged axis.
+  tensor centered per block (`FeatureRuns`; None: the whole axis), answered with (index, axis,
+  blocks) triples (an empty list: a slice that reads none of the edited runs, its output
+  unchanged): a reshape that splits the feature axis into (heads, head_dim) maps "feature axis
+  head_dim" to "blocks of head_dim" on the merged axis.
 - `block_centering`: the refs `centering` returns hold the output's features in order along
   their axis, so a per-block centering of the output is the same per-block centering of them.
 - `layout`: the node only moves or copies elements (a reshape, transpose, slice, gather on other
