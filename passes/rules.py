@@ -393,14 +393,10 @@ def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False)
         block = whole(None, b, block)
         if i != data[0] or block is None or block.step != block.size or block.row is not None or block.spacing:
             return None  # runs every few entries, cut into slices: not followed
-        got = []
-        for k, (o, start, n) in enumerate(zip(outs, starts, lengths)):
-            if start % block.size or n % block.size:
-                return None  # a slice across a run boundary: its runs are not the source's
-            part = block.shifted(start, n)
-            if part is not None:
-                got.append((o, b, part))
-        return got
+        if any(start % block.size or n % block.size for start, n in zip(starts, lengths)):
+            return None  # a slice across a run boundary: its runs are not the source's
+        parts = [(o, block.shifted(start, n)) for o, start, n in zip(outs, starts, lengths)]
+        return [(o, b, part) for o, part in parts if part is not None]
 
     def backward_block(o, a, block):
         if a != cut:
