@@ -107,14 +107,14 @@ class Selection:
         return json.dumps(self.to_dict(), **kw)
 
     def table(self) -> str:
-        held = "no held-out inputs" if self.heldout is None else f"held-out error {self.heldout:.3g} ({self.heldout_rows} rows)"
+        held = ("no held-out inputs" if self.heldout is None
+                else f"held-out error {self.heldout:.3g} ({self.heldout_rows} rows)")
         lines = [f"APPROXIMATE (not exactly equivalent): {len(self.swapped)} kept LayerNorm(s) swapped to RMSNorm; "
-                 f"{self.metric} on calibration {self.total:.3g} <= budget {self.budget:g} ({self.calibration_rows} rows); "
-                 f"{held}"]
-        for s in self.swapped:
-            lines.append(f"  swapped  {s.name}: alone {s.alone:.3g}, added {s.added:.3g} (total {s.total:.3g})")
-        for s in self.refused:
-            lines.append(f"  kept     {s.name}: {s.reason}")
+                 f"{self.metric} on calibration {self.total:.3g} <= budget {self.budget:g} "
+                 f"({self.calibration_rows} rows); {held}"]
+        lines += [f"  swapped  {s.name}: alone {s.alone:.3g}, added {s.added:.3g} (total {s.total:.3g})"
+                  for s in self.swapped]
+        lines += [f"  kept     {s.name}: {s.reason}" for s in self.refused]
         return "\n".join(lines)
 
 

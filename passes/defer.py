@@ -119,9 +119,10 @@ def plan_deferral(view: View, plan, policy: str = "auto", costs: Costs = ORT_CPU
 
 def gamma_edits(view: View, decision: DeferDecision) -> list[ConstEdit]:
     """γ folded into each reader's weight (`W·diag γ`), as constant edits (the plan's)."""
-    return const_edits(view, [(r.weight.value, (Scale(d.gamma, (view.values[d.gamma].rank or 1) - 1, r.weight.axis),),
-                               (r.weight.user, r.weight.user_input))
-                              for d in decision.deferred if d.gamma is not None for r in d.readers])
+    uses = [(r.weight.value, (Scale(d.gamma, (view.values[d.gamma].rank or 1) - 1, r.weight.axis),),
+             (r.weight.user, r.weight.user_input))
+            for d in decision.deferred if d.gamma is not None for r in d.readers]
+    return const_edits(view, uses)
 
 
 def compute_biases(decision: DeferDecision, get_array: Callable[[str], np.ndarray],

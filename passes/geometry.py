@@ -43,7 +43,8 @@ class AngleStats:
     mean_over_rms: float  # mean over rows of |μ(x)| / rms(x)
 
     def line(self) -> str:
-        return f"{self.mean_deg:6.2f}° ± {self.std_deg:4.2f}  worst {self.worst_deg:6.2f}°  |μ|/rms {self.mean_over_rms:.3f}"
+        return (f"{self.mean_deg:6.2f}° ± {self.std_deg:4.2f}  worst {self.worst_deg:6.2f}°  "
+                f"|μ|/rms {self.mean_over_rms:.3f}")
 
 
 @dataclass

@@ -66,9 +66,10 @@ def segments(view: View, comp: Component) -> Segments:
     for value in order:
         first = [h for h in reach[value] if reach[value] <= reach[_input_of(view, h)]]
         if len(first) != 1:
+            heads = ", ".join(f"`{h}`" for h in sorted(reach[value]))
             out.why = (f"the stream tensor `{value}` reaches no norm" if not reach[value] else
-                       f"the stream tensor `{value}` reaches the norms {', '.join(f'`{h}`' for h in sorted(reach[value]))}, "
-                       "none of them before the others (parallel branches)")
+                       f"the stream tensor `{value}` reaches the norms {heads}, none of them before the others "
+                       "(parallel branches)")
             return out
         out.of_value[value] = first[0]
     out.why = _shortcuts(view, comp, out)

@@ -14,7 +14,8 @@ from .approx import check_budget, relative_error
 from .calibration import Data, Folds, Recorded
 from .errors import LnfoldError
 from .result import FoldResult
-from .slicing import SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, plan_slices, window_basis, windows
+from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, plan_slices, window_basis,
+                      windows)
 
 GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
 
