@@ -56,14 +56,12 @@ class Streamed:
                 mod._parameters[k] = torch.nn.Parameter(holder, requires_grad=False)
             if self._big_linear(mod, path, run):  # (an lm_head: its rows a block at a time instead)
                 mod.forward = self._blocked_linear(path, mod.bias is not None)
-                continue
-            if type(mod) is torch.nn.Embedding and f"{path}.weight" in self.stored:
+            elif type(mod) is torch.nn.Embedding and f"{path}.weight" in self.stored:
                 # (a token table: only the rows of the ids it runs. Not a subclass: OPT's positions
                 # override forward and call the class's own, which an instance's forward would not replace)
                 mod.forward = self._row_lookup(path)
-                continue
-            self.hooks.append(mod.register_forward_pre_hook(self._loader(path, own)))
-            self.hooks.append(mod.register_forward_hook(self._dropper(own, holder)))
+            else:
+                self._load_around(path, mod, own, holder)
 
     def _stored_dtype(self) -> torch.dtype:
         counts = Counter(e.dtype for h in self.ck.shards.values() for e in h.entries.values()
@@ -138,21 +136,20 @@ class Streamed:
                         flat[lo:lo + n].copy_(buf)
             return out
 
-    def _loader(self, path: str, own: list):
-        lookup = isinstance(self.model.get_submodule(path), torch.nn.Embedding)  # (float64.py: rows, then upcast)
+    def _load_around(self, path: str, module: torch.nn.Module, own: list, holder: torch.Tensor) -> None:
+        """Hooks that load the `own` parameters of `module` just before it runs and drop them after."""
+        lookup = isinstance(module, torch.nn.Embedding)  # (float64.py: rows, then upcast)
 
-        def pre(mod, args):
+        def load(mod, args):
             for k in own:
                 t = self._load(f"{path}.{k}" if path else k, keep_dtype=lookup)
                 mod._parameters[k] = torch.nn.Parameter(t, requires_grad=False)
-        return pre
 
-    @staticmethod
-    def _dropper(own: list, holder: torch.Tensor):
-        def post(mod, args, out):
+        def drop(mod, args, out):
             for k in own:
                 mod._parameters[k] = torch.nn.Parameter(holder, requires_grad=False)
-        return post
+
+        self.hooks += [module.register_forward_pre_hook(load), module.register_forward_hook(drop)]
 
     def run(self, ids: torch.Tensor, norms: list[str]) -> tuple[torch.Tensor, dict, dict]:
         """The output on `ids`, and each named norm's input and output (feature axis last)."""
