@@ -60,7 +60,8 @@ def fold_shard(ck: Checkpoint, out: Path, job: ShardJob) -> dict:
         files.callback(writer.f.close)
         for t, e in zip(job.tensors, entries):
             if not t.ops and t.source in header.entries:
-                writer.copy(t.name, raw, header.data_start + e.begin, e.end - e.begin)
+                own = header.entries[t.source]
+                writer.copy(t.name, raw, header.data_start + own.begin, own.end - own.begin)
             elif not t.ops:  # (a tensor of another shard: a tied table's copy)
                 x = rows(t.source)
                 writer.put(t.name, (tensor_bytes(x[lo:hi]) for lo, hi in row_blocks(x.shape, SLICE_BYTES)),
