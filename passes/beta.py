@@ -63,7 +63,6 @@ def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None,
         out.why = f"β `{beta}` is not a constant"
         return out
     found, why = linear_readers(view, node.outputs[0], spec.axis, through_layout=into_readers)
-    new: list = []
     if why is None:
         edits, new, why = _bias_edits(view, beta, found, into_readers)
     if why is not None:

@@ -195,11 +195,9 @@ def _reader_saving(view: View, read: LinearRead) -> int:
 def _norm(view: View, comp: Component, name: str, d: int, out: ComponentCompression) -> CrmsNorm:
     node = view.nodes[name]
     spec = node.norm
-    crms = CrmsNorm(name, d, spec.epsilon)
     y = node.outputs[0]
+    crms = CrmsNorm(name, d, spec.epsilon, decompress=view.values[y].is_graph_output)
     const_affine = all(p is None or view.values[p].is_const for p in (spec.gamma, spec.beta))
-    if view.values[y].is_graph_output:
-        crms.decompress = True
     for c, i in view.values[y].consumers:
         got = absorbing(view, c, i, spec.axis, d) if const_affine else None
         dims = follows_stream(got[1], comp)[0] if got is not None else None
