@@ -252,12 +252,9 @@ def fold_model(
     SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
     Verification runs the original, the folded model and a float64 copy of the original on the
-    same inputs (passes/gate.py judges): `inputs` (a dict name -> array, or a path to an .npz
-    file) are used as given; otherwise inputs are made up from the graph, with `dims`
-    (symbolic dim name -> size) fixing sizes. `result.max_rel_err` is the worst relative
-    difference between folded and original outputs; `result.exact_err` and
-    `result.original_exact_err` the two models' errors against float64 (None without a float64
-    run), `result.criterion` the criterion used.
+    same inputs (passes/gate.py judges; its figures are the result's: passes/result.FoldResult):
+    `inputs` (a dict name -> array, or a path to an .npz file) are used as given; otherwise inputs
+    are made up from the graph, with `dims` (symbolic dim name -> size) fixing sizes.
 
     `defer` ("auto", "on", "off"): emit folded norms whose readers are all linear layers with
     constant weights as deferred normalization (γ into the weights, the per-row scale applied to
