@@ -27,7 +27,7 @@ from ..passes.plan import NormEmission
 
 from . import crms
 from .classify import GraphInfo, meta_val, norm_outputs
-from .edits import from_numpy, graph_algebra, new_attr, to_numpy
+from .edits import from_numpy, graph_algebra, new_attr, rounded, to_numpy
 from .ops import canonical, set_arg
 
 NORMS = ("rms_norm", "layer_norm")
@@ -233,8 +233,9 @@ class Applier:
         return how.width, weight, how.eps_scale
 
     def _buffer(self, base: str, arr: np.ndarray, like: Optional[torch.Tensor], before: fx.Node) -> fx.Node:
-        """A float64 constant as a buffer of `like`'s dtype (float32 without one), read before node `before`."""
-        t = torch.from_numpy(np.ascontiguousarray(arr)).to(like.dtype if like is not None else torch.float32)
+        """A float64 constant as a buffer of `like`'s dtype (float32 without one), read before node `before`;
+        rounded once (edits.rounded: torch's own float64 -> float16 cast rounds twice)."""
+        t = rounded(np.ascontiguousarray(arr, dtype=np.float64), like.dtype if like is not None else torch.float32)
         return new_attr(self.gm, base, t, before)
 
     def _swap(self, node: fx.Node, beta_add: bool, unit_gamma: bool = False, rotated: bool = False,

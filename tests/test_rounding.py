@@ -45,3 +45,19 @@ def test_from_numpy_rounds_float64_once():
     like = torch.zeros(1, dtype=torch.float16)
     v = 1.0 + 2 ** -11 + 2 ** -40
     assert from_numpy(np.array([v]), like).item() == 1.0 + 2 ** -10
+
+
+def test_the_applier_rounds_its_float64_buffers_once():
+    """Rotation, readout, shortcut and sliced-γ buffers (fx_rewrite/apply.Applier._buffer) of an fp16
+    model: the float64 constant rounded once, not through float32."""
+    from types import SimpleNamespace
+
+    from torch import fx
+
+    from lnfold.fx_rewrite.apply import Applier
+
+    gm = fx.symbolic_trace(torch.nn.Identity())
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    v = 1.0 + 2 ** -11 + 2 ** -40  # torch's float64 -> float16 cast gives 1.0
+    node = Applier._buffer(SimpleNamespace(gm=gm), "b", np.array([v]), torch.zeros(1, dtype=torch.float16), output)
+    assert getattr(gm, node.target).item() == 1.0 + 2 ** -10
