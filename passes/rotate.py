@@ -55,7 +55,7 @@ class StreamBasis:
     writers: list[tuple[ConstRef, Project]] = field(default_factory=list)  # output side
     readers: list[tuple[ConstRef, Project]] = field(default_factory=list)  # input side
     # norms whose γ stayed because of what reads them (a graph output, a non-linear reader): emitted
-    # with unit weight followed by a constant `· Qᵀ·diag γ` (`readout_matrix`), which un-rotates
+    # with unit weight followed by a constant `· Qᵀ·diag γ` (`plan.Readout`), which un-rotates
     # their output exactly, at the cost of one d×d MatMul each
     readouts: list[str] = field(default_factory=list)
     # a basis given by the request (a calibrated one: passes/slicing.py) and the entries of it kept:
