@@ -50,7 +50,9 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
         val = meta_val(norm)
         outs = [u for u in norm.users if is_tuple_getitem(u) and u.args[1] == 0] if isinstance(val, (tuple, list)) \
             else [norm]
-    dtype = getattr(meta_val(x), "dtype", torch.float32)
+    # x may be a recenter the Applier inserted (no meta): the norm's output has x's shape and dtype
+    like = meta_val(x) if meta_val(x) is not None else meta_val(outs[0])
+    dtype = getattr(like, "dtype", torch.float32)
     with graph.inserting_before(norm):
         xs = graph.call_method("float", (x,)) if dtype in LOW_PRECISION else x
         sq = graph.call_function(operator.mul, (xs, xs))
@@ -64,7 +66,7 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
     for u in [u for u in norm.users if is_tuple_getitem(u) and not u.users]:
         graph.erase_node(u)
     erase_unread(graph, outs + [norm])
-    rank = len(meta_val(x).shape)
+    rank = d.axis + 1  # passes/defer.py defers only a norm over its input's last axis
     for rd in d.readers:  # a reader behind a row-flattening reshape gets r as [rows, 1]
         _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd))
     if not r2.users:

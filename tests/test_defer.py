@@ -239,6 +239,18 @@ def test_fold_module_deferred_is_exact_against_float64(name):
     assert got <= FACTOR * own + FLOOR, (got, own)
 
 
+def test_a_norm_reading_an_explicit_recenter_is_deferred():
+    """BLOOM: the embedding LayerNorm's output is recentered by an inserted `x - mean` (no FX meta);
+    the next norm, deferred, reads that node (was: AttributeError on its missing shape)."""
+    module, args = zoo.MODELS["bloom"]()
+    res = fx_api.fold_module(module, args, defer="on", dynamic=False)
+    assert res.criterion == "float64" and sum(n.deferred for n in res.report.norms) >= 3
+    with torch.no_grad():
+        own = max_rel_err(_ref64(module, args), module(*args).numpy())
+        got = max_rel_err(_ref64(module, args), res.module(*args).numpy())
+    assert got <= FACTOR * own + FLOOR, (got, own)
+
+
 def test_fold_module_auto_defers_nothing_in_eager_mode():
     """Eager torch fuses no multiply into a GEMM: the traffic cost model never defers there."""
     module, args = zoo.gpt2()
