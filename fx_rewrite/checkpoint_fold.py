@@ -22,6 +22,7 @@ from ..passes import FoldResult, LnfoldError, pipeline
 from ..passes.edits import NUMPY, Center, apply_ops, chunk_axis
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
+from ..passes.outputs import check_output_folder, default_output_folder
 from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
@@ -192,17 +193,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def destination(src: Path, dst: Optional[Path]) -> Path:
-    dst = Path(dst) if dst is not None else src.resolve().parent / (src.resolve().name + ".folded")
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise LnfoldError(f"{dst}: the output folder would be inside the input folder; choose another path")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise LnfoldError(f"{dst}: exists; choose another output folder or remove it")
-    if not dst.parent.is_dir():
-        raise LnfoldError(f"{dst.parent}: output directory does not exist")
-    return dst
-
-
 def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: Optional[int] = None,
                     progress: Optional[Callable[[str], None]] = None) -> FoldResult:
     """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
@@ -221,7 +211,8 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     src = Path(src)
     if not is_checkpoint(src):
         raise LnfoldError(f"{src}: not a transformers checkpoint folder (config.json with {SINGLE} or {INDEX})")
-    dst = destination(src, dst)
+    dst = Path(dst) if dst is not None else default_output_folder(src)
+    check_output_folder(src, dst)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pipeline.stage(progress, "reading the checkpoint's headers")

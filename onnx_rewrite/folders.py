@@ -18,15 +18,13 @@ from typing import Callable
 
 from ..passes import LnfoldError, NothingToFold, gate
 from ..passes.errors import first_line
-
-FOLDED_SUFFIX = ".folded"
+from ..passes.outputs import FOLDED_SUFFIX, check_output_folder, default_output_folder
 
 
 def default_output(src: Path) -> Path:
     """`X.onnx` -> `X.folded.onnx` beside it; a folder `DIR` -> `DIR.folded` beside it."""
     if src.is_dir():
-        full = src.resolve()  # (`lnfold fold .` has no name of its own)
-        return full.parent / (full.name + FOLDED_SUFFIX)
+        return default_output_folder(src)
     stem = src.name[:-len(".onnx")] if src.name.lower().endswith(".onnx") else src.name
     return src.parent / f"{stem}{FOLDED_SUFFIX}.onnx"
 
@@ -82,7 +80,7 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
     report (a table per folded file, then what was copied), or one JSON object with `--json`."""
     files = check_onnx_folder(src)
     dst = dst if dst is not None else default_output(src)
-    _check_destination(src, dst)
+    check_output_folder(src, dst)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=dst.parent))
     umask = os.umask(0)
@@ -112,22 +110,13 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(p, tmp / rel)
                 copied.append(rel)
-        os.replace(tmp, dst)  # (an empty folder at dst is replaced; _check_destination refused a full one)
+        os.replace(tmp, dst)  # (an empty folder at dst is replaced; check_output_folder refused a full one)
     except OSError as e:
         raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _print_report(src, dst, folded, unchanged, copied, args, time.perf_counter() - t0)
     return 0
-
-
-def _check_destination(src: Path, dst: Path) -> None:
-    if dst.resolve() == src.resolve() or src.resolve() in dst.resolve().parents:
-        raise LnfoldError(f"{dst}: the output folder would be inside the input folder; choose another path")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise LnfoldError(f"{dst}: exists; choose another output folder or remove it")
-    if not dst.parent.is_dir():
-        raise LnfoldError(f"{dst.parent}: output directory does not exist")
 
 
 def _data_files_of(model_file: Path) -> set[Path]:

@@ -295,6 +295,25 @@ def test_bad_checkpoints_are_one_line_errors_and_write_nothing(fp32, tmp_path, c
         assert not out.exists()
 
 
+@pytest.mark.parametrize("where,message", [
+    ("inside", "inside the input folder"), ("a full folder", "exists; choose another output folder"),
+    ("a file", "exists; choose another output folder"), ("no parent", "output directory does not exist"),
+])
+def test_a_bad_output_folder_is_a_one_line_error(fp32, tmp_path, where, message):
+    """The same rules as `lnfold fold DIR` (passes/outputs.py), the input untouched."""
+    out = {"inside": fp32 / "out", "a full folder": tmp_path / "full", "a file": tmp_path / "f",
+           "no parent": tmp_path / "none" / "out"}[where]
+    if where == "a full folder":
+        out.mkdir()
+        (out / "x").write_text("")
+    elif where == "a file":
+        out.write_text("")
+    before = sorted(p.name for p in fp32.iterdir())
+    with pytest.raises(LnfoldError, match=message) as e:
+        lnfold.fold_checkpoint(fp32, out)
+    assert len(str(e.value).splitlines()) == 1 and sorted(p.name for p in fp32.iterdir()) == before
+
+
 @pytest.mark.slow
 def test_parallel_shards_write_the_same_bytes(fp32, tmp_path):
     lnfold.fold_checkpoint(fp32, tmp_path / "one", verify=False)
