@@ -124,12 +124,13 @@ def _stream_edges(view: View, comp: Component, value: str) -> list:
 
 def _topological(view: View, comp: Component) -> Optional[list[str]]:
     """The stream tensors, each after every stream tensor it is computed from (None: a cycle)."""
-    preds: dict[str, set] = {v: set() for v in comp.axes}
+    # predecessors as dicts, not sets: an order (and so a `why`) that does not depend on string hashing
+    preds: dict[str, dict] = {v: {} for v in comp.axes}
     for v in comp.axes:
         for node, _ in _stream_edges(view, comp, v):
             for o in node.outputs:
                 if o in comp.axes and o != v:
-                    preds[o].add(v)
+                    preds[o][v] = None
     try:
         return list(TopologicalSorter(preds).static_order())
     except CycleError:
