@@ -30,6 +30,7 @@ model's first task metric beside it):
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -161,7 +162,7 @@ def nbits(prepared: onnx.ModelProto, block: int, algo: str, calibration: dict, k
         config = GPTQWeightOnlyQuantConfig(calibration_data_reader=q._calibration_reader(q.Rows(calibration, None)),
                                            block_size=block)
     with q._quiet_quantizers():
-        quantizer = MatMulNBitsQuantizer(q._copy(prepared), bits=4, block_size=block, is_symmetric=True,
+        quantizer = MatMulNBitsQuantizer(copy.deepcopy(prepared), bits=4, block_size=block, is_symmetric=True,
                                          nodes_to_include=nodes, nodes_to_exclude=others, algo_config=config)
         quantizer.process()
     return quantizer.model.model
