@@ -246,9 +246,10 @@ def fold_model(
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
-    `mode`, `defer` and `verify` mean what they mean for `fold_module` (passes/options.py checks
-    them). `target` picks the emission ("ort", "onnx", "portable"; onnx_rewrite/targets.py);
-    `device` picks onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
+    `mode`: "rms" (RMSNorms), "crms" (CRMSNorms, each folded stream carried in d-1 features;
+    passes/compress.py) or "rms-approx" (below); passes/options.py checks the options. `target`
+    picks the emission ("ort", "onnx", "portable"; onnx_rewrite/targets.py); `device` picks
+    onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
     SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
     Verification runs the original, the folded model and a float64 copy of the original on the
