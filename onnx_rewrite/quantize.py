@@ -262,8 +262,9 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
                 quantize_dynamic(copy.deepcopy(prepared), out, weight_type=QuantType.QInt8, per_channel=per_channel,
                                  nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
             else:
-                quantize_static(copy.deepcopy(prepared), out, _calibration_reader(calibration), quant_format=QuantFormat.QDQ,
-                                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=per_channel,
+                quantize_static(copy.deepcopy(prepared), out, _calibration_reader(calibration),
+                                quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+                                weight_type=QuantType.QInt8, per_channel=per_channel,
                                 nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
             return onnx.load(str(out))
 
