@@ -95,6 +95,17 @@ FULL_RUN_ONLY: dict[str, str] = {
         "the hand-built ViT graphs with the same three computed shapes",
     "tests/test_slice.py::test_torch_sequential_per_block_matches_onnx":
         "test_sequential_bases_differ_from_one_shot_and_slice_as_well; test_torch_per_block_full_width_is_the_exact_fold",
+    # three CLI subprocesses each: the same report / report --json / fold paths as the one id the fast run keeps
+    "tests/test_reasons.py::test_near_miss_is_reported_with_its_reason[variance-over-other-axes]":
+        "[variance-of-uncentered-input]",
+    "tests/test_reasons.py::test_near_miss_is_reported_with_its_reason[eps-not-a-constant]":
+        "[variance-of-uncentered-input]",
+    "tests/test_reasons.py::test_near_miss_is_reported_with_its_reason[keras-gamma-two-axes]":
+        "[variance-of-uncentered-input]; test_a_recognized_norm_and_a_plain_centering_are_no_near_misses",
+    "tests/test_onnx_fold.py::test_cli_fold_and_report":
+        "test_package.py's fold --json; test_bert_only_embeddings_layernorm_folds; test_reasons' CLI report",
+    "tests/test_quantize_logging.py::test_int4_quantization_leaves_the_root_logger_as_it_was":
+        "test_quantize.py (a fresh process for the root logger)",
 }
 
 
