@@ -55,11 +55,10 @@ def test_onnx_deferred_is_exact_against_float64(zoo_onnx, name):
 
 def test_onnx_auto_follows_the_cost_model(zoo_onnx):
     _, _, model = zoo_onnx("gpt2")
-    # (decisions only: the plain fold they leave is verified by the other tests)
-    res = fold_model(model, defer="auto", verify=False)  # onnxruntime's row scale is a Mul of its own (RESULTS.md)
+    res = fold_model(model, defer="auto")  # onnxruntime's row scale is a Mul of its own (RESULTS.md)
     assert not any(n.deferred for n in res.report.norms)
     assert all(n.defer_reason.startswith("cost model") for n in res.report.norms)
-    assert not any(n.deferred for n in fold_model(model, verify=False).report.norms)  # the default: off
+    assert not any(n.deferred for n in fold_model(model).report.norms)  # the default: off
 
 
 def _without_gamma_edits(make_plan):
