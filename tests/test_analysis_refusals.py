@@ -1,0 +1,105 @@
+"""The analysis' refusals that no other test reached (issue: coverage of passes/): each small graph
+reaches one branch that keeps a norm, and checks the norm is kept and says why; where the branch
+lets a fold through, the fold is checked against float64 (random γ/β, sources with a large mean,
+tests/onnx_graphs.py). Every graph is hand-built and analyzed in milliseconds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lnfold.onnx_rewrite import analyze_model, fold_model
+from lnfold.passes import gate
+
+from tests import onnx_graphs as G
+
+
+def _kept_because(model) -> str:
+    """The reason of the graph's one norm, which must be kept."""
+    (norm,) = analyze_model(model).norms
+    assert norm.verdict == "keep", norm
+    return norm.reason
+
+
+def _folds_exactly(model) -> None:
+    """Every norm folds, and the folded model is as close to float64 as the original."""
+    res = fold_model(model)
+    assert {n.verdict for n in res.report.norms} == {"fold"}, res.report.norms
+    assert res.criterion == "float64"
+    assert res.exact_err <= 2 * res.original_exact_err + gate.FLOOR["float32"], res.exact_err
+
+
+def _stream(b: G.Builder, shape=(2, G.T, G.D)) -> str:
+    """A biased linear of a graph input: a stream that constant edits can center."""
+    return b.linear(b.input("x", G.FLOAT, list(shape)), shape[-1], G.D)
+
+
+# --- norms that are no LayerNorm over one axis -----------------------------------------------------
+
+def test_a_layernorm_whose_mean_output_is_read_is_kept():
+    """ONNX LayerNormalization's Mean output is the stream's mean: folding would change it."""
+    b = G.Builder(11)
+    g, beta = b.affine()
+    y, mean, _ = b.op("LayerNormalization", [_stream(b), g, beta], n_out=3, axis=-1, epsilon=1e-5)
+    b.output(y)
+    b.output(mean)
+    assert _kept_because(b.model(17)) == "its mean/variance outputs are used"
+
+
+# --- a stream reached two ways ----------------------------------------------------------------------
+
+def test_a_stream_added_to_its_own_transpose_is_kept():
+    """h + hᵀ: centering h along its features does not center hᵀ along them (a square [D, D])."""
+    b = G.Builder(12)
+    h = _stream(b, (2, G.D, G.D))
+    b.output(b.layernorm(b.op("Add", [h, b.op("Transpose", [h], perm=[0, 2, 1])])))
+    assert "is reached with feature axis 2 and 1 (a reshape or transpose mixes the feature axis)" in _kept_because(
+        b.model(17))
+
+
+def test_a_stream_clipped_by_bounds_known_only_at_run_time_is_kept():
+    """A Clip is transparent only as an overflow guard: bounds that are graph inputs may clip anything."""
+    b = G.Builder(13)
+    lo, hi = b.input("lo", G.FLOAT, []), b.input("hi", G.FLOAT, [])
+    h = _stream(b)
+    b.output(b.layernorm(h))
+    b.output(b.op("Clip", [h, lo, hi]))
+    assert _kept_because(b.model(17)).endswith("is also read by Clip `Clip_12`, whose result depends on the mean")
+
+
+# --- a stream centered per head (the input of per-head q/k norms) ---------------------------------------
+
+def _per_head_norm(reader: str):
+    """q = linear(x), its 2 heads of D/2 normalized each; `reader` also reads q, flat."""
+    b = G.Builder(14)
+    q = _stream(b)
+    heads = b.op("Reshape", [q, b.const("shape", np.array([2, G.T, 2, G.D // 2], np.int64))])
+    b.output(b.layernorm(heads, d=G.D // 2))
+    if reader == "output":
+        b.output(q)
+    elif reader == "Shape":
+        b.output(b.op("Shape", [q]), elem=G.INT64)
+    elif reader == "MatMul":
+        b.output(b.op("MatMul", [q, b.weight("head", (G.D, G.D))]))
+    else:
+        b.output(b.op(reader, [q]))
+    return b.model(17)
+
+
+@pytest.mark.parametrize("reader,why", [
+    ("Relu", "no rule for op `Relu`"),
+    ("MatMul", "it would see the per-block means"),
+])
+def test_a_per_head_stream_read_whole_is_kept(reader, why):
+    reason = _kept_because(_per_head_norm(reader))
+    assert "which is centered per block of 4 along axis 2, and" in reason and f"reads it otherwise than per block ({why})" \
+        in reason, reason
+
+
+def test_a_per_head_stream_that_is_a_graph_output_is_kept():
+    reason = _kept_because(_per_head_norm("output"))
+    assert reason.endswith("which is a graph output (the model's output would see the mean)"), reason
+
+
+def test_a_per_head_stream_read_only_for_its_shape_folds_exactly():
+    """Shape reads no values: it blocks nothing (and the fold is exact)."""
+    _folds_exactly(_per_head_norm("Shape"))
