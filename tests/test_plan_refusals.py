@@ -1,0 +1,200 @@
+"""The planner's refusals and the user's errors that no other test reached (a coverage run's list):
+each test builds the smallest graph that takes the branch and asserts what it must do — the norm
+kept or the stream left as it is, with the reason text, or the fold done and verified against
+float64 (onnx_rewrite's verification runs a float64 copy of the original), or a one-line error.
+
+Graphs are hand-built ONNX (tests/onnx_graphs.py) with random γ/β and sources of a large mean; the
+plans are made on the ONNX frontend's View with the request each case needs (a trained constant, a
+target without a readout MatMul or with a fused residual Add), as make_plan is called by any frontend.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lnfold.onnx_rewrite import targets
+from lnfold.onnx_rewrite.api import OnnxFrontend, fold_model
+from lnfold.passes import LnfoldError, make_plan
+from lnfold.passes import gate, orthogonal, slicing
+from lnfold.passes.options import FoldOptions
+from lnfold.passes.request import Capabilities, PlanRequest
+from tests import onnx_graphs as graphs
+from tests.onnx_graphs import D, FLOAT, T, VOCAB, Builder
+
+
+def _view(model):
+    return OnnxFrontend(model, FoldOptions(), targets.resolve("ort", "cpu")).view()
+
+
+def _verdicts(report) -> dict:
+    return {n.name: n for n in report.norms}
+
+
+def _recentered_start_read_by_linears(n_norms: int = 3):
+    """x -> linear -> Relu: a stream start no edit centers (recentered), read by `n_norms` LayerNorms
+    (of it, and of it times constants), each read by a linear layer only, whose products are summed."""
+    b = Builder(21)
+    x = b.input("x", FLOAT, [2, T, D])
+    h = b.op("Relu", [b.linear(x, D, D)])
+    outs = []
+    for k in range(n_norms):
+        src = b.op("Mul", [h, b.const("s", np.array(1.0 + k, np.float32))]) if k else h
+        outs.append(b.op("MatMul", [b.layernorm(src), b.weight("W", (D, D))]))
+    y = outs[0]
+    for o in outs[1:]:
+        y = b.op("Add", [y, o])
+    b.output(y)
+    return b.model(17)
+
+
+def _residual_sum_read_by_two_norms():
+    """ids -> embedding -> one pre-LN block, whose residual sum two LayerNorms read (parallel heads)."""
+    b = Builder(22)
+    h = b.block(b.embed(b.input("ids", graphs.INT64, [2, T])))
+    y = b.op("Add", [b.op("MatMul", [b.layernorm(h), b.weight("head", (D, VOCAB))]),
+                     b.op("MatMul", [b.layernorm(h), b.weight("head", (D, VOCAB))])])
+    b.output(y, shape=[2, T, VOCAB])
+    return b.model(17)
+
+
+# --- γ that is not a constant ---------------------------------------------------------------------
+
+def test_a_stream_whose_norm_has_a_graph_input_gamma_is_not_rotated_and_its_fold_verifies():
+    result = fold_model(graphs.gamma_input(), rotate="hadamard")  # verified against float64
+    (stream,) = result.report.streams
+    assert stream.rotation.startswith("not rotated: the γ of LayerNormalization")
+    assert "stays in the norm (γ `gamma` is not a constant)" in stream.rotation
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and norm.gamma == "kept in the norm (γ `gamma` is not a constant)"
+
+
+def test_a_norm_with_a_graph_input_gamma_is_not_deferred():
+    result = fold_model(graphs.gamma_input(), defer="on")
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and not norm.deferred
+    assert norm.defer_reason == "its γ `gamma` is not a constant"
+
+
+def test_gamma_into_the_readers_turns_deferral_off_and_says_so():
+    result = fold_model(graphs.pre_ln(1), defer="on", gamma_into_readers=True)
+    assert "deferred normalization is off: γ goes into the readers (gamma_into_readers)" in result.report.notes
+    assert not any(n.deferred for n in result.report.norms)
+    assert all(n.gamma.startswith("into the weight of MatMul") for n in result.report.norms)
+
+
+# --- CRMS on a stream too narrow to compress ----------------------------------------------------
+
+def test_crms_on_a_two_feature_stream_folds_to_rms_norms_with_the_reason():
+    result = fold_model(graphs.pre_ln(1, d=2), mode="crms")  # verified against float64
+    (verdict,) = result.report.compression
+    assert verdict.verdict == "rms" and verdict.reason == "a 2-feature stream has nothing to compress"
+    assert [n.verdict for n in result.report.norms] == ["fold", "fold"]
+
+
+# --- trained constants: the training fold computes no γ edit and no rotation ----------------------
+
+def test_trained_reader_weights_keep_gamma_in_the_norm():
+    view = _view(graphs.pre_ln(1))
+    readers = {"W_11", "head_31"}  # the first linear layer of the block, the head
+    plan = make_plan(view, PlanRequest(gamma_into_readers=True, trainable=lambda value: value in readers))
+    assert plan.swaps and not plan.unit_gamma
+    for norm in plan.report.norms:
+        assert norm.gamma == "kept in the norm (its readers' weights are trained (the training fold computes no γ edit))"
+    assert not any(op.__class__.__name__ == "Scale" for e in plan.const_edits for op in e.ops)
+
+
+def test_trained_writers_keep_the_stream_unrotated():
+    view = _view(graphs.pre_ln(1))
+    trained = {"emb_1", "pos_2"}  # the embedding tables: writers of the stream, none of its readers
+    plan = make_plan(view, PlanRequest(rotate="hadamard", trainable=lambda value: value in trained))
+    (basis,) = plan.stream_bases
+    assert basis.why == "its writers are trained (the training fold computes no rotation)"
+    assert plan.report.streams[0].rotation.startswith("not rotated: its writers are trained")
+    assert not plan.rotated_norms and not basis.writers and not basis.readers
+
+
+# --- a target that cannot emit the constant MatMul a rotation needs --------------------------------
+
+def test_a_target_without_a_constant_matmul_keeps_a_recentered_rotated_start_unrotated():
+    model = _recentered_start_read_by_linears()
+    view = _view(model)
+    rotated = make_plan(view, PlanRequest(rotate="hadamard"))
+    (basis,) = rotated.stream_bases
+    assert basis.rotated and basis.starts and not basis.readouts  # the start alone needs a MatMul
+    plan = make_plan(_view(model), PlanRequest(rotate="hadamard", target=Capabilities(name="T", readout_matmul=False)))
+    (basis,) = plan.stream_bases
+    assert basis.why.startswith("its recentered start `") and basis.why.endswith(
+        "` would need a constant MatMul after the recenter, which T cannot emit")
+    assert not basis.starts and not basis.writers and not basis.readers
+    assert [r.project for r in plan.recenters] == [None]
+
+
+# --- one residual Add, read by two norms, is fused with one of them ------------------------------
+
+def test_a_residual_sum_read_by_two_norms_is_fused_with_one_only_and_folds_exactly():
+    result = fold_model(_residual_sum_read_by_two_norms(), target="ort", device="cuda")  # verified against float64
+    assert [n.verdict for n in result.report.norms] == ["fold"] * 3
+    (stream,) = result.report.streams
+    assert len(stream.fused) == 1
+    assert [n.op_type for n in result.model.graph.node].count("SkipSimplifiedLayerNormalization") == 1
+
+
+# --- the verification gate without a float64 run --------------------------------------------------
+
+def _outputs(rel_err: float) -> list:
+    y = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
+    return [gate.Output("y", "float32", y, y + np.float32(rel_err))]
+
+
+def test_without_float64_or_norm_inputs_an_output_beyond_tolerance_fails():
+    v = gate.judge(_outputs(1e-3), no_float64="no float64 kernels")
+    assert not v.ok and v.criterion == "tolerance"
+    assert v.failure.startswith("output y differs from the original's by 0.001 (relative), above 0.0001")
+    assert v.failure.endswith("no float64 run of the model was possible (no float64 kernels)")
+
+
+def test_without_float64_centered_norm_inputs_do_not_excuse_an_error_beyond_loose_tolerance():
+    centered = {"ln": np.array([[1.0, -1.0, 2.0, -2.0]]), "empty": np.zeros((0, 4))}
+    assert gate.judge(_outputs(5e-4), centered).ok  # within LOOSE x TOLERANCE: the zero-mean criterion
+    v = gate.judge(_outputs(5e-3), centered)
+    assert not v.ok and v.criterion == "zero-mean norm inputs"
+    assert v.failure.endswith(", even 10x that")
+
+
+def test_an_empty_norm_input_is_no_evidence_of_an_uncentered_norm():
+    assert gate.off_center({"empty": np.zeros((0, 4)), "ln": np.array([[1.0, -1.0]])}, "float32") is None
+    assert gate.off_center({"empty": np.zeros((0, 4)), "ln": np.array([[1.0, 3.0]])}, "float32") == ("ln", 2 / 5 ** 0.5)
+
+
+# --- the user's errors: one line, nothing folded -------------------------------------------------
+
+def test_a_seeded_rotation_and_a_given_basis_together_are_refused():
+    with pytest.raises(LnfoldError, match="^a stream is rotated by a seeded Q or projected on a given basis, not both$"):
+        PlanRequest(rotate="hadamard", bases={})
+
+
+@pytest.mark.parametrize("fraction", ["a third", None, [0.5]])
+def test_a_slice_fraction_that_is_not_a_number_is_a_one_line_error(fraction):
+    with pytest.raises(LnfoldError, match=r"^fraction must be a number in \(0, 1\), got "):
+        slicing.check_fraction(fraction)
+
+
+@pytest.mark.parametrize("options", [dict(rotate="hadamard"), dict(gamma_into_readers=True)])
+def test_the_approximate_swap_is_not_combined_with_gamma_into_readers_or_a_rotation(options):
+    with pytest.raises(LnfoldError, match="^--mode rms-approx is not combined with --gamma-into-readers or --rotate"):
+        fold_model(graphs.pre_ln(1), mode="rms-approx", budget=0.1, **options)
+
+
+def test_an_approximate_swap_of_a_name_that_is_no_layernorm_is_refused():
+    view = _view(graphs.pre_ln(1))
+    with pytest.raises(LnfoldError, match="^approximate swap: `MatMul_14` is not a LayerNorm of the model$"):
+        make_plan(view, PlanRequest(), approx=frozenset({"MatMul_14"}))
+
+
+# --- the Hadamard construction a 28-feature stream uses ------------------------------------------
+
+def test_the_hadamard_rotation_of_a_28_feature_stream_is_orthogonal():
+    assert orthogonal.hadamard_factors(28) == (1, 28)  # Paley II, q = 13: no power of two helps
+    q = orthogonal.matrix("hadamard", 28, seed=3)
+    assert np.allclose(q @ q.T, np.eye(28), atol=1e-12)
+    assert np.allclose(np.abs(q), 28 ** -0.5)
