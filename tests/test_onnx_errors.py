@@ -67,3 +67,84 @@ def test_the_float64_reference_makes_attribute_floats_double_and_runs_in_onnxrun
     centered = s - s.mean(-1, keepdims=True)
     want = centered / np.sqrt((centered**2).mean(-1, keepdims=True) + 1e-5) * inits[ln.input[1]] + inits[ln.input[2]]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --- bad input: one line, exit 2, the input untouched, nothing written ---------------------------
+
+def _corrupt(tmp_path: Path, edit) -> tuple[Path, bytes, Path]:
+    """pre_ln with `edit(model)` applied, saved unchecked; (its path, its bytes, an output path)."""
+    m = pre_ln(layers=1)
+    edit(m)
+    p = save_model(m, tmp_path / "m.onnx")
+    return p, p.read_bytes(), tmp_path / "out.onnx"
+
+
+def _embedding(m: onnx.ModelProto) -> onnx.TensorProto:
+    return next(t for t in m.graph.initializer if t.name.startswith("emb"))
+
+
+def _negative_dim(m: onnx.ModelProto) -> None:
+    _embedding(m).dims[0] = -_embedding(m).dims[0]
+
+
+def _typed_data_short(m: onnx.ModelProto) -> None:
+    t = _embedding(m)
+    values = numpy_helper.to_array(t).ravel()
+    t.ClearField("raw_data")
+    t.float_data.extend(values[:-1].tolist())
+
+
+def _output_of_no_node(m: onnx.ModelProto) -> None:
+    m.graph.output.append(helper.make_tensor_value_info("nobody_writes_this", TensorProto.FLOAT, [2]))
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_negative_dim, ["has a negative dimension"]),
+    (_typed_data_short, ["holds", "values, but its shape", "truncated or corrupt weights"]),
+    (_output_of_no_node, ["graph output `nobody_writes_this` is produced by no node"]),
+], ids=["negative-dim", "typed-data-short", "output-of-no-node"])
+def test_a_corrupt_model_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys, edit, words):
+    p, before, out = _corrupt(tmp_path, edit)
+    _refused(["fold", str(p), "-o", str(out)], capsys, *words)
+    _untouched(p, before, out)
+
+
+def _with_big_external_weight(tmp_path: Path) -> tuple[Path, Path, onnx.ModelProto]:
+    """pre_ln plus an unused 1 MiB initializer (big enough to be read lazily), saved with every
+    tensor in m.onnx.data, the big one last; (model path, data path, the model as saved)."""
+    m = pre_ln(layers=1)
+    m.graph.initializer.append(numpy_helper.from_array(np.ones((512, 512), np.float32), "big"))
+    p = save_model(m, tmp_path / "m.onnx", external=True)
+    return p, tmp_path / "m.onnx.data", onnx.load(str(p), load_external_data=False)
+
+
+def _big_offset(m: onnx.ModelProto) -> int:
+    t = next(t for t in m.graph.initializer if t.name == "big")
+    return int({e.key: e.value for e in t.external_data}["offset"])
+
+
+@pytest.mark.parametrize("cut, words", [
+    ("before-the-tensor", ["External data offset", "exceeds file size", "'big'"]),
+    ("inside-the-tensor", ["External data length", "exceeds available data", "'big'"]),
+], ids=["before-the-tensor", "inside-the-tensor"])
+def test_a_truncated_weights_file_is_refused_in_one_line(tmp_path, capsys, cut, words):
+    p, data, saved = _with_big_external_weight(tmp_path)
+    offset = _big_offset(saved)
+    with open(data, "r+b") as f:
+        f.truncate(offset - 4 if cut == "before-the-tensor" else offset + 1000)
+    before = p.read_bytes()
+    _refused(["fold", str(p), "-o", str(tmp_path / "out.onnx")], capsys, "cannot read its external data", *words)
+    _untouched(p, before, tmp_path / "out.onnx", tmp_path / "out.onnx.data")
+
+
+def test_an_external_record_shorter_than_the_tensors_shape_is_refused(tmp_path, capsys):
+    p, _, saved = _with_big_external_weight(tmp_path)
+    t = next(t for t in saved.graph.initializer if t.name == "big")
+    for e in t.external_data:
+        if e.key == "length":
+            e.value = str(int(e.value) - 4)
+    onnx.save_model(saved, str(p))  # (the record alone changes; the data file stays)
+    before = p.read_bytes()
+    _refused(["fold", str(p), "-o", str(tmp_path / "out.onnx")], capsys,
+             "initializer `big` holds 1048572 bytes, but its shape [512, 512] needs 1048576")
+    _untouched(p, before, tmp_path / "out.onnx")
