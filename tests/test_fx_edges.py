@@ -1,0 +1,214 @@
+"""Edges of the torch frontend no other test reaches: the op builders that must leave an op opaque
+(fx_rewrite/classify.py), the refusals of the module-level folds (holders.py, handoff.py, train.py),
+the gate on non-tensor outputs (verify.py), and the one-line errors for bad files and options
+(safetensors_io.py, checkpoint.py, checkpoint_fold.py, handoff.restore_rmsnorm).
+
+Tiny modules through the real torch.export; the sources that write the stream have a large mean
+(bias +5) and γ/β are random, so a fold that skips a centering is far off in float64."""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lnfold.fx_rewrite import (LnfoldError, NothingToFold, analyze_module, fold_checkpoint, fold_for_training,
+                               fold_module, fold_to_rmsnorm, restore_rmsnorm)
+from lnfold.fx_rewrite.checkpoint import read_checkpoint
+from lnfold.fx_rewrite.safetensors_io import read_header
+from lnfold.fx_rewrite.verify import judge_outputs
+
+D = 16
+
+
+def _randomized(m: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        m.emb.bias.add_(5.0)  # a large mean in the stream: a missed centering shows
+    return m.eval()
+
+
+class Between(nn.Module):
+    """Linear -> `mid` -> LayerNorm -> Linear: `mid` stands between the stream's writer and its norm."""
+
+    def __init__(self, mid) -> None:
+        super().__init__()
+        self.emb, self.ln, self.out, self.mid = nn.Linear(8, D), nn.LayerNorm(D), nn.Linear(D, 4), mid
+
+    def forward(self, x):
+        return self.out(self.ln(self.mid(self.emb(x))))
+
+
+ARGS = (torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)),)
+
+
+def _verdict(mid) -> tuple[str, str]:
+    (norm,) = analyze_module(_randomized(Between(mid)), ARGS).norms
+    return norm.verdict, norm.reason
+
+
+def _digest(m: nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(m.state_dict().items()):
+        h.update(k.encode() + v.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _max_rel_err_f64(module: nn.Module, folded: nn.Module) -> float:
+    with torch.no_grad():
+        ref = module.double()(ARGS[0].double())
+        got = folded.double()(ARGS[0].double())
+    return ((ref - got).abs().max() / ref.abs().max()).item()
+
+
+# --- classify.py: ops whose builder must leave them opaque --------------------------------------
+
+def test_a_floor_division_between_writer_and_norm_keeps_the_norm():
+    """x // c is no scaling: a centered stream does not stay centered through it (classify._mul)."""
+    verdict, reason = _verdict(lambda h: torch.div(h, 0.5, rounding_mode="floor"))
+    assert verdict == "keep"
+    assert "started by aten.div.Tensor_mode `div`, which no weight edit can make zero-mean" in reason
+
+
+def test_a_roll_of_the_flattened_tensor_keeps_the_norm_and_a_roll_along_time_folds_exactly():
+    """roll without dims moves features across rows (classify._reorder); along an axis it only moves rows."""
+    verdict, reason = _verdict(lambda h: torch.roll(h, 1))
+    assert verdict == "keep"
+    assert "started by aten.roll.default `roll`, which no weight edit can make zero-mean" in reason
+    module = _randomized(Between(lambda h: torch.roll(h, 1, 1)))
+    res = fold_module(module, ARGS)
+    assert (res.report.folded, res.report.kept) == (1, 0)
+    assert _max_rel_err_f64(module, res.module) < 1e-5  # float32 weights, edited in float64
+
+
+def test_a_one_operand_einsum_reading_the_stream_keeps_the_norm():
+    """einsum("btd->bt") sums the feature axis: the vocabulary's einsum rule has two operands (classify._einsum)."""
+    verdict, reason = _verdict(lambda h: h + torch.einsum("btd->bt", h)[..., None])
+    assert verdict == "keep"
+    assert "read by aten.einsum.default `einsum`: no rule for op `aten.einsum.default`" in reason
+
+
+def test_a_mean_over_every_axis_read_beside_the_norm_keeps_it():
+    """x.mean() with no dim reduces the feature axis too: it sees the mean a centering removes (classify._reduce)."""
+    verdict, reason = _verdict(lambda h: h * 1.0 + h.mean())
+    assert verdict == "keep"
+    assert "mean" in reason
+
+
+# --- the module-level folds: what they cannot edit ----------------------------------------------
+
+class PlainAttribute(nn.Module):
+    """A tensor that writes into the stream but is a plain attribute, not a parameter or buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln, self.out = nn.Linear(8, D), nn.LayerNorm(D), nn.Linear(D, 4)
+        self.shift = torch.randn(D) + 5.0
+
+    def forward(self, x):
+        return self.out(self.ln(self.emb(x) + self.shift))
+
+
+class FunctionalNorm(nn.Module):
+    """F.layer_norm: a foldable stream, but no nn.LayerNorm module to swap for an RMSNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Linear(8, D), nn.Linear(D, 4)
+        self.gamma = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        return self.out(F.layer_norm(self.emb(x), (D,), self.gamma))
+
+
+@pytest.mark.parametrize("fold, who", [(fold_to_rmsnorm, "the eager RMSNorm hand-off"),
+                                       (fold_for_training, "the module-level training fold")])
+def test_a_tensor_made_outside_parameters_and_buffers_that_writes_the_stream_is_refused(fold, who):
+    module = PlainAttribute().eval()
+    before, shift = _digest(module), module.shift.clone()
+    with pytest.raises(NothingToFold, match=f"`shift` writes into the stream but is not a parameter or buffer of "
+                                            rf"the module \(a tensor made in forward\?\); {who} cannot edit it"):
+        fold(module, ARGS)
+    assert _digest(module) == before
+    assert torch.equal(module.shift, shift)
+
+
+@pytest.mark.parametrize("fold, message", [
+    (fold_to_rmsnorm, "no nn.LayerNorm module can become an RMSNorm; first: "),
+    (fold_for_training, "no nn.LayerNorm module can be swapped; first: ")])
+def test_a_functional_layer_norm_has_no_module_to_swap(fold, message):
+    module = FunctionalNorm().eval()
+    before = _digest(module)
+    with pytest.raises(NothingToFold) as e:
+        fold(module, ARGS)
+    assert str(e.value) == (message + "no nn.LayerNorm module to swap (a functional layer_norm in "
+                                      "`FunctionalNorm.forward`); its stream is centered")
+    assert _digest(module) == before
+
+
+def test_restoring_a_model_that_was_never_folded_is_a_one_line_error():
+    module = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(LnfoldError, match="^the model has no config.lnfold: it was not saved from fold_to_rmsnorm's "
+                                          "result$"):
+        restore_rmsnorm(module)
+
+
+# --- verify.py: the gate on output leaves --------------------------------------------------------
+
+def test_the_gate_fails_a_different_number_of_outputs_and_a_changed_non_tensor_output():
+    t = torch.ones(3)
+    assert judge_outputs([t, 2], [t, 2], None).ok
+    missing = judge_outputs([t, 2], [t], None)
+    assert not missing.ok and missing.failure == "1 outputs instead of 2"
+    changed = judge_outputs([t, 2], [t, 3], None)
+    assert not changed.ok and changed.failure == "output 2 became 3"
+
+
+# --- bad files and options: one line, nothing written --------------------------------------------
+
+def _safetensors(path, header: dict, data: bytes = b"") -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_unreadable_safetensors_headers_are_one_line_errors_naming_the_file(tmp_path):
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\x01\x02")
+    long = tmp_path / "long.safetensors"
+    long.write_bytes(struct.pack("<Q", 1000) + b"{}")
+    entry = tmp_path / "entry.safetensors"
+    _safetensors(entry, {"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8)  # no data_offsets
+    for path, why in [(short, "shorter than a header"), (long, "header longer than the file"),
+                      (entry, "bad header entry: 'data_offsets'")]:
+        with pytest.raises(LnfoldError) as e:
+            read_header(path)
+        assert str(e.value).startswith(f"{path}: not a readable safetensors file ({why}")
+        assert "\n" not in str(e.value)
+
+
+def test_a_checkpoint_whose_shard_index_is_not_json_is_a_one_line_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(LnfoldError, match=r"model.safetensors.index.json: not a shard index \("):
+        read_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("jobs", [0, 1.5, "2"])
+def test_fold_checkpoint_refuses_a_bad_jobs_count_before_reading_anything(tmp_path, jobs):
+    with pytest.raises(LnfoldError, match=f"^jobs must be a positive integer, not {jobs!r}$"):
+        fold_checkpoint(tmp_path / "absent", jobs=jobs)
+
+
+def test_fold_checkpoint_of_a_folder_that_is_no_checkpoint_writes_nothing(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")  # no weights beside it
+    with pytest.raises(LnfoldError, match=r": not a transformers checkpoint folder \(config.json with "):
+        fold_checkpoint(src, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
