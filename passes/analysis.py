@@ -388,9 +388,16 @@ class _ComponentBuilder:
             if got is None:
                 return None
             refs.extend(got)
-        if any(r.axis is None for r in refs):  # a per-row constant has no channels to scale
+        if any(not self._has_channels(r) for r in refs):
             return None
         return CenteredSource(node.name, refs, scales=[scale.scale]) if refs else None
+
+    def _has_channels(self, ref: ConstRef) -> bool:
+        """Can a per-channel scale fold into `ref`? Not into a constant that is one number per row
+        (no axis, or size 1 along it: a [T, 1] bias broadcast along the features), which would have
+        to grow to hold a different number per channel."""
+        shape = self.view.values[ref.value].shape
+        return ref.axis is not None and (shape is None or ref.axis >= len(shape) or shape[ref.axis] != 1)
 
     def _add_source(self, src: CenteredSource) -> None:
         key = (src.node, tuple(src.refs))

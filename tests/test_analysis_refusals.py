@@ -57,13 +57,14 @@ def test_a_stream_added_to_its_own_transpose_is_kept():
 
 
 def test_a_stream_clipped_by_bounds_known_only_at_run_time_is_kept():
-    """A Clip is transparent only as an overflow guard: bounds that are graph inputs may clip anything."""
+    """A Clip is transparent only as an overflow guard: bounds that are graph inputs may clip anything.
+    (The Clip reads the graph input itself, whose dtype is known: passes/guards.py judges the bounds.)"""
     b = G.Builder(13)
     lo, hi = b.input("lo", G.FLOAT, []), b.input("hi", G.FLOAT, [])
-    h = _stream(b)
-    b.output(b.layernorm(h))
-    b.output(b.op("Clip", [h, lo, hi]))
-    assert _kept_because(b.model(17)).endswith("is also read by Clip `Clip_12`, whose result depends on the mean")
+    x = b.input("x", G.FLOAT, [2, G.T, G.D])
+    b.output(b.layernorm(x))
+    b.output(b.op("Clip", [x, lo, hi]))
+    assert _kept_because(b.model(17)) == "its input `x` is also read by Clip `Clip_6`, whose result depends on the mean"
 
 
 # --- a stream centered per head (the input of per-head q/k norms) ---------------------------------------
@@ -103,3 +104,32 @@ def test_a_per_head_stream_that_is_a_graph_output_is_kept():
 def test_a_per_head_stream_read_only_for_its_shape_folds_exactly():
     """Shape reads no values: it blocks nothing (and the fold is exact)."""
     _folds_exactly(_per_head_norm("Shape"))
+
+
+# --- LayerScale: a per-channel factor folded into the sources behind it, where it can be -------------
+
+def _layer_scaled(source: str):
+    """ids -> embedding h -> h + ls * y(LN(h)) -> LN -> head, y one of the sources below."""
+    b = G.Builder(17)
+    h = b.embed(b.input("ids", G.INT64, [2, G.T]))
+    n = b.layernorm(h)
+    if source == "linear":
+        y = b.linear(n, G.D, G.D)
+    elif source == "half of a Split":  # the writer has two outputs: scaling its weights scales both
+        y = b.op("Split", [b.linear(n, G.D, 2 * G.D)], n_out=2, axis=-1)[0]
+    elif source == "a bias per row":  # [T, 1]: one number per token, no channel to scale
+        y = b.op("Add", [b.op("MatMul", [n, b.weight("W", (G.D, G.D))]), b.weight("row_bias", (G.T, 1), mean=5.0)])
+    s = b.op("Mul", [y, b.weight("ls", (G.D,), mean=0.5)])
+    b.output(b.op("MatMul", [b.layernorm(b.op("Add", [h, s])), b.weight("head", (G.D, G.VOCAB))]))
+    return b.model(17)
+
+
+@pytest.mark.parametrize("source,scaled", [("linear", True), ("half of a Split", False), ("a bias per row", False)])
+def test_a_layer_scale_folds_into_its_sources_only_where_they_can_hold_it(source, scaled):
+    """Where the factor cannot go into the sources, the stream is recentered instead: exact either way.
+    Regression: a [T, 1] bias behind the factor crashed the fold (weights.scale: "cannot fold a
+    per-channel scale into a tensor constant along channels"), in both frontends."""
+    model = _layer_scaled(source)
+    report = analyze_model(model)
+    assert [bool(s.scaled) for s in report.streams] == [scaled] and report.recentered == (0 if scaled else 1)
+    _folds_exactly(model)
