@@ -148,3 +148,93 @@ def test_an_external_record_shorter_than_the_tensors_shape_is_refused(tmp_path, 
     _refused(["fold", str(p), "-o", str(tmp_path / "out.onnx")], capsys,
              "initializer `big` holds 1048572 bytes, but its shape [512, 512] needs 1048576")
     _untouched(p, before, tmp_path / "out.onnx")
+
+
+# --- folders: what is copied, what is refused ----------------------------------------------------
+
+def test_a_folders_unfoldable_model_is_copied_with_its_weights_file(tmp_path, capsys):
+    """Its data file is no "other file" of the folder (a model reads it): copied with the model."""
+    src = tmp_path / "exported"
+    src.mkdir()
+    save_model(pre_ln(layers=1), src / "decoder.onnx")
+    save_model(no_layernorm(), src / "head.onnx", external=True)
+    assert main(["fold", str(src), "-o", str(tmp_path / "folded")]) == 0, capsys.readouterr().err
+    out = tmp_path / "folded"
+    assert (out / "head.onnx.data").read_bytes() == (src / "head.onnx.data").read_bytes()
+    copied = lnfold.load_onnx(out / "head.onnx")
+    assert {t.name: numpy_helper.to_array(t).tobytes() for t in copied.graph.initializer} == \
+        {t.name: numpy_helper.to_array(t).tobytes() for t in lnfold.load_onnx(src / "head.onnx").graph.initializer}
+
+
+def test_a_folder_with_nothing_to_fold_is_refused_and_nothing_written(tmp_path, capsys):
+    src = tmp_path / "plain"
+    src.mkdir()
+    save_model(no_layernorm(), src / "a.onnx")
+    save_model(no_layernorm(), src / "b.onnx")
+    _refused(["fold", str(src), "-o", str(tmp_path / "out")], capsys,
+             "nothing to fold in its 2 ONNX file(s); first: no LayerNorm found")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["plain"]  # (no staging folder left behind)
+
+
+def test_a_checkpoint_folder_without_model_safetensors_is_refused_in_one_line(tmp_path, capsys):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "pytorch_weights.safetensors").write_bytes(b"")
+    _refused(["fold", str(src), "-o", str(tmp_path / "out")], capsys,
+             "a transformers checkpoint (config.json, safetensors) with neither model.safetensors nor "
+             "model.safetensors.index.json, and no ONNX files")
+    assert not (tmp_path / "out").exists()
+
+
+# --- bad options: refused before any work ---------------------------------------------------------
+
+def test_budget_without_the_approximate_mode_is_refused(tmp_path, capsys):
+    p = save_model(pre_ln(layers=1), tmp_path / "m.onnx")
+    _refused(["fold", str(p), "-o", str(tmp_path / "out.onnx"), "--budget", "0.01"], capsys,
+             "--calibrate and --budget belong to --mode rms-approx")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_bench_refuses_a_negative_thread_count(tmp_path, capsys):
+    p = save_model(pre_ln(layers=1), tmp_path / "m.onnx")
+    _refused(["bench", str(p), str(p), "--threads", "-1"], capsys,
+             "--threads -1: give 0 (onnxruntime's default) or a positive count")
+
+
+def test_quantize_refuses_a_directory_as_its_output(tmp_path, capsys):
+    p = save_model(pre_ln(layers=1), tmp_path / "m.onnx")
+    _refused(["quantize", str(p), "-o", str(tmp_path), "--weights", "int8"], capsys,
+             f"{tmp_path}: is a directory; give a file name for the output")
+
+
+def test_saving_into_a_missing_folder_is_refused(tmp_path):
+    with pytest.raises(lnfold.LnfoldError, match="nodir: output directory does not exist"):
+        lnfold.save_onnx(pre_ln(layers=1), tmp_path / "nodir" / "m.onnx")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(activations="int16"), "activations='int16': int8, or none"),
+    (dict(seed=-1), "seed -1: a non-negative integer"),
+    (dict(rotate="hadamard", gamma_into_readers=False),
+     "a rotation needs the norms' weights in their readers (gamma_into_readers=True)"),
+    (dict(fold=False, rotate="hadamard"), "rotation and γ into the readers are part of the fold: they need fold=True"),
+], ids=["activations", "seed", "rotate-without-gamma", "rotate-without-fold"])
+def test_quantize_refuses_contradictory_options(options, message):
+    with pytest.raises(lnfold.LnfoldError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        lnfold.quantize_onnx(pre_ln(layers=1), weights="int8", **options)
+
+
+def test_quantize_cannot_rotate_a_model_with_nothing_to_fold():
+    with pytest.raises(lnfold.LnfoldError, match="cannot rotate: no LayerNorm found in the model"):
+        lnfold.quantize_onnx(no_layernorm(), rotate="hadamard")
+
+
+def test_quantize_refuses_a_model_without_a_linear_layer():
+    b = Builder(1)
+    x = b.input("x", TensorProto.FLOAT, [2, D])
+    b.output(b.layernorm(b.op("Add", [x, b.weight("c", (D,), mean=3.0)])), shape=[2, D])
+    with pytest.raises(lnfold.LnfoldError, match=r"no linear layer to quantize in the main graph \(no MatMul or Gemm"):
+        lnfold.quantize_onnx(b.model())
