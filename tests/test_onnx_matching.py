@@ -180,3 +180,61 @@ def test_a_layernorm_lookalike_is_not_matched_and_the_report_says_why(ln, defect
     assert report.norms == []
     reasons = [m.reason for m in report.near_misses]
     assert any(reason in r for r in reasons) if reason else reasons == [], reasons
+
+
+# --- how ops on the stream are read (classify.py) ------------------------------------------------
+
+def _decomposed_ln(b: Builder, x: str, axis: int, gamma_shape) -> str:
+    """torch's decomposed LayerNorm over `axis` alone, with γ and β of `gamma_shape`."""
+    mean = b.op("ReduceMean", [x], axes=[axis], keepdims=1)
+    d = b.op("Sub", [x, mean])
+    var = b.op("ReduceMean", [b.op("Pow", [d, b.const("two", _f32(2.0))])], axes=[axis], keepdims=1)
+    n = b.op("Div", [d, b.op("Sqrt", [b.op("Add", [var, b.const("eps", _f32(1e-5))])])])
+    return b.op("Add", [b.op("Mul", [n, b.weight("gamma", gamma_shape, mean=1.0)]), b.weight("beta", gamma_shape)])
+
+
+def _channels_first_with_softmax(opset: int) -> onnx.ModelProto:
+    """A channels-first stream [2, D, T] (features on axis 1, rows with a large mean), normalized
+    over axis 1 and also read by Softmax(axis=1)."""
+    b = Builder(32)
+    x = b.input("x", FLOAT, [2, D, T])
+    h = b.op("Add", [b.op("MatMul", [b.weight("W", (D, D), mean=1.0), x]), b.weight("b", (D, 1), mean=3.0)])
+    b.output(_decomposed_ln(b, h, 1, (D, 1)))
+    b.output(b.op("Softmax", [h], axis=1))
+    return b.model(opset)
+
+
+def test_a_softmax_over_the_feature_axis_alone_reads_a_centered_stream_unchanged():
+    res = fold_model(_channels_first_with_softmax(13))
+    assert (res.report.folded, res.report.kept) == (1, 0)
+    assert res.max_rel_err < RTOL
+
+
+def test_an_opset_12_softmax_from_the_feature_axis_spans_the_tokens_too_and_keeps_the_norm():
+    """Before opset 13 Softmax(axis=1) of [2, D, T] is one softmax over D·T entries: a per-token
+    shift of the features changes it."""
+    report = onnx_rewrite.analyze_model(_channels_first_with_softmax(12))
+    assert (report.folded, len(report.norms)) == (0, 1)
+    reason = report.norms[0].reason
+    assert "read by Softmax" in reason and "depends on the mean" in reason, reason
+
+
+def _stream_through(op: str, opset: int = 17, **attrs) -> onnx.ModelProto:
+    """ids -> embedding -> `op` (one input) -> a LayerNorm over the axis the op puts the features
+    on (the first one for a Transpose) -> a head."""
+    b = Builder(33)
+    h = b.op(op, [b.embed(b.input("ids", INT64, [2, T]))], **attrs)
+    if op == "Transpose":
+        n = _decomposed_ln(b, h, 0, (D, 1, 1))
+    else:
+        n = b.layernorm(h)
+    b.output(b.op("Relu", [n]))
+    return b.model(opset)
+
+
+@pytest.mark.parametrize("op,attrs", [("Transpose", {}), ("ReduceSum", {"noop_with_empty_axes": 1})],
+                         ids=["Transpose without perm reverses the axes", "ReduceSum without axes and noop"])
+def test_an_op_whose_attributes_default_passes_the_stream_on_and_the_norm_folds(op, attrs):
+    res = fold_model(_stream_through(op, **attrs))
+    assert (res.report.folded, res.report.kept, res.report.recentered) == (1, 0, 0)
+    assert res.max_rel_err < RTOL
