@@ -238,3 +238,42 @@ def test_an_op_whose_attributes_default_passes_the_stream_on_and_the_norm_folds(
     res = fold_model(_stream_through(op, **attrs))
     assert (res.report.folded, res.report.kept, res.report.recentered) == (1, 0, 0)
     assert res.max_rel_err < RTOL
+
+
+# --- onnxruntime's EmbedLayerNormalization (fused.py) --------------------------------------------
+
+MS = "com.microsoft"
+
+
+def _embed(opset: int = 17, word_input: bool = False, mask_index_type=None, ids_shape=(2, T)) -> onnx.ModelProto:
+    """EmbedLayerNormalization(ids, word, position, γ, β) (tables with a large row mean) read by a
+    MatMul; `word_input` makes the word table a graph input, `mask_index_type` reads the mask_index
+    output (a graph output) with that attribute, `ids_shape` None leaves the ids' rank unknown."""
+    b = Builder(34)
+    ids = b.input("input_ids", onnx.TensorProto.INT32, None if ids_shape is None else list(ids_shape))
+    word = b.input("word", FLOAT, [13, D]) if word_input else b.weight("word", (13, D), mean=4.0)
+    ins = [ids, "", word, b.weight("pos", (T + 3, D), mean=-2.0), ""] + list(b.affine())
+    attrs = {} if mask_index_type is None else {"mask_index_type": mask_index_type}
+    normed, mask_index = b.op("EmbedLayerNormalization", ins, n_out=2, domain=MS, epsilon=1e-12, **attrs)
+    b.output(b.op("MatMul", [normed, b.weight("head", (D, 7))]))
+    if mask_index_type is not None:
+        b.output(mask_index, elem=onnx.TensorProto.INT32)
+    return b.model(opset, extra_opsets=[(MS, 1)])
+
+
+def test_an_embed_layernorm_before_opset_15_reads_the_sequence_length_by_shape_and_gather():
+    """Shape(start, end) is opset 15: the position rows 0..S-1 are sliced by Shape + Gather before."""
+    res = fold_model(_embed(opset=14))
+    assert (res.report.folded, res.report.kept) == (1, 0)
+    assert res.max_rel_err < RTOL
+    assert "EmbedLayerNormalization" not in [n.op_type for n in res.model.graph.node]
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    ({"word_input": True}, "its embedding tables or γ/β are not constants"),
+    ({"mask_index_type": 0}, "its mask_index output (mask_index_type=0) is read"),
+    ({"ids_shape": None}, "rank of its output is unknown"),
+], ids=["a table that is an input", "a mask_index of another type", "unknown rank"])
+def test_an_embed_layernorm_that_cannot_be_rebuilt_from_centered_tables_is_kept(kwargs, reason):
+    report = onnx_rewrite.analyze_model(_embed(**kwargs))
+    assert [(n.verdict, n.reason) for n in report.norms] == [("keep", reason)], report.norms
