@@ -78,7 +78,7 @@ def test_a_norm_with_a_graph_input_gamma_is_not_deferred():
 def test_gamma_into_the_readers_turns_deferral_off_and_says_so():
     result = fold_model(graphs.pre_ln(1), defer="on", gamma_into_readers=True)
     assert "deferred normalization is off: γ goes into the readers (gamma_into_readers)" in result.report.notes
-    assert not any(n.deferred for n in result.report.norms)
+    assert not any(n.deferred or n.defer_reason for n in result.report.norms)  # not asked, not refused
     assert all(n.gamma.startswith("into the weight of MatMul") for n in result.report.norms)
 
 
