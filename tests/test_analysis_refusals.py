@@ -133,3 +133,22 @@ def test_a_layer_scale_folds_into_its_sources_only_where_they_can_hold_it(source
     report = analyze_model(model)
     assert [bool(s.scaled) for s in report.streams] == [scaled] and report.recentered == (0 if scaled else 1)
     _folds_exactly(model)
+
+
+# --- per-head runs in part of a fused projection ----------------------------------------------------
+
+def _c(b: G.Builder, name: str, values) -> str:
+    return b.const(name, np.array(values, np.int64))
+
+
+def test_per_head_runs_on_a_fused_projection_whose_width_is_no_multiple_of_them_are_kept():
+    """q = qkv[..., :8] of a 19-wide projection, in heads of 4: the edit centers runs of 4 along
+    the whole projection axis, which 19 entries do not tile."""
+    b = G.Builder(18)
+    qkv = b.linear(b.input("x", G.FLOAT, [2, G.T, G.D]), G.D, 19)
+    q = b.op("Slice", [qkv, _c(b, "starts", [0]), _c(b, "ends", [8]), _c(b, "axes", [2])])
+    b.output(b.layernorm(b.op("Reshape", [q, _c(b, "shape", [2, G.T, 2, 4])]), d=4))
+    b.output(b.op("Relu", [b.op("Slice", [qkv, _c(b, "s", [8]), _c(b, "e", [19]), _c(b, "a", [2])])]))
+    reason = _kept_because(b.model(17))
+    assert reason.endswith("which would be centered per block of 4 along axis 2, whose size 19 is not a multiple of it")
+
