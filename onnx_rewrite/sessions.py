@@ -146,7 +146,10 @@ def contrib_ops() -> list:
 
         def _run(self, x, skip, gamma, bias=None, epsilon=1e-5):
             s = x + skip + (bias if bias is not None else 0)
-            return (rms(s, gamma, -1, epsilon), None, None, s)
+            # every output as onnxruntime writes it (onnx's evaluator refuses a None, even for an output
+            # no node names): the mean, 0 (an RMSNorm subtracts none), and 1/rms, both float (its type U)
+            inv_rms = 1 / np.sqrt(np.mean(np.square(s.astype(np.float64)), axis=-1, keepdims=True) + epsilon)
+            return (rms(s, gamma, -1, epsilon), np.zeros(inv_rms.shape, np.float32), inv_rms.astype(np.float32), s)
 
     class Erfc(OpRun):
         """tf2onnx's GELU, 0.5 x erfc(-x/√2), writes Erfc, no ONNX op: computed as erfc, exact where

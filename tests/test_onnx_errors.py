@@ -238,3 +238,61 @@ def test_quantize_refuses_a_model_without_a_linear_layer():
     b.output(b.layernorm(b.op("Add", [x, b.weight("c", (D,), mean=3.0)])), shape=[2, D])
     with pytest.raises(lnfold.LnfoldError, match=r"no linear layer to quantize in the main graph \(no MatMul or Gemm"):
         lnfold.quantize_onnx(b.model())
+
+
+# --- the referee where onnxruntime refuses a model: onnx's evaluator with our contrib ops ---------
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_the_reference_evaluators_skip_rms_norm_computes_what_onnxruntime_does(with_bias):
+    """sessions.contrib_ops: verification of a model onnxruntime refuses runs the folded model's
+    SkipSimplifiedLayerNormalization here; every output must be onnxruntime's (before: a None for
+    the two it leaves unnamed, which onnx's evaluator refuses, and verification failed)."""
+    from lnfold.onnx_rewrite.sessions import reference, session
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((2, 3, D)) * 2 + 30).astype(np.float32)
+    skip = rng.standard_normal((2, 3, D)).astype(np.float32)
+    weights = {"gamma": 1 + 0.3 * rng.standard_normal(D), "bias": rng.standard_normal(D) + 5}
+    inits = [numpy_helper.from_array(weights[n].astype(np.float32), n) for n in ("gamma", "bias")[:1 + with_bias]]
+    outputs = ["y", "mean", "inv_std_var", "sum"]
+    node = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"] + ["bias"] * with_bias,
+                            outputs, domain="com.microsoft", epsilon=1e-5)
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ["x", "skip"] + outputs]
+    model = helper.make_model(helper.make_graph([node], "skip_rms", io[:2], io[2:], inits), ir_version=IR_VERSION,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"x": x, "skip": skip}
+    ours = [np.asarray(a) for a in reference(model).run(None, feeds)]
+    for name, got, onnxruntime_got in zip(outputs, ours, session(model).run(None, feeds), strict=True):
+        assert got.dtype == onnxruntime_got.dtype and got.shape == onnxruntime_got.shape, name
+        np.testing.assert_allclose(got, onnxruntime_got, rtol=1e-5, atol=1e-6, err_msg=name)
+    s = x.astype(np.float64) + skip + (weights["bias"].astype(np.float32) if with_bias else 0)
+    np.testing.assert_allclose(ours[3], s, rtol=1e-6)
+    want = s / np.sqrt((s**2).mean(-1, keepdims=True) + 1e-5) * weights["gamma"].astype(np.float32)
+    np.testing.assert_allclose(ours[0], want, rtol=1e-5)
+
+
+def test_a_model_onnxruntime_refuses_folds_for_cuda_and_verifies_in_the_reference_evaluator():
+    """tf2onnx's GELU writes Erfc, no ONNX op: onnxruntime refuses the model, onnx's evaluator (with
+    our Erfc) runs it. Folded for CUDA, its norms become SkipSimplifiedLayerNormalization, which the
+    evaluator must run too (before: "verification failed: the reference evaluator cannot run the
+    folded model", a correct fold refused)."""
+    m = pre_ln(layers=2)
+    m.graph.node.append(helper.make_node("Erfc", [m.graph.output[0].name], ["erfc_out"], name="erfc"))
+    m.graph.output[0].name = "erfc_out"
+    result = lnfold.fold_onnx(m, device="cuda")
+    assert result.report.folded == 3
+    assert "SkipSimplifiedLayerNormalization" in {n.op_type for n in result.model.graph.node}
+    assert "onnxruntime refuses to load the model" in result.criterion and "reference evaluator" in result.criterion
+    assert result.exact_err is not None and result.exact_err < 1e-5
+
+
+# --- verification on the user's inputs ------------------------------------------------------------
+
+def test_inputs_the_original_cannot_run_on_are_refused_naming_the_node(tmp_path, capsys):
+    p = save_model(pre_ln(layers=1), tmp_path / "m.onnx")
+    np.savez(tmp_path / "ids.npz", ids=np.full((2, 5), 100, np.int64))  # out of the 11-row table
+    before = p.read_bytes()
+    _refused(["fold", str(p), "-o", str(tmp_path / "out.onnx"), "--inputs", str(tmp_path / "ids.npz")], capsys,
+             "cannot verify: Gather `Gather_", "(reached from input ids) on the given inputs",
+             "indices element out of data bounds")
+    _untouched(p, before, tmp_path / "out.onnx")
