@@ -16,7 +16,7 @@ import pytest
 from lnfold import onnx_rewrite
 from lnfold.onnx_rewrite import fold_model
 
-from .onnx_graphs import FLOAT, INT64, D, T, Builder
+from .onnx_graphs import FLOAT, INT64, D, T, Builder, pre_ln, skip_layernorm
 
 RTOL = 1e-5
 
@@ -277,3 +277,29 @@ def test_an_embed_layernorm_before_opset_15_reads_the_sequence_length_by_shape_a
 def test_an_embed_layernorm_that_cannot_be_rebuilt_from_centered_tables_is_kept(kwargs, reason):
     report = onnx_rewrite.analyze_model(_embed(**kwargs))
     assert [(n.verdict, n.reason) for n in report.norms] == [("keep", reason)], report.norms
+
+
+# --- emissions of a fused SkipLayerNormalization and of fp16 deferred norms ----------------------
+
+@pytest.mark.parametrize("opts", [{"defer": "on"}, {"mode": "crms"}, {"device": "cuda"}], ids=lambda o: str(o))
+def test_a_skip_layernorm_folds_in_every_emission(opts):
+    """Its residual Add stays (the deferred and CRMS emissions write it before their norm; the
+    CUDA emission fuses it into SkipSimplifiedLayerNormalization, which onnxruntime's CPU runs too)."""
+    res = fold_model(skip_layernorm(), **opts)  # verified against float64
+    assert (res.report.folded, res.report.kept) == (2, 0)
+    assert res.max_rel_err < RTOL
+    ops = [n.op_type for n in res.model.graph.node]
+    assert "SkipLayerNormalization" not in ops
+    if "defer" in opts:
+        assert [n.deferred for n in res.report.norms] == [True, True]
+    if "mode" in opts:
+        assert [c.verdict for c in res.report.compression] == ["compressed"]
+    if "device" in opts:
+        assert ops.count("SkipSimplifiedLayerNormalization") == 1
+
+
+def test_an_fp16_deferred_norm_computes_its_row_scale_in_fp32_and_casts_it_back():
+    res = fold_model(pre_ln(dtype=np.float16), defer="on")  # verified against float64 (fp16 tolerance)
+    assert [n.deferred for n in res.report.norms] == [True, True, True]
+    casts = [n for n in res.model.graph.node if n.op_type == "Cast" and n.output[0].endswith("rowscale_float16")]
+    assert len(casts) == 3
