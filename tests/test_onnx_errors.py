@@ -296,3 +296,36 @@ def test_inputs_the_original_cannot_run_on_are_refused_naming_the_node(tmp_path,
              "cannot verify: Gather `Gather_", "(reached from input ids) on the given inputs",
              "indices element out of data bounds")
     _untouched(p, before, tmp_path / "out.onnx")
+
+
+# --- the approximate mode on the command line: said to be approximate, in every line that counts ---
+
+def _post_ln(d: int = 16, vocab: int = 32, seq: int = 6) -> onnx.ModelProto:
+    """ids -> embedding (mean 3) -> LN (folds) -> h + Linear(h) -> LN (Post-LN: a linear layer reads
+    its stream, so only the approximate swap can take it) -> head."""
+    b = Builder(7)
+    ids = b.input("ids", TensorProto.INT64, ["rows", seq])
+    h = b.layernorm(b.op("Gather", [b.weight("emb", (vocab, d), mean=3.0), ids], axis=0), d,
+                    beta=b.weight("beta0", (d,), scale=0.05))
+    fc = b.op("Add", [b.op("MatMul", [h, b.weight("W", (d, d), scale=0.2)]), b.weight("b", (d,), scale=0.05)])
+    h = b.layernorm(b.op("Add", [h, fc]), d, beta=b.weight("beta1", (d,), scale=0.05))
+    b.output(b.op("MatMul", [h, b.weight("head", (d, vocab))]), shape=["rows", seq, vocab])
+    return b.model(17)
+
+
+@pytest.mark.parametrize("no_verify", [False, True], ids=["verified", "no-verify"])
+def test_the_cli_says_an_approximate_fold_is_not_equivalent(tmp_path, capsys, no_verify):
+    p = save_model(_post_ln(), tmp_path / "post.onnx")
+    np.savez(tmp_path / "calib.npz", ids=np.random.default_rng(1).integers(0, 32, (8, 6)))
+    out = tmp_path / "out.onnx"
+    argv = ["fold", str(p), "-o", str(out), "--mode", "rms-approx", "--budget", "0.2", "--calibrate",
+            str(tmp_path / "calib.npz")] + ["--no-verify"] * no_verify
+    assert main(argv) == 0, capsys.readouterr().err
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("lnfold: verification: ")]
+    said = line.removeprefix("lnfold: verification: ")
+    assert said.startswith("APPROXIMATE, not equivalent: relative output error ") and "(budget 0.2), held-out " in said
+    assert 0 < float(said.split("relative output error ")[1].split()[0]) <= 0.2
+    assert said.endswith("; the exact fold not verified (--no-verify)" if no_verify
+                         else "; the exact fold verified before the swap")
+    meta = {e.key: e.value for e in lnfold.load_onnx(out).metadata_props}
+    assert any("NOT exactly equivalent" in v for v in meta.values()), meta
