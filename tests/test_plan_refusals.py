@@ -82,6 +82,50 @@ def test_gamma_into_the_readers_turns_deferral_off_and_says_so():
     assert all(n.gamma.startswith("into the weight of MatMul") for n in result.report.norms)
 
 
+def test_a_norm_over_a_feature_axis_that_is_not_last_is_not_deferred():
+    result = fold_model(graphs.ln_non_last_axis(), defer="on")  # verified against float64
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and not norm.deferred
+    assert norm.defer_reason.startswith("its feature axis is not the last axis of `")
+
+
+# --- γ into the readers, where a norm must keep it ------------------------------------------------
+
+def test_crms_norms_keep_gamma_for_their_compressed_readers():
+    result = fold_model(graphs.pre_ln(1), mode="crms", gamma_into_readers=True)  # verified against float64
+    assert [c.verdict for c in result.report.compression] == ["compressed"]
+    for norm in result.report.norms:
+        assert norm.gamma == "kept in the norm (it is emitted as CRMSNorm, whose readers absorb γ already)"
+
+
+def test_norms_of_unknown_feature_size_keep_gamma_and_their_stream_is_not_rotated():
+    result = fold_model(graphs.dynamic_feature_no_gamma(), rotate="hadamard")  # verified against float64
+    why = "its feature size is not known (a unit weight needs it)"
+    assert all(n.verdict == "fold" and n.gamma == f"kept in the norm ({why})" for n in result.report.norms)
+    (stream,) = result.report.streams
+    assert stream.rotation.startswith("not rotated: the γ of DecomposedLayerNorm") and stream.rotation.endswith(
+        f"stays in the norm ({why})")
+
+
+def test_a_stream_whose_norm_output_is_the_model_output_is_not_rotated_and_says_how_to_fold_it():
+    result = fold_model(graphs.ln_non_last_axis(), rotate="hadamard")  # verified against float64
+    (stream,) = result.report.streams
+    assert stream.rotation.endswith("is a graph output); a model's hidden states as its output: fold it with the head "
+                                    "that reads them")
+
+
+def test_a_norm_the_target_keeps_keeps_its_gamma_out_of_its_readers():
+    view = _view(graphs.pre_ln(1))
+    last = [n.name for n in view.norms()][-1]  # read by the head
+    refusal = lambda name, swaps: "no RMSNorm here" if name == last else None  # noqa: E731
+    plan = make_plan(view, PlanRequest(gamma_into_readers=True, target=Capabilities(swap_refusal=refusal)))
+    assert list(plan.kept_by_target) == [last] and last not in plan.swaps
+    assert plan.gammas[last].why == "the target keeps this norm (no RMSNorm here)"
+    head = [e for e in plan.const_edits if e.value.startswith("head_")]
+    assert not any(op.__class__.__name__ == "Scale" for e in head for op in e.ops)  # γ is applied by the norm alone
+    assert len(plan.unit_gamma) == 1  # the other norm's γ did move
+
+
 # --- CRMS on a stream too narrow to compress ----------------------------------------------------
 
 def test_crms_on_a_two_feature_stream_folds_to_rms_norms_with_the_reason():
