@@ -329,3 +329,33 @@ def test_the_cli_says_an_approximate_fold_is_not_equivalent(tmp_path, capsys, no
                          else "; the exact fold verified before the swap")
     meta = {e.key: e.value for e in lnfold.load_onnx(out).metadata_props}
     assert any("NOT exactly equivalent" in v for v in meta.values()), meta
+
+
+# --- the gate on folded models it must not accept -------------------------------------------------
+
+def _with_extra_output(m: onnx.ModelProto) -> None:
+    m.graph.output.append(helper.make_tensor_value_info(m.graph.node[0].output[0], TensorProto.FLOAT, None))
+
+
+def _with_a_wrong_declared_type(m: onnx.ModelProto) -> None:
+    """An intermediate tensor declared double: onnxruntime refuses the model; onnx's reference
+    evaluator ignores the declaration and computes the same values."""
+    m.graph.value_info.append(helper.make_tensor_value_info(m.graph.node[0].output[0], TensorProto.DOUBLE, None))
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (_with_a_wrong_declared_type, "verification failed: onnxruntime cannot run the folded model"),
+    (_with_extra_output, "verification failed: the folded model has 2 outputs, the original 1"),
+], ids=["onnxruntime-cannot-load-it", "an-output-more"])
+def test_verification_refuses_a_folded_model_that_does_not_stand_in_for_the_original(break_it, message):
+    """A fold whose model onnxruntime cannot load (while it loads the original) is not run in onnx's
+    reference evaluator instead (sessions.Runner without allow_reference: there it would pass), nor one with
+    an output the original lacks."""
+    from lnfold.onnx_rewrite.verify import check
+
+    original = pre_ln(layers=1)
+    folded = lnfold.fold_onnx(original).model
+    assert check(original, folded).ok
+    break_it(folded)
+    with pytest.raises(lnfold.VerificationError, match=message):
+        check(original, folded)
