@@ -333,8 +333,8 @@ def test_the_cli_says_an_approximate_fold_is_not_equivalent(tmp_path, capsys, no
 
 # --- the gate on folded models it must not accept -------------------------------------------------
 
-def _with_extra_output(m: onnx.ModelProto) -> None:
-    m.graph.output.append(helper.make_tensor_value_info(m.graph.node[0].output[0], TensorProto.FLOAT, None))
+def _with_extra_output(m: onnx.ModelProto, elem: int = TensorProto.FLOAT) -> None:
+    m.graph.output.append(helper.make_tensor_value_info(m.graph.node[0].output[0], elem, None))
 
 
 def _with_a_wrong_declared_type(m: onnx.ModelProto) -> None:
@@ -358,4 +358,31 @@ def test_verification_refuses_a_folded_model_that_does_not_stand_in_for_the_orig
     assert check(original, folded).ok
     break_it(folded)
     with pytest.raises(lnfold.VerificationError, match=message):
+        check(original, folded)
+
+
+def _fp16_cast_typed_fp16() -> onnx.ModelProto:
+    """onnxconverter-common's fp16 files: a Cast(to=FLOAT) whose output is declared float16.
+    onnxruntime refuses to load it; onnx's reference evaluator meets float32 * float16: only float64
+    copies of the original and the fold can be compared (verify._check_float64_copies)."""
+    b = Builder(5, np.float16)
+    ids = b.input("ids", TensorProto.INT64, [2, 5])
+    h = b.embed(ids)
+    half = b.op("Cast", [b.const("half", np.array(0.5, np.float16))], to=TensorProto.FLOAT)
+    h = b.op("Add", [h, b.linear(b.op("Mul", [b.op("Relu", [b.linear(b.layernorm(h), D, D)]), half]), D, D)])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 11))]), shape=[2, 5, 11])
+    model = b.model(17)
+    model.graph.value_info.append(helper.make_tensor_value_info(half, TensorProto.FLOAT16, []))
+    return model
+
+
+def test_the_float64_copies_verdict_refuses_a_fold_with_an_output_more():
+    from lnfold.onnx_rewrite.verify import check
+
+    original = _fp16_cast_typed_fp16()
+    folded = lnfold.fold_onnx(original).model
+    verdict = check(original, folded)
+    assert verdict.ok and verdict.criterion.startswith("float64 copies")
+    _with_extra_output(folded, TensorProto.FLOAT16)
+    with pytest.raises(lnfold.VerificationError, match="the folded model has 2 outputs, the original 1"):
         check(original, folded)
