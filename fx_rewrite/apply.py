@@ -262,8 +262,10 @@ class Applier:
                     mm = self.graph.call_function(aten.matmul.default, (normed, readout))
                 normed.replace_all_uses_with(mm, delete_user_cb=lambda user: user is not mm)
             if unit_gamma and decomposed.gamma is not None:  # its γ Mul reads through
-                mul = next(self.nodes[n] for n in decomposed.nodes
-                           if decomposed.gamma in self.view.nodes[n].inputs and n in self.nodes)
+                # (by the FX inputs: the view holds the collapsed norm, named after its first op, which
+                # lists γ among its inputs too)
+                mul = next(self.nodes[n] for n in decomposed.nodes if n in self.nodes
+                           and decomposed.gamma in [a.name for a in self.nodes[n].all_input_nodes])
                 (data,) = [a for a in mul.all_input_nodes if a.name != decomposed.gamma]
                 if readout is not None:
                     with self.graph.inserting_after(mul):

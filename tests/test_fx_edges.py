@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lnfold.fx_rewrite import (LnfoldError, NothingToFold, analyze_module, fold_checkpoint, fold_for_training,
-                               fold_module, fold_to_rmsnorm, restore_rmsnorm)
+                               fold_module, fold_to_rmsnorm, restore_rmsnorm, slice_module)
 from lnfold.fx_rewrite.checkpoint import read_checkpoint
 from lnfold.fx_rewrite.safetensors_io import read_header
 from lnfold.fx_rewrite.verify import judge_outputs
@@ -111,6 +111,45 @@ def test_a_mean_over_every_axis_that_reads_the_stream_keeps_the_norm_and_says_wh
     (norm,) = analyze_module(_randomized(MeanReader()), ARGS).norms
     assert norm.verdict == "keep"
     assert norm.reason == "its input `linear` is also read by aten.mean.default `mean`, whose result depends on the mean"
+
+
+# --- apply.py: a LayerNorm written out as several ops ---------------------------------------------
+
+class WrittenOut(nn.Module):
+    """A pre-norm block whose second norm is written out: mean, centered square, sqrt, divide, γ, β."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln, self.mid, self.out = nn.Linear(8, D), nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, 4)
+        self.gamma, self.beta = nn.Parameter(torch.randn(D)), nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.mid(self.ln(h))
+        c = h - h.mean(-1, keepdim=True)
+        return self.out(c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-5) * self.gamma + self.beta)
+
+
+@pytest.mark.parametrize("rotate", [None, "hadamard"])
+def test_a_written_out_layer_norm_folds_exactly_with_its_gamma_in_its_readers(rotate):
+    """gamma_into_readers on a written-out norm: its γ Mul goes (apply.Applier._swap); it used to pick
+    the norm's first op (the collapsed view node lists γ among its inputs) and fail to unpack."""
+    module = _randomized(WrittenOut())
+    res = fold_module(module, ARGS, gamma_into_readers=True, rotate=rotate)
+    assert (res.report.folded, res.report.kept) == (2, 0)
+    assert not [n for n in res.module.graph.nodes if n.target == torch.ops.aten.mul.Tensor
+                and any(a.name == "gamma" for a in n.all_input_nodes)]
+    assert _max_rel_err_f64(module, res.module) < 1e-5
+
+
+def test_slicing_the_stream_of_a_written_out_layer_norm_is_a_one_line_error():
+    module = _randomized(WrittenOut())
+    before = _digest(module)
+    calibration = (torch.randn(32, 3, 8, generator=torch.Generator().manual_seed(2)),)
+    with pytest.raises(LnfoldError, match=r"^slicing the stream of a written-out LayerNorm \(mean\) is not "
+                                          "implemented in the torch frontend$"):
+        slice_module(module, calibration, fraction=0.25)
+    assert _digest(module) == before
 
 
 # --- the module-level folds: what they cannot edit ----------------------------------------------
