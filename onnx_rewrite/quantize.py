@@ -484,10 +484,7 @@ def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify
         trial.update(score=score(errors), max_rel_err=max(e["max_rel_err"] for e in errors.values()))
         if best is None or trial["score"] < (1 - AUTO_MARGIN) * best[0]["score"]:
             best = (trial, prepared, quantized, errors)
-    if best is None:
-        raise LnfoldError("--rotate auto: no candidate could be quantized: " + "; ".join(
-            f"{t['candidate']}: {t.get('skipped')}" for t in trials))
-    trial, prepared, quantized, errors = best
+    trial, prepared, quantized, errors = best  # (the first candidate, the model as given, is never skipped)
     trial["chosen"] = True
     base = trials[0].get("score")
     trial["why"] = (f"{trial['candidate']}: the lowest relative RMS error ({trial['score']:.3g}) of "
