@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from ..passes.rules import Rule, rule
-from .norms import const_values, given
+from .norms import const_values, float_dtype, given
 
 
 def _bound(node, i: int, attr: str, opset: int) -> Optional[float]:
@@ -61,4 +61,4 @@ def _stream_dtype(info, node):
         v = _possible_values(t) if t is not None and t.name else None
         if v is not None:
             return v.dtype
-    return None
+    return float_dtype(x)  # (before opset 11 the bounds are attributes: no type of their own)

@@ -188,8 +188,8 @@ def _decomposed_ln(b: Builder, x: str, axis: int, gamma_shape) -> str:
     """torch's decomposed LayerNorm over `axis` alone, with γ and β of `gamma_shape`."""
     mean = b.op("ReduceMean", [x], axes=[axis], keepdims=1)
     d = b.op("Sub", [x, mean])
-    var = b.op("ReduceMean", [b.op("Pow", [d, b.const("two", _f32(2.0))])], axes=[axis], keepdims=1)
-    n = b.op("Div", [d, b.op("Sqrt", [b.op("Add", [var, b.const("eps", _f32(1e-5))])])])
+    var = b.op("ReduceMean", [b.op("Pow", [d, b.const("two", np.array(2.0, b.dtype))])], axes=[axis], keepdims=1)
+    n = b.op("Div", [d, b.op("Sqrt", [b.op("Add", [var, b.const("eps", np.array(1e-5, b.dtype))])])])
     return b.op("Add", [b.op("Mul", [n, b.weight("gamma", gamma_shape, mean=1.0)]), b.weight("beta", gamma_shape)])
 
 
@@ -303,3 +303,51 @@ def test_an_fp16_deferred_norm_computes_its_row_scale_in_fp32_and_casts_it_back(
     assert [n.deferred for n in res.report.norms] == [True, True, True]
     casts = [n for n in res.model.graph.node if n.op_type == "Cast" and n.output[0].endswith("rowscale_float16")]
     assert len(casts) == 3
+
+
+# --- Clip as an overflow guard (guards.py): transparent only with both bounds known and huge ------
+
+FMAX = float(np.finfo(np.float32).max)
+
+
+def _clipped(bounds: str, opset: int = 17, dtype=np.float32) -> onnx.ModelProto:
+    """ids -> embedding (rows with a large mean) -> Clip with `bounds` -> LayerNorm -> a head."""
+    b = Builder(35, dtype)
+    h = b.embed(b.input("ids", INT64, [2, T]))
+    big = b.const("big", np.array(FMAX, dtype))
+    if bounds == "max only":
+        h = b.op("Clip", [h, "", big])
+    elif bounds.startswith("attributes"):  # opset < 11: min and max are attributes
+        top = FMAX if bounds == "attributes at fp32's max" else 6.0
+        h = b.op("Clip", [h], min=-top, max=top)
+    elif bounds == "max an input":
+        h = b.op("Clip", [h, b.op("Neg", [big]), b.input("top", FLOAT, [])])
+    elif bounds == "Where of an input":
+        top = b.op("Where", [b.input("cond", onnx.TensorProto.BOOL, []), big, b.input("top", FLOAT, [])])
+        h = b.op("Clip", [h, b.op("Neg", [top]), top])
+    elif bounds == "max computed by Abs":
+        h = b.op("Clip", [h, b.op("Neg", [big]), b.op("Abs", [big])])
+    n = b.layernorm(h) if opset >= 17 else _decomposed_ln(b, h, -1, (D,))
+    b.output(b.op("MatMul", [n, b.weight("head", (D, 4))]))
+    return b.model(opset)
+
+
+@pytest.mark.parametrize("bounds,opset", [("max only", 17), ("attributes at fp32's max", 10)])
+def test_a_clip_at_the_dtypes_largest_values_is_an_overflow_guard_and_the_norm_folds(bounds, opset):
+    """Before opset 11 the bounds are float attributes: the stream's dtype, which decides whether
+    they are the dtype's largest values, is found walking back from the Clip (its input carries
+    no type where the exporter wrote no value_info; the guard was refused there before)."""
+    res = fold_model(_clipped(bounds, opset))
+    assert (res.report.folded, res.report.kept, res.report.recentered) == (1, 0, 0)
+    assert res.max_rel_err < RTOL
+
+
+@pytest.mark.parametrize("bounds,opset,dtype", [
+    ("attributes at ±6", 10, np.float32), ("attributes at fp32's max", 10, np.float64),
+    ("max an input", 17, np.float32), ("Where of an input", 17, np.float32), ("max computed by Abs", 17, np.float32)])
+def test_a_clip_whose_bound_is_small_or_not_a_known_constant_keeps_the_norm(bounds, opset, dtype):
+    """A bound that may be small for the stream's dtype clamps values of the stream: its shift
+    changes what is clamped (fp32's max is well inside float64's range)."""
+    report = onnx_rewrite.analyze_model(_clipped(bounds, opset, dtype))
+    assert [n.verdict for n in report.norms] == ["keep"]
+    assert "started by Clip" in report.norms[0].reason, report.norms[0].reason
