@@ -50,8 +50,6 @@ def _paley2(q: int) -> np.ndarray:
 def _base(m: int) -> Optional[np.ndarray]:
     if m == 1:
         return np.ones((1, 1), dtype=np.int64)
-    if m == 2:
-        return np.array([[1, 1], [1, -1]], dtype=np.int64)
     if m % 4 == 0 and _is_prime(m - 1) and (m - 1) % 4 == 3:
         return _paley1(m - 1)
     if m % 4 == 0 and _is_prime(m // 2 - 1) and (m // 2 - 1) % 4 == 1:
