@@ -396,3 +396,13 @@ def test_quantize_auto_on_a_model_with_nothing_to_fold_says_why_each_fold_candid
     assert len(skipped) == len(auto) - 2  # all but the model as given and the plain fold (quantized as given)
     assert all(line.endswith("skipped: cannot rotate: no LayerNorm found in the model: nothing to fold")
                for line in skipped), skipped
+
+
+def test_a_quantized_model_says_what_was_done_once_replacing_a_stale_entry():
+    from lnfold.onnx_rewrite.quantize import METADATA_KEY
+
+    model = pre_ln(layers=1)
+    model.metadata_props.append(onnx.StringStringEntryProto(key=METADATA_KEY, value="stale: from an earlier run"))
+    quantized = lnfold.quantize_onnx(model, weights="int8").model
+    said = [p.value for p in quantized.metadata_props if p.key == METADATA_KEY]
+    assert len(said) == 1 and "stale" not in said[0] and "NOT exact" in said[0], said
