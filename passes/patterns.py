@@ -38,7 +38,8 @@ class DecomposedNorm:
 
 
 def _readers(view: View, value: str) -> list[Node]:
-    return [view.nodes[c] for c, _ in view.values[value].consumers]
+    """Each node that reads `value`, once (d * d reads it twice)."""
+    return [view.nodes[c] for c in dict.fromkeys(c for c, _ in view.values[value].consumers)]
 
 
 def _only_reader(view: View, value: str, *kinds: str) -> Optional[Node]:

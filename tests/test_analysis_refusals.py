@@ -152,3 +152,60 @@ def test_per_head_runs_on_a_fused_projection_whose_width_is_no_multiple_of_them_
     reason = _kept_because(b.model(17))
     assert reason.endswith("which would be centered per block of 4 along axis 2, whose size 19 is not a multiple of it")
 
+
+
+# --- a LayerNorm written out op by op: chains that almost are one are no norm (a swap would change them) ----
+
+def _decomposed(variant: str = ""):
+    """x = linear(input); d = x - mean(x); y = d / sqrt(mean(d²) + eps) · γ + β, every value named
+    after what it is; `variant` changes one op or adds one reader (a near miss, or another form)."""
+    b = G.Builder(20)
+    x = b.linear(b.input("input", G.FLOAT, [2, G.T, G.D]), G.D, G.D)
+    ops = {  # name: (op, inputs, attributes)
+        "mean": ("ReduceMean", [x], dict(axes=[-1], keepdims=1)),
+        "d": ("Sub", [x, "mean"], {}),
+        "square": ("Mul", ["d", "d"], {}),
+        "var": ("ReduceMean", ["square"], dict(axes=[-1], keepdims=1)),
+        "var_eps": ("Add", ["var", b.const("eps", np.array(1e-5, np.float32))], {}),
+        "std": ("Sqrt", ["var_eps"], {}),
+        "normed": ("Div", ["d", "std"], {}),
+    }
+    if variant == "times a reciprocal":
+        ops["inv_std"] = ("Reciprocal", ["std"], {})
+        ops["normed"] = ("Mul", ["d", "inv_std"], {})
+    elif variant == "times the std":
+        ops["normed"] = ("Mul", ["d", "std"], {})
+    elif variant == "not divided":
+        ops["normed"] = ("Add", ["d", "std"], {})
+    for name, (op, inputs, attrs) in ops.items():
+        b.nodes.append(G.helper.make_node(op, inputs, [name], name=name, **attrs))
+    g, beta = b.affine()
+    b.output(b.op("Add", [b.op("Mul", ["normed", g]), beta]))
+    if variant.startswith("output "):  # "output d": one more graph output
+        b.output(variant.split()[1])
+    elif variant.startswith("Relu "):  # "Relu d": one more reader
+        b.output(b.op("Relu", [variant.split()[1]]))
+    return b.model(17)
+
+
+@pytest.mark.parametrize("variant,why", [
+    ("output d", "the centered value `d` is a model output"),
+    ("Relu d", "the centered value `d` is read by Mul `square`, Div `normed`, Relu `Relu_15`: expected only its square "
+               "and the division by the standard deviation"),
+    ("not divided", "the centered value is read by Add `normed` where a division by the standard deviation is expected"),
+    ("Relu square", "the square `square` is read by ReduceMean `var`, Relu `Relu_15`, not by one mean (the variance)"),
+    ("Relu var_eps", "the variance `var_eps` is read by Sqrt `std`, Relu `Relu_15`, not by one square root"),
+    ("times the std", "Mul `normed` multiplies the centered value, and the standard deviation `std` is read by "
+                      "Mul `normed`, not by one reciprocal"),
+    ("output std", "the standard deviation `std` is also read by Div `normed`, the model's output"),
+])
+def test_a_chain_that_almost_is_a_layernorm_is_no_norm_and_says_why(variant, why):
+    report = analyze_model(_decomposed(variant))
+    assert report.norms == [] and [(m.name, m.reason) for m in report.near_misses] == [("mean", why)]
+
+
+def test_a_layernorm_written_with_a_reciprocal_of_the_std_folds_exactly():
+    """d * (1 / sqrt(v)): the same norm as d / sqrt(v)."""
+    model = _decomposed("times a reciprocal")
+    assert [(n.name, n.verdict) for n in analyze_model(model).norms] == [("mean", "fold")]
+    _folds_exactly(model)
