@@ -9,14 +9,17 @@ checked to fold too, so that its defects are the only reason its near misses are
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
 
 from lnfold import onnx_rewrite
 from lnfold.onnx_rewrite import fold_model
+from lnfold.passes import LnfoldError
 
-from .onnx_graphs import FLOAT, INT64, D, T, Builder, pre_ln, skip_layernorm
+from .onnx_graphs import FLOAT, INT64, D, T, Builder, float_input_pre_ln, pre_ln, save_model, skip_layernorm
 
 RTOL = 1e-5
 
@@ -351,3 +354,39 @@ def test_a_clip_whose_bound_is_small_or_not_a_known_constant_keeps_the_norm(boun
     report = onnx_rewrite.analyze_model(_clipped(bounds, opset, dtype))
     assert [n.verdict for n in report.norms] == ["keep"]
     assert "started by Clip" in report.norms[0].reason, report.norms[0].reason
+
+
+# --- the user's verification inputs and sizes (inputs.py) ----------------------------------------
+
+def _fold_cli(tmp_path, capsys, model: onnx.ModelProto, *options: str) -> tuple[int, str, Path]:
+    from lnfold.onnx_rewrite import cli
+
+    src, dst = tmp_path / "m.onnx", tmp_path / "m.folded.onnx"
+    save_model(model, src)
+    before = src.read_bytes()
+    rc = cli.main(["fold", str(src), "-o", str(dst), *options])
+    assert src.read_bytes() == before
+    return rc, capsys.readouterr().err, dst
+
+
+def test_inputs_of_the_wrong_shape_are_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
+    np.savez(tmp_path / "x.npz", x=np.zeros((2, T + 1, D), np.float32))
+    rc, err, dst = _fold_cli(tmp_path, capsys, float_input_pre_ln(), "--inputs", str(tmp_path / "x.npz"))
+    assert rc != 0 and not dst.exists()
+    assert err.strip().splitlines() == [f"lnfold: error: {tmp_path / 'x.npz'}: x has shape [2, {T + 1}, {D}], "
+                                        f"the model takes [2, {T}, {D}]"]
+
+
+def test_an_input_of_a_type_verification_cannot_make_up_is_refused_in_one_line(tmp_path, capsys):
+    model = float_input_pre_ln()
+    model.graph.input.append(onnx.helper.make_tensor_value_info("name", onnx.TensorProto.STRING, [1]))
+    rc, err, dst = _fold_cli(tmp_path, capsys, model)
+    assert rc != 0 and not dst.exists()
+    assert err.strip().splitlines() == ["lnfold: error: input 'name' has type string, which verification cannot "
+                                        "make up; give it with --inputs FILE.npz"]
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.0, True])
+def test_a_dim_size_that_is_not_a_positive_integer_is_refused(size):
+    with pytest.raises(LnfoldError, match=rf"^dim batch={size!r}: the size must be a positive integer$"):
+        fold_model(float_input_pre_ln(dynamic=True), dims={"batch": size})
