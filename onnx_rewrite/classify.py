@@ -154,9 +154,7 @@ def _gemm(info: GraphInfo, node: gs.Node) -> Rule:
 def _reshape(info: GraphInfo, node: gs.Node) -> Rule:
     """Reshape spells its target sizes in input 1 (computed from the input's own Shape, the
     prefix/suffix rule places axes shape inference leaves symbolic: computed_shapes.py);
-    Flatten/Squeeze/Unsqueeze spell none."""
-    if node.op != "Reshape":
-        return rule("reshape")
+    Flatten/Squeeze/Unsqueeze spell none (their rows in OPS are plain `reshape`)."""
     sizes = _sizes(info, node, 1)
     if sizes is not None and not int(node.attrs.get("allowzero", 0)):  # a 0 copies the input's dim
         x, src = node.inputs[0], info.shape(node.inputs[0]) or ()
