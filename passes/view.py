@@ -91,10 +91,6 @@ class FeatureRuns:
         lo = max(self.lo, start)
         return FeatureRuns(self.size, lo - start, hi - start) if lo < hi else None
 
-    def runs(self, n: int) -> set[int]:
-        """Where the edited runs start along an axis of `n` entries."""
-        return set(range(self.lo, n if self.hi is None else self.hi, self.step))
-
 
 @dataclass(frozen=True)
 class ConstRef:
