@@ -57,6 +57,44 @@ def _residual_sum_read_by_two_norms():
     return b.model(17)
 
 
+def _constant_added_in_heads():
+    """x [2, T, 2, 4] (a graph input: recentered) plus a [T, 8] constant reshaped into 2 heads of 4, read
+    by three LayerNorms over the heads' 4 features: the constant is centered in runs of 4 of its 8."""
+    b = Builder(23)
+    x = b.input("x", FLOAT, [2, T, 2, 4])
+    heads = b.op("Reshape", [b.weight("C", (T, 8), mean=3.0), b.const("shape", np.array([T, 2, 4], np.int64))])
+    h = b.op("Add", [x, heads])
+    outs = [b.op("MatMul", [b.layernorm(h, 4), b.weight("W", (4, 4))]) for _ in range(3)]
+    b.output(b.op("Add", [b.op("Add", outs[:2]), outs[2]]))
+    return b.model(17)
+
+
+def _scalar_added_to_the_stream():
+    """ids -> embedding -> a pre-LN block -> plus a one-element constant (uniform along the features) ->
+    final LayerNorm -> head."""
+    b = Builder(24)
+    h = b.block(b.embed(b.input("ids", graphs.INT64, [2, T])))
+    h = b.op("Add", [h, b.weight("shift", (1,), mean=5.0)])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, VOCAB))]), shape=[2, T, VOCAB])
+    return b.model(17)
+
+
+# --- what a rotation does with a constant that is centered in blocks, or uniform -----------------
+
+def test_a_stream_with_a_constant_centered_in_blocks_is_not_rotated_and_its_fold_verifies():
+    result = fold_model(_constant_added_in_heads(), rotate="hadamard")  # verified against float64
+    assert [n.verdict for n in result.report.norms] == ["fold"] * 3
+    (stream,) = result.report.streams
+    assert stream.rotation == "not rotated: `C_1` is centered in blocks"
+
+
+def test_a_constant_uniform_along_the_features_is_centered_to_zero_and_not_rotated():
+    result = fold_model(_scalar_added_to_the_stream(), rotate="hadamard")  # verified against float64
+    (stream,) = result.report.streams
+    assert stream.rotation.startswith("rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)")
+    assert any(c.startswith("`shift_") for c in stream.centered)
+
+
 # --- γ that is not a constant ---------------------------------------------------------------------
 
 def test_a_stream_whose_norm_has_a_graph_input_gamma_is_not_rotated_and_its_fold_verifies():
