@@ -406,3 +406,45 @@ def test_a_quantized_model_says_what_was_done_once_replacing_a_stale_entry():
     quantized = lnfold.quantize_onnx(model, weights="int8").model
     said = [p.value for p in quantized.metadata_props if p.key == METADATA_KEY]
     assert len(said) == 1 and "stale" not in said[0] and "NOT exact" in said[0], said
+
+
+# --- the gate's fallback without float64 reads the sum a Skip RMSNorm normalizes -------------------
+
+def _skip_ln_with_its_sum_read() -> onnx.ModelProto:
+    """A pre-LN block ending in onnxruntime's SkipLayerNormalization whose sum (4th output) carries the
+    residual on; its MLP's FastGelu (com.microsoft) has no float64 kernel anywhere (onnxruntime's is
+    float-only, onnx's evaluator has none): verification falls back to checks without float64."""
+    b = Builder(4)
+    h = b.embed(b.input("ids", TensorProto.INT64, [2, 5]))
+    r = b.linear(b.op("FastGelu", [b.linear(b.layernorm(h), D, D)], domain="com.microsoft"), D, D)
+    g, be = b.affine()
+    out, _, _, s = b.op("SkipLayerNormalization", [r, h, g, be, b.weight("skip_bias", (D,), mean=1.5)], n_out=4,
+                        domain="com.microsoft", epsilon=1e-5)
+    b.nodes[-1].output[1:3] = ["", ""]
+    h = b.op("Add", [s, b.linear(b.op("Relu", [b.linear(out, D, D)]), D, D)])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 11))]), shape=[2, 5, 11])
+    return b.model(17, extra_opsets=[("com.microsoft", 1)])
+
+
+def test_the_fallback_gate_checks_the_centered_sum_of_a_skip_rms_norm(monkeypatch):
+    from lnfold.onnx_rewrite import api
+    from lnfold.onnx_rewrite.sessions import session, with_outputs
+    from lnfold.onnx_rewrite.verify import _new_rms_inputs
+    from lnfold.passes import gate
+    from tests.conftest import missing_one_centering
+
+    model = _skip_ln_with_its_sum_read()
+    skip_sum = next(n for n in model.graph.node if n.op_type == "SkipLayerNormalization").output[3]
+    feeds = {"ids": np.random.default_rng(0).integers(0, 11, (2, 5))}
+
+    def off_center_norm_input(folded: onnx.ModelProto):
+        names = [name for name, _ in _new_rms_inputs(model, folded)]
+        assert skip_sum in names, names  # the Skip variant's input is its sum, its 4th output
+        return gate.off_center(dict(zip(names, session(with_outputs(folded, names)).run(names, feeds))), "float32")
+
+    result = lnfold.fold_onnx(model, device="cuda")
+    assert result.criterion == "tolerance"
+    assert "SkipSimplifiedLayerNormalization" in {n.op_type for n in result.model.graph.node}
+    assert off_center_norm_input(result.model) is None
+    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=2))  # one of the sum's sources
+    assert off_center_norm_input(lnfold.fold_onnx(model, device="cuda", verify=False).model)[0] == skip_sum
