@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lnfold.fx_rewrite import (LnfoldError, NothingToFold, analyze_module, fold_checkpoint, fold_for_training,
-                               fold_module, fold_to_rmsnorm, restore_rmsnorm, slice_module)
+from lnfold.fx_rewrite import (LnfoldError, NothingToFold, VerificationError, analyze_module, check_equivalent,
+                               fold_checkpoint, fold_for_training, fold_module, fold_to_rmsnorm, restore_rmsnorm,
+                               slice_module)
 from lnfold.fx_rewrite.checkpoint import read_checkpoint
 from lnfold.fx_rewrite.safetensors_io import read_header
 from lnfold.fx_rewrite.verify import judge_outputs
@@ -203,6 +204,32 @@ def test_a_functional_layer_norm_has_no_module_to_swap(fold, message):
     assert _digest(module) == before
 
 
+class SharedLinear(nn.Module):
+    """One Linear writes the norm's stream (centered by a fold) and, called again, the output (uncentered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln, self.out = nn.Linear(8, D), nn.LayerNorm(D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.out(self.ln(self.emb(x))) + self.emb(x * 2)
+
+
+@pytest.mark.parametrize("fold", [fold_to_rmsnorm, fold_for_training])
+def test_a_module_read_centered_and_uncentered_is_refused_in_place_and_folded_in_a_graph(fold):
+    """The module-level folds edit `emb.weight` itself, which both calls read (holders.conflict);
+    fold_module edits a copy per reader in its graph."""
+    module = _randomized(SharedLinear())
+    before = _digest(module)
+    with pytest.raises(NothingToFold, match="`emb.weight` is read centered and uncentered through one module "
+                                            "attribute"):
+        fold(module, ARGS)
+    assert _digest(module) == before
+    res = fold_module(module, ARGS)
+    assert res.report.folded == 1
+    assert _max_rel_err_f64(module, res.module) < 1e-5
+
+
 def test_restoring_a_model_that_was_never_folded_is_a_one_line_error():
     module = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(LnfoldError, match="^the model has no config.lnfold: it was not saved from fold_to_rmsnorm's "
@@ -219,6 +246,17 @@ def test_the_gate_fails_a_different_number_of_outputs_and_a_changed_non_tensor_o
     assert not missing.ok and missing.failure == "1 outputs instead of 2"
     changed = judge_outputs([t, 2], [t, 3], None)
     assert not changed.ok and changed.failure == "output 2 became 3"
+
+
+def test_check_equivalent_passes_a_fold_and_fails_a_changed_module():
+    module = _randomized(Between(nn.Identity()))
+    folded = fold_module(module, ARGS).module
+    assert check_equivalent(module, folded, ARGS, {}) < 1e-5
+    broken = _randomized(Between(nn.Identity()))
+    with torch.no_grad():
+        broken.out.bias.add_(1.0)
+    with pytest.raises(VerificationError):
+        check_equivalent(module, broken, ARGS, {})
 
 
 # --- bad files and options: one line, nothing written --------------------------------------------
