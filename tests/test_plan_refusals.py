@@ -173,6 +173,18 @@ def test_crms_on_a_two_feature_stream_folds_to_rms_norms_with_the_reason():
     assert [n.verdict for n in result.report.norms] == ["fold", "fold"]
 
 
+def test_crms_on_a_stream_centered_per_head_folds_to_rms_norms_with_the_reason():
+    b = Builder(25)
+    x = b.input("x", FLOAT, [2, T, 8])
+    heads = b.op("Reshape", [b.linear(x, 8, 8), b.const("shape", np.array([2, T, 2, 4], np.int64))])
+    b.output(b.op("MatMul", [b.layernorm(heads, 4), b.weight("W", (4, 4))]))
+    result = fold_model(b.model(17), mode="crms")  # verified against float64
+    (verdict,) = result.report.compression
+    assert verdict.verdict == "rms"
+    assert verdict.reason == "the stream is centered per head (a per-head norm reads it); compressing it is not implemented"
+    assert [n.verdict for n in result.report.norms] == ["fold"]
+
+
 # --- trained constants: the training fold computes no γ edit and no rotation ----------------------
 
 def test_trained_reader_weights_keep_gamma_in_the_norm():
