@@ -67,6 +67,17 @@ def test_a_stream_clipped_by_bounds_known_only_at_run_time_is_kept():
     assert _kept_because(b.model(17)) == "its input `x` is also read by Clip `Clip_6`, whose result depends on the mean"
 
 
+def test_a_stream_plus_a_number_computed_at_run_time_is_kept():
+    """h + mean(x), a scalar: a shift of every row that no constant edit removes (a constant one
+    would be centered away), so the sum is a start only a recenter centers, which 1 norm does not pay."""
+    b = G.Builder(21)
+    x = b.input("x", G.FLOAT, [2, G.T, G.D])
+    shift = b.op("ReduceMean", [x], keepdims=0)
+    total = b.op("Add", [b.linear(x, G.D, G.D), shift])
+    b.output(b.layernorm(total))
+    assert _kept_because(b.model(17)) == ("its stream is started by Add `Add_10`, which no weight edit can make "
+                                          "zero-mean; 1 recenter(s) would buy only 1 fold(s)")
+
 # --- a stream centered per head (the input of per-head q/k norms) ---------------------------------------
 
 def _per_head_norm(reader: str):
