@@ -448,3 +448,23 @@ def test_the_fallback_gate_checks_the_centered_sum_of_a_skip_rms_norm(monkeypatc
     assert off_center_norm_input(result.model) is None
     monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan, index=2))  # one of the sum's sources
     assert off_center_norm_input(lnfold.fold_onnx(model, device="cuda", verify=False).model)[0] == skip_sum
+
+
+# --- writing what a lazy load left on disk ----------------------------------------------------------
+
+def test_a_lazily_loaded_model_saved_as_one_file_keeps_every_weight(tmp_path):
+    """load_onnx(lazy=True) leaves the big weight in the input's data file; saving the model inline
+    streams those bytes from there into the one output file."""
+    p, data, _ = _with_big_external_weight(tmp_path)
+    with open(data, "r+b") as f:  # the big weight distinct from a constant, to catch any misplaced byte
+        f.seek(_big_offset(onnx.load(str(p), load_external_data=False)))
+        f.write(np.random.default_rng(0).standard_normal(512 * 512).astype(np.float32).tobytes())
+    lazy = lnfold.load_onnx(p, lazy=True)
+    assert any(t.data_location == TensorProto.EXTERNAL for t in lazy.graph.initializer)
+    (tmp_path / "out").mkdir()
+    lnfold.save_onnx(lazy, tmp_path / "out" / "m.onnx")
+    assert [f.name for f in (tmp_path / "out").iterdir()] == ["m.onnx"]  # one file: 1 MiB is not large
+    weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(p)).graph.initializer}
+    saved = onnx.load(str(tmp_path / "out" / "m.onnx"))
+    assert {t.name: numpy_helper.to_array(t).tobytes() for t in saved.graph.initializer} == \
+        {name: w.tobytes() for name, w in weights.items()}
