@@ -222,25 +222,45 @@ def test_an_opset_12_softmax_from_the_feature_axis_spans_the_tokens_too_and_keep
     assert "read by Softmax" in reason and "depends on the mean" in reason, reason
 
 
-def _stream_through(op: str, opset: int = 17, **attrs) -> onnx.ModelProto:
-    """ids -> embedding -> `op` (one input) -> a LayerNorm over the axis the op puts the features
-    on (the first one for a Transpose) -> a head."""
+def _stream_through(op: str, opset: int = 17, inputs=(), **attrs) -> onnx.ModelProto:
+    """ids -> embedding -> `op` (the stream, then `inputs`: callables of the builder) -> a LayerNorm
+    over the axis the op puts the features on (the first one for a Transpose) -> a head."""
     b = Builder(33)
-    h = b.op(op, [b.embed(b.input("ids", INT64, [2, T]))], **attrs)
+    h = b.op(op, [b.embed(b.input("ids", INT64, [2, T]))] + [make(b) for make in inputs], **attrs)
     if op == "Transpose":
         n = _decomposed_ln(b, h, 0, (D, 1, 1))
+    elif opset < 17:
+        n = _decomposed_ln(b, h, -1, (D,))
     else:
         n = b.layernorm(h)
     b.output(b.op("Relu", [n]))
     return b.model(opset)
 
 
-@pytest.mark.parametrize("op,attrs", [("Transpose", {}), ("ReduceSum", {"noop_with_empty_axes": 1})],
-                         ids=["Transpose without perm reverses the axes", "ReduceSum without axes and noop"])
+@pytest.mark.parametrize("op,attrs", [
+    ("Transpose", {}), ("ReduceSum", {"noop_with_empty_axes": 1}),
+    ("Slice", {"opset": 9, "starts": [0, 1], "ends": [2, T]}),
+    ("Pad", {"opset": 10, "pads": [0, 1, 0, 0, 2, 0]})],
+    ids=["Transpose without perm reverses the axes", "ReduceSum without axes and noop",
+         "opset-9 Slice without axes cuts the first axes", "opset-10 Pad of zero rows"])
 def test_an_op_whose_attributes_default_passes_the_stream_on_and_the_norm_folds(op, attrs):
     res = fold_model(_stream_through(op, **attrs))
     assert (res.report.folded, res.report.kept, res.report.recentered) == (1, 0, 0)
     assert res.max_rel_err < RTOL
+
+
+def _pads_from_an_input(b: Builder) -> str:
+    return b.op("Concat", [b.const("pads", np.array([0, 1, 0, 0, 0], np.int64)), b.input("last", INT64, [1])], axis=0)
+
+
+@pytest.mark.parametrize("attrs", [{"opset": 10, "pads": [0, 1, 0, 0, 2, 0], "value": 3.0},
+                                   {"inputs": [_pads_from_an_input]}],
+                         ids=["opset-10 Pad of rows of 3", "pads computed from an input"])
+def test_a_pad_that_writes_rows_with_a_mean_or_pads_unknown_axes_keeps_the_norm(attrs):
+    """A padded row of 3s has mean 3 in the original and in the folded model: its norm differs."""
+    report = onnx_rewrite.analyze_model(_stream_through("Pad", **attrs))
+    assert [n.verdict for n in report.norms] == ["keep"]
+    assert "Pad" in report.norms[0].reason, report.norms[0].reason
 
 
 # --- onnxruntime's EmbedLayerNormalization (fused.py) --------------------------------------------
@@ -390,3 +410,4 @@ def test_an_input_of_a_type_verification_cannot_make_up_is_refused_in_one_line(t
 def test_a_dim_size_that_is_not_a_positive_integer_is_refused(size):
     with pytest.raises(LnfoldError, match=rf"^dim batch={size!r}: the size must be a positive integer$"):
         fold_model(float_input_pre_ln(dynamic=True), dims={"batch": size})
+
