@@ -230,6 +230,28 @@ def test_a_module_read_centered_and_uncentered_is_refused_in_place_and_folded_in
     assert _max_rel_err_f64(module, res.module) < 1e-5
 
 
+class BareWeight(nn.Module):
+    """The norm's reader is F.linear on a bare Parameter: no Linear whose missing bias could take W β."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln, self.w = nn.Linear(8, D), nn.LayerNorm(D), nn.Parameter(torch.randn(4, D))
+
+    def forward(self, x):
+        return F.linear(self.ln(self.emb(x)), self.w)
+
+
+def test_the_hand_off_refuses_a_reader_that_cannot_take_a_new_bias_and_restores_what_it_edited():
+    """By the time it finds the reader (_new_biases) it has baked the centered `emb` weights: they go back."""
+    module = _randomized(BareWeight())
+    before = _digest(module)
+    with pytest.raises(LnfoldError, match="^`linear_1` reads a folded norm through a layer that cannot take a new "
+                                          "bias; the eager RMSNorm hand-off needs a bias there for β$"):
+        fold_to_rmsnorm(module, ARGS)
+    assert _digest(module) == before
+    assert isinstance(module.ln, nn.LayerNorm)
+
+
 def test_restoring_a_model_that_was_never_folded_is_a_one_line_error():
     module = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(LnfoldError, match="^the model has no config.lnfold: it was not saved from fold_to_rmsnorm's "
