@@ -144,8 +144,6 @@ def read_external(t: onnx.TensorProto) -> np.ndarray:
     fd, offset, length = external_source(t)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
     try:
-        if length == 0:
-            return np.zeros(tuple(t.dims), dtype)
         with os.fdopen(os.dup(fd), "rb") as f:
             a = np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=(length // dtype.itemsize,))
     finally:
