@@ -468,3 +468,21 @@ def test_a_lazily_loaded_model_saved_as_one_file_keeps_every_weight(tmp_path):
     saved = onnx.load(str(tmp_path / "out" / "m.onnx"))
     assert {t.name: numpy_helper.to_array(t).tobytes() for t in saved.graph.initializer} == \
         {name: w.tobytes() for name, w in weights.items()}
+
+
+# --- timing: what too few samples can claim ---------------------------------------------------------
+
+def test_one_round_is_its_own_median_and_quartiles():
+    from lnfold.onnx_rewrite.timing import interleaved
+
+    stats = interleaved({"a": lambda: None}, rounds=1, warmup=0)["a"]
+    assert stats["n"] == 1 and stats["q1"] == stats["median"] == stats["q3"] == stats["samples"][0]
+    assert stats["cpu_q1"] == stats["cpu_median"] == stats["cpu_q3"] == stats["cpu_samples"][0]
+
+
+@pytest.mark.parametrize("den", [[], [0.0, 0.0, 0.0]], ids=["no-samples", "a-zero-baseline"])
+def test_a_ratio_without_a_measurable_baseline_claims_nothing(den):
+    from lnfold.onnx_rewrite.timing import ratio
+
+    r = ratio({"folded": {"samples": [1.0, 1.1, 0.9]}, "original": {"samples": den}}, "folded", "original")
+    assert r["within_noise"] is True and all(np.isnan(r[k]) for k in ("ratio", "lo", "hi"))
