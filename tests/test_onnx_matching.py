@@ -411,3 +411,14 @@ def test_a_dim_size_that_is_not_a_positive_integer_is_refused(size):
     with pytest.raises(LnfoldError, match=rf"^dim batch={size!r}: the size must be a positive integer$"):
         fold_model(float_input_pre_ln(dynamic=True), dims={"batch": size})
 
+
+
+def test_a_symbolic_width_is_made_up_as_the_transposed_gemm_weight_it_meets_fixes_it():
+    """x [batch, feat] -> Gemm(x, W, transB=1) with W [D, 6]: feat must be 6 (not W's first dim)."""
+    b = Builder(36)
+    x = b.input("x", FLOAT, ["batch", "feat"])
+    h = b.op("Gemm", [x, b.weight("W", (D, 6)), b.weight("c", (D,), mean=3.0)], transB=1)
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 4))]))
+    res = fold_model(b.model(17))
+    assert (res.report.folded, res.report.kept) == (1, 0)
+    assert res.max_rel_err < RTOL
