@@ -271,15 +271,21 @@ def test_the_reference_evaluators_skip_rms_norm_computes_what_onnxruntime_does(w
     np.testing.assert_allclose(ours[0], want, rtol=1e-5)
 
 
+def _with_tf2onnx_erfc() -> onnx.ModelProto:
+    """pre_ln with tf2onnx's Erfc (no ONNX op) on its output: onnxruntime refuses it, onnx's reference
+    evaluator runs it (sessions.contrib_ops)."""
+    m = pre_ln(layers=2)
+    m.graph.node.append(helper.make_node("Erfc", [m.graph.output[0].name], ["erfc_out"], name="erfc"))
+    m.graph.output[0].name = "erfc_out"
+    return m
+
+
 def test_a_model_onnxruntime_refuses_folds_for_cuda_and_verifies_in_the_reference_evaluator():
     """tf2onnx's GELU writes Erfc, no ONNX op: onnxruntime refuses the model, onnx's evaluator (with
     our Erfc) runs it. Folded for CUDA, its norms become SkipSimplifiedLayerNormalization, which the
     evaluator must run too (before: "verification failed: the reference evaluator cannot run the
     folded model", a correct fold refused)."""
-    m = pre_ln(layers=2)
-    m.graph.node.append(helper.make_node("Erfc", [m.graph.output[0].name], ["erfc_out"], name="erfc"))
-    m.graph.output[0].name = "erfc_out"
-    result = lnfold.fold_onnx(m, device="cuda")
+    result = lnfold.fold_onnx(_with_tf2onnx_erfc(), device="cuda")
     assert result.report.folded == 3
     assert "SkipSimplifiedLayerNormalization" in {n.op_type for n in result.model.graph.node}
     assert "onnxruntime refuses to load the model" in result.criterion and "reference evaluator" in result.criterion
@@ -486,3 +492,9 @@ def test_a_ratio_without_a_measurable_baseline_claims_nothing(den):
 
     r = ratio({"folded": {"samples": [1.0, 1.1, 0.9]}, "original": {"samples": den}}, "folded", "original")
     assert r["within_noise"] is True and all(np.isnan(r[k]) for k in ("ratio", "lo", "hi"))
+
+
+def test_bench_refuses_a_model_onnxruntime_cannot_load_in_one_line(tmp_path, capsys):
+    p = save_model(_with_tf2onnx_erfc(), tmp_path / "m.onnx")
+    _refused(["bench", str(p), str(p), "--seconds", "0.1"], capsys, f"{p}: onnxruntime cannot load it (",
+             "Erfc")
