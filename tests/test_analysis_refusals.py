@@ -78,6 +78,16 @@ def test_a_stream_plus_a_number_computed_at_run_time_is_kept():
     assert _kept_because(b.model(17)) == ("its stream is started by Add `Add_10`, which no weight edit can make "
                                           "zero-mean; 1 recenter(s) would buy only 1 fold(s)")
 
+@pytest.mark.parametrize("reader", ["Mul", "Div"])
+def test_a_stream_squared_or_divided_into_is_kept(reader):
+    """h · h and 1 / h: a product of the stream with itself, a quotient by it, see its mean."""
+    b = G.Builder(22)
+    h = _stream(b)
+    b.output(b.layernorm(h))
+    b.output(b.op(reader, [h, h] if reader == "Mul" else [b.const("one", np.array(1.0, np.float32)), h]))
+    reason = _kept_because(b.model(17))
+    assert f"is also read by {reader} `" in reason and reason.endswith(", whose result depends on the mean"), reason
+
 # --- a stream centered per head (the input of per-head q/k norms) ---------------------------------------
 
 def _per_head_norm(reader: str):
@@ -119,8 +129,8 @@ def test_a_per_head_stream_read_only_for_its_shape_folds_exactly():
 
 # --- LayerScale: a per-channel factor folded into the sources behind it, where it can be -------------
 
-def _layer_scaled(source: str):
-    """ids -> embedding h -> h + ls * y(LN(h)) -> LN -> head, y one of the sources below."""
+def _layer_scaled(source: str, op: str = "Mul"):
+    """ids -> embedding h -> h + y(LN(h)) · ls (or / ls) -> LN -> head, y one of the sources below."""
     b = G.Builder(17)
     h = b.embed(b.input("ids", G.INT64, [2, G.T]))
     n = b.layernorm(h)
@@ -130,17 +140,22 @@ def _layer_scaled(source: str):
         y = b.op("Split", [b.linear(n, G.D, 2 * G.D)], n_out=2, axis=-1)[0]
     elif source == "a bias per row":  # [T, 1]: one number per token, no channel to scale
         y = b.op("Add", [b.op("MatMul", [n, b.weight("W", (G.D, G.D))]), b.weight("row_bias", (G.T, 1), mean=5.0)])
-    s = b.op("Mul", [y, b.weight("ls", (G.D,), mean=0.5)])
+    s = b.op(op, [y, b.weight("ls", (G.D,), mean=0.5)])
     b.output(b.op("MatMul", [b.layernorm(b.op("Add", [h, s])), b.weight("head", (G.D, G.VOCAB))]))
     return b.model(17)
 
 
-@pytest.mark.parametrize("source,scaled", [("linear", True), ("half of a Split", False), ("a bias per row", False)])
-def test_a_layer_scale_folds_into_its_sources_only_where_they_can_hold_it(source, scaled):
+@pytest.mark.parametrize("source,op,scaled", [
+    ("linear", "Mul", True),
+    ("linear", "Div", False),  # y / ls: not the product that LayerScale's fold scales the weights by
+    ("half of a Split", "Mul", False),
+    ("a bias per row", "Mul", False),
+])
+def test_a_layer_scale_folds_into_its_sources_only_where_they_can_hold_it(source, op, scaled):
     """Where the factor cannot go into the sources, the stream is recentered instead: exact either way.
     Regression: a [T, 1] bias behind the factor crashed the fold (weights.scale: "cannot fold a
     per-channel scale into a tensor constant along channels"), in both frontends."""
-    model = _layer_scaled(source)
+    model = _layer_scaled(source, op)
     report = analyze_model(model)
     assert [bool(s.scaled) for s in report.streams] == [scaled] and report.recentered == (0 if scaled else 1)
     _folds_exactly(model)
