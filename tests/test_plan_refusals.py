@@ -152,6 +152,25 @@ def test_a_stream_whose_norm_output_is_the_model_output_is_not_rotated_and_says_
                                     "that reads them")
 
 
+def test_a_norm_whose_beta_stays_keeps_its_gamma_and_its_fold_verifies():
+    b = Builder(27)
+    x = b.input("x", FLOAT, [2, T, D])
+    beta = b.input("beta", FLOAT, [D])
+    y = b.op("LayerNormalization", [b.linear(x, D, D), b.weight("gamma", (D,), mean=1.0), beta], axis=-1, epsilon=1e-5)
+    b.output(b.op("MatMul", [y, b.weight("head", (D, D))]))
+    result = fold_model(b.model(17), gamma_into_readers=True)  # verified against float64
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and norm.beta == "kept as an Add (β `beta` is not a constant)"
+    assert norm.gamma == ("kept in the norm (β stays with the norm (β `beta` is not a constant), and a β Add after a "
+                          "unit-γ norm would be scaled by γ in the readers)")
+
+
+def test_the_table_says_where_gamma_went_and_how_the_stream_was_rotated():
+    table = fold_model(graphs.pre_ln(1), rotate="hadamard").report.table(width=200)
+    assert "fold     stream 1 (4 centered), γ into the weight of MatMul `MatMul_14`, β into the bias" in table
+    assert "\n  rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)" in table
+
+
 def test_a_norm_the_target_keeps_keeps_its_gamma_out_of_its_readers():
     view = _view(graphs.pre_ln(1))
     last = [n.name for n in view.norms()][-1]  # read by the head
@@ -162,6 +181,18 @@ def test_a_norm_the_target_keeps_keeps_its_gamma_out_of_its_readers():
     head = [e for e in plan.const_edits if e.value.startswith("head_")]
     assert not any(op.__class__.__name__ == "Scale" for e in head for op in e.ops)  # γ is applied by the norm alone
     assert len(plan.unit_gamma) == 1  # the other norm's γ did move
+
+
+def test_auto_deferral_of_norms_of_unknown_feature_size_is_refused_by_the_cost_model():
+    b = Builder(28)
+    x = b.input("x", FLOAT, ["batch", "seq", "feat"])
+    h = b.op("Relu", [x])  # a recentered start: the feature size stays unknown
+    outs = [b.op("MatMul", [b.layernorm(src), b.weight("W", (D, D))])
+            for src in (h, b.op("Mul", [h, b.const("s", np.array(2.0, np.float32))]))]
+    b.output(b.op("Add", outs))
+    result = fold_model(b.model(17), defer="auto", dims={"batch": 2, "seq": T, "feat": D})  # verified
+    assert [(n.verdict, n.deferred, n.defer_reason) for n in result.report.norms] == [
+        ("fold", False, "cost model: feature sizes unknown")] * 2
 
 
 # --- CRMS on a stream too narrow to compress ----------------------------------------------------
@@ -231,6 +262,39 @@ def test_a_residual_sum_read_by_two_norms_is_fused_with_one_only_and_folds_exact
     (stream,) = result.report.streams
     assert len(stream.fused) == 1
     assert [n.op_type for n in result.model.graph.node].count("SkipSimplifiedLayerNormalization") == 1
+
+
+def test_a_deferred_norm_is_not_fused_with_the_residual_add_before_it():
+    result = fold_model(_residual_sum_read_by_two_norms(), target="ort", device="cuda", defer="on")  # verified
+    assert all(n.verdict == "fold" and n.deferred for n in result.report.norms)
+    assert not any(s.fused for s in result.report.streams)
+    assert "SkipSimplifiedLayerNormalization" not in {n.op_type for n in result.model.graph.node}
+
+
+def test_a_norm_reading_a_residual_sub_is_not_fused_as_an_add():
+    b = Builder(26)
+    h = b.embed(b.input("ids", graphs.INT64, [2, T]))
+    h = b.op("Sub", [h, b.linear(b.op("Relu", [b.linear(b.layernorm(h), D, 2 * D)]), 2 * D, D)])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, VOCAB))]), shape=[2, T, VOCAB])
+    result = fold_model(b.model(17), target="ort", device="cuda")  # verified against float64
+    assert [n.verdict for n in result.report.norms] == ["fold", "fold"]
+    assert not any(s.fused for s in result.report.streams)
+
+
+def test_a_norm_over_a_feature_axis_that_is_not_last_is_not_fused():
+    """Channels first: h = W1 @ x + W2 @ x [2, D, T], a sum of two equal-shaped tensors (a fused kernel's
+    shape), normalized over axis 1 by a decomposed LayerNorm; the fused op would normalize axis 2."""
+    b = Builder(29)
+    x = b.input("x", FLOAT, [2, D, T])
+    h = b.op("Add", [b.op("MatMul", [b.weight("W", (D, D), mean=1.0), x]) for _ in range(2)])
+    centered = b.op("Sub", [h, b.op("ReduceMean", [h], axes=[1], keepdims=1)])
+    var = b.op("ReduceMean", [b.op("Mul", [centered, centered])], axes=[1], keepdims=1)
+    normed = b.op("Div", [centered, b.op("Sqrt", [b.op("Add", [var, b.const("eps", np.array(1e-5, np.float32))])])])
+    y = b.op("Add", [b.op("Mul", [normed, b.weight("gamma", (D, 1), mean=1.0)]), b.weight("beta", (D, 1))])
+    b.output(b.op("MatMul", [b.weight("head", (D, D)), y]))
+    result = fold_model(b.model(17), target="ort", device="cuda")  # verified against float64
+    assert [n.verdict for n in result.report.norms] == ["fold"]
+    assert not any(s.fused for s in result.report.streams)
 
 
 # --- the verification gate without a float64 run --------------------------------------------------
