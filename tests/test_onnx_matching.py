@@ -22,6 +22,7 @@ from lnfold.passes import LnfoldError
 from .onnx_graphs import FLOAT, INT64, D, T, Builder, float_input_pre_ln, pre_ln, save_model, skip_layernorm
 
 RTOL = 1e-5
+MS = "com.microsoft"
 
 
 def _f32(*values) -> np.ndarray:
@@ -91,7 +92,8 @@ def _flax(b: Builder, x: str, defect: str) -> list:
     xx = b.op("Abs" if defect == "Abs of x" else "Mul", [x] if defect == "Abs of x" else [x, x])
     m2 = mean(xx, axes=(1,) if defect == "x² over tokens" else (2,))
     var = b.op("Sub", [mu2, m2] if defect == "E[x]² - E[x²]" else [m2, mu2])
-    var = b.op("Max", [var, b.const("floor", _f32(1.0 if defect == "clipped at 1" else 0.0))])
+    floor = [b.const("floor", _f32(1.0 if defect == "clipped at 1" else 0.0))]
+    var = b.op("Max", [var] + floor * (2 if defect == "Max of three" else 1))
     v = b.op("Add", [var, b.const("eps", _f32(1e-6))])
     s = b.op("Abs" if defect == "no Sqrt" else "Sqrt", [v])
     if defect == "std read outside":
@@ -162,6 +164,7 @@ NEAR_MISSES = [
     (_flax, "x² over tokens", "x² is not averaged over the mean's axes (2,)"),
     (_flax, "E[x]² - E[x²]", "the variance is not E[x²] - E[x]²"),
     (_flax, "clipped at 1", "clips the variance at something other than 0"),
+    (_flax, "Max of three", "clips the variance at something other than 0"),
     (_flax, "no Sqrt", "not by one Sqrt"),
     (_flax, "std read outside", "does not divide x - mean alone"),
     (_jax2tf, "sum over 1/(n-1)", None),
@@ -263,9 +266,20 @@ def test_a_pad_that_writes_rows_with_a_mean_or_pads_unknown_axes_keeps_the_norm(
     assert "Pad" in report.norms[0].reason, report.norms[0].reason
 
 
-# --- onnxruntime's EmbedLayerNormalization (fused.py) --------------------------------------------
 
-MS = "com.microsoft"
+def test_a_stream_written_by_matmulnbits_keeps_its_norm_and_names_the_bits_its_weight_holds():
+    """MatMulNBits packs its int4 weight into uint8: the reason names int4 (its `bits`) and the way out."""
+    b = Builder(37)
+    x = b.input("x", FLOAT, [2, T, D])
+    packed, scales = b.const("packed", np.zeros((D, 1, D // 2), np.uint8)), b.const("scales", np.ones(D, np.float32))
+    h = b.op("MatMulNBits", [x, packed, scales], domain=MS, K=D, N=D, bits=4, block_size=16)
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 4))]))
+    report = onnx_rewrite.analyze_model(b.model(21, extra_opsets=[(MS, 1)]))
+    assert [n.verdict for n in report.norms] == ["keep"]
+    reason = report.norms[0].reason
+    assert "(weights stored as int4)" in reason and "fold the float model, then quantize" in reason, reason
+
+# --- onnxruntime's EmbedLayerNormalization (fused.py) --------------------------------------------
 
 
 def _embed(opset: int = 17, word_input: bool = False, mask_index_type=None, ids_shape=(2, T)) -> onnx.ModelProto:
