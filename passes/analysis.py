@@ -368,8 +368,6 @@ class _ComponentBuilder:
         while stack:
             name, axis = stack.pop()
             v = self.view.values[name]
-            if v.is_const:
-                return None  # a constant scaled in place is fine, but rare; keep it simple
             readers = [c for c in v.consumers if not self.view.nodes[c[0]].shape_only]
             if v.producer is None or len(readers) != 1 or v.is_graph_output:
                 return None
