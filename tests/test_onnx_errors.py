@@ -498,3 +498,10 @@ def test_bench_refuses_a_model_onnxruntime_cannot_load_in_one_line(tmp_path, cap
     p = save_model(_with_tf2onnx_erfc(), tmp_path / "m.onnx")
     _refused(["bench", str(p), str(p), "--seconds", "0.1"], capsys, f"{p}: onnxruntime cannot load it (",
              "Erfc")
+
+
+def test_quantize_with_too_few_calibration_rows_to_hold_any_out_says_it_measured_on_them():
+    rows = {"ids": np.random.default_rng(0).integers(0, 11, (2, 5))}  # one batch of the model's 2 rows
+    table = lnfold.quantize_onnx(pre_ln(layers=1), weights="int8", activations="int8", calibrate=rows).report.table()
+    assert ("NOT exact (quantization): against the float model on the calibration rows themselves (ids [2, 5]; "
+            "too few to hold any out: give --inputs for an independent figure)") in table, table
