@@ -7,6 +7,7 @@ Tiny modules through the real torch.export; the sources that write the stream ha
 (bias +5) and γ/β are random, so a fold that skips a centering is far off in float64."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import struct
@@ -63,8 +64,8 @@ def _digest(m: nn.Module) -> str:
 
 def _max_rel_err_f64(module: nn.Module, folded: nn.Module) -> float:
     with torch.no_grad():
-        ref = module.double()(ARGS[0].double())
-        got = folded.double()(ARGS[0].double())
+        ref = copy.deepcopy(module).double()(ARGS[0].double())
+        got = copy.deepcopy(folded).double()(ARGS[0].double())
     return ((ref - got).abs().max() / ref.abs().max()).item()
 
 
@@ -227,6 +228,34 @@ def test_a_module_read_centered_and_uncentered_is_refused_in_place_and_folded_in
     assert _digest(module) == before
     res = fold_module(module, ARGS)
     assert res.report.folded == 1
+    assert _max_rel_err_f64(module, res.module) < 1e-5
+
+
+class FloorDivided(nn.Module):
+    """Two norms on a stream started by a floor division: centering it takes a recenter after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.ln1, self.mid = nn.Linear(8, D), nn.LayerNorm(D), nn.Linear(D, D)
+        self.ln2, self.out = nn.LayerNorm(D), nn.Linear(D, 4)
+
+    def forward(self, x):
+        h = torch.div(self.emb(x), 0.5, rounding_mode="floor")
+        h = h + self.mid(self.ln1(h))
+        return self.out(self.ln2(h))
+
+
+@pytest.mark.parametrize("fold, who", [(fold_to_rmsnorm, "the eager RMSNorm hand-off"),
+                                       (fold_for_training, "the module-level training fold")])
+def test_a_stream_that_needs_a_recenter_is_refused_by_the_module_level_folds_and_recentered_by_fold_module(fold, who):
+    module = _randomized(FloorDivided())
+    before = _digest(module)
+    with pytest.raises(NothingToFold, match=f"needs a recenter of aten.div.Tensor_mode `div`, which {who} does not "
+                                            r"insert \(fold_module or the lnfold backend do\)$"):
+        fold(module, ARGS)
+    assert _digest(module) == before
+    res = fold_module(module, ARGS)
+    assert (res.report.folded, res.report.recentered) == (2, 1)
     assert _max_rel_err_f64(module, res.module) < 1e-5
 
 
