@@ -267,6 +267,21 @@ def test_a_pad_that_writes_rows_with_a_mean_or_pads_unknown_axes_keeps_the_norm(
 
 
 
+def test_a_resize_that_crops_and_extrapolates_a_constant_keeps_the_norm():
+    """tf_crop_and_resize writes extrapolation_value (3 here) outside its crop box: rows of 3."""
+    def roi(b: Builder) -> str:  # the crop box reaches past the last token: extrapolated rows
+        return b.const("roi", _f32(0, 0, 0, 1, 1.5, 1))
+
+    def sizes(b: Builder) -> str:
+        return b.const("sizes", np.array([2, 2 * T, D], np.int64))
+
+    model = _stream_through("Resize", opset=18, inputs=[roi, lambda b: "", sizes], mode="linear",
+                            coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=3.0)
+    report = onnx_rewrite.analyze_model(model)
+    assert [n.verdict for n in report.norms] == ["keep"]
+    assert "started by Resize" in report.norms[0].reason, report.norms[0].reason
+
+
 def test_a_stream_written_by_matmulnbits_keeps_its_norm_and_names_the_bits_its_weight_holds():
     """MatMulNBits packs its int4 weight into uint8: the reason names int4 (its `bits`) and the way out."""
     b = Builder(37)
