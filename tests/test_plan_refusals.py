@@ -14,8 +14,8 @@ import pytest
 
 from lnfold.onnx_rewrite import targets
 from lnfold.onnx_rewrite.api import OnnxFrontend, fold_model
-from lnfold.passes import LnfoldError, make_plan
-from lnfold.passes import gate, orthogonal, slicing
+from lnfold.passes import LnfoldError, NothingToFold, make_plan
+from lnfold.passes import gate, geometry_plot, orthogonal, slicing
 from lnfold.passes.options import FoldOptions
 from lnfold.passes.request import Capabilities, PlanRequest
 from tests import onnx_graphs as graphs
@@ -347,6 +347,45 @@ def test_an_approximate_swap_of_a_name_that_is_no_layernorm_is_refused():
     view = _view(graphs.pre_ln(1))
     with pytest.raises(LnfoldError, match="^approximate swap: `MatMul_14` is not a LayerNorm of the model$"):
         make_plan(view, PlanRequest(), approx=frozenset({"MatMul_14"}))
+
+
+def test_a_plot_into_a_directory_that_does_not_exist_is_a_one_line_error(tmp_path):
+    missing = tmp_path / "no such dir"
+    with pytest.raises(LnfoldError, match=f"^{missing}: output directory does not exist$"):
+        geometry_plot.check_path(missing / "angles.svg")
+    assert not missing.exists()
+
+
+def test_slicing_on_calibration_rows_that_are_all_zero_is_a_one_line_error():
+    with pytest.raises(LnfoldError, match=r"^no calibration row reached the stream \(all rows zero\)$"):
+        slicing.unit_rms_moment([np.zeros((2, T, D)), np.zeros((0, T, D))], axis=-1)
+
+
+# --- the approximate swap where nothing folds exactly ---------------------------------------------
+
+def _one_norm_on_a_relu(rows: int = 8):
+    """x -> Relu -> LayerNorm -> linear: one norm on a recentered start, which a recenter does not
+    pay for (kept), and calibration rows of a large mean."""
+    b = Builder(30)
+    x = b.input("x", FLOAT, ["batch", T, D])
+    b.output(b.op("MatMul", [b.layernorm(b.op("Relu", [x])), b.weight("W", (D, D))]))
+    calibration = {"x": np.random.default_rng(0).standard_normal((rows, T, D)).astype(np.float32) + 2}
+    return b.model(17), calibration
+
+
+def test_the_approximate_swap_of_a_model_with_no_exact_fold_swaps_within_the_budget():
+    model, calibration = _one_norm_on_a_relu()
+    result = fold_model(model, mode="rms-approx", calibration=calibration, budget=10.0)
+    (norm,) = result.report.norms
+    assert norm.verdict == "approx" and norm.reason.startswith("swapped to RMSNorm although its input keeps its mean")
+    assert result.criterion.startswith("approximate: not verified")
+    assert [s.name for s in result.report.approx.swapped] == [norm.name]
+
+
+def test_the_approximate_swap_with_no_exact_fold_and_nothing_within_budget_is_a_one_line_error():
+    model, calibration = _one_norm_on_a_relu()
+    with pytest.raises(NothingToFold, match="^no LayerNorm can be folded, and none swapped within budget 1e-12$"):
+        fold_model(model, mode="rms-approx", calibration=calibration, budget=1e-12)
 
 
 # --- the Hadamard construction a 28-feature stream uses ------------------------------------------
