@@ -4,11 +4,17 @@ lets a fold through, the fold is checked against float64 (random γ/β, sources 
 tests/onnx_graphs.py). Every graph is hand-built and analyzed in milliseconds."""
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
 from lnfold.onnx_rewrite import analyze_model, fold_model
 from lnfold.passes import gate
+from lnfold.passes.edits import Center
+from lnfold.passes.frozen import FrozenList
+from lnfold.passes.shards import untie
 
 from tests import onnx_graphs as G
 
@@ -235,3 +241,22 @@ def test_a_layernorm_written_with_a_reciprocal_of_the_std_folds_exactly():
     model = _decomposed("times a reciprocal")
     assert [(n.name, n.verdict) for n in analyze_model(model).norms] == [("mean", "fold")]
     _folds_exactly(model)
+
+
+# --- a checkpoint's tied tensors, and a final plan's lists ---------------------------------------------
+
+def test_tied_tensors_that_all_take_the_same_edit_stay_one_tensor():
+    """A tied embedding and lm_head both centered along axis 1: the stored tensor is edited once,
+    in place; no member is untied, no tensor is added to the checkpoint."""
+    center = (Center(1),)
+    in_place, new, untied = untie([["embed", "head"]], {"embed": "embed", "head": "embed"},
+                                  {"embed": center, "head": center})
+    assert (in_place, new, untied) == ({"embed": center}, [], [])
+
+
+def test_a_final_plans_list_copies_pickles_and_hashes_whole_and_stays_final():
+    edits = FrozenList([Center(0), Center(1)])
+    for copied in (copy.deepcopy(edits), pickle.loads(pickle.dumps(edits))):
+        assert type(copied) is FrozenList and copied == edits and hash(copied) == hash(edits)
+        with pytest.raises(TypeError, match="a plan is final"):
+            copied.append(Center(2))
