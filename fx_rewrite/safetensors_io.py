@@ -143,13 +143,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def edited_pieces(t, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget: int):
     """`edit` applied to slices of `t` along `axis` (a few of `budget` bytes in float64 each; the
-    whole tensor where axis is None), each slice's bytes as soon as it is done: the bytes in file
-    order only when slicing along the first axis. `t`: a tensor, or `Rows` of one still in its file."""
+    whole tensor where axis is None), each slice's bytes as soon as it is done. `axis` is 0 or None
+    (passes/edits.chunk_axis): the file holds row-major bytes, contiguous only along the first axis.
+    `t`: a tensor, or `Rows` of one still in its file."""
     if axis is None:
         yield tensor_bytes(edit(t[:]))
         return
-    if axis != 0:  # the file holds row-major bytes: slices along axis 0 are contiguous there
-        raise ValueError("edited_pieces streams along axis 0 only")
     for lo, hi in row_blocks(tuple(t.shape), budget):
         yield tensor_bytes(edit(t[lo:hi]))
 
