@@ -127,6 +127,23 @@ def test_a_norm_over_a_feature_axis_that_is_not_last_is_not_deferred():
     assert norm.defer_reason.startswith("its feature axis is not the last axis of `")
 
 
+def _norm_read_through_a_reshape(shape):
+    b = Builder(31)
+    x = b.input("x", FLOAT, [2, T, D])
+    y = b.op("Reshape", [b.layernorm(b.linear(x, D, D)), b.const("shape", np.array(shape, np.int64))])
+    b.output(b.op("MatMul", [y, b.weight("W", (D, D))]))
+    return b.model(17)
+
+
+def test_a_norm_read_through_a_reshape_to_rank_4_is_not_deferred_and_to_rank_2_is():
+    result = fold_model(_norm_read_through_a_reshape([2, T, 1, D]), defer="on")  # verified against float64
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and not norm.deferred
+    assert norm.defer_reason == "a reader reads it through a reshape to another rank than 2"
+    (flat,) = fold_model(_norm_read_through_a_reshape([2 * T, D]), defer="on").report.norms
+    assert flat.deferred and not flat.defer_reason
+
+
 # --- γ into the readers, where a norm must keep it ------------------------------------------------
 
 def test_crms_norms_keep_gamma_for_their_compressed_readers():
@@ -169,6 +186,16 @@ def test_the_table_says_where_gamma_went_and_how_the_stream_was_rotated():
     table = fold_model(graphs.pre_ln(1), rotate="hadamard").report.table(width=200)
     assert "fold     stream 1 (4 centered), γ into the weight of MatMul `MatMul_14`, β into the bias" in table
     assert "\n  rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)" in table
+
+
+def test_a_stream_of_norms_without_gamma_rotates_and_its_fold_verifies():
+    b = Builder(32)
+    x = b.input("x", FLOAT, [2, T, D])
+    b.output(b.op("MatMul", [graphs._decomposed_no_affine(b, b.linear(x, D, D)), b.weight("W", (D, D))]))
+    result = fold_model(b.model(17), rotate="hadamard")  # verified against float64
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and norm.gamma == "none (unit weight already)"
+    assert result.report.streams[0].rotation.startswith("rotated (hadamard, d=8, seed 0)")
 
 
 def test_a_norm_the_target_keeps_keeps_its_gamma_out_of_its_readers():
@@ -373,19 +400,21 @@ def _one_norm_on_a_relu(rows: int = 8):
     return b.model(17), calibration
 
 
-def test_the_approximate_swap_of_a_model_with_no_exact_fold_swaps_within_the_budget():
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_approximate_swap_of_a_model_with_no_exact_fold_swaps_within_the_budget(verify):
     model, calibration = _one_norm_on_a_relu()
-    result = fold_model(model, mode="rms-approx", calibration=calibration, budget=10.0)
+    result = fold_model(model, mode="rms-approx", calibration=calibration, budget=10.0, verify=verify)
     (norm,) = result.report.norms
     assert norm.verdict == "approx" and norm.reason.startswith("swapped to RMSNorm although its input keeps its mean")
     assert result.criterion.startswith("approximate: not verified")
     assert [s.name for s in result.report.approx.swapped] == [norm.name]
 
 
-def test_the_approximate_swap_with_no_exact_fold_and_nothing_within_budget_is_a_one_line_error():
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_approximate_swap_with_no_exact_fold_and_nothing_within_budget_is_a_one_line_error(verify):
     model, calibration = _one_norm_on_a_relu()
     with pytest.raises(NothingToFold, match="^no LayerNorm can be folded, and none swapped within budget 1e-12$"):
-        fold_model(model, mode="rms-approx", calibration=calibration, budget=1e-12)
+        fold_model(model, mode="rms-approx", calibration=calibration, budget=1e-12, verify=verify)
 
 
 # --- the Hadamard construction a 28-feature stream uses ------------------------------------------
