@@ -1,10 +1,11 @@
-"""Branches of the ONNX frontend the rest of the suite does not reach: the float64 reference's handling
-of ops that make float tensors from attributes (a wrong reference misjudges every fold), and the
-one-line errors a user meets with bad input or bad options (exit 2, the input untouched, nothing written).
+"""Branches of the ONNX frontend the rest of the suite does not reach: what the verification gate
+refuses (a fold onnxruntime cannot load, an output more, no float64 copy; an off-center Skip sum
+without float64), the float64 reference and the reference evaluator it falls back on (a wrong
+referee misjudges every fold), and what a user meets: one-line errors for bad input or options
+(exit 2, the input untouched, nothing written), reports that say what they measured.
 Every model is hand-built and tiny: the whole file runs in seconds."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 import lnfold
 from lnfold.onnx_rewrite.cli import main
 from lnfold.onnx_rewrite.exact import exact_run
-from tests.onnx_graphs import D, IR_VERSION, Builder, no_layernorm, pre_ln, save_model, unknown_domain_op
+from tests.onnx_graphs import D, IR_VERSION, Builder, no_layernorm, pre_ln, save_model
 
 
 def _refused(argv: list[str], capsys, *words: str) -> str:
@@ -37,8 +38,8 @@ def _untouched(path: Path, before: bytes, *outputs: Path) -> None:
 
 # --- the float64 reference (exact.py): attributes that make float tensors become double ----------
 
-def _stream_scaled_by(op: onnx.NodeProto) -> onnx.ModelProto:
-    """x [2, D] (mean 40) + the float tensor `op` makes -> LayerNorm with random γ, β."""
+def _stream_offset_by(op: onnx.NodeProto) -> onnx.ModelProto:
+    """x [2, D] + the float tensor `op` makes -> LayerNorm with random γ, β."""
     b = Builder(5)
     x = b.input("x", TensorProto.FLOAT, [2, D])
     b.nodes.append(op)
@@ -52,7 +53,7 @@ def _stream_scaled_by(op: onnx.NodeProto) -> onnx.ModelProto:
     helper.make_node("EyeLike", ["x"], ["c"], dtype=TensorProto.FLOAT),
 ], ids=["value_float", "value_floats", "EyeLike-dtype"])
 def test_the_float64_reference_makes_attribute_floats_double_and_runs_in_onnxruntime(op):
-    model = _stream_scaled_by(op)
+    model = _stream_offset_by(op)
     x = (np.random.default_rng(0).standard_normal((2, D)) + 40).astype(np.float32)
     (got,), how = exact_run(model, {"x": x})
     assert how == "onnxruntime"  # a float constant left float32 makes onnxruntime refuse the double copy
