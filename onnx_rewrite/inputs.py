@@ -271,8 +271,8 @@ def _values(f: GraphFacts, sizes: dict, past: int, seed: int) -> dict[str, np.nd
             feeds[s.name] = np.broadcast_to(pos, shape).astype(dt).copy()
         elif np.issubdtype(dt, np.floating):
             feeds[s.name] = rng.standard_normal(shape).astype(dt)
-        elif dt is np.bool_:
-            feeds[s.name] = rng.random(shape) < 0.8
+        elif dt is np.bool_:  # (np.asarray: a 0-D comparison is a numpy scalar, which onnxruntime refuses)
+            feeds[s.name] = np.asarray(rng.random(shape) < 0.8)
         else:
             feeds[s.name] = rng.integers(0, f.index_bound.get(s.name, 2), size=shape).astype(dt)
     return feeds

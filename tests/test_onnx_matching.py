@@ -451,3 +451,47 @@ def test_a_symbolic_width_is_made_up_as_the_transposed_gemm_weight_it_meets_fixe
     res = fold_model(b.model(17))
     assert (res.report.folded, res.report.kept) == (1, 0)
     assert res.max_rel_err < RTOL
+
+
+
+def test_a_scalar_bool_input_is_made_up_as_an_array_onnxruntime_takes():
+    """Optimum's merged decoders take `use_cache_branch`, a 0-D bool: made up as a numpy scalar,
+    onnxruntime refused it and a fold could only be verified with --inputs or not at all."""
+    from lnfold.onnx_rewrite.inputs import candidates
+
+    _, feeds = next(candidates(_if_of_layerscale_blocks()))
+    assert isinstance(feeds["cond"], np.ndarray) and feeds["cond"].shape == () and feeds["cond"].dtype == np.bool_
+
+
+# --- the branches of an If (subgraphs.py) --------------------------------------------------------
+
+def _if_of_layerscale_blocks() -> onnx.ModelProto:
+    """If(cond) with the same Pre-LN block in both branches (as Optimum's merged decoders write
+    them: same names, outer weights), its residual branch scaled by a LayerScale Mul."""
+    b = Builder(38)
+    ids, cond = b.input("ids", INT64, [2, T]), b.input("cond", onnx.TensorProto.BOOL, [])
+    base = len(b.nodes)
+    h = b.embed(ids)
+    scaled = b.op("Mul", [b.linear(b.layernorm(h), D, D), b.weight("layer_scale", (D,), mean=0.5)])
+    y = b.op("MatMul", [b.layernorm(b.op("Add", [h, scaled])), b.weight("head", (D, 4))])
+    nodes, b.nodes[:] = b.nodes[base:], b.nodes[:base]
+    branches = {attr: onnx.helper.make_graph(nodes, attr, [], [onnx.helper.make_tensor_value_info(y, FLOAT, None)])
+                for attr in ("then_branch", "else_branch")}
+    b.output(b.op("If", [cond], **branches), shape=[2, T, 4])
+    return b.model(17)
+
+
+def test_a_layerscale_in_the_branches_of_an_if_moves_into_its_source_and_its_mul_goes():
+    import onnxruntime as ort
+
+    model = _if_of_layerscale_blocks()
+    res = fold_model(model)
+    assert (res.report.folded, res.report.kept) == (4, 0)
+    assert all(s.dropped for s in res.report.streams), res.report.streams
+    branches = [a.g for n in res.model.graph.node if n.op_type == "If" for a in n.attribute]
+    assert all("Mul" not in [n.op_type for n in g.node] for g in branches)
+    ids = np.random.default_rng(0).integers(0, 11, (2, T)).astype(np.int64)
+    runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for m in (model, res.model)]
+    for cond in (True, False):  # verification runs one branch: compare both, in float32
+        want, got = (r.run(None, {"ids": ids, "cond": np.array(cond)})[0] for r in runs)
+        assert np.abs(got - want).max() / np.abs(want).max() < RTOL
