@@ -455,8 +455,9 @@ def test_a_symbolic_width_is_made_up_as_the_transposed_gemm_weight_it_meets_fixe
 
 
 def test_a_scalar_bool_input_is_made_up_as_an_array_onnxruntime_takes():
-    """Optimum's merged decoders take `use_cache_branch`, a 0-D bool: made up as a numpy scalar,
-    onnxruntime refused it and a fold could only be verified with --inputs or not at all."""
+    """An If's condition as a 0-D bool graph input (Optimum's `use_cache_branch` is [1], which always
+    worked): made up as the numpy scalar a 0-D comparison gives, onnxruntime refused it and such a
+    fold could only be verified with --inputs or not at all."""
     from lnfold.onnx_rewrite.inputs import candidates
 
     _, feeds = next(candidates(_if_of_layerscale_blocks()))
