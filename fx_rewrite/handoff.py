@@ -326,40 +326,49 @@ def restore_rmsnorm(model: nn.Module, folder: Optional[str] = None) -> nn.Module
     records = [(hf, record) for _, hf in _hf_models(model) if (record := getattr(hf.config, CONFIG_KEY, None))]
     if not records:
         raise LnfoldError(f"the model has no config.{CONFIG_KEY}: it was not saved from fold_to_rmsnorm's result")
+    biases = []  # every check and read before the first change: an error leaves the model as it was
     for hf, record in records:
         for name in record["rmsnorm"]:
             ln = hf.get_submodule(name)
-            if isinstance(ln, nn.RMSNorm):
-                continue
-            if not isinstance(ln, nn.LayerNorm):
+            if not isinstance(ln, (nn.RMSNorm, nn.LayerNorm)):
                 raise LnfoldError(f"`{name}` is a {type(ln).__name__}, not the LayerNorm config.{CONFIG_KEY} names")
-            parent, _, attr = name.rpartition(".")
-            hf.get_submodule(parent)._modules[attr] = rmsnorm_like(ln)
+        path = folder if folder is not None else getattr(hf.config, "_name_or_path", None)
+        if record["new_biases"] and path and os.path.isdir(path):
+            biases.append(_read_tensors(path, [f"{n}.bias" for n in record["new_biases"]]))
+        else:
+            biases.append({})
+    for (hf, record), loaded in zip(records, biases):
+        for name in record["rmsnorm"]:
+            ln = hf.get_submodule(name)
+            if isinstance(ln, nn.LayerNorm):
+                parent, _, attr = name.rpartition(".")
+                hf.get_submodule(parent)._modules[attr] = rmsnorm_like(ln)
         for name in record["new_biases"]:
             lin = hf.get_submodule(name)
             if lin._parameters.get("bias") is None:
                 w = lin.weight
                 lin.bias = nn.Parameter(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device),
                                         requires_grad=w.requires_grad)
-        path = folder if folder is not None else getattr(hf.config, "_name_or_path", None)
-        if record["new_biases"] and path and os.path.isdir(path):
-            _load_tensors(hf, path, [f"{n}.bias" for n in record["new_biases"]])
+        params = dict(hf.named_parameters())
+        with torch.no_grad():
+            for key, t in loaded.items():
+                params[key].copy_(t)
     return model
 
 
-def _load_tensors(model: nn.Module, folder: str, keys: list[str]) -> None:
-    """Copy tensors `keys` of a save_pretrained folder (safetensors, sharded or not) into `model`."""
+def _read_tensors(folder: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors `keys` of a save_pretrained folder (safetensors, sharded or not)."""
     from safetensors import safe_open
 
     where = {}
     if os.path.exists(os.path.join(folder, INDEX)):
         with open(os.path.join(folder, INDEX)) as f:
             where = json.load(f)["weight_map"]
-    params = dict(model.named_parameters())
+    out = {}
     for key in keys:
         file = os.path.join(folder, where.get(key, SINGLE))
         with safe_open(file, framework="pt") as f:
             if key not in f.keys():
                 raise LnfoldError(f"`{key}` is not in {folder}: not a folder saved from fold_to_rmsnorm's result")
-            with torch.no_grad():
-                params[key].copy_(f.get_tensor(key))
+            out[key] = f.get_tensor(key)
+    return out

@@ -288,6 +288,36 @@ def test_restoring_a_model_that_was_never_folded_is_a_one_line_error():
         restore_rmsnorm(module)
 
 
+def _tiny_gpt2(record: dict) -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    model.config.lnfold = record
+    return model
+
+
+def test_restoring_names_that_are_not_layer_norms_is_a_one_line_error_that_changes_nothing():
+    model = _tiny_gpt2({"rmsnorm": ["transformer.h.0.ln_1", "transformer.h.0.attn"], "new_biases": ["lm_head"]})
+    with pytest.raises(LnfoldError, match="^`transformer.h.0.attn` is a GPT2Attention, not the LayerNorm config.lnfold "
+                                          "names$"):
+        restore_rmsnorm(model)
+    assert isinstance(model.transformer.h[0].ln_1, nn.LayerNorm)
+    assert model.lm_head.bias is None
+
+
+def test_restoring_from_a_folder_without_the_new_biases_is_a_one_line_error_that_changes_nothing(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"other": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    model = _tiny_gpt2({"rmsnorm": ["transformer.h.0.ln_1"], "new_biases": ["lm_head"]})
+    with pytest.raises(LnfoldError, match=f"^`lm_head.bias` is not in {tmp_path}: not a folder saved from "
+                                          "fold_to_rmsnorm's result$"):
+        restore_rmsnorm(model, str(tmp_path))
+    assert isinstance(model.transformer.h[0].ln_1, nn.LayerNorm)
+    assert model.lm_head.bias is None
+
+
 # --- verify.py: the gate on output leaves --------------------------------------------------------
 
 def test_the_gate_fails_a_different_number_of_outputs_and_a_changed_non_tensor_output():
