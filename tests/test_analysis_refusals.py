@@ -39,6 +39,11 @@ def _stream(b: G.Builder, shape=(2, G.T, G.D)) -> str:
     return b.linear(b.input("x", G.FLOAT, list(shape)), shape[-1], G.D)
 
 
+def _c(b: G.Builder, name: str, values) -> str:
+    """An int64 constant (shapes, indices, slice bounds)."""
+    return b.const(name, np.array(values, np.int64))
+
+
 # --- norms that are no LayerNorm over one axis -----------------------------------------------------
 
 def test_a_layernorm_whose_mean_output_is_read_is_kept():
@@ -93,6 +98,13 @@ def test_a_stream_squared_or_divided_into_is_kept(reader):
     b.output(b.op(reader, [h, h] if reader == "Mul" else [b.const("one", np.array(1.0, np.float32)), h]))
     reason = _kept_because(b.model(17))
     assert f"is also read by {reader} `" in reason and reason.endswith(", whose result depends on the mean"), reason
+
+def test_a_norm_over_features_gathered_from_the_stream_is_kept():
+    """LN(h[..., [0, 2, 5, 7]]): centering h over all its features does not center four of them."""
+    b = G.Builder(24)
+    h = _stream(b)
+    b.output(b.layernorm(b.op("Gather", [h, _c(b, "some", [0, 2, 5, 7])], axis=2), d=4))
+    assert _kept_because(b.model(17)).startswith("its stream is started by Gather `Gather_9`, which no weight edit ")
 
 # --- a stream centered per head (the input of per-head q/k norms) ---------------------------------------
 
@@ -168,10 +180,6 @@ def test_a_layer_scale_folds_into_its_sources_only_where_they_can_hold_it(source
 
 
 # --- per-head runs in part of a fused projection ----------------------------------------------------
-
-def _c(b: G.Builder, name: str, values) -> str:
-    return b.const(name, np.array(values, np.int64))
-
 
 def test_per_head_runs_on_a_fused_projection_whose_width_is_no_multiple_of_them_are_kept():
     """q = qkv[..., :8] of a 19-wide projection, in heads of 4: the edit centers runs of 4 along
