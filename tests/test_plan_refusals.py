@@ -26,10 +26,6 @@ def _view(model):
     return OnnxFrontend(model, FoldOptions(), targets.resolve("ort", "cpu")).view()
 
 
-def _verdicts(report) -> dict:
-    return {n.name: n for n in report.norms}
-
-
 def _recentered_start_read_by_linears(n_norms: int = 3):
     """x -> linear -> Relu: a stream start no edit centers (recentered), read by `n_norms` LayerNorms
     (of it, and of it times constants), each read by a linear layer only, whose products are summed."""
@@ -79,23 +75,15 @@ def _scalar_added_to_the_stream():
     return b.model(17)
 
 
-# --- what a rotation does with a constant that is centered in blocks, or uniform -----------------
-
-def test_a_stream_with_a_constant_centered_in_blocks_is_not_rotated_and_its_fold_verifies():
-    result = fold_model(_constant_added_in_heads(), rotate="hadamard")  # verified against float64
-    assert [n.verdict for n in result.report.norms] == ["fold"] * 3
-    (stream,) = result.report.streams
-    assert stream.rotation == "not rotated: `C_1` is centered in blocks"
-
-
-def test_a_constant_uniform_along_the_features_is_centered_to_zero_and_not_rotated():
-    result = fold_model(_scalar_added_to_the_stream(), rotate="hadamard")  # verified against float64
-    (stream,) = result.report.streams
-    assert stream.rotation.startswith("rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)")
-    assert any(c.startswith("`shift_") for c in stream.centered)
+def _norm_read_through_a_reshape(shape):
+    b = Builder(31)
+    x = b.input("x", FLOAT, [2, T, D])
+    y = b.op("Reshape", [b.layernorm(b.linear(x, D, D)), b.const("shape", np.array(shape, np.int64))])
+    b.output(b.op("MatMul", [y, b.weight("W", (D, D))]))
+    return b.model(17)
 
 
-# --- γ that is not a constant ---------------------------------------------------------------------
+# --- γ into the readers, where a norm must keep it, and where it goes --------------------------------
 
 def test_a_stream_whose_norm_has_a_graph_input_gamma_is_not_rotated_and_its_fold_verifies():
     result = fold_model(graphs.gamma_input(), rotate="hadamard")  # verified against float64
@@ -106,45 +94,18 @@ def test_a_stream_whose_norm_has_a_graph_input_gamma_is_not_rotated_and_its_fold
     assert norm.verdict == "fold" and norm.gamma == "kept in the norm (γ `gamma` is not a constant)"
 
 
-def test_a_norm_with_a_graph_input_gamma_is_not_deferred():
-    result = fold_model(graphs.gamma_input(), defer="on")
-    (norm,) = result.report.norms
-    assert norm.verdict == "fold" and not norm.deferred
-    assert norm.defer_reason == "its γ `gamma` is not a constant"
-
-
-def test_gamma_into_the_readers_turns_deferral_off_and_says_so():
-    result = fold_model(graphs.pre_ln(1), defer="on", gamma_into_readers=True)
-    assert "deferred normalization is off: γ goes into the readers (gamma_into_readers)" in result.report.notes
-    assert not any(n.deferred or n.defer_reason for n in result.report.norms)  # not asked, not refused
-    assert all(n.gamma.startswith("into the weight of MatMul") for n in result.report.norms)
-
-
-def test_a_norm_over_a_feature_axis_that_is_not_last_is_not_deferred():
-    result = fold_model(graphs.ln_non_last_axis(), defer="on")  # verified against float64
-    (norm,) = result.report.norms
-    assert norm.verdict == "fold" and not norm.deferred
-    assert norm.defer_reason.startswith("its feature axis is not the last axis of `")
-
-
-def _norm_read_through_a_reshape(shape):
-    b = Builder(31)
+def test_a_norm_whose_beta_stays_keeps_its_gamma_and_its_fold_verifies():
+    b = Builder(27)
     x = b.input("x", FLOAT, [2, T, D])
-    y = b.op("Reshape", [b.layernorm(b.linear(x, D, D)), b.const("shape", np.array(shape, np.int64))])
-    b.output(b.op("MatMul", [y, b.weight("W", (D, D))]))
-    return b.model(17)
-
-
-def test_a_norm_read_through_a_reshape_to_rank_4_is_not_deferred_and_to_rank_2_is():
-    result = fold_model(_norm_read_through_a_reshape([2, T, 1, D]), defer="on")  # verified against float64
+    beta = b.input("beta", FLOAT, [D])
+    y = b.op("LayerNormalization", [b.linear(x, D, D), b.weight("gamma", (D,), mean=1.0), beta], axis=-1, epsilon=1e-5)
+    b.output(b.op("MatMul", [y, b.weight("head", (D, D))]))
+    result = fold_model(b.model(17), gamma_into_readers=True)  # verified against float64
     (norm,) = result.report.norms
-    assert norm.verdict == "fold" and not norm.deferred
-    assert norm.defer_reason == "a reader reads it through a reshape to another rank than 2"
-    (flat,) = fold_model(_norm_read_through_a_reshape([2 * T, D]), defer="on").report.norms
-    assert flat.deferred and not flat.defer_reason
+    assert norm.verdict == "fold" and norm.beta == "kept as an Add (β `beta` is not a constant)"
+    assert norm.gamma == ("kept in the norm (β stays with the norm (β `beta` is not a constant), and a β Add "
+                          "after a unit-γ norm would be scaled by γ in the readers)")
 
-
-# --- γ into the readers, where a norm must keep it ------------------------------------------------
 
 def test_crms_norms_keep_gamma_for_their_compressed_readers():
     result = fold_model(graphs.pre_ln(1), mode="crms", gamma_into_readers=True)  # verified against float64
@@ -162,30 +123,16 @@ def test_norms_of_unknown_feature_size_keep_gamma_and_their_stream_is_not_rotate
         f"stays in the norm ({why})")
 
 
-def test_a_stream_whose_norm_output_is_the_model_output_is_not_rotated_and_says_how_to_fold_it():
-    result = fold_model(graphs.ln_non_last_axis(), rotate="hadamard")  # verified against float64
-    (stream,) = result.report.streams
-    assert stream.rotation.endswith("is a graph output); a model's hidden states as its output: fold it with the head "
-                                    "that reads them")
-
-
-def test_a_norm_whose_beta_stays_keeps_its_gamma_and_its_fold_verifies():
-    b = Builder(27)
-    x = b.input("x", FLOAT, [2, T, D])
-    beta = b.input("beta", FLOAT, [D])
-    y = b.op("LayerNormalization", [b.linear(x, D, D), b.weight("gamma", (D,), mean=1.0), beta], axis=-1, epsilon=1e-5)
-    b.output(b.op("MatMul", [y, b.weight("head", (D, D))]))
-    result = fold_model(b.model(17), gamma_into_readers=True)  # verified against float64
-    (norm,) = result.report.norms
-    assert norm.verdict == "fold" and norm.beta == "kept as an Add (β `beta` is not a constant)"
-    assert norm.gamma == ("kept in the norm (β stays with the norm (β `beta` is not a constant), and a β Add after a "
-                          "unit-γ norm would be scaled by γ in the readers)")
-
-
-def test_the_table_says_where_gamma_went_and_how_the_stream_was_rotated():
-    table = fold_model(graphs.pre_ln(1), rotate="hadamard").report.table(width=200)
-    assert "fold     stream 1 (4 centered), γ into the weight of MatMul `MatMul_14`, β into the bias" in table
-    assert "\n  rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)" in table
+def test_a_norm_the_target_keeps_keeps_its_gamma_out_of_its_readers():
+    view = _view(graphs.pre_ln(1))
+    last = [n.name for n in view.norms()][-1]  # read by the head
+    refusal = lambda name, swaps: "no RMSNorm here" if name == last else None  # noqa: E731
+    plan = make_plan(view, PlanRequest(gamma_into_readers=True, target=Capabilities(swap_refusal=refusal)))
+    assert list(plan.kept_by_target) == [last] and last not in plan.swaps
+    assert plan.gammas[last].why == "the target keeps this norm (no RMSNorm here)"
+    head = [e for e in plan.const_edits if e.value.startswith("head_")]
+    assert not any(op.__class__.__name__ == "Scale" for e in head for op in e.ops)  # γ is applied by the norm alone
+    assert len(plan.unit_gamma) == 1  # the other norm's γ did move
 
 
 def test_a_stream_of_norms_without_gamma_rotates_and_its_fold_verifies():
@@ -198,16 +145,102 @@ def test_a_stream_of_norms_without_gamma_rotates_and_its_fold_verifies():
     assert result.report.streams[0].rotation.startswith("rotated (hadamard, d=8, seed 0)")
 
 
-def test_a_norm_the_target_keeps_keeps_its_gamma_out_of_its_readers():
+def test_the_table_says_where_gamma_went_and_how_the_stream_was_rotated():
+    table = fold_model(graphs.pre_ln(1), rotate="hadamard").report.table(width=200)
+    assert "fold     stream 1 (4 centered), γ into the weight of MatMul `MatMul_14`, β into the bias" in table
+    assert "\n  rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)" in table
+
+
+# --- what a rotation does with a stream it cannot carry in another basis, or with a uniform constant ---
+
+def test_a_stream_whose_norm_output_is_the_model_output_is_not_rotated_and_says_how_to_fold_it():
+    result = fold_model(graphs.ln_non_last_axis(), rotate="hadamard")  # verified against float64
+    (stream,) = result.report.streams
+    assert stream.rotation.endswith("is a graph output); a model's hidden states as its output: fold it with the head "
+                                    "that reads them")
+
+
+def test_a_stream_with_a_constant_centered_in_blocks_is_not_rotated_and_its_fold_verifies():
+    result = fold_model(_constant_added_in_heads(), rotate="hadamard")  # verified against float64
+    assert [n.verdict for n in result.report.norms] == ["fold"] * 3
+    (stream,) = result.report.streams
+    assert stream.rotation == "not rotated: `C_1` is centered in blocks"
+
+
+def test_a_constant_uniform_along_the_features_is_centered_to_zero_and_not_rotated():
+    result = fold_model(_scalar_added_to_the_stream(), rotate="hadamard")  # verified against float64
+    (stream,) = result.report.streams
+    assert stream.rotation.startswith("rotated (hadamard, d=8, seed 0): 4 writer constant(s), 2 reader weight(s)")
+    assert any(c.startswith("`shift_") for c in stream.centered)
+
+
+def test_a_target_without_a_constant_matmul_keeps_a_recentered_rotated_start_unrotated():
+    model = _recentered_start_read_by_linears()
+    view = _view(model)
+    rotated = make_plan(view, PlanRequest(rotate="hadamard"))
+    (basis,) = rotated.stream_bases
+    assert basis.rotated and basis.starts and not basis.readouts  # the start alone needs a MatMul
+    plan = make_plan(_view(model), PlanRequest(rotate="hadamard", target=Capabilities(name="T", readout_matmul=False)))
+    (basis,) = plan.stream_bases
+    assert basis.why.startswith("its recentered start `") and basis.why.endswith(
+        "` would need a constant MatMul after the recenter, which T cannot emit")
+    assert not basis.starts and not basis.writers and not basis.readers
+    assert [r.project for r in plan.recenters] == [None]
+
+
+def test_the_hadamard_rotation_of_a_28_feature_stream_is_orthogonal():
+    assert orthogonal.hadamard_factors(28) == (1, 28)  # Paley II, q = 13: no power of two helps
+    q = orthogonal.matrix("hadamard", 28, seed=3)
+    assert np.allclose(q @ q.T, np.eye(28), atol=1e-12)
+    assert np.allclose(np.abs(q), 28 ** -0.5)
+
+
+# --- trained constants: the training fold computes no γ edit and no rotation ----------------------
+
+def test_trained_reader_weights_keep_gamma_in_the_norm():
     view = _view(graphs.pre_ln(1))
-    last = [n.name for n in view.norms()][-1]  # read by the head
-    refusal = lambda name, swaps: "no RMSNorm here" if name == last else None  # noqa: E731
-    plan = make_plan(view, PlanRequest(gamma_into_readers=True, target=Capabilities(swap_refusal=refusal)))
-    assert list(plan.kept_by_target) == [last] and last not in plan.swaps
-    assert plan.gammas[last].why == "the target keeps this norm (no RMSNorm here)"
-    head = [e for e in plan.const_edits if e.value.startswith("head_")]
-    assert not any(op.__class__.__name__ == "Scale" for e in head for op in e.ops)  # γ is applied by the norm alone
-    assert len(plan.unit_gamma) == 1  # the other norm's γ did move
+    readers = {"W_11", "head_31"}  # the first linear layer of the block, the head
+    plan = make_plan(view, PlanRequest(gamma_into_readers=True, trainable=lambda value: value in readers))
+    assert plan.swaps and not plan.unit_gamma
+    for norm in plan.report.norms:
+        assert norm.gamma == ("kept in the norm (its readers' weights are trained (the training fold computes no γ "
+                              "edit))")
+    assert not any(op.__class__.__name__ == "Scale" for e in plan.const_edits for op in e.ops)
+
+
+def test_trained_writers_keep_the_stream_unrotated():
+    view = _view(graphs.pre_ln(1))
+    trained = {"emb_1", "pos_2"}  # the embedding tables: writers of the stream, none of its readers
+    plan = make_plan(view, PlanRequest(rotate="hadamard", trainable=lambda value: value in trained))
+    (basis,) = plan.stream_bases
+    assert basis.why == "its writers are trained (the training fold computes no rotation)"
+    assert plan.report.streams[0].rotation.startswith("not rotated: its writers are trained")
+    assert not plan.rotated_norms and not basis.writers and not basis.readers
+
+
+# --- deferred normalization: the norms it must leave alone ---------------------------------------
+
+def test_a_norm_with_a_graph_input_gamma_is_not_deferred():
+    result = fold_model(graphs.gamma_input(), defer="on")
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and not norm.deferred
+    assert norm.defer_reason == "its γ `gamma` is not a constant"
+
+
+def test_a_norm_over_a_feature_axis_that_is_not_last_is_not_deferred():
+    result = fold_model(graphs.ln_non_last_axis(), defer="on")  # verified against float64
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and not norm.deferred
+    assert norm.defer_reason.startswith("its feature axis is not the last axis of `")
+
+
+def test_a_norm_read_through_a_reshape_to_rank_4_is_not_deferred_and_to_rank_2_is():
+    result = fold_model(_norm_read_through_a_reshape([2, T, 1, D]), defer="on")  # verified against float64
+    (norm,) = result.report.norms
+    assert norm.verdict == "fold" and not norm.deferred
+    assert norm.defer_reason == "a reader reads it through a reshape to another rank than 2"
+    (flat,) = fold_model(_norm_read_through_a_reshape([2 * T, D]), defer="on").report.norms
+    assert flat.deferred and not flat.defer_reason
 
 
 def test_auto_deferral_of_norms_of_unknown_feature_size_is_refused_by_the_cost_model():
@@ -222,7 +255,14 @@ def test_auto_deferral_of_norms_of_unknown_feature_size_is_refused_by_the_cost_m
         ("fold", False, "cost model: feature sizes unknown")] * 2
 
 
-# --- CRMS on a stream too narrow to compress ----------------------------------------------------
+def test_gamma_into_the_readers_turns_deferral_off_and_says_so():
+    result = fold_model(graphs.pre_ln(1), defer="on", gamma_into_readers=True)
+    assert "deferred normalization is off: γ goes into the readers (gamma_into_readers)" in result.report.notes
+    assert not any(n.deferred or n.defer_reason for n in result.report.norms)  # not asked, not refused
+    assert all(n.gamma.startswith("into the weight of MatMul") for n in result.report.norms)
+
+
+# --- CRMS where the stream cannot be compressed ------------------------------------------------
 
 def test_crms_on_a_two_feature_stream_folds_to_rms_norms_with_the_reason():
     result = fold_model(graphs.pre_ln(1, d=2), mode="crms")  # verified against float64
@@ -239,49 +279,12 @@ def test_crms_on_a_stream_centered_per_head_folds_to_rms_norms_with_the_reason()
     result = fold_model(b.model(17), mode="crms")  # verified against float64
     (verdict,) = result.report.compression
     assert verdict.verdict == "rms"
-    assert verdict.reason == "the stream is centered per head (a per-head norm reads it); compressing it is not implemented"
+    assert verdict.reason == ("the stream is centered per head (a per-head norm reads it); compressing it is not "
+                              "implemented")
     assert [n.verdict for n in result.report.norms] == ["fold"]
 
 
-# --- trained constants: the training fold computes no γ edit and no rotation ----------------------
-
-def test_trained_reader_weights_keep_gamma_in_the_norm():
-    view = _view(graphs.pre_ln(1))
-    readers = {"W_11", "head_31"}  # the first linear layer of the block, the head
-    plan = make_plan(view, PlanRequest(gamma_into_readers=True, trainable=lambda value: value in readers))
-    assert plan.swaps and not plan.unit_gamma
-    for norm in plan.report.norms:
-        assert norm.gamma == "kept in the norm (its readers' weights are trained (the training fold computes no γ edit))"
-    assert not any(op.__class__.__name__ == "Scale" for e in plan.const_edits for op in e.ops)
-
-
-def test_trained_writers_keep_the_stream_unrotated():
-    view = _view(graphs.pre_ln(1))
-    trained = {"emb_1", "pos_2"}  # the embedding tables: writers of the stream, none of its readers
-    plan = make_plan(view, PlanRequest(rotate="hadamard", trainable=lambda value: value in trained))
-    (basis,) = plan.stream_bases
-    assert basis.why == "its writers are trained (the training fold computes no rotation)"
-    assert plan.report.streams[0].rotation.startswith("not rotated: its writers are trained")
-    assert not plan.rotated_norms and not basis.writers and not basis.readers
-
-
-# --- a target that cannot emit the constant MatMul a rotation needs --------------------------------
-
-def test_a_target_without_a_constant_matmul_keeps_a_recentered_rotated_start_unrotated():
-    model = _recentered_start_read_by_linears()
-    view = _view(model)
-    rotated = make_plan(view, PlanRequest(rotate="hadamard"))
-    (basis,) = rotated.stream_bases
-    assert basis.rotated and basis.starts and not basis.readouts  # the start alone needs a MatMul
-    plan = make_plan(_view(model), PlanRequest(rotate="hadamard", target=Capabilities(name="T", readout_matmul=False)))
-    (basis,) = plan.stream_bases
-    assert basis.why.startswith("its recentered start `") and basis.why.endswith(
-        "` would need a constant MatMul after the recenter, which T cannot emit")
-    assert not basis.starts and not basis.writers and not basis.readers
-    assert [r.project for r in plan.recenters] == [None]
-
-
-# --- one residual Add, read by two norms, is fused with one of them ------------------------------
+# --- a target that fuses the residual Add with the norm after it: what it must not fuse -------------
 
 def test_a_residual_sum_read_by_two_norms_is_fused_with_one_only_and_folds_exactly():
     result = fold_model(_residual_sum_read_by_two_norms(), target="ort", device="cuda")  # verified against float64
@@ -351,10 +354,40 @@ def test_an_empty_norm_input_is_no_evidence_of_an_uncentered_norm():
     assert gate.off_center({"empty": np.zeros((0, 4)), "ln": np.array([[1.0, 3.0]])}, "float32") == ("ln", 2 / 5 ** 0.5)
 
 
+# --- the approximate swap where nothing folds exactly ---------------------------------------------
+
+def _one_norm_on_a_relu(rows: int = 8):
+    """x -> Relu -> LayerNorm -> linear: one norm on a recentered start, which a recenter does not
+    pay for (kept), and calibration rows of a large mean."""
+    b = Builder(30)
+    x = b.input("x", FLOAT, ["batch", T, D])
+    b.output(b.op("MatMul", [b.layernorm(b.op("Relu", [x])), b.weight("W", (D, D))]))
+    calibration = {"x": np.random.default_rng(0).standard_normal((rows, T, D)).astype(np.float32) + 2}
+    return b.model(17), calibration
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_approximate_swap_of_a_model_with_no_exact_fold_swaps_within_the_budget(verify):
+    model, calibration = _one_norm_on_a_relu()
+    result = fold_model(model, mode="rms-approx", calibration=calibration, budget=10.0, verify=verify)
+    (norm,) = result.report.norms
+    assert norm.verdict == "approx" and norm.reason.startswith("swapped to RMSNorm although its input keeps its mean")
+    assert result.criterion.startswith("approximate: not verified")
+    assert [s.name for s in result.report.approx.swapped] == [norm.name]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_approximate_swap_with_no_exact_fold_and_nothing_within_budget_is_a_one_line_error(verify):
+    model, calibration = _one_norm_on_a_relu()
+    with pytest.raises(NothingToFold, match="^no LayerNorm can be folded, and none swapped within budget 1e-12$"):
+        fold_model(model, mode="rms-approx", calibration=calibration, budget=1e-12, verify=verify)
+
+
 # --- the user's errors: one line, nothing folded -------------------------------------------------
 
 def test_a_seeded_rotation_and_a_given_basis_together_are_refused():
-    with pytest.raises(LnfoldError, match="^a stream is rotated by a seeded Q or projected on a given basis, not both$"):
+    both = "^a stream is rotated by a seeded Q or projected on a given basis, not both$"
+    with pytest.raises(LnfoldError, match=both):
         PlanRequest(rotate="hadamard", bases={})
 
 
@@ -386,41 +419,3 @@ def test_a_plot_into_a_directory_that_does_not_exist_is_a_one_line_error(tmp_pat
 def test_slicing_on_calibration_rows_that_are_all_zero_is_a_one_line_error():
     with pytest.raises(LnfoldError, match=r"^no calibration row reached the stream \(all rows zero\)$"):
         slicing.unit_rms_moment([np.zeros((2, T, D)), np.zeros((0, T, D))], axis=-1)
-
-
-# --- the approximate swap where nothing folds exactly ---------------------------------------------
-
-def _one_norm_on_a_relu(rows: int = 8):
-    """x -> Relu -> LayerNorm -> linear: one norm on a recentered start, which a recenter does not
-    pay for (kept), and calibration rows of a large mean."""
-    b = Builder(30)
-    x = b.input("x", FLOAT, ["batch", T, D])
-    b.output(b.op("MatMul", [b.layernorm(b.op("Relu", [x])), b.weight("W", (D, D))]))
-    calibration = {"x": np.random.default_rng(0).standard_normal((rows, T, D)).astype(np.float32) + 2}
-    return b.model(17), calibration
-
-
-@pytest.mark.parametrize("verify", [True, False])
-def test_the_approximate_swap_of_a_model_with_no_exact_fold_swaps_within_the_budget(verify):
-    model, calibration = _one_norm_on_a_relu()
-    result = fold_model(model, mode="rms-approx", calibration=calibration, budget=10.0, verify=verify)
-    (norm,) = result.report.norms
-    assert norm.verdict == "approx" and norm.reason.startswith("swapped to RMSNorm although its input keeps its mean")
-    assert result.criterion.startswith("approximate: not verified")
-    assert [s.name for s in result.report.approx.swapped] == [norm.name]
-
-
-@pytest.mark.parametrize("verify", [True, False])
-def test_the_approximate_swap_with_no_exact_fold_and_nothing_within_budget_is_a_one_line_error(verify):
-    model, calibration = _one_norm_on_a_relu()
-    with pytest.raises(NothingToFold, match="^no LayerNorm can be folded, and none swapped within budget 1e-12$"):
-        fold_model(model, mode="rms-approx", calibration=calibration, budget=1e-12, verify=verify)
-
-
-# --- the Hadamard construction a 28-feature stream uses ------------------------------------------
-
-def test_the_hadamard_rotation_of_a_28_feature_stream_is_orthogonal():
-    assert orthogonal.hadamard_factors(28) == (1, 28)  # Paley II, q = 13: no power of two helps
-    q = orthogonal.matrix("hadamard", 28, seed=3)
-    assert np.allclose(q @ q.T, np.eye(28), atol=1e-12)
-    assert np.allclose(np.abs(q), 28 ** -0.5)
