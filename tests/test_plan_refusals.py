@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from lnfold.onnx_rewrite import targets
-from lnfold.onnx_rewrite.api import OnnxFrontend, fold_model
+from lnfold.onnx_rewrite.api import OnnxFrontend, fold_model, run_frontend
 from lnfold.passes import LnfoldError, NothingToFold, make_plan
 from lnfold.passes import gate, geometry_plot, orthogonal, slicing
+from lnfold.passes.edits import Seeded
 from lnfold.passes.options import FoldOptions
 from lnfold.passes.request import Capabilities, PlanRequest
 from tests import onnx_graphs as graphs
@@ -193,6 +194,42 @@ def test_the_hadamard_rotation_of_a_28_feature_stream_is_orthogonal():
     q = orthogonal.matrix("hadamard", 28, seed=3)
     assert np.allclose(q @ q.T, np.eye(28), atol=1e-12)
     assert np.allclose(np.abs(q), 28 ** -0.5)
+
+
+# --- per-block bases (a calibrated slice's, here seeded and at full width: exact) -------------------
+
+def _per_block_bases(view) -> dict:
+    """One basis per norm of pre_ln(2)'s stream (each norm heads its own segment), keeping all d."""
+    return {n.name: (Seeded("hadamard", D, k + 1), D) for k, n in enumerate(view.norms())}
+
+
+def test_per_block_bases_at_full_width_re_express_the_shortcuts_and_fold_exactly():
+    model = graphs.pre_ln(2)
+    frontend = OnnxFrontend(model, FoldOptions(), targets.resolve("ort", "cpu"))
+    frontend.bases = _per_block_bases(_view(model))
+    result = run_frontend(frontend, None)  # verified against float64
+    assert result.criterion == "float64"
+    assert result.report.streams[0].rotation.endswith(
+        "3 per-block bases, 2 residual shortcut(s) re-expressed by a constant 8×8 MatMul")
+
+
+def test_a_target_without_a_constant_matmul_keeps_a_stream_with_per_block_bases_unrotated():
+    view = _view(graphs.pre_ln(2))
+    no_matmul = Capabilities(name="T", readout_matmul=False)
+    plan = make_plan(view, PlanRequest(bases=_per_block_bases(view), target=no_matmul))
+    (basis,) = plan.stream_bases
+    assert basis.why == ("its residual shortcut into `Add_26` would need a constant MatMul (per-block bases), which T "
+                         "cannot emit")
+    assert not basis.shortcuts and not basis.norm_bases and not basis.writers and not plan.shortcuts
+
+
+def test_bases_that_are_not_one_per_segment_keep_the_stream_unrotated():
+    view = _view(graphs.pre_ln(2))
+    first, _, last = _per_block_bases(view).items()  # the middle segment's basis left out
+    plan = make_plan(view, PlanRequest(bases=dict([first, last])))
+    (basis,) = plan.stream_bases
+    assert basis.why == "per-block bases: the bases given are not one per segment"
+    assert not basis.writers and not basis.readers and not plan.shortcuts
 
 
 # --- trained constants: the training fold computes no γ edit and no rotation ----------------------
