@@ -1,11 +1,14 @@
-"""Branches of the ONNX matchers and checks that the rest of the suite does not reach: the near misses
-of the tf2onnx / jax2onnx / jax2tf LayerNorm patterns (each a chain that looks like a LayerNorm but
-computes something else, so matching it would change the outputs), and the user's input errors.
+"""Branches of the ONNX frontend that the rest of the suite did not reach, each with the behaviour
+it must have: the norm kept with its reason, or the fold done and verified against float64.
 
-Each near miss is a hand-built graph with one defect in an otherwise exact pattern: the norm must
-not be matched and the report must say why. The exact patterns themselves fold (and verify against
-float64) in tests/test_exporter_patterns.py and in the corpus test; the jax2tf builder here is
-checked to fold too, so that its defects are the only reason its near misses are refused.
+- near misses of the tf2onnx / jax2onnx / jax2tf LayerNorm patterns: each a chain with one defect
+  in an otherwise exact pattern (whose exact form folds here too), which computes something else,
+  so matching it would change the outputs;
+- ops on the stream read from their defaults or older opsets (Softmax, Transpose, ReduceSum, Slice,
+  Pad, Resize), onnxruntime's EmbedLayerNormalization and MatMulNBits, Clip as an overflow guard;
+- emissions: a SkipLayerNormalization deferred / as CRMS / fused, fp16 deferred row scales, a
+  LayerScale inside the branches of an If;
+- the user's verification inputs and sizes: one-line errors, nothing written.
 """
 from __future__ import annotations
 
@@ -106,9 +109,11 @@ def _flax(b: Builder, x: str, defect: str) -> list:
 def _jax2tf(b: Builder, x: str, defect: str) -> list:
     """jax2tf + tf2onnx's flax.linen LayerNorm: means as ReduceSum(keepdims=0) · 1/n, broadcast back
     by Reshape + Expand, y = (x − μ) · γ / sqrt(max(E[x²] − μ², 0) + eps) + β, with one `defect`."""
-    def mean(t, axis=2, width=D):
-        axes = [1, 2] if defect == "sum over two axes" else [axis]
-        s = b.op("ReduceSum", [t, b.const("axis", np.array(axes, np.int64))], keepdims=0)
+    def mean(t, width=D, keepdims=False):
+        axes = b.const("axis", np.array([1, 2] if defect == "sum over two axes" else [2], np.int64))
+        s = b.op("ReduceSum", [t, axes], keepdims=int(keepdims))
+        if keepdims:  # the same sum, its axis dropped by a Squeeze instead
+            s = b.op("Squeeze", [s, axes])
         return b.op("Mul", [s, b.const("inv_n", _f32(1.0 / width))])
 
     def back(t):
@@ -119,7 +124,7 @@ def _jax2tf(b: Builder, x: str, defect: str) -> list:
 
     mu = mean(x, width=D - 1 if defect == "sum over 1/(n-1)" else D)
     xx = b.op("Abs", [x]) if defect == "Abs of x" else b.op("Mul", [x, x])
-    m2 = mean(xx, axis=1, width=T) if defect == "x² over tokens" else mean(xx)
+    m2 = mean(xx, keepdims=defect == "x² summed keeping its dims")
     mu2 = b.op("Mul", [mu, mu])
     var = b.op("Sub", [mu2, m2] if defect == "E[x]² - E[x²]" else [m2, mu2])
     if defect != "no Max":
@@ -170,7 +175,7 @@ NEAR_MISSES = [
     (_jax2tf, "sum over 1/(n-1)", None),
     (_jax2tf, "sum over two axes", None),
     (_jax2tf, "Abs of x", "is not (no E[x²] - E[x]² variance)"),
-    (_jax2tf, "x² over tokens", "x² is not averaged over the mean's axis 2"),
+    (_jax2tf, "x² summed keeping its dims", "x² is not averaged over the mean's axis 2"),
     (_jax2tf, "E[x]² - E[x²]", "the variance is not E[x²] - E[x]²"),
     (_jax2tf, "no Max", "is not clipped at 0 by one Max"),
     (_jax2tf, "no Expand", "is not broadcast back"),
