@@ -232,6 +232,16 @@ def test_bases_that_are_not_one_per_segment_keep_the_stream_unrotated():
     assert not basis.writers and not basis.readers and not plan.shortcuts
 
 
+def test_per_block_bases_across_a_fused_skip_layernorm_keep_the_stream_unrotated_and_it_folds_exactly():
+    model = graphs.skip_layernorm()  # its Add of the shortcut, the branch and a bias is part of the fused op
+    frontend = OnnxFrontend(model, FoldOptions(), targets.resolve("ort", "cpu"))
+    frontend.bases = _per_block_bases(_view(model))
+    result = run_frontend(frontend, None)  # verified against float64
+    assert result.report.streams[0].rotation == (
+        "not rotated: per-block bases: SkipLayerNormalization(add) `SkipLayerNormalization_29#add` joins two "
+        "segments of the stream and is no Add of two tensors")
+
+
 # --- trained constants: the training fold computes no γ edit and no rotation ----------------------
 
 def test_trained_reader_weights_keep_gamma_in_the_norm():
