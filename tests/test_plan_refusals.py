@@ -430,7 +430,13 @@ def test_the_approximate_swap_with_no_exact_fold_and_nothing_within_budget_is_a_
         fold_model(model, mode="rms-approx", calibration=calibration, budget=1e-12, verify=verify)
 
 
-# --- the user's errors: one line, nothing folded -------------------------------------------------
+# --- what the user sees: the stages of a fold, and errors in one line, nothing folded --------------
+
+def test_a_fold_reports_its_stages_to_the_progress_callback():
+    stages = []
+    fold_model(graphs.pre_ln(1), progress=stages.append)
+    assert stages == ["analyzing", "editing (2 norms, 5 constants)", "verifying"]
+
 
 def test_a_seeded_rotation_and_a_given_basis_together_are_refused():
     both = "^a stream is rotated by a seeded Q or projected on a given basis, not both$"
