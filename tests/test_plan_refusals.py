@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lnfold.onnx_rewrite import targets
-from lnfold.onnx_rewrite.api import OnnxFrontend, fold_model, run_frontend
+from lnfold.onnx_rewrite.api import OnnxFrontend, analyze_model, fold_model, run_frontend
 from lnfold.passes import LnfoldError, NothingToFold, make_plan
 from lnfold.passes import gate, geometry_plot, orthogonal, slicing
 from lnfold.passes.edits import Seeded
@@ -396,6 +396,13 @@ def test_without_float64_centered_norm_inputs_do_not_excuse_an_error_beyond_loos
     assert v.failure.endswith(", even 10x that")
 
 
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=["broadcastable", "not-broadcastable"])
+def test_an_output_whose_shape_the_fold_changed_fails_verification(shape):
+    y = np.linspace(-1.0, 1.0, 8, dtype=np.float32)
+    v = gate.judge([gate.Output("y", "float32", y, y.reshape(shape))])  # the same values, another shape
+    assert not v.ok and v.diff == float("inf")
+
+
 def test_an_empty_norm_input_is_no_evidence_of_an_uncentered_norm():
     assert gate.off_center({"empty": np.zeros((0, 4)), "ln": np.array([[1.0, -1.0]])}, "float32") is None
     assert gate.off_center({"empty": np.zeros((0, 4)), "ln": np.array([[1.0, 3.0]])}, "float32") == ("ln", 2 / 5 ** 0.5)
@@ -436,6 +443,16 @@ def test_a_fold_reports_its_stages_to_the_progress_callback():
     stages = []
     fold_model(graphs.pre_ln(1), progress=stages.append)
     assert stages == ["analyzing", "editing (2 norms, 5 constants)", "verifying"]
+
+
+def test_the_angle_of_a_fused_norms_input_is_reported_as_not_measured():
+    geometry = analyze_model(graphs.skip_layernorm(), angles=True).geometry
+    first, fused = geometry.norms
+    assert first.before is not None and first.after is not None and not first.note
+    assert fused.before is None and fused.after is None
+    assert fused.note == ("its input `SkipLayerNormalization_29/input_skip_bias_sum` is not a tensor the model "
+                          "computes by itself (a fused op's part)")
+    assert "SkipLayerNormalization_29  fold   before not measured (its input" in geometry.table()
 
 
 def test_a_seeded_rotation_and_a_given_basis_together_are_refused():
