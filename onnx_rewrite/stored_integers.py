@@ -25,6 +25,8 @@ _LAYOUT = frozenset(("Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze",
 # is an integer too; a Cast to float follows them).
 _WEIGHT_INPUT = {"MatMulInteger": 1, "ConvInteger": 1, "QLinearMatMul": 3, "QLinearConv": 3, "DequantizeLinear": 0,
                  "DynamicQuantizeMatMul": 1, "MatMulIntegerToFloat": 1, "MatMulNBits": 1, "GatherBlockQuantized": 0}
+# ml_dtypes' sub-byte integers (numpy kind "V", not "i"/"u"): graphsurgeon types INT4/UINT4 constants as them
+_SUB_BYTE_INTEGERS = frozenset(("int2", "uint2", "int4", "uint4"))
 
 
 def stored_integer(t, depth: int = 8) -> Optional[str]:
@@ -54,7 +56,7 @@ def _integer_name(dtype) -> Optional[str]:
         d = np.dtype(dtype)
     except (TypeError, ValueError):
         return None
-    return d.name if d.kind in "iu" else None
+    return d.name if d.kind in "iu" or d.name in _SUB_BYTE_INTEGERS else None
 
 
 def dequantized(node: gs.Node) -> Optional[Rule]:

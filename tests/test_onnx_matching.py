@@ -316,6 +316,23 @@ def test_a_stream_written_by_matmulnbits_keeps_its_norm_and_names_the_bits_its_w
     reason = report.norms[0].reason
     assert "(weights stored as int4)" in reason and "fold the float model, then quantize" in reason, reason
 
+
+@pytest.mark.parametrize("elem", [onnx.TensorProto.INT8, onnx.TensorProto.INT4, onnx.TensorProto.UINT4],
+                         ids=["int8", "int4", "uint4"])
+def test_a_stream_written_from_dequantized_integers_keeps_its_norm_and_names_their_type(elem):
+    """MatMul(x, DequantizeLinear(W stored as integers)): graphsurgeon types an INT4 constant as
+    ml_dtypes' int4 (numpy kind "V"), which the reason did not name before."""
+    b = Builder(39)
+    x = b.input("x", FLOAT, [2, T, D])
+    b.inits.append(onnx.helper.make_tensor("stored", elem, [D, D], (np.arange(D * D) % 7).tolist()))
+    w = b.op("DequantizeLinear", ["stored", b.const("scale", _f32(0.1))])
+    b.output(b.op("MatMul", [b.layernorm(b.op("MatMul", [b.op("Relu", [x]), w])), b.weight("head", (D, 4))]))
+    report = onnx_rewrite.analyze_model(b.model(21))
+    assert [n.verdict for n in report.norms] == ["keep"]
+    name = onnx.TensorProto.DataType.Name(elem).lower()
+    reason = report.norms[0].reason
+    assert f"(weights stored as {name})" in reason and "fold the float model, then quantize" in reason, reason
+
 # --- onnxruntime's EmbedLayerNormalization (fused.py) --------------------------------------------
 
 
