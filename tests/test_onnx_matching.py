@@ -389,6 +389,19 @@ def test_a_skip_layernorm_folds_in_every_emission(opts):
         assert ops.count("SkipSimplifiedLayerNormalization") == 1
 
 
+def test_a_deferred_norm_of_a_symbolic_width_takes_the_mean_of_squares():
+    """x [2, T, feat] -> Relu (a recentered stream) read by two norms, each read by a linear head:
+    with no width to divide a ReduceSumSquare by, the row scale averages x² (ReduceMean)."""
+    b = Builder(40)
+    h = b.op("Relu", [b.input("x", FLOAT, [2, T, "feat"])])
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head", (D, 4))]))
+    b.output(b.op("MatMul", [b.layernorm(h), b.weight("head2", (D, 3))]))
+    res = fold_model(b.model(17), defer="on", dims={"feat": D})  # verified against float64
+    assert [(n.deferred, n.recentered) for n in res.report.norms] == [(True, True), (True, True)]
+    assert res.max_rel_err < RTOL
+    assert "ReduceSumSquare" not in [n.op_type for n in res.model.graph.node]
+
+
 def test_an_fp16_deferred_norm_computes_its_row_scale_in_fp32_and_casts_it_back():
     res = fold_model(pre_ln(dtype=np.float16), defer="on")  # verified against float64 (fp16 tolerance)
     assert [n.deferred for n in res.report.norms] == [True, True, True]
