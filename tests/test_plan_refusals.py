@@ -340,6 +340,30 @@ def test_crms_on_a_stream_centered_per_head_folds_to_rms_norms_with_the_reason()
     assert [n.verdict for n in result.report.norms] == ["fold"]
 
 
+def _final_norm_read_through_a_layout_op(kind: str):
+    """pre-LN stream whose final LayerNorm is read through a Reshape that is also a graph output
+    ("output"), or through a Concat with a Relu of itself ("concat"): no linear reader absorbs it."""
+    b = Builder(33)
+    n = b.layernorm(b.block(b.embed(b.input("ids", graphs.INT64, [2, T]))))
+    if kind == "output":
+        flat = b.op("Reshape", [n, b.const("shape", np.array([2 * T, D], np.int64))])
+        b.output(flat, shape=[2 * T, D])
+        b.output(b.op("MatMul", [flat, b.weight("head", (D, VOCAB))]), shape=[2 * T, VOCAB])
+    else:
+        both = b.op("Concat", [n, b.op("Relu", [n])], axis=-1)
+        b.output(b.op("MatMul", [both, b.weight("head", (2 * D, VOCAB))]), shape=[2, T, VOCAB])
+    return b.model(17)
+
+
+@pytest.mark.parametrize("kind", ["output", "concat"])
+def test_a_crms_norm_read_through_a_layout_op_no_linear_absorbs_is_decompressed(kind):
+    result = fold_model(_final_norm_read_through_a_layout_op(kind), mode="crms")  # verified against float64
+    (verdict,) = result.report.compression
+    assert verdict.verdict == "compressed" and verdict.decompressions == 1
+    assert [n.beta for n in result.report.norms] == ["into the biases of 1 reader(s) (CRMS)",
+                                                     "added after the decompression"]
+
+
 # --- a target that fuses the residual Add with the norm after it: what it must not fuse -------------
 
 def test_a_residual_sum_read_by_two_norms_is_fused_with_one_only_and_folds_exactly():
