@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx, nn
 
-from ..passes import View, make_plan
+from ..passes import LnfoldError, View, make_plan
 from ..passes.analysis import Component
 from ..passes.plan import Plan
 from ..passes.request import PlanRequest
@@ -110,6 +110,11 @@ class ModuleMap:
             found = {e.value for e in plan.const_edits if self.conflict(e.value, e.users)}
             if not found:
                 return plan
+            if found <= conflicts:  # the refusals stop stream sources only: this is a reader's weight or bias
+                name = self.attrs.get(min(found), min(found))
+                raise LnfoldError(f"`{name}` would need different values for its readers (one module attribute "
+                                  f"read after different norms, or edited and not); {self.who} cannot edit it "
+                                  "(fold_module can)")
             conflicts |= found
 
 

@@ -259,6 +259,32 @@ def test_a_stream_that_needs_a_recenter_is_refused_by_the_module_level_folds_and
     assert _max_rel_err_f64(module, res.module) < 1e-5
 
 
+class OneReaderTwoNorms(nn.Module):
+    """One Linear reads two norms: β into its bias would be W β1 + b after one and W β2 + b after the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.emb2 = nn.Linear(8, D), nn.Linear(8, D)
+        self.ln1, self.ln2, self.out = nn.LayerNorm(D), nn.LayerNorm(D), nn.Linear(D, 4)
+
+    def forward(self, x):
+        return self.out(self.ln1(self.emb(x))) + self.out(self.ln2(self.emb2(x)))
+
+
+def test_a_reader_of_two_norms_is_refused_by_the_hand_off_and_folded_by_fold_module():
+    """holders.ModuleMap.plan asked the planner again with refusals that stop stream sources only, so
+    a conflicted reader's bias came back each time: fold_to_rmsnorm looped forever."""
+    module = _randomized(OneReaderTwoNorms())
+    before = _digest(module)
+    with pytest.raises(LnfoldError, match="^`out.bias` would need different values for its readers .*; the eager "
+                                          r"RMSNorm hand-off cannot edit it \(fold_module can\)$"):
+        fold_to_rmsnorm(module, ARGS)
+    assert _digest(module) == before
+    res = fold_module(module, ARGS, gamma_into_readers=True)
+    assert res.report.folded == 2
+    assert _max_rel_err_f64(module, res.module) < 1e-5
+
+
 class BareWeight(nn.Module):
     """The norm's reader is F.linear on a bare Parameter: no Linear whose missing bias could take W β."""
 
