@@ -474,11 +474,23 @@ def _einsum(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     return rule("einsum", equation=call.get("equation"), operands=ops)
 
 
+def _written_in_place(x: fx.Node) -> bool:
+    """A mutating op writes into `x`'s tensor, or into a detached alias of it (torch.export spells
+    nn.Embedding(max_norm=...) as `embedding_renorm_(detach(weight), ...)` before the lookup)."""
+    for u in x.users:
+        schema = getattr(u.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+        if u.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and _written_in_place(u):
+            return True
+    return False
+
+
 def _embedding(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     # max_norm renormalizes the looked-up rows: centering them first would change that.
     table, idx = call.node("weight"), call.args.get("indices")
     i, q = g.index(node, table), g.rank(idx)
-    if call.get("max_norm") is not None or i is None or q is None or g.rank(table) != 2:
+    if call.get("max_norm") is not None or i is None or q is None or g.rank(table) != 2 or _written_in_place(table):
         return None
     return rule("embedding", table=i, q=q)
 
