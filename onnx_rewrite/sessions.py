@@ -129,11 +129,14 @@ def contrib_ops() -> list:
     float64 copy)."""
     from onnx.reference.op_run import OpRun
 
-    def rms(x, gamma, axis, eps):
-        axis = axis % x.ndim
-        axes = tuple(range(axis, x.ndim))
-        ms = np.mean(np.square(x.astype(np.float64)), axis=axes, keepdims=True)
-        return (x / np.sqrt(ms + eps) * gamma).astype(x.dtype)
+    def root_mean_square(x, axis, eps):
+        """√(mean(x²) + ε) over the axes from `axis` on, in float64."""
+        axes = tuple(range(axis % x.ndim, x.ndim))
+        return np.sqrt(np.mean(np.square(x.astype(np.float64)), axis=axes, keepdims=True) + eps)
+
+    def rms(x, gamma, axis, eps, root=None):
+        root = root_mean_square(x, axis, eps) if root is None else root
+        return (x / root * gamma).astype(x.dtype)
 
     class SimplifiedLayerNormalization(OpRun):
         op_domain = ""
@@ -148,8 +151,9 @@ def contrib_ops() -> list:
             s = x + skip + (bias if bias is not None else 0)
             # every output as onnxruntime writes it (onnx's evaluator refuses a None, even for an output
             # no node names): the mean, 0 (an RMSNorm subtracts none), and 1/rms, both float (its type U)
-            inv_rms = 1 / np.sqrt(np.mean(np.square(s.astype(np.float64)), axis=-1, keepdims=True) + epsilon)
-            return (rms(s, gamma, -1, epsilon), np.zeros(inv_rms.shape, np.float32), inv_rms.astype(np.float32), s)
+            root = root_mean_square(s, -1, epsilon)
+            zero_mean, inv_rms = np.zeros(root.shape, np.float32), (1 / root).astype(np.float32)
+            return (rms(s, gamma, -1, epsilon, root), zero_mean, inv_rms, s)
 
     class Erfc(OpRun):
         """tf2onnx's GELU, 0.5 x erfc(-x/√2), writes Erfc, no ONNX op: computed as erfc, exact where
