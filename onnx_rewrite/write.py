@@ -1,4 +1,5 @@
-"""Saving ONNX models atomically: a folder beside the target, a check, then a rename.
+"""Saving ONNX models atomically: a locked staging folder beside the target, a check, then
+renames that publish a model and its weights file as one unit (`_publish`).
 
 Weights go to `<name>.data` beside the model when it would pass protobuf's 2 GiB limit; weights a
 lazy load left in the input's data file (onnx_rewrite/read.py) are copied from there in chunks.
@@ -6,14 +7,23 @@ lazy load left in the input's data file (onnx_rewrite/read.py) are copied from t
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
+import secrets
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import onnx
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover  (Windows: staging folders without a lock)
+    fcntl = None
 
 from ..passes import LnfoldError
 from ..passes.errors import first_line
@@ -102,11 +112,16 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
     """Write `model` for `path` atomically; weights go to `<name>.data` beside it when large, or
     as `layout` says (the input's: its data file's name and which tensors it held).
 
-    Everything is written into a temporary folder beside the target, whose model file the block
-    receives (to verify it from files: the pipeline's check of a model over 2 GB), and only
-    renamed into place when the block exits without an error, so an error, a failed check or an
-    interrupt never leaves a half-written model. Saving with external data empties `model`'s
-    in-memory weights (they move to the data file, one tensor at a time).
+    Everything is written into a staging folder beside the target, `.lnfold-<name>.writing`,
+    whose model file the block receives (to verify it from files: the pipeline's check of a model
+    over 2 GB), and only published (`_publish`) when the block exits without an error, so an
+    error, a failed check or an interrupt never leaves a half-written model. Saving with external
+    data empties `model`'s in-memory weights (they move to the data file, one tensor at a time).
+
+    One writer per target: the staging folder is locked (`_Staging`) from before it takes its
+    name until it is gone; a second lnfold writing the same path is refused (one-line
+    LnfoldError) rather than mixing its files with the first's, and a folder a killed run left
+    there is removed.
     """
     p = Path(path)
     out_dir = p.parent
@@ -117,26 +132,27 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
     elif external is None:
         external = is_large(model)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=out_dir))
+        staging = _Staging.acquire(p)
     except OSError as e:
         raise LnfoldError(f"{p}: cannot write into {out_dir}: {first_line(e)}") from None
     try:
-        target = tmp / p.name
+        new = staging.new
+        target = new / p.name
         location = layout.location if layout is not None else p.name + ".data"
         threshold = layout.threshold if layout is not None else _EXTERNAL_THRESHOLD
         wrote_data = False
         if external:
-            wrote_data = _write_external(model, tmp / location, location, threshold)
+            wrote_data = _write_external(model, new / location, location, threshold)
             onnx.save_model(model, str(target))
         else:
             _write_inline(model, target)
         yield target
         # (below onnx's size threshold every tensor stays inside the model: no weights file)
-        _publish(tmp, target, p, out_dir / location if wrote_data else None)
+        _publish(staging.old, target, p, out_dir / location if wrote_data else None)
     except OSError as e:
         raise LnfoldError(f"{p}: cannot write: {first_line(e)}") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.release()
 
 
 def _write_inline(model: onnx.ModelProto, target: Path) -> None:
@@ -247,25 +263,235 @@ def _copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, nam
         done += k
 
 
-def _publish(tmp: Path, model_file: Path, dst: Path, data_dst: Path | None) -> None:
-    """Rename the checked files into place: the weights first, the model last.
+def _publish(old: Path, model_file: Path, dst: Path, data_dst: Path | None) -> None:
+    """Move the checked files (`model_file` and, unless `data_dst` is None, the data file beside it)
+    into place as one unit, crash-consistently.
 
-    Until the model's rename, a failure or an interrupt puts back whatever weights file was
-    at `data_dst` before (an earlier output's), so the target is either the old pair or the new.
+    1. Both files are fsynced where they are (a rename must not publish a name without its bytes).
+    2. A model already at `dst` is moved into `old` (the staging folder) first, and the output
+       folder fsynced: from here until step 4 there is no model at `dst`.
+    3. A data file at `data_dst` is moved into `old`, the new one renamed into place.
+    4. The new model is renamed into place; the output folder is fsynced.
+
+    A kill at any point leaves the old pair, no model (beside the old or the new weights, which
+    nothing reads), or the new pair: never a model beside another fold's weights. An error or an
+    interrupt before step 4 puts back the old data file and the old model. Without a data file
+    the model's rename alone replaces the old one (an earlier output's data file stays; the new
+    model does not read it).
     """
+    _fsync_file(model_file)
     if data_dst is None:
         os.replace(model_file, dst)
+        _fsync_dir(dst.parent)
         return
-    backup = tmp / (data_dst.name + ".old")
-    had_old = data_dst.exists()
-    if had_old:
-        os.replace(data_dst, backup)
+    new_data = model_file.parent / data_dst.name
+    _fsync_file(new_data)
+    if data_dst.is_dir() and not data_dst.is_symlink():
+        raise LnfoldError(f"{data_dst}: is a directory; the weights file of {dst.name} cannot go there")
+    old_model, old_data = old / "model", old / "data"
+    moved_model = moved_data = placed_data = False
     try:
-        os.replace(tmp / data_dst.name, data_dst)
+        if os.path.lexists(dst) and not (dst.is_dir() and not dst.is_symlink()):
+            os.replace(dst, old_model)  # (a directory at dst: the model's rename below fails, as it did)
+            moved_model = True
+            _fsync_dir(dst.parent)
+        if os.path.lexists(data_dst):
+            os.replace(data_dst, old_data)
+            moved_data = True
+        os.replace(new_data, data_dst)
+        placed_data = True
         os.replace(model_file, dst)
     except BaseException:
-        if had_old:
-            os.replace(backup, data_dst)
-        else:
-            data_dst.unlink(missing_ok=True)
+        # (os.rename, the same call on POSIX: a test's failing os.replace must not stop the repair)
+        with contextlib.suppress(OSError):
+            if moved_data:
+                os.rename(old_data, data_dst)
+            elif placed_data:
+                data_dst.unlink()
+        with contextlib.suppress(OSError):
+            if moved_model:
+                os.rename(old_model, dst)
+        _fsync_dir(dst.parent)
         raise
+    _fsync_dir(dst.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in folder `path` durable; best effort (some file systems refuse to fsync
+    a folder, and the renames are done: an error here must not unpublish a consistent pair)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# Staging folders beside a target `NAME`: `.lnfold-NAME.writing` (a writer's, locked while it
+# lives), `.lnfold-NAME.new-XXXXXXXX` (one being made, locked before it takes the name above) and
+# `.lnfold-NAME.stale-XXXXXXXX` (one being removed). The '.' before the suffix keeps them apart
+# from tempfile.mkdtemp's `.lnfold-XXXXXXXX` (letters, digits, '_'), used by other commands.
+_PREFIX = ".lnfold-"
+_WRITING, _NEW, _STALE = ".writing", ".new-", ".stale-"
+_LOCK = "lock"
+# A new folder with no lock file yet is given this long to lock it before it is taken for a leftover.
+_UNLOCKED_GRACE_S = 60.0
+
+
+def _stem(name: str) -> str:
+    """The target's name as the staging folders carry it (short enough for NAME_MAX with a suffix)."""
+    if len(name) <= 160:
+        return name
+    return name[:80] + "~" + hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+
+
+class _Staging:
+    """The staging folder of one target, `.lnfold-<name>.writing` beside it, holding `lock` (a file
+    this writer flocks, with its pid), `new/` (the files being written) and `old/` (what publishing
+    moves out of the way).
+
+    The folder is made under a unique name, its lock file created and flocked there, and only then
+    renamed to its public name (a rename onto a folder that is not empty fails): a writer holds the
+    lock from the moment the name exists until the folder is renamed away at the end. So the name
+    taken by another writer means: its lock is held (a live writer: refused), or free (a writer
+    killed, whose folder is removed: renamed to a unique `.stale-` name, then deleted), or the
+    folder has no lock file (not made by a live writer: removed the same way). Leftover `.stale-`
+    folders are always garbage; `.new-` ones when their lock is free.
+
+    Without fcntl (Windows), a plain mkdtemp folder, unlocked, as before.
+    """
+
+    def __init__(self, root: Path, fd: "int | None"):
+        self.root, self.fd = root, fd
+        self.new, self.old = root / "new", root / "old"
+
+    @classmethod
+    def acquire(cls, target: Path) -> "_Staging":
+        out_dir, stem = target.parent, _stem(target.name)
+        if fcntl is None:
+            root = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=out_dir))
+            staging = cls(root, None)
+            staging.new.mkdir()
+            staging.old.mkdir()
+            return staging
+        _sweep(out_dir, stem)
+        public = out_dir / (_PREFIX + stem + _WRITING)
+        for _ in range(20):
+            fresh = Path(tempfile.mkdtemp(prefix=_PREFIX + stem + _NEW, dir=out_dir))
+            fd = None
+            try:
+                fd = os.open(fresh / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: no one else has it)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                (fresh / "new").mkdir()
+                (fresh / "old").mkdir()
+                os.rename(fresh, public)
+                return cls(public, fd)
+            except OSError as e:
+                if fd is not None:
+                    os.close(fd)
+                shutil.rmtree(fresh, ignore_errors=True)
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            _clear(public, target)  # (taken: refuse if its writer lives, else remove it and try again)
+        raise LnfoldError(f"{target}: cannot take {public.name} (other lnfold processes keep making it); "
+                          f"try again")
+
+    def release(self) -> None:
+        """Remove the folder (renamed away first, so its name is never seen unlocked), then unlock."""
+        root = self.root
+        try:
+            if self.fd is not None:
+                root = _unique(self.root.parent, self.root.name[: -len(_WRITING)] + _STALE)
+                os.rename(self.root, root)
+        except OSError:
+            root = self.root
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+
+def _unique(folder: Path, prefix: str) -> Path:
+    return folder / (prefix + secrets.token_hex(4))
+
+
+def _clear(public: Path, target: Path) -> None:
+    """`public` was taken: raise if a live writer holds its lock; else remove it (when it still is
+    the folder found: another process may be clearing or retaking it at the same time)."""
+    try:
+        fd = os.open(public / _LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        fd = None  # (no lock file: no live writer's folder; or it vanished just now)
+    except OSError:
+        return  # (not a folder, or unreadable: the retry's rename says why)
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise LnfoldError(f"{target}: another lnfold is writing it (pid {pid}); wait for it to end, "
+                                  f"or write elsewhere") from None
+            try:
+                same = os.path.samestat(os.stat(public / _LOCK), os.fstat(fd))
+            except OSError:
+                same = False
+            if not same:
+                return  # (cleared, perhaps retaken, meanwhile: try again)
+        trash = _unique(public.parent, public.name[: -len(_WRITING)] + _STALE)
+        try:
+            os.rename(public, trash)  # (one process wins; it holds the lock, if any)
+        except OSError:
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _sweep(out_dir: Path, stem: str) -> None:
+    """Remove what killed writers of this target left: `.stale-` folders (always garbage) and
+    `.new-` folders whose lock is free (or that never got one, after a grace period)."""
+    stale, new = _PREFIX + stem + _STALE, _PREFIX + stem + _NEW
+    try:
+        entries = list(os.scandir(out_dir))
+    except OSError:
+        return
+    for e in entries:
+        if not (e.name.startswith(stale) or e.name.startswith(new)) or not e.is_dir(follow_symlinks=False):
+            continue
+        path = Path(e.path)
+        if e.name.startswith(stale):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        try:
+            fd = os.open(path / _LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if time.time() - e.stat(follow_symlinks=False).st_mtime > _UNLOCKED_GRACE_S:
+                    shutil.rmtree(path, ignore_errors=True)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.stat(path / _LOCK), os.fstat(fd)):  # (not renamed away meanwhile)
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass  # (its maker lives, and is about to rename it; or it is gone)
+        finally:
+            os.close(fd)
