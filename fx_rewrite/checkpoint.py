@@ -26,6 +26,7 @@ from ..passes.analysis import Component
 from ..passes.depth import SHALLOW, LayerStack, NotExtensible
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
+from ..passes.outputs import inside
 from ..passes.report import Report, named
 from ..passes.request import Capabilities, request_from
 from ..passes.shards import TensorJob, untie
@@ -61,25 +62,31 @@ def read_checkpoint(folder: Path) -> Checkpoint:
 
     folder = Path(folder)
     try:
-        config_dict = json.loads((folder / "config.json").read_text())
+        config_dict = json.loads(inside(folder, "config.json", str(folder)).read_text())
         config = transformers.AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # (transformers raises ValueError, OSError, KeyError for a config it cannot read)
         raise LnfoldError(f"{folder / 'config.json'}: cannot read it as a transformers config: "
                           f"{first_line(e)}") from None
     if (folder / INDEX).is_file():
         try:
-            index = json.loads((folder / INDEX).read_text())
+            index = json.loads(inside(folder, INDEX, str(folder)).read_text())
             weight_map = dict(index["weight_map"])
-        except (ValueError, KeyError, TypeError) as e:
+            meta = index.get("metadata", {}) or {}
+            if not isinstance(meta, dict):
+                raise TypeError(f"its metadata is a {type(meta).__name__}, not an object")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise LnfoldError(f"{folder / INDEX}: not a shard index ({first_line(e)})") from None
-        files = sorted(set(weight_map.values()))
-        meta = index.get("metadata", {}) or {}
+        # every path the index names, checked before any file is opened: each is read here and
+        # written as `out / name` by the fold (issue 43: `/x`, `../x`, a link out wrote where they said)
+        paths = {f: inside(folder, f, str(folder / INDEX)) for f in weight_map.values()}
+        files = sorted(paths)
     else:
         weight_map, files, meta = None, [SINGLE], {}
+        paths = {SINGLE: inside(folder, SINGLE, str(folder))}
     for f in files:
-        if not (folder / f).is_file():
+        if not paths[f].is_file():
             raise LnfoldError(f"{folder / f}: missing: the shard index names it and the folder does not have it")
-    shards = {f: read_header(folder / f) for f in files}
+    shards = {f: read_header(paths[f]) for f in files}
     where = {n: f for f, h in shards.items() for n in h.entries}
     if weight_map is not None:
         for name, f in weight_map.items():

@@ -22,7 +22,7 @@ from ..passes import FoldResult, LnfoldError, pipeline
 from ..passes.edits import NUMPY, Center, apply_ops, chunk_axis
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.outputs import check_output_folder, default_output_folder
+from ..passes.outputs import check_output_folder, default_output_folder, folder_files, inside
 from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
@@ -56,7 +56,9 @@ def fold_shard(ck: Checkpoint, out: Path, job: ShardJob) -> dict:
     sizes = {t.name: nbytes(e.dtype, e.shape) for t, e in zip(job.tensors, entries)}
     with contextlib.ExitStack() as files:
         raw = files.enter_context(open(ck.folder / job.file, "rb"))
-        writer = ShardWriter(out / job.file, [(t.name, e.dtype, e.shape) for t, e in zip(job.tensors, entries)],
+        path = inside(out, job.file, str(ck.folder / INDEX))  # (read_checkpoint checked it too: in its folder)
+        path.parent.mkdir(parents=True, exist_ok=True)  # (shards in a subfolder keep it)
+        writer = ShardWriter(path, [(t.name, e.dtype, e.shape) for t, e in zip(job.tensors, entries)],
                              header.metadata or {"format": "pt"})
         files.callback(writer.f.close)
         for t, e in zip(job.tensors, entries):
@@ -134,19 +136,20 @@ def _write_index(ck: Checkpoint, jobs_list: list[ShardJob], sizes: dict, out: Pa
                                             indent=2) + "\n")
 
 
-def _copy_others(ck: Checkpoint, out: Path, untied: bool) -> None:
-    """config, tokenizer, generation files: copied; config.json unties the embedding where the fold did."""
+def _copy_others(ck: Checkpoint, others: list[str], out: Path, untied: bool) -> None:
+    """config, tokenizer, generation files (`others`: passes/outputs.folder_files, which refused
+    what is not a plain file of the folder): copied, a symlink as its file; config.json unties the
+    embedding where the fold did."""
     weights = set(ck.shards) | {INDEX}
-    for p in sorted(ck.folder.rglob("*")):
-        rel = p.relative_to(ck.folder)
-        if not p.is_file() or str(rel) in weights:
+    for rel in others:
+        if rel in weights:
             continue
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        if str(rel) == "config.json" and untied:
+        if rel == "config.json" and untied:
             cfg = {**ck.config_dict, "tie_word_embeddings": False}
             (out / rel).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         else:
-            shutil.copy2(p, out / rel)
+            shutil.copy2(ck.folder / rel, out / rel)
 
 
 def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> None:
@@ -213,6 +216,7 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
         raise LnfoldError(f"{src}: not a transformers checkpoint folder (config.json with {SINGLE} or {INDEX})")
     dst = Path(dst) if dst is not None else default_output_folder(src)
     check_output_folder(src, dst)
+    others = folder_files(src)  # (a link out, a FIFO, ...: refused before anything is read or written)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pipeline.stage(progress, "reading the checkpoint's headers")
@@ -232,7 +236,7 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
         pipeline.stage(progress, f"editing {sum(j.edited for j in work)} tensors in {len(work)} shard(s)")
         sizes = write_shards(ck, work, tmp, jobs)
         _write_index(ck, work, sizes, tmp)
-        _copy_others(ck, tmp, bool(plan.untied))
+        _copy_others(ck, others, tmp, bool(plan.untied))
         written = read_checkpoint(tmp)
         check_complete(ck, written, plan)
         timings["editing"] = time.perf_counter() - t1

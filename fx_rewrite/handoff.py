@@ -33,6 +33,7 @@ from torch import nn
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
 from ..passes.edits import compute_constants, compute_new_bias
+from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.plan import Plan
 from ..passes.defer import EAGER
@@ -360,14 +361,21 @@ def _read_tensors(folder: str, keys: list[str]) -> dict[str, torch.Tensor]:
     """Tensors `keys` of a save_pretrained folder (safetensors, sharded or not)."""
     from safetensors import safe_open
 
+    from ..passes.outputs import inside
+
     where = {}
     if os.path.exists(os.path.join(folder, INDEX)):
-        with open(os.path.join(folder, INDEX)) as f:
-            where = json.load(f)["weight_map"]
+        try:
+            with open(inside(folder, INDEX, folder)) as f:
+                where = dict(json.load(f)["weight_map"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise LnfoldError(f"{os.path.join(folder, INDEX)}: not a shard index ({first_line(e)})") from None
+    # every file the index names for `keys`, checked before any is opened (issue 43: `../x` was read)
+    files = {key: inside(folder, where.get(key, SINGLE), os.path.join(folder, INDEX) if where else folder)
+             for key in keys}
     out = {}
     for key in keys:
-        file = os.path.join(folder, where.get(key, SINGLE))
-        with safe_open(file, framework="pt") as f:
+        with safe_open(str(files[key]), framework="pt") as f:
             if key not in f.keys():
                 raise LnfoldError(f"`{key}` is not in {folder}: not a folder saved from fold_to_rmsnorm's result")
             out[key] = f.get_tensor(key)

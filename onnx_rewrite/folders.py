@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..passes import LnfoldError, NothingToFold, gate
 from ..passes.errors import first_line
-from ..passes.outputs import FOLDED_SUFFIX, check_output_folder, default_output_folder
+from ..passes.outputs import FOLDED_SUFFIX, check_output_folder, default_output_folder, folder_files, inside
 
 
 def default_output(src: Path) -> Path:
@@ -81,6 +81,7 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
     files = check_onnx_folder(src)
     dst = dst if dst is not None else default_output(src)
     check_output_folder(src, dst)
+    others = folder_files(src)  # (a link out, a FIFO, ...: refused before anything is written)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=dst.parent))
     umask = os.umask(0)
@@ -97,19 +98,19 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
             except NothingToFold as e:  # (a file of a folder: copied as it is, and said so)
                 unchanged[rel] = str(e)
                 shutil.copy2(f, tmp / rel)
-                for d in _data_files_of(f):
-                    shutil.copy2(d, tmp / d.relative_to(src.resolve()))
-            data_files |= _data_files_of(f)
+                for d in _data_files_of(src, f):  # (in their layout: `sub/x.data` stays in sub/)
+                    (tmp / d).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src / d, tmp / d)
+            data_files |= set(_data_files_of(src, f))
         if not folded:
             raise NothingToFold(f"{src}: nothing to fold in its {len(files)} ONNX file(s); first: "
                                 f"{next(iter(unchanged.values()))}")
         copied = []
-        for p in sorted(src.rglob("*")):
-            rel = p.relative_to(src)
-            if p.is_file() and p.suffix != ".onnx" and p.resolve() not in data_files:
+        for rel in others:  # (regular files, or links to one inside: folder_files refused the rest)
+            if not rel.endswith(".onnx") and rel not in data_files:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(p, tmp / rel)
-                copied.append(rel)
+                shutil.copy2(src / rel, tmp / rel)
+                copied.append(Path(rel))
         os.replace(tmp, dst)  # (an empty folder at dst is replaced; check_output_folder refused a full one)
     except OSError as e:
         raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
@@ -119,16 +120,24 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
     return 0
 
 
-def _data_files_of(model_file: Path) -> set[Path]:
-    """The external-data files `model_file` refers to (resolved)."""
+def _data_files_of(src: Path, model_file: Path) -> list[str]:
+    """The external-data files that `model_file` (in folder `src`) refers to, as paths relative to
+    `src` (`/`-separated, as folder_files names them), each checked to stay inside it."""
     import onnx
 
-    from .read import external_files
-
     try:
-        return external_files(model_file, onnx.load(str(model_file), load_external_data=False))
+        model = onnx.load(str(model_file), load_external_data=False)
     except Exception:  # not readable as ONNX: fold_file said why already, or it is no model of ours
-        return set()
+        return []
+    tensors = list(model.graph.initializer) + [s.values for s in model.graph.sparse_initializer]
+    locations = {e.value for t in tensors if t.data_location == onnx.TensorProto.EXTERNAL
+                 for e in t.external_data if e.key == "location"}
+    base = model_file.relative_to(src).parent.as_posix()
+    locations = {loc[2:] if loc.startswith("./") else loc for loc in locations}  # (onnx reads `./x` as x)
+    names = sorted(loc if base == "." else f"{base}/{loc}" for loc in locations)
+    for name in names:
+        inside(src, name, f"{model_file}: its external data")
+    return names
 
 
 def fold_summary(result, args, elapsed: float) -> dict:

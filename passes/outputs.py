@@ -2,6 +2,8 @@
 point that writes one (`lnfold fold DIR`, `fold_checkpoint`)."""
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from .errors import LnfoldError
@@ -24,3 +26,90 @@ def check_output_folder(src: Path, dst: Path) -> None:
         raise LnfoldError(f"{dst}: exists; choose another output folder or remove it")
     if not dst.parent.is_dir():
         raise LnfoldError(f"{dst.parent}: output directory does not exist")
+
+
+def inside(folder, relative, what: str) -> Path:
+    """`folder / relative` for a path that an index or a manifest (`what`) names, or a one-line
+    LnfoldError: it must be a relative path of plain names (no `..`, `.`, empty name, NUL, absolute
+    path) whose resolved path, symlinks followed, stays inside `folder` (a subfolder is fine; one
+    still to be written is checked through its existing parents). Checked before any byte is read
+    or written through it: an index is input, and `out / name` for `name = /etc/x` or `../x` would
+    write where it says (issue 43)."""
+    if not isinstance(relative, str):
+        raise LnfoldError(f"{what}: names {relative!r} as a file; a file's path is a string")
+    parts = relative.split("/")
+    if "\0" in relative or relative.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise LnfoldError(f"{what}: names {relative!r} as a file; only a relative path of plain names inside "
+                          f"{folder} is read or written")
+    base = Path(folder)
+    path = base.joinpath(*parts)
+    try:
+        ok = _within(path, base)
+    except (OSError, RuntimeError) as e:  # (a symlink loop: RuntimeError before Python 3.13)
+        raise LnfoldError(f"{what}: names {relative!r}, which cannot be resolved: {e}") from None
+    if not ok:
+        raise LnfoldError(f"{what}: names {relative!r}, which resolves to {path.resolve()}, outside {folder}")
+    return path
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """`path`, symlinks followed, is inside `folder` (resolved), or inside the `blobs/` folder of the
+    Hugging Face hub cache repository that `folder` is a snapshot of (`models--X/snapshots/REV/`,
+    whose files the hub client makes as links to `../../blobs/HASH`; `blobs` itself no link)."""
+    root, target = folder.resolve(), path.resolve()
+    if target != root and root in target.parents:
+        return True
+    repo = root.parent.parent
+    blobs = repo / "blobs"
+    return (root.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--"))
+            and blobs.is_dir() and not blobs.is_symlink() and target.parent == blobs)
+
+
+def folder_files(folder) -> list[str]:
+    """Every file of `folder` and its subfolders (relative, `/`-separated, in a stable order): the
+    regular files, and the symlinks to a regular file inside the folder (read as that file). Any
+    other entry is a one-line LnfoldError naming it, raised before anything is written: a link out
+    of the folder (its content would land in the output), a dangling link, a link to a folder (not
+    followed: copying it would copy what it points to), a FIFO (opening one blocks), a socket, a
+    device. Nothing is opened; what a user expects in OUT is what is in the folder, or a refusal."""
+    folder = Path(folder)
+    out: list[str] = []
+
+    def refuse(rel: str, why: str):
+        raise LnfoldError(f"{folder / rel}: {why}; lnfold takes a folder's own files only (regular files, "
+                          "or links to one inside it): remove it, or put the file(s) themselves there")
+
+    def walk(d: Path, prefix: str) -> None:
+        try:
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            raise LnfoldError(f"{d}: cannot list it: {e.strerror or e}") from None
+        for e in entries:
+            rel = prefix + e.name
+            if e.is_dir(follow_symlinks=False):
+                walk(Path(e.path), rel + "/")
+            elif e.is_file(follow_symlinks=False):
+                out.append(rel)
+            elif e.is_symlink():
+                try:
+                    mode = os.stat(e.path).st_mode
+                    ok = _within(Path(e.path), folder)
+                except (OSError, RuntimeError):
+                    refuse(rel, f"a symlink to {os.readlink(e.path)!r}, which does not exist")
+                if not ok:
+                    refuse(rel, f"a symlink to {Path(e.path).resolve()}, outside {folder}")
+                if not stat.S_ISREG(mode):
+                    refuse(rel, f"a symlink to {_kind(mode)}")
+                out.append(rel)
+            else:
+                refuse(rel, _kind(e.stat(follow_symlinks=False).st_mode))
+
+    walk(folder, "")
+    return out
+
+
+def _kind(mode: int) -> str:
+    return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a regular file")
