@@ -2,9 +2,10 @@
 Every decision (where β goes, which Muls by ones go) is the plan's; the Applier only executes it.
 
 Where an edited constant comes from depends on who calls (`Constants`): a new attribute computed
-once in float64 (fold_module), a cached extra input (the backend at inference, cache.py), or
-`W - mean(W)` in the graph from the optimizer's own parameters (the backend under autograd, so
-gradients reach them unchanged: DESIGN §1). A folded LayerNorm reads a zero-mean stream, where
+once in float64 (fold_module), or `W - mean(W)` in the graph from the parameter itself at every call
+(the backend: in float64 at inference, so that a weight changed in place in any way is seen at once;
+in the parameter's dtype under autograd, so gradients reach the optimizer's own parameters
+unchanged: DESIGN §1). A folded LayerNorm reads a zero-mean stream, where
 `layer_norm` and `rms_norm` are both exact: `norm` says which one runs.
 """
 from __future__ import annotations
@@ -98,13 +99,26 @@ class AttrConstants(Constants):
 
 
 class GraphConstants(Constants):
-    """Training: the edited weight is computed in the graph from the parameter itself."""
+    """The backend: the edited weight computed in the graph from the parameter itself, at every call,
+    so no copy can go stale (issue 43: a write through `p.data`, or to an inference-mode tensor,
+    bumps no version counter a cache could key on). `exact` (inference): in float64 from every
+    source, rounded once to the parameter's dtype (fp32: as fold_module's float64 edit; fp16/bf16
+    round through float32, torch's conversion); otherwise (training) in the parameter's dtype, the
+    gradient's own path. Under Inductor's `freezing` the parameters are constants and Inductor
+    computes these once, at compile time."""
+
+    def __init__(self, exact: bool = False) -> None:
+        self.exact = exact
 
     def node_for(self, applier, edit, k):
-        src = applier.node_named(edit.value)
-        with applier.graph.inserting_before(applier.first_user(edit)):
-            shape = tuple(meta_val(src).shape)
-            return apply_ops(src, edit.ops, applier.node_named, graph_algebra(applier.graph, applier.dialect, shape))
+        g, src = applier.graph, applier.node_named(edit.value)
+        with g.inserting_before(applier.first_user(edit)):
+            val = meta_val(src)
+            algebra = graph_algebra(g, applier.dialect, tuple(val.shape))
+            if not self.exact or val.dtype == torch.float64:
+                return apply_ops(src, edit.ops, applier.node_named, algebra)
+            wide = lambda name: g.call_method("to", (applier.node_named(name), torch.float64))  # noqa: E731
+            return g.call_method("to", (apply_ops(wide(edit.value), edit.ops, wide, algebra), val.dtype))
 
 
 # --- the edits -----------------------------------------------------------------------------------

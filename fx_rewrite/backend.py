@@ -20,13 +20,17 @@ folded norms read only by linear layers as deferred normalization, passes/defer.
 "off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
 
-Inference (grad mode off, or parameters that do not require grad): the compiled graph reads
-centered copies of the edited weights as extra inputs, computed in float64 and cached until a
-parameter changes (cache.py); the user's parameters are never written. Memory: one extra copy of
-every edited tensor (embeddings, the output projections of attention and MLP, their biases).
-Training (grad on, the edited parameters require grad): the graph computes `W - mean(W)` from the
-optimizer's own parameters, so loss and gradients are the original model's (DESIGN §1), for one
-mean and one subtraction per edited weight per step. A bf16/fp16 graph gets a LowPrecisionWarning.
+Edited weights. The graph computes `W - mean(W)` (and a deferred reader's `W β + b`) from the
+parameters Dynamo passes, at every call: the user's parameters are never written, and no copy can
+go stale however a weight changes (an optimizer step, `load_state_dict`, `p.data.mul_()`, an EMA
+update, inference-mode tensors: issue 43 found a cache keyed on tensor versions missing the last
+two). Inference (grad mode off, or parameters that do not require grad): in float64, rounded once to
+the parameter's dtype, as `fold_module` computes it, for one pass over each edited weight per call
+(benchmarks/RESULTS.md, "backend: edited weights per call"); with Inductor's `freezing` on
+(`options={"freezing": True}` under `torch.no_grad()`) parameters are constants, Inductor computes
+the edits once at compile time, and — Inductor's own contract — later changes to the weights are
+not seen. Training (grad on, the edited parameters require grad): in the parameter's dtype, so loss
+and gradients are the original model's (DESIGN §1). A bf16/fp16 graph gets a LowPrecisionWarning.
 """
 from __future__ import annotations
 
@@ -48,9 +52,8 @@ from ..passes.request import Capabilities, PlanRequest, request_from
 from . import deferred_norm
 from .apply import TORCH, Applier, GraphConstants
 from .backend_log import KEPT, reports, timings  # noqa: F401  (the backend's log, read as backend.reports)
-from .cache import CachedInputs, derived_biases, with_extra_inputs
 from .classify import build_view
-from .dynamo import constant_inputs, specialize_scalars, static_examples, working_copy
+from .dynamo import constant_inputs, specialize_scalars, working_copy
 from .edits import LOW_PRECISION, attr_of, tensor_attrs
 from .verify import verify_graph
 
@@ -157,21 +160,18 @@ class DynamoFrontend:
 
     def apply(self, plan: Plan) -> fx.GraphModule:
         with self._unfolded_on_failure("editing the graph failed", plan):
-            self.constants = GraphConstants() if plan.training else CachedInputs(self.placeholders, self.tensor)
-            Applier(self.work, self._view, self.info, TORCH, self.constants, norm="rms_norm").apply(plan)
+            constants = GraphConstants(exact=not plan.training)
+            Applier(self.work, self._view, self.info, TORCH, constants, norm="rms_norm").apply(plan)
             if plan.deferral.deferred:
-                deferred_norm.emit_all(self.work, plan.deferral, derived_biases(self.work, self.constants))
+                deferred_norm.emit_all(self.work, plan.deferral, deferred_norm.graph_biases(self.work))
                 self.work.recompile()
-            t = time.perf_counter()
-            self.extra = [] if plan.training else self.constants(self.example_inputs)  # float64 centering, once
-            self.centering = time.perf_counter() - t
         self._tell(plan.report)
         return self.work
 
     emit = staticmethod(pipeline.in_memory)
 
     def verify(self, plan: Plan, work: fx.GraphModule) -> None:
-        verify_graph(self.gm, work, self.example_inputs, self.extra)  # raises VerificationError
+        verify_graph(self.gm, work, self.example_inputs)  # raises VerificationError
 
     def result(self, plan: Plan, work: fx.GraphModule) -> FoldResult:
         return FoldResult(report=plan.report, module=work)
@@ -200,11 +200,10 @@ def compile_folded(gm: fx.GraphModule, example_inputs: list, *, fold_mode: str =
     except _Unfolded:
         return inner(gm, example_inputs)
     t = time.perf_counter()
-    extra = frontend.extra
-    compiled = inner(result.module, list(example_inputs) + static_examples(extra))
-    timings.append({"analysis": result.timings["analysis"], "editing": result.timings["editing"] - frontend.centering,
-                    "centering": frontend.centering, "inner": time.perf_counter() - t})
-    return with_extra_inputs(compiled, frontend.constants) if extra else compiled
+    compiled = inner(result.module, example_inputs)
+    timings.append({"analysis": result.timings["analysis"], "editing": result.timings["editing"],
+                    "inner": time.perf_counter() - t})
+    return compiled
 
 
 class FragmentWarning(UserWarning):

@@ -21,6 +21,8 @@ from torch import fx
 from ..passes.defer import DeferDecision, Deferral
 from ..passes.readers import LinearReader
 
+from ..passes import weights
+
 from .classify import is_tuple_getitem, meta_val
 from .edits import LOW_PRECISION
 from .ops import canonical
@@ -28,10 +30,35 @@ from .ops import canonical
 BiasNode = Callable[[Deferral, LinearReader], Optional[fx.Node]]
 
 
+def graph_biases(gm: fx.GraphModule) -> BiasNode:
+    """The backend's: each deferred reader's new bias `W β + b` computed in the graph at every call,
+    in float64 and rounded once to the bias's dtype (from the parameters themselves, so a changed β
+    or W is seen at once, as the backend's other edits: fx_rewrite/apply.GraphConstants)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def bias_node(d: Deferral, rd: LinearReader) -> Optional[fx.Node]:
+        if d.beta is None:
+            return None
+        args = (nodes[d.beta], nodes[rd.weight.value], nodes[rd.bias.value] if rd.bias is not None else None,
+                rd.weight.axis)
+        with gm.graph.inserting_before(nodes[rd.node]):
+            return gm.graph.call_function(beta_into_bias, args)
+
+    return bias_node
+
+
+def beta_into_bias(beta: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], axis: int) -> torch.Tensor:
+    """`W β + b` in float64, in the dtype of `b` (of `W` where the reader has no bias)."""
+    out = weights.weight_times(w.double(), beta.double(), axis, torch.tensordot)
+    if b is not None:
+        out = out + b.double().reshape(out.shape)
+    return out.to((b if b is not None else w).dtype)
+
+
 def emit_all(gm: fx.GraphModule, decision: DeferDecision, bias_node: BiasNode) -> None:
     """Every deferred norm of the plan, after its other edits (γ is in the readers' weights already).
     `bias_node(d, reader)`: the node holding the reader's new bias W β + b (fold_module: a buffer; the
-    backend: an extra input, recomputed when a parameter changes), None where it keeps its own (no β)."""
+    backend: computed in the graph, `graph_biases`), None where it keeps its own (no β)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for d in decision.deferred:
         emit(gm.graph, nodes, d, functools.partial(bias_node, d))

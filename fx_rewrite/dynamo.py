@@ -82,15 +82,6 @@ def concrete_inputs(gm: fx.GraphModule, example_inputs: list) -> Optional[list]:
     return out
 
 
-def static_examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The extra inputs as fake tensors of static shape: AOTAutograd would otherwise give the
-    dims of these source-less inputs fresh symbols, and Dynamo cannot guard on those."""
-    from torch._guards import detect_fake_mode
-
-    mode = detect_fake_mode()
-    return [mode.from_tensor(t, static_shapes=True) for t in tensors] if mode is not None else tensors
-
-
 def working_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of Dynamo's graph module to edit, with what AOTAutograd reads from the original."""
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))

@@ -79,7 +79,7 @@ def _seeded(module: torch.nn.Module, args: tuple, kwargs: dict):
         return module(*fresh(args), **fresh(kwargs))
 
 
-def verify_graph(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list, extra: list) -> None:
+def verify_graph(original: fx.GraphModule, folded: fx.GraphModule, example_inputs: list) -> None:
     """Judge the folded graph with the gate of passes/gate.py (against a float64 run of a copy of
     the original graph where one can be made). Under dynamic shapes the graphs take symbolic
     sizes among their inputs: they run here with the sizes of the tensors at hand."""
@@ -90,7 +90,7 @@ def verify_graph(original: fx.GraphModule, folded: fx.GraphModule, example_input
                                 "with lnfold.fold_module")
     with torch.no_grad():
         ref = pytree.tree_leaves(original(*example_inputs))
-        got = pytree.tree_leaves(folded(*example_inputs, *extra))
+        got = pytree.tree_leaves(folded(*example_inputs))
     verdict = judge_outputs(ref, got, ref64(original, example_inputs, {}, ref))
     if not verdict.ok:
         raise verdict.error("lnfold: ")

@@ -1,0 +1,219 @@
+"""The torch.compile backend sees every change of the model's weights (issue 43, item 2).
+
+The backend used to cache centered copies keyed on `(id, data_ptr, _version)`: a write through
+`p.data` bumps no version of `p`, an inference-mode tensor has none, and a new tensor may reuse a
+freed one's id and address, so a compiled model kept computing with the old weights (0.03-1.74
+relative away from eager, no warning). The edits are now computed in the graph at every call. Each
+test below changes the weights in one way users do, after the first compiled call, and compares
+the compiled model with eager: it fails with any cache that misses that way. The models have
+randomized γ/β and large-mean sources (zoo.adversarial), so a stale or missing centering shows.
+
+`_eager` runs the folded graph as the backend hands it to Inductor; the slow test runs Inductor
+itself, and Inductor's `freezing` (whose contract is that later weight changes are not seen).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lnfold import zoo
+from lnfold.fx_rewrite import lnfold_backend_with
+
+D = 16
+RTOL = 1e-5
+
+
+class PreLN(nn.Module):
+    """Embedding -> pre-LN blocks with LayerScale -> final LN -> head: every kind of edit the
+    backend makes (a centered table, centered writers and biases, a scaled LayerScale source)."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(11, D)
+        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(D), "fc": nn.Linear(D, D)})
+                                    for _ in range(layers))
+        self.scale = nn.ParameterList(nn.Parameter(torch.rand(D) + 0.5) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, 11)
+        zoo.adversarial(self)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for k, b in enumerate(self.blocks):
+            h = h + b["fc"](torch.tanh(b["ln"](h))) * self.scale[k]
+        return self.head(self.ln_f(h))
+
+
+IDS = torch.randint(0, 11, (2, 5))
+
+
+def _eager(gm, example_inputs):
+    return gm.forward
+
+
+def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return ((ref.double() - got.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _compiled(m: nn.Module, **options):
+    torch._dynamo.reset()
+    reports = []
+    c = torch.compile(m, backend=lnfold_backend_with(inner=_eager, on_report=reports.append, **options))
+    return c, reports
+
+
+def _same_after(m: nn.Module, change, *, grad: bool = False) -> None:
+    """Compile `m`, call it once, `change(m)`, and compare the compiled model with eager again."""
+    c, reports = _compiled(m)
+    with torch.set_grad_enabled(grad):
+        assert _rel(m(IDS), c(IDS)) < RTOL
+    assert reports and reports[-1].folded == 3  # (the fold ran: the test is not of an unfolded graph)
+    before = m(IDS).detach()
+    change(m)
+    with torch.set_grad_enabled(grad):
+        ref = m(IDS)
+        assert _rel(before, ref) > 1e-2  # the change changes what the model computes
+        assert _rel(ref, c(IDS)) < RTOL
+
+
+def _each_weight(m: nn.Module):
+    """The weights the fold edits: the table, the writers and their biases, the LayerScale."""
+    return [m.emb.weight, m.blocks[0]["fc"].weight, m.blocks[1]["fc"].bias, m.scale[1]]
+
+
+@pytest.mark.parametrize("how", ["data_mul_", "data_copy_", "data_add_", "data_assign"])
+def test_writes_through_data(how):
+    """`p.data.mul_()` and friends (EMA updates, weight surgery, some loaders) bump no version of `p`."""
+    def change(m):
+        for p in _each_weight(m):
+            if how == "data_mul_":
+                p.data.mul_(1.5)
+            elif how == "data_copy_":
+                p.data.copy_(torch.randn_like(p) + 3.0)
+            elif how == "data_add_":
+                p.data.add_(torch.randn_like(p))
+            else:
+                p.data = torch.randn_like(p) * 2 + 1.0  # a new tensor behind the same Parameter
+
+    with torch.no_grad():
+        _same_after(PreLN(), change)
+
+
+def test_copy_under_no_grad_and_load_state_dict():
+    other = PreLN().state_dict()
+    with torch.no_grad():
+        _same_after(PreLN(), lambda m: m.blocks[0]["fc"].weight.copy_(torch.randn(D, D) + 2.0))
+        _same_after(PreLN(), lambda m: m.load_state_dict(other))
+
+
+def test_inference_mode_tensors():
+    """Tensors made under inference_mode keep no version counter at all."""
+    with torch.inference_mode():
+        m = PreLN()
+        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()})  # inference tensors now
+        assert m.emb.weight.is_inference()
+
+        def change(m):
+            for p in _each_weight(m):
+                p.mul_(1.5).add_(0.5)
+
+        _same_after(m, change)
+
+
+def test_a_new_tensor_at_a_freed_tensors_address():
+    """Swapping in new tensors (a loader, `nn.utils.parametrize`): the allocator reuses the freed
+    storage, so a new tensor may carry a freed one's id, address and version 0."""
+    m = PreLN()
+    c, _ = _compiled(m)
+    with torch.no_grad():
+        c(IDS)
+        for k in range(5):
+            w = m.blocks[0]["fc"].weight
+            m.blocks[0]["fc"].weight = nn.Parameter(torch.randn(D, D) + k)
+            del w
+            assert _rel(m(IDS), c(IDS)) < RTOL
+
+
+def test_parametrized_weights():
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    m = PreLN()
+    parametrize.register_parametrization(m.blocks[0]["fc"], "weight", Doubled())
+    with torch.no_grad():
+        _same_after(m, lambda m: m.blocks[0]["fc"].parametrizations.weight.original.mul_(-1.0).add_(1.0))
+
+
+def test_optimizer_steps_between_inference_calls():
+    """Train eagerly, run the compiled model under no_grad in between (evaluation during training)."""
+    m = PreLN()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    c, _ = _compiled(m)
+    for _ in range(3):
+        with torch.no_grad():
+            assert _rel(m(IDS), c(IDS)) < RTOL
+        opt.zero_grad()
+        m(IDS).square().mean().backward()
+        opt.step()
+    with torch.no_grad():
+        assert _rel(m(IDS), c(IDS)) < RTOL
+
+
+def test_training_graph_sees_writes_through_data():
+    """Under autograd the edits were in the graph already; a `p.data` write must stay seen there too."""
+    def change(m):
+        for p in _each_weight(m):
+            p.data.mul_(1.5)
+
+    _same_after(PreLN(), change, grad=True)
+
+
+def test_deferred_norms_see_changed_beta_and_weights():
+    """`lnfold.defer`: a deferred reader's bias `W β + b` is computed from β and W too."""
+    m = PreLN()
+    c, reports = _compiled(m, defer="on")
+    with torch.no_grad():
+        assert _rel(m(IDS), c(IDS)) < RTOL
+        assert any(n.verdict == "fold" for n in reports[-1].norms)
+        m.ln_f.bias.data.add_(3.0)
+        m.head.weight.data.mul_(-2.0)
+        m.blocks[1]["ln"].bias.data.add_(1.0)
+        assert _rel(m(IDS), c(IDS)) < RTOL
+
+
+def test_edits_are_float64_exact():
+    """At inference the edits are computed in float64 and rounded once: the compiled model is as
+    close to a float64 run as the original (not a second fp32 rounding of each mean)."""
+    m = PreLN()
+    c, _ = _compiled(m)
+    m64 = PreLN().double()
+    m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
+    with torch.no_grad():
+        ref = m64(IDS)
+        assert _rel(ref, c(IDS)) <= 4 * max(_rel(ref, m(IDS)), 1e-7)
+
+
+@pytest.mark.slow
+def test_inductor_sees_changes_and_freezing_computes_the_edits_once():
+    """Inductor: the same as eager after a `p.data` write. With Inductor's `freezing` on, the
+    weights are constants of the compiled graph (Inductor's contract: later writes are not seen) and
+    the edits are folded at compile time: the compiled model matches the weights it was frozen with."""
+    from torch._inductor import config
+
+    m = PreLN()
+    torch._dynamo.reset()
+    c = torch.compile(m, backend="lnfold")
+    with torch.no_grad():
+        assert _rel(m(IDS), c(IDS)) < RTOL
+        m.blocks[0]["fc"].weight.data.mul_(1.5)
+        m.emb.weight.data.add_(1.0)
+        assert _rel(m(IDS), c(IDS)) < RTOL
+    m = PreLN()
+    torch._dynamo.reset()
+    with config.patch(freezing=True), torch.no_grad():
+        c = torch.compile(m, backend="lnfold")
+        assert _rel(m(IDS), c(IDS)) < RTOL
