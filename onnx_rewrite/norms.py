@@ -124,23 +124,28 @@ def dtype_of(x, gamma, nodes=()):
     return np.float32
 
 
-def float_dtype(t, seen=None):
+def float_dtype(t):
     """The float dtype of tensor `t`: declared, or (where the exporter wrote no value_info) the
-    first float one among its producer's inputs, walking back (each tensor once); a Cast says its
+    first float one among its producer's inputs, walking back depth first (each tensor once, with a
+    stack, not recursion: an 80-layer export without value_info is ~1,000 ops deep); a Cast says its
     own. None where the walk finds none. γ is no witness: an fp16 stream can carry an fp32 γ."""
-    seen = set() if seen is None else seen
-    if t is None or not t.name or t.name in seen:
-        return None
-    seen.add(t.name)
-    v = const_values(t) if is_constant(t) else None
-    dt = np.asarray(v).dtype if v is not None else (np.dtype(t.dtype) if t.dtype is not None else None)
-    if dt is not None:
-        return dt if dt.kind == "f" else None
-    if len(t.inputs) != 1:
-        return None
-    node = t.inputs[0]
-    if node.op == "Cast":
-        return onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
-    # the data input decides: LayerNormalization's X, not its (possibly fp32) scale
-    first = node.inputs[:1] if node.op in ("LayerNormalization", "Gather") else node.inputs
-    return next((d for d in (float_dtype(i, seen) for i in first) if d is not None), None)
+    todo, seen = [t], set()
+    while todo:
+        t = todo.pop()
+        if t is None or not t.name or t.name in seen:
+            continue
+        seen.add(t.name)
+        v = const_values(t) if is_constant(t) else None
+        dt = np.asarray(v).dtype if v is not None else (np.dtype(t.dtype) if t.dtype is not None else None)
+        if dt is not None:
+            if dt.kind == "f":
+                return dt
+            continue
+        if len(t.inputs) != 1:
+            continue
+        node = t.inputs[0]
+        if node.op == "Cast":
+            return onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
+        # the data input decides: LayerNormalization's X, not its (possibly fp32) scale
+        todo.extend(reversed(node.inputs[:1] if node.op in ("LayerNormalization", "Gather") else node.inputs))
+    return None
