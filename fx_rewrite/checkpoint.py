@@ -203,6 +203,7 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     plan extended by name to the full depth, where the blocks allow it (`repeated_blocks`);
     otherwise, or where the shallow plan cannot stand for the deep one, the whole model."""
     model = skeleton(ck.config)
+    stored_like(model, ck)
     path = repeated_blocks(model, ck.config)
     shallow = skeleton(with_depth(ck.config, SHALLOW)) if path is not None else None
     if shallow is not None and same_blocks(model, shallow, path):
@@ -218,6 +219,21 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
         else:
             return _as_loaded(extended, ck)
     return _as_loaded(_plan_of(model, ck, mode), ck)
+
+
+def stored_like(model: torch.nn.Module, ck: Checkpoint) -> None:
+    """Every tensor of `model` that `ck` stores is stored in its shape, and as a float where it is
+    one (a γ of shape [32, 1] or as U32 is no weight the fold can edit, nor verification compute
+    with; from_pretrained refuses them too): else a one-line LnfoldError naming the tensor."""
+    state = model.state_dict(keep_vars=True)
+    for name, key in stored_names(model, ck).items():
+        e, file = ck.shards[ck.where[key]].entries[key], ck.folder / ck.where[key]
+        if tuple(e.shape) != tuple(state[name].shape):
+            raise LnfoldError(f"{file}: tensor {key} has shape {list(e.shape)}; {type(model).__name__} "
+                              f"(config.json) makes {name} {list(state[name].shape)}")
+        if state[name].is_floating_point() and not e.dtype.startswith(("F", "BF")):
+            raise LnfoldError(f"{file}: tensor {key} is stored as {e.dtype}; {type(model).__name__} "
+                              f"reads it as a floating-point {name}")
 
 
 def _as_loaded(plan: CheckpointPlan, ck: Checkpoint) -> CheckpointPlan:

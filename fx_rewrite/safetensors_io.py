@@ -25,6 +25,13 @@ from ..passes.errors import first_line
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
+DTYPES.update({code: getattr(torch, name) for code, name in (
+    ("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3", "float8_e4m3fn"), ("F8_E8M0", "float8_e8m0fnu"), ("C64", "complex64")) if hasattr(torch, name)})
+# bytes per element of every whole-byte safetensors dtype (the format's own list; a tensor of one
+# torch lacks is still copied as bytes); sub-byte ones (F4, F6_*) are refused
+SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+         "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8}
 COPY_BLOCK = 64 << 20
 
 
@@ -44,8 +51,14 @@ class Header:
 
 
 def read_header(path: Path) -> Header:
-    """The header of a safetensors file, checked against the file's size (a truncated file is a
-    one-line LnfoldError naming it, before anything is written)."""
+    """The header of a safetensors file, checked as safetensors checks it before anything is
+    written: a JSON object of entries with a known dtype, a shape of naturals and the [begin, end)
+    offsets of exactly its bytes, the entries tiling the data from 0 to the file's end without gap
+    or overlap, `__metadata__` an object of strings. Anything else is a one-line LnfoldError naming
+    the file (a truncated file says so)."""
+    def bad(why: str) -> LnfoldError:
+        return LnfoldError(f"{path}: not a readable safetensors file ({why})")
+
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -56,24 +69,51 @@ def read_header(path: Path) -> Header:
             if n > size - 8 or n > 100 << 20:
                 raise ValueError("header longer than the file")
             raw = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise LnfoldError(f"{path}: not a readable safetensors file ({first_line(e)}); truncated?") from None
+    if not isinstance(raw, dict):
+        raise bad(f"its header is a JSON {type(raw).__name__}, not an object")
     meta = raw.pop("__metadata__", None) or {}
-    try:
-        entries = {name: Entry(v["dtype"], tuple(v["shape"]), *v["data_offsets"])
-                   for name, v in sorted(raw.items(), key=lambda kv: kv[1]["data_offsets"][0])}
-    except (KeyError, TypeError, ValueError) as e:
-        raise LnfoldError(f"{path}: not a readable safetensors file (bad header entry: {first_line(e)})") from None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ is not an object of strings")
+    entries = {}
+    for name, v in raw.items():
+        entries[name] = e = _entry(v, lambda why: bad(f"tensor {name}: {why}"))
+        if e.end - e.begin != nbytes(e.dtype, e.shape):
+            raise bad(f"tensor {name}: its offsets hold {e.end - e.begin} bytes, its dtype and shape "
+                      f"{nbytes(e.dtype, e.shape)}")
+    entries = dict(sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)))
+    end = 0
+    for name, e in entries.items():
+        if e.begin != end:
+            raise bad(f"tensor {name} begins at {e.begin}, where {end} was due: offsets overlap or leave a gap")
+        end = e.end
     data = size - 8 - n
-    end = max((e.end for e in entries.values()), default=0)
     if end > data:
         raise LnfoldError(f"{path}: truncated: its header describes {end} bytes of data, the file holds {data}")
+    if end < data:
+        raise bad(f"{data - end} bytes after its last tensor")
     return Header(8 + n, entries, meta)
 
 
+def _entry(v, bad: Callable[[str], LnfoldError]) -> Entry:
+    natural = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    if not isinstance(v, dict):
+        raise bad(f"a {type(v).__name__}, not an object")
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in SIZES:
+        raise bad(f"dtype {dtype!r} is none of safetensors' whole-byte dtypes")
+    if not isinstance(shape, list) or not all(natural(d) for d in shape):
+        raise bad(f"shape {shape!r} is not a list of naturals")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(natural(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
+        raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    return Entry(dtype, tuple(shape), *offsets)
+
+
 def nbytes(code: str, shape: tuple) -> int:
-    """The size of a tensor of safetensors dtype `code` (a code torch has no dtype for: bytes)."""
-    return (DTYPES[code].itemsize if code in DTYPES else 1) * math.prod(shape)
+    """The size of a tensor of safetensors dtype `code` (read_header refused any other code)."""
+    return SIZES[code] * math.prod(shape)
 
 
 class ShardWriter:

@@ -100,8 +100,8 @@ def ck(built, tmp_path) -> Path:
     return Path(shutil.copytree(built, tmp_path / "in"))
 
 
-def shard_files(folder: Path) -> list[str]:
-    return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+def shard_files(folder: Path) -> list:
+    return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()), key=str)
 
 
 def remap(folder: Path, old: str, new) -> None:
@@ -323,3 +323,263 @@ def test_an_onnx_folders_other_files_that_are_not_plain_are_refused(tmp_path, ca
     rc, _, err = cli(capfd, "fold", src, "-o", tmp_path / "out")
     refused(rc, err, name)
     assert snapshot(tmp_path) == before
+
+
+# --- item 6: safetensors headers -------------------------------------------------------------------------------
+
+def read_raw(path: Path) -> tuple[dict, bytes]:
+    b = path.read_bytes()
+    (n,) = struct.unpack("<Q", b[:8])
+    return json.loads(b[8:8 + n]), b[8 + n:]
+
+
+def write_raw(path: Path, header, data: bytes) -> None:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def with_tensor(folder: Path, name: str, t: torch.Tensor) -> None:
+    """Add tensor `name` to the first shard (and the index), as safetensors writes it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    first = shard_files(folder)[0]
+    with safe_open(str(folder / first), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    save_file({**tensors, name: t}, str(folder / first), metadata=meta)
+    data = json.loads((folder / INDEX).read_text())
+    data["weight_map"][name] = first
+    (folder / INDEX).write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn])
+def test_tensors_of_every_safetensors_dtype_are_copied_as_they_are(ck, tmp_path, capfd, dtype):
+    """Before: `nbytes` counted 1 byte an element for dtypes missing from DTYPES: exit 3."""
+    from safetensors import safe_open
+
+    t = torch.arange(6, dtype=torch.int64).reshape(2, 3).to(torch.float32).to(dtype)
+    with_tensor(ck, "extra.buffer", t)
+    rc, _, err = cli(capfd, "fold", ck, "-o", tmp_path / "out")
+    assert rc == 0, err
+    with safe_open(str(tmp_path / "out" / shard_files(ck)[0]), framework="pt") as f:
+        got = f.get_tensor("extra.buffer")
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+def _corrupt(header: dict, how: str):
+    tensors = [k for k in header if k != "__metadata__"]
+    by_start = sorted(tensors, key=lambda k: header[k]["data_offsets"][0])
+    a, b = by_start[0], by_start[1]
+    if how == "metadata a list":
+        header["__metadata__"] = ["pt"]
+    elif how == "metadata values not strings":
+        header["__metadata__"] = {"format": 1}
+    elif how == "overlapping offsets":
+        header[b]["data_offsets"] = [header[a]["data_offsets"][0], header[a]["data_offsets"][0]
+                                     + header[b]["data_offsets"][1] - header[b]["data_offsets"][0]]
+    elif how == "reversed offsets":
+        header[a]["data_offsets"] = header[a]["data_offsets"][::-1]
+    elif how == "offsets not the tensor's size":
+        header[a]["shape"] = [1]
+    elif how == "unknown dtype":
+        header[a]["dtype"] = "Q7"
+    elif how == "negative shape":
+        header[a]["shape"] = [-1] + header[a]["shape"][1:]
+    elif how == "float offsets":
+        header[a]["data_offsets"] = [float(x) for x in header[a]["data_offsets"]]
+    elif how == "header a list":
+        return json.dumps([1, 2]).encode()
+    elif how == "deep nesting":
+        return b"[" * 100_000 + b"]" * 100_000
+    elif how == "not utf-8":
+        return b'{"\xff": 1}'
+    elif how == "entry a string":
+        header[a] = "F32"
+    elif how == "bytes past the last tensor":
+        pass  # (the test appends them)
+    else:
+        raise AssertionError(how)
+    return header
+
+
+HEADER_CASES = ["metadata a list", "metadata values not strings", "overlapping offsets", "reversed offsets",
+                "offsets not the tensor's size", "unknown dtype", "negative shape", "float offsets", "header a list",
+                "deep nesting", "not utf-8", "entry a string", "bytes past the last tensor"]
+
+
+@pytest.mark.parametrize("how", HEADER_CASES)
+def test_a_malformed_header_is_refused_with_one_line(ck, tmp_path, capfd, how):
+    """Before: some exited 3 (a list header, deep nesting), some 0 with an output safetensors refuses
+    (a list as __metadata__, overlapping offsets): safetensors' own rules, checked before writing."""
+    first = max(shard_files(ck), key=lambda f: len(read_raw(ck / f)[0]))
+    header, data = read_raw(ck / first)
+    write_raw(ck / first, _corrupt(header, how), data + (b"\0" * 8 if how == "bytes past the last tensor" else b""))
+    before = snapshot(tmp_path)
+    rc, _, err = cli(capfd, "fold", ck, "-o", tmp_path / "out")
+    refused(rc, err, first)
+    assert snapshot(tmp_path) == before
+
+
+# --- the fuzz: random index paths, headers, offsets, dtypes, links --------------------------------------------
+
+def _mutate(rng: random.Random, sandbox: Path, src: Path) -> list[str]:
+    """1-3 random hostile edits of the checkpoint `src` in `sandbox`; what was done, for the message."""
+    done, hostile = [], rng.random() < 0.7
+    def readable(f) -> bool:  # (a shard an earlier edit left whole)
+        try:
+            return (src / f).is_file() and not (src / f).is_symlink() and bool(read_raw(src / f)[0])
+        except (ValueError, TypeError, struct.error):
+            return False
+
+    for _ in range(rng.randint(1, 3)):
+        files = [f for f in shard_files(src) if isinstance(f, str) and f and readable(f)]
+        kind = rng.choice(["path", "path", "header", "header", "truncate", "other", "valid"] if hostile else ["valid"])
+        if kind == "path" and files:
+            f = rng.choice(files)
+            choice = rng.choice(["abs", "../victim", "../in", "sub", "sub/..", "", "./", "trailing/", 7, None,
+                                 "link out", "link in", "fifo", "dir"])
+            if choice == "abs":
+                remap(src, f, str(sandbox / "outside" / "secret.safetensors"))
+            elif choice == "../victim":
+                remap(src, f, "../victim.safetensors")
+            elif choice == "../in":
+                remap(src, f, f"../in/{f}")
+            elif choice == "sub":  # (valid: the file moved with it)
+                (src / "sub").mkdir(exist_ok=True)
+                shutil.move(src / f, src / "sub" / Path(f).name)
+                remap(src, f, f"sub/{Path(f).name}")
+            elif choice == "sub/..":
+                remap(src, f, f"sub/../{f}")
+            elif choice in ("", "./", "trailing/"):
+                remap(src, f, {"": "", "./": f"./{f}", "trailing/": f"{f}/"}[choice])
+            elif choice in (7, None):
+                remap(src, f, choice)
+            elif choice == "link out":
+                (src / f).unlink()
+                (src / f).symlink_to(sandbox / "outside" / "secret.safetensors")
+            elif choice == "link in":
+                (src / "alias.safetensors").symlink_to(f)
+                remap(src, f, "alias.safetensors")
+            elif choice == "fifo":
+                os.mkfifo(src / "pipe.safetensors")
+                remap(src, f, "pipe.safetensors")
+            else:
+                remap(src, f, "sub" if (src / "sub").is_dir() else ".")
+            done.append(f"{f}: {choice!r}")
+        elif kind == "valid" and files:  # (layouts safetensors writes too: the fold must take them)
+            f = rng.choice(files)
+            header, data = read_raw(src / f)
+            how = rng.choice(["reorder", "metadata", "same-size dtype", "sub"])
+            if how == "reorder":
+                header = dict(rng.sample(list(header.items()), len(header)))
+            elif how == "metadata":
+                header["__metadata__"] = {"format": "pt", "note": "x" * rng.randint(0, 300)}
+            elif how == "same-size dtype":
+                a = rng.choice([k for k in header if k != "__metadata__"])
+                size = {"F32": 4, "F16": 2, "BF16": 2}.get(header[a]["dtype"], 0)
+                header[a]["dtype"] = {4: "U32", 2: "U16"}.get(size, header[a]["dtype"])
+            if how == "sub" and "/" not in f:
+                (src / "sub").mkdir(exist_ok=True)
+                shutil.move(src / f, src / "sub" / f)
+                remap(src, f, f"sub/{f}")
+            else:
+                write_raw(src / f, header, data)
+            done.append(f"{f}: valid {how}")
+        elif kind in ("header", "truncate") and files:
+            f = rng.choice(files)
+            header, data = read_raw(src / f)
+            if kind == "truncate":
+                cut = rng.randint(1, len(data) + 16)
+                (src / f).write_bytes((src / f).read_bytes()[:-cut])
+                done.append(f"{f}: truncated by {cut}")
+                continue
+            names = [k for k in header if k != "__metadata__"]
+            how = rng.choice(["swap", "reverse", "overlap", "dtype", "shape", "drop", "beyond", "flip", "meta",
+                              "length", "garbage"])
+            a, b = rng.choice(names), rng.choice(names)
+            if how == "swap":
+                header[a]["data_offsets"], header[b]["data_offsets"] = header[b]["data_offsets"], \
+                    header[a]["data_offsets"]
+            elif how == "reverse":
+                header[a]["data_offsets"] = header[a]["data_offsets"][::-1]
+            elif how == "overlap":
+                header[a]["data_offsets"] = list(header[b]["data_offsets"])
+            elif how == "dtype":
+                header[a]["dtype"] = rng.choice(["U32", "U16", "U64", "F8_E4M3", "I8", "BOOL", "F4", "X", 3])
+            elif how == "shape":
+                header[a]["shape"] = rng.choice([[], [0], [-2, 3], [1 << 40], ["2"], header[a]["shape"] + [1]])
+            elif how == "drop":
+                del header[a]
+            elif how == "beyond":
+                header[a]["data_offsets"][1] += rng.choice([1, 1 << 20, 1 << 62])
+            elif how == "meta":
+                header["__metadata__"] = rng.choice([[], 5, "pt", {"k": 1}, None])
+            if how in ("flip", "length", "garbage"):
+                raw = bytearray((src / f).read_bytes())
+                if how == "flip":
+                    for _ in range(rng.randint(1, 4)):
+                        raw[rng.randrange(8, 8 + struct.unpack("<Q", raw[:8])[0])] = rng.randrange(256)
+                elif how == "length":
+                    raw[:8] = struct.pack("<Q", rng.choice([0, 1, 7, len(raw), 1 << 63, rng.randrange(len(raw))]))
+                else:
+                    raw += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+                (src / f).write_bytes(bytes(raw))
+            else:
+                write_raw(src / f, header, data)
+            done.append(f"{f}: header {how}")
+        else:
+            plant = rng.choice(["file symlink out", "dangling symlink", "folder symlink", "fifo"])
+            if not any(d.startswith("planted") for d in done):  # (one at most)
+                done.append(f"planted {_plant(src, sandbox, plant)}")
+    return done
+
+
+def _outside_out(snap: dict) -> dict:
+    return {k: v for k, v in snap.items() if not k.startswith("out/") and k != "out/"}
+
+
+@pytest.mark.slow
+def test_fuzzed_checkpoint_folders_never_touch_a_file_outside_the_output(built, tmp_path_factory, capfd):
+    """~50 seeded cases: exit 0, 1 or 2 (never 3), no file outside OUT changed or created, and an
+    output (exit 0) whose every shard safetensors opens, tensor by tensor."""
+    import signal
+
+    from safetensors import safe_open
+
+    def hung(*_):  # (a FIFO opened would block forever)
+        raise TimeoutError("a fold took over 60 s: blocked on a FIFO?")
+
+    codes = []
+    for seed in range(50):
+        rng = random.Random(seed)
+        sandbox = tmp_path_factory.mktemp(f"fuzz{seed}")
+        src = Path(shutil.copytree(built, sandbox / "in"))
+        (sandbox / "outside").mkdir()
+        first = shard_files(src)[0]
+        shutil.copy(src / first, sandbox / "outside" / "secret.safetensors")
+        shutil.copy(src / first, sandbox / "victim.safetensors")
+        done = _mutate(rng, sandbox, src)
+        before = snapshot(sandbox)
+        old = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(60)
+        try:
+            rc, _, err = cli(capfd, "fold", src, "-o", sandbox / "out", "--jobs", "1",
+                             *(["--no-verify"] if rng.random() < 0.3 else []))
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+        what = f"seed {seed}: {done}: exit {rc}: {err.strip()}"
+        codes.append(rc)
+        assert rc in (0, 1, 2) and "Traceback" not in err, what
+        after = snapshot(sandbox)
+        assert _outside_out(after) == before, what
+        assert not [k for k in after if ".lnfold-" in k], what
+        if rc:
+            assert len(err.strip().splitlines()) == 1 and not (sandbox / "out").exists(), what
+            continue
+        for shard in (sandbox / "out").rglob("*.safetensors"):
+            with safe_open(str(shard), framework="pt") as f:
+                for k in f.keys():
+                    f.get_tensor(k)
+        shutil.rmtree(sandbox)
+    assert codes.count(2) > 10 and codes.count(0) > 5, codes  # (the fuzz reaches both: it is not all refusals)
