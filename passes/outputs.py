@@ -96,7 +96,7 @@ def folder_files(folder) -> list[str]:
                     mode = os.stat(e.path).st_mode
                     ok = _within(Path(e.path), folder)
                 except (OSError, RuntimeError):
-                    refuse(rel, f"a symlink to {os.readlink(e.path)!r}, which does not exist")
+                    refuse(rel, f"a symlink to {os.readlink(e.path)!r}, which does not exist (or loops)")
                 if not ok:
                     refuse(rel, f"a symlink to {Path(e.path).resolve()}, outside {folder}")
                 if not stat.S_ISREG(mode):
