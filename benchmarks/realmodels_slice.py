@@ -117,8 +117,8 @@ def macs(model: onnx.ModelProto, feeds: dict) -> int:
 
 def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, log):
     """(label, sliced model, SliceReport) for every basis choice and fraction, as each is made."""
-    feeds, held = approx_io.calibration_split(model, real.calibration, real.heldout)
-    frontend = ReusedFold(onnx_slice.slicing_frontend(model, targets.resolve("ort", "cpu"), feeds, held, None))
+    data = approx_io.calibration_data(model, real.calibration, real.heldout)
+    frontend = ReusedFold(onnx_slice.slicing_frontend(model, targets.resolve("ort", "cpu"), data, None))
     for basis, per_block in bases.items():  # the same exact fold and capture for both
         for f in fractions:
             t0 = time.time()

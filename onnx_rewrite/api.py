@@ -20,7 +20,6 @@ from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
 from ..passes import approx, geometry
 from ..passes.approx import METADATA_KEY as APPROX_KEY, MODE as APPROX_MODE
-from ..passes.calibration import Data
 
 from . import approx as approx_io
 from . import read, subgraphs, targets, validate, write
@@ -218,8 +217,8 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     view, plan = folds.plan(make_plan)
     report = plan.report
     if calibration is not None or angles:
-        feeds, synthetic = approx_io.feeds_for(model, calibration, dims)
-        measured = geometry.measure(folds, view, report.verdicts(), [feeds], make_plan, synthetic=synthetic)
+        rows, synthetic = approx_io.rows_for(model, calibration, dims)
+        measured = geometry.measure(folds, view, report.verdicts(), rows.runs(), make_plan, synthetic=synthetic)
         report = dataclasses.replace(report, geometry=measured)
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
@@ -318,16 +317,11 @@ def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, me
     folds that differ only in the kept norms swapped. Written to `output` when given."""
     approx.check_budget(budget)
     approx.check_calibration(calibration)
-    feeds, held = approx_io.calibration_split(model, calibration, heldout)
-    folds = OnnxFolds(model, FoldOptions(defer=defer, verify=verify), targets.resolve(target, device), inputs=feeds,
-                      progress=progress, written=dict(output=output, source=source, layout=layout))
-    return approx.swap_within_budget(folds, calibration_data(feeds, held), budget, make_plan, metric=metric,
-                                     progress=progress)
-
-
-def calibration_data(feeds: dict, held: Optional[dict]) -> Data:
-    """One batch of calibration feeds and its held-out batch (calibration_split's) as passes/calibration.Data."""
-    return Data([feeds], None if held is None else [held])
+    data = approx_io.calibration_data(model, calibration, heldout)
+    folds = OnnxFolds(model, FoldOptions(defer=defer, verify=verify), targets.resolve(target, device),
+                      inputs=data.deciding[0], progress=progress, written=dict(output=output, source=source,
+                                                                                layout=layout))
+    return approx.swap_within_budget(folds, data, budget, make_plan, metric=metric, progress=progress)
 
 
 class OnnxFolds:

@@ -10,6 +10,7 @@ most likely first; the caller runs the model on each until one works.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..passes import LnfoldError
+from ..passes.calibration import Rows
 from .shapes import dims_of
 
 # ops that pass an index tensor through unchanged in value (maybe reshaped)
@@ -316,6 +318,27 @@ def check_feeds(feeds: dict, model: onnx.ModelProto, where: str = "inputs") -> d
                               f"{[d if d else '?' for d in dims]}")
         out[name] = arr
     return out
+
+
+def model_batch(model: onnx.ModelProto) -> Optional[int]:
+    """The batch size fixed by the model's export (every input's first dim, the same number), or None."""
+    firsts = {s.dims[0] if s.dims else None for s in graph_inputs(model)}
+    (b,) = firsts if len(firsts) == 1 else (None,)
+    return b if isinstance(b, int) and b > 0 else None
+
+
+def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
+    """The user's rows (an .npz path or a dict of arrays) for `model`, checked against its inputs.
+    A model with a fixed batch b is fed b rows per run: any count of at least b is taken, the rows
+    after the last whole batch dropped (and said: passes/calibration.Rows)."""
+    if isinstance(src, (str, os.PathLike)):
+        feeds, what = read_npz(src), str(src)
+    else:
+        feeds = {k: np.asarray(v) for k, v in dict(src).items()}
+    batch = model_batch(model)
+    rows = Rows.of(feeds, batch, what)
+    check_feeds(rows.runs()[0], model, what)  # names, types and shapes, on one run
+    return rows
 
 
 def parse_dims(items) -> dict[str, int]:

@@ -12,8 +12,8 @@ the fold's basis changes stay float; the report names those and their share of t
 
 Quantization is NOT exact. The result's report (quantize_report.py) says so, and says by how much
 (relative RMS and max relative error per output): the quantized model against the float original
-on the user's rows — `inputs`, else the `calibrate` rows (the last quarter held out of static
-calibration) — or, only without either, on made-up inputs, which the report says are not the
+on the user's rows — `inputs`, else the `calibrate` rows (the second half held out of static
+calibration: passes/calibration's one held-out rule) — or, only without either, on made-up inputs, which the report says are not the
 user's data. Rows are fed in the model's own batch size (`Rows`). So do the model's metadata and
 the command's output. `rotate="auto"` quantizes each of AUTO_CANDIDATES and keeps the lowest error
 on those rows (issue 33: on DINOv2 rotation pays for int8 and hurts weight-only int4).
@@ -35,8 +35,10 @@ import numpy as np
 import onnx
 
 from ..passes import FoldResult, LnfoldError, NothingToFold
+from ..passes.calibration import Rows
 from ..passes.options import ROTATIONS
 from ..passes.weights import max_rel_err
+from . import approx as approx_io
 from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
@@ -47,8 +49,8 @@ from .write import is_large
 
 WEIGHTS = ("int8", "int4")
 ACTIVATIONS = ("int8",)
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # int4 (MLAS MlasQuantizeBlockwise: no other)
 AUTO = "auto"  # --rotate auto: the best of AUTO_CANDIDATES on the user's rows
-CALIBRATION_BATCH = 8  # rows per run where the model's batch axis is free
 METADATA_KEY = "lnfold.quantize"
 # --rotate auto's candidates, simplest first (a tie keeps the earlier): prepare() options. The
 # model as given is one of them, so that the choice is never worse than onnxruntime alone on the
@@ -93,8 +95,10 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
                           "(API: calibrate=), representative inputs, one array per model input")
     if rotate is not None and rotate not in ROTATIONS + (AUTO,):
         raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS + (AUTO,))}")
-    if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
-        raise LnfoldError(f"block size {block_size}: a power of two, at least 16 (onnxruntime's MatMulNBits)")
+    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:  # MLAS refuses others (an internal error)
+        sizes = ", ".join(map(str, BLOCK_SIZES))
+        raise LnfoldError(f"block size {block_size}: a power of two from 16 to 256 ({sizes}: what onnxruntime's "
+                          "MatMulNBits quantizer takes)")
     if block_size != 128 and weights != "int4":
         raise LnfoldError("--block-size is for int4 weights")
     if not isinstance(seed, int) or seed < 0:
@@ -148,64 +152,6 @@ def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) 
         record(prepared.fold, check_equivalent(model, prepared.model, inputs=inputs, dims=dims))
 
 
-# --- rows: the user's arrays, fed in the model's own batch size ------------------------------------
-
-@dataclass
-class Rows:
-    """The user's arrays (input -> array), rows along the first axis, and the batch the model takes:
-    `batch` rows per run (its fixed batch size), or None where its batch axis is free."""
-
-    feeds: dict
-    batch: Optional[int]
-
-    @property
-    def count(self) -> Optional[int]:
-        """The rows, where every array shares its first axis; None otherwise (one run of everything)."""
-        n = {a.shape[0] if a.ndim else -1 for a in self.feeds.values()}
-        return n.pop() if len(n) == 1 and min(n) >= 0 else None
-
-    def runs(self) -> list[dict]:
-        """The feeds, `batch` rows at a time (CALIBRATION_BATCH where the batch axis is free)."""
-        n, step = self.count, self.batch or CALIBRATION_BATCH
-        if n is None or n <= step:
-            return [self.feeds]
-        return [{k: v[i:i + step] for k, v in self.feeds.items()} for i in range(0, n, step)]
-
-    def split(self, held: int) -> tuple["Rows", "Rows"]:
-        """(the first rows, the last `held` rows)."""
-        n = self.count
-        return (Rows({k: v[:n - held] for k, v in self.feeds.items()}, self.batch),
-                Rows({k: v[n - held:] for k, v in self.feeds.items()}, self.batch))
-
-    def describe(self) -> str:
-        return ", ".join(f"{k} {list(v.shape)}" for k, v in self.feeds.items())
-
-
-def model_batch(model: onnx.ModelProto) -> Optional[int]:
-    """The batch size fixed by the model's export (every input's first dim, the same number), or None."""
-    firsts = {i.dims[0] if i.dims else None for i in synth.graph_inputs(model)}
-    (b,) = firsts if len(firsts) == 1 else (None,)
-    return b if isinstance(b, int) and b > 0 else None
-
-
-def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
-    """The user's arrays (an .npz path or a dict), checked against the model. A model with a fixed
-    batch b takes any multiple of b rows: they are fed b at a time."""
-    if isinstance(src, (str, os.PathLike)):
-        feeds, what = synth.read_npz(src), str(src)
-    else:
-        feeds = {k: np.asarray(v) for k, v in dict(src).items()}
-    rows = Rows(feeds, model_batch(model))
-    b, n = rows.batch, rows.count
-    if b is None or n == b:
-        return Rows(synth.check_feeds(feeds, model, what), b)
-    if n is None or n % b:
-        raise LnfoldError(f"{what}: {'arrays with different first axes' if n is None else f'{n} rows'}; the model "
-                          f"takes batches of {b} (fixed by its export): give a multiple of {b} rows")
-    synth.check_feeds({k: v[:b] for k, v in feeds.items()}, model, what)  # shapes and types, one batch
-    return rows
-
-
 def _calibration_reader(rows: Rows):
     """onnxruntime's CalibrationDataReader over the user's rows, in the model's batch size."""
     from onnxruntime.quantization import CalibrationDataReader
@@ -226,11 +172,11 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
                   calibration: Optional[Rows] = None, block_size: int = 128,
                   per_channel: bool = False, quantize_basis_changes: bool = False) -> onnx.ModelProto:
     """onnxruntime's quantizer for the scheme, on the linear layers of `prepared` (not edited).
-    `calibration`: Rows (or a dict of arrays, fed CALIBRATION_BATCH rows at a time). The fold's
+    `calibration`: Rows (or a dict of arrays, fed as `Rows.runs` feeds them). The fold's
     basis changes stay float (`quantize_basis_changes`: quantized too, only to measure what that
     costs)."""
     if calibration is not None and not isinstance(calibration, Rows):
-        calibration = Rows(dict(calibration), None)
+        calibration = Rows(dict(calibration))
     nodes = linear_layers(prepared, with_basis_changes=quantize_basis_changes)
     if not nodes:
         branches = any(a.type == onnx.AttributeProto.GRAPH for n in prepared.graph.node for a in n.attribute)
@@ -313,15 +259,11 @@ def _is_scores(output: str) -> bool:
 
 
 def _outputs(model: onnx.ModelProto, rows: Rows) -> tuple[list[str], list[np.ndarray]]:
-    """The model's outputs on every row, run after run, joined along the batch axis."""
+    """The model's output names, and its outputs on every row (approx.run: run by run, joined)."""
     try:
-        sess = verify.session(model)
-        runs = [sess.run(None, feeds) for feeds in rows.runs()]
+        return [o.name for o in model.graph.output], approx_io.run(model, rows.runs())
     except Exception as e:
         raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
-    joined = [np.concatenate(parts) if len(runs) > 1 and parts[0].ndim else parts[0]
-              for parts in (list(p) for p in zip(*runs))]
-    return [o.name for o in sess.get_outputs()], joined
 
 
 def rel_rms(ref: np.ndarray, got: np.ndarray) -> float:
@@ -352,7 +294,7 @@ def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
 def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
     """Inputs the verification makes up (verify.original_run), as Rows."""
     _, feeds, _ = verify.original_run(original, dims=dims)
-    return Rows(feeds, None)
+    return Rows(feeds)
 
 
 def score(errors: dict) -> float:
@@ -373,11 +315,11 @@ class Measured:
 
 
 def measurement_rows(model: onnx.ModelProto, inputs, calibrate, activations: Optional[str], dims) -> Measured:
-    """--inputs when given; else the --calibrate rows (static activations: the last quarter held out
-    of calibration); else made-up inputs, said to be."""
-    calibration = load_rows(calibrate, model, "calibration inputs") if calibrate is not None else None
+    """--inputs when given; else the --calibrate rows (static activations: held out of calibration
+    by the one rule, passes/calibration.Rows.split); else made-up inputs, said to be."""
+    calibration = synth.load_rows(calibrate, model, "calibration inputs") if calibrate is not None else None
     if inputs is not None:
-        rows = load_rows(inputs, model, "inputs")
+        rows = synth.load_rows(inputs, model, "inputs")
         return Measured(rows, f"your inputs ({rows.describe()})", calibration, rows.runs()[0])
     if calibration is None:
         rows = made_up_rows(model, dims)
@@ -385,12 +327,10 @@ def measurement_rows(model: onnx.ModelProto, inputs, calibrate, activations: Opt
                         "far larger; give --inputs or --calibrate", None, None)
     if activations is None:  # nothing calibrates: every row measures
         return Measured(calibration, f"your --calibrate rows ({calibration.describe()})", None, calibration.runs()[0])
-    unit = calibration.batch or 1
-    n = calibration.count
-    if n is None or n < 2 * unit:
+    fit, held = calibration.split()
+    if held is None:
         return Measured(calibration, f"the calibration rows themselves ({calibration.describe()}; too few to hold "
                         "any out: give --inputs for an independent figure)", calibration, calibration.runs()[0])
-    fit, held = calibration.split(max(1, n // unit // 4) * unit)
     return Measured(held, f"{held.count} held-out --calibrate rows ({held.describe()}), not used to calibrate; "
                     f"calibrated on the other {fit.count}", fit, held.runs()[0], calibration)
 
@@ -404,8 +344,8 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     `weights` "int8" (with `activations=None`: onnxruntime's quantize_dynamic) or "int4"
     (MatMulNBitsQuantizer, weight-only, `block_size` along K); `activations="int8"` with
     int8 weights: quantize_static, QDQ, calibrated on `calibrate` (an .npz path or a dict
-    name -> array; rows along the first axis, fed in the model's batch size; the last quarter is
-    held out to measure the error unless `inputs` are given). `per_channel`: onnxruntime's
+    name -> array; rows along the first axis, fed in the model's batch size; the second half is
+    held out to measure the error unless `inputs` are given: passes/calibration's one rule). `per_channel`: onnxruntime's
     per-channel int8 weights. `rotate` ("hadamard", "orthogonal", their "-keep-ln" variants,
     seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
     (`gamma_into_readers`, default: with a rotation that rotates a stream); `rotate="auto"` tries

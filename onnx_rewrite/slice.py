@@ -3,18 +3,17 @@ passes/slicer.py runs the steps: exact fold, capture, bases, sliced fold, error)
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import onnx
 
 from ..passes import make_plan
 from ..passes import slicing
 from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
+from ..passes.calibration import Data
 from ..passes.options import FoldOptions
 from . import approx as approx_io
 from . import targets
-from .api import OnnxFolds, Progress, as_model, calibration_data, stamp
+from .api import OnnxFolds, Progress, as_model, stamp
 
 
 def parameters(model: onnx.ModelProto) -> int:
@@ -25,10 +24,11 @@ def parameters(model: onnx.ModelProto) -> int:
     return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)
 
 
-def slicing_frontend(model: onnx.ModelProto, target, feeds: dict, held: Optional[dict], progress: Progress) -> Slicing:
-    """passes/slicer's steps over ONNX: one validation of the model, folds run in onnxruntime."""
-    folds = OnnxFolds(model, FoldOptions(gamma_into_readers=True), target, inputs=feeds, progress=progress)
-    return Slicing(folds, calibration_data(feeds, held), lambda result: parameters(result.model))
+def slicing_frontend(model: onnx.ModelProto, target, data: Data, progress: Progress) -> Slicing:
+    """passes/slicer's steps over ONNX: one validation of the model, folds run in onnxruntime (and
+    verified on the first deciding run)."""
+    folds = OnnxFolds(model, FoldOptions(gamma_into_readers=True), target, inputs=data.deciding[0], progress=progress)
+    return Slicing(folds, data, lambda result: parameters(result.model))
 
 
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",
@@ -44,8 +44,8 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     fraction, budget = check_request(fraction, budget)
     slicing.check_calibration(calibration)
     model = as_model(model)
-    feeds, held = approx_io.calibration_split(model, calibration, heldout)
-    exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), feeds, held, progress),
+    data = approx_io.calibration_data(model, calibration, heldout)
+    exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), data, progress),
                                        fraction, make_plan, budget, per_block)
     stamp(sliced.model, slicing.METADATA_KEY, report.metadata())
     return SliceResult(report, exact, model=sliced.model)

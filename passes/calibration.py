@@ -1,7 +1,7 @@
 """Calibration, one phase of the pipeline (DESIGN §2, "Calibration, one phase"): the approximate swap,
-slicing and the geometry figures run calibration data through a model and its folds over the same
-two pieces, `Folds` (one per IR: onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds) and `split`,
-the one held-out rule.
+slicing, the geometry figures and quantization run calibration data through a model and its folds
+over the same pieces: `Folds` (one per IR: onnx_rewrite/api.OnnxFolds, fx_rewrite/api.ExportFolds),
+`Rows` (arrays fed in the model's own batch) and `deciding_units`, the one held-out rule.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
+from .errors import LnfoldError
 from .options import FoldOptions
 from .pipeline import Frontend, Planner
 from .plan import Plan
@@ -23,45 +24,103 @@ class Data:
 
     deciding: list  # the batches a decision is made on
     held: Optional[list] = None  # the batches that only report (None: nothing held out)
+    dropped: str = ""  # rows left out, said where the rows are ("" : none)
+
+
+def deciding_units(units: int) -> int:
+    """THE held-out rule, for every calibrated decision (the approximate swap, slicing, `--budget`,
+    quantization's measurement and `--rotate auto`): of `units` (batches, or rows where one batch
+    holds them all) the first half, rounded up, decide and the rest only report; all of them decide
+    where there are fewer than two (nothing is held out: the report says so)."""
+    return units if units < 2 else (units + 1) // 2
 
 
 def split(batches: list, rows: Callable[[Any], Optional[int]], cut: Callable[[Any, int, Optional[int]], Any],
           heldout: Optional[list] = None) -> Data:
-    """The one held-out rule over `batches`: two or more, the first half of them (rounded up) decide and
-    the rest only report; one, the first half of its rows (rounded up); nothing held out from a single
-    row or inputs that share no batch axis; `heldout` given: used as given. `rows(batch)` is a batch's
-    shared first-axis size (None: none), `cut(batch, lo, hi)` its rows [lo, hi): each IR's own."""
+    """`deciding_units` over `batches`: two or more, by batch; one, by its rows; nothing held out from
+    inputs that share no batch axis; `heldout` given: used as given. `rows(batch)` is a batch's shared
+    first-axis size (None: none), `cut(batch, lo, hi)` its rows [lo, hi): each IR's own."""
     if heldout is not None:
         return Data(batches, heldout)
     if len(batches) >= 2:
-        h = (len(batches) + 1) // 2
+        h = deciding_units(len(batches))
         return Data(batches[:h], batches[h:])
     (batch,) = batches
     n = rows(batch)
-    if n is None or n < 2:
+    h = deciding_units(n or 0)
+    if n is None or h == n:
         return Data(batches)
-    h = (n + 1) // 2
     return Data([cut(batch, 0, h)], [cut(batch, h, None)])
 
 
-def batch_rows(feeds: dict) -> Optional[int]:
-    """The first axis all named arrays share (the batch), or None when they do not share one."""
-    sizes = {np.shape(a)[0] for a in feeds.values() if np.ndim(a) >= 1}
-    return sizes.pop() if len(sizes) == 1 and all(np.ndim(a) >= 1 for a in feeds.values()) else None
+RUN_ROWS = 16  # rows per run where the model's batch is free (memory: a run keeps each captured value)
 
 
-def cut_rows(feeds: dict, lo: int, hi: Optional[int]) -> dict:
-    """The rows [lo, hi) of every named array."""
-    return {k: a[lo:hi] for k, a in feeds.items()}
+@dataclass(frozen=True)
+class Rows:
+    """Calibration rows: the user's arrays by input name, rows along the first axis, and the batch
+    the model takes. A model whose export fixed its batch at b (Whisper's encoder as Optimum exports
+    it: [1, 80, 3000]) is fed b rows per run; where the batch is free, at most RUN_ROWS per run.
+    `dropped`: rows after the last whole batch, left out (and said: `describe`)."""
 
+    feeds: dict
+    batch: Optional[int] = None
+    dropped: int = 0
 
-def chunks(feeds: dict, rows: int = 16) -> list[dict]:
-    """Named arrays cut along the batch axis into pieces of at most `rows` (memory: a run keeps each
-    captured value); whole where they share no batch axis."""
-    n = batch_rows(feeds)
-    if n is None or n <= rows:
-        return [feeds]
-    return [cut_rows(feeds, i, i + rows) for i in range(0, n, rows)]
+    @staticmethod
+    def of(feeds: dict, batch: Optional[int], what: str) -> "Rows":
+        """The rows of `feeds` for a model of fixed `batch` (None: free): whole batches, the rest
+        dropped; fewer rows than one batch is a one-line LnfoldError."""
+        rows = Rows(dict(feeds), batch)
+        n = rows.count
+        if batch is None or n == batch:
+            return rows
+        if n is None:
+            raise LnfoldError(f"{what}: the arrays have different first axes ({rows.describe()}); the model takes "
+                              f"batches of {batch} rows (fixed by its export)")
+        if n < batch:
+            raise LnfoldError(f"{what}: {n} row(s); the model takes batches of {batch} (fixed by its export): "
+                              f"give at least {batch}")
+        keep = n - n % batch
+        return Rows({k: v[:keep] for k, v in rows.feeds.items()}, batch, n - keep)
+
+    @property
+    def count(self) -> Optional[int]:
+        """The rows, where every array shares its first axis; None otherwise (one run of everything)."""
+        n = {np.shape(a)[0] if np.ndim(a) else -1 for a in self.feeds.values()}
+        return n.pop() if len(n) == 1 and min(n) >= 0 else None
+
+    def runs(self) -> list[dict]:
+        """The feeds, `batch` rows per run (RUN_ROWS at most where the batch is free)."""
+        n, step = self.count, self.batch or RUN_ROWS
+        if n is None or n <= step:
+            return [self.feeds]
+        return [self.cut(i, i + step).feeds for i in range(0, n, step)]
+
+    def cut(self, lo: int, hi: Optional[int]) -> "Rows":
+        return Rows({k: v[lo:hi] for k, v in self.feeds.items()}, self.batch, self.dropped)
+
+    def split(self) -> tuple["Rows", Optional["Rows"]]:
+        """(the rows that decide, the rows held out to report: None where nothing is), by
+        `deciding_units` over whole batches (over rows where the batch is free)."""
+        n, unit = self.count, self.batch or 1
+        if n is None:
+            return self, None
+        h = deciding_units(n // unit) * unit
+        return (self, None) if h >= n else (self.cut(0, h), self.cut(h, None))
+
+    def data(self, heldout: Optional["Rows"] = None) -> Data:
+        """As `Data`, run by run: `heldout` given, every row decides and it reports; else `split`."""
+        deciding, held = (self, heldout) if heldout is not None else self.split()
+        return Data(deciding.runs(), None if held is None else held.runs(), self.dropped_note())
+
+    def dropped_note(self) -> str:
+        return (f"the last {self.dropped} row(s) dropped: the model takes whole batches of {self.batch} (fixed by "
+                "its export)") if self.dropped else ""
+
+    def describe(self) -> str:
+        return "; ".join([", ".join(f"{k} {list(np.shape(v))}" for k, v in self.feeds.items())] +
+                         ([self.dropped_note()] if self.dropped else []))
 
 
 class Recorded:

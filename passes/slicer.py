@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
-from . import calibration, edits
+from . import calibration, edits, search
 from .approx import check_budget, relative_error
 from .calibration import Data, Folds, Recorded
 from .errors import LnfoldError
@@ -52,6 +52,7 @@ class Slicing:
         self.measured = data.held if data.held is not None else data.deciding  # where the error is measured
         self.rows = (f"{folds.rows(data.held)} held-out row(s)" if data.held is not None else
                      f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)")
+        self.rows += f"; {data.dropped}" if data.dropped else ""
 
     def exact(self, planner: Recorded) -> FoldResult:
         """The verified exact fold with γ in the readers."""
@@ -152,21 +153,17 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
 
 def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldResult, SliceReport]:
     """The attempt at the largest fraction of GRID whose error is <= budget (the exact fold and its
-    capture made once): the smallest first (over: refused), then the largest (within: done), then
-    bisection between, which assumes the error grows with F (as the deleted directions' energy does)."""
+    capture made once), by `search.largest_within`: the smallest first (over: refused), then the
+    largest (within: done), then bisection between, which assumes the error grows with F (as the
+    deleted directions' energy does)."""
     tried: dict[int, tuple[FoldResult, SliceReport]] = {}
 
     def within(i: int) -> bool:
         tried[i] = attempt(GRID[i])
         return tried[i][1].error <= budget
 
-    fits, fails = -1, len(GRID)  # indices known within / over the budget
-    for i in (0, len(GRID) - 1):
-        if fits + 1 < fails:
-            fits, fails = (i, fails) if within(i) else (fits, i)
-    while fails - fits > 1:
-        mid = (fits + fails) // 2
-        fits, fails = (mid, fails) if within(mid) else (fits, mid)
+    found = search.largest_within(len(GRID), within)
+    fits, fails = found.fits, found.fails
     deletes = fits >= 0 and any(s.sliced and s.keep < s.dim for s in tried[fits][1].streams)
     if not deletes:
         over = tried[fails][1]

@@ -166,21 +166,22 @@ def test_the_one_heldout_rule_in_both_frontends():
     import torch
 
     from lnfold.fx_rewrite import calibration as fx_calibration
-    from lnfold.onnx_rewrite.approx import calibration_split
+    from lnfold.onnx_rewrite.approx import calibration_data
     from tests.geometry_models import ids, onnx_model
 
     model, x = onnx_model(), ids(5)
-    decide, held = calibration_split(model, {"ids": x.numpy()})
+    data = calibration_data(model, {"ids": x.numpy()})
+    (decide,), (held,) = data.deciding, data.held
     torch_split = fx_calibration.split([(x,)], None)
     assert len(decide["ids"]) == len(torch_split.deciding[0][0]) == 3
     assert len(held["ids"]) == len(torch_split.held[0][0]) == 2
     np.testing.assert_array_equal(held["ids"], torch_split.held[0][0].numpy())
-    assert calibration_split(model, {"ids": x[:1].numpy()})[1] is None
+    assert calibration_data(model, {"ids": x[:1].numpy()}).held is None
     assert fx_calibration.split([(x[:1],)], None).held is None
     three = fx_calibration.split([(x[:1],), (x[1:2],), (x[2:],)], None)
     assert len(three.deciding) == 2 and len(three.held) == 1 and torch.equal(three.held[0][0], x[2:])
-    given = calibration_split(model, {"ids": x.numpy()}, {"ids": x[:1].numpy()})
-    assert len(given[0]["ids"]) == 5 and len(given[1]["ids"]) == 1
+    given = calibration_data(model, {"ids": x.numpy()}, {"ids": x[:1].numpy()})
+    assert len(given.deciding[0]["ids"]) == 5 and len(given.held[0]["ids"]) == 1
     assert fx_calibration.split([(x,)], [(x[:1],)]).deciding == [(x,)]
 
 

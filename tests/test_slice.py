@@ -30,13 +30,13 @@ from tests.onnx_graphs import INT64, VOCAB, Builder
 D, T = 16, 5
 
 
-def stream_model(span=None, readout=False, seed=0) -> onnx.ModelProto:
+def stream_model(span=None, readout=False, seed=0, batch="batch") -> onnx.ModelProto:
     """ids [batch, T] -> embedding + positions -> 2 pre-LN blocks (a Reshape to [-1, T, d] on the
     stream between them) -> final LN -> lm head (or, `readout`, the final LN's output itself).
     `span`: every writer's output side lies in one `span`-dimensional subspace of the d features
-    (so does the centered stream)."""
+    (so does the centered stream). `batch`: a number fixes it, as an exporter with a fixed batch does."""
     b = Builder(seed, np.float64)
-    ids = b.input("ids", INT64, ["batch", T])
+    ids = b.input("ids", INT64, [batch, T])
     rng = np.random.default_rng(seed + 7)
     onto = None if span is None else np.linalg.qr(rng.standard_normal((D, span)))[0]  # d x span, orthonormal
 
@@ -55,7 +55,7 @@ def stream_model(span=None, readout=False, seed=0) -> onnx.ModelProto:
             h = b.op("Reshape", [h, b.const("shape", np.array([-1, T, D], np.int64))])
     n = b.layernorm(h, D)
     y = n if readout else b.op("MatMul", [n, b.weight("head", (D, VOCAB))])
-    b.output(y, shape=["batch", T, D if readout else VOCAB])
+    b.output(y, shape=[batch, T, D if readout else VOCAB])
     return b.model(17)
 
 
@@ -385,8 +385,8 @@ def _sequential_pieces(model: onnx.ModelProto, fraction: float):
     from lnfold.onnx_rewrite.slice import slicing_frontend
     from lnfold.passes.calibration import Recorded
 
-    feeds, held = approx_io.calibration_split(model, calibration(), None)
-    frontend = slicing_frontend(model, targets.resolve("ort", "cpu"), feeds, held, None)
+    frontend = slicing_frontend(model, targets.resolve("ort", "cpu"), approx_io.calibration_data(model, calibration()),
+                                None)
     recorded = Recorded(plan_module.make_plan)
     captured = frontend.capture(frontend.exact(recorded), list(recorded.plan.needs))
     view, plan = recorded.view, recorded.plan
