@@ -47,7 +47,9 @@ def run_demo(layers: int = 4, hidden: int = 256, keep: str | None = None, second
     from ..onnx_rewrite.api import fold_model
     from ..onnx_rewrite.bench import describe, measure
     from ..onnx_rewrite.write import save
+    from ..passes.options import check_seconds
 
+    check_seconds(seconds)  # before the export (the command line checked it as it read it)
     t0 = time.perf_counter()
     print(f"lnfold demo: GPT-2 with {layers} layers, width {hidden}, random weights made adversarial "
           "(randomized γ/β, large-mean embeddings and biases, so that a missed centering would show)")

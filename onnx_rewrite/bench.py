@@ -19,6 +19,7 @@ from typing import Optional
 
 
 from ..passes import LnfoldError
+from ..passes.options import check_seconds, check_threads
 from .timing import MARGIN, compare_repeats, describe_ratio, interleaved, summary
 
 # Ops whose kernels compute a norm, before (LayerNormalization) and after (the RMS forms) the fold.
@@ -142,8 +143,8 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     from .read import load
     from .verify import original_run
 
-    if threads < 0:
-        raise LnfoldError(f"--threads {threads}: give 0 (onnxruntime's default) or a positive count")
+    check_threads(threads)  # (the command line checked them as it read them: passes/options.py)
+    check_seconds(seconds)
     a, b = load(original, lazy=True), load(folded, lazy=True)
     if _signature(a) != _signature(b):
         raise LnfoldError(f"{original} and {folded} take different inputs ({_describe_inputs(a)} vs "

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..passes import LnfoldError, approx, pipeline
 from ..passes.approx import MODE as APPROX_MODE
-from ..passes.options import DEFER_POLICIES, MODES, ROTATIONS
+from ..passes.options import (DEFER_POLICIES, MODES, ROTATIONS, as_argument, check_output, check_seconds,
+                               check_threads)
 from .targets import DEVICES, names as target_names
 
 # Above this size the command reports its stages on stderr.
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                                  "folder (Optimum's encoder/decoder files: each ONNX file folded, the rest copied), or a "
                                  "transformers checkpoint folder (config.json + safetensors shards: folded shard by "
                                  "shard, for the stock class; needs torch)")
-    f.add_argument("-o", "--output",
+    f.add_argument("-o", "--output", type=as_argument(check_output),
                    help="where to write the folded model (default: X.folded.onnx beside X.onnx; for a folder "
                         "DIR, DIR.folded); a model with external data comes back with its data file")
     f.add_argument("--mode", choices=MODES + (APPROX_MODE,), default="rms",
@@ -116,10 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time a model against its folded copy in onnxruntime (CPU)")
     b.add_argument("original", help="the ONNX model before the fold")
     b.add_argument("folded", help="the folded model (`lnfold fold`'s output); it must take the same inputs")
-    b.add_argument("--threads", type=int, default=1,
+    b.add_argument("--threads", type=as_argument(check_threads, int), default=1,
                    help="onnxruntime intra-op threads for the end-to-end timing (default 1, the steadiest figure; "
                         "0: onnxruntime's default); the profiled norm kernels always run on 1")
-    b.add_argument("--seconds", type=float, default=8.0, help="about how long the end-to-end rounds run (default 8)")
+    b.add_argument("--seconds", type=as_argument(check_seconds, float), default=8.0,
+                   help="about how long the end-to-end rounds run (default 8)")
     b.add_argument("--inputs", metavar="FILE.npz", help="run on these inputs instead of made-up ones")
     b.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
@@ -134,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--hidden", type=int, default=256,
                    help="its width; one attention head per 64 features (default 256)")
     d.add_argument("--keep", metavar="DIR", help="write the original and folded models into DIR")
-    d.add_argument("--seconds", type=float, default=8.0, help="about how long the timing rounds run (default 8)")
+    d.add_argument("--seconds", type=as_argument(check_seconds, float), default=8.0,
+                   help="about how long the timing rounds run (default 8)")
     return p
 
 

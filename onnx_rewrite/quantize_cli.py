@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..passes import LnfoldError
+from ..passes.options import as_argument, check_output
 from .quantize import ACTIVATIONS, AUTO, ROTATIONS, WEIGHTS
 
 _DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their weights into the readers and "
@@ -41,7 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "quantize each, keep the lowest error on your rows (--inputs or --calibrate)")
     q.add_argument("--seed", type=int, default=0, help="the rotation's random seed (default 0)")
     q.add_argument("--block-size", type=int, default=128,
-                   help="int4: weights per quantization block along K (a power of two >= 16; default 128, "
+                   help="int4: weights per quantization block along K (16, 32, 64, 128 or 256; default 128, "
                         "onnxruntime's)")
     q.add_argument("--per-channel", action="store_true",
                    help="int8: one weight scale per output channel (onnxruntime's per_channel)")
@@ -85,7 +86,8 @@ def file_command(sub, name: str, made: str, help: str, description: str) -> argp
     """A subcommand from one ONNX file to another (quantize, slice): its input and -o arguments."""
     p = sub.add_parser(name, help=help, description=description)
     p.add_argument("input", help="the float ONNX model")
-    p.add_argument("-o", "--output", required=True, help=f"where to write the {made} model")
+    p.add_argument("-o", "--output", required=True, type=as_argument(check_output),
+                   help=f"where to write the {made} model")
     return p
 
 

@@ -4,8 +4,10 @@ emits (ONNX targets and devices, the torch `norm=`) is the frontend's to check, 
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import LnfoldError
 
@@ -55,3 +57,46 @@ class FoldOptions:
         check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
         if self.rotate is not None:
             object.__setattr__(self, "gamma_into_readers", True)
+
+
+# --- the command line's numbers and paths: checked as argparse reads them (`as_argument`), and by
+# the API functions that take them, before any model is read ---------------------------------------
+
+def check_threads(threads) -> int:
+    """onnxruntime intra-op threads: 0 (its default) up to the machine's logical cores (a million
+    made onnxruntime hang creating them; more threads than cores only make the timing noisy)."""
+    cores = os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= cores:
+        raise LnfoldError(f"{threads!r} threads: give 0 (onnxruntime's default) or a count up to this machine's "
+                          f"{cores} logical cores")
+    return threads
+
+
+def check_seconds(seconds) -> float:
+    """A duration: a finite number of seconds above 0 (nan, inf and negatives are no time to run for)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+            or seconds <= 0:
+        raise LnfoldError(f"{seconds!r} seconds: give a finite number of seconds above 0")
+    return float(seconds)
+
+
+def check_output(path: str) -> str:
+    """An -o path: not empty (an empty one was taken as no -o, and the default output written)."""
+    if not isinstance(path, str) or not path:
+        raise LnfoldError(f"{path!r} is an empty output path: give a file or folder name")
+    return path
+
+
+def as_argument(check: Callable, parse: Callable = str) -> Callable:
+    """An argparse `type=` from a check above: argparse's one-line usage error (exit 2) on a bad value."""
+    import argparse
+
+    def convert(text: str):
+        value = parse(text)  # (a ValueError: argparse's own "invalid int value: 'x'")
+        try:
+            return check(value)
+        except LnfoldError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
