@@ -11,6 +11,7 @@ import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 
 from ..passes.axes import Shape
+from ..passes.errors import LnfoldError
 from .read import is_lazy, read_external
 
 
@@ -78,7 +79,35 @@ def const_values(t) -> Optional[np.ndarray]:
         if v.tensor.data_type in _NUMPY_NATIVE:  # one copy of the bytes, read-only (load() copies it again)
             return numpy_helper.to_array(v.tensor)
         return v.load()  # (bf16 and the like: graphsurgeon's load casts them)
+    if isinstance(v, gs.ir.tensor.SparseValues):
+        return dense(v.tensor)
     return c.values
+
+
+def dense(sp: onnx.SparseTensorProto) -> np.ndarray:
+    """The dense array a sparse initializer stands for, in its values' dtype. (graphsurgeon's own
+    reading ignores raw_data and makes float64 zeros: β folded into a sparse bias became a float64
+    bias without its values, a model onnxruntime cannot load.) Indices that do not fit the shape
+    are the input's fault: a one-line LnfoldError."""
+    values = read_external(sp.values) if is_lazy(sp.values) else numpy_helper.to_array(sp.values)
+    indices = read_external(sp.indices) if is_lazy(sp.indices) else numpy_helper.to_array(sp.indices)
+    shape = tuple(int(d) for d in sp.dims)
+    out = np.zeros(shape, values.dtype)
+    try:
+        if any(d < 0 for d in shape) or values.ndim != 1 or indices.ndim not in (1, 2) \
+                or len(indices) != len(values) or (indices.ndim == 2 and indices.shape[1] != len(shape)):
+            raise ValueError("layout")
+        at = indices.astype(np.int64)
+        if at.size and (at.min() < 0 or (at.max(axis=0) >= (out.size if at.ndim == 1 else shape)).any()):
+            raise ValueError("range")
+        if at.ndim == 1:
+            out.reshape(-1)[at] = values
+        else:
+            out[tuple(at.T)] = values
+    except (ValueError, TypeError):
+        raise LnfoldError(f"sparse initializer `{sp.values.name}`: {values.size} values at indices of shape "
+                          f"{list(indices.shape)} do not fit its shape {list(shape)}") from None
+    return out
 
 
 _NUMPY_NATIVE = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.INT64,

@@ -73,6 +73,7 @@ def check_graph(model: onnx.ModelProto) -> None:
     failure (unknown shapes, a toposort error, onnxruntime refusing the folded model).
     """
     g = model.graph
+    check_initializer_names(g)
     provided = {i.name for i in g.input} | {t.name for t in g.initializer}
     provided |= {t.values.name for t in g.sparse_initializer}
     producer: dict[str, int] = {}
@@ -111,6 +112,23 @@ def check_graph(model: onnx.ModelProto) -> None:
     if placed != len(g.node):
         stuck = next(n for k, n in enumerate(g.node) if waiting[k] > 0)
         raise LnfoldError(f"the graph has a cycle (through node `{stuck.name or stuck.op_type}`): not a valid ONNX graph")
+
+
+def check_initializer_names(graph: onnx.GraphProto) -> None:
+    """No two initializers (dense or sparse) of `graph` or of a subgraph in it share a name:
+    onnx.checker refuses such a model, and which copy a reader gets is then anyone's guess."""
+    todo = [graph]
+    while todo:
+        g = todo.pop()
+        seen: set[str] = set()
+        for name in [t.name for t in g.initializer] + [t.values.name for t in g.sparse_initializer]:
+            if name in seen:
+                where = "" if g is graph else f" (in subgraph `{g.name}`)"
+                raise LnfoldError(f"initializer `{name}` is defined twice{where}: not a valid ONNX graph "
+                                  "(onnx.checker refuses it)")
+            seen.add(name)
+        todo.extend(sub for n in g.node for a in n.attribute
+                    for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs))
 
 
 def no_norm_message(model: onnx.ModelProto) -> str:
