@@ -17,9 +17,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from . import calibration
+from . import calibration, search
 from .calibration import Data, Folds, Planner, Recorded
 from .errors import LnfoldError, NothingToFold
+from .metric import relative_error  # the default metric (passes/metric.py)
 from .pipeline import Progress, stage
 from .result import FoldResult
 
@@ -57,21 +58,6 @@ def check_not_rotated(gamma_into_readers, rotate) -> None:
     if rotate is not None or gamma_into_readers:
         raise LnfoldError(f"--mode {MODE} is not combined with --gamma-into-readers or --rotate "
                           "(they need exactly folded norms)")
-
-
-def relative_error(reference: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> float:
-    """The worst output's ‖y' − y‖ / ‖y‖ (float64; non-float outputs are skipped)."""
-    worst = 0.0
-    for y, z in zip(reference, outputs):
-        y, z = np.asarray(y), np.asarray(z)
-        if not np.issubdtype(y.dtype, np.floating):
-            continue
-        y, z = y.astype(np.float64), z.astype(np.float64)
-        ok = np.isfinite(y)
-        den = float(np.linalg.norm(y[ok]))
-        num = float(np.linalg.norm(z[ok] - y[ok]))
-        worst = max(worst, num / den if den > 0 else num)
-    return worst
 
 
 @dataclass
@@ -120,29 +106,16 @@ class Selection:
 
 def choose(candidates: Iterable[str], error: Callable[[frozenset], float], budget: float,
            metric: str = "relative output error") -> Selection:
-    """Greedy by measured effect: each candidate alone, then smallest first, each kept only while
-    the error of everything chosen so far stays <= `budget` (measured, not added up)."""
+    """`search.greedy`: each candidate alone, then smallest first, each kept only while the error
+    of everything chosen so far stays <= `budget` (measured, not added up); budget 0: nothing measured."""
     budget = check_budget(budget)
-    sel = Selection(budget, metric)
-    candidates = list(dict.fromkeys(candidates))
-    if budget == 0:  # exact only: nothing is measured, nothing swapped
-        sel.refused = [Swap(n, float("nan"), reason="budget 0: exact folds only") for n in candidates]
-        return sel
-    alone = {n: error(frozenset([n])) for n in candidates}
-    chosen: list[str] = []
-    for n in sorted(candidates, key=lambda n: (not math.isfinite(alone[n]), alone[n])):
-        if not alone[n] <= budget:
-            sel.refused.append(Swap(n, alone[n], reason=f"alone it costs {alone[n]:.3g} > budget {budget:g}"))
-            continue
-        total = alone[n] if not chosen else error(frozenset(chosen + [n]))
-        if total <= budget:
-            sel.swapped.append(Swap(n, alone[n], total - sel.total, total))
-            sel.total = total
-            chosen.append(n)
-        else:
-            sel.refused.append(Swap(n, alone[n], total=total, reason=f"with the {len(chosen)} swapped before it the "
-                                                                     f"error would be {total:.3g} > budget {budget:g}"))
-    return sel
+    found = search.greedy(candidates, error, budget, chosen_word="swapped")
+
+    def swap(s: search.Step) -> Swap:
+        reason = "budget 0: exact folds only" if s.outcome == search.ZERO_BUDGET else s.reason
+        return Swap(s.name, s.alone, s.added, s.total, reason)
+
+    return Selection(budget, metric, [swap(s) for s in found.kept], [swap(s) for s in found.refused], found.total)
 
 
 def metric_name(metric: Optional[Metric]) -> str:

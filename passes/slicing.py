@@ -244,7 +244,7 @@ class SliceReport:
     streams: list[StreamSlice]
     params_before: int  # the exact fold's (which the original's equal)
     params_after: int
-    error: Optional[float] = None  # relative error against the exact fold (passes/approx.relative_error)
+    error: Optional[float] = None  # relative error against the exact fold (passes/metric.relative_error)
     error_rows: str = ""  # which rows it was measured on
     notes: list[str] = field(default_factory=list)
 
