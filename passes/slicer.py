@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from . import calibration, edits, search
-from .approx import check_budget, relative_error
+from .approx import check_budget
+from .metric import relative_error
 from .calibration import Data, Folds, Recorded
 from .errors import LnfoldError
 from .result import FoldResult
@@ -165,10 +166,10 @@ def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldRe
     found = search.largest_within(len(GRID), within)
     fits, fails = found.fits, found.fails
     deletes = fits >= 0 and any(s.sliced and s.keep < s.dim for s in tried[fits][1].streams)
-    if not deletes:
-        over = tried[fails][1]
+    if not deletes:  # (every fraction within: the largest, which deleted nothing, is said)
+        said = tried[fails if fails < len(GRID) else fits][1]
         raise LnfoldError(f"no slicing that deletes a feature keeps the error within the budget {budget:g} "
-                          f"(F={over.fraction:g} gives {over.error:.3e} on {rows})")
+                          f"(F={said.fraction:g} gives {said.error:.3e} on {rows})")
     sliced, report = tried[fits]
     steps = ", ".join(f"F={GRID[i]:g}: {r.error:.2e}" for i, (_, r) in sorted(tried.items()))
     report.notes.append(f"budget {budget:g}: F={report.fraction:g} is the largest fraction of {GRID[0]:g}, "

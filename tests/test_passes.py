@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from lnfold.passes import View, compute_constants, make_plan
 from lnfold.passes.plan import AddWeightTimes, Center, ConstEdit, FoldDecompression, Identity, Ones, Project, Recenter, Scale
@@ -384,3 +385,35 @@ def test_runs_without_onnx_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 12
+
+
+def _fake_slices(error, deletes=True):
+    """A slicer attempt over no frontend: fraction -> (a stand-in fold, a report with `error(F)`)."""
+    from types import SimpleNamespace
+
+    from lnfold.passes.slicing import SliceReport
+
+    def attempt(f):
+        streams = [SimpleNamespace(sliced=True, keep=8 - int(deletes), dim=8)]
+        return f"fold at {f}", SliceReport(f, streams, 100, 90, error=error(f))
+    return attempt
+
+
+def test_budget_search_takes_the_largest_fraction_within_by_bisection():
+    from lnfold.passes import slicer
+
+    fold, report = slicer._largest_within(_fake_slices(lambda f: f / 10), 0.0301, "2 rows")
+    assert fold == "fold at 0.3" and report.fraction == 0.3
+    (note,) = report.notes
+    assert "F=0.3 is the largest fraction" in note and note.count("F=") <= 1 + 8  # ceil(log2 39) + 2 tried
+
+
+def test_budget_search_that_deletes_nothing_is_a_one_line_error():
+    """Every fraction within the budget, none deleting a feature: the error names the largest (it
+    raised KeyError: the fraction past the grid was never tried)."""
+    from lnfold.passes import LnfoldError, slicer
+
+    with pytest.raises(LnfoldError, match=r"no slicing that deletes a feature .* \(F=0.975 gives 0.000e\+00"):
+        slicer._largest_within(_fake_slices(lambda f: 0.0, deletes=False), 0.1, "2 rows")
+    with pytest.raises(LnfoldError, match=r"F=0.025 gives 1.000e\+00"):
+        slicer._largest_within(_fake_slices(lambda f: 1.0), 0.1, "2 rows")
