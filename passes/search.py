@@ -33,7 +33,9 @@ def _finite(x) -> bool:
 
 # -- greedy -----------------------------------------------------------------------------------------
 
-KEPT, ZERO_BUDGET, NOT_FINITE, OVER_ALONE, OVER_TOGETHER = "kept", "budget 0", "not finite", "over alone", "over together"
+# a Step's outcome
+KEPT, ZERO_BUDGET, NOT_FINITE = "kept", "budget 0", "not finite"
+OVER_ALONE, OVER_TOGETHER = "over alone", "over together"
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ def greedy(candidates: Iterable[Hashable], error_of_set: Callable[[frozenset], f
             steps.append(Step(n, alone[n], total=now, outcome=OVER_TOGETHER, before=len(chosen),
                               reason=f"with the {len(chosen)} {chosen_word} before it the error would be {said}"))
     steps += [Step(n, alone[n], outcome=NOT_FINITE, before=len(chosen),  # last, never compared
-                   reason=f"alone its error is {alone[n]}, not a finite number") for n in names if not _finite(alone[n])]
+                   reason=f"alone its error is {alone[n]}, not a finite number")
+              for n in names if not _finite(alone[n])]
     return Greedy(budget, tuple(chosen), tuple(steps), total)
 
 
