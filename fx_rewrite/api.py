@@ -114,15 +114,17 @@ class ExportFrontend:
     plan applied to `ExportedProgram.module()` with its own copy of every parameter."""
 
     def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
-                 norm: str = "auto", dynamic: bool = True, program=None) -> None:
+                 norm: str = "auto", dynamic: bool = True, program=None, approx: frozenset = frozenset(),
+                 bases: Optional[dict] = None) -> None:
         if isinstance(module, torch.export.ExportedProgram):  # the user exported it: the program is the model
             program, module = module, module.module()
         self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
         self.program = program  # an ExportedProgram already made (ExportFolds: one export for many folds)
         # "auto": the fused LayerNorm kernel, exact on the centered stream (see the module docstring)
         self.norm = "layer_norm" if norm == "auto" else norm
-        self.approx: frozenset = frozenset()  # mode "rms-approx": kept norms to swap (passes/approx.py)
-        self.bases: Optional[dict] = None  # a slice: the calibrated basis per stream (fx_rewrite/slice.py)
+        # what a calibrated decision adds to the request (passes/calibration.Folds.fold): mode "rms-approx"'s
+        # kept norms to swap (passes/approx.py), a slice's basis per stream (passes/slicer.py)
+        self.approx, self.bases = approx, bases
 
     def view(self) -> View:
         self.gm, self.attrs, self._view, self.info = (
@@ -198,8 +200,7 @@ class ExportFolds:
              final: bool = False) -> FoldResult:
         base = self.frontend
         frontend = ExportFrontend(base.module, base.args, base.kwargs, opts, norm="auto", dynamic=base.dynamic,
-                                  program=base.program)
-        frontend.approx, frontend.bases = approx, bases
+                                  program=base.program, approx=approx, bases=bases)
         return pipeline.fold(frontend, verify=opts.verify, planner=planner)
 
     def artifact(self, result: FoldResult) -> fx.GraphModule:

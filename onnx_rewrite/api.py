@@ -78,15 +78,17 @@ class OnnxFrontend:
     verified in memory, or from the files written for `output` (the CLI; models over 2 GB)."""
 
     def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs=None, dims=None,
-                 progress: Progress = None, output=None, source=None, layout=None, prepared=None) -> None:
+                 progress: Progress = None, output=None, source=None, layout=None, prepared=None,
+                 approx: frozenset = frozenset(), bases: Optional[dict] = None) -> None:
         self.model, self.opts, self.target = model, opts, target
         self.inputs, self.dims, self.progress = inputs, dims, progress
         self.output, self.source = output, source  # write to `output`, verify against the file `source`
         self.layout = layout  # where `output` keeps its weights (write.data_layout: the input's layout)
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
         self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
-        self.approx: frozenset = frozenset()  # mode "rms-approx": the kept norms to swap (onnx_rewrite/approx.py)
-        self.bases: Optional[dict] = None  # a slice: the calibrated basis per stream (onnx_rewrite/slice.py)
+        # what a calibrated decision adds to the request (passes/calibration.Folds.fold): mode "rms-approx"'s
+        # kept norms to swap (passes/approx.py), a slice's basis per stream (passes/slicer.py)
+        self.approx, self.bases = approx, bases
         # (model at the target's opset, opset, shapes): validated and inferred once; another frontend
         # on the same model and target may start from it (the approximate swap's tries)
         self.prepared = prepared
@@ -345,8 +347,8 @@ class OnnxFolds:
              final: bool = False) -> FoldResult:
         progress = self.progress if final or opts.verify else None
         frontend = OnnxFrontend(self.model, opts, self.target, inputs=self.inputs, progress=progress,
-                                prepared=self.frontend.prepared, **(self.written if final else {}))
-        frontend.approx, frontend.bases = approx, bases
+                                prepared=self.frontend.prepared, approx=approx, bases=bases,
+                                **(self.written if final else {}))
         result = run_frontend(frontend, progress, planner)
         self.frontend.prepared = frontend.prepared  # (the first fold may be the first to prepare)
         if final and self.written.get("output") is not None:

@@ -215,8 +215,7 @@ def _per_block_bases(view) -> dict:
 
 def test_per_block_bases_at_full_width_re_express_the_shortcuts_and_fold_exactly():
     model = graphs.pre_ln(2)
-    frontend = OnnxFrontend(model, FoldOptions(), targets.resolve("ort", "cpu"))
-    frontend.bases = _per_block_bases(_view(model))
+    frontend = OnnxFrontend(model, FoldOptions(), targets.resolve("ort", "cpu"), bases=_per_block_bases(_view(model)))
     result = run_frontend(frontend, None)  # verified against float64
     assert result.criterion == "float64"
     assert result.report.streams[0].rotation.endswith(
