@@ -65,7 +65,7 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     stage(progress, "analyzing")
-    _, p = plan(frontend, planner)
+    view, p = plan(frontend, planner)
     frontend.check(p)
     timings["analysis"] = time.perf_counter() - t0
 
@@ -74,7 +74,7 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
     folded = frontend.apply(p)
     timings["editing"] = time.perf_counter() - t1
     result = frontend.result(p, folded)
-    result.timings, result.plan = timings, p
+    result.timings, result.plan, result.view = timings, p, view
     t2 = time.perf_counter()
     with frontend.emit(folded) as artifact:
         timings["writing"] = time.perf_counter() - t2  # (the output's files, where the frontend writes any)

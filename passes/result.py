@@ -26,3 +26,4 @@ class FoldResult:
     # the Plan that made it (passes/plan.py), set by pipeline.fold: its records, for a stage after the
     # fold that needs to know what was decided (quantization: which γ moved, which streams rotated)
     plan: Any = field(default=None, repr=False, compare=False)
+    view: Any = field(default=None, repr=False, compare=False)  # the View that plan was made on (likewise)
