@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Optional
 
 
 def _finite(x) -> bool:
@@ -124,11 +124,6 @@ class Boundary:
     @property
     def found(self) -> bool:
         return self.fits >= 0
-
-    @property
-    def order(self) -> list[int]:
-        """The indices tried, ascending."""
-        return sorted(i for i, _ in self.tried)
 
 
 def largest_within(n: int, within: Callable[[int], bool]) -> Boundary:
