@@ -54,15 +54,13 @@ class ReusedFold:
 
     def __init__(self, frontend) -> None:
         self.frontend, self.rows = frontend, frontend.rows
-        self.exact_result = self.exact_view = self.exact_plan = None
+        self.exact_result = None
         self.captured: dict = {}
         self.reference = None
 
     def exact(self, planner):
-        if self.exact_result is None:
+        if self.exact_result is None:  # (its .view and .plan: the exact fold's, read by slice_with)
             self.exact_result = self.frontend.exact(planner)
-            self.exact_view, self.exact_plan = planner.view, planner.plan
-        planner.view, planner.plan = self.exact_view, self.exact_plan
         return self.exact_result
 
     def capture(self, result, values):

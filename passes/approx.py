@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from . import calibration, search
-from .calibration import Data, Folds, Planner, Recorded
+from .calibration import Data, Folds, Planner
 from .errors import LnfoldError, NothingToFold
 from .metric import relative_error  # the default metric (passes/metric.py)
 from .pipeline import Progress, stage
@@ -129,16 +129,15 @@ def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, me
     built once more and measured on `data.held`. NOT exact: the result says so."""
     budget = check_budget(budget)
     measure = metric or relative_error
+    view = plan = None
     if folds.opts.verify:  # the exact part is judged by the gate, as in every fold; its plan is the one read
         stage(progress, "verifying the exact fold")
-        exact = Recorded(planner)
         try:
-            folds.fold(exact, folds.opts)
-        except NothingToFold:  # nothing folds exactly (once planned): the swap may still
-            if exact.plan is None:
-                raise
-        view, plan = exact.view, exact.plan
-    else:
+            exact = folds.fold(planner, folds.opts)
+            view, plan = exact.view, exact.plan
+        except NothingToFold:  # nothing folds exactly: the swap may still (planned below)
+            pass
+    if plan is None:
         view, plan = folds.plan(planner)
     verdicts = plan.report.verdicts()
     candidates = [n.name for n in view.norms() if verdicts[n.name] == "keep" and not n.norm_rejection]

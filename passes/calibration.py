@@ -123,17 +123,6 @@ class Rows:
                          ([self.dropped_note()] if self.dropped else []))
 
 
-class Recorded:
-    """A planner that keeps the view and the plan it made (the exact fold's, read by the decision)."""
-
-    def __init__(self, planner: Planner) -> None:
-        self.planner, self.view, self.plan = planner, None, None
-
-    def __call__(self, view, request):
-        self.view, self.plan = view, self.planner(view, request)
-        return self.plan
-
-
 class Folds(Protocol):
     """An IR analysed once and folded as often as a calibrated decision needs."""
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from . import calibration, edits, search
 from .approx import check_budget
 from .metric import relative_error
-from .calibration import Data, Folds, Recorded
+from .calibration import Data, Folds
 from .errors import LnfoldError
 from .result import FoldResult
 from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, plan_slices, window_basis,
@@ -55,7 +55,7 @@ class Slicing:
                      f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)")
         self.rows += f"; {data.dropped}" if data.dropped else ""
 
-    def exact(self, planner: Recorded) -> FoldResult:
+    def exact(self, planner: Callable) -> FoldResult:
         """The verified exact fold with γ in the readers."""
         return self.folds.fold(planner, self.folds.opts)
 
@@ -64,7 +64,7 @@ class Slicing:
         the deciding rows."""
         return calibration.capture(self.folds, result, values, self.data.deciding)
 
-    def sliced(self, bases: dict, planner: Recorded) -> FoldResult:
+    def sliced(self, bases: dict, planner: Callable) -> FoldResult:
         """The fold with PlanRequest.bases = `bases`, unverified."""
         return self.folds.fold(planner, replace(self.folds.opts, verify=False), bases=bases)
 
@@ -78,9 +78,8 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     """(the exact fold, the sliced fold, the report) at `fraction`, or at the largest fraction of GRID
     whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it.
     `per_block`: a basis per segment of each stream (slicing.plan_slices)."""
-    exact_plan = Recorded(planner)
-    exact = frontend.exact(exact_plan)
-    view, plan = exact_plan.view, exact_plan.plan
+    exact = frontend.exact(planner)
+    view, plan = exact.view, exact.plan
     captured = frontend.capture(exact, list(plan.needs))
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
     params_before = frontend.parameters(exact)
@@ -95,9 +94,8 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
             why = next((s.line() for s in decided.streams), "no LayerNorm folds")
             raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "
                               f"transparent readers): {why}")
-        sliced_plan = Recorded(planner)
-        sliced = frontend.sliced(decided.bases, sliced_plan)
-        for rot in sliced_plan.plan.stream_bases:
+        sliced = frontend.sliced(decided.bases, planner)
+        for rot in sliced.plan.stream_bases:
             for s in decided.streams:
                 if s.stream == rot.stream and not rot.rotated:
                     s.why, s.keep = rot.why, None
@@ -142,9 +140,8 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
         for s, head in at:
             starts[head], p = window_basis(s.dim, s.keep, min(j, windows(s.dim, s.keep) - 1))
             bases[head] = (edits.Data(f"window{starts[head]}:{head}", p), s.keep)
-        probe = Recorded(planner)
-        sliced = frontend.sliced(bases, probe)
-        rotated = {r.stream for r in probe.plan.stream_bases if r.rotated}
+        sliced = frontend.sliced(bases, planner)
+        rotated = {r.stream for r in sliced.plan.stream_bases if r.rotated}
         wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}
         for value, batches in frontend.capture(sliced, list(wanted)).items():
             parts.setdefault(value, {})[starts[wanted[value]]] = batches

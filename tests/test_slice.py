@@ -383,13 +383,12 @@ def _sequential_pieces(model: onnx.ModelProto, fraction: float):
     over any captures (passes/slicer.slice_with's, taken apart)."""
     from lnfold.onnx_rewrite import targets
     from lnfold.onnx_rewrite.slice import slicing_frontend
-    from lnfold.passes.calibration import Recorded
 
     frontend = slicing_frontend(model, targets.resolve("ort", "cpu"), approx_io.calibration_data(model, calibration()),
                                 None)
-    recorded = Recorded(plan_module.make_plan)
-    captured = frontend.capture(frontend.exact(recorded), list(recorded.plan.needs))
-    view, plan = recorded.view, recorded.plan
+    exact = frontend.exact(plan_module.make_plan)
+    captured = frontend.capture(exact, list(exact.plan.needs))
+    view, plan = exact.view, exact.plan
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
 
     def decide(captures):
@@ -411,7 +410,6 @@ def test_sequential_windows_show_the_sliced_upstream_at_full_width(monkeypatch, 
     (the upstream deletion changed it). Planted bugs — only the first window, a window put back one
     feature off — break the identity."""
     from lnfold.passes import slicer
-    from lnfold.passes.calibration import Recorded
     from lnfold.passes.edits import Data
 
     if plant == "one window":
@@ -427,7 +425,7 @@ def test_sequential_windows_show_the_sliced_upstream_at_full_width(monkeypatch, 
     (value,) = got
     r = np.linalg.qr(np.random.default_rng(4).standard_normal((D, D)))[0]
     bases = {**decided.bases, heads[1]: (Data("random", r), s.keep)}
-    seen = frontend.capture(frontend.sliced(bases, Recorded(plan_module.make_plan)), [value])[value]
+    seen = frontend.capture(frontend.sliced(bases, plan_module.make_plan), [value])[value]
     mismatch = max(np.abs(g @ r[:, :s.keep] - x).max() / np.abs(x).max() for g, x in zip(got[value], seen))
     if plant is None:
         assert folds == 2 and mismatch < 1e-12
