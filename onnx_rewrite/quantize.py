@@ -37,7 +37,7 @@ import onnx
 from ..passes import FoldResult, LnfoldError, NothingToFold
 from ..passes.calibration import Rows
 from ..passes.options import ROTATIONS
-from ..passes.weights import max_rel_err
+from ..passes import metric, search
 from . import approx as approx_io
 from . import inputs as synth
 from . import verify
@@ -266,27 +266,26 @@ def _outputs(model: onnx.ModelProto, rows: Rows) -> tuple[list[str], list[np.nda
         raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
 
 
-def rel_rms(ref: np.ndarray, got: np.ndarray) -> float:
-    """‖a − b‖ / ‖a‖ over every element: the error of a typical entry (one entry sets the max)."""
-    a, b = ref.astype(np.float64).ravel(), got.astype(np.float64).ravel()
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-300))
-
-
 def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
             reference: Optional[tuple] = None) -> dict:
-    """Per float output of the original: max relative error and relative RMS error of the
-    quantized model against it on `rows`, and, for outputs that score classes (logits), the share
-    of rows whose argmax agrees. `reference`: the original's (names, outputs), if already run."""
+    """Per float output of the original: passes/metric's relative RMS and max relative error of the
+    quantized model against it on `rows` (positions where the float model itself is not finite left
+    out and counted), and, for outputs that score classes (logits), the share of rows whose argmax
+    agrees. `reference`: the original's (names, outputs), if already run."""
     names, ref = reference or _outputs(original, rows)
     _, got = _outputs(quantized, rows)
     errors = {}
-    for name, a, b in zip(names, ref, got):
-        a, b = np.asarray(a), np.asarray(b)
-        if not np.issubdtype(a.dtype, np.floating):
+    for name, a, b, e in zip(names, ref, got, metric.compare_outputs(ref, got)):
+        if e is None:  # (not a float output)
             continue
-        entry = {"max_rel_err": max_rel_err(a, b), "rel_rms": rel_rms(a, b) if a.shape == b.shape else float("inf")}
+        entry = {"max_rel_err": e.max_rel, "rel_rms": e.rel_rms}
+        if e.nonfinite_ref:
+            entry["nonfinite_ref"] = e.nonfinite_ref
+        a, b = np.asarray(a), np.asarray(b)
         if _is_scores(name) and a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
-            entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1)).mean())
+            rows_ok = np.isfinite(a).all(axis=-1)  # (rows where the float model is not finite: left out)
+            if rows_ok.any():
+                entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1))[rows_ok].mean())
         errors[name] = entry
     return errors
 
@@ -298,7 +297,7 @@ def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
 
 
 def score(errors: dict) -> float:
-    """What --rotate auto minimizes: the worst output's relative RMS error."""
+    """What --rotate auto minimizes: the worst output's relative RMS error (passes/metric: never NaN)."""
     return max((e["rel_rms"] for e in errors.values()), default=0.0)
 
 
@@ -403,28 +402,36 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
 
 def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify: bool):
     """--rotate auto: each candidate prepared (unverified), quantized and measured on m.rows; the
-    best (lowest `score`) kept, its fold then verified. Returns (prepared, quantized, errors, trials)."""
-    trials, best = [], None
-    for label, opts in AUTO_CANDIDATES:
-        trial = {"candidate": label, "rotate": opts.get("rotate")}
-        trials.append(trial)
+    best by passes/search.best_of (lowest `score`, simpler ones kept unless beaten by AUTO_MARGIN;
+    a NaN never chosen) kept, its fold then verified. Returns (prepared, quantized, errors, trials)."""
+    made: dict[int, tuple] = {}  # candidate -> (prepared, quantized, errors)
+
+    def scored(k: int) -> float:
+        label, opts = AUTO_CANDIDATES[k]
         try:
             prepared = prepare(model, seed=seed, dims=dims, verify=False, **opts)
         except LnfoldError as e:
-            trial["skipped"] = str(e)[:160]
-            continue
+            raise search.Skip(str(e)[:160]) from None
         if opts.get("rotate") and not rotated_streams(prepared.fold):
-            trial["skipped"] = "rotates no stream (the same as the fold)"
-            continue
+            raise search.Skip("rotates no stream (the same as the fold)")
         if opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
-            trial["skipped"] = "no γ can move (the same as the fold)"
-            continue
+            raise search.Skip("no γ can move (the same as the fold)")
         quantized = run_quantizer(prepared.model, **scheme)
-        errors = measure(model, quantized, m.rows, reference)
-        trial.update(score=score(errors), max_rel_err=max(e["max_rel_err"] for e in errors.values()))
-        if best is None or trial["score"] < (1 - AUTO_MARGIN) * best[0]["score"]:
-            best = (trial, prepared, quantized, errors)
-    trial, prepared, quantized, errors = best  # (the first candidate, the model as given, is never skipped)
+        made[k] = (prepared, quantized, measure(model, quantized, m.rows, reference))
+        return score(made[k][2])
+
+    best = search.best_of(range(len(AUTO_CANDIDATES)), scored, AUTO_MARGIN)
+    trials = []
+    for t in best.trials:
+        trial = {"candidate": AUTO_CANDIDATES[t.index][0], "rotate": AUTO_CANDIDATES[t.index][1].get("rotate")}
+        if t.skipped is not None:
+            trial["skipped"] = t.skipped
+        else:
+            trial.update(score=t.score, max_rel_err=max((e["max_rel_err"] for e in made[t.index][2].values()),
+                                                        default=0.0))
+        trials.append(trial)
+    trial = trials[best.index]  # (the first candidate, the model as given, is never skipped)
+    prepared, quantized, errors = made[best.index]
     trial["chosen"] = True
     base = trials[0].get("score")
     trial["why"] = (f"{trial['candidate']}: the lowest relative RMS error ({trial['score']:.3g}) of "

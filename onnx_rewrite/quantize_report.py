@@ -83,7 +83,9 @@ class QuantizeReport:
         parts = []
         for name, e in self.errors.items():
             agree = f", top-1 agreement {e['top1_agreement']:.1%}" if "top1_agreement" in e else ""
-            parts.append(f"{name}: rel. RMS error {e['rel_rms']:.2e}, max rel. error {e['max_rel_err']:.2e}{agree}")
+            left = (f" ({e['nonfinite_ref']} value(s) where the float model itself is not finite left out)"
+                    if e.get("nonfinite_ref") else "")
+            parts.append(f"{name}: rel. RMS error {e['rel_rms']:.2e}, max rel. error {e['max_rel_err']:.2e}{agree}{left}")
         return "; ".join(parts) or "no float output to compare"
 
     def table(self) -> str:

@@ -182,3 +182,16 @@ def test_cli_rotate_auto_on_calibration_rows(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "auto chose" in text and "your --calibrate rows (x [6, 4, 16])" in text and out.exists()
     assert len([line for line in text.splitlines() if line.startswith("auto: ")]) == len(q.AUTO_CANDIDATES)
+
+
+def test_rows_where_the_float_model_is_not_finite_are_left_out_and_counted():
+    """Issue 45 item 8: a float model that outputs NaN on a padded row made the report print
+    "rel. RMS error nan" and `--rotate auto` compare NaNs. passes/metric leaves those positions out,
+    counts them, and the report says so."""
+    given = rows(4, seed=3)
+    given["x"][1] = np.nan  # one row the float model cannot compute
+    rep = lnfold.quantize_onnx(stand_in(1, outliers=True), weights="int8", rotate="auto", inputs=given).report
+    e = rep.errors["y"]
+    assert np.isfinite(e["rel_rms"]) and np.isfinite(e["max_rel_err"]) and e["nonfinite_ref"] == 4 * 8, e
+    assert "left out" in rep.error_line() and "nan" not in rep.table().lower(), rep.table()
+    assert all(np.isfinite(t["score"]) for t in rep.candidates if "score" in t), rep.candidates
