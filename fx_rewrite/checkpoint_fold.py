@@ -22,7 +22,7 @@ from ..passes import FoldResult, LnfoldError, pipeline
 from ..passes.edits import NUMPY, Center, apply_ops, chunk_axis
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.outputs import check_output_folder, default_output_folder, folder_files, inside
+from ..passes.outputs import check_output_folder, default_output_folder, flush_tree, folder_files, fsync_folder, inside
 from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
@@ -174,28 +174,6 @@ def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> Non
                               "at random; nothing written")
 
 
-def _flush(folder: Path) -> None:
-    """Every file of `folder` on disk before it is renamed into place: a crash after the rename
-    must not leave a published folder whose shards are still only in the page cache."""
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            _fsync(p)
-    _flush_folder(folder)
-
-
-def _flush_folder(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # (a system that cannot open or fsync a folder: nothing to flush)
-        _fsync(folder)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: Optional[int] = None,
                     progress: Optional[Callable[[str], None]] = None) -> FoldResult:
     """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
@@ -247,9 +225,9 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
             pipeline.record(result, verdict)
             timings["verification"] = time.perf_counter() - t2
         t3 = time.perf_counter()
-        _flush(tmp)
+        flush_tree(tmp)
         os.replace(tmp, dst)
-        _flush_folder(dst.parent)
+        fsync_folder(dst.parent)
         timings["flush"] = time.perf_counter() - t3
     except OSError as e:
         raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None

@@ -18,7 +18,8 @@ from typing import Callable
 
 from ..passes import LnfoldError, NothingToFold, gate
 from ..passes.errors import first_line
-from ..passes.outputs import FOLDED_SUFFIX, check_output_folder, default_output_folder, folder_files, inside
+from ..passes.outputs import (FOLDED_SUFFIX, check_output_folder, default_output_folder, flush_tree, folder_files,
+                              fsync_folder, inside)
 
 
 def default_output(src: Path) -> Path:
@@ -111,7 +112,9 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src / rel, tmp / rel)
                 copied.append(Path(rel))
+        flush_tree(tmp)  # (on disk before the rename publishes it)
         os.replace(tmp, dst)  # (an empty folder at dst is replaced; check_output_folder refused a full one)
+        fsync_folder(dst.parent)
     except OSError as e:
         raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
     finally:

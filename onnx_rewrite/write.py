@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover  (Windows: staging folders without a loc
 
 from ..passes import LnfoldError
 from ..passes.errors import first_line
+from ..passes.outputs import fsync_file, fsync_folder
 from .read import all_tensors, external_info, external_source, is_lazy
 from .validate import raw_bytes
 from .wire import copy_fields, initializer_head
@@ -279,13 +280,13 @@ def _publish(old: Path, model_file: Path, dst: Path, data_dst: Path | None) -> N
     the model's rename alone replaces the old one (an earlier output's data file stays; the new
     model does not read it).
     """
-    _fsync_file(model_file)
+    fsync_file(model_file)
     if data_dst is None:
         os.replace(model_file, dst)
-        _fsync_dir(dst.parent)
+        fsync_folder(dst.parent)
         return
     new_data = model_file.parent / data_dst.name
-    _fsync_file(new_data)
+    fsync_file(new_data)
     if data_dst.is_dir() and not data_dst.is_symlink():
         raise LnfoldError(f"{data_dst}: is a directory; the weights file of {dst.name} cannot go there")
     old_model, old_data = old / "model", old / "data"
@@ -294,7 +295,7 @@ def _publish(old: Path, model_file: Path, dst: Path, data_dst: Path | None) -> N
         if os.path.lexists(dst) and not (dst.is_dir() and not dst.is_symlink()):
             os.replace(dst, old_model)  # (a directory at dst: the model's rename below fails, as it did)
             moved_model = True
-            _fsync_dir(dst.parent)
+            fsync_folder(dst.parent)
         if os.path.lexists(data_dst):
             os.replace(data_dst, old_data)
             moved_data = True
@@ -311,32 +312,9 @@ def _publish(old: Path, model_file: Path, dst: Path, data_dst: Path | None) -> N
         with contextlib.suppress(OSError):
             if moved_model:
                 os.rename(old_model, dst)
-        _fsync_dir(dst.parent)
+        fsync_folder(dst.parent)
         raise
-    _fsync_dir(dst.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in folder `path` durable; best effort (some file systems refuse to fsync
-    a folder, and the renames are done: an error here must not unpublish a consistent pair)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_folder(dst.parent)
 
 
 # Staging folders beside a target `NAME`: `.lnfold-NAME.writing` (a writer's, locked while it

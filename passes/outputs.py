@@ -1,5 +1,7 @@
 """Where a fold writes an output folder by default, and where it may: decided once for every entry
-point that writes one (`lnfold fold DIR`, `fold_checkpoint`)."""
+point that writes one (`lnfold fold DIR`, `fold_checkpoint`); which paths an index may name
+(`inside`), which files of a folder are taken (`folder_files`), and what is on disk before a
+rename publishes it (`fsync_file`, `fsync_folder`, `flush_tree`)."""
 from __future__ import annotations
 
 import os
@@ -113,3 +115,37 @@ def _kind(mode: int) -> str:
     return ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
             "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
             "not a regular file")
+
+
+def fsync_file(path) -> None:
+    """`path`'s bytes on disk (before a rename publishes it: a crash must not leave a published name
+    whose data is still only in the page cache)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_folder(path) -> None:
+    """The renames in folder `path` on disk; best effort: some file systems refuse to open or fsync
+    a folder, and the renames are done (an error here must not unpublish a consistent output)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def flush_tree(folder) -> None:
+    """Every file of `folder` and its subfolders on disk, then the folder itself (before it is
+    renamed into place)."""
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            fsync_file(p)
+    fsync_folder(folder)

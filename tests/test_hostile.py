@@ -27,6 +27,7 @@ import onnx
 import pytest
 
 from tests import onnx_graphs as G
+from tests.sandbox import snapshot
 from lnfold import onnx_rewrite
 import lnfold.onnx_rewrite.api  # noqa: F401  (imported before any fork: see as_nobody)
 import lnfold.onnx_rewrite.verify  # noqa: F401
@@ -80,32 +81,6 @@ def cli(capfd, monkeypatch):
         return Run(rc, out, err)
 
     return run
-
-
-def _digest(p: Path) -> str:
-    if p.is_symlink():
-        return "link->" + os.readlink(p)
-    if not p.is_file():  # a FIFO or a device: reading it could block
-        return f"special:{oct(p.stat().st_mode)}"
-    try:
-        return hashlib.sha256(p.read_bytes()).hexdigest()
-    except PermissionError:
-        st = p.stat()
-        return f"unreadable:{st.st_size}:{st.st_mtime_ns}"
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file (sha256), symlink and folder under `root`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        d = Path(dirpath)
-        for name in dirnames:
-            p = d / name
-            out[str(p.relative_to(root)) + "/"] = "link->" + os.readlink(p) if p.is_symlink() else "dir"
-        for name in filenames:
-            p = d / name
-            out[str(p.relative_to(root))] = _digest(p)
-    return out
 
 
 def expect_error(r: Run, code: int, *needles: str) -> str:

@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import socket
-import stat
 import struct
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 from lnfold.onnx_rewrite.cli import main as cli_main
 from lnfold.passes import LnfoldError
 from tests import onnx_graphs as G
+from tests.sandbox import digest, snapshot
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -37,28 +37,6 @@ INDEX = "model.safetensors.index.json"
 
 
 # --- harness ---------------------------------------------------------------------------------------------------
-
-def _digest(p: Path) -> str:
-    st = p.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        return "link->" + os.readlink(p)
-    if not stat.S_ISREG(st.st_mode):  # a FIFO, a socket: never opened
-        return f"special:{oct(st.st_mode)}"
-    return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file (sha256), link, special file and folder under `root`."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        d = Path(dirpath)
-        for name in dirnames:
-            p = d / name
-            out[str(p.relative_to(root)) + "/"] = "link->" + os.readlink(p) if p.is_symlink() else "dir"
-        for name in filenames:
-            out[str((d / name).relative_to(root))] = _digest(d / name)
-    return out
-
 
 def cli(capfd, *args) -> tuple[int, str, str]:
     capfd.readouterr()
@@ -304,8 +282,8 @@ def test_an_onnx_folder_whose_unfolded_file_keeps_its_data_in_a_subfolder(tmp_pa
     rc, _, err = cli(capfd, "fold", src, "-o", tmp_path / "out")
     assert rc == 0, err
     out = tmp_path / "out"
-    assert _digest(out / "sub" / "plain.data") == before["sub/plain.data"]
-    assert _digest(out / "plain.onnx") == before["plain.onnx"]
+    assert digest(out / "sub" / "plain.data") == before["sub/plain.data"]
+    assert digest(out / "plain.onnx") == before["plain.onnx"]
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(out / "plain.onnx"), providers=["CPUExecutionProvider"])
