@@ -20,6 +20,7 @@ from torch import fx
 
 from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, geometry, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
+from ..passes.calibration import check_calibration
 from ..passes.options import FoldOptions, check_choice
 from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
@@ -233,7 +234,7 @@ def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     differ only in the kept norms swapped (RMSNorm, β kept; NOT exact). `calibration`: an args tuple
     or a list of them; `heldout` likewise (default: passes/calibration.split's rule)."""
     approx.check_budget(budget)
-    approx.check_calibration(calibration)
+    check_calibration(calibration, approx.CALIBRATED)
     data = calibration_io.split(calibration_io.batches_of(calibration, tuple(args))[0], heldout)
     opts = FoldOptions(defer=defer, verify=verify)
     folds = ExportFolds(module, tuple(args), dict(kwargs or {}), opts, dynamic=dynamic)

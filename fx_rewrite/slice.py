@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from ..passes import make_plan, slicing
+from ..passes.calibration import check_calibration
 from ..passes.options import FoldOptions
 from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
 from . import calibration as calibration_io
@@ -32,7 +33,7 @@ def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=
     (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis per block input, as
     `slice_onnx`'s. `result.module` runs like the module. Bad input: LnfoldError."""
     fraction, budget = check_request(fraction, budget)
-    slicing.check_calibration(calibration)
+    check_calibration(calibration, slicing.CALIBRATED)
     data = calibration_io.split(calibration_io.batches_of(calibration, ())[0], heldout)
     # the first calibration batch is the example input (export, verification)
     folds = ExportFolds(module, data.deciding[0], dict(kwargs or {}), FoldOptions(gamma_into_readers=True),

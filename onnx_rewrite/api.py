@@ -16,6 +16,7 @@ from onnx import version_converter
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, View, make_plan, pipeline
 from ..passes.options import FoldOptions
+from ..passes.calibration import check_calibration
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
 from ..passes import approx, geometry
@@ -318,7 +319,7 @@ def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, me
     """Mode "rms-approx" (see fold_model): passes/approx.swap_within_budget over onnxruntime runs of
     folds that differ only in the kept norms swapped. Written to `output` when given."""
     approx.check_budget(budget)
-    approx.check_calibration(calibration)
+    check_calibration(calibration, approx.CALIBRATED)
     data = approx_io.calibration_data(model, calibration, heldout)
     folds = OnnxFolds(model, FoldOptions(defer=defer, verify=verify), targets.resolve(target, device),
                       inputs=data.deciding[0], progress=progress, written=dict(output=output, source=source,

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..passes import LnfoldError, approx, pipeline
 from ..passes.approx import MODE as APPROX_MODE
+from ..passes.calibration import check_calibration
 from ..passes.options import (DEFER_POLICIES, MODES, ROTATIONS, as_argument, check_output, check_seconds,
                                check_threads)
 from .targets import DEVICES, names as target_names
@@ -224,7 +225,7 @@ def fold_file(src: Path, dst: Path, args):
         if args.mode != APPROX_MODE:
             raise LnfoldError(f"--calibrate and --budget belong to --mode {APPROX_MODE}")
         approx.check_budget(args.budget)
-        approx.check_calibration(args.calibrate)
+        check_calibration(args.calibrate, approx.CALIBRATED)
         approx.check_not_rotated(args.gamma_into_readers, args.rotate)
         result = fold_approx(model, calibration=args.calibrate, budget=args.budget, heldout=args.heldout,
                              defer=args.defer, verify=not args.no_verify, target=args.target, device=args.device,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import os
 import tempfile
 import time
 from collections import Counter

@@ -9,7 +9,7 @@ import onnx
 from ..passes import make_plan
 from ..passes import slicing
 from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
-from ..passes.calibration import Data
+from ..passes.calibration import Data, check_calibration
 from ..passes.options import FoldOptions
 from . import approx as approx_io
 from . import targets
@@ -42,7 +42,7 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     per block input, the residual shortcuts re-expressed by a k×k MatMul (SliceGPT's scheme;
     passes/slicing.py). Bad input: LnfoldError."""
     fraction, budget = check_request(fraction, budget)
-    slicing.check_calibration(calibration)
+    check_calibration(calibration, slicing.CALIBRATED)
     model = as_model(model)
     data = approx_io.calibration_data(model, calibration, heldout)
     exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), data, progress),

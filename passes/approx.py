@@ -25,6 +25,7 @@ from .pipeline import Progress, stage
 from .result import FoldResult
 
 MODE = "rms-approx"
+CALIBRATED = f"--mode {MODE} (its error budget is measured on the calibration inputs)"  # check_calibration
 METADATA_KEY = "lnfold_approximate"
 
 # metric(reference outputs, approximate outputs) -> error (0 = the same); the default is `relative_error`
@@ -44,12 +45,6 @@ def check_budget(budget) -> float:
     if not math.isfinite(b) or b < 0:
         raise LnfoldError(f"budget must be a finite number >= 0, got {budget!r}")
     return b
-
-
-def check_calibration(calibration) -> None:
-    if calibration is None:
-        raise LnfoldError(f"--mode {MODE} needs calibration inputs (--calibrate FILE.npz; API: calibration=): "
-                          "the error budget is measured on them")
 
 
 def check_not_rotated(gamma_into_readers, rotate) -> None:

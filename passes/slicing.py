@@ -22,6 +22,7 @@ from .view import View
 
 NOT_EXACT = "NOT exact"
 METADATA_KEY = "lnfold.slice"
+CALIBRATED = "slicing (the streams' principal directions are computed from the calibration inputs)"
 
 
 def check_fraction(fraction) -> float:
@@ -33,12 +34,6 @@ def check_fraction(fraction) -> float:
     if not math.isfinite(f) or not 0 < f < 1:
         raise LnfoldError(f"fraction must be in (0, 1) (the share of each stream's width deleted), got {fraction!r}")
     return f
-
-
-def check_calibration(calibration) -> None:
-    if calibration is None:
-        raise LnfoldError("slicing needs calibration inputs (--calibrate FILE.npz; API: calibration=): the "
-                          "stream's principal directions are computed from them")
 
 
 def kept_width(d: int, fraction: float) -> int:
