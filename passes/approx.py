@@ -25,7 +25,7 @@ from .pipeline import Progress, stage
 from .result import FoldResult
 
 MODE = "rms-approx"
-CALIBRATED = f"--mode {MODE} (its error budget is measured on the calibration inputs)"  # check_calibration
+CALIBRATED = (f"--mode {MODE}", "the error budget is measured on them")  # (calibration.check_calibration)
 METADATA_KEY = "lnfold_approximate"
 
 # metric(reference outputs, approximate outputs) -> error (0 = the same); the default is `relative_error`

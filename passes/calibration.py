@@ -53,10 +53,12 @@ def split(batches: list, rows: Callable[[Any], Optional[int]], cut: Callable[[An
     return Data([cut(batch, 0, h)], [cut(batch, h, None)])
 
 
-def check_calibration(calibration, needed_for: str) -> None:
-    """A calibrated decision without calibration inputs: one line saying what they are needed for."""
+def check_calibration(calibration, needed_for: tuple[str, str]) -> None:
+    """A calibrated decision without calibration inputs: one line saying which (`needed_for[0]`) and
+    what for (`needed_for[1]`)."""
     if calibration is None:
-        raise LnfoldError(f"{needed_for} needs calibration inputs (--calibrate FILE.npz; API: calibration=)")
+        what, why = needed_for
+        raise LnfoldError(f"{what} needs calibration inputs (--calibrate FILE.npz; API: calibration=): {why}")
 
 
 RUN_ROWS = 16  # rows per run where the model's batch is free (memory: a run keeps each captured value)

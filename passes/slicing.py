@@ -22,7 +22,7 @@ from .view import View
 
 NOT_EXACT = "NOT exact"
 METADATA_KEY = "lnfold.slice"
-CALIBRATED = "slicing (the streams' principal directions are computed from the calibration inputs)"
+CALIBRATED = ("slicing", "the stream's principal directions are computed from them")  # (check_calibration)
 
 
 def check_fraction(fraction) -> float:
