@@ -8,6 +8,15 @@ the same products and the same bias, so the same function (a transposed B is sto
 the rounding is at most the summation order's), checked with the fold by its float64 gate
 (quantize.check_exact_steps). Other Gemms are left as they are and counted.
 
+`constant_weights` hands the quantizers, as an initializer, each linear layer's weight that the
+graph reaches from an initializer through ops that only alias, lay out or widen it (WEIGHT_VIEWS:
+Identity, Transpose, Reshape, Cast between float types): ALBERT's MatMuls read
+`Transpose(initializer)`, TorchScript's shared weights `Identity(initializer)` (issue 45 items 6
+and 7). The value is computed as the ops compute it (exact), an alias points at its initializer
+itself (one copy: the quantizer then drops the float one), and the chain goes. A weight whose
+initializer some other node reads as given (a tied embedding's Gather) stays float and is said:
+a quantized copy would be stored beside the float one, a file bigger than the float model.
+
 `linear_layers` names the MatMul nodes with a constant 2-D float weight: what lnfold asks the
 quantizers to quantize (attention's activation x activation MatMuls and embedding tables stay
 float; see onnx_rewrite/quantize.py). Not among them: `basis_changes`, the MatMuls the fold itself
@@ -19,6 +28,7 @@ Whisper encoder (benchmarks/RESULTS.md). The emitter names them (emit.BASIS_CHAN
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 import numpy as np
 import onnx
@@ -77,6 +87,170 @@ def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
         del g.node[:]
         g.node.extend(nodes)
     return rewritten, kept
+
+
+# ops that hand a constant on unchanged in value: an alias, a layout, a float widening or narrowing
+WEIGHT_VIEWS = ("Identity", "Transpose", "Reshape", "Cast")
+
+
+def _view_value(node: onnx.NodeProto, value, consts: dict) -> Optional[np.ndarray]:
+    """`node`'s output, a WEIGHT_VIEWS op on the constant `value` (None where it is not one here)."""
+    a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+    if node.op_type == "Identity":
+        return value
+    if node.op_type == "Transpose":
+        perm = a.get("perm")
+        return np.transpose(value, list(perm) if perm else None)
+    if node.op_type == "Cast":
+        to = a.get("to")
+        if to not in _FLOAT or value.dtype.kind != "f":
+            return None
+        return value.astype(helper.tensor_dtype_to_np_dtype(to))
+    if node.op_type == "Reshape":
+        shape = consts.get(node.input[1]) if len(node.input) > 1 else None
+        if shape is None or shape.dtype != np.int64:
+            return None
+        dims = [int(s) for s in shape.reshape(-1)]
+        if not a.get("allowzero", 0):
+            dims = [value.shape[k] if s == 0 and k < value.ndim else s for k, s in enumerate(dims)]
+        try:
+            return value.reshape(dims)
+        except ValueError:
+            return None
+    return None
+
+
+def constant_weights(model: onnx.ModelProto) -> tuple[int, list[str]]:
+    """In place: each MatMul's (Gemm's) weight that is an initializer seen through WEIGHT_VIEWS made
+    an initializer read directly (the alias's own initializer where the chain changes nothing: one
+    copy), the chain removed. Only where every node reading the initializer, through such chains,
+    reads it as a linear layer's weight: else the layer stays float (a quantized copy would be
+    stored beside the float one). Returns (weights rewritten, [why each other one stayed float])."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in g.node:
+        for k, i in enumerate(n.input):
+            readers.setdefault(i, []).append((n, k))
+    outer = {i for n in g.node for a in n.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+             for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)) for i in _reads(sub)}
+    outputs = {o.name for o in g.output}
+    memo: dict[str, Optional[np.ndarray]] = {}
+    arrays: dict[str, np.ndarray] = {}
+
+    def const(name: str) -> Optional[np.ndarray]:
+        if name in inits:
+            if name not in arrays:
+                arrays[name] = numpy_helper.to_array(inits[name])
+            return arrays[name]
+        return value(name)
+
+    def value(name: str) -> Optional[np.ndarray]:
+        if name not in memo:
+            memo[name] = None
+            n = producer.get(name)
+            if n is not None and n.op_type in WEIGHT_VIEWS and n.domain in ("", "ai.onnx") and n.input:
+                src = const(n.input[0])
+                if src is not None:
+                    memo[name] = _view_value(n, src, {i: const(i) for i in n.input[1:] if i in inits})
+        return memo[name]
+
+    def root(name: str) -> str:
+        while name not in inits:
+            name = producer[name].input[0]
+        return name
+
+    def is_weight(node: onnx.NodeProto, k: int) -> bool:
+        return k == 1 and node.domain in ("", "ai.onnx") and node.op_type in ("MatMul", "Gemm")
+
+    def others(name: str, seen: set) -> list[str]:
+        """The readers of `name`, through WEIGHT_VIEWS chains, that are no linear layer's weight."""
+        out = ["a subgraph" if name in outer else None, "the graph's outputs" if name in outputs else None]
+        for n, k in readers.get(name, []):
+            if n.op_type in WEIGHT_VIEWS and k == 0 and n.domain in ("", "ai.onnx") and value(n.output[0]) is not None:
+                if n.output[0] not in seen:
+                    seen.add(n.output[0])
+                    out += others(n.output[0], seen)
+            elif not (is_weight(n, k) and const(name) is not None and const(name).ndim == 2
+                      and const(name).dtype.kind == "f"):
+                out.append(f"{n.op_type} `{n.name or n.output[0]}`")
+        return [o for o in out if o]
+
+    targets = [(n, k) for n in g.node for k, i in enumerate(n.input)
+               if is_weight(n, k) and i not in inits and (v := value(i)) is not None
+               and v.ndim == 2 and v.dtype.kind == "f"]
+    blocked: dict[str, list[str]] = {}
+    made: dict[str, str] = {}  # chain output -> the initializer its readers now read
+    kept = []
+    for n, k in targets:
+        name = n.input[k]
+        src = root(name)
+        if src not in blocked:
+            blocked[src] = others(src, set())
+        if blocked[src]:
+            kept.append(f"{n.op_type} `{n.name}` reads `{src}` through "
+                        f"{_chain(name, producer, inits)}, and `{src}` is also read by {', '.join(blocked[src][:3])}: "
+                        "a quantized copy would be stored beside the float one (a bigger file)")
+            continue
+        if name not in made:
+            v, s = value(name), const(src)
+            if v.dtype == s.dtype and v.shape == s.shape and np.array_equal(v, s):
+                made[name] = src  # an alias: the initializer itself
+            else:
+                new = _unique(f"{src}__{'_'.join(_chain(name, producer, inits).lower().split(' then '))}", inits)
+                t = numpy_helper.from_array(np.ascontiguousarray(v), new)
+                g.initializer.append(t)
+                inits[new] = t
+                made[name] = new
+        n.input[k] = made[name]
+    if made:
+        _drop_dead(model, {i for i, v in memo.items() if v is not None}, {root(i) for i in made})
+    return len(targets) - len(kept), kept
+
+
+def _chain(name: str, producer: dict, inits: dict) -> str:
+    ops = []
+    while name not in inits:
+        ops.append(producer[name].op_type)
+        name = producer[name].input[0]
+    return " then ".join(reversed(ops))
+
+
+def _unique(name: str, taken) -> str:
+    k, out = 1, name
+    while out in taken:
+        k, out = k + 1, f"{name}_{k}"
+    return out
+
+
+def _reads(graph: onnx.GraphProto) -> set[str]:
+    """Every name a (sub)graph's nodes read, its own subgraphs' included."""
+    out = set()
+    for n in graph.node:
+        out.update(n.input)
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+                        if a.type == onnx.AttributeProto.GRAPHS else []):
+                out |= _reads(sub)
+    return out
+
+
+def _drop_dead(model: onnx.ModelProto, values: set[str], roots: set[str]) -> None:
+    """Remove the WEIGHT_VIEWS nodes producing `values` that nothing reads any more, then those of
+    the initializers `roots` that nothing reads any more (and no graph input names)."""
+    g = model.graph
+    outputs = {o.name for o in g.output}
+    while True:
+        read = _reads(g) | outputs
+        dead = [n for n in g.node if n.op_type in WEIGHT_VIEWS and all(o in values and o not in read for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            g.node.remove(n)
+    read = _reads(g) | outputs | {i.name for i in g.input}
+    for t in [t for t in g.initializer if t.name in roots and t.name not in read]:
+        g.initializer.remove(t)
 
 
 def linear_layers(model: onnx.ModelProto, *, with_basis_changes: bool = False) -> list[str]:

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 
 from ..passes import FoldResult, LnfoldError, NothingToFold
+from ..passes.errors import first_line
 from ..passes.calibration import Rows
 from ..passes.options import ROTATIONS
 from ..passes import metric, search
@@ -42,7 +43,7 @@ from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
 from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
-from .linear_layers import basis_changes, gemm_to_matmul, linear_layers, name_nodes
+from .linear_layers import WEIGHT_VIEWS, basis_changes, constant_weights, gemm_to_matmul, linear_layers, name_nodes
 from .quantize_report import QuantizeReport, scheme_name
 from .write import is_large
 
@@ -52,9 +53,14 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)  # int4 (MLAS MlasQuantizeBlockwise: no oth
 AUTO = "auto"  # --rotate auto: the best of AUTO_CANDIDATES on the user's rows
 METADATA_KEY = "lnfold.quantize"
 # --rotate auto's candidates, simplest first (a tie keeps the earlier): prepare() options. The
-# model as given is one of them, so that the choice is never worse than onnxruntime alone on the
-# rows it is judged on.
-AUTO_CANDIDATES = (("as given (onnxruntime alone)", dict(fold=False)), ("fold", dict()),
+# model not folded is one of them (onnxruntime's quantizer on lnfold's selection: the linear
+# layers, Gemms as MatMuls, weights seen through aliases as the constants they are), so that the
+# choice is never worse than the same quantization without the fold on the rows it is judged on.
+# Plain onnxruntime (its quantizer on the model as given, every op it takes) is measured beside
+# them as a reference (`plain_quantizer`), never chosen: it quantizes other ops than lnfold says
+# it quantizes (issue 45 item 9).
+NOT_FOLDED = "not folded (onnxruntime's quantizer on lnfold's linear layers)"
+AUTO_CANDIDATES = ((NOT_FOLDED, dict(fold=False)), ("fold", dict()),
                    ("fold, γ into the readers", dict(gamma_into_readers=True)),
                    *((r, dict(rotate=r)) for r in ROTATIONS))
 # a later (less simple) candidate is kept only where it cuts the error by more than this share: a
@@ -71,6 +77,7 @@ class Prepared:
     fold: Optional[FoldResult]
     notes: list[str]
     gamma_into_readers: bool = False
+    rewritten: int = 0  # weights made constants and Gemms made MatMuls (constant_weights, gemm_to_matmul)
 
 
 @dataclass
@@ -133,22 +140,33 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
             notes.append(f"nothing folded ({e}); quantized as given")
     work = copy.deepcopy(work)
     name_nodes(work)
+    resolved, float_kept = constant_weights(work)
+    if resolved:
+        notes.append(f"{resolved} linear layer weight(s) read through {'/'.join(WEIGHT_VIEWS)} of an initializer "
+                     "handed to the quantizer as the constant weight they are (the same values; an alias reads its "
+                     "initializer itself)")
+    notes += [f"kept float: {k}" for k in float_kept]
     rewritten, kept = gemm_to_matmul(work)
     if rewritten:
         notes.append(f"{rewritten} Gemm(s) rewritten as MatMul + Add (exact) so that the quantizer sees them")
     notes += [f"Gemm kept float: {k}" for k in kept]
-    prepared = Prepared(work, result, notes, bool(result) and gamma)
+    prepared = Prepared(work, result, notes, bool(result) and gamma, resolved + rewritten)
     if verify:
         check_exact_steps(model, prepared, inputs, dims)
     return prepared
 
 
 def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) -> None:
-    """The fold's gate (passes/gate.py) on the model handed to the quantizer: fold, γ, rotation and
-    Gemm rewrite in one run; its verdict is the fold result's. None where nothing folded, nor over
-    protobuf's 2 GB in memory (as fold_model)."""
-    if prepared.fold is not None and not is_large(prepared.model):
+    """The fold's gate (passes/gate.py) on the model handed to the quantizer: fold, γ, rotation,
+    constant weights and Gemm rewrite in one run; its verdict is the fold result's. Where nothing
+    folded, the rewrites alone (if any) are checked the same way. None over protobuf's 2 GB in
+    memory (as fold_model)."""
+    if is_large(prepared.model):
+        return
+    if prepared.fold is not None:
         record(prepared.fold, check_equivalent(model, prepared.model, inputs=inputs, dims=dims))
+    elif prepared.rewritten:
+        check_equivalent(model, prepared.model, inputs=inputs, dims=dims)
 
 
 def _calibration_reader(rows: Rows):
@@ -211,6 +229,41 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
                                 quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
                                 weight_type=QuantType.QInt8, per_channel=per_channel,
                                 nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
+            return onnx.load(str(out))
+
+
+def plain_quantizer(weights: str, activations: Optional[str], block_size: int, per_channel: bool) -> str:
+    """The call plain onnxruntime makes for the scheme, as a user writes it."""
+    channel = ", per_channel=True" if per_channel else ""
+    if weights == "int4":
+        return f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True)"
+    if activations == "int8":
+        return f"quantize_static(model, rows, quant_format=QDQ, activation_type=QInt8, weight_type=QInt8{channel})"
+    return f"quantize_dynamic(model, weight_type=QInt8{channel})"
+
+
+def run_plain(model: onnx.ModelProto, weights: str, activations: Optional[str], *,
+              calibration: Optional[Rows] = None, block_size: int = 128, per_channel: bool = False) -> onnx.ModelProto:
+    """Plain onnxruntime: its quantizer for the scheme on the model as given, with no node
+    selection and nothing prepared (`plain_quantizer` says the call): the reference --rotate auto
+    reports beside its candidates."""
+    with _quiet_quantizers():
+        from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+        if weights == "int4":
+            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+            q = MatMulNBitsQuantizer(copy.deepcopy(model), bits=4, block_size=block_size, is_symmetric=True)
+            q.process()
+            return q.model.model
+        with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
+            out = Path(tmp) / "plain.onnx"
+            if activations is None:
+                quantize_dynamic(copy.deepcopy(model), out, weight_type=QuantType.QInt8, per_channel=per_channel)
+            else:
+                quantize_static(copy.deepcopy(model), out, _calibration_reader(calibration),
+                                quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+                                weight_type=QuantType.QInt8, per_channel=per_channel)
             return onnx.load(str(out))
 
 
@@ -428,18 +481,44 @@ def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify
         else:
             trial.update(score=t.score, max_rel_err=max((e["max_rel_err"] for e in made[t.index][2].values()),
                                                         default=0.0))
+        if t.skipped is None:
+            trial.update(ops=dict(op_counts(made[t.index][1])), bytes=made[t.index][1].ByteSize())
         trials.append(trial)
-    trial = trials[best.index]  # (the first candidate, the model as given, is never skipped)
+    trial = trials[best.index]  # (the first candidate, the model not folded, is never skipped)
     prepared, quantized, errors = made[best.index]
     trial["chosen"] = True
     base = trials[0].get("score")
+    counted = sum('score' in t for t in trials)
+    trials.append(_plain_trial(model, scheme, m, reference))
+    plain = trials[-1].get("score")
     trial["why"] = (f"{trial['candidate']}: the lowest relative RMS error ({trial['score']:.3g}) of "
-                    f"{sum('score' in t for t in trials)} candidates on the measurement rows, simpler ones kept "
+                    f"{counted} candidates on the measurement rows, simpler ones kept "
                     f"unless beaten by over {AUTO_MARGIN:.0%}"
-                    + (f" (onnxruntime alone: {base:.3g})" if base is not None and trial is not trials[0] else ""))
+                    + (f" (not folded: {base:.3g})" if base is not None and trial is not trials[0] else "")
+                    + (f"; plain onnxruntime, for reference: {plain:.3g}" if plain is not None else ""))
     if verify:  # the chosen fold, verified like any fold
         check_exact_steps(model, prepared, m.verification, dims)
     return prepared, quantized, errors, trials
+
+
+def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, reference) -> dict:
+    """Plain onnxruntime's quantizer on the model as given, measured as the candidates are: a
+    reference beside them (`plain`), never chosen."""
+    trial = {"candidate": "plain onnxruntime: " + plain_quantizer(scheme["weights"], scheme["activations"],
+                                                                  scheme["block_size"], scheme["per_channel"]),
+             "rotate": None, "plain": True}
+    try:
+        quantized = run_plain(model, **scheme)
+        errors = measure(model, quantized, m.rows, reference)
+    except Exception as e:  # (its failure is a finding about onnxruntime, not an error of the command)
+        trial["skipped"] = f"onnxruntime failed: {first_line(e)[:160]}"
+        return trial
+    before, after = op_counts(model), op_counts(quantized)
+    trial.update(score=score(errors), max_rel_err=max((e["max_rel_err"] for e in errors.values()), default=0.0),
+                 ops=dict(after), bytes=quantized.ByteSize(),
+                 changed_ops={k: [before.get(k, 0), after.get(k, 0)] for k in sorted(set(before) | set(after))
+                              if before.get(k, 0) != after.get(k, 0)})
+    return trial
 
 
 def rotated_streams(fold: Optional[FoldResult]) -> int:

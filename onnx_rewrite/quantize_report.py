@@ -43,7 +43,9 @@ class QuantizeReport:
     notes: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
     # --rotate auto: every candidate tried ({"candidate", "score" (worst output's relative RMS
-    # error), "max_rel_err"} or {"candidate", "skipped"}) and the one kept, with why
+    # error), "max_rel_err", "ops" (the quantized model's op counts), "bytes"} or {"candidate",
+    # "skipped"}) and the one kept, with why; last, plain onnxruntime's quantizer on the model as
+    # given ("plain": True), a reference never chosen
     candidates: list = field(default_factory=list)
     chosen: Optional[str] = None
     exact: bool = False  # quantization is not exact: see `errors`
@@ -103,6 +105,12 @@ class QuantizeReport:
         for t in self.candidates:
             said = (f"skipped: {t['skipped']}" if "skipped" in t else
                     f"rel. RMS error {t['score']:.3e}, max rel. error {t['max_rel_err']:.3e}")
+            if "bytes" in t:
+                said += f", {t['bytes'] / max(self.bytes_before, 1):.2f}x the size"
+            if t.get("plain"):  # quantizes ops lnfold leaves float: what a user of onnxruntime alone gets
+                ops = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in t.get("changed_ops", {}).items())
+                said += (f" (ops changed: {ops}; " if ops else " (") + \
+                    "every op it takes, on the model as given: reference, never chosen)"
             lines.append(f"auto: {t['candidate']}: {said}{'  <- chosen' if t.get('chosen') else ''}")
         if self.chosen:
             lines.append(f"auto chose {self.chosen} (chosen and measured on the same rows)")

@@ -411,9 +411,9 @@ def test_the_float64_copies_verdict_refuses_a_fold_it_cannot_compare(break_it, m
 def test_quantize_auto_on_a_model_with_nothing_to_fold_says_why_each_fold_candidate_was_skipped():
     table = lnfold.quantize_onnx(no_layernorm(), rotate="auto").report.table()
     auto = [line for line in table.splitlines() if line.startswith("auto: ")]
-    assert auto[0].startswith("auto: as given (onnxruntime alone): rel. RMS error") and auto[0].endswith("<- chosen")
+    assert auto[0].startswith("auto: not folded (onnxruntime's quantizer on lnfold's linear layers): rel. RMS error") and auto[0].endswith("<- chosen")
     skipped = [line for line in auto if ": skipped: " in line]
-    assert len(skipped) == len(auto) - 2  # all but the model as given and the plain fold (quantized as given)
+    assert len(skipped) == len(auto) - 3  # all but the model not folded, the plain fold (quantized as given) and plain onnxruntime
     assert all(line.endswith("skipped: cannot rotate: no LayerNorm found in the model: nothing to fold")
                for line in skipped), skipped
 

@@ -123,10 +123,10 @@ def test_auto_tries_every_candidate_and_keeps_the_best():
     plain = lnfold.quantize_onnx(model, weights="int8", fold=False, inputs=given).report
     auto = lnfold.quantize_onnx(model, weights="int8", rotate="auto", inputs=given).report
     tried = {t["candidate"]: t for t in auto.candidates}
-    assert list(tried) == [label for label, _ in q.AUTO_CANDIDATES]
-    assert tried["as given (onnxruntime alone)"]["score"] == pytest.approx(plain.rel_rms)
+    assert list(tried) == [label for label, _ in q.AUTO_CANDIDATES] + [auto.candidates[-1]["candidate"]]
+    assert tried[q.NOT_FOLDED]["score"] == pytest.approx(plain.rel_rms)
     chosen = [t for t in auto.candidates if t.get("chosen")]
-    assert len(chosen) == 1 and chosen[0]["candidate"] != "as given (onnxruntime alone)"
+    assert len(chosen) == 1 and chosen[0]["candidate"] != q.NOT_FOLDED
     # the planted outliers: moving γ out of the activations cuts the error several-fold
     assert auto.rel_rms == pytest.approx(chosen[0]["score"]) and auto.rel_rms < plain.rel_rms / 3, auto.candidates
     assert auto.rel_rms <= min(t["score"] for t in auto.candidates if "score" in t) / (1 - q.AUTO_MARGIN)
@@ -181,7 +181,7 @@ def test_cli_rotate_auto_on_calibration_rows(tmp_path, capsys):
                      "--calibrate", str(calib)]) == 0
     text = capsys.readouterr().out
     assert "auto chose" in text and "your --calibrate rows (x [6, 4, 16])" in text and out.exists()
-    assert len([line for line in text.splitlines() if line.startswith("auto: ")]) == len(q.AUTO_CANDIDATES)
+    assert len([line for line in text.splitlines() if line.startswith("auto: ")]) == len(q.AUTO_CANDIDATES) + 1  # + plain onnxruntime
 
 
 def test_rows_where_the_float_model_is_not_finite_are_left_out_and_counted():
