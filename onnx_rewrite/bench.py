@@ -20,13 +20,16 @@ from typing import Optional
 
 from ..passes import LnfoldError
 from ..passes.options import check_seconds, check_threads
-from .timing import MARGIN, compare_repeats, describe_ratio, interleaved, summary
+import numpy as np
+
+from .timing import MARGIN, compare_repeats, describe_ratio, interleaved, ratio, summary
 
 # Ops whose kernels compute a norm, before (LayerNormalization) and after (the RMS forms) the fold.
 NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
             "SkipSimplifiedLayerNormalization", "RMSNormalization")
 PROFILED_RUNS = 30
-_MIN_ROUNDS, _MAX_ROUNDS = 60, 1000
+_MIN_ROUNDS, _MAX_ROUNDS = 60, 1000  # (fewer than _MIN_ROUNDS where the budget allows no more: said)
+PROFILE_SHARE = 0.25  # of the --seconds budget, for the two models' profiled runs
 
 
 def timing_session(path: Path, threads: int, profile_prefix: Optional[str] = None):
@@ -48,14 +51,17 @@ def timing_session(path: Path, threads: int, profile_prefix: Optional[str] = Non
         raise LnfoldError(f"{path}: onnxruntime cannot load it ({' '.join(str(e).split())[:200]})") from None
 
 
-def norm_kernel_time(path: Path, feeds: dict, runs: int = PROFILED_RUNS) -> dict:
+def norm_kernel_time(path: Path, feeds: dict, runs: int = PROFILED_RUNS, until: float = float("inf")) -> dict:
     """Median per run (seconds) of the norm kernels' time and of all kernels' time (the profiler's
     own overhead between kernels left out), from onnxruntime's profiler with one thread, and the
-    norm ops that ran ({op: nodes})."""
+    norm ops that ran ({op: nodes}). Two runs are not counted (warm-up); the counted ones stop at
+    `runs`, or at time.perf_counter() `until` after the first (`"runs"`: how many were counted)."""
     with tempfile.TemporaryDirectory(prefix="lnfold-profile-") as tmp:
         sess = timing_session(path, 1, profile_prefix=str(Path(tmp) / "profile"))
-        for _ in range(runs + 2):
+        for k in range(runs + 2):
             sess.run(None, feeds)
+            if k >= 2 and time.perf_counter() >= until:
+                break
         events = json.loads(Path(sess.end_profiling()).read_text())
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
                    if e.get("cat") == "Session" and e.get("name") == "model_run")
@@ -73,33 +79,64 @@ def norm_kernel_time(path: Path, feeds: dict, runs: int = PROFILED_RUNS) -> dict
             norms[k] += e["dur"] * 1e-6
             nodes.setdefault(op, set()).add(e["name"])
     return {"norms": statistics.median(norms[2:] or [0.0]), "kernels": statistics.median(kernels[2:] or [0.0]),
-            "ops": {op: len(v) for op, v in nodes.items()}}
+            "ops": {op: len(v) for op, v in nodes.items()}, "runs": max(len(spans) - 2, 0)}
 
 
 def measure(original: Path, folded: Path, feeds: dict, *, threads: int = 1, seconds: float = 8.0,
-            repeats: int = 3) -> dict:
+            repeats: int = 3, started: Optional[float] = None) -> dict:
     """The profiler's norm-kernel figures for both models, and end-to-end timings of original,
-    folded and original again (A/A), interleaved for about `seconds` in all, in `repeats` blocks
-    with sessions of their own (timing.compare_repeats: a claim must hold in each)."""
-    kernels = {"original": norm_kernel_time(original, feeds), "folded": norm_kernel_time(folded, feeds)}
-    blocks, rounds = [], 0
-    for _ in range(repeats):
+    folded and original again (A/A), interleaved, in up to `repeats` blocks with sessions of their
+    own (timing.compare_repeats: a claim must hold in each). `seconds` bounds the whole measurement
+    from `started` (time.perf_counter(); default: now), the caller's loading included: the profiler
+    gets PROFILE_SHARE of it, each block an equal share of what is left, and a block stops at its
+    share (one round at least, one block at least: a model slower than the budget overruns it by
+    that much, no more). `"rounds"`: the rounds run in all; `"budget"`: the seconds asked."""
+    t0 = time.perf_counter() if started is None else started
+    deadline = t0 + seconds
+    share = (deadline - time.perf_counter()) * PROFILE_SHARE / 2
+    kernels = {}
+    for name, path in (("original", original), ("folded", folded)):
+        kernels[name] = norm_kernel_time(path, feeds, until=time.perf_counter() + share)
+    blocks, rounds, planned = [], 0, 0
+    for k in range(repeats):
+        if blocks and time.perf_counter() >= deadline:
+            break
         a, a2, b = (timing_session(p, threads) for p in (original, original, folded))
-        if not rounds:  # from one run's time: about `seconds` over all blocks and variants
+        if not planned:  # from one run's time: about `seconds` over all blocks and variants
             a.run(None, feeds)
             t = time.perf_counter()
             a.run(None, feeds)
             one = time.perf_counter() - t
-            rounds = int(min(_MAX_ROUNDS, max(_MIN_ROUNDS, seconds / 3 / repeats / max(one, 1e-5))))
+            planned = int(min(_MAX_ROUNDS, max(_MIN_ROUNDS, seconds / 3 / repeats / max(one, 1e-5))))
+            # the bootstrap after the rounds grows with them (~5 ms a round of each block here): the
+            # rounds, run and analyzed, fit in what is left of the budget
+            per_round = analysis_per_round(repeats)
+            left = deadline - time.perf_counter()
+            planned = max(1, min(planned, int(left / (per_round + 3 * repeats * one))))
+        reserve = per_round * planned * (repeats - k)  # (this block's and the later ones' share of the analysis)
+        until = time.perf_counter() + max(deadline - reserve - time.perf_counter(), 0.0) / (repeats - k)
         blocks.append(interleaved({"original": lambda: a.run(None, feeds), "original again": lambda: a2.run(None, feeds),
-                                   "folded": lambda: b.run(None, feeds)}, rounds=rounds, warmup=5))
+                                   "folded": lambda: b.run(None, feeds)}, rounds=planned, warmup=5, until=until))
+        rounds += blocks[-1]["original"]["n"]
         del a, a2, b
     pooled = {name: {k: [x for blk in blocks for x in blk[name][k]] for k in ("samples", "cpu_samples")}
               for name in blocks[0]}
     return {"kernels": kernels, "stats": {name: summary(v["samples"], v["cpu_samples"]) for name, v in pooled.items()},
-            "rounds": rounds * repeats, "repeats": repeats, "threads": threads,
+            "rounds": rounds, "repeats": len(blocks), "threads": threads, "budget": seconds,
+            "planned": planned * repeats, "took": time.perf_counter() - t0,
             "wall": compare_repeats(blocks, "folded", "original", "original again"),
             "cpu": compare_repeats(blocks, "folded", "original", "original again", key="cpu_samples")}
+
+
+def analysis_per_round(repeats: int, n: int = 64) -> float:
+    """Seconds timing.compare_repeats takes per round of each of `repeats` blocks (wall and CPU),
+    timed here on `n` made-up rounds: it is linear in the rounds."""
+    rng = np.random.default_rng(0)
+    stats = {k: {"samples": list(1 + 0.01 * rng.standard_normal(n))} for k in ("a", "b")}
+    t = time.perf_counter()
+    ratio(stats, "a", "b")
+    one = (time.perf_counter() - t) / n  # one ratio() per round
+    return one * 2 * 2 * (repeats + repeats)  # 2 keys x (num, A/A) x (pooled over the blocks + each block)
 
 
 def describe(m: dict) -> list[str]:
@@ -116,6 +153,11 @@ def describe(m: dict) -> list[str]:
         f"{m['threads']} intra-op thread{'s' if m['threads'] != 1 else ''}"
     out.append(f"end to end, {m['rounds']} interleaved rounds in {m['repeats']} repeats with fresh sessions, {threads} "
                "(median [IQR]; \"original again\" is a second session of the original: the A/A spread):")
+    if "budget" in m and m["rounds"] < _MIN_ROUNDS * 3:
+        runs = min(k["runs"] for k in m["kernels"].values())
+        out.insert(0, f"budget: --seconds {m['budget']:g} allowed {m['rounds']} interleaved round(s) in {m['repeats']} "
+                      f"repeat(s) and {runs} profiled run(s) per model (took {m['took']:.1f} s; a steady figure "
+                      f"wants {_MIN_ROUNDS * 3} rounds: raise --seconds for one)")
     scale, unit = (1e6, "µs") if m["stats"]["original"]["median"] < 1e-3 else (1e3, "ms")
     for label, s in m["stats"].items():
         out.append(f"  {label:<15} wall {s['median'] * scale:8.3f} {unit} [{(s['q3'] - s['q1']) * scale:.3f}]   "
@@ -143,6 +185,7 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     from .read import load
     from .verify import original_run
 
+    started = time.perf_counter()  # (--seconds bounds the whole command from here)
     check_threads(threads)  # (the command line checked them as it read them: passes/options.py)
     check_seconds(seconds)
     a, b = load(original, lazy=True), load(folded, lazy=True)
@@ -156,7 +199,8 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     print(f"lnfold bench: {original} (original) vs {folded} (folded), onnxruntime {ort.__version__} CPU")
     shapes = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
     print(f"inputs: {shapes} ({made})")
-    for line in describe(measure(Path(original), Path(folded), feeds, threads=threads, seconds=seconds)):
+    for line in describe(measure(Path(original), Path(folded), feeds, threads=threads, seconds=seconds,
+                                 started=started)):
         print(line)
     return 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..passes import LnfoldError, approx, pipeline
+from ..passes import LnfoldError, NothingToFold, approx, pipeline
 from ..passes.approx import MODE as APPROX_MODE
 from ..passes.calibration import check_calibration
 from ..passes.options import (DEFER_POLICIES, MODES, ROTATIONS, as_argument, check_output, check_seconds,
@@ -122,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="onnxruntime intra-op threads for the end-to-end timing (default 1, the steadiest figure; "
                         "0: onnxruntime's default); the profiled norm kernels always run on 1")
     b.add_argument("--seconds", type=as_argument(check_seconds, float), default=8.0,
-                   help="about how long the end-to-end rounds run (default 8)")
+                   help="the whole command's time budget: profiling and end-to-end rounds stop at it, and the "
+                        "rounds it allowed are printed (default 8; a model slower than the budget still runs "
+                        "once per variant)")
     b.add_argument("--inputs", metavar="FILE.npz", help="run on these inputs instead of made-up ones")
     b.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
@@ -253,13 +255,23 @@ def cmd_report(args) -> int:
                            angles=bool(args.angles or args.plot))
     # a folded model's RMSNorms, or chains that almost are LayerNorms: something to report (exit 0)
     if not report.norms and not report.rms_norms and not report.near_misses:
-        raise LnfoldError(no_norm_message(model))
+        e = NothingToFold(no_norm_message(model))
+        e.report = report  # (`--json`: printed with the reason)
+        raise e
     if args.plot and report.geometry is not None:
         from ..passes.geometry_plot import plot
 
         plot(report.geometry, args.plot, Path(args.input).stem)
     print(report.to_json(indent=2) if args.json else report.table())
     return 0
+
+
+def nothing_to_fold(e: NothingToFold) -> dict:
+    """`--json` on exit 2, nothing to fold: the JSON object with the reason (the one line stderr
+    says) and the analysis's report where it made one (every norm, its verdict and why)."""
+    report = getattr(e, "report", None)
+    return {"output": None, "written": False, "exit_code": e.exit_code, "reason": str(e),
+            "report": report.to_dict() if report is not None else None}
 
 
 def main(argv=None) -> int:
@@ -290,6 +302,8 @@ def main(argv=None) -> int:
 
         return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep, seconds=args.seconds)
     except LnfoldError as e:
+        if isinstance(e, NothingToFold) and getattr(args, "json", False):
+            print(json.dumps(nothing_to_fold(e), indent=2))
         print(f"lnfold: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -27,14 +27,21 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
-def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 20, warmup: int = 3) -> dict[str, dict]:
-    """Per variant: the `summary` of its wall and CPU times (seconds) over `rounds` interleaved rounds."""
-    for _ in range(warmup):
+def interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 20, warmup: int = 3,
+                until: float = float("inf")) -> dict[str, dict]:
+    """Per variant: the `summary` of its wall and CPU times (seconds) over `rounds` interleaved
+    rounds, or fewer where time.perf_counter() reaches `until` (warm-up rounds then stop too; one
+    of each, and one timed round, always run). The summary's `n`: the rounds run."""
+    for w in range(warmup):
+        if w and time.perf_counter() >= until:
+            break
         for f in fns.values():
             f()
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(rounds):
+        if r and time.perf_counter() >= until:
+            break
         items = list(fns.items())
         order = items[r % len(items):] + items[:r % len(items)]  # each variant takes each place in turn
         for name, f in order:

@@ -7,6 +7,7 @@ import contextlib
 import time
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
+from .errors import NothingToFold
 from .gate import Verdict
 from .plan import Plan
 from .request import PlanRequest
@@ -66,7 +67,12 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
     t0 = time.perf_counter()
     stage(progress, "analyzing")
     view, p = plan(frontend, planner)
-    frontend.check(p)
+    try:
+        frontend.check(p)
+    except NothingToFold as e:  # (the analysis said why: `--json` prints its report with the reason)
+        if getattr(e, "report", None) is None:
+            e.report = p.report
+        raise
     timings["analysis"] = time.perf_counter() - t0
 
     stage(progress, f"editing ({len(p.swaps)} norms, {len(p.const_edits)} constants)")

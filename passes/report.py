@@ -8,6 +8,7 @@ import json
 import os
 import re
 import textwrap
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Mapping, Optional
 
@@ -23,6 +24,18 @@ def requoted(text: str, fn: Rename) -> str:
 def named(value, fn: Rename):
     """A name, or each of a list of them, renamed by `fn`."""
     return [fn(v) for v in value] if isinstance(value, list) else fn(value)
+
+
+def applications(norms: list[str], names: Mapping[str, str]) -> dict[str, str]:
+    """norm -> `name (application k of n)` for the norms `names` gives a name that n > 1 of them
+    share, k counted in the order given (the graph's: the order they run)."""
+    said = [names.get(n, n) for n in norms]
+    total, seen, out = Counter(said), Counter(), {}
+    for norm, name in zip(norms, said):
+        if total[name] > 1:
+            seen[name] += 1
+            out[norm] = f"{name} (application {seen[name]} of {total[name]})"
+    return out
 
 
 class Names:
@@ -158,7 +171,10 @@ class Report:
     def renamed(self, names: Mapping[str, str]) -> "Report":
         """A copy that says `names[x]` wherever this report names `x` (a norm, or a name quoted in a
         sentence): the user's names (`transformer.h.0.attn.c_proj.weight`) for the torch graph's
-        (`transformer_h_0_attn_c_proj_weight`). A copy: the plan's own report stays as planned."""
+        (`transformer_h_0_attn_c_proj_weight`). A copy: the plan's own report stays as planned.
+        Norms that `names` gives one name (a shared module applied many times: ALBERT's one layer,
+        12 times) are numbered in the report's order, `name (application k of n)` (issue 45 item 14)."""
+        names = {**names, **applications([n.name for n in self.norms] + [r.name for r in self.rms_norms], names)}
         fn = lambda x: names.get(x, x)  # noqa: E731
         r = copy.deepcopy(self)
         r.norms, r.streams = [n.renamed(fn) for n in r.norms], [s.renamed(fn) for s in r.streams]
