@@ -102,7 +102,8 @@ class OnnxFrontend:
         self.work, self.opset, shapes = self.prepared
         self.graph = _import(self.work)
         self.info = GraphInfo(self.graph, shapes)
-        view, self.matches = build_view(self.info, self.opset)
+        # RMSNorms as given are norms of the view where their γ can move (and their streams rotate)
+        view, self.matches = build_view(self.info, self.opset, rms=self.opts.gamma_into_readers)
         # If branches: one view with the main graph
         self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset)
         return view
@@ -127,8 +128,9 @@ class OnnxFrontend:
                             approx=self.approx, bases=self.bases)
 
     def check(self, plan: Plan) -> None:
-        if not plan.report.norms:
-            raise NothingToFold(validate.no_norm_message(self.work) + plan.report.near_miss_hint())
+        if not plan.report.norms and plan.empty:
+            raise NothingToFold(validate.no_norm_message(self.work) + plan.report.near_miss_hint()
+                                + _unrotated(plan))
         if plan.empty:
             raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
@@ -187,6 +189,13 @@ class OnnxFrontend:
 
     def run(self, artifact: Optional[onnx.ModelProto], batches: list[dict]) -> list:
         return approx_io.run(self.model if artifact is None else artifact, batches)
+
+
+def _unrotated(plan: Plan) -> str:
+    """For "nothing to fold" with γ into the readers asked: why the RMSNorms as given changed nothing."""
+    said = [f"stream {k + 1} {s.rotation}" for k, s in enumerate(plan.report.streams) if s.rms and s.rotation]
+    said += [f"`{r.name}`: γ {r.gamma}" for r in plan.report.rms_norms if r.gamma][:1]
+    return "".join(f"; {t}" for t in said[:2])
 
 
 def stamp(model: onnx.ModelProto, key: str, value: str) -> None:

@@ -18,7 +18,7 @@ from ..passes.view import SizeOf
 
 from . import fused, guards
 from .computed_shapes import computed_axis_map, read_axes, shape_entries
-from .norm_patterns import find_norms
+from .norm_patterns import RMS_KINDS, find_norms
 from .norms import NormMatch, const_values, constant_shape, given, is_constant, reduce_axes
 from .stored_integers import dequantized
 
@@ -386,12 +386,13 @@ def _captured(node: gs.Node) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def build_view(info: GraphInfo, opset: int) -> tuple[View, dict[str, NormMatch]]:
-    """The stream view of `info.graph`, and the LayerNorm matches by view-node name."""
+def build_view(info: GraphInfo, opset: int, rms: bool = False) -> tuple[View, dict[str, NormMatch]]:
+    """The stream view of `info.graph`, and the LayerNorm matches by view-node name; with `rms`,
+    the RMSNorms as given too (issue 47: norms whose NormSpec says `rms`)."""
     graph, shapes = info.graph, info.shapes
     view = View()
     variant_misses: dict = {}
-    matches = find_norms(graph, shapes, variant_misses)
+    matches = find_norms(graph, shapes, variant_misses, rms=rms)
     covered = {id(n) for m in matches for n in m.nodes}  # tf2onnx's/jax2onnx's norms: several nodes
     by_first = {id(m.nodes[0]): m for m in matches}
     by_name: dict[str, NormMatch] = {}
@@ -465,6 +466,11 @@ def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
                            [summed], rule=rule("broadcast", data=data), origin=m.name))
         x = summed
     ins = [x] + names([m.gamma, m.beta])
+    if m.kind in RMS_KINDS:  # an RMSNorm as given (no β): its input need not be zero-mean
+        view.add_node(Node(m.name, "DecomposedRMSNorm" if m.kind == "decomposed RMSNorm" else m.kind, ins[:2],
+                           [m.output.name], rule=rule("layer_norm", axes=m.axes, gamma=1 if ins[1] else None,
+                                                      eps=m.epsilon, rms=True)))
+        return
     view.add_node(Node(m.name, m.kind, ins, [m.output.name],
                        rule=rule("layer_norm", axes=m.axes, gamma=1 if ins[1] else None, beta=2 if ins[2] else None,
                                  eps=m.epsilon, stats_used=m.stats_used)))

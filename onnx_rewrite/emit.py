@@ -113,6 +113,8 @@ class Emitter:
                 crms.swap(self, matches[name], crms_norms[name])
             else:
                 self._swap(matches[name], plan.emissions[name])
+        for name in plan.rms_swaps:  # RMSNorms as given, γ in their readers: the target's RMSNorm, unit weight
+            self._swap(matches[name], plan.emissions[name])
         for name in plan.approx:  # not exact (passes/approx.py): an RMSNorm on the uncentered stream, β kept
             self._swap(matches[name], NormEmission(name, beta_add=True, unit_gamma=False, rms_only=True,
                                                    fuse_residual=False))

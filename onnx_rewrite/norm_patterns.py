@@ -55,6 +55,23 @@ def match_skip(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> No
     return m
 
 
+def match_rms_op(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> MatchResult[NormMatch]:
+    """onnxruntime's SimplifiedLayerNormalization (X, scale; Y [, inv_std_var]) and opset 23's
+    RMSNormalization (X, scale; Y): an RMSNorm as given over axes [axis, rank), one axis only."""
+    x = node.inputs[0]
+    rank = rank_of(x, shapes)
+    if rank is None:
+        return NoMatch("the rank of its input is unknown", 1)
+    axis = int(node.attrs.get("axis", -1))
+    axes = list(range(axis + rank if axis < 0 else axis, rank))
+    if len(axes) != 1:
+        return NoMatch(f"an RMSNorm over axes {axes} of a rank-{rank} tensor, not one feature axis", 1)
+    if uses_stats(node.outputs[1:], outputs):
+        return NoMatch("an RMSNorm whose inverse standard deviation output is used", 1)
+    return NormMatch(node.name, node.op, [node], x, node.outputs[0], gamma=given(node.inputs, 1),
+                     epsilon=float(node.attrs.get("epsilon", 1e-5)), axis=axes[0], axes=axes)
+
+
 PATTERNS = (
     NormPattern("LayerNormalization", ("LayerNormalization",), ONNX_DOMAINS, match_layernormalization),
     NormPattern("SkipLayerNormalization", ("SkipLayerNormalization",), (fused.MS,), match_skip),
@@ -67,19 +84,36 @@ PATTERNS = (
 )
 
 
-def find_norms(graph: gs.Graph, shapes: dict[str, Shape], near_misses: Optional[dict] = None) -> list[NormMatch]:
+# RMSNorms as given (issue 47; NormMatch.kind one of RMS_KINDS): looked for only where γ into the
+# readers or a rotation is asked (`find_norms(rms=True)`); without, a model of RMSNorms folds nothing
+# exactly as before (already_rms.py lists them).
+RMS_PATTERNS = (
+    NormPattern("SimplifiedLayerNormalization", ("SimplifiedLayerNormalization",), ONNX_DOMAINS + (fused.MS,),
+                match_rms_op),
+    NormPattern("RMSNormalization", ("RMSNormalization",), ONNX_DOMAINS, match_rms_op),
+    NormPattern("decomposed RMSNorm", ("ReduceMean",), ONNX_DOMAINS, norm_variants.match_rms),
+)
+RMS_KINDS = ("SimplifiedLayerNormalization", "RMSNormalization", "decomposed RMSNorm")
+
+
+def find_norms(graph: gs.Graph, shapes: dict[str, Shape], near_misses: Optional[dict] = None,
+               rms: bool = False) -> list[NormMatch]:
     """Every match of `PATTERNS` in `graph` (the first pattern that matches at a node wins); where
     none does, the failure that got furthest goes into `near_misses` (node name -> NoMatch) when
-    it is a near miss."""
+    it is a near miss. `rms`: RMSNorms as given too (RMS_PATTERNS), at nodes no earlier match covers."""
     out = []
     outputs = {t.name for t in graph.outputs}
+    covered: set[int] = set()
     for node in graph.nodes:
+        if rms and id(node) in covered:
+            continue
         tried: list[NoMatch] = []
-        for pattern in PATTERNS:
+        for pattern in PATTERNS + (RMS_PATTERNS if rms else ()):
             if pattern.starts(node):
                 m = pattern.match(node, shapes, outputs)
                 if m:
                     out.append(m)
+                    covered.update(id(n) for n in m.nodes)
                     break
                 tried.append(m)
         else:

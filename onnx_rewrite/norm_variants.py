@@ -361,3 +361,66 @@ def _finish(m: NormMatch, x: gs.Tensor, outputs: set) -> MatchResult[NormMatch]:
                                "(the swap would remove it)", 5)
     # the swap reads x from the first node's input 0 (emit.py): both patterns start at mean(x)
     return m if m.nodes[0].inputs[0] is x else NoMatch("the norm does not start at the mean of its input", 5)
+
+
+# --- RMSNorms as given (issue 47): matched only where γ into the readers or a rotation is asked ---
+
+def _centered(t: gs.Tensor) -> bool:
+    """`t` is x - mean(x) (a LayerNorm's centered value), whose mean square is a variance."""
+    p = t.inputs[0] if len(t.inputs) == 1 else None
+    if p is not None and p.op == "Cast" and len(p.inputs[0].inputs) == 1:
+        p = p.inputs[0].inputs[0]
+    m = p.inputs[1] if p is not None and p.op == "Sub" and len(p.inputs) == 2 else None
+    return m is not None and len(m.inputs) == 1 and m.inputs[0].op in MEANS
+
+
+def match_rms(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchResult[NormMatch]:
+    """An RMSNorm written out, as torch's dynamo exporter writes LlamaRMSNorm (and lnfold's portable
+    target its RMSNorms): [Cast] -> Pow(x, 2) or Mul(x, x) -> ReduceMean (one axis, keepdims) ->
+    [Add ε] -> Sqrt -> Reciprocal -> Mul(x, ·), or Div(x, ·) -> [Cast back] -> [Mul by γ]. Named
+    after its mean, as already_rms lists it. The variance of x - mean(x) is a LayerNorm's: no match."""
+    if mean.op != "ReduceMean" or int(mean.attrs.get("keepdims", 1)) != 1:
+        return NoMatch("not a mean that keeps its dims")
+    sq_t = mean.inputs[0]
+    sq = sq_t.inputs[0] if len(sq_t.inputs) == 1 else None
+    if sq is not None and sq.op == "Mul" and len(sq.inputs) == 2 and sq.inputs[0] is sq.inputs[1]:
+        xs = sq.inputs[0]
+    elif sq is not None and sq.op == "Pow" and len(sq.inputs) == 2 and _scalar(sq.inputs[1]) == 2.0:
+        xs = sq.inputs[0]
+    else:
+        return NoMatch("not a mean of a square")
+    up = xs.inputs[0] if len(xs.inputs) == 1 and xs.inputs[0].op == "Cast" else None
+    x = up.inputs[0] if up is not None else xs
+    if _centered(xs) or _centered(x):
+        return NoMatch("the mean square of x - mean: a LayerNorm's variance")
+    rank = rank_of(x, shapes)
+    axes = _mean_axes(mean, rank)
+    if axes is None:
+        return NoMatch("not a mean over constant axes (or the rank is unknown)")
+    axis, rejection = _norm_axis(list(axes), rank)
+    if rejection is not None:
+        return NoMatch(f"a root mean square that {rejection}")
+    nodes = ([up] if up is not None else []) + [sq, mean]
+    got = _sqrt(mean.outputs[0], nodes)
+    if not got:
+        return NoMatch(got.reason)  # (depth 0: a mean square read otherwise is no near miss)
+    s, eps = got
+    rec = _one(s, "Reciprocal")
+    if rec is not None:  # x · (1 / rms)
+        final = _one(rec.outputs[0], "Mul")
+        divides = final is not None and _other(final, rec.outputs[0]) is xs
+    else:  # x / rms
+        final = _one(s, "Div")
+        divides = final is not None and final.inputs[0] is xs and final.inputs[1] is s
+    if not divides:
+        return NoMatch(f"the root mean square `{s.name}` of `{xs.name}` is not what `{xs.name}` is divided by "
+                       f"(it is read by {_what_reads(s)})", 2)
+    nodes += ([rec] if rec is not None else []) + [final]
+    out = final.outputs[0]
+    down = _one(out, "Cast") if up is not None else None
+    if down is not None:
+        nodes.append(down)
+        out = down.outputs[0]
+    gamma, out = _affine_after(out, "Mul", axis, rank, nodes)
+    return _finish(NormMatch(mean.name, "decomposed RMSNorm", nodes, x, out, gamma=gamma, epsilon=eps, axis=axis,
+                             axes=[axis]), x, outputs)

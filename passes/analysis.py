@@ -66,6 +66,9 @@ class Component:
     opaque: list[OpaqueStart] = field(default_factory=list)
     blockers: list[Blocker] = field(default_factory=list)
     inputs: dict[str, str] = field(default_factory=dict)  # norm -> the stream tensor it normalizes
+    # its norms that are RMSNorms as given (NormSpec.rms): nothing centers this stream (its
+    # LayerNorms, if any, are kept); all of them RMSNorms, it can still be rotated (passes/rotate.py)
+    rms: list[str] = field(default_factory=list)
 
     @property
     def foldable(self) -> bool:
@@ -433,6 +436,8 @@ class _ComponentBuilder:
                     if cname not in self.comp.norms:
                         self.comp.norms.append(cname)
                         self.comp.inputs[cname] = value
+                        if c.norm.rms:
+                            self.comp.rms.append(cname)
                 else:
                     self.block(value, f"is read by {c.describe()} over axis {c.norm.axis}, but its feature axis "
                                       f"is {axis}")
@@ -443,15 +448,18 @@ class _ComponentBuilder:
 
 
 def analyze(view: View) -> list[Component]:
-    """The stream components of `view`, one per connected set of LayerNorm inputs."""
+    """The stream components of `view`, one per connected set of norm inputs (LayerNorms, and
+    RMSNorms as given: `Component.rms`)."""
     components: list[Component] = []
     placed: set[str] = set()
-    for node in view.norms():
+    for node in view.nodes.values():
         if node.norm is None or node.name in placed:
             continue
         comp = _ComponentBuilder(view).run(node.inputs[node.norm.input], node.norm.axis)
         if node.name not in comp.norms:  # defensive: the start must reach its own norm
             comp.norms.insert(0, node.name)
+            if node.norm.rms:
+                comp.rms.insert(0, node.name)
         comp.inputs.setdefault(node.name, node.inputs[node.norm.input])
         placed.update(comp.norms)
         components.append(comp)

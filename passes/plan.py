@@ -22,7 +22,7 @@ from . import slicing
 from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
                     Ones, Project, Recenter, Scale, const_edits, dense)
 from .errors import LnfoldError
-from .report import CompressionVerdict, NearMiss, NormVerdict, Report, StreamEdits
+from .report import CompressionVerdict, NearMiss, NormVerdict, Report, RmsNorm, StreamEdits
 from .request import Capabilities, PlanRequest
 from .rules import kind_of
 from .view import DimRef, View
@@ -75,6 +75,9 @@ class Plan:
     const_edits: Sequence[ConstEdit] = FrozenList()
     recenters: Sequence[Recenter] = FrozenList()
     swaps: Sequence[str] = FrozenList()  # LayerNorm nodes to replace by RMSNorm
+    # RMSNorms as given (NormSpec.rms; issue 47) emitted anew with unit weight: γ went into their
+    # readers, or into a readout's matrix (a rotated stream's norm whose readers cannot take γ)
+    rms_swaps: Sequence[str] = FrozenList()
     components: Sequence[Component] = FrozenList()
     compressions: Sequence[ComponentCompression] = FrozenList()  # mode="crms"
     new_biases: Sequence[NewBias] = FrozenList()
@@ -121,7 +124,7 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not self.swaps and not self.approx
+        return not self.swaps and not self.approx and not self.rms_swaps
 
     @property
     def plain_rms(self) -> list[str]:
@@ -151,7 +154,7 @@ class Plan:
                                   for r in self.stream_bases)
         main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
                          origins=self.origins) if main else {}
-        return Plan(mode=self.mode, swaps=names(self.swaps),
+        return Plan(mode=self.mode, swaps=names(self.swaps), rms_swaps=names(self.rms_swaps),
                     recenters=FrozenList(replace(r, value=local(r.value)) for r in self.recenters if mine(r.value)),
                     betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
                     fuse_residual=names(self.fuse_residual),
@@ -169,6 +172,7 @@ class _Draft:
     const_edits: list[ConstEdit] = field(default_factory=list)
     recenters: list[Recenter] = field(default_factory=list)
     swaps: list[str] = field(default_factory=list)
+    rms_swaps: list[str] = field(default_factory=list)
     components: list[Component] = field(default_factory=list)
     compressions: list[ComponentCompression] = field(default_factory=list)
     new_biases: list[NewBias] = field(default_factory=list)
@@ -258,6 +262,9 @@ def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]
         out[n] = NormEmission(n, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
                               rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n),
                               **resized)
+    for n in plan.rms_swaps:  # RMSNorms as given: no β, never fused here
+        out[n] = NormEmission(n, beta_add=False, unit_gamma=True, rms_only=True, fuse_residual=False,
+                              readout=readouts.get(n))
     return out
 
 
@@ -342,7 +349,11 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
     def use(ref_value: str, user: str, idx: int) -> tuple[list, list]:
         return uses.setdefault((ref_value, user, idx), ([], []))
 
+    rms_streams: dict[str, int] = {}  # an all-RMSNorm component's first norm -> its stream in the report
     for comp in components:
+        if comp.rms:
+            _as_given(view, plan, comp, verdicts, stream_readers, rms_streams)
+            continue
         reason = comp.reason() if not comp.foldable else (refuse(comp) if refuse else None)
         if reason:
             for n in comp.norms:  # each kept norm's reason names its own input
@@ -401,8 +412,10 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                 else:
                     plan.new_biases.append(NewBias(a.node, add, w.value, w))
 
+    plan.report.rms_norms = [RmsNorm(n.name, n.op, stream=rms_streams.get(_first_norm(components, n.name)))
+                             for n in view.rms_norms()]
     if request.gamma_into_readers:
-        _gamma_and_rotation(view, plan, request, use, verdicts)
+        _gamma_and_rotation(view, plan, request, use, verdicts, rms_streams)
 
     # W β joins the reader's output: it takes the source edits too
     plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis) for op in uses.get(
@@ -449,30 +462,64 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
     return plan
 
 
-def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, verdicts) -> None:
+def _as_given(view: View, plan: _Draft, comp: Component, verdicts, stream_readers, rms_streams) -> None:
+    """A component some of whose norms are RMSNorms as given (issue 47): nothing centers it, since
+    an RMSNorm's output depends on its input's mean; its LayerNorms are kept, naming the RMSNorm.
+    All of them RMSNorms, it is a stream of the report, for γ into the readers and rotation."""
+    layer_norms = [n for n in comp.norms if n not in comp.rms]
+    if layer_norms:
+        why = (f"its stream is also normalized by {view.nodes[comp.rms[0]].describe()}, an RMSNorm as given, whose "
+               "output depends on the stream's mean: centering the stream would change it")
+        for n in layer_norms:
+            verdicts[n] = NormVerdict(n, "keep", why, blockers=[why] + comp.blocker_texts())
+        return
+    rms_streams[comp.norms[0]] = len(plan.report.streams)
+    plan.report.streams.append(StreamEdits(rms=list(comp.norms)))
+    stream_readers.append(set())
+
+
+def _first_norm(components: list[Component], norm: str) -> Optional[str]:
+    return next((c.norms[0] for c in components if norm in c.norms), None)
+
+
+def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams) -> None:
     """γ into the readers' weights (passes/gamma.py), then each folded stream's rotation
     (passes/rotate.py): reader ops (Scale by γ, then Project of the input side) and source ops
-    (after the centering: Project of the output side), all float64 with the other edits."""
+    (after the centering: Project of the output side), all float64 with the other edits. The
+    streams of RMSNorms as given (`rms_streams`) alike, with nothing centered."""
     caps = request.target
     swaps = frozenset(plan.swaps)
     refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
     crms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
     plan.gammas.update({n: gammas.decide(view, n, plan.betas.get(n), refusal(n), n in crms) for n in plan.swaps})
+    as_given = [n for c in plan.components if c.norms and c.norms[0] in rms_streams for n in c.norms]
+    plan.gammas.update({n: gammas.decide(view, n, None, refusal(n)) for n in as_given})
+    records = {r.name: r for r in plan.report.rms_norms}
+    said = lambda n: verdicts[n] if n in verdicts else records[n]  # noqa: E731
     for n, g in plan.gammas.items():
         if g.moved and request.trainable is not None and any(request.trainable(r.weight.value) for r in g.readers):
             g.why = "its readers' weights are trained (the training fold computes no γ edit)"
-        verdicts[n].gamma = g.describe(view)
+        said(n).gamma = g.describe(view)
         for ref, op in g.edits(view):
             use(ref.value, ref.user, ref.user_input)[0].append(op)
-    if request.rotate is None and request.bases is None:
-        return
-    for comp in (c for c in plan.components if c.norms and all(n in swaps for n in c.norms)):
+    if request.rotate is not None or request.bases is not None:
+        _rotations(view, plan, request, use, verdicts, rms_streams, said)
+    readouts = {n for r in plan.stream_bases if r.rotated for n in r.readouts}
+    plan.rms_swaps[:] = [n for n in as_given if n in readouts or (plan.gammas[n].moved and plan.gammas[n].gamma)]
+
+
+def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams, said) -> None:
+    caps = request.target
+    swaps = frozenset(plan.swaps)
+    for comp in (c for c in plan.components
+                 if c.norms and (all(n in swaps for n in c.norms) or c.norms[0] in rms_streams)):
         given = request.bases.get(comp.norms[0]) if request.bases is not None else None
         if request.rotate is None and given is None:
             continue  # a slice that leaves this stream as it is
         # per-block bases (passes/segments.py): the request names each segment's first norm
         blocks = {n: request.bases[n][0] for n in comp.norms if n in request.bases} if given is not None else {}
-        rot = plan_rotation(view, comp, verdicts[comp.norms[0]].stream, request.rotate, request.seed, plan.gammas,
+        stream = rms_streams[comp.norms[0]] if comp.norms[0] in rms_streams else verdicts[comp.norms[0]].stream
+        rot = plan_rotation(view, comp, stream, request.rotate, request.seed, plan.gammas,
                             given, blocks if len(blocks) > 1 else None)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot.keep_unrotated("its writers are trained (the training fold computes no rotation)")
@@ -490,7 +537,7 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
         plan.stream_bases.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
         for n in rot.readouts:
-            verdicts[n].gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
+            said(n).gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for ref, op in rot.readers:
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:

@@ -77,21 +77,25 @@ class NearMiss(Names):
 
 @dataclass
 class RmsNorm(Names):
-    """A norm that is an RMSNorm already (a folded model's): nothing to fold."""
+    """A norm that is an RMSNorm already (a folded model's, or a Llama's): nothing to fold; with γ
+    into the readers or a rotation asked (issue 47), its stream and where its γ went."""
 
-    NAMES = ("name",)
+    NAMES, SENTENCES = ("name",), ("gamma",)
     name: str
     op: str  # "SimplifiedLayerNormalization", "RMSNormalization", "decomposed RMSNorm", ...
+    stream: Optional[int] = None  # index into Report.streams: a stream whose norms are all RMSNorms as given
+    gamma: str = ""  # gamma_into_readers: where γ went ("into the weight of …") or why it stayed
 
 
 @dataclass
 class StreamEdits(Names):
     """What made one stream component zero-mean: the edits its folded norms rely on."""
 
-    NAMES = ("norms", "fused")
+    NAMES = ("norms", "fused", "rms")
     SENTENCES = ("centered", "cloned", "scaled", "recentered", "dropped", "rotation")
 
     norms: list[str] = field(default_factory=list)
+    rms: list[str] = field(default_factory=list)  # a stream of RMSNorms as given (issue 47): nothing centered
     centered: list[str] = field(default_factory=list)  # "`wte.weight` (Gather `/wte/Gather`)"
     cloned: list[str] = field(default_factory=list)  # constants copied before centering, and why
     scaled: list[str] = field(default_factory=list)  # LayerScale vectors folded into their sources
@@ -200,7 +204,7 @@ class Report:
         if not self.norms and not self.rms_norms:
             return "no LayerNorm found" + ("" if not self.near_misses else "\n" + self._near_miss_lines(width))
         rows = [(n.name, n.verdict, self._how(n)) for n in self.norms]
-        rows += [(r.name, "rms", f"already RMSNorm ({r.op})") for r in self.rms_norms]
+        rows += [(r.name, "rms", _as_given(r)) for r in self.rms_norms]
         w = min(max(len("norm"), *(len(name) for name, _, _ in rows)), NAME_WIDTH)
         lines = [f"{'norm':<{w}}  verdict  reason / how", f"{'-' * w}  -------  {'-' * 12}"]
         shown = clip_apart([name for name, _, _ in rows], w)
@@ -212,7 +216,8 @@ class Report:
         lines.append("")
         lines.append(self.summary())
         for k, s in enumerate(self.streams):
-            lines.append(f"stream {k + 1}: {len(s.norms)} norm(s) folded")
+            lines.append(f"stream {k + 1}: {len(s.rms)} RMSNorm(s) as given, nothing to center" if s.rms and not s.norms
+                         else f"stream {k + 1}: {len(s.norms)} norm(s) folded")
             for label, items in (("centered", s.centered), ("cloned", s.cloned), ("LayerScale folded", s.scaled),
                                  ("recentered", s.recentered), ("Mul by ones dropped", s.dropped),
                                  ("fused with the residual Add", s.fused)):
@@ -268,6 +273,12 @@ class Report:
         if n.deferred:
             parts.append("deferred")
         return ", ".join(parts)
+
+
+def _as_given(r: RmsNorm) -> str:
+    """An RMSNorm's row: already one, and with γ into the readers, its stream and where γ went."""
+    parts = [f"already RMSNorm ({r.op})"] + ([f"stream {r.stream + 1}"] if r.stream is not None else [])
+    return ", ".join(parts + ([f"γ {r.gamma}"] if r.gamma else []))
 
 
 # Longest norm name the table shows whole; longer ones are cut in the middle.

@@ -198,6 +198,9 @@ def _readout(view: View, g: GammaFold) -> bool:
 def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optional[str]:
     if comp.blocks:
         return "its norms normalize blocks of the features (per-head norms)"
+    why = _as_given(view, comp) if comp.rms else None
+    if why is not None:
+        return why
     for o in comp.opaque:
         rank = view.values[o.value].rank
         if rank is None or o.axis not in (rank - 1, rank - 2):
@@ -227,6 +230,31 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
         for ref in src.refs:
             if ref.block is not None:
                 return f"`{ref.value}` is centered in blocks"
+    if comp.blockers:  # (a stream that folds has none; one of RMSNorms as given may: its own words)
+        return comp.blockers[0].text
+    return None
+
+
+def _as_given(view: View, comp: Component) -> Optional[str]:
+    """Why a stream of RMSNorms as given (issue 47) cannot be rotated by its writers' constants alone:
+    nothing centers or recenters it, so every term it is the sum of must be a constant's, able to
+    take Q, and nothing else may see it (RMSNorm₁(xQ) = RMSNorm₁(x)·Q holds for any x)."""
+    if len(comp.rms) != len(comp.norms):
+        return f"its LayerNorms are kept: it is also normalized by RMSNorm `{comp.rms[0]}`"
+    for value in comp.axes:
+        if view.values[value].is_graph_output:
+            return f"the stream tensor `{value}` is a graph output (the model's output would be rotated)"
+    for o in comp.opaque:
+        return (f"{o.what} starts the stream, and no constant edit can rotate what it writes (a stream of "
+                "RMSNorms as given is not recentered)")
+    for src in comp.sources:
+        for s in src.scales:
+            return (f"{view.nodes[s.user].describe()} scales the stream per feature (a LayerScale), which does not "
+                    "commute with a rotation")
+        for ref in src.refs:
+            if ref.axis is None or size_along(view, ref.value, ref.axis) == 1:
+                return (f"`{ref.value}` adds the same value to every feature of the stream, which a rotation would "
+                        "spread over the features")
     return None
 
 

@@ -61,8 +61,9 @@ Vocabulary (params; `data` and friends are view input indices, axes are non-nega
 - `embedding(table, q)`        rows of a constant table (or the sum of several: a list) looked up
                                by a rank-q index
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
-- `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection)` a LayerNorm op
-                               (`rejection`: a reason only its IR can see)
+- `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection, rms)` a LayerNorm op
+                               (`rejection`: a reason only its IR can see; `rms`: an RMSNorm
+                               as given, whose input need not be zero-mean)
 - `dequantized(stored)`         a float weight computed from integers of type `stored` ("int8":
                                Cast -> Mul(scale), DequantizeLinear, MatMulInteger): opaque, no
                                constant edit centers it; the report names the storage
@@ -773,7 +774,9 @@ def norm_axis(axes, rank: Optional[int]) -> tuple[Optional[int], Optional[str]]:
     return norm[0], None
 
 
-def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5, stats_used=False, rejection=None):
+def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5, stats_used=False, rejection=None,
+                rms=False):
+    """`rms`: an RMSNorm as given (NormSpec.rms), not a LayerNorm."""
     if rejection is not None:
         return dict(norm_rejection=rejection)
     axis, why = norm_axis(axes, _rank(view, node, data))
@@ -784,7 +787,7 @@ def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5,
     if why is not None:
         return dict(norm_rejection=why)
     name = lambda i: node.inputs[i] if i is not None and node.inputs[i] else None  # noqa: E731
-    return dict(norm=NormSpec(data, axis, name(gamma), name(beta), float(eps)))
+    return dict(norm=NormSpec(data, axis, name(gamma), name(beta), float(eps), rms=bool(rms)))
 
 
 # --- inlined If branches -------------------------------------------------------------------------

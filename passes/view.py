@@ -111,13 +111,16 @@ class ConstRef:
 
 @dataclass
 class NormSpec:
-    """A LayerNorm over exactly one axis of its input."""
+    """A LayerNorm over exactly one axis of its input; or, with `rms`, an RMSNorm as the model
+    gives it (issue 47): its input need not be zero-mean, so the analysis never centers its stream,
+    and a stream whose norms are all such RMSNorms can be rotated once γ is in the readers."""
 
     input: int  # index of the normalized input among the node's inputs
     axis: int  # the normalized (feature) axis of that input
     gamma: Optional[str] = None  # value names, None when absent
     beta: Optional[str] = None
     epsilon: float = 1e-5
+    rms: bool = False
 
 
 @dataclass
@@ -314,7 +317,11 @@ class View:
 
     def norms(self) -> list[Node]:
         """Every node that is a LayerNorm, foldable in principle or not, in graph order."""
-        return [n for n in self.nodes.values() if n.norm is not None or n.norm_rejection]
+        return [n for n in self.nodes.values() if (n.norm is not None and not n.norm.rms) or n.norm_rejection]
+
+    def rms_norms(self) -> list[Node]:
+        """Every node that is an RMSNorm as given (`NormSpec.rms`), in graph order."""
+        return [n for n in self.nodes.values() if n.norm is not None and n.norm.rms]
 
     # --- building a view by hand (tests, bug reports) ----------------------------------------
 

@@ -1,0 +1,249 @@
+"""RMSNorm streams as given (issue 47, first step): a residual stream whose norms are all RMSNorms
+(Llama, Qwen, ...) needs no centering, so `rotate=` rotates it exactly once γ is in the readers
+(‖xQ‖ = ‖x‖: RMSNorm₁(xQ) = RMSNorm₁(x)·Q), verified against float64 like a folded LayerNorm stream.
+
+Llama-like graphs built with onnx.helper in each form an RMSNorm takes in ONNX files: onnxruntime's
+`SimplifiedLayerNormalization`, opset 23's `RMSNormalization` and the decomposed chain torch's
+dynamo exporter writes for LlamaRMSNorm (Pow or Mul, ReduceMean, Add ε, Sqrt, Reciprocal + Mul or
+Div, optional Casts, Mul by γ). Random γ and weights, large-mean embeddings: a writer or reader left
+unrotated, or a γ left in a norm of a rotated stream, moves the outputs far beyond the gate.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import lnfold
+from lnfold.passes import NothingToFold, VerificationError
+
+D, F, V, B, T = 32, 64, 50, 2, 5
+EPS = 1e-5
+FORMS = ("simplified", "rmsnormalization", "decomposed", "decomposed-cast-mul-div")
+
+
+class _Graph:
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes, self.inits, self.k = [], [], 0
+
+    def name(self, base: str) -> str:
+        self.k += 1
+        return f"{base}_{self.k}"
+
+    def const(self, base: str, values) -> str:
+        n = self.name(base)
+        self.inits.append(numpy_helper.from_array(np.asarray(values), n))
+        return n
+
+    def weight(self, base: str, shape, mean: float = 0.0) -> str:
+        return self.const(base, (self.rng.standard_normal(shape) / np.sqrt(shape[0]) + mean).astype(np.float32))
+
+    def op(self, op_type: str, inputs, name: str = "", domain: str = "", **attrs) -> str:
+        out = self.name(f"{op_type.lower()}_out")
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=name or self.name(op_type),
+                                           domain=domain, **attrs))
+        return out
+
+    def rms(self, x: str, form: str) -> str:
+        gamma = self.const("gamma", (self.rng.uniform(0.5, 2.0, D) * self.rng.choice([-1, 1], D)).astype(np.float32))
+        if form == "simplified":
+            return self.op("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=EPS)
+        if form == "rmsnormalization":
+            return self.op("RMSNormalization", [x, gamma], axis=-1, epsilon=EPS)
+        cast = form == "decomposed-cast-mul-div"
+        xs = self.op("Cast", [x], to=TensorProto.FLOAT) if cast else x
+        sq = self.op("Mul", [xs, xs]) if cast else self.op("Pow", [xs, self.const("two", np.float32(2.0))])
+        ms = self.op("ReduceMean", [sq, self.const("axes", np.array([-1], np.int64))], keepdims=1)
+        rms = self.op("Sqrt", [self.op("Add", [ms, self.const("eps", np.float32(EPS))])])
+        n = self.op("Div", [xs, rms]) if cast else self.op("Mul", [xs, self.op("Reciprocal", [rms])])
+        if cast:
+            n = self.op("Cast", [n], to=TensorProto.FLOAT)
+        return self.op("Mul", [gamma, n])  # γ first, as dynamo writes `self.weight * h`
+
+
+def llama_like(form: str = "decomposed", *, seed: int = 0, first=None, softmax: bool = False,
+               hidden: bool = False) -> onnx.ModelProto:
+    """Embedding -> 2 pre-norm blocks (norm -> MatMul -> SiLU -> MatMul -> residual Add) -> final
+    norm -> lm head. `first`: the first block's norm in another form ("layernorm": a LayerNormalization
+    on the same stream). `softmax`: the stream after block 0 is also read by a Softmax over the
+    features (shift-invariant, not rotation-invariant), whose result is added to the logits' input."""
+    g = _Graph(seed)
+    h = g.op("Gather", [g.weight("embed", (V, D), mean=3.0), "input_ids"], name="embed", axis=0)
+    for layer in range(2):
+        which = first if layer == 0 and first is not None else form
+        if which == "layernorm":
+            n = g.op("LayerNormalization", [h, g.weight("ln_gamma", (D,), mean=1.0), g.weight("ln_beta", (D,))],
+                     name="ln0", axis=-1, epsilon=EPS)
+        else:
+            n = g.rms(h, which)
+        up = g.op("MatMul", [n, g.weight("up", (D, F))])
+        act = g.op("Mul", [up, g.op("Sigmoid", [up])])
+        h = g.op("Add", [h, g.op("MatMul", [act, g.weight("down", (F, D))], name=f"down{layer}")])
+        if softmax and layer == 0:
+            sm = g.op("Softmax", [h], name="features_softmax", axis=-1)
+    n = g.rms(h, form)
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [B, T, D])] if hidden else []
+    if softmax:
+        n = g.op("Add", [n, sm])
+    logits = g.op("MatMul", [n, g.weight("lm_head", (D, V))], name="lm_head")
+    graph = helper.make_graph(g.nodes, "llama_like",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, T])],
+                              [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [B, T, V])] + outputs, g.inits)
+    opset = 23 if "rmsnormalization" in (form, first) else 18
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def _ids(seed: int = 1) -> dict:
+    return {"input_ids": np.random.default_rng(seed).integers(0, V, (B, T)).astype(np.int64)}
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _norm_weights(model: onnx.ModelProto) -> list[np.ndarray]:
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return [inits[n.input[1]] for n in model.graph.node
+            if n.op_type in ("SimplifiedLayerNormalization", "RMSNormalization")]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_rmsnorm_stream_rotates_exactly(form):
+    m = llama_like(form)
+    r = lnfold.fold_onnx(m, rotate="hadamard")  # verified against float64 (raises otherwise)
+    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), r
+    (s,) = r.report.streams
+    assert s.rotation.startswith("rotated (hadamard, d=32"), s.rotation
+    assert len(s.rms) == 3 and not s.norms and not s.centered
+    assert [x.stream for x in r.report.rms_norms] == [0, 0, 0]
+    assert all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms), r.report.rms_norms
+    assert r.report.norms == [] and "3 RMSNorm(s) as given" in r.report.table()
+    weights = _norm_weights(r.model)
+    assert len(weights) == 3 and all(np.array_equal(w, np.ones(D, np.float32)) for w in weights)
+    feeds = _ids()
+    want, got = _run(m, feeds), _run(r.model, feeds)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_norm_whose_output_is_a_graph_output_reads_out_of_the_rotated_stream():
+    """The final norm's output is also the model's hidden states: its γ stays, and it is emitted with
+    unit weight followed by the constant MatMul Qᵀ·diag γ (a readout), exactly."""
+    m = llama_like("simplified", hidden=True)
+    r = lnfold.fold_onnx(m, rotate="hadamard")
+    (s,) = r.report.streams
+    assert s.rotation.startswith("rotated (hadamard") and "un-rotated after" in s.rotation, s.rotation
+    assert "un-rotated by a constant MatMul" in r.report.rms_norms[-1].gamma
+    assert sum("basis_change" in n.name for n in r.model.graph.node) == 1
+    feeds = _ids()
+    for want, got in zip(ort.InferenceSession(m.SerializeToString()).run(None, feeds),
+                         ort.InferenceSession(r.model.SerializeToString()).run(None, feeds)):
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("form", FORMS[::2])
+def test_without_rotate_an_rmsnorm_model_has_nothing_to_fold(form):
+    with pytest.raises(NothingToFold, match="RMSNorms already.*nothing to fold"):
+        lnfold.fold_onnx(llama_like(form))
+
+
+def test_gamma_into_readers_alone():
+    m = llama_like("decomposed")
+    r = lnfold.fold_onnx(m, gamma_into_readers=True)
+    (s,) = r.report.streams
+    assert not s.rotation and all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms)
+    assert all(np.array_equal(w, np.ones(D, np.float32)) for w in _norm_weights(r.model))
+    assert not any(n.op_type == "Pow" for n in r.model.graph.node)  # the decomposed norms re-emitted
+    feeds = _ids()
+    assert np.abs(_run(r.model, feeds) - _run(m, feeds)).max() <= 1e-5 * np.abs(_run(m, feeds)).max()
+
+
+def test_a_writer_left_unrotated_fails_verification(monkeypatch):
+    from lnfold.passes import plan as plan_module
+
+    real = plan_module.plan_rotation
+
+    def drop_one_writer(*args, **kw):  # one down projection's weight stays in the old basis
+        rot = real(*args, **kw)
+        del rot.writers[next(k for k, (ref, _) in enumerate(rot.writers) if ref.value.startswith("down"))]
+        return rot
+
+    monkeypatch.setattr(plan_module, "plan_rotation", drop_one_writer)
+    with pytest.raises(VerificationError):
+        lnfold.fold_onnx(llama_like("simplified"), rotate="hadamard")
+
+
+def test_a_softmax_over_the_features_keeps_the_stream_unrotated():
+    m = llama_like("decomposed", softmax=True)
+    r = lnfold.fold_onnx(m, rotate="hadamard")  # γ still goes into the readers, exactly
+    (s,) = r.report.streams
+    assert s.rotation.startswith("not rotated: Softmax `features_softmax` reads the stream tensor"), s.rotation
+    feeds = _ids()
+    assert np.abs(_run(r.model, feeds) - _run(m, feeds)).max() <= 1e-5 * np.abs(_run(m, feeds)).max()
+
+
+@pytest.mark.parametrize("form", ("simplified", "decomposed"))
+def test_a_stream_mixing_layernorm_and_rmsnorm_keeps_its_layernorms(form):
+    m = llama_like(form, first="layernorm")
+    with pytest.raises(NothingToFold, match=r"ln0: .*normalized by .*an RMSNorm as given"):
+        lnfold.fold_onnx(m, rotate="hadamard")
+    with pytest.raises(NothingToFold):  # and without rotation, as before
+        lnfold.fold_onnx(m)
+
+
+def test_cli_fold_and_quantize_rotate_an_rmsnorm_model(tmp_path, capsys):
+    from lnfold.onnx_rewrite import cli
+
+    src = tmp_path / "llama.onnx"
+    onnx.save(llama_like("decomposed"), src)
+    assert cli.main(["fold", str(src), "-o", str(tmp_path / "plain.onnx")]) == 2
+    assert "RMSNorms already" in capsys.readouterr().err
+    assert cli.main(["fold", str(src), "-o", str(tmp_path / "rot.onnx"), "--rotate", "hadamard"]) == 0
+    assert "rotated (hadamard, d=32" in capsys.readouterr().out
+    assert cli.main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--weights", "int8",
+                     "--rotate", "hadamard"]) == 0
+    out = capsys.readouterr().out
+    assert "rotated (hadamard" in out, out
+
+
+@pytest.mark.slow
+def test_a_dynamo_export_of_a_transformers_llama_rotates_exactly(tmp_path):
+    """LlamaForCausalLM (2 layers, hidden 32, vocab 64) through torch.onnx.export(dynamo=True): its
+    decomposed RMSNorms (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul by γ) with random γ each
+    (the exporter shares equal initializers: ones would be one tensor) and a large-mean embedding."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.empty_like(p).uniform_(0.5, 2.0) * torch.randint(0, 2, p.shape).mul(2).sub(1))
+        model.model.embed_tokens.weight.add_(3.0)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    ids = torch.randint(0, 64, (1, 8))
+    path = tmp_path / "llama.onnx"
+    torch.onnx.export(Logits(model), (ids,), str(path), dynamo=True, input_names=["input_ids"],
+                      output_names=["logits"], verbose=False)
+    m = onnx.load(path)
+    r = lnfold.fold_onnx(m, rotate="hadamard")
+    (s,) = r.report.streams
+    assert s.rotation.startswith("rotated (hadamard, d=32") and len(s.rms) == 5, r.report.table()
+    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6)
+    feeds = {"input_ids": ids.numpy()}
+    want, got = _run(m, feeds), _run(r.model, feeds)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
