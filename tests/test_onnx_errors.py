@@ -199,9 +199,14 @@ def test_budget_without_the_approximate_mode_is_refused(tmp_path, capsys):
 
 
 def test_bench_refuses_a_negative_thread_count(tmp_path, capsys):
+    """Refused as the command line is read (passes/options.check_threads as the parser's type):
+    the parser's one line, exit 2."""
     p = save_model(pre_ln(layers=1), tmp_path / "m.onnx")
-    _refused(["bench", str(p), str(p), "--threads", "-1"], capsys,
-             "--threads -1: give 0 (onnxruntime's default) or a positive count")
+    with pytest.raises(SystemExit) as usage:
+        main(["bench", str(p), str(p), "--threads", "-1"])
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and err.startswith("lnfold: error: ") and err.count("\n") == 1, err
+    assert "--threads" in err and "-1 threads: give 0 (onnxruntime's default)" in err, err
 
 
 def test_quantize_refuses_a_directory_as_its_output(tmp_path, capsys):
