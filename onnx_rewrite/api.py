@@ -388,6 +388,8 @@ def check_verify_args(model: onnx.ModelProto, inputs, dims) -> tuple[Optional[di
             else synth.check_feeds(dict(inputs), model)
     if dims:
         dims = synth.check_dims(dict(dims), model)
+    if inputs is None:  # the inputs verification would make up: refused here if too big to make
+        synth.check_size(model, dims)
     return inputs, dims
 
 

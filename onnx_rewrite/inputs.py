@@ -39,6 +39,14 @@ _IMAGE_BATCH = 1
 _SEQ, _PAST = 5, 3  # default sequence and past lengths; past + seq fits a position table of 8
 _BAKED_SIZES = [(7, 7), (1, 1), (16, 16), (8, 8), (16, 1), (7, 1)]  # (sequence, past) tried next
 
+# Made-up inputs of one run (all inputs together) above this are refused before anything is
+# allocated, with the way to smaller ones (--dim, --inputs, --no-verify): a fixed shape of a
+# billion rows, or `--dim batch=100000000`, was allocated as asked and ended in a MemoryError
+# (issue 43 item 4). Verification's activations grow with its inputs (times the model's width), so
+# bounding the inputs bounds them for a given model; the user's own --inputs are not bounded.
+# The default sizes (batch 2, sequence 5, an image side the model's tables fix) take kilobytes.
+MAX_INPUT_BYTES = 256 << 20
+
 _NP = {
     onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64, onnx.TensorProto.FLOAT16: np.float16,
     onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_,
@@ -196,9 +204,33 @@ def _is_past(name: str) -> bool:
 
 def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, seed: int = 0,
                known: Optional[GraphFacts] = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    """(description, feeds) for a few size assignments, most likely to run first."""
+    """(description, feeds) for a few size assignments, most likely to run first. Sizes over
+    MAX_INPUT_BYTES are not made: the first assignment's is a one-line LnfoldError, a later one's
+    is skipped."""
     f = known or facts(model)
-    dims = dict(dims or {})
+    made = False
+    for what, sizes, past in _plans(f, dict(dims or {})):
+        total = input_bytes(f, sizes)
+        if total > MAX_INPUT_BYTES:
+            if not made:
+                raise LnfoldError(_too_big(f, sizes, total))
+            continue
+        made = True
+        yield what, _values(f, sizes, past, seed)
+
+
+def check_size(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None) -> None:
+    """The inputs verification would make up first fit MAX_INPUT_BYTES, else a one-line
+    LnfoldError: before any work (the fold runs before verification makes its inputs)."""
+    f = facts(model)
+    _, sizes, _ = next(_plans(f, dict(dims or {})))
+    total = input_bytes(f, sizes)
+    if total > MAX_INPUT_BYTES:
+        raise LnfoldError(_too_big(f, sizes, total))
+
+
+def _plans(f: GraphFacts, dims: dict[str, int]) -> Iterator[tuple[str, dict, int]]:
+    """(description, sizes, past) of each size assignment `candidates` tries, in order."""
     seq, past = _SEQ, _PAST
     if f.length_limit is not None and past + seq > f.length_limit:
         past = max(1, f.length_limit // 3) if f.length_limit >= 2 else 0
@@ -212,9 +244,42 @@ def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, se
             plans.append((s_, p_, sides[0], plans[0][3]))
     plans.append((seq, past, sides[0], _BATCH))  # an image model that needs a batch of 2
     for seq_, past_, side, batch in dict.fromkeys(plans):  # each once, in order
-        sizes = _assign(f, dims, seq_, past_, side, batch)
-        yield f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else "") + f", batch {batch}", \
-            _values(f, sizes, past_, seed)
+        yield (f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else "") + f", batch {batch}",
+               _assign(f, dims, seq_, past_, side, batch), past_)
+
+
+def _shapes(f: GraphFacts, sizes: dict) -> list[tuple[InputSpec, list[int], int]]:
+    """(spec, shape, bytes) of each input under `sizes` (Python ints: no overflow, nothing allocated)."""
+    out = []
+    for s in f.specs:
+        shape = [int(sizes[(s.name, k)]) for k in range(len(s.dims))]
+        dt = _NP.get(s.elem)
+        out.append((s, shape, math.prod(shape) * (np.dtype(dt).itemsize if dt is not None else 8)))
+    return out
+
+
+def input_bytes(f: GraphFacts, sizes: dict) -> int:
+    return sum(n for _, _, n in _shapes(f, sizes))
+
+
+def _human(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""  # pragma: no cover
+
+
+def _too_big(f: GraphFacts, sizes: dict, total: int) -> str:
+    shapes = sorted(_shapes(f, sizes), key=lambda x: -x[2])
+    s, shape, _ = shapes[0]
+    dt = _NP.get(s.elem)
+    what = f"{s.name} {shape} {np.dtype(dt).name if dt is not None else ''}".rstrip()
+    more = f" and {len(shapes) - 1} more" if len(shapes) > 1 else ""
+    return (f"cannot verify: made-up inputs would take {_human(total)} ({what}{more}), more than the "
+            f"{_human(MAX_INPUT_BYTES)} verification makes up; give smaller sizes with --dim NAME=SIZE or real "
+            "inputs with --inputs FILE.npz (API: dims=, inputs=), or skip verification with --no-verify "
+            "(API: verify=False)")
 
 
 def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Optional[int],
@@ -258,8 +323,7 @@ def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Opti
 def _values(f: GraphFacts, sizes: dict, past: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}
-    for s in f.specs:
-        shape = [sizes[(s.name, k)] for k in range(len(s.dims))]
+    for s, shape, _ in _shapes(f, sizes):
         dt = _NP.get(s.elem)
         if dt is None:
             raise LnfoldError(f"input {s.name!r} has type {onnx.TensorProto.DataType.Name(s.elem).lower()}, "
