@@ -147,6 +147,17 @@ def tied_groups(model: torch.nn.Module) -> list[list[str]]:
 def stored_names(model: torch.nn.Module, ck: Checkpoint) -> dict[str, str]:
     """Model parameter/buffer name -> the checkpoint's name of its tensor: the same name, or
     with/without the base model's prefix (`model.` in older files), or a tied alias's."""
+    find = _finder(model, ck)
+    out = {n: s for n in model.state_dict() if (s := find(n)) is not None}
+    for group in tied_groups(model):
+        found = next((out[n] for n in group if n in out), None)
+        if found is not None:
+            out.update({n: found for n in group})
+    return out
+
+
+def _finder(model: torch.nn.Module, ck: Checkpoint):
+    """name -> the checkpoint's name of the model's tensor `name`, or None (stored_names)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     renamed = {loaded_name(model, k): k for k in ck.where}  # (GPT-NeoX's file says embed_out, the model lm_head)
 
@@ -158,12 +169,38 @@ def stored_names(model: torch.nn.Module, ck: Checkpoint) -> dict[str, str]:
                 return renamed[cand]
         return None
 
-    out = {n: s for n in model.state_dict() if (s := find(n)) is not None}
-    for group in tied_groups(model):
-        found = next((out[n] for n in group if n in out), None)
-        if found is not None:
-            out.update({n: found for n in group})
-    return out
+    return find
+
+
+def check_depth(ck: Checkpoint) -> None:
+    """The files hold every block config.json claims, checked on copies of the model with SHALLOW
+    and SHALLOW + 1 blocks (cheap whatever the claim) before the model is built at its depth: a
+    config claiming 10,000 layers over files of 3 built and planned all of them (~20 ms and 50 KB
+    a layer, minutes) before the fold found it could not edit them (issue 43 item 4). The stack is
+    the ModuleList whose length follows the depth; its last block's tensors, by their names in
+    block 0, must be stored. Else a one-line LnfoldError."""
+    depth = getattr(ck.config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth <= SHALLOW:
+        return
+    try:
+        short, longer = (skeleton(with_depth(ck.config, n)) for n in (SHALLOW, SHALLOW + 1))
+    except LnfoldError:  # (the model at its depth says why, where it cannot be built)
+        return
+    lengths = {p: len(m) for p, m in longer.named_modules() if isinstance(m, torch.nn.ModuleList)}
+    find = _finder(short, ck)
+    for path, m in short.named_modules():
+        if not isinstance(m, torch.nn.ModuleList) or len(m) != SHALLOW or lengths.get(path) != SHALLOW + 1:
+            continue
+        stack = LayerStack(path, depth)
+        first = [n for n in short.state_dict() if stack.block(n) == 0 and find(n) is not None]
+        missing = next((stack.moved(n, depth - 1) for n in first if find(stack.moved(n, depth - 1)) is None), None)
+        if missing is None:
+            continue
+        held = sorted({b for k in ck.where for b in (stack.block(loaded_name(short, k)), stack.block(k))
+                       if b is not None})
+        blocks = f" ({path}.{held[0]} … {held[-1]})" if held else ""
+        raise LnfoldError(f"{ck.folder / 'config.json'}: claims {depth} layers (num_hidden_layers), and the "
+                          f"checkpoint's tensors hold {len(held)}{blocks}: no tensor for {missing}")
 
 
 def loaded_name(model: torch.nn.Module, key: str) -> str:
@@ -202,6 +239,7 @@ def plan_checkpoint(ck: Checkpoint, mode: str = "rms") -> CheckpointPlan:
     A deep stack of like blocks is planned on a copy with passes/depth.py's SHALLOW blocks and the
     plan extended by name to the full depth, where the blocks allow it (`repeated_blocks`);
     otherwise, or where the shallow plan cannot stand for the deep one, the whole model."""
+    check_depth(ck)
     model = skeleton(ck.config)
     stored_like(model, ck)
     path = repeated_blocks(model, ck.config)
