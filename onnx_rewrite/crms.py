@@ -63,7 +63,7 @@ def swap(em, m: NormMatch, crms: CrmsNorm) -> None:
     axis = m.axis
     if skip is not None:
         x = em.residual_sum(x, skip, bias, m.sum_output, m.name)
-    dt = np.dtype(dtype_of(x, m.gamma, m.nodes))  # x.dtype is None where no value_info was written
+    dt = np.dtype(dtype_of(x, m.gamma, m.nodes, em.dtypes))  # x.dtype is None where no value_info was written
     low = dt.itemsize < 4
     sd = np.float32 if low else dt
     xs = em.to_fp32(x, m.name) if low else x

@@ -21,7 +21,7 @@ from .norms import NormMatch, dtype_of, given, replace_input
 
 def emit(em, m: NormMatch, d: Deferral, biases: dict) -> None:
     """`em` is the onnx_rewrite.emit.Emitter applying the plan."""
-    dtype = np.dtype(dtype_of(m.x, m.gamma, m.nodes))
+    dtype = np.dtype(dtype_of(m.x, m.gamma, m.nodes, em.dtypes))
     x, skip, sk_bias = em.detach(m)
     if skip is not None:  # the fused residual Add stays: its sum is the stream
         x = em.residual_sum(x, skip, sk_bias, m.sum_output, m.name)

@@ -36,14 +36,21 @@ class Emitter:
         self.target = target
         self.nodes = {n.name: n for n in graph.nodes}
         self._names = {t for t in graph.tensors()} | set(self.nodes)
+        self._next: dict[str, int] = {}  # base -> the suffix `unique` tries first (those below are taken)
+        self.dtypes: dict = {}  # norms.float_dtype's walks, shared by every norm of this emission
         self.retyped: dict[str, tuple] = {}  # norm -> (its input's dtype, its γ/β's other dtype)
         self.notes: list[str] = []  # what the emission tells the report (the plan's own report stays as planned)
 
     def unique(self, base: str) -> str:
-        name, k = base, 0
+        """`base`, else `base_1`, `base_2`, …: the first not taken. Names are only ever added, so
+        the search for a base resumes where its last one stopped (from 0 each time, the names of
+        a fold's thousands of `lnfold/Mul`s took time quadratic in their count)."""
+        k = self._next.get(base, 0)
+        name = base if k == 0 else f"{base}_{k}"
         while name in self._names:
             k += 1
             name = f"{base}_{k}"
+        self._next[base] = k
         self._names.add(name)
         return name
 
@@ -219,7 +226,7 @@ class Emitter:
         unit_gamma, readout = how.unit_gamma, how.readout
         rank = self.info.rank(m.x)
         width = self.info.shape(m.x)[m.axis] if how.width is None else how.width  # a sliced stream: k of d
-        dtype = dtype_of(m.x, m.gamma, m.nodes)
+        dtype = dtype_of(m.x, m.gamma, m.nodes, self.dtypes)
         if unit_gamma and not isinstance(width, int):
             raise ValueError(f"{m.name}: γ moved into the readers but the feature size is unknown")
         if how.scale != 1.0 and not unit_gamma:
@@ -276,7 +283,7 @@ class Emitter:
     def _portable_rms(self, x, gamma, out, axis: int, eps: float, name: str, rank: int) -> None:
         dt = x.dtype
         # x.dtype is None where the exporter wrote no value_info; γ has it
-        x_dt = np.dtype(np_dtype(dt) if dt is not None else dtype_of(x, gamma))
+        x_dt = np.dtype(np_dtype(dt) if dt is not None else dtype_of(x, gamma, memo=self.dtypes))
         low = x_dt.itemsize < 4
         xs = self.to_fp32(x, name) if low else x
         sd = np.float32 if low else dt

@@ -139,10 +139,10 @@ def np_dtype(dtype):
     return np.dtype(dtype) if dtype is not None else np.float32
 
 
-def dtype_of(x, gamma, nodes=()):
+def dtype_of(x, gamma, nodes=(), memo: Optional[dict] = None):
     """The dtype a norm computes in: its input's (declared, or found walking back), else its
-    γ's, else the Cast a decomposed float16 norm ends with."""
-    found = float_dtype(x)
+    γ's, else the Cast a decomposed float16 norm ends with. `memo`: float_dtype's."""
+    found = float_dtype(x, memo)
     if found is not None:
         return found
     v = const_values(gamma) if gamma is not None else None
@@ -153,28 +153,60 @@ def dtype_of(x, gamma, nodes=()):
     return np.float32
 
 
-def float_dtype(t):
+_WALKING = object()  # float_dtype's mark of a tensor whose inputs are being walked
+
+
+def float_dtype(t, memo: Optional[dict] = None):
     """The float dtype of tensor `t`: declared, or (where the exporter wrote no value_info) the
     first float one among its producer's inputs, walking back depth first (each tensor once, with a
     stack, not recursion: an 80-layer export without value_info is ~1,000 ops deep); a Cast says its
-    own. None where the walk finds none. γ is no witness: an fp16 stream can carry an fp32 γ."""
-    todo, seen = [t], set()
-    while todo:
-        t = todo.pop()
-        if t is None or not t.name or t.name in seen:
-            continue
-        seen.add(t.name)
-        v = const_values(t) if is_constant(t) else None
-        dt = np.asarray(v).dtype if v is not None else (np.dtype(t.dtype) if t.dtype is not None else None)
-        if dt is not None:
-            if dt.kind == "f":
-                return dt
-            continue
-        if len(t.inputs) != 1:
-            continue
+    own. None where the walk finds none. γ is no witness: an fp16 stream can carry an fp32 γ.
+
+    What a tensor's walk finds depends on the tensors above it alone: `memo` (name -> dtype or
+    None), given by a caller that asks for many tensors of one graph (the emission, for every
+    norm), keeps each answer, and a later walk stops where an earlier one went (each norm of a
+    stream without value_info walked back to the stream's start: time quadratic in its depth)."""
+    memo = {} if memo is None else memo
+    frames: list = []  # [name, inputs to walk, the next one]: the walk's path, deepest last
+    found = _enter(t, memo, frames)
+    while frames:
+        frame = frames[-1]
+        name, inputs, k = frame
+        if found is not None and found is not _WALKING:  # an input's walk found one: so did this tensor's
+            memo[name] = found
+            frames.pop()
+        elif k < len(inputs):
+            frame[2] = k + 1
+            found = _enter(inputs[k], memo, frames)
+        else:
+            memo[name] = found = None
+            frames.pop()
+    return found
+
+
+def _enter(t, memo: dict, frames: list):
+    """`t`'s dtype where it says one itself (or the memo knows it), else _WALKING with its inputs
+    pushed on `frames` (a tensor met again while its inputs are walked: None, as the walk of a
+    cycle found nothing there)."""
+    if t is None or not t.name:
+        return None
+    if t.name in memo:
+        found = memo[t.name]
+        return None if found is _WALKING else found
+    v = const_values(t) if is_constant(t) else None
+    dt = np.asarray(v).dtype if v is not None else (np.dtype(t.dtype) if t.dtype is not None else None)
+    found = None
+    if dt is not None:
+        found = dt if dt.kind == "f" else None
+    elif len(t.inputs) == 1:
         node = t.inputs[0]
         if node.op == "Cast":
-            return onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
-        # the data input decides: LayerNormalization's X, not its (possibly fp32) scale
-        todo.extend(reversed(node.inputs[:1] if node.op in ("LayerNormalization", "Gather") else node.inputs))
-    return None
+            found = onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
+        else:
+            # the data input decides: LayerNormalization's X, not its (possibly fp32) scale
+            memo[t.name] = _WALKING
+            frames.append([t.name, list(node.inputs[:1] if node.op in ("LayerNormalization", "Gather")
+                                         else node.inputs), 0])
+            return _WALKING
+    memo[t.name] = found
+    return found

@@ -279,6 +279,9 @@ def compute_constants(
     back once (a LayerScale fold and its centering round together, not one after the other)."""
     # originals are dropped after their last reader: big models
     last_use = {name: k for k, edit in enumerate(edits) for name in edit.sources()}
+    done_after: dict[int, list[str]] = {}  # k -> the originals edit k reads last (one pass, not one per edit)
+    for name, last in last_use.items():
+        done_after.setdefault(last, []).append(name)
     cache: dict[str, np.ndarray] = {}
 
     def original(name: str) -> np.ndarray:
@@ -289,7 +292,7 @@ def compute_constants(
     out = []
     for k, edit in enumerate(edits):
         out.append((edit, edited(original(edit.value), edit.ops, original)))
-        for name in [n for n, last in last_use.items() if last == k]:
+        for name in done_after.get(k, ()):
             cache.pop(name, None)
     return out
 
