@@ -23,7 +23,7 @@ from torch import fx
 
 from ..passes import LnfoldError, Plan, View, compute_constants
 from ..passes.options import check_choice
-from ..passes.edits import ConstEdit, apply_ops
+from ..passes.edits import ConstEdit, apply_ops, centers_rows
 from ..passes.plan import NormEmission
 
 from . import crms
@@ -112,13 +112,50 @@ class GraphConstants(Constants):
 
     def node_for(self, applier, edit, k):
         g, src = applier.graph, applier.node_named(edit.value)
+        val = meta_val(src)
+        if self.exact and _looked_up_rows(applier, edit, val):
+            for user, _ in edit.users:  # the table stays; each lookup's rows are edited
+                self._edit_rows(applier, applier.nodes[user], edit)
+            return src
         with g.inserting_before(applier.first_user(edit)):
-            val = meta_val(src)
-            algebra = graph_algebra(g, applier.dialect, tuple(val.shape))
-            if not self.exact or val.dtype == torch.float64:
-                return apply_ops(src, edit.ops, applier.node_named, algebra)
-            wide = lambda name: g.call_method("to", (applier.node_named(name), torch.float64))  # noqa: E731
-            return g.call_method("to", (apply_ops(wide(edit.value), edit.ops, wide, algebra), val.dtype))
+            return self._edited(applier, src, edit, val)
+
+    def _edited(self, applier, x: fx.Node, edit: ConstEdit, val) -> fx.Node:
+        """`edit.ops` on `x` (of `val`'s shape and dtype), where the graph inserts."""
+        g = applier.graph
+        algebra = graph_algebra(g, applier.dialect, tuple(val.shape))
+        if not self.exact or val.dtype == torch.float64:
+            return apply_ops(x, edit.ops, applier.node_named, algebra)
+        wide = lambda name: g.call_method("to", (applier.node_named(name), torch.float64))  # noqa: E731
+        return g.call_method("to", (apply_ops(g.call_method("to", (x, torch.float64)), edit.ops, wide, algebra),
+                                    val.dtype))
+
+    def _edit_rows(self, applier, lookup: fx.Node, edit: ConstEdit) -> None:
+        """A table centered along its features, read only by lookups: each row's centering reads that
+        row alone, so the lookup itself becomes "look up, then center the rows" (tokens × d per call,
+        not the whole table: one pass over a 50k-row vocabulary per call was most of the per-call
+        cost). The node keeps its name: the plan's later steps (a deferred norm reading the lookup)
+        read the centered rows."""
+        lookup.target = lookup_centered
+
+
+def lookup_centered(*args, **kwargs) -> torch.Tensor:
+    """`F.embedding(*args, **kwargs)`, its rows centered along the features in float64 and rounded
+    once to the table's dtype (GraphConstants._edit_rows)."""
+    rows = F.embedding(*args, **kwargs)
+    wide = rows.to(torch.float64)
+    return (wide - wide.mean(-1, keepdim=True)).to(rows.dtype)
+
+
+def _looked_up_rows(applier, edit: ConstEdit, val) -> bool:
+    """`edit` centers a 2-D table along its features (`centers_rows`), and every node it edits for
+    reads it as the table of `F.embedding` (no max_norm: the classifier never centers those)."""
+    if val is None or val.ndim != 2 or not centers_rows(edit.ops, 1):
+        return False
+    nodes = [applier.nodes[user] for user, _ in edit.users]
+    calls = [canonical(n) for n in nodes]
+    return all(n.target is F.embedding and c.args.get("weight") is applier.node_named(edit.value)
+               and c.args.get("max_norm") is None for n, c in zip(nodes, calls))
 
 
 # --- the edits -----------------------------------------------------------------------------------

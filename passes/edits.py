@@ -190,6 +190,13 @@ def chunk_axis(ops: Iterable[Op], ndim: int) -> Optional[int]:
     return None if any(m is None or 0 in m for m in mixed) else 0
 
 
+def centers_rows(ops: Iterable[Op], axis: int) -> bool:
+    """`ops` are exactly one centering of every slice along `axis`, whole (no blocks): a 2-D table's
+    rows when `axis` is 1, which the torch.compile backend then centers after each lookup."""
+    ops = tuple(ops)
+    return len(ops) == 1 and isinstance(ops[0], Center) and ops[0].axis == axis and ops[0].block is None
+
+
 @dataclass(frozen=True)
 class ConstEdit:
     value: str

@@ -28,7 +28,7 @@ class PreLN(nn.Module):
     """Embedding -> pre-LN blocks with LayerScale -> final LN -> head: every kind of edit the
     backend makes (a centered table, centered writers and biases, a scaled LayerScale source)."""
 
-    def __init__(self, layers=2):
+    def __init__(self, layers=2, tied=False):
         super().__init__()
         self.emb = nn.Embedding(11, D)
         self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(D), "fc": nn.Linear(D, D)})
@@ -36,6 +36,8 @@ class PreLN(nn.Module):
         self.scale = nn.ParameterList(nn.Parameter(torch.rand(D) + 0.5) for _ in range(layers))
         self.ln_f = nn.LayerNorm(D)
         self.head = nn.Linear(D, 11)
+        if tied:
+            self.head.weight = self.emb.weight
         zoo.adversarial(self)
 
     def forward(self, ids):
@@ -57,10 +59,18 @@ def _rel(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 
 def _compiled(m: nn.Module, **options):
+    """`m` compiled by the backend, the folded graph run as it would be handed to Inductor; and the
+    reports. A fold that fails in the backend compiles the graph unfolded (exact, so the outputs
+    would still match): `_folded` checks that it did not."""
     torch._dynamo.reset()
     reports = []
     c = torch.compile(m, backend=lnfold_backend_with(inner=_eager, on_report=reports.append, **options))
     return c, reports
+
+
+def _folded(reports) -> None:
+    assert reports and reports[-1].folded == 3 and not any("compiled unfolded" in n for n in reports[-1].notes), \
+        reports[-1].notes if reports else "no report"
 
 
 def _same_after(m: nn.Module, change, *, grad: bool = False) -> None:
@@ -68,7 +78,7 @@ def _same_after(m: nn.Module, change, *, grad: bool = False) -> None:
     c, reports = _compiled(m)
     with torch.set_grad_enabled(grad):
         assert _rel(m(IDS), c(IDS)) < RTOL
-    assert reports and reports[-1].folded == 3  # (the fold ran: the test is not of an unfolded graph)
+    _folded(reports)  # (the test is not of an unfolded graph)
     before = m(IDS).detach()
     change(m)
     with torch.set_grad_enabled(grad):
@@ -125,9 +135,10 @@ def test_a_new_tensor_at_a_freed_tensors_address():
     """Swapping in new tensors (a loader, `nn.utils.parametrize`): the allocator reuses the freed
     storage, so a new tensor may carry a freed one's id, address and version 0."""
     m = PreLN()
-    c, _ = _compiled(m)
+    c, reports = _compiled(m)
     with torch.no_grad():
         c(IDS)
+        _folded(reports)
         for k in range(5):
             w = m.blocks[0]["fc"].weight
             m.blocks[0]["fc"].weight = nn.Parameter(torch.randn(D, D) + k)
@@ -152,7 +163,7 @@ def test_optimizer_steps_between_inference_calls():
     """Train eagerly, run the compiled model under no_grad in between (evaluation during training)."""
     m = PreLN()
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
-    c, _ = _compiled(m)
+    c, reports = _compiled(m)
     for _ in range(3):
         with torch.no_grad():
             assert _rel(m(IDS), c(IDS)) < RTOL
@@ -161,6 +172,7 @@ def test_optimizer_steps_between_inference_calls():
         opt.step()
     with torch.no_grad():
         assert _rel(m(IDS), c(IDS)) < RTOL
+    _folded(reports)
 
 
 def test_training_graph_sees_writes_through_data():
@@ -178,7 +190,7 @@ def test_deferred_norms_see_changed_beta_and_weights():
     c, reports = _compiled(m, defer="on")
     with torch.no_grad():
         assert _rel(m(IDS), c(IDS)) < RTOL
-        assert any(n.verdict == "fold" for n in reports[-1].norms)
+        _folded(reports)
         m.ln_f.bias.data.add_(3.0)
         m.head.weight.data.mul_(-2.0)
         m.blocks[1]["ln"].bias.data.add_(1.0)
@@ -189,12 +201,35 @@ def test_edits_are_float64_exact():
     """At inference the edits are computed in float64 and rounded once: the compiled model is as
     close to a float64 run as the original (not a second fp32 rounding of each mean)."""
     m = PreLN()
-    c, _ = _compiled(m)
+    c, reports = _compiled(m)
     m64 = PreLN().double()
     m64.load_state_dict({k: v.double() for k, v in m.state_dict().items()})
     with torch.no_grad():
         ref = m64(IDS)
         assert _rel(ref, c(IDS)) <= 4 * max(_rel(ref, m(IDS)), 1e-7)
+    _folded(reports)
+
+
+def test_a_looked_up_table_is_edited_row_by_row_after_the_lookup():
+    """The table stays as it is in the graph (no pass over the whole vocabulary per call): the rows
+    looked up are centered, in float64. Tied to the head, the head still reads the original."""
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    m = PreLN(tied=True)
+    torch._dynamo.reset()
+    c = torch.compile(m, backend=lnfold_backend_with(inner=inner))
+    with torch.no_grad():
+        assert _rel(m(IDS), c(IDS)) < RTOL
+        from lnfold.fx_rewrite.apply import lookup_centered
+
+        lookups = [n for n in graphs[-1].graph.nodes if n.target is lookup_centered]
+        assert len(lookups) == 1 and lookups[0].args[1].op == "placeholder"  # the table: its rows are centered
+        m.emb.weight.data.mul_(-1.5).add_(2.0)
+        assert _rel(m(IDS), c(IDS)) < RTOL
 
 
 @pytest.mark.slow
