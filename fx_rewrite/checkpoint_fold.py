@@ -7,8 +7,12 @@ place: a failure leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import json
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -32,6 +36,44 @@ from .edits import rounded
 from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, nbytes, row_blocks, tensor_bytes
 
 SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by rows
+HEAP_MMAP_BYTES = SLICE_BYTES // 64  # glibc: every allocation from this size up is a mapping of its own
+
+
+# --- the C heap ----------------------------------------------------------------------------------------------
+
+def _glibc():
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # pragma: no cover
+        return None
+
+
+def heap_returns_memory() -> None:
+    """glibc (once per process, process-wide): every allocation of HEAP_MMAP_BYTES or more is a
+    mapping of its own, given back to the system when freed. By default glibc raises that
+    threshold up to 32 MB as mappings are freed (and its trim threshold to twice that), so the
+    fold's 1-32 MB arrays (a layer's matrices and their float64 copies, one set per editing
+    thread) stay in the heap after they are freed, fragment it, and the threads' heaps keep up to
+    64 MB each for good: a 0.37 B GPT-NeoX (24 layers of 16 MB matrices) peaked 525 MiB over the
+    import baseline, its editing's leftovers under verification's float64 run, against a budget
+    of 3x its 141 MiB shards; 355 MiB with this (benchmarks/RESULTS.md, "Checkpoints (issue 25)",
+    issue 43). Nothing else changes: smaller allocations, other C libraries, a mapping per
+    verification parameter (its _Pool reuses them). glibc cannot restore its moving threshold,
+    so the process keeps this one."""
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, HEAP_MMAP_BYTES)  # M_MMAP_THRESHOLD (which also fixes M_TRIM_THRESHOLD at 128 KB)
+
+
+def release_heap() -> None:
+    """Give back the memory one stage freed before the next one runs: Python's cycles, then the
+    free pages of glibc's heaps (malloc_trim)."""
+    gc.collect()
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 # --- streaming the edits -------------------------------------------------------------------------------------
@@ -183,7 +225,21 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     the output is checked block by block against the original in bounded memory
     (fx_rewrite/checkpoint_verify.py, the gate of passes/gate.py) before it is renamed into place.
     Returns a FoldResult with the report, `model` = the output folder, and the timings.
-    Raises LnfoldError (one line) for a bad folder, NothingToFold, VerificationError."""
+    Raises LnfoldError (one line) for a bad folder, NothingToFold, VerificationError.
+
+    Memory: the peak stays within the RSS after importing torch, transformers and lnfold plus 3x
+    the largest shard where that shard is ~125 MB or more (tests/test_checkpoint_memory.py; RESULTS,
+    "Checkpoints (issue 25)"). What it is made of, whatever the architecture: ~90 MB that the
+    analysis's torch.export imports keep; editing, per thread, a few SLICE_BYTES-sized float64
+    blocks of rows (a tensor edited whole, `chunk_axis` None, in float64 whole); verification, one
+    module's parameters in float64 (a linear layer over SLICE_BYTES a block of rows at a time, an
+    embedding only the rows it looks up) in a pool of at most 4 x SLICE_BYTES, and one buffer of
+    SLICE_BYTES / 2 for conversions. The stages do not stack: on glibc the process's large
+    allocations are mappings of their own (`heap_returns_memory`, process-wide) and the heap is
+    trimmed between editing and verification. So the bound is not a multiple of the shard for
+    every checkpoint: shards much smaller than 100 MB stay within ~90 MB + that working set, and a
+    module that is neither a linear layer nor an embedding is loaded whole in float64 (4x its
+    size as fp16)."""
     opts = FoldOptions(mode=mode, verify=verify)
     if jobs is None:  # (two: one edits while the other waits for the disk)
         jobs = min(2, os.cpu_count() or 1)
@@ -209,6 +265,7 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)
     result = FoldResult(report=plan.report, model=dst)
+    heap_returns_memory()
     try:
         t1 = time.perf_counter()
         pipeline.stage(progress, f"editing {sum(j.edited for j in work)} tensors in {len(work)} shard(s)")
@@ -220,6 +277,7 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
         timings["editing"] = time.perf_counter() - t1
         if opts.verify:
             t2 = time.perf_counter()
+            release_heap()  # (what editing freed, before verification's float64 run)
             pipeline.stage(progress, "verifying block by block in float64")
             verdict = verify_checkpoint(ck, written, plan)
             pipeline.record(result, verdict)
