@@ -12,8 +12,9 @@ random weights, the timing does not depend on them), all compiled by Inductor, i
 - `lnfold`: torch.compile(backend="lnfold"), the edits per call;
 - `folded once`: `fold_module` (edits computed once, float64), then torch.compile: the speed the old
   cache had, and what a user with fixed weights gets;
-- `inductor, frozen` / `lnfold, frozen`: Inductor's `freezing` (parameters are constants; Inductor
-  folds the edits at compile time; its contract: later weight changes are not seen).
+- `inductor, frozen` / `lnfold, frozen`: with Inductor's `freezing` config on (with torch 2.13 here
+  both compiled models still saw a later write to a weight: the parameters stayed graph inputs, so
+  these rows are not a "computed once" configuration).
 
 Prints one JSON object (per shape: median wall and CPU ms per call, CPU ratios to `inductor`, and
 the cost of the per-call edits: `lnfold` against `lnfold, frozen`).

@@ -104,8 +104,7 @@ class GraphConstants(Constants):
     bumps no version counter a cache could key on). `exact` (inference): in float64 from every
     source, rounded once to the parameter's dtype (fp32: as fold_module's float64 edit; fp16/bf16
     round through float32, torch's conversion); otherwise (training) in the parameter's dtype, the
-    gradient's own path. Under Inductor's `freezing` the parameters are constants and Inductor
-    computes these once, at compile time."""
+    gradient's own path. A table only looked up is centered after each lookup (`_edit_rows`)."""
 
     def __init__(self, exact: bool = False) -> None:
         self.exact = exact

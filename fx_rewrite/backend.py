@@ -26,11 +26,10 @@ go stale however a weight changes (an optimizer step, `load_state_dict`, `p.data
 update, inference-mode tensors: issue 43 found a cache keyed on tensor versions missing the last
 two). Inference (grad mode off, or parameters that do not require grad): in float64, rounded once to
 the parameter's dtype, as `fold_module` computes it, for one pass over each edited weight per call
-(benchmarks/RESULTS.md, "backend: edited weights per call"); with Inductor's `freezing` on
-(`options={"freezing": True}` under `torch.no_grad()`) parameters are constants, Inductor computes
-the edits once at compile time, and — Inductor's own contract — later changes to the weights are
-not seen. Training (grad on, the edited parameters require grad): in the parameter's dtype, so loss
-and gradients are the original model's (DESIGN §1). A bf16/fp16 graph gets a LowPrecisionWarning.
+(a table only looked up: the rows looked up, after the lookup; benchmarks/RESULTS.md, "The
+backend's weight edits per call": no measurable cost against the old cached copies). Training
+(grad on, the edited parameters require grad): in the parameter's dtype, so loss and gradients
+are the original model's (DESIGN §1). A bf16/fp16 graph gets a LowPrecisionWarning.
 """
 from __future__ import annotations
 
