@@ -17,34 +17,18 @@ import pytest
 import torch
 from torch import nn
 
-from lnfold import zoo
 from lnfold.fx_rewrite import lnfold_backend_with
 
-D = 16
+from tests import test_fx
+
+D = test_fx.D
 RTOL = 1e-5
 
 
-class PreLN(nn.Module):
-    """Embedding -> pre-LN blocks with LayerScale -> final LN -> head: every kind of edit the
-    backend makes (a centered table, centered writers and biases, a scaled LayerScale source)."""
-
-    def __init__(self, layers=2, tied=False):
-        super().__init__()
-        self.emb = nn.Embedding(11, D)
-        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(D), "fc": nn.Linear(D, D)})
-                                    for _ in range(layers))
-        self.scale = nn.ParameterList(nn.Parameter(torch.rand(D) + 0.5) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(D)
-        self.head = nn.Linear(D, 11)
-        if tied:
-            self.head.weight = self.emb.weight
-        zoo.adversarial(self)
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        for k, b in enumerate(self.blocks):
-            h = h + b["fc"](torch.tanh(b["ln"](h))) * self.scale[k]
-        return self.head(self.ln_f(h))
+def PreLN(layers=2, tied=False) -> nn.Module:
+    """tests/test_fx.py's embedding -> pre-LN blocks -> final LN -> head, with LayerScale: every kind of
+    edit the backend makes (a centered table, centered writers and biases, a scaled LayerScale source)."""
+    return test_fx.PreLN(layers, layerscale=True, tied=tied)
 
 
 IDS = torch.randint(0, 11, (2, 5))
