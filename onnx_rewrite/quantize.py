@@ -57,7 +57,7 @@ METADATA_KEY = "lnfold.quantize"
 # layers, Gemms as MatMuls, weights seen through aliases as the constants they are), so that the
 # choice is never worse than the same quantization without the fold on the rows it is judged on.
 # Plain onnxruntime (its quantizer on the model as given, every op it takes) is measured beside
-# them as a reference (`plain_quantizer`), never chosen: it quantizes other ops than lnfold says
+# them as a reference (`scheme_name(..., plain=True)`), never chosen: it quantizes other ops than lnfold says
 # it quantizes (issue 45 item 9).
 NOT_FOLDED = "not folded (onnxruntime's quantizer on lnfold's linear layers)"
 AUTO_CANDIDATES = ((NOT_FOLDED, dict(fold=False)), ("fold", dict()),
@@ -232,20 +232,10 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
             return onnx.load(str(out))
 
 
-def plain_quantizer(weights: str, activations: Optional[str], block_size: int, per_channel: bool) -> str:
-    """The call plain onnxruntime makes for the scheme, as a user writes it."""
-    channel = ", per_channel=True" if per_channel else ""
-    if weights == "int4":
-        return f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True)"
-    if activations == "int8":
-        return f"quantize_static(model, rows, quant_format=QDQ, activation_type=QInt8, weight_type=QInt8{channel})"
-    return f"quantize_dynamic(model, weight_type=QInt8{channel})"
-
-
 def run_plain(model: onnx.ModelProto, weights: str, activations: Optional[str], *,
               calibration: Optional[Rows] = None, block_size: int = 128, per_channel: bool = False) -> onnx.ModelProto:
     """Plain onnxruntime: its quantizer for the scheme on the model as given, with no node
-    selection and nothing prepared (`plain_quantizer` says the call): the reference --rotate auto
+    selection and nothing prepared (`scheme_name(..., plain=True)` says the call): the reference --rotate auto
     reports beside its candidates."""
     with _quiet_quantizers():
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -504,8 +494,8 @@ def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify
 def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, reference) -> dict:
     """Plain onnxruntime's quantizer on the model as given, measured as the candidates are: a
     reference beside them (`plain`), never chosen."""
-    trial = {"candidate": "plain onnxruntime: " + plain_quantizer(scheme["weights"], scheme["activations"],
-                                                                  scheme["block_size"], scheme["per_channel"]),
+    trial = {"candidate": "plain onnxruntime: " + scheme_name(scheme["weights"], scheme["activations"],
+                                                              scheme["block_size"], scheme["per_channel"], plain=True),
              "rotate": None, "plain": True}
     try:
         quantized = run_plain(model, **scheme)

@@ -6,13 +6,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 
-def scheme_name(weights: str, activations: Optional[str], block_size: int, per_channel: bool) -> str:
-    channel = ", per channel" if per_channel else ""
+def scheme_name(weights: str, activations: Optional[str], block_size: int, per_channel: bool,
+                plain: bool = False) -> str:
+    """The scheme in words; `plain`: the call plain onnxruntime makes for it, as a user writes it."""
+    channel = (", per_channel=True" if plain else ", per channel") if per_channel else ""
     if weights == "int4":
-        return f"int4 weight-only, blocks of {block_size} (onnxruntime MatMulNBitsQuantizer, symmetric)"
+        return (f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True)" if plain else
+                f"int4 weight-only, blocks of {block_size} (onnxruntime MatMulNBitsQuantizer, symmetric)")
     if activations == "int8":
-        return f"W8A8: int8 weights{channel}, static int8 activations (onnxruntime quantize_static, QDQ)"
-    return f"int8 weights{channel}, dynamic int8 activations (onnxruntime quantize_dynamic)"
+        return (f"quantize_static(model, rows, quant_format=QDQ, activation_type=QInt8, weight_type=QInt8{channel})"
+                if plain else
+                f"W8A8: int8 weights{channel}, static int8 activations (onnxruntime quantize_static, QDQ)")
+    return (f"quantize_dynamic(model, weight_type=QInt8{channel})" if plain else
+            f"int8 weights{channel}, dynamic int8 activations (onnxruntime quantize_dynamic)")
 
 
 @dataclass
