@@ -104,7 +104,7 @@ class GraphConstants(Constants):
     bumps no version counter a cache could key on). `exact` (inference): in float64 from every
     source, rounded once to the parameter's dtype (fp32: as fold_module's float64 edit; fp16/bf16
     round through float32, torch's conversion); otherwise (training) in the parameter's dtype, the
-    gradient's own path. A table only looked up is centered after each lookup (`_edit_rows`)."""
+    gradient's own path. A table only looked up is centered after each lookup (`lookup_centered`)."""
 
     def __init__(self, exact: bool = False) -> None:
         self.exact = exact
@@ -113,8 +113,12 @@ class GraphConstants(Constants):
         g, src = applier.graph, applier.node_named(edit.value)
         val = meta_val(src)
         if self.exact and _looked_up_rows(applier, edit, val):
-            for user, _ in edit.users:  # the table stays; each lookup's rows are edited
-                self._edit_rows(applier, applier.nodes[user], edit)
+            # Each row's centering reads that row alone: the table stays, and each lookup becomes "look
+            # up, then center the rows" (tokens × d per call, not one pass over a 50k-row vocabulary,
+            # which was most of the per-call cost). The node keeps its name: the plan's later steps (a
+            # deferred norm reading the lookup) read the centered rows.
+            for user, _ in edit.users:
+                applier.nodes[user].target = lookup_centered
             return src
         with g.inserting_before(applier.first_user(edit)):
             return self._edited(applier, src, edit, val)
@@ -129,18 +133,10 @@ class GraphConstants(Constants):
         return g.call_method("to", (apply_ops(g.call_method("to", (x, torch.float64)), edit.ops, wide, algebra),
                                     val.dtype))
 
-    def _edit_rows(self, applier, lookup: fx.Node, edit: ConstEdit) -> None:
-        """A table centered along its features, read only by lookups: each row's centering reads that
-        row alone, so the lookup itself becomes "look up, then center the rows" (tokens × d per call,
-        not the whole table: one pass over a 50k-row vocabulary per call was most of the per-call
-        cost). The node keeps its name: the plan's later steps (a deferred norm reading the lookup)
-        read the centered rows."""
-        lookup.target = lookup_centered
-
 
 def lookup_centered(*args, **kwargs) -> torch.Tensor:
     """`F.embedding(*args, **kwargs)`, its rows centered along the features in float64 and rounded
-    once to the table's dtype (GraphConstants._edit_rows)."""
+    once to the table's dtype (GraphConstants.node_for)."""
     rows = F.embedding(*args, **kwargs)
     wide = rows.to(torch.float64)
     return (wide - wide.mean(-1, keepdim=True)).to(rows.dtype)
