@@ -21,10 +21,8 @@ from torch import fx
 from ..passes.defer import DeferDecision, Deferral
 from ..passes.readers import LinearReader
 
-from ..passes import weights
-
 from .classify import is_tuple_getitem, meta_val
-from .edits import LOW_PRECISION
+from .edits import LOW_PRECISION, add_weight_times, weight_times
 from .ops import canonical
 
 BiasNode = Callable[[Deferral, LinearReader], Optional[fx.Node]]
@@ -49,10 +47,10 @@ def graph_biases(gm: fx.GraphModule) -> BiasNode:
 
 def beta_into_bias(beta: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], axis: int) -> torch.Tensor:
     """`W β + b` in float64, in the dtype of `b` (of `W` where the reader has no bias)."""
-    out = weights.weight_times(w.double(), beta.double(), axis, torch.tensordot)
-    if b is not None:
-        out = out + b.double().reshape(out.shape)
-    return out.to((b if b is not None else w).dtype)
+    w64, beta64 = w.double(), beta.double()
+    if b is None:
+        return weight_times(w64, beta64, axis).to(w.dtype)
+    return add_weight_times(b.double(), w64, axis, beta64).to(b.dtype)
 
 
 def emit_all(gm: fx.GraphModule, decision: DeferDecision, bias_node: BiasNode) -> None:
