@@ -8,6 +8,7 @@ from typing import Optional
 import numpy as np
 import onnx
 
+from ..passes import LnfoldError
 from ..passes.calibration import Data, Rows
 from .inputs import load_rows
 from .sessions import with_outputs
@@ -35,6 +36,14 @@ def run(model: onnx.ModelProto, batches: list[dict]) -> list[np.ndarray]:
     sess = session(model)
     parts = [sess.run(None, feeds) for feeds in batches]
     return [np.concatenate(outs, axis=0) if np.ndim(outs[0]) else np.stack(outs) for outs in zip(*parts)]
+
+
+def named_outputs(model: onnx.ModelProto, batches: list[dict]) -> tuple[list[str], list[np.ndarray]]:
+    """(the model's output names, `run`'s outputs); a model onnxruntime cannot run is one line."""
+    try:
+        return [o.name for o in model.graph.output], run(model, batches)
+    except Exception as e:
+        raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
 
 
 def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> dict[str, list[np.ndarray]]:

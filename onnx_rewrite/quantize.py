@@ -300,22 +300,14 @@ def _is_scores(output: str) -> bool:
     return "logit" in low or "prob" in low or "score" in low or low == "output"
 
 
-def _outputs(model: onnx.ModelProto, rows: Rows) -> tuple[list[str], list[np.ndarray]]:
-    """The model's output names, and its outputs on every row (approx.run: run by run, joined)."""
-    try:
-        return [o.name for o in model.graph.output], approx_io.run(model, rows.runs())
-    except Exception as e:
-        raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
-
-
 def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
             reference: Optional[tuple] = None) -> dict:
     """Per float output of the original: passes/metric's relative RMS and max relative error of the
     quantized model against it on `rows` (positions where the float model itself is not finite left
     out and counted), and, for outputs that score classes (logits), the share of rows whose argmax
     agrees. `reference`: the original's (names, outputs), if already run."""
-    names, ref = reference or _outputs(original, rows)
-    _, got = _outputs(quantized, rows)
+    names, ref = reference or approx_io.named_outputs(original, rows.runs())
+    _, got = approx_io.named_outputs(quantized, rows.runs())
     errors = {}
     for name, a, b, e in zip(names, ref, got, metric.compare_outputs(ref, got)):
         if e is None:  # (not a float output)
@@ -406,7 +398,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, activations, dims)
-    reference = _outputs(model, m.rows)
+    reference = approx_io.named_outputs(model, m.rows.runs())
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
     trials: list[dict] = []
