@@ -11,8 +11,10 @@ RMSNorm; so `norm="auto"` keeps `aten.layer_norm` on the centered stream, `norm=
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import logging
 from typing import Callable, Optional
 
 import torch
@@ -56,7 +58,8 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         named = dict(zip(inspect.signature(module.forward).parameters, ds_args))
         shapes = {**named, **ds_kwargs} if kwargs else ds_args
         try:
-            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+            with _quiet_specialization():
+                return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception:  # some models cannot be exported with dynamic sizes: fall back to static
             pass
     try:
@@ -66,6 +69,20 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         if short is None:
             raise
         raise short from e
+
+
+@contextlib.contextmanager
+def _quiet_specialization():
+    """torch.export warns "dimension ... 0/1 specialized; Dim.AUTO was specified along with a sample
+    input with hint = 1" on its logger for every size-1 dimension of the example inputs (a batch of 1):
+    an export detail lnfold asked for (Dim.AUTO), not the user's problem (issue 45 item 13)."""
+    logger = logging.getLogger("torch._export.non_strict_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _own_tensors(gm: fx.GraphModule) -> None:

@@ -149,3 +149,19 @@ def test_bench_seconds_bounds_the_whole_command_and_prints_the_rounds(tmp_path, 
     m = re.search(r"end to end, (\d+) interleaved rounds in (\d+) repeats?", out)
     assert m and int(m.group(1)) >= 1, out
     assert "--seconds 1" in out and "rounds" in out, out
+
+
+def test_torch_exports_specialization_warning_does_not_leak(capfd):
+    """Issue 45 item 13: torch.export's "dimension ... 0/1 specialized; Dim.AUTO ..." warning (a batch
+    of 1 against the Dim.AUTO lnfold asks for) reached the user's terminal during a fold."""
+    import torch
+
+    from lnfold import zoo
+    from lnfold.fx_rewrite import fold_module
+
+    module, _ = zoo.gpt2()
+    capfd.readouterr()
+    result = fold_module(module, (torch.randint(0, 101, (1, 7)),))
+    assert result.report.folded > 0
+    err = capfd.readouterr().err
+    assert "specialized" not in err and "Dim.AUTO" not in err, err
