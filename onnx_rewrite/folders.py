@@ -19,7 +19,7 @@ from typing import Callable
 from ..passes import LnfoldError, NothingToFold, gate
 from ..passes.errors import first_line
 from ..passes.outputs import (FOLDED_SUFFIX, check_output_folder, default_output_folder, flush_tree, folder_files,
-                              fsync_folder, inside)
+                              fsync_folder, inside, pickled_checkpoint)
 
 
 def default_output(src: Path) -> Path:
@@ -43,7 +43,7 @@ def check_onnx_folder(folder: Path) -> list[Path]:
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         raise LnfoldError(f"{folder}: a transformers checkpoint (config.json, safetensors) with neither "
                           "model.safetensors nor model.safetensors.index.json, and no ONNX files")
-    raise LnfoldError(f"{folder}: is a directory with no ONNX file in it")
+    raise LnfoldError(pickled_checkpoint(folder) or f"{folder}: is a directory with no ONNX file in it")
 
 
 def is_transformers_checkpoint(folder: Path) -> bool:

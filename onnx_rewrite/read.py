@@ -19,6 +19,7 @@ from onnx.external_data_helper import _open_external_data_fd, uses_external_data
 
 from ..passes import LnfoldError
 from ..passes.errors import first_line
+from ..passes.outputs import pickled_checkpoint
 from .validate import ITEM_BYTES, element_count
 
 # A lazy load (`load(..., lazy=True)`) reads external tensors below this size and leaves bigger
@@ -47,7 +48,8 @@ def load(path: str | os.PathLike, *, data_files: set | None = None, lazy: bool =
     if not p.exists():
         raise LnfoldError(f"{p}: no such file")
     if p.is_dir():
-        raise LnfoldError(f"{p}: is a directory, not an ONNX file")
+        raise LnfoldError(pickled_checkpoint(p) or f"{p}: is a directory, not an ONNX file (`lnfold fold` takes a "
+                          "folder of ONNX files or a transformers checkpoint)")
     if not p.is_file():
         raise LnfoldError(f"{p}: not a regular file")
     if not os.access(p, os.R_OK):

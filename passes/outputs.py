@@ -30,6 +30,22 @@ def check_output_folder(src: Path, dst: Path) -> None:
         raise LnfoldError(f"{dst.parent}: output directory does not exist")
 
 
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def pickled_checkpoint(folder) -> str:
+    """"" for any folder but a `transformers` checkpoint whose weights are pickled (`pytorch_model.bin`,
+    sharded or not); for one, what lnfold does not read and how to make what it does (issue 45 item 11:
+    `lnfold fold` said "a directory with no ONNX file in it")."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in PICKLED_WEIGHTS):
+        return ""
+    return (f"{folder}: a transformers checkpoint whose weights are pickled (pytorch_model.bin); lnfold reads "
+            "safetensors only (a pickle can run code when loaded): convert it with `python -c \"from transformers "
+            f"import AutoModel; AutoModel.from_pretrained('{folder}').save_pretrained('OUT')\"` (it writes "
+            "safetensors) and fold OUT")
+
+
 def inside(folder, relative, what: str) -> Path:
     """`folder / relative` for a path that an index or a manifest (`what`) names, or a one-line
     LnfoldError: it must be a relative path of plain names (no `..`, `.`, empty name, NUL, absolute

@@ -165,3 +165,20 @@ def test_torch_exports_specialization_warning_does_not_leak(capfd):
     assert result.report.folded > 0
     err = capfd.readouterr().err
     assert "specialized" not in err and "Dim.AUTO" not in err, err
+
+
+@pytest.mark.parametrize("cmd", ["fold", "report"])
+@pytest.mark.parametrize("weights", ["pytorch_model.bin", "pytorch_model.bin.index.json"])
+def test_a_checkpoint_with_pickled_weights_is_named_with_its_conversion(tmp_path, capsys, cmd, weights):
+    """Issue 45 item 11: an ALBERT folder of config.json + pytorch_model.bin got "is a directory with no
+    ONNX file in it" (fold) and "is a directory, not an ONNX file" (report). lnfold does not unpickle:
+    the message names the format and the conversion; nothing is read or written."""
+    folder = tmp_path / "albert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "albert"}))
+    (folder / weights).write_bytes(b"not read")
+    code = cli_main([cmd, str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "pytorch_model.bin" in err and "safetensors" in err and "save_pretrained" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["albert"]
