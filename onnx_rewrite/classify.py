@@ -18,7 +18,7 @@ from ..passes.view import SizeOf
 
 from . import fused, guards
 from .computed_shapes import computed_axis_map, read_axes, shape_entries
-from .norm_patterns import RMS_KINDS, find_norms
+from .norm_patterns import RMS_KINDS, SKIP_BIAS, find_norms
 from .norms import NormMatch, const_values, constant_shape, given, is_constant, reduce_axes
 from .stored_integers import dequantized
 
@@ -456,13 +456,15 @@ def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
         return fused.add_embed_view(view, info, m)
     names = lambda ts: [t.name if t is not None else "" for t in ts]  # noqa: E731
     x = m.x.name
-    if m.kind == "SkipLayerNormalization":
-        # Seen by the analysis as an Add (input + skip + bias) feeding a LayerNorm.
+    if m.kind in SKIP_BIAS:
+        # Seen by the analysis as an Add (input + skip + bias) feeding a LayerNorm (or, for
+        # SkipSimplifiedLayerNormalization, an RMSNorm as given).
         summed = m.sum_output.name if m.sum_output is not None else f"{m.name}/input_skip_bias_sum"
         info.shapes.setdefault(summed, info.shape(m.x))
-        # Input positions as on the real node (bias is its input 4), so edits find them.
-        data = [0, 1] + ([4] if m.bias is not None else [])
-        view.add_node(Node(f"{m.name}#add", "SkipLayerNormalization(add)", names([m.x, m.skip, None, None, m.bias]),
+        # Input positions as on the real node (bias is its input 4, or 3), so edits find them.
+        at = SKIP_BIAS[m.kind]
+        data = [0, 1] + ([at] if m.bias is not None else [])
+        view.add_node(Node(f"{m.name}#add", f"{m.kind}(add)", names([m.x, m.skip] + [None] * (at - 2) + [m.bias]),
                            [summed], rule=rule("broadcast", data=data), origin=m.name))
         x = summed
     ins = [x] + names([m.gamma, m.beta])

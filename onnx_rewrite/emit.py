@@ -18,6 +18,7 @@ from . import fused
 from . import deferred_norm
 from . import crms
 from .classify import GraphInfo
+from .norm_patterns import SKIP_BIAS
 from .norms import NormMatch, const_values, dtype_of, float_dtype, given, is_constant, np_dtype, replace_input
 from .subgraphs import SEP as SCOPE_SEP
 from .targets import Target
@@ -152,8 +153,8 @@ class Emitter:
         ins = list(m.nodes[0].inputs)
         x = ins[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
         skip = bias = None
-        if m.kind == "SkipLayerNormalization":
-            skip, bias = ins[1], given(ins, 4)
+        if m.kind in SKIP_BIAS:
+            skip, bias = ins[1], given(ins, SKIP_BIAS[m.kind])
         for n in m.nodes:  # its output tensors get new producers
             n.outputs.clear()
             n.inputs.clear()

@@ -72,6 +72,21 @@ def match_rms_op(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> 
                      epsilon=float(node.attrs.get("epsilon", 1e-5)), axis=axes[0], axes=axes)
 
 
+def match_skip_rms(node: gs.Node, shapes: dict[str, Shape], outputs: set[str]) -> MatchResult[NormMatch]:
+    """onnxruntime's SkipSimplifiedLayerNormalization (input, skip, gamma [, bias]; output [, mean,
+    inv_std_var, input_skip_bias_sum]): the residual Add input + skip (+ bias) feeding an RMSNorm as
+    given over the last axis, the Add part of the stream as SkipLayerNormalization's is."""
+    ins, outs = list(node.inputs) + [None] * 4, list(node.outputs) + [None] * 4  # (absent optional slots)
+    rank = rank_of(ins[0], shapes)
+    if rank is None:
+        return NoMatch("the rank of its input is unknown", 1)
+    if uses_stats(outs[1:3], outputs):
+        return NoMatch("an RMSNorm whose mean or inverse standard deviation output is used", 1)
+    return NormMatch(node.name, "SkipSimplifiedLayerNormalization", [node], ins[0], outs[0], gamma=given(ins, 2),
+                     epsilon=float(node.attrs.get("epsilon", 1e-5)), axis=rank - 1, axes=[rank - 1], skip=ins[1],
+                     bias=given(ins, 3), sum_output=given(outs, 3))
+
+
 PATTERNS = (
     NormPattern("LayerNormalization", ("LayerNormalization",), ONNX_DOMAINS, match_layernormalization),
     NormPattern("SkipLayerNormalization", ("SkipLayerNormalization",), (fused.MS,), match_skip),
@@ -91,9 +106,14 @@ RMS_PATTERNS = (
     NormPattern("SimplifiedLayerNormalization", ("SimplifiedLayerNormalization",), ONNX_DOMAINS + (fused.MS,),
                 match_rms_op),
     NormPattern("RMSNormalization", ("RMSNormalization",), ONNX_DOMAINS, match_rms_op),
+    NormPattern("SkipSimplifiedLayerNormalization", ("SkipSimplifiedLayerNormalization",), (fused.MS,),
+                match_skip_rms),
     NormPattern("decomposed RMSNorm", ("ReduceMean",), ONNX_DOMAINS, norm_variants.match_rms),
 )
-RMS_KINDS = ("SimplifiedLayerNormalization", "RMSNormalization", "decomposed RMSNorm")
+RMS_KINDS = ("SimplifiedLayerNormalization", "RMSNormalization", "SkipSimplifiedLayerNormalization",
+             "decomposed RMSNorm")
+# the fused ops whose residual Add is part of the stream (classify.py, emit.py): input slot of their bias
+SKIP_BIAS = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}
 
 
 def find_norms(graph: gs.Graph, shapes: dict[str, Shape], near_misses: Optional[dict] = None,

@@ -241,10 +241,10 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     swapped = set(plan.swaps)
     needs = FrozenList(n.inputs[n.norm.input] for n in view.norms() if n.name in swapped)
     return plan.freeze(deferral=deferral, training=training, kept_by_target=kept_by_target, approx=approx,
-                       emissions=MappingProxyType(_emissions(plan, deferral)), needs=needs)
+                       emissions=MappingProxyType(_emissions(view, plan, deferral)), needs=needs)
 
 
-def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
+def _emissions(view: View, plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
     """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
     skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
     readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma)
@@ -262,8 +262,8 @@ def _emissions(plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]
         out[n] = NormEmission(n, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
                               rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n),
                               **resized)
-    for n in plan.rms_swaps:  # RMSNorms as given: no β, never fused here
-        out[n] = NormEmission(n, beta_add=False, unit_gamma=True, rms_only=True, fuse_residual=False,
+    for n in plan.rms_swaps:  # RMSNorms as given: no β; fused with the residual Add where the given op was
+        out[n] = NormEmission(n, beta_add=False, unit_gamma=True, rms_only=True, fuse_residual=_own_add(view, n),
                               readout=readouts.get(n))
     return out
 
@@ -588,6 +588,13 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
     if any(view.values[v].is_const for v in add.inputs) or shapes[0] is None or shapes[0] != shapes[1]:
         return False
     return fuses(tuple(shapes[0]))
+
+
+def _own_add(view: View, name: str) -> bool:
+    """The norm's input is the sum its own op computes (SkipSimplifiedLayerNormalization's Add)."""
+    node = view.nodes[name]
+    x = view.values[node.inputs[node.norm.input]]
+    return x.producer is not None and view.nodes[x.producer].origin == node.origin
 
 
 def _drop_last(axis: int, width: int) -> Project:

@@ -210,11 +210,11 @@ def test_cli_fold_and_quantize_rotate_an_rmsnorm_model(tmp_path, capsys):
     assert "rotated (hadamard" in out, out
 
 
-@pytest.mark.slow
-def test_a_dynamo_export_of_a_transformers_llama_rotates_exactly(tmp_path):
+def _dynamo_llama(tmp_path):
     """LlamaForCausalLM (2 layers, hidden 32, vocab 64) through torch.onnx.export(dynamo=True): its
     decomposed RMSNorms (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, Mul by γ) with random γ each
-    (the exporter shares equal initializers: ones would be one tensor) and a large-mean embedding."""
+    (the exporter shares equal initializers: ones would be one tensor) and a large-mean embedding.
+    (path, input ids)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -239,11 +239,120 @@ def test_a_dynamo_export_of_a_transformers_llama_rotates_exactly(tmp_path):
     path = tmp_path / "llama.onnx"
     torch.onnx.export(Logits(model), (ids,), str(path), dynamo=True, input_names=["input_ids"],
                       output_names=["logits"], verbose=False)
+    return path, ids
+
+
+@pytest.mark.slow
+def test_a_dynamo_export_of_a_transformers_llama_rotates_exactly(tmp_path):
+    path, ids = _dynamo_llama(tmp_path)
     m = onnx.load(path)
     r = lnfold.fold_onnx(m, rotate="hadamard")
     (s,) = r.report.streams
     assert s.rotation.startswith("rotated (hadamard, d=32") and len(s.rms) == 5, r.report.table()
     assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6)
+    feeds = {"input_ids": ids.numpy()}
+    want, got = _run(m, feeds), _run(r.model, feeds)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+# --- onnxruntime's SkipSimplifiedLayerNormalization (issue 47, second step) -----------------------
+
+def llama_skip(*, bias: bool = False, last_sum: bool = False, seed: int = 0, layers: int = 2) -> onnx.ModelProto:
+    """Llama as onnxruntime's transformers optimizer and onnxruntime-genai's builder write it: the
+    first norm a SimplifiedLayerNormalization of the embedding, every later one a
+    SkipSimplifiedLayerNormalization(stream, block output, γ [, bias]) whose output 3 (the sum) is the
+    next stream tensor. `bias`: the down projections' biases as its input 3. `last_sum`: the final
+    norm names its sum output too, which nothing reads."""
+    g = _Graph(seed)
+    h = g.op("Gather", [g.weight("embed", (V, D), mean=3.0), "input_ids"], name="embed", axis=0)
+    n = g.rms(h, "simplified")
+    for layer in range(layers):
+        up = g.op("MatMul", [n, g.weight("up", (D, F))])
+        act = g.op("Mul", [up, g.op("Sigmoid", [up])])
+        d = g.op("MatMul", [act, g.weight("down", (F, D))], name=f"down{layer}")
+        gamma = g.const("gamma", (g.rng.uniform(0.5, 2.0, D) * g.rng.choice([-1, 1], D)).astype(np.float32))
+        ins = [h, d, gamma] + ([g.weight("bias", (D,), mean=1.0)] if bias else [])
+        n, h = g.name("skip_norm"), g.name("skip_sum")
+        outs = [n, "", "", h] if layer < layers - 1 or last_sum else [n]
+        g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", ins, outs, name=g.name("SkipSimplified"),
+                                        domain="com.microsoft", epsilon=EPS))
+    logits = g.op("MatMul", [n, g.weight("lm_head", (D, V))], name="lm_head")
+    graph = helper.make_graph(g.nodes, "llama_skip",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, T])],
+                              [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [B, T, V])], g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)
+
+
+@pytest.mark.parametrize("bias,last_sum", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_skip_simplified_stream_rotates_exactly(bias, last_sum):
+    m = llama_skip(bias=bias, last_sum=last_sum)
+    r = lnfold.fold_onnx(m, rotate="hadamard")  # verified against float64 (raises otherwise)
+    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), r
+    (s,) = r.report.streams
+    assert s.rotation.startswith("rotated (hadamard, d=32"), s.rotation
+    assert len(s.rms) == 3 and not s.norms and not s.centered
+    assert [x.op for x in r.report.rms_norms] == ["SimplifiedLayerNormalization"] + 2 * ["SkipSimplifiedLayerNormalization"]
+    assert all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms), r.report.rms_norms
+    skips = [n for n in r.model.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert len(skips) == 2 and all(len(n.input) == (4 if bias else 3) for n in skips)  # still fused
+    inits = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}
+    assert all(np.array_equal(inits[n.input[2]], np.ones(D, np.float32)) for n in skips)
+    if bias:  # the biases are writers of the stream: rotated too
+        before = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+        assert all(not np.allclose(inits[n.input[3]], before[o.input[3]])
+                   for n, o in zip(skips, [n for n in m.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]))
+    feeds = _ids()
+    want, got = _run(m, feeds), _run(r.model, feeds)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("what", ("down", "bias"))
+def test_a_skip_simplified_writer_left_unrotated_fails_verification(monkeypatch, what):
+    from lnfold.passes import plan as plan_module
+
+    real = plan_module.plan_rotation
+
+    def drop_one_writer(*args, **kw):  # one down projection's weight (or one bias) stays in the old basis
+        rot = real(*args, **kw)
+        del rot.writers[next(k for k, (ref, _) in enumerate(rot.writers) if ref.value.startswith(what))]
+        return rot
+
+    monkeypatch.setattr(plan_module, "plan_rotation", drop_one_writer)
+    with pytest.raises(VerificationError):
+        lnfold.fold_onnx(llama_skip(bias=True), rotate="hadamard")
+
+
+def test_a_skip_simplified_sum_that_is_a_graph_output_keeps_the_stream_unrotated():
+    m = llama_skip()
+    sums = [n.output[3] for n in m.graph.node if n.op_type == "SkipSimplifiedLayerNormalization" and len(n.output) > 3]
+    m.graph.output.append(helper.make_tensor_value_info(sums[0], TensorProto.FLOAT, [B, T, D]))
+    r = lnfold.fold_onnx(m, rotate="hadamard")  # γ still moves, exactly
+    (s,) = r.report.streams
+    assert s.rotation.startswith("not rotated") and "graph output" in s.rotation, s.rotation
+    feeds = _ids()
+    for want, got in zip(ort.InferenceSession(m.SerializeToString()).run(None, feeds),
+                         ort.InferenceSession(r.model.SerializeToString()).run(None, feeds)):
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.slow
+def test_onnxruntimes_optimizer_output_of_a_dynamo_llama_rotates_exactly(tmp_path):
+    """onnxruntime's transformers optimizer (model_type "gpt2") on the dynamo export fuses each residual
+    Add with the next RMSNorm: one SimplifiedLayerNormalization, then SkipSimplifiedLayerNormalization."""
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer")
+    path, ids = _dynamo_llama(tmp_path)
+    optimized = optimizer.optimize_model(str(path), model_type="gpt2", num_heads=4, hidden_size=32, opt_level=0)
+    optimized.save_model_to_file(str(tmp_path / "optimized.onnx"))
+    m = onnx.load(tmp_path / "optimized.onnx")
+    ops = [n.op_type for n in m.graph.node]
+    if ops.count("SkipSimplifiedLayerNormalization") != 4:
+        pytest.skip(f"this onnxruntime's optimizer fused no SkipSimplifiedLayerNormalization ({sorted(set(ops))})")
+    r = lnfold.fold_onnx(m, rotate="hadamard")
+    (s,) = r.report.streams
+    assert s.rotation.startswith("rotated (hadamard, d=32") and len(s.rms) == 5, r.report.table()
+    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6)
+    assert [n.op_type for n in r.model.graph.node].count("SkipSimplifiedLayerNormalization") == 4
     feeds = {"input_ids": ids.numpy()}
     want, got = _run(m, feeds), _run(r.model, feeds)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
