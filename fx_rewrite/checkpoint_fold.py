@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -26,7 +25,8 @@ from ..passes import FoldResult, LnfoldError, pipeline
 from ..passes.edits import NUMPY, Center, apply_ops, chunk_axis
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
-from ..passes.outputs import check_output_folder, default_output_folder, flush_tree, folder_files, fsync_folder, inside
+from ..passes.outputs import (Staging, check_output_folder, default_output_folder, flush_tree, folder_files,
+                              fsync_folder, inside)
 from ..passes.shards import ShardJob, rows_mean_axis, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
@@ -216,6 +216,14 @@ def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> Non
                               "at random; nothing written")
 
 
+@contextlib.contextmanager
+def _one_line_os_errors(dst: Path):
+    try:
+        yield
+    except OSError as e:
+        raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
+
+
 def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: Optional[int] = None,
                     progress: Optional[Callable[[str], None]] = None) -> FoldResult:
     """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
@@ -260,13 +268,9 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     timings["analysis"] = time.perf_counter() - t0
     files = {f: list(h.entries) for f, h in ck.shards.items()}
     work = shard_work(files, plan.in_place, plan.new)
-    tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
     result = FoldResult(report=plan.report, model=dst)
     heap_returns_memory()
-    try:
+    with Staging.folder(dst) as tmp, _one_line_os_errors(dst):
         t1 = time.perf_counter()
         pipeline.stage(progress, f"editing {sum(j.edited for j in work)} tensors in {len(work)} shard(s)")
         sizes = write_shards(ck, work, tmp, jobs)
@@ -287,10 +291,6 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
         os.replace(tmp, dst)
         fsync_folder(dst.parent)
         timings["flush"] = time.perf_counter() - t3
-    except OSError as e:
-        raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     if plan.traced != "every block":
         result.report.notes.append(f"analysis: exported {plan.traced}; the plan extended by name (passes/depth.py)")
     if plan.untied:

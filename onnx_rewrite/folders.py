@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -20,6 +19,7 @@ from ..passes import LnfoldError, NothingToFold, gate
 from ..passes.errors import first_line
 from ..passes.outputs import (FOLDED_SUFFIX, check_output_folder, default_output_folder, flush_tree, folder_files,
                               fsync_folder, inside, pickled_checkpoint)
+from ..passes.outputs import Staging
 
 
 def default_output(src: Path) -> Path:
@@ -84,41 +84,36 @@ def fold_folder(src: Path, dst: Path | None, args, fold_file: Callable) -> int:
     check_output_folder(src, dst)
     others = folder_files(src)  # (a link out, a FIFO, ...: refused before anything is written)
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=".lnfold-", dir=dst.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # (mkdtemp's folder is the owner's alone; the output is an ordinary folder)
-    try:
-        folded, unchanged, data_files = {}, {}, set()
-        for f in files:
-            rel = f.relative_to(src)
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            t1 = time.perf_counter()
-            try:
-                folded[rel] = (fold_file(f, tmp / rel, args), time.perf_counter() - t1)
-            except NothingToFold as e:  # (a file of a folder: copied as it is, and said so)
-                unchanged[rel] = str(e)
-                shutil.copy2(f, tmp / rel)
-                for d in _data_files_of(src, f):  # (in their layout: `sub/x.data` stays in sub/)
-                    (tmp / d).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(src / d, tmp / d)
-            data_files |= set(_data_files_of(src, f))
-        if not folded:
-            raise NothingToFold(f"{src}: nothing to fold in its {len(files)} ONNX file(s); first: "
-                                f"{next(iter(unchanged.values()))}")
-        copied = []
-        for rel in others:  # (regular files, or links to one inside: folder_files refused the rest)
-            if not rel.endswith(".onnx") and rel not in data_files:
+    with Staging.folder(dst) as tmp:  # (a second lnfold writing dst: refused; a killed one's leftovers: removed)
+        try:
+            folded, unchanged, data_files = {}, {}, set()
+            for f in files:
+                rel = f.relative_to(src)
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / rel, tmp / rel)
-                copied.append(Path(rel))
-        flush_tree(tmp)  # (on disk before the rename publishes it)
-        os.replace(tmp, dst)  # (an empty folder at dst is replaced; check_output_folder refused a full one)
-        fsync_folder(dst.parent)
-    except OSError as e:
-        raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                t1 = time.perf_counter()
+                try:
+                    folded[rel] = (fold_file(f, tmp / rel, args), time.perf_counter() - t1)
+                except NothingToFold as e:  # (a file of a folder: copied as it is, and said so)
+                    unchanged[rel] = str(e)
+                    shutil.copy2(f, tmp / rel)
+                    for d in _data_files_of(src, f):  # (in their layout: `sub/x.data` stays in sub/)
+                        (tmp / d).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(src / d, tmp / d)
+                data_files |= set(_data_files_of(src, f))
+            if not folded:
+                raise NothingToFold(f"{src}: nothing to fold in its {len(files)} ONNX file(s); first: "
+                                    f"{next(iter(unchanged.values()))}")
+            copied = []
+            for rel in others:  # (regular files, or links to one inside: folder_files refused the rest)
+                if not rel.endswith(".onnx") and rel not in data_files:
+                    (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src / rel, tmp / rel)
+                    copied.append(Path(rel))
+            flush_tree(tmp)  # (on disk before the rename publishes it)
+            os.replace(tmp, dst)  # (an empty folder at dst is replaced; check_output_folder refused a full one)
+            fsync_folder(dst.parent)
+        except OSError as e:
+            raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
     _print_report(src, dst, folded, unchanged, copied, args, time.perf_counter() - t0)
     return 0
 

@@ -7,27 +7,16 @@ lazy load left in the input's data file (onnx_rewrite/read.py) are copied from t
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import os
-import secrets
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import onnx
 
-try:
-    import fcntl
-except ImportError:  # pragma: no cover  (Windows: staging folders without a lock)
-    fcntl = None
-
 from ..passes import LnfoldError
 from ..passes.errors import first_line
-from ..passes.outputs import fsync_file, fsync_folder
+from ..passes.outputs import Staging, fsync_file, fsync_folder
 from .read import all_tensors, external_info, external_source, is_lazy
 from .validate import raw_bytes
 from .wire import copy_fields, initializer_head
@@ -133,7 +122,7 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
     elif external is None:
         external = is_large(model)
     try:
-        staging = _Staging.acquire(p)
+        staging = Staging.acquire(p)
     except OSError as e:
         raise LnfoldError(f"{p}: cannot write into {out_dir}: {first_line(e)}") from None
     try:
@@ -315,161 +304,3 @@ def _publish(old: Path, model_file: Path, dst: Path, data_dst: Path | None) -> N
         fsync_folder(dst.parent)
         raise
     fsync_folder(dst.parent)
-
-
-# Staging folders beside a target `NAME`: `.lnfold-NAME.writing` (a writer's, locked while it
-# lives), `.lnfold-NAME.new-XXXXXXXX` (one being made, locked before it takes the name above) and
-# `.lnfold-NAME.stale-XXXXXXXX` (one being removed). The '.' before the suffix keeps them apart
-# from tempfile.mkdtemp's `.lnfold-XXXXXXXX` (letters, digits, '_'), used by other commands.
-_PREFIX = ".lnfold-"
-_WRITING, _NEW, _STALE = ".writing", ".new-", ".stale-"
-_LOCK = "lock"
-# A new folder with no lock file yet is given this long to lock it before it is taken for a leftover.
-_UNLOCKED_GRACE_S = 60.0
-
-
-def _stem(name: str) -> str:
-    """The target's name as the staging folders carry it (short enough for NAME_MAX with a suffix)."""
-    if len(name) <= 160:
-        return name
-    return name[:80] + "~" + hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-
-
-class _Staging:
-    """The staging folder of one target, `.lnfold-<name>.writing` beside it, holding `lock` (a file
-    this writer flocks, with its pid), `new/` (the files being written) and `old/` (what publishing
-    moves out of the way).
-
-    The folder is made under a unique name, its lock file created and flocked there, and only then
-    renamed to its public name (a rename onto a folder that is not empty fails): a writer holds the
-    lock from the moment the name exists until the folder is renamed away at the end. So the name
-    taken by another writer means: its lock is held (a live writer: refused), or free (a writer
-    killed, whose folder is removed: renamed to a unique `.stale-` name, then deleted), or the
-    folder has no lock file (not made by a live writer: removed the same way). Leftover `.stale-`
-    folders are always garbage; `.new-` ones when their lock is free.
-
-    Without fcntl (Windows), a plain mkdtemp folder, unlocked, as before.
-    """
-
-    def __init__(self, root: Path, fd: "int | None"):
-        self.root, self.fd = root, fd
-        self.new, self.old = root / "new", root / "old"
-
-    @classmethod
-    def acquire(cls, target: Path) -> "_Staging":
-        out_dir, stem = target.parent, _stem(target.name)
-        if fcntl is None:
-            root = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=out_dir))
-            staging = cls(root, None)
-            staging.new.mkdir()
-            staging.old.mkdir()
-            return staging
-        _sweep(out_dir, stem)
-        public = out_dir / (_PREFIX + stem + _WRITING)
-        for _ in range(20):
-            fresh = Path(tempfile.mkdtemp(prefix=_PREFIX + stem + _NEW, dir=out_dir))
-            fd = None
-            try:
-                fd = os.open(fresh / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: no one else has it)
-                os.write(fd, f"{os.getpid()}\n".encode())
-                (fresh / "new").mkdir()
-                (fresh / "old").mkdir()
-                os.rename(fresh, public)
-                return cls(public, fd)
-            except OSError as e:
-                if fd is not None:
-                    os.close(fd)
-                shutil.rmtree(fresh, ignore_errors=True)
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-            _clear(public, target)  # (taken: refuse if its writer lives, else remove it and try again)
-        raise LnfoldError(f"{target}: cannot take {public.name} (other lnfold processes keep making it); "
-                          f"try again")
-
-    def release(self) -> None:
-        """Remove the folder (renamed away first, so its name is never seen unlocked), then unlock."""
-        root = self.root
-        try:
-            if self.fd is not None:
-                root = _unique(self.root.parent, self.root.name[: -len(_WRITING)] + _STALE)
-                os.rename(self.root, root)
-        except OSError:
-            root = self.root
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-
-
-def _unique(folder: Path, prefix: str) -> Path:
-    return folder / (prefix + secrets.token_hex(4))
-
-
-def _clear(public: Path, target: Path) -> None:
-    """`public` was taken: raise if a live writer holds its lock; else remove it (when it still is
-    the folder found: another process may be clearing or retaking it at the same time)."""
-    try:
-        fd = os.open(public / _LOCK, os.O_RDWR)
-    except FileNotFoundError:
-        fd = None  # (no lock file: no live writer's folder; or it vanished just now)
-    except OSError:
-        return  # (not a folder, or unreadable: the retry's rename says why)
-    try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                raise LnfoldError(f"{target}: another lnfold is writing it (pid {pid}); wait for it to end, "
-                                  f"or write elsewhere") from None
-            try:
-                same = os.path.samestat(os.stat(public / _LOCK), os.fstat(fd))
-            except OSError:
-                same = False
-            if not same:
-                return  # (cleared, perhaps retaken, meanwhile: try again)
-        trash = _unique(public.parent, public.name[: -len(_WRITING)] + _STALE)
-        try:
-            os.rename(public, trash)  # (one process wins; it holds the lock, if any)
-        except OSError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _sweep(out_dir: Path, stem: str) -> None:
-    """Remove what killed writers of this target left: `.stale-` folders (always garbage) and
-    `.new-` folders whose lock is free (or that never got one, after a grace period)."""
-    stale, new = _PREFIX + stem + _STALE, _PREFIX + stem + _NEW
-    try:
-        entries = list(os.scandir(out_dir))
-    except OSError:
-        return
-    for e in entries:
-        if not (e.name.startswith(stale) or e.name.startswith(new)) or not e.is_dir(follow_symlinks=False):
-            continue
-        path = Path(e.path)
-        if e.name.startswith(stale):
-            shutil.rmtree(path, ignore_errors=True)
-            continue
-        try:
-            fd = os.open(path / _LOCK, os.O_RDWR)
-        except FileNotFoundError:
-            with contextlib.suppress(OSError):
-                if time.time() - e.stat(follow_symlinks=False).st_mtime > _UNLOCKED_GRACE_S:
-                    shutil.rmtree(path, ignore_errors=True)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.path.samestat(os.stat(path / _LOCK), os.fstat(fd)):  # (not renamed away meanwhile)
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass  # (its maker lives, and is about to rename it; or it is gone)
-        finally:
-            os.close(fd)

@@ -232,3 +232,38 @@ def test_a_failed_rename_puts_the_old_pair_back(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert snapshot(tmp_path) == before
     assert _matches(1, out)
+
+
+def _onnx_folder(tmp_path: Path) -> Path:
+    src = tmp_path / "export"
+    src.mkdir()
+    G.save_model(G.pre_ln(layers=1), src / "model.onnx")
+    (src / "config.json").write_text("{}")
+    return src
+
+
+def test_a_folder_output_has_one_writer_and_a_killed_ones_leftovers_go(tmp_path, cli):  # noqa: F811
+    """Folder outputs (`lnfold fold DIR`, checkpoints) are built in the same locked staging folder as
+    file outputs (passes/outputs.Staging): a second writer of the same output folder is refused in one
+    line, and what a killed writer left there is removed by the next run (issue 43 item 9: random
+    `.lnfold-XXXXXXXX` folders of folder outputs were never cleaned)."""
+    from lnfold.passes.outputs import Staging
+
+    src = _onnx_folder(tmp_path)
+    out = tmp_path / "out"
+    held = Staging.acquire(out)
+    try:
+        r = cli("fold", "export", "-o", "out", cwd=tmp_path)
+        expect_error(r, 2, "out", "another lnfold is writing it", f"pid {os.getpid()}")
+        assert not out.exists()
+    finally:
+        held.release()
+    writing = tmp_path / ".lnfold-out.writing"  # (a killed run's: its lock free, a partial output inside)
+    (writing / "new").mkdir(parents=True)
+    (writing / "lock").write_text("999999\n")
+    (writing / "new" / "model.onnx").write_bytes(b"half")
+    r = cli("fold", "export", "-o", "out", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert (out / "model.onnx").is_file() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "out"]
+    assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.onnx"]  # (the input untouched)
