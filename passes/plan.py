@@ -263,8 +263,10 @@ def _emissions(view: View, plan: _Draft, deferral: DeferDecision) -> dict[str, N
                               rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n),
                               **resized)
     for n in plan.rms_swaps:  # RMSNorms as given: no β; fused with the residual Add where the given op was
+        r = sliced.get(n)
+        resized = {} if r is None else dict(width=r.width, scale=(r.dim / r.width) ** 0.5, eps_scale=r.dim / r.width)
         out[n] = NormEmission(n, beta_add=False, unit_gamma=True, rms_only=True, fuse_residual=_own_add(view, n),
-                              readout=readouts.get(n))
+                              readout=readouts.get(n), **resized)
     return out
 
 
@@ -505,7 +507,9 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, ver
     if request.rotate is not None or request.bases is not None:
         _rotations(view, plan, request, use, verdicts, rms_streams, said)
     readouts = {n for r in plan.stream_bases if r.rotated for n in r.readouts}
-    plan.rms_swaps[:] = [n for n in as_given if n in readouts or (plan.gammas[n].moved and plan.gammas[n].gamma)]
+    sliced = {n for r in plan.stream_bases if r.sliced for n in r.norms}  # re-emitted over k features
+    plan.rms_swaps[:] = [n for n in as_given
+                         if n in readouts or n in sliced or (plan.gammas[n].moved and plan.gammas[n].gamma)]
 
 
 def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams, said) -> None:

@@ -15,8 +15,8 @@ from .metric import relative_error
 from .calibration import Data, Folds
 from .errors import LnfoldError
 from .result import FoldResult
-from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, plan_slices, window_basis,
-                      windows)
+from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, norm_input, plan_slices,
+                      window_basis, windows)
 
 GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
 
@@ -80,8 +80,11 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     `per_block`: a basis per segment of each stream (slicing.plan_slices)."""
     exact = frontend.exact(planner)
     view, plan = exact.view, exact.plan
-    captured = frontend.capture(exact, list(plan.needs))
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
+    # streams of RMSNorms as given (issue 47): their norms' inputs are the stream itself (not centered)
+    stream_of.update({r.name: r.stream for r in plan.report.rms_norms if r.stream is not None})
+    rms_inputs = [norm_input(view, r.name)[0] for r in plan.report.rms_norms if r.stream is not None]
+    captured = frontend.capture(exact, list(dict.fromkeys(list(plan.needs) + rms_inputs)))
     params_before = frontend.parameters(exact)
     reference = frontend.outputs(exact)
 
@@ -91,7 +94,7 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     def attempt(f: float) -> tuple[FoldResult, SliceReport]:
         decided, steps = sequential(frontend, planner, lambda captures: decide(f, captures), captured)
         if not decided.bases:
-            why = next((s.line() for s in decided.streams), "no LayerNorm folds")
+            why = next((s.line() for s in decided.streams), "no LayerNorm folds and no stream is of RMSNorms only")
             raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "
                               f"transparent readers): {why}")
         sliced = frontend.sliced(decided.bases, planner)

@@ -113,8 +113,10 @@ class SlicePlan:
 
 def plan_slices(view: View, components: list[Component], gammas: Mapping, stream_of: Mapping[str, int],
                 captured: Mapping[str, list[np.ndarray]], fraction: float, per_block: bool = False) -> SlicePlan:
-    """The basis of every rotatable folded stream of the exact fold (its `components`, `gammas`, and
-    `stream_of`: norm -> its stream's index in the report), from `captured` (norm input value -> the
+    """The basis of every rotatable folded stream of the exact fold, and of every stream of RMSNorms as
+    given (issue 47: their inputs are the stream itself, uncentered; the same PCA of unit-RMS rows)
+    (its `components`, `gammas`, and `stream_of`: norm -> its stream's index in the report), from
+    `captured` (norm input value -> the
     batches of it in the exact fold's model on the calibration rows). `per_block`: a basis per
     segment of the stream (passes/segments.py), each from its own norms' inputs, where the stream's
     residual Adds allow; else one basis from all of its norms' inputs pooled."""

@@ -356,3 +356,137 @@ def test_onnxruntimes_optimizer_output_of_a_dynamo_llama_rotates_exactly(tmp_pat
     feeds = {"input_ids": ids.numpy()}
     want, got = _run(m, feeds), _run(r.model, feeds)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+# --- slicing streams of RMSNorms as given (issue 47, second step) ---------------------------------
+
+def llama_span(form: str = "decomposed", span=None, seed: int = 0, batch="batch") -> onnx.ModelProto:
+    """A float64 Llama-like graph (embedding -> 2 pre-norm blocks -> final RMSNorm -> lm head, random
+    signed γ, large-mean embedding), a dynamic batch and a Reshape to [-1, T, d] on the stream that
+    spells d. `span`: every writer's output side lies in one `span`-dim subspace of the d = 16 features
+    (tests/test_slice.py's trick): slicing at k = span then deletes only zero directions."""
+    from tests.onnx_graphs import Builder
+
+    d, t, vocab = 16, 5, 20
+    b = Builder(seed, np.float64)
+    ids = b.input("ids", TensorProto.INT64, [batch, t])
+    rng = np.random.default_rng(seed + 7)
+    onto = None if span is None else np.linalg.qr(rng.standard_normal((d, span)))[0]
+
+    def writer(base, shape, mean):
+        name = b.weight(base, shape, mean=mean)
+        if onto is not None:
+            w = numpy_helper.to_array(b.inits[-1]) @ onto @ onto.T
+            b.inits[-1].CopyFrom(numpy_helper.from_array(w, name))
+        return name
+
+    def rms(x):
+        gamma = b.const("gamma", rng.uniform(0.5, 2.0, d) * rng.choice([-1, 1], d))
+        if form == "simplified":
+            return b.op("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=EPS)
+        sq = b.op("Pow", [x, b.const("two", np.float64(2.0))])
+        ms = b.op("ReduceMean", [sq, b.const("axes", np.array([-1], np.int64))], keepdims=1)
+        r = b.op("Sqrt", [b.op("Add", [ms, b.const("eps", np.float64(EPS))])])
+        return b.op("Mul", [gamma, b.op("Mul", [x, b.op("Reciprocal", [r])])])
+
+    h = b.op("Gather", [writer("emb", (vocab, d), 3.0), ids], axis=0)
+    for layer in range(2):
+        u = b.op("MatMul", [rms(h), b.weight("up", (d, 2 * d))])
+        u = b.op("Mul", [u, b.op("Sigmoid", [u])])
+        h = b.op("Add", [h, b.op("MatMul", [u, writer("down", (2 * d, d), 0.0)])])
+        if layer == 0:
+            h = b.op("Reshape", [h, b.const("shape", np.array([-1, t, d], np.int64))])
+    y = b.op("MatMul", [rms(h), b.weight("head", (d, vocab))])
+    b.output(y, shape=[batch, t, vocab])
+    return b.model(18)
+
+
+def _span_rows(rows: int = 16, seed: int = 1) -> dict:
+    return {"ids": np.random.default_rng(seed).integers(0, 20, (rows, 5)).astype(np.int64)}
+
+
+def _error_against_exact(result) -> float:
+    """The sliced model's relative error against the exact (rotated) fold, on fresh rows."""
+    from lnfold.onnx_rewrite import approx as approx_io
+    from lnfold.passes.approx import relative_error
+
+    rows = [_span_rows(8, seed=99)]
+    return relative_error(approx_io.run(result.exact.model, rows), approx_io.run(result.model, rows))
+
+
+@pytest.mark.parametrize("form", ("decomposed", "simplified"))
+def test_an_rmsnorm_stream_in_k_dimensions_slices_with_zero_error(form):
+    """The writers span 12 of 16 dimensions: at F = 0.25 (k = 12) only zero directions go."""
+    r = lnfold.slice_onnx(llama_span(form, span=12), _span_rows(), fraction=0.25)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep) == (16, 12) and s.variance_kept == pytest.approx(1.0, abs=1e-12), s
+    assert _error_against_exact(r) < 1e-10
+    assert r.report.params_after < r.report.params_before
+    shapes = [numpy_helper.to_array(t).tolist() for t in r.model.graph.initializer if t.data_type == TensorProto.INT64]
+    assert [-1, 5, 12] in shapes and [-1, 5, 16] not in shapes
+
+
+def test_a_real_slice_of_an_rmsnorm_stream():
+    """Random weights (no subspace): F = 0.25 deletes real directions: a finite, nonzero error."""
+    r = lnfold.slice_onnx(llama_span(), _span_rows(), fraction=0.25)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep) == (16, 12) and s.variance_kept < 1 - 1e-5
+    err = _error_against_exact(r)
+    assert np.isfinite(err) and 1e-4 < err < 10 and np.isfinite(r.report.error)
+    assert r.report.params_after < r.report.params_before
+
+
+def test_an_unscaled_sliced_rmsnorm_fails(monkeypatch):
+    """Planted bug: a sliced RMSNorm without its √(d/k): the zero-error slice is no longer exact."""
+    import dataclasses
+
+    from lnfold.passes import plan as plan_module
+
+    real = plan_module._emissions
+
+    def unscaled(*a, **kw):
+        return {n: dataclasses.replace(e, scale=1.0) for n, e in real(*a, **kw).items()}
+
+    monkeypatch.setattr(plan_module, "_emissions", unscaled)
+    r = lnfold.slice_onnx(llama_span(span=12), _span_rows(), fraction=0.25)
+    assert _error_against_exact(r) > 1e-2
+
+
+def test_cli_slices_an_rmsnorm_model(tmp_path, capsys):
+    from lnfold.onnx_rewrite import cli
+
+    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
+    onnx.save(llama_span(span=12), src)
+    np.savez(cal, **_span_rows())
+    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal), "--json"]) == 0
+    import json
+
+    report = json.loads(capsys.readouterr().out)
+    assert report["streams"][0]["keep"] == 12 and report["error"] < 1e-10
+
+
+def test_a_full_width_slice_of_an_rmsnorm_stream_is_the_exact_fold():
+    """F → 0 (k = d): the calibrated basis rotates the stream, nothing deleted: the exact fold's outputs;
+    per block too (one basis per segment between the norms)."""
+    r = lnfold.slice_onnx(llama_span("simplified"), _span_rows(), fraction=0.01)
+    assert r.report.streams[0].keep == 16 and _error_against_exact(r) < 1e-12
+    r = lnfold.slice_onnx(llama_span("simplified"), _span_rows(), fraction=0.25, per_block=True)
+    assert r.report.streams[0].bases == 3 and np.isfinite(r.report.error) and r.report.error > 1e-4
+
+
+def test_a_skip_simplified_stream_slices():
+    """SkipSimplifiedLayerNormalization whose sums are outputs 3 (what the capture reads): F → 0 is the
+    exact fold, F = 0.25 has fewer parameters and stays fused. A norm whose sum is not an output cannot
+    be captured: the stream keeps its width, and the error says which norm."""
+    m = llama_skip(bias=True, last_sum=True)
+    for t in list(m.graph.input) + list(m.graph.output):
+        t.type.tensor_type.shape.dim[0].dim_param = "batch"
+    rows = {"input_ids": np.random.default_rng(1).integers(0, V, (16, T)).astype(np.int64)}
+    assert lnfold.slice_onnx(m, rows, fraction=0.01).report.error < 1e-5
+    r = lnfold.slice_onnx(m, rows, fraction=0.25)
+    assert r.report.streams[0].keep == 24 and r.report.params_after < r.report.params_before
+    assert [n.op_type for n in r.model.graph.node].count("SkipSimplifiedLayerNormalization") == 2
+    last = [n for n in m.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"][-1]
+    del last.output[1:]
+    with pytest.raises(lnfold.passes.LnfoldError, match=f"the input of `{last.name}` .* cannot be captured"):
+        lnfold.slice_onnx(m, rows, fraction=0.25)
