@@ -6,6 +6,7 @@ ONNX (the plain install; torch is not needed and not imported)::
     model = lnfold.load_onnx("model.onnx")
     print(lnfold.analyze_onnx(model).table())            # every LayerNorm, its verdict, why
     result = lnfold.fold_onnx(model)                     # folds, verifies, never edits `model`
+    print("\n".join(lnfold.check_onnx("model.onnx", "other.onnx").lines()))  # anyone's transform, judged
     lnfold.save_onnx(result.model, "model.folded.onnx")
     quantized = lnfold.quantize_onnx(model, weights="int8", rotate="hadamard")  # NOT exact:
     print(quantized.report.table())                      # onnxruntime's quantizer after the fold; its error
@@ -29,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 from .passes import FoldResult, LnfoldError, NormVerdict, NothingToFold, Report, VerificationError
 
 # Both frontends are imported on first use: `import lnfold.passes` loads neither onnx nor torch.
-_ONNX_NAMES = {"analyze_onnx": "analyze_model", "fold_onnx": "fold_model", "load_onnx": "load", "save_onnx": "save",
-               "quantize_onnx": "quantize_model", "slice_onnx": "slice_model"}
+_ONNX_NAMES = {"analyze_onnx": "analyze_model", "check_onnx": "check_onnx", "fold_onnx": "fold_model",
+               "load_onnx": "load", "save_onnx": "save", "quantize_onnx": "quantize_model", "slice_onnx": "slice_model"}
 
 if TYPE_CHECKING:
     from .onnx_rewrite import analyze_model as analyze_onnx
     from .onnx_rewrite import fold_model as fold_onnx
+    from .onnx_rewrite import check_onnx
     from .onnx_rewrite import load as load_onnx
     from .onnx_rewrite import save as save_onnx
     from .onnx_rewrite import quantize_model as quantize_onnx
@@ -59,7 +61,8 @@ _TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
-    "analyze_module", "analyze_onnx", "fold_checkpoint", "fold_for_training", "fold_module", "fold_onnx",
+    "analyze_module", "analyze_onnx", "check_onnx", "fold_checkpoint", "fold_for_training", "fold_module",
+    "fold_onnx",
     "lnfold_backend", "lnfold_backend_with", "load_onnx", "quantize_onnx", "save_onnx", "slice_onnx", "unfold_for_training",
     "fold_to_rmsnorm", "restore_rmsnorm", "slice_module",
 ]

@@ -2,6 +2,7 @@
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, VerificationError
 
 from .api import analyze_model, check_equivalent, fold_model
+from .check import CheckResult, check_onnx
 from .quantize import quantize_model
 from .read import load
 from .slice import slice_model
@@ -9,5 +10,6 @@ from .write import save
 
 __all__ = [
     "FoldResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
-    "analyze_model", "check_equivalent", "fold_model", "load", "quantize_model", "save", "slice_model",
+    "CheckResult", "analyze_model", "check_equivalent", "check_onnx", "fold_model", "load", "quantize_model", "save",
+    "slice_model",
 ]

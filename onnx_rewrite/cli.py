@@ -129,6 +129,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
 
+    c = sub.add_parser("check", help="judge any transformed ONNX model against its original: the fold's gate, "
+                                     "the error per output, the first shared tensor where they part")
+    c.add_argument("original", help="the ONNX model before the transform")
+    c.add_argument("other", help="the transformed model (anyone's: a fold, an optimizer's output, an fp16 or "
+                                 "quantized copy); it must have the same input and output names")
+    c.add_argument("--inputs", metavar="FILE.npz", help="run on these inputs instead of made-up ones")
+    c.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                   help="size of a symbolic input dim for the made-up inputs (repeatable)")
+    c.add_argument("--json", action="store_true", help="print one JSON object (verdict, per-output errors, "
+                                                       "first divergence) instead of the lines")
+
     from . import quantize_cli, slice_cli  # issues 22 and 32
 
     quantize_cli.add_parser(sub)
@@ -266,6 +277,16 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    """Exit code 0: equivalent (the gate passes); 1: not (the error report printed); 2: bad input."""
+    from .check import check_onnx
+    from .inputs import parse_dims
+
+    result = check_onnx(args.original, args.other, inputs=args.inputs, dims=parse_dims(args.dim))
+    print(json.dumps(result.to_dict(), indent=2) if args.json else "\n".join(result.lines()))
+    return result.exit_code
+
+
 def nothing_to_fold(e: NothingToFold) -> dict:
     """`--json` on exit 2, nothing to fold: the JSON object with the reason (the one line stderr
     says) and the analysis's report where it made one (every norm, its verdict and why)."""
@@ -292,6 +313,8 @@ def main(argv=None) -> int:
                 from . import slice_cli
 
                 return slice_cli.run(args)
+            if args.cmd == "check":
+                return cmd_check(args)
             if args.cmd == "bench":
                 from .bench import run_bench
                 from .inputs import parse_dims

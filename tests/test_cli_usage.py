@@ -46,7 +46,7 @@ def test_every_option_of_every_command_has_help():
                for path, p in _parsers(_parser()) for action in p._actions if not (action.help or "").strip()]
     assert not missing, missing
     assert {path for path, _ in _parsers(_parser())} == {"lnfold", "lnfold fold", "lnfold report", "lnfold bench",
-                                                      "lnfold quantize", "lnfold slice", "lnfold demo"}
+                                                      "lnfold quantize", "lnfold slice", "lnfold check", "lnfold demo"}
 
 
 def test_target_help_names_the_ops_each_target_emits(zoo_onnx):
