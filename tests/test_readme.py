@@ -104,7 +104,7 @@ def test_every_lnfold_command_line_in_the_readme_parses(capsys):
             except SystemExit as e:  # --help / --version print and exit 0; a usage error exits 2
                 assert e.code == 0, (line, argv, capsys.readouterr().err)
                 continue
-            assert args.cmd in ("fold", "report", "quantize", "bench", "demo"), (line, argv)
+            assert args.cmd in ("fold", "report", "quantize", "bench", "check", "demo"), (line, argv)
 
 
 # --- the Python blocks, run as written ------------------------------------------------------------
