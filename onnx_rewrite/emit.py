@@ -245,7 +245,12 @@ class Emitter:
         if unrotate is not None:
             final, normed = normed, self.var(f"{m.name}/lnfold_rotated", m.output.dtype)
         if skip is not None:
-            self._skip_rms(x, skip, gamma, bias, m.sum_output, normed, eps, m.name, rank, how.fuse_residual)
+            summed = m.sum_output
+            if summed is None and m.kind == "SkipSimplifiedLayerNormalization" and how.fuse_residual:
+                # an RMSNorm as given whose sum the model does not name: named as the view names it
+                # (classify._add_norm), so that a slice can capture its stream (passes/slicer.py)
+                summed = self.var(f"{m.name}/input_skip_bias_sum", x.dtype)
+            self._skip_rms(x, skip, gamma, bias, summed, normed, eps, m.name, rank, how.fuse_residual)
         elif gamma is None:
             self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
         elif how.fuse_residual:
