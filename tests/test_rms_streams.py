@@ -443,16 +443,9 @@ def test_a_real_slice_of_an_rmsnorm_stream():
 
 def test_an_unscaled_sliced_rmsnorm_fails(monkeypatch):
     """Planted bug: a sliced RMSNorm without its √(d/k): the zero-error slice is no longer exact."""
-    import dataclasses
+    from tests.test_slice import plant_unscaled
 
-    from lnfold.passes import plan as plan_module
-
-    real = plan_module._emissions
-
-    def unscaled(*a, **kw):
-        return {n: dataclasses.replace(e, scale=1.0) for n, e in real(*a, **kw).items()}
-
-    monkeypatch.setattr(plan_module, "_emissions", unscaled)
+    plant_unscaled(monkeypatch)
     r = lnfold.slice_onnx(llama_span(span=12), _span_rows(), fraction=0.25)
     assert _error_against_exact(r) > 1e-2
 

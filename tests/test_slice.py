@@ -137,15 +137,20 @@ def test_planted_bug_reader_left_unprojected(monkeypatch):
     assert lnfold.slice_module(m.double(), (ids,), fraction=0.005).report.error > 1e-3  # the torch frontend too
 
 
-def test_planted_bug_wrong_scale(monkeypatch):
-    """The norm over k features without √(d/k) (or with ε not scaled and γ right): the zero-error
-    slice is off by the factor."""
+def plant_unscaled(monkeypatch) -> None:
+    """Planted bug: every sliced norm emitted without its √(d/k)."""
     real = plan_module._emissions
 
     def unscaled(*a, **kw):
         return {n: dataclasses.replace(e, scale=1.0) for n, e in real(*a, **kw).items()}
 
     monkeypatch.setattr(plan_module, "_emissions", unscaled)
+
+
+def test_planted_bug_wrong_scale(monkeypatch):
+    """The norm over k features without √(d/k) (or with ε not scaled and γ right): the zero-error
+    slice is off by the factor."""
+    plant_unscaled(monkeypatch)
     r = lnfold.slice_onnx(stream_model(span=12), calibration(), fraction=0.25)
     assert error_against_exact(r) > 1e-2
 
