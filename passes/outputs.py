@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -52,10 +53,17 @@ def pickled_checkpoint(folder) -> str:
     folder = Path(folder)
     if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in PICKLED_WEIGHTS):
         return ""
+    cls = "AutoModel"  # (the class config.json names keeps the model's head; AutoModel would drop it)
+    try:
+        with open(folder / "config.json", encoding="utf-8") as f:
+            named = (json.loads(f.read(1 << 20)).get("architectures") or [None])[0]
+        cls = named if isinstance(named, str) and named.isidentifier() else cls
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        pass
     return (f"{folder}: a transformers checkpoint whose weights are pickled (pytorch_model.bin); lnfold reads "
             "safetensors only (a pickle can run code when loaded): convert it with `python -c \"from transformers "
-            f"import AutoModel; AutoModel.from_pretrained('{folder}').save_pretrained('OUT')\"` (it writes "
-            "safetensors) and fold OUT")
+            f"import {cls}; {cls}.from_pretrained('{folder}').save_pretrained('OUT')\"` (it writes safetensors) "
+            "and fold OUT")
 
 
 def inside(folder, relative, what: str) -> Path:
