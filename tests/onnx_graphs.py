@@ -56,9 +56,10 @@ class Builder:
         w = self.rng.standard_normal(shape) * scale + mean
         return self.const(base, w.astype(self.dtype))
 
-    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, domain: str = "", **attrs):
+    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, domain: str = "", name: str = "", **attrs):
         outs = [self.name(f"{op_type.lower()}_out") for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name(op_type), domain=domain, **attrs))
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=name or self.name(op_type), domain=domain,
+                                           **attrs))
         return outs[0] if n_out == 1 else outs
 
     def input(self, name: str, elem: int, shape) -> str:

@@ -18,34 +18,22 @@ from onnx import TensorProto, helper, numpy_helper
 
 import lnfold
 from lnfold.passes import NothingToFold, VerificationError
+from tests.onnx_graphs import Builder
 
 D, F, V, B, T = 32, 64, 50, 2, 5
 EPS = 1e-5
 FORMS = ("simplified", "rmsnormalization", "decomposed", "decomposed-cast-mul-div")
 
 
-class _Graph:
+class _Graph(Builder):
+    """tests/onnx_graphs.Builder with float32 weights scaled as a trained layer's (1/√fan-in), and
+    RMSNorms in each form a model file holds."""
+
     def __init__(self, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.nodes, self.inits, self.k = [], [], 0
-
-    def name(self, base: str) -> str:
-        self.k += 1
-        return f"{base}_{self.k}"
-
-    def const(self, base: str, values) -> str:
-        n = self.name(base)
-        self.inits.append(numpy_helper.from_array(np.asarray(values), n))
-        return n
+        super().__init__(seed, np.float32)
 
     def weight(self, base: str, shape, mean: float = 0.0) -> str:
-        return self.const(base, (self.rng.standard_normal(shape) / np.sqrt(shape[0]) + mean).astype(np.float32))
-
-    def op(self, op_type: str, inputs, name: str = "", domain: str = "", **attrs) -> str:
-        out = self.name(f"{op_type.lower()}_out")
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=name or self.name(op_type),
-                                           domain=domain, **attrs))
-        return out
+        return super().weight(base, shape, mean, scale=1 / np.sqrt(shape[0]))
 
     def rms(self, x: str, form: str) -> str:
         gamma = self.const("gamma", (self.rng.uniform(0.5, 2.0, D) * self.rng.choice([-1, 1], D)).astype(np.float32))
