@@ -158,10 +158,9 @@ def _allowance(ref: verify.Reference) -> float:
             continue
         dtype = verify._narrower(a.dtype.name, compute)
         if ref.exact is not None and ref.runner.sess is not None:
-            own = metric.compare(ref.exact[k], a).max_rel
-            bounds.append(gate.FACTOR * own + gate.FLOOR.get(dtype, 0.0))
+            bounds.append(gate.allowance(metric.compare(ref.exact[k], a).max_rel, dtype, True))
         else:
-            bounds.append(gate.TOLERANCE.get(dtype, gate.TOLERANCE["float32"]))
+            bounds.append(gate.allowance(0.0, dtype, False) or gate.TOLERANCE["float32"])
     bounds = [b for b in bounds if math.isfinite(b)]
     return max(bounds, default=gate.TOLERANCE["float32"])
 

@@ -122,6 +122,12 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     return Verdict(True, "zero-mean norm inputs", diff, no_float64=no_float64)
 
 
+def allowance(own: float, dtype: str, faithful: bool) -> float:
+    """The error against float64 an output of `dtype` may have: FACTOR x the original's own (`own`)
+    plus the dtype's FLOOR where the float64 run is faithful, else the dtype's fixed TOLERANCE."""
+    return FACTOR * own + FLOOR.get(dtype, 0.0) if faithful else TOLERANCE.get(dtype, 0.0)
+
+
 def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verdict:
     folded_worst = original_worst = 0.0
     failure = ""
@@ -129,7 +135,7 @@ def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verd
         own = max_rel_err(o.exact, o.original)
         now = max_rel_err(o.exact, o.folded)
         folded_worst, original_worst = max(folded_worst, now), max(original_worst, own)
-        bound = FACTOR * own + FLOOR.get(o.dtype, 0.0) if faithful else TOLERANCE.get(o.dtype, 0.0)
+        bound = allowance(own, o.dtype, faithful)
         if not now <= bound and not failure:
             failure = (f"output {o.name} ({o.dtype}) is {now:.3g} (relative) away from a float64 run, "
                        f"the original model {own:.3g}; allowed {bound:.3g}")
