@@ -58,12 +58,12 @@ def ref64(original: Callable, args, kwargs: dict, ref: list) -> Optional[list]:
 def judge_outputs(ref: list, got: list, exact: Optional[list]) -> gate.Verdict:
     """The gate's verdict on output leaves (non-tensor leaves must be equal)."""
     if len(ref) != len(got):
-        return gate.Verdict(False, "outputs", float("inf"), failure=f"{len(got)} outputs instead of {len(ref)}")
+        return gate.Verdict(False, gate.OUTPUTS, float("inf"), failure=f"{len(got)} outputs instead of {len(ref)}")
     outs = []
     for k, (r, g) in enumerate(zip(ref, got)):
         if not isinstance(r, torch.Tensor):
             if r != g:
-                return gate.Verdict(False, "outputs", float("inf"), failure=f"output {r!r} became {g!r}")
+                return gate.Verdict(False, gate.OUTPUTS, float("inf"), failure=f"output {r!r} became {g!r}")
             continue
         e = exact[k] if exact is not None and isinstance(exact[k], torch.Tensor) else None
         outs.append(gate.Output(f"#{k}", str(r.dtype).removeprefix("torch."), to_numpy(r), to_numpy(g),

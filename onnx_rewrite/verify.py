@@ -148,8 +148,7 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
     original, folded = ref.original, _pinned(folded)
     if ref.refused is not None:
         verdict = _check_float64_copies(original, folded, ref.refused, inputs=ref.inputs, dims=ref.dims, seed=ref.seed)
-        verdict.criterion += f"; {ref.seeds}" if ref.seeds else ""
-        return verdict
+        return verdict.noted(ref.seeds)
     runner, feeds, ra, exact = ref.runner, ref.feeds, ref.outputs, ref.exact
     # the folded norms' inputs are read only by the gate's fallback without float64
     norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
@@ -173,10 +172,9 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
     if runner.sess is None:
         erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
             if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
-        verdict.criterion += (f" (onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
-                              f"reference evaluator{erfc})")
-    verdict.criterion += f"; {ref.seeds}" if ref.seeds else ""
-    return verdict
+        verdict = verdict.noted(f"onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
+                                f"reference evaluator{erfc}")
+    return verdict.noted(ref.seeds)
 
 
 def _pinned(model: Union[ModelLike, Source]) -> Source:
@@ -226,9 +224,8 @@ def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _Refu
     verdict = gate.judge_float64_copies([gate.Output(n, "float64", a, b) for n, a, b in zip(names, ra, rb)],
                                         storage, _rounding_sensitivity(((orig64, original), (fold64, folded)),
                                                                        storage, feeds, ra, rb))
-    verdict.criterion += (f"; onnxruntime refuses to load the input ({load_error}), {same}, and onnx's reference "
-                          f"evaluator cannot run it in its own dtype; both run as float64 in {how}")
-    return verdict
+    return verdict.noted(f"onnxruntime refuses to load the input ({load_error}), {same}, and onnx's reference "
+                         f"evaluator cannot run it in its own dtype; both run as float64 in {how}")
 
 
 def _rounding_sensitivity(copies, storage: str, feeds: dict, ra: list, rb: list) -> Optional[float]:

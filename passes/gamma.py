@@ -22,6 +22,7 @@ class GammaFold:
     readers: list[LinearReader] = field(default_factory=list)
     why: str = ""
     by_readers: bool = False  # kept because of what reads the norm (a graph output, a non-linear reader)
+    read_as_output: bool = False  # the norm's output is a graph output (a model's hidden states as its output)
 
     @property
     def moved(self) -> bool:
@@ -59,8 +60,9 @@ def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Opti
     if x is None or spec.axis >= len(x) or not isinstance(x[spec.axis], int):
         out.why = "its feature size is not known (a unit weight needs it)"
         return out
-    readers, why = linear_readers(view, view.nodes[norm].outputs[0], spec.axis, through_layout=True)
-    out.by_readers = why is not None
+    y = view.nodes[norm].outputs[0]
+    readers, why = linear_readers(view, y, spec.axis, through_layout=True)
+    out.by_readers, out.read_as_output = why is not None, view.values[y].is_graph_output
     if why is None and spec.beta is not None and (beta is None or beta.emits_add):
         why = ("β stays with the norm (" + (beta.why if beta is not None else "the target folds no β")
                + "), and a β Add after a unit-γ norm would be scaled by γ in the readers")

@@ -1,6 +1,7 @@
 """The verification gate (DESIGN §4): is a folded model as exact as the original? Pure numpy.
 
-The criterion a verdict names (`Verdict.criterion`):
+How a verdict was reached (`Verdict.method`; `Verdict.criterion` is the line that names it with
+its bound and the verifier's notes):
   "float64": every output's error against a float64 run at most FACTOR x the original's, plus FLOOR;
   "float64, fixed tolerance": the original ran only in onnx's reference evaluator (no measure of
       its users' error), so the folded model's error against float64 must be within TOLERANCE;
@@ -12,7 +13,7 @@ agree within LOOSE x TOLERANCE, which an affine mistake would break).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -39,6 +40,12 @@ UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 **
 # Fallback: largest |mean| / RMS of a folded norm's input row (a centered fp32 stream: ~1e-6).
 MEAN_TOL = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 
+# The methods a verdict names (the module's docstring says what each judges)
+FLOAT64, FLOAT64_FIXED, COPIES = "float64", "float64, fixed tolerance", "float64 copies"
+TOLERANCE_ONLY, ZERO_MEAN, NOT_JUDGED = "tolerance", "zero-mean norm inputs", "not judged"
+OUTPUTS = "outputs"  # the folded model's outputs differ in number or kind from the original's (torch)
+METHODS = (FLOAT64, FLOAT64_FIXED, COPIES, TOLERANCE_ONLY, ZERO_MEAN, NOT_JUDGED, OUTPUTS)
+
 
 @dataclass
 class Output:
@@ -54,7 +61,7 @@ class Output:
 @dataclass
 class Verdict:
     ok: bool
-    criterion: str  # "float64", "float64, fixed tolerance", "float64 copies...", "tolerance", "zero-mean norm inputs"
+    method: str  # one of METHODS: how the gate judged
     diff: float  # worst relative difference folded vs original, over all outputs
     folded_err: Optional[float] = None  # worst relative error of the folded model vs float64
     original_err: Optional[float] = None  # the same for the original model
@@ -64,6 +71,17 @@ class Verdict:
     judged: bool = True
     input_broken: bool = False  # the original's float outputs are all NaN: the input model is at fault
     no_float64: str = ""  # why no float64 run was made, where none was
+    bound: str = ""  # the bound judged against, where the method's name does not say it ("within ...")
+    notes: tuple[str, ...] = ()  # what the verifier adds: the runner it used, the seeds it pinned
+
+    @property
+    def criterion(self) -> str:
+        """The method, its bound and the verifier's notes, as one line (reports, --json)."""
+        return ", ".join(filter(None, (self.method, self.bound))) + "".join(f"; {n}" for n in self.notes)
+
+    def noted(self, *notes: str) -> "Verdict":
+        """This verdict with the verifier's `notes` added (empty ones dropped)."""
+        return replace(self, notes=self.notes + tuple(n for n in notes if n))
 
     def message(self) -> str:
         if not self.judged:
@@ -78,10 +96,10 @@ class Verdict:
 
     def summary(self) -> str:
         """One line for the command's output."""
-        if self.criterion.startswith("float64 copies"):
+        if self.method == COPIES:
             return f"folded vs original, both run in float64: {self.diff:.2e} (criterion: {self.criterion})"
-        if self.criterion.startswith("float64"):
-            how = "" if self.criterion == "float64" else f"; criterion: {self.criterion}"  # e.g. pinned seeds
+        if self.method in (FLOAT64, FLOAT64_FIXED):
+            how = "" if self.criterion == FLOAT64 else f"; criterion: {self.criterion}"  # e.g. pinned seeds
             return (f"error vs float64: folded {self.folded_err:.2e}, original {self.original_err:.2e} "
                     f"(folded vs original {self.diff:.2e}{how})")
         why = f": {self.no_float64}" if self.no_float64 else ""
@@ -104,22 +122,22 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     if len(outputs) and all(o.exact is not None for o in outputs):
         return _judge_exact(outputs, diff, original_is_faithful)
     if all(e <= TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
-        return Verdict(True, "tolerance", diff, no_float64=no_float64)
+        return Verdict(True, TOLERANCE_ONLY, diff, no_float64=no_float64)
     worst_err, worst = max(zip(errs, outputs), key=lambda eo: eo[0] / TOLERANCE.get(eo[1].dtype, 1.0))
     too_far = f"output {worst.name} differs from the original's by {worst_err:.3g} " \
               f"(relative), above {TOLERANCE.get(worst.dtype, 0.0):g}, and no float64 run of the model was possible" + \
               (f" ({no_float64})" if no_float64 else "")
     if not norm_inputs:
-        return Verdict(False, "tolerance", diff, failure=too_far, no_float64=no_float64)
+        return Verdict(False, TOLERANCE_ONLY, diff, failure=too_far, no_float64=no_float64)
     bad = off_center(norm_inputs, norm_dtype)
     if bad:
-        return Verdict(False, "zero-mean norm inputs", diff, no_float64=no_float64,
+        return Verdict(False, ZERO_MEAN, diff, no_float64=no_float64,
                        failure=f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS "
                                f"(above {MEAN_TOL.get(norm_dtype, 1e-4):g})")
     if any(e > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
-        return Verdict(False, "zero-mean norm inputs", diff, failure=f"{too_far}, even {LOOSE:g}x that",
+        return Verdict(False, ZERO_MEAN, diff, failure=f"{too_far}, even {LOOSE:g}x that",
                        no_float64=no_float64)
-    return Verdict(True, "zero-mean norm inputs", diff, no_float64=no_float64)
+    return Verdict(True, ZERO_MEAN, diff, no_float64=no_float64)
 
 
 def allowance(own: float, dtype: str, faithful: bool) -> float:
@@ -139,7 +157,7 @@ def _judge_exact(outputs: Sequence[Output], diff: float, faithful: bool) -> Verd
         if not now <= bound and not failure:
             failure = (f"output {o.name} ({o.dtype}) is {now:.3g} (relative) away from a float64 run, "
                        f"the original model {own:.3g}; allowed {bound:.3g}")
-    return Verdict(not failure, "float64" if faithful else "float64, fixed tolerance", diff, folded_worst,
+    return Verdict(not failure, FLOAT64 if faithful else FLOAT64_FIXED, diff, folded_worst,
                    original_worst, failure)
 
 
@@ -170,8 +188,7 @@ def judge_float64_copies(outputs: Sequence[Output], storage_dtype: str,
                        f"{storage_dtype})")
     how = f"{FLOOR.get(storage_dtype, 0.0):g}" if sensitivity is None else \
         f"{FACTOR:g} x {sensitivity:.3g}, the outputs' move under one {storage_dtype} rounding of every weight"
-    criterion = f"float64 copies, within {COPIES_REL:g} + {how}"
-    return Verdict(not failure, criterion, diff, diff, None, failure)
+    return Verdict(not failure, COPIES, diff, diff, None, failure, bound=f"within {COPIES_REL:g} + {how}")
 
 
 def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
@@ -184,12 +201,12 @@ def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
     if not blind:
         return None
     if all(np.isnan(a).all() for _, a in floats):
-        return Verdict(False, "not judged", float("nan"), judged=False, input_broken=True,
+        return Verdict(False, NOT_JUDGED, float("nan"), judged=False, input_broken=True,
                        failure="the input model's outputs are all NaN on these inputs: it computes nothing "
                                "to compare a fold with")
     o, a = blind[0]
     what = "NaN" if np.isnan(a).all() else "NaN or infinite"
-    return Verdict(False, "not judged", float("nan"), judged=False,
+    return Verdict(False, NOT_JUDGED, float("nan"), judged=False,
                    failure=f"output {o.name} of the original model is {what} everywhere on these inputs, and a "
                            "comparison with it proves nothing; give inputs on which it is finite")
 

@@ -96,7 +96,7 @@ def fold(frontend: Frontend, *, verify: bool, planner: Planner, progress: Progre
 def record(result: FoldResult, verdict: Verdict) -> None:
     result.max_rel_err, result.criterion = verdict.diff, verdict.criterion
     result.exact_err, result.original_exact_err = verdict.folded_err, verdict.original_err
-    result.no_float64 = verdict.no_float64
+    result.no_float64, result.verdict = verdict.no_float64, verdict
 
 
 def stage(progress: Progress, msg: str) -> None:

@@ -22,6 +22,7 @@ class FoldResult:
     original_exact_err: Optional[float] = None
     criterion: Optional[str] = None
     no_float64: str = ""  # why verification made no float64 run, where it made none
+    verdict: Any = field(default=None, repr=False, compare=False)  # the gate's Verdict these fields come from
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage
     # the Plan that made it (passes/plan.py), set by pipeline.fold: its records, for a stage after the
     # fold that needs to know what was decided (quantization: which γ moved, which streams rotated)

@@ -212,7 +212,7 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
         if g is None or (not g.moved and not _readout(view, g)):
             why = g.why if g else "not asked"
             hint = ("; a model's hidden states as its output: fold it with the head that reads them"
-                    if "is a graph output" in why else "")
+                    if g is not None and g.read_as_output else "")
             return f"the γ of {view.nodes[n].describe()} stays in the norm ({why}){hint}"
     norms = set(comp.norms)
     for value in comp.axes:
