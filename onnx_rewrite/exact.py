@@ -32,6 +32,9 @@ def float64_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.
     out = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version,
                             functions=model.functions)
     _graph_to_f64(out.graph)
+    for f in out.functions:  # model-local functions' nodes make float tensors alike
+        for n in f.node:
+            _node_to_f64(n)
     if any(map(random_ops.runs_in_own_dtype, g.node)):  # random draws, DequantizeLinear's float scales
         random_ops.in_own_dtype(out.graph, random_ops.own_types(model))
     return out, weights
@@ -54,24 +57,37 @@ def _graph_to_f64(g: onnx.GraphProto) -> None:
             tt.elem_type = onnx.TensorProto.DOUBLE
     del g.value_info[:]
     for n in g.node:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.TENSOR:
-                _tensor_to_f64(a.t)
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _graph_to_f64(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
-                    _graph_to_f64(sub)
-            if n.op_type == "Cast" and a.name == "to" and a.i in FLOATS:
-                a.i = onnx.TensorProto.DOUBLE
-            if a.name == "dtype" and a.type == onnx.AttributeProto.INT and a.i in FLOATS and not random_ops.is_random(n):
-                a.i = onnx.TensorProto.DOUBLE  # EyeLike's: the type it makes (random nodes: random_ops.py)
-        if n.op_type == "Constant":  # value_float(s) make float tensors: make them double tensors
-            for a in list(n.attribute):
-                if a.name in ("value_float", "value_floats"):
-                    arr = np.array(a.f if a.name == "value_float" else list(a.floats), dtype=np.float64)
-                    n.attribute.remove(a)
-                    n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(arr)))
+        _node_to_f64(n)
+
+
+def _node_to_f64(n: onnx.NodeProto) -> None:
+    """The float tensors `n` makes from its attributes made double: tensor values (sparse ones too),
+    subgraphs, Cast's and EyeLike's target type, Constant's value_float(s), and ConstantOfShape's
+    default float32 zero."""
+    for a in n.attribute:
+        if a.type == onnx.AttributeProto.TENSOR:
+            _tensor_to_f64(a.t)
+        elif a.type == onnx.AttributeProto.SPARSE_TENSOR:
+            _tensor_to_f64(a.sparse_tensor.values)
+        elif a.type == onnx.AttributeProto.GRAPH:
+            _graph_to_f64(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            for sub in a.graphs:
+                _graph_to_f64(sub)
+        if n.op_type == "Cast" and a.name == "to" and a.i in FLOATS:
+            a.i = onnx.TensorProto.DOUBLE
+        if a.name == "dtype" and a.type == onnx.AttributeProto.INT and a.i in FLOATS and not random_ops.is_random(n):
+            a.i = onnx.TensorProto.DOUBLE  # EyeLike's: the type it makes (random nodes: random_ops.py)
+    if n.op_type == "ConstantOfShape" and n.domain in ("", "ai.onnx") and not any(a.name == "value" for a in n.attribute):
+        # without `value` it makes float32 zeros (the op's default): double zeros in the copy, or
+        # the ops they meet (ScatterElements' data, an Add) see float32 beside double
+        n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
+    if n.op_type == "Constant":  # value_float(s) make float tensors: make them double tensors
+        for a in list(n.attribute):
+            if a.name in ("value_float", "value_floats"):
+                arr = np.array(a.f if a.name == "value_float" else list(a.floats), dtype=np.float64)
+                n.attribute.remove(a)
+                n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(arr)))
 
 
 def float_elems(model: onnx.ModelProto) -> int:

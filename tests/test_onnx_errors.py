@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -68,6 +69,26 @@ def test_the_float64_reference_makes_attribute_floats_double_and_runs_in_onnxrun
     centered = s - s.mean(-1, keepdims=True)
     want = centered / np.sqrt((centered**2).mean(-1, keepdims=True) + 1e-5) * inits[ln.input[1]] + inits[ln.input[2]]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_float64_reference_makes_a_default_constant_of_shape_double():
+    """ConstantOfShape with no `value` makes float32 zeros (the op's default; issue 45 item 1: a
+    graph network's message passing scatters into them): in the copy they must be double, or
+    onnxruntime refuses ScatterElements (T bound to two types), the reference evaluator the Add, and
+    the fold is judged by a tolerance only."""
+    b = Builder(5)
+    x = b.input("x", TensorProto.FLOAT, [2, D])
+    zeros = lambda: b.op("ConstantOfShape", [b.op("Shape", [x])])  # noqa: E731 (no value attribute)
+    order = np.stack([np.random.default_rng(k).permutation(D) for k in range(2)]).astype(np.int64)
+    scattered = b.op("ScatterElements", [zeros(), b.const("idx", order), x], axis=1)
+    b.output(b.layernorm(b.linear(b.op("Add", [scattered, zeros()]), D, D)), shape=[2, D])
+    model = b.model(17)
+    x_val = (np.random.default_rng(0).standard_normal((2, D)) + 40).astype(np.float32)
+    (got,), how = exact_run(model, {"x": x_val})
+    assert how == "onnxruntime" and got.dtype == np.float64
+    (fp32,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x_val})
+    np.testing.assert_allclose(got, fp32, rtol=1e-4, atol=1e-4)
+    assert lnfold.fold_onnx(model).verdict.criterion.startswith("float64")  # not the tolerance fallback
 
 
 # --- bad input: one line, exit 2, the input untouched, nothing written ---------------------------
