@@ -22,12 +22,12 @@ import numpy as np
 import torch
 
 from ..passes import FoldResult, LnfoldError, pipeline
-from ..passes.edits import NUMPY, Center, apply_ops, chunk_axis
+from ..passes.edits import NUMPY, apply_ops, centers_first_axis, chunk_axis, only_centers
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
 from ..passes.outputs import (Staging, check_output_folder, default_output_folder, flush_tree, folder_files,
                               fsync_folder, inside)
-from ..passes.shards import ShardJob, rows_mean_axis, shard_work
+from ..passes.shards import ShardJob, shard_work
 from ..passes.weights import center
 from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint, plan_checkpoint, read_checkpoint, \
     skeleton, stored_names
@@ -119,9 +119,9 @@ def fold_shard(ck: Checkpoint, out: Path, job: ShardJob) -> dict:
 
 def _edited(x: Rows, dtype: torch.dtype, ops: tuple, source: Callable):
     """The bytes of tensor `x` (still in its file) after `ops`, a block of rows (about SLICE_BYTES
-    of float64) at a time where the ops allow (`chunk_axis`, `rows_mean_axis`), else whole."""
+    of float64) at a time where the ops allow (`chunk_axis`, `centers_first_axis`), else whole."""
     ndim = len(x.shape)
-    if not rows_mean_axis(ops, ndim):
+    if not centers_first_axis(ops, ndim):
         return edited_pieces(x, chunk_axis(ops, ndim), _editor(ops, source, dtype), SLICE_BYTES)
     as_stored = dtype in (torch.float16, torch.float32, torch.float64)  # (numpy's own; bf16 through float64)
 
@@ -142,7 +142,7 @@ def _editor(ops: tuple, source: Callable, dtype: torch.dtype) -> Callable[[torch
     # A centering computes its mean and difference in float64 from any float input and rounds
     # once to the input's dtype (passes/weights.py `center`): fp16/fp32 tensors go in as they
     # are, without a float64 copy of the tensor (a third less editing time); other ops get it.
-    as_stored = dtype in (torch.float16, torch.float32) and all(isinstance(op, Center) for op in ops)
+    as_stored = dtype in (torch.float16, torch.float32) and only_centers(ops)
 
     def edit(x: torch.Tensor) -> torch.Tensor:
         if as_stored:

@@ -38,7 +38,7 @@ from torch import nn
 from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, View, make_plan, pipeline
 from ..passes.options import FoldOptions
 from ..passes.edits import apply_ops
-from ..passes.plan import Ones, Plan, Scale
+from ..passes.plan import Plan
 from ..passes.request import Capabilities, PlanRequest, request_from
 
 from .api import check_plan, exported_view
@@ -220,10 +220,10 @@ def _apply_edits(root: nn.Module, plan: Plan, mapper: ModuleMap, record: _Fold) 
     count its forward in and out (the module docstring)."""
     recipes: dict[int, tuple[nn.Module, dict[str, _EditInForward]]] = {}
     readers: dict[int, tuple[nn.Module, dict[int, nn.Module]]] = {}
-    ones_holders = {e.value: mapper.holder(e.value, e.users[0][0]) for e in plan.const_edits if e.ops == (Ones(),)}
+    ones_holders = {e.value: mapper.holder(e.value, e.users[0][0]) for e in plan.const_edits if e.sets_ones}
     for edit in plan.const_edits:
-        by = {op.by: ones_holders.get(op.by) or mapper.holder(op.by, mapper.readers(op.by)[0])
-              for op in edit.ops if isinstance(op, Scale)}
+        by = {c: ones_holders.get(c) or mapper.holder(c, mapper.readers(c)[0])
+              for op in edit.ops for c in op.constants()}
         for user, _ in edit.users:
             h = mapper.holder(edit.value, user)
             mod, table = recipes.setdefault(id(h.module), (h.module, {}))

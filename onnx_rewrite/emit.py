@@ -12,7 +12,6 @@ import onnx_graphsurgeon as gs
 from ..passes import Plan, compute_constants
 from ..passes.plan import NormEmission
 from ..passes.defer import compute_biases
-from ..passes.edits import Ones
 
 from . import fused
 from . import deferred_norm
@@ -141,7 +140,7 @@ class Emitter:
         """Each edited constant as a new tensor, read by the edit's users. `tensor(name)`: the
         original constant; `node_of(view name)`: the graph node (and emitter) a user is."""
         for edit, arr in compute_constants(edits, lambda name: const_values(tensor(name))):
-            new = self.const(f"{edit.value.split(SCOPE_SEP)[-1]}/lnfold_{'ones' if edit.ops == (Ones(),) else 'centered'}",
+            new = self.const(f"{edit.value.split(SCOPE_SEP)[-1]}/lnfold_{'ones' if edit.sets_ones else 'centered'}",
                              arr)
             for user, idx in edit.users:
                 node_of(plan.origin(user)).inputs[idx] = new

@@ -197,6 +197,20 @@ def centers_rows(ops: Iterable[Op], axis: int) -> bool:
     return len(ops) == 1 and isinstance(ops[0], Center) and ops[0].axis == axis and ops[0].block is None
 
 
+def only_centers(ops: Iterable[Op]) -> bool:
+    """`ops` only center (no scale, projection or sum): each computes a mean and a difference in
+    float64 and rounds once, so a tensor can go in as stored (no float64 copy of it)."""
+    return all(isinstance(op, Center) for op in ops)
+
+
+def centers_first_axis(ops: Iterable[Op], ndim: int) -> bool:
+    """`ops` are one plain centering along the first axis of an `ndim`-D tensor (an output projection
+    centered over its output features): its mean can be summed a block of rows at a time."""
+    ops = tuple(ops)
+    return (ndim >= 2 and len(ops) == 1 and isinstance(ops[0], Center) and ops[0].block is None
+            and ops[0].axis is not None and ops[0].axis % ndim == 0)
+
+
 @dataclass(frozen=True)
 class ConstEdit:
     value: str
@@ -206,6 +220,11 @@ class ConstEdit:
 
     def sources(self) -> list[str]:
         return [self.value] + [n for op in self.ops for n in op.constants()]
+
+    @property
+    def sets_ones(self) -> bool:
+        """The edit replaces the constant by ones (a γ moved into the readers leaves a unit weight)."""
+        return self.ops == (Ones(),)
 
 
 def const_edits(view: View, uses: Iterable[tuple[str, tuple, tuple[str, int]]]) -> list[ConstEdit]:

@@ -1,13 +1,11 @@
 """Which tensor of a sharded checkpoint (fx_rewrite/checkpoint.py) gets which edit, without any
 framework type: the output shard of each edited, kept or new tensor (`shard_work`), the ties an
-edit breaks (`untie`), and which edits can be streamed a block of rows at a time (`rows_mean_axis`).
+edit breaks (`untie`), and which edits can be streamed a block of rows at a time (edits.centers_first_axis).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
-
-from .edits import Center
 
 
 @dataclass(frozen=True)
@@ -85,11 +83,3 @@ def shard_work(files: Mapping[str, list[str]], in_place: Mapping[str, tuple], ne
     for t in new:
         jobs[home[t.source]].tensors.append(t)
     return list(jobs.values())
-
-
-def rows_mean_axis(ops: tuple, ndim: int) -> bool:
-    """True where `ops` are one plain centering along the first axis (an output projection
-    centered over its output features): its mean can be summed a block of rows at a time, and
-    the tensor then centered and written a block of rows at a time too."""
-    return (ndim >= 2 and len(ops) == 1 and isinstance(ops[0], Center) and ops[0].block is None
-            and ops[0].axis is not None and ops[0].axis % ndim == 0)
