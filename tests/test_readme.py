@@ -1,6 +1,7 @@
-"""The README as a new user reads it in a clone: it points only at files the clone has, every
-"DESIGN §N" the code cites is a section of docs/DESIGN.md, every `lnfold ...` line it shows
-parses, and its Python examples run as written."""
+"""The README and the guide (docs/guide/*.md) as a new user reads them in a clone: they point only at
+files the clone has, every relative link of README.md and docs/ resolves (file and heading), every
+"DESIGN §N" the code cites is a section of docs/DESIGN.md, every `lnfold ...` line they show parses,
+and their Python examples run as written."""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from itertools import product
 from pathlib import Path
 
@@ -16,6 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DESIGN = ROOT / "docs" / "DESIGN.md"
+GUIDE = sorted((ROOT / "docs" / "guide").glob("*.md"))
+# What a user reads to run lnfold: its commands and Python blocks are tested below.
+USER_DOCS = [ROOT / "README.md", *GUIDE]
 
 
 def _tracked_text_files() -> list[Path]:
@@ -23,8 +28,57 @@ def _tracked_text_files() -> list[Path]:
     return [ROOT / n for n in names if n.endswith((".py", ".md", ".toml", ".txt", ".cfg")) and (ROOT / n).is_file()]
 
 
+def _fenced(text: str) -> list[tuple[str, str]]:
+    """Each fenced block of a markdown text as (language, body); an unlabelled block's language is ""."""
+    blocks, language, body = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if language is None:
+                language, body = line[3:].strip(), []
+            else:
+                blocks.append((language, "\n".join(body) + "\n"))
+                language = None
+        elif language is not None:
+            body.append(line)
+    return blocks
+
+
 def _blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.S | re.M)
+    """The fenced blocks of one language ("" for unlabelled ones) in the README and the guide."""
+    return [body for doc in USER_DOCS for lang, body in _fenced(doc.read_text()) if lang == language]
+
+
+def _outside_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but hyphens dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> Iterator[str]:
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+)$", _outside_code(doc.read_text()), flags=re.M):
+        a = _anchor(heading)
+        seen[a] = seen.get(a, -1) + 1
+        yield a if seen[a] == 0 else f"{a}-{seen[a]}"
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    bad = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _outside_code(doc.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in set(_anchors(file)):
+                bad.append(f"{doc.relative_to(ROOT)}: {target}: no such heading")
+    assert not bad, bad
 
 
 def test_nothing_points_outside_the_repository():
@@ -59,11 +113,14 @@ def test_readme_names_the_papers_and_its_paths_exist():
     for title in ("Pre-RMSNorm and Pre-CRMSNorm Transformers: Equivalent", "Enjoy Your Layer Normalization",
                   "LayerNorm vs RMSNorm: A Geometric Perspective"):
         assert title in README.replace("\n", " "), title
-    paths = set(re.findall(r"\]\(([^)#]+)", README))  # markdown links
-    paths |= set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|md))`", README))  # `dir/file.py`
-    paths |= {m.split(",")[0] for m in re.findall(r"\b((?:benchmarks|tests|docs|passes)/[\w./-]+\.(?:py|md))", README)}
-    missing = sorted(p for p in paths if not (ROOT / p).exists())
-    assert paths and not missing, missing
+    # paths named in the text are the repository's (markdown links: test_every_relative_link_in_the_docs_resolves)
+    missing = []
+    for doc in USER_DOCS:
+        text = doc.read_text()
+        paths = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|md))`", text))  # `dir/file.py`
+        paths |= {m.split(",")[0] for m in re.findall(r"(?<![\w/.])((?:benchmarks|tests|docs|passes)/[\w./-]+\.(?:py|md))", text)}
+        missing += [f"{doc.relative_to(ROOT)}: {p}" for p in sorted(paths) if not (ROOT / p).exists()]
+    assert GUIDE and not missing, missing
 
 
 def _alternatives(line: str) -> list[list[str]]:
@@ -81,8 +138,11 @@ def _alternatives(line: str) -> list[list[str]]:
 
 
 def _lnfold_lines() -> list[str]:
+    """The `lnfold ...` lines of every bash block, and of every other block the lines shown as typed (`$ lnfold ...`)."""
+    shown = [line for lang in ("", "text", "console") for b in _blocks(lang) for line in b.splitlines()]
+    typed = [line[2:] for line in shown if line.startswith("$ lnfold ")]
     lines = []
-    for block in _blocks("bash"):
+    for block in _blocks("bash") + ["\n".join(typed)]:
         for line in block.splitlines():
             line = line.split("  #")[0]  # trailing comments
             for part in re.split(r"&&|;|\s\|\s", line):  # a pipe between commands has spaces around it
@@ -92,7 +152,7 @@ def _lnfold_lines() -> list[str]:
     return lines
 
 
-def test_every_lnfold_command_line_in_the_readme_parses(capsys):
+def test_every_lnfold_command_line_in_the_readme_and_guide_parses(capsys):
     from lnfold.onnx_rewrite.cli import parse_args
 
     lines = _lnfold_lines()
@@ -104,11 +164,11 @@ def test_every_lnfold_command_line_in_the_readme_parses(capsys):
             except SystemExit as e:  # --help / --version print and exit 0; a usage error exits 2
                 assert e.code == 0, (line, argv, capsys.readouterr().err)
                 continue
-            assert args.cmd in ("fold", "report", "quantize", "bench", "check", "demo"), (line, argv)
+            assert args.cmd in ("fold", "report", "quantize", "bench", "check", "slice", "demo"), (line, argv)
 
 
 # --- the Python blocks, run as written ------------------------------------------------------------
-# Each README ```python block is matched to one test below by a phrase it contains; a new block
+# Each README or guide ```python block is matched to one test below by a phrase it contains; a new block
 # without a test fails test_every_python_block_has_a_test.
 ONNX_BLOCK = 'lnfold.load_onnx("model.onnx")'
 TORCH_BLOCK = "lnfold.fold_module(model, args)"
@@ -219,3 +279,48 @@ def test_readme_checkpoint_example_runs(tmp_path):
              tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "opt-1.3b.folded" / "model.safetensors.index.json").is_file()
+
+
+# --- the README's own examples, run as shown ------------------------------------------------------
+def _shown_examples() -> list[tuple[str, list[str]]]:
+    """The README's `$ lnfold ...` lines with the output lines shown under each ("..." marks a cut)."""
+    examples = []
+    for language, body in _fenced(README):
+        if language == "":
+            for line in body.splitlines():
+                if line.startswith("$ lnfold "):
+                    examples.append((line[2:], []))
+                elif examples and line.strip() != "...":
+                    examples[-1][1].append(line)
+    return examples
+
+
+def _masked(text: str) -> str:
+    """Figures vary by model and machine; the words and the layout of a line do not."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", text)
+
+
+@pytest.mark.slow  # six commands in fresh processes, bench's default 8 s budget among them: ~25 s
+def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path, zoo_onnx):
+    """Each command the README shows as typed runs on a GPT-2 (the zoo's: smaller than the demo's, so
+    figures and names differ; they are masked) and prints each line shown under it. The fold line of
+    its bash block runs first, as a reader would, to make gpt2.folded.onnx."""
+    import numpy as np
+    import onnx
+
+    model = zoo_onnx("gpt2")[2]
+    onnx.save(model, tmp_path / "gpt2.onnx")
+    rows = min(t.dims[0] for t in model.graph.initializer if len(t.dims) == 2)  # ids inside every table
+    np.savez(tmp_path / "cal.npz", input_ids=np.random.default_rng(0).integers(0, rows, (16, 32)))
+    (fold_line,) = [ln for ln in _lnfold_lines() if ln.startswith("lnfold fold gpt2.onnx")]
+    examples = [(fold_line, []), *_shown_examples()]
+    assert {line.split()[1] for line, _ in examples} >= {"fold", "check", "quantize", "slice", "bench"}, examples
+    for line, shown in examples:
+        run = subprocess.run(shlex.split(re.sub(r"\s*\[[^\]]+\]", "", line)), cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0, (line, run.stderr[-2000:])
+        printed = _masked(run.stdout + run.stderr)
+        if line.startswith("lnfold bench"):  # its verdict ("within noise", "faster") is the machine's
+            shown = [s for s in shown if "within noise" not in s]
+        missing = [s for s in shown if _masked(s) not in printed]
+        assert not missing, (line, missing, run.stdout + run.stderr)
