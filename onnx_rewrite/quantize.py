@@ -10,13 +10,17 @@ onnxruntime's, as users already run it (`quantize_model` says which quantizer fo
 lnfold quantizes nothing itself — on the linear layers only (linear_layers.py: which ones, and why
 the fold's basis changes stay float; the report names those and their share of the parameters).
 
-Quantization is NOT exact. The result's report (quantize_report.py) says so, and says by how much
+Quantization is NOT exact. The result's report (passes/quantize.QuantizeReport) says so, and says by how much
 (relative RMS and max relative error per output): the quantized model against the float original
 on the user's rows — `inputs`, else the `calibrate` rows (the second half held out of static
 calibration: passes/calibration's one held-out rule) — or, only without either, on made-up inputs, which the report says are not the
 user's data. Rows are fed in the model's own batch size (`Rows`). So do the model's metadata and
 the command's output. `rotate="auto"` quantizes each of AUTO_CANDIDATES and keeps the lowest error
 on those rows (issue 33: on DINOv2 rotation pays for int8 and hurts weight-only int4).
+
+What is decided from measured numbers — the candidates, the choice, the error, the report — is
+passes/quantize.py's, shared with the torch entry (fx_rewrite/quantize.py); this module is the
+adapter to onnxruntime: prepare the float model, run its quantizer, run the result.
 """
 from __future__ import annotations
 
@@ -36,37 +40,21 @@ import onnx
 from ..passes import FoldResult, LnfoldError, NothingToFold
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
-from ..passes.options import ROTATIONS
-from ..passes import metric, search
+from ..passes.options import ROTATIONS  # noqa: F401  (quantize_cli's choices)
+from ..passes.quantize import (ACTIVATIONS, AUTO, AUTO_CANDIDATES, AUTO_MARGIN, NOT_FOLDED, WEIGHTS,  # noqa: F401
+                               Measured, QuantizeReport, QuantizeResult, Quantized, check_scheme, choose,
+                               measurement, moved_gamma, no_rotation_note, output_errors, report_of,
+                               rotated_streams, trial)
 from . import approx as approx_io
 from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
 from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
 from .linear_layers import WEIGHT_VIEWS, basis_changes, constant_weights, gemm_to_matmul, linear_layers, name_nodes
-from .quantize_report import QuantizeReport, scheme_name
 from .write import is_large
 
-WEIGHTS = ("int8", "int4")
-ACTIVATIONS = ("int8",)
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # int4 (MLAS MlasQuantizeBlockwise: no other)
-AUTO = "auto"  # --rotate auto: the best of AUTO_CANDIDATES on the user's rows
 METADATA_KEY = "lnfold.quantize"
-# --rotate auto's candidates, simplest first (a tie keeps the earlier): prepare() options. The
-# model not folded is one of them (onnxruntime's quantizer on lnfold's selection: the linear
-# layers, Gemms as MatMuls, weights seen through aliases as the constants they are), so that the
-# choice is never worse than the same quantization without the fold on the rows it is judged on.
-# Plain onnxruntime (its quantizer on the model as given, every op it takes) is measured beside
-# them as a reference (`scheme_name(..., plain=True)`), never chosen: it quantizes other ops than lnfold says
-# it quantizes (issue 45 item 9).
-NOT_FOLDED = "not folded (onnxruntime's quantizer on lnfold's linear layers)"
-AUTO_CANDIDATES = ((NOT_FOLDED, dict(fold=False)), ("fold", dict()),
-                   ("fold, γ into the readers", dict(gamma_into_readers=True)),
-                   *((r, dict(rotate=r)) for r in ROTATIONS))
-# a later (less simple) candidate is kept only where it cuts the error by more than this share: a
-# few held-out rows rank near-equal candidates by chance (measured on MiniLM: 2% apart, reversed
-# on other rows)
-AUTO_MARGIN = 0.05
 
 
 @dataclass
@@ -80,35 +68,19 @@ class Prepared:
     rewritten: int = 0  # weights made constants and Gemms made MatMuls (constant_weights, gemm_to_matmul)
 
 
-@dataclass
-class QuantizeResult:
-    model: onnx.ModelProto  # the quantized model
-    report: QuantizeReport
-    fold: Optional[FoldResult] = None  # the exact part's result (None when nothing folded)
-
-
 def check_options(weights: str, activations: Optional[str], calibrate, rotate: Optional[str],
                   block_size: int, seed: int) -> None:
-    """Every option, checked before any work: one-line LnfoldErrors."""
-    if weights not in WEIGHTS:
-        raise LnfoldError(f"weights={weights!r}: one of {', '.join(WEIGHTS)}")
-    if activations is not None and activations not in ACTIVATIONS:
-        raise LnfoldError(f"activations={activations!r}: int8, or none (int8 weights alone: dynamic activations)")
-    if activations == "int8" and weights != "int8":
-        raise LnfoldError("int8 activations go with int8 weights (W8A8); int4 is weight-only here")
+    """Every option, checked before any work: one-line LnfoldErrors (passes/quantize's, then onnxruntime's)."""
+    check_scheme(weights, activations, rotate, seed)
     if activations == "int8" and calibrate is None:
         raise LnfoldError("int8 activations (static, W8A8) need calibration inputs: --calibrate FILE.npz "
                           "(API: calibrate=), representative inputs, one array per model input")
-    if rotate is not None and rotate not in ROTATIONS + (AUTO,):
-        raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS + (AUTO,))}")
     if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:  # MLAS refuses others (an internal error)
         sizes = ", ".join(map(str, BLOCK_SIZES))
         raise LnfoldError(f"block size {block_size}: a power of two from 16 to 256 ({sizes}: what onnxruntime's "
                           "MatMulNBits quantizer takes)")
     if block_size != 128 and weights != "int4":
         raise LnfoldError("--block-size is for int4 weights")
-    if not isinstance(seed, int) or seed < 0:
-        raise LnfoldError(f"seed {seed!r}: a non-negative integer")
 
 
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
@@ -130,8 +102,7 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
         try:
             result = run(gamma, rotate)
             if rotate and gamma_into_readers is None and not rotated_streams(result):
-                notes.append(f"--rotate {rotate} rotated no stream ({_rotation_summary(result)}): γ left in the "
-                             "norms (moved alone it makes weight quantization worse)")
+                notes.append(no_rotation_note(rotate, result))
                 gamma, result = False, run(False, None)
             work = result.model
         except NothingToFold as e:
@@ -294,34 +265,12 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type for n in model.graph.node)
 
 
-def _is_scores(output: str) -> bool:
-    """An output whose last axis scores classes (top-1 agreement means something there)."""
-    low = output.lower()
-    return "logit" in low or "prob" in low or "score" in low or low == "output"
-
-
 def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
             reference: Optional[tuple] = None) -> dict:
-    """Per float output of the original: passes/metric's relative RMS and max relative error of the
-    quantized model against it on `rows` (positions where the float model itself is not finite left
-    out and counted), and, for outputs that score classes (logits), the share of rows whose argmax
-    agrees. `reference`: the original's (names, outputs), if already run."""
+    """passes/quantize.output_errors of the quantized model against the original on `rows`.
+    `reference`: the original's (names, outputs), if already run."""
     names, ref = reference or approx_io.named_outputs(original, rows.runs())
-    _, got = approx_io.named_outputs(quantized, rows.runs())
-    errors = {}
-    for name, a, b, e in zip(names, ref, got, metric.compare_outputs(ref, got)):
-        if e is None:  # (not a float output)
-            continue
-        entry = {"max_rel_err": e.max_rel, "rel_rms": e.rel_rms}
-        if e.nonfinite_ref:
-            entry["nonfinite_ref"] = e.nonfinite_ref
-        a, b = np.asarray(a), np.asarray(b)
-        if _is_scores(name) and a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
-            rows_ok = np.isfinite(a).all(axis=-1)  # (rows where the float model is not finite: left out)
-            if rows_ok.any():
-                entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1))[rows_ok].mean())
-        errors[name] = entry
-    return errors
+    return output_errors(names, ref, approx_io.named_outputs(quantized, rows.runs())[1])
 
 
 def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
@@ -330,42 +279,11 @@ def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
     return Rows(feeds)
 
 
-def score(errors: dict) -> float:
-    """What --rotate auto minimizes: the worst output's relative RMS error (passes/metric: never NaN)."""
-    return max((e["rel_rms"] for e in errors.values()), default=0.0)
-
-
-@dataclass
-class Measured:
-    """The rows the error is measured on (and --rotate auto chooses by), the rows that calibrate,
-    and the rows the fold is verified on (None: made-up ones)."""
-
-    rows: Rows
-    described: str
-    calibration: Optional[Rows]
-    verification: Optional[dict]
-    all_calibration: Optional[Rows] = None  # every --calibrate row (the written model's calibration)
-
-
 def measurement_rows(model: onnx.ModelProto, inputs, calibrate, activations: Optional[str], dims) -> Measured:
-    """--inputs when given; else the --calibrate rows (static activations: held out of calibration
-    by the one rule, passes/calibration.Rows.split); else made-up inputs, said to be."""
-    calibration = synth.load_rows(calibrate, model, "calibration inputs") if calibrate is not None else None
-    if inputs is not None:
-        rows = synth.load_rows(inputs, model, "inputs")
-        return Measured(rows, f"your inputs ({rows.describe()})", calibration, rows.runs()[0])
-    if calibration is None:
-        rows = made_up_rows(model, dims)
-        return Measured(rows, f"made-up inputs ({rows.describe()}) — NOT your data: the error on real inputs can be "
-                        "far larger; give --inputs or --calibrate", None, None)
-    if activations is None:  # nothing calibrates: every row measures
-        return Measured(calibration, f"your --calibrate rows ({calibration.describe()})", None, calibration.runs()[0])
-    fit, held = calibration.split()
-    if held is None:
-        return Measured(calibration, f"the calibration rows themselves ({calibration.describe()}; too few to hold "
-                        "any out: give --inputs for an independent figure)", calibration, calibration.runs()[0])
-    return Measured(held, f"{held.count} held-out --calibrate rows ({held.describe()}), not used to calibrate; "
-                    f"calibrated on the other {fit.count}", fit, held.runs()[0], calibration)
+    """passes/quantize.measurement over the user's .npz files (or made-up inputs)."""
+    load = lambda f, what: synth.load_rows(f, model, what) if f is not None else None  # noqa: E731
+    return measurement(load(inputs, "inputs"), load(calibrate, "calibration inputs"), activations,
+                       lambda: made_up_rows(model, dims))
 
 
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
@@ -383,7 +301,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
     (`gamma_into_readers`, default: with a rotation that rotates a stream); `rotate="auto"` tries
     AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation) and keeps the one with
-    the lowest relative RMS error on the measurement rows. `fold=False` hands the model to the
+    the lowest relative RMS error on the measurement rows (passes/quantize.choose). `fold=False` hands the model to the
     quantizer as given (plain onnxruntime, with the same Gemm rewrite and settings: the baseline).
     `inputs` / `dims`: the measurement inputs (as for fold_onnx; `--calibrate` rows or made-up
     ones otherwise). `verify=False` skips the fold's float64 verification.
@@ -401,119 +319,68 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     reference = approx_io.named_outputs(model, m.rows.runs())
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
+
+    def prepare_with(opts: dict, verified: bool = False) -> Prepared:
+        return prepare(model, seed=seed, dims=dims, inputs=m.verification if verified else None,
+                       verify=verified, **opts)
+
+    def quantize_prepared(prepared: Prepared) -> Quantized:
+        quantized = run_quantizer(prepared.model, **scheme)
+        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, reference),
+                         dict(op_counts(quantized)), quantized.ByteSize())
+
     trials: list[dict] = []
     if rotate == AUTO:
-        prepared, quantized, errors, trials = _choose(model, scheme, m, reference, dims, seed, verify)
+        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m, reference))
+        if verify:  # the chosen fold, verified like any fold
+            check_exact_steps(model, q.prepared, m.verification, dims)
     else:
-        prepared = prepare(model, fold=fold, rotate=rotate, seed=seed, gamma_into_readers=gamma_into_readers,
-                           inputs=m.verification, dims=dims, verify=verify)
-        quantized = run_quantizer(prepared.model, **scheme)
-        errors = measure(model, quantized, m.rows, reference)
+        q = quantize_prepared(prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify))
+    prepared = q.prepared
     if m.all_calibration is not None:  # measured held out; the model written: calibrated on every row
-        quantized = run_quantizer(prepared.model, **{**scheme, "calibration": m.all_calibration})
+        q.quantized = run_quantizer(prepared.model, **{**scheme, "calibration": m.all_calibration})
+        q.ops, q.bytes = dict(op_counts(q.quantized)), q.quantized.ByteSize()
         prepared.notes.append(f"the error was measured calibrated on {m.calibration.count} rows; the model written is "
                               f"calibrated on all {m.all_calibration.count}")
-    t1 = time.perf_counter()
-    f = prepared.fold
-    chosen = next((t for t in trials if t.get("chosen")), None)
-    rotated = chosen["rotate"] if chosen else rotate
-    report = QuantizeReport(
-        scheme=scheme_name(weights, activations, block_size, per_channel), weights=weights, activations=activations,
-        block_size=block_size if weights == "int4" else None, per_channel=per_channel,
-        folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
-        fold_verified=f.criterion if f else None, fold_max_rel_err=f.max_rel_err if f else None,
-        gamma_into_readers=prepared.gamma_into_readers,
-        rotate=rotated, seed=seed if rotated else None, rotation=_rotation_summary(f),
-        rotated_streams=rotated_streams(f), linear_layers=len(linear_layers(prepared.model)),
+    report = report_of(
+        scheme_name(weights, activations, block_size, per_channel), q, weights=weights, activations=activations,
+        block_size=block_size if weights == "int4" else None, per_channel=per_channel, rotate=rotate, seed=seed,
+        gamma_into_readers=prepared.gamma_into_readers, linear_layers=len(linear_layers(prepared.model)),
         basis_changes=basis_changes(prepared.model), parameters=parameters(prepared.model),
-        ops_before=dict(op_counts(prepared.model)), ops_after=dict(op_counts(quantized)),
-        bytes_before=model.ByteSize(), bytes_after=quantized.ByteSize(), errors=errors, error_inputs=m.described,
-        notes=prepared.notes, timings={"total": t1 - t0}, candidates=trials,
-        chosen=chosen["why"] if chosen else None)
-    stamp(quantized, METADATA_KEY, report.metadata())  # the model says what was done to it: not exact
-    return QuantizeResult(quantized, report, f)
-
-
-def _choose(model, scheme: dict, m: Measured, reference, dims, seed: int, verify: bool):
-    """--rotate auto: each candidate prepared (unverified), quantized and measured on m.rows; the
-    best by passes/search.best_of (lowest `score`, simpler ones kept unless beaten by AUTO_MARGIN;
-    a NaN never chosen) kept, its fold then verified. Returns (prepared, quantized, errors, trials)."""
-    made: dict[int, tuple] = {}  # candidate -> (prepared, quantized, errors)
-
-    def scored(k: int) -> float:
-        label, opts = AUTO_CANDIDATES[k]
-        try:
-            prepared = prepare(model, seed=seed, dims=dims, verify=False, **opts)
-        except LnfoldError as e:
-            raise search.Skip(str(e)[:160]) from None
-        if opts.get("rotate") and not rotated_streams(prepared.fold):
-            raise search.Skip("rotates no stream (the same as the fold)")
-        if opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
-            raise search.Skip("no γ can move (the same as the fold)")
-        quantized = run_quantizer(prepared.model, **scheme)
-        made[k] = (prepared, quantized, measure(model, quantized, m.rows, reference))
-        return score(made[k][2])
-
-    best = search.best_of(range(len(AUTO_CANDIDATES)), scored, AUTO_MARGIN)
-    trials = []
-    for t in best.trials:
-        trial = {"candidate": AUTO_CANDIDATES[t.index][0], "rotate": AUTO_CANDIDATES[t.index][1].get("rotate")}
-        if t.skipped is not None:
-            trial["skipped"] = t.skipped
-        else:
-            trial.update(score=t.score, max_rel_err=max((e["max_rel_err"] for e in made[t.index][2].values()),
-                                                        default=0.0))
-        if t.skipped is None:
-            trial.update(ops=dict(op_counts(made[t.index][1])), bytes=made[t.index][1].ByteSize())
-        trials.append(trial)
-    trial = trials[best.index]  # (the first candidate, the model not folded, is never skipped)
-    prepared, quantized, errors = made[best.index]
-    trial["chosen"] = True
-    base = trials[0].get("score")
-    counted = sum('score' in t for t in trials)
-    trials.append(_plain_trial(model, scheme, m, reference))
-    plain = trials[-1].get("score")
-    trial["why"] = (f"{trial['candidate']}: the lowest relative RMS error ({trial['score']:.3g}) of "
-                    f"{counted} candidates on the measurement rows, simpler ones kept "
-                    f"unless beaten by over {AUTO_MARGIN:.0%}"
-                    + (f" (not folded: {base:.3g})" if base is not None and trial is not trials[0] else "")
-                    + (f"; plain onnxruntime, for reference: {plain:.3g}" if plain is not None else ""))
-    if verify:  # the chosen fold, verified like any fold
-        check_exact_steps(model, prepared, m.verification, dims)
-    return prepared, quantized, errors, trials
+        ops_before=dict(op_counts(prepared.model)), bytes_before=model.ByteSize(), error_inputs=m.described,
+        notes=prepared.notes, seconds=time.perf_counter() - t0, trials=trials)
+    stamp(q.quantized, METADATA_KEY, report.metadata())  # the model says what was done to it: not exact
+    return QuantizeResult(report, model=q.quantized, fold=q.fold)
 
 
 def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, reference) -> dict:
     """Plain onnxruntime's quantizer on the model as given, measured as the candidates are: a
     reference beside them (`plain`), never chosen."""
-    trial = {"candidate": "plain onnxruntime: " + scheme_name(scheme["weights"], scheme["activations"],
-                                                              scheme["block_size"], scheme["per_channel"], plain=True),
-             "rotate": None, "plain": True}
+    label = "plain onnxruntime: " + scheme_name(scheme["weights"], scheme["activations"], scheme["block_size"],
+                                                scheme["per_channel"], plain=True)
     try:
         quantized = run_plain(model, **scheme)
         errors = measure(model, quantized, m.rows, reference)
     except Exception as e:  # (its failure is a finding about onnxruntime, not an error of the command)
-        trial["skipped"] = f"onnxruntime failed: {first_line(e)[:160]}"
-        return trial
+        return {"candidate": label, "rotate": None, "plain": True,
+                "skipped": f"onnxruntime failed: {first_line(e)[:160]}"}
     before, after = op_counts(model), op_counts(quantized)
-    trial.update(score=score(errors), max_rel_err=max((e["max_rel_err"] for e in errors.values()), default=0.0),
-                 ops=dict(after), bytes=quantized.ByteSize(),
-                 changed_ops={k: [before.get(k, 0), after.get(k, 0)] for k in sorted(set(before) | set(after))
-                              if before.get(k, 0) != after.get(k, 0)})
-    return trial
+    return {**trial(label, Quantized(None, quantized, None, errors, dict(after), quantized.ByteSize()),
+                    rotate=None, plain=True),
+            "changed_ops": {k: [before.get(k, 0), after.get(k, 0)] for k in sorted(set(before) | set(after))
+                            if before.get(k, 0) != after.get(k, 0)}}
 
 
-def rotated_streams(fold: Optional[FoldResult]) -> int:
-    """The streams the fold's plan rotated (its StreamBasis records)."""
-    return sum(r.rotated for r in fold.plan.stream_bases) if fold else 0
-
-
-def moved_gamma(fold: Optional[FoldResult]) -> bool:
-    """Whether the fold's plan moved some norm's γ into its readers' weights (its GammaFold records)."""
-    return fold is not None and any(g.moved and g.gamma is not None for g in fold.plan.gammas.values())
-
-
-def _rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
-    """The fold report's word on each folded stream's rotation (rotated by what, or its blocker)."""
-    said = [f"stream {k}: {s.rotation}" for k, s in enumerate(fold.report.streams) if s.rotation] if fold else []
-    return "; ".join(said) or None
+def scheme_name(weights: str, activations: Optional[str], block_size: int, per_channel: bool,
+                plain: bool = False) -> str:
+    """The scheme in words; `plain`: the call plain onnxruntime makes for it, as a user writes it."""
+    channel = (", per_channel=True" if plain else ", per channel") if per_channel else ""
+    if weights == "int4":
+        return (f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True)" if plain else
+                f"int4 weight-only, blocks of {block_size} (onnxruntime MatMulNBitsQuantizer, symmetric)")
+    if activations == "int8":
+        return (f"quantize_static(model, rows, quant_format=QDQ, activation_type=QInt8, weight_type=QInt8{channel})"
+                if plain else
+                f"W8A8: int8 weights{channel}, static int8 activations (onnxruntime quantize_static, QDQ)")
+    return (f"quantize_dynamic(model, weight_type=QInt8{channel})" if plain else
+            f"int8 weights{channel}, dynamic int8 activations (onnxruntime quantize_dynamic)")

@@ -1,0 +1,381 @@
+"""Quantization as a stage after the exact fold, IR-neutral: its schemes, the `rotate="auto"`
+candidates and the choice over them, the error it reports and the report itself.
+
+    fold (exact, verified)  →  γ into the readers  →  rotate the stream  →  a quantizer (NOT exact)
+
+A frontend adapter (onnx_rewrite/quantize.py: onnxruntime's quantizers; fx_rewrite/quantize.py:
+torchao's or torch.ao's) prepares a candidate (folds with the options of AUTO_CANDIDATES), hands it
+to its quantizer, runs it on the measurement rows and gives `output_errors` the outputs. What is
+decided from those numbers is here: `choose` (passes/search.best_of: the lowest `score`, simpler
+candidates kept unless beaten by AUTO_MARGIN), the candidates' records and why one was kept, and
+`QuantizeReport`, which says the result is NOT exact and by how much. Nothing here imports onnx
+or torch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from . import metric, search
+from .calibration import Rows
+from .errors import LnfoldError
+from .options import ROTATIONS
+from .result import FoldResult
+
+WEIGHTS = ("int8", "int4")
+ACTIVATIONS = ("int8",)
+AUTO = "auto"  # rotate="auto": the best of AUTO_CANDIDATES on the user's rows
+
+# rotate="auto"'s candidates, simplest first (a tie keeps the earlier): the adapters' fold options.
+# The model not folded is one of them (the quantizer on lnfold's selection: the linear layers,
+# seen as the constants they are), so that the choice is never worse than the same quantization
+# without the fold on the rows it is judged on. Plain onnxruntime (its quantizer on the model as
+# given, every op it takes) is measured beside them as a reference, never chosen: it quantizes
+# other ops than lnfold says it quantizes (issue 45 item 9).
+def auto_candidates(quantizer: str) -> tuple:
+    """(label, fold options) of each rotate="auto" candidate, for `quantizer` ("onnxruntime")."""
+    return ((f"not folded ({quantizer}'s quantizer on lnfold's linear layers)", dict(fold=False)),
+            ("fold", dict()), ("fold, γ into the readers", dict(gamma_into_readers=True)),
+            *((r, dict(rotate=r)) for r in ROTATIONS))
+
+
+AUTO_CANDIDATES = auto_candidates("onnxruntime")
+NOT_FOLDED = AUTO_CANDIDATES[0][0]
+# a later (less simple) candidate is kept only where it cuts the error by more than this share: a
+# few held-out rows rank near-equal candidates by chance (measured on MiniLM: 2% apart, reversed
+# on other rows)
+AUTO_MARGIN = 0.05
+
+
+def check_scheme(weights: str, activations: Optional[str], rotate: Optional[str], seed) -> None:
+    """The options every frontend's quantize shares, checked before any work: one-line LnfoldErrors."""
+    if weights not in WEIGHTS:
+        raise LnfoldError(f"weights={weights!r}: one of {', '.join(WEIGHTS)}")
+    if activations is not None and activations not in ACTIVATIONS:
+        raise LnfoldError(f"activations={activations!r}: int8, or none (int8 weights alone: dynamic activations)")
+    if activations == "int8" and weights != "int8":
+        raise LnfoldError("int8 activations go with int8 weights (W8A8); int4 is weight-only here")
+    if rotate is not None and rotate not in ROTATIONS + (AUTO,):
+        raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS + (AUTO,))}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise LnfoldError(f"seed {seed!r}: a non-negative integer")
+
+
+# -- the fold's records a quantizer reads ------------------------------------------------------------
+
+def rotated_streams(fold: Optional[FoldResult]) -> int:
+    """The streams the fold's plan rotated (its StreamBasis records)."""
+    return sum(r.rotated for r in fold.plan.stream_bases) if fold else 0
+
+
+def moved_gamma(fold: Optional[FoldResult]) -> bool:
+    """Whether the fold's plan moved some norm's γ into its readers' weights (its GammaFold records)."""
+    return fold is not None and any(g.moved and g.gamma is not None for g in fold.plan.gammas.values())
+
+
+def rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
+    """The fold report's word on each folded stream's rotation (rotated by what, or its blocker)."""
+    said = [f"stream {k}: {s.rotation}" for k, s in enumerate(fold.report.streams) if s.rotation] if fold else []
+    return "; ".join(said) or None
+
+
+def no_rotation_note(rotate: str, fold: FoldResult) -> str:
+    """Why a fold asked to rotate was redone without γ moved (the adapters' prepare)."""
+    return (f"--rotate {rotate} rotated no stream ({rotation_summary(fold)}): γ left in the norms (moved alone "
+            "it makes weight quantization worse)")
+
+
+# -- the error --------------------------------------------------------------------------------------
+
+def _is_scores(output: str) -> bool:
+    """An output whose last axis scores classes (top-1 agreement means something there)."""
+    low = output.lower()
+    return "logit" in low or "prob" in low or "score" in low or low == "output"
+
+
+def output_errors(names, reference, got) -> dict:
+    """Per float output: passes/metric's relative RMS and max relative error of `got` against
+    `reference` (positions where the reference is not finite left out and counted), and, for
+    outputs that score classes (logits), the share of rows whose argmax agrees."""
+    errors = {}
+    for name, a, b, e in zip(names, reference, got, metric.compare_outputs(reference, got)):
+        if e is None:  # (not a float output)
+            continue
+        entry = {"max_rel_err": e.max_rel, "rel_rms": e.rel_rms}
+        if e.nonfinite_ref:
+            entry["nonfinite_ref"] = e.nonfinite_ref
+        a, b = np.asarray(a), np.asarray(b)
+        if _is_scores(name) and a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
+            rows_ok = np.isfinite(a).all(axis=-1)  # (rows where the float model is not finite: left out)
+            if rows_ok.any():
+                entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1))[rows_ok].mean())
+        errors[name] = entry
+    return errors
+
+
+def score(errors: dict) -> float:
+    """What rotate="auto" minimizes: the worst output's relative RMS error (passes/metric: never NaN)."""
+    return max((e["rel_rms"] for e in errors.values()), default=0.0)
+
+
+def worst_max(errors: dict) -> float:
+    return max((e["max_rel_err"] for e in errors.values()), default=0.0)
+
+
+# -- rotate="auto" ----------------------------------------------------------------------------------
+
+@dataclass
+class Quantized:
+    """One candidate, prepared by an adapter, quantized and measured: `prepared` the adapter's
+    float artifact (with its fold), `quantized` the quantizer's, `ops` / `bytes` the quantized one's."""
+
+    prepared: Any
+    quantized: Any
+    fold: Optional[FoldResult]
+    errors: dict
+    ops: dict
+    bytes: Optional[int]
+
+
+def trial(candidate: str, q: Quantized, **extra) -> dict:
+    """A measured candidate's record in the report (QuantizeReport.candidates); `extra` after its name."""
+    return {"candidate": candidate, **extra, "score": score(q.errors), "max_rel_err": worst_max(q.errors),
+            "ops": dict(q.ops), "bytes": q.bytes}
+
+
+def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
+           plain: Optional[Callable[[], dict]] = None, candidates=AUTO_CANDIDATES, margin: float = AUTO_MARGIN,
+           plain_name: str = "plain onnxruntime") -> tuple[Quantized, list[dict]]:
+    """rotate="auto": each candidate's fold options given to `prepare` (an adapter's float artifact
+    with its `.fold`, unverified; an LnfoldError skips the candidate), `quantize` (quantize and
+    measure it), then search.best_of (lowest `score`, simpler ones kept unless beaten by `margin`; a
+    NaN never chosen). A rotation that rotates no stream, or γ moved where none can move, is the
+    fold again: skipped unquantized. `plain()`: a reference trial record, measured after and never
+    chosen. Returns (the chosen Quantized, every trial record; the chosen one has "chosen": True
+    and "why")."""
+    made: dict[int, Quantized] = {}
+
+    def scored(k: int) -> float:
+        opts = candidates[k][1]
+        try:
+            prepared = prepare(opts)
+        except LnfoldError as e:
+            raise search.Skip(str(e)[:160]) from None
+        if opts.get("rotate") and not rotated_streams(prepared.fold):
+            raise search.Skip("rotates no stream (the same as the fold)")
+        if opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
+            raise search.Skip("no γ can move (the same as the fold)")
+        made[k] = quantize(prepared)
+        return score(made[k].errors)
+
+    best = search.best_of(range(len(candidates)), scored, margin)
+    trials = []
+    for t in best.trials:
+        label, opts = candidates[t.index]
+        trials.append({"candidate": label, "rotate": opts.get("rotate"), "skipped": t.skipped}
+                      if t.skipped is not None else trial(label, made[t.index], rotate=opts.get("rotate")))
+    chosen = trials[best.index]  # (the first candidate, the model not folded, is never skipped)
+    chosen["chosen"] = True
+    base = trials[0].get("score")
+    counted = sum("score" in t for t in trials)
+    plain_score = None
+    if plain is not None:
+        trials.append(plain())
+        plain_score = trials[-1].get("score")
+    chosen["why"] = (f"{chosen['candidate']}: the lowest relative RMS error ({chosen['score']:.3g}) of "
+                     f"{counted} candidates on the measurement rows, simpler ones kept "
+                     f"unless beaten by over {margin:.0%}"
+                     + (f" (not folded: {base:.3g})" if base is not None and chosen is not trials[0] else "")
+                     + (f"; {plain_name}, for reference: {plain_score:.3g}" if plain_score is not None else ""))
+    return made[best.index], trials
+
+
+# -- the rows it is measured on ---------------------------------------------------------------------
+
+@dataclass
+class Measured:
+    """The rows the error is measured on (and rotate="auto" chooses by), the rows that calibrate,
+    and the rows the fold is verified on (None: made-up ones)."""
+
+    rows: Rows
+    described: str
+    calibration: Optional[Rows]
+    verification: Optional[dict]
+    all_calibration: Optional[Rows] = None  # every --calibrate row (the written model's calibration)
+
+
+def measurement(inputs: Optional[Rows], calibration: Optional[Rows], activations: Optional[str],
+                made_up: Callable[[], Rows]) -> Measured:
+    """--inputs when given; else the --calibrate rows (static activations: held out of calibration
+    by the one rule, passes/calibration.Rows.split); else `made_up()` inputs, said to be."""
+    if inputs is not None:
+        return Measured(inputs, f"your inputs ({inputs.describe()})", calibration, inputs.runs()[0])
+    if calibration is None:
+        rows = made_up()
+        return Measured(rows, f"made-up inputs ({rows.describe()}) — NOT your data: the error on real inputs can be "
+                        "far larger; give --inputs or --calibrate", None, None)
+    if activations is None:  # nothing calibrates: every row measures
+        return Measured(calibration, f"your --calibrate rows ({calibration.describe()})", None, calibration.runs()[0])
+    fit, held = calibration.split()
+    if held is None:
+        return Measured(calibration, f"the calibration rows themselves ({calibration.describe()}; too few to hold "
+                        "any out: give --inputs for an independent figure)", calibration, calibration.runs()[0])
+    return Measured(held, f"{held.count} held-out --calibrate rows ({held.describe()}), not used to calibrate; "
+                    f"calibrated on the other {fit.count}", fit, held.runs()[0], calibration)
+
+
+# -- the result and its report ----------------------------------------------------------------------
+
+@dataclass
+class QuantizeReport:
+    """What a quantize did, and how far the result is from the float model: it is NOT exact."""
+
+    scheme: str
+    weights: str
+    activations: Optional[str]
+    block_size: Optional[int]
+    per_channel: bool
+    folded: int  # LayerNorms folded into RMSNorms (exact, verified)
+    kept: int
+    fold_verified: Optional[str]  # the gate's criterion ("float64", ...); None: no fold
+    fold_max_rel_err: Optional[float]
+    gamma_into_readers: bool
+    rotate: Optional[str]
+    seed: Optional[int]
+    rotation: Optional[str]  # the fold report's word on each stream's rotation
+    rotated_streams: int  # streams the rotation applied to (0 where every one was blocked)
+    linear_layers: int  # linear layers (constant 2-D weight) handed to the quantizer
+    basis_changes: dict  # the fold's basis-change products, kept float: node -> parameters
+    parameters: int  # the float model handed to the quantizer: its weights' elements
+    ops_before: dict  # op (or layer) kind -> count, the float model given to the quantizer
+    ops_after: dict  # the same, quantized
+    bytes_before: int  # the input model
+    bytes_after: int  # the quantized model
+    errors: dict  # output -> {"max_rel_err", "rel_rms", "top1_agreement"} against the float input model
+    error_inputs: str  # what they were measured on
+    notes: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    # rotate="auto": every candidate tried ({"candidate", "score" (worst output's relative RMS
+    # error), "max_rel_err", "ops" (the quantized model's op counts), "bytes"} or {"candidate",
+    # "skipped"}) and the one kept, with why; last, plain onnxruntime's quantizer on the model as
+    # given ("plain": True), a reference never chosen
+    candidates: list = field(default_factory=list)
+    chosen: Optional[str] = None
+    exact: bool = False  # quantization is not exact: see `errors`
+
+    @property
+    def max_rel_err(self) -> float:
+        return worst_max(self.errors)
+
+    @property
+    def rel_rms(self) -> float:
+        return score(self.errors)
+
+    def changed_ops(self) -> dict:
+        """op kind -> (before, after) for the kinds whose count the quantizer changed."""
+        kinds = sorted(set(self.ops_before) | set(self.ops_after))
+        return {k: (self.ops_before.get(k, 0), self.ops_after.get(k, 0)) for k in kinds
+                if self.ops_before.get(k, 0) != self.ops_after.get(k, 0)}
+
+    def fold_line(self) -> str:
+        if self.fold_verified is None:
+            return "fold: none (the model went to the quantizer as given)"
+        extra = ", γ into the readers" if self.gamma_into_readers else ""
+        if self.rotate:
+            extra += (f", {self.rotated_streams} stream(s) rotated ({self.rotate}, seed {self.seed})"
+                      if self.rotated_streams else f", rotation {self.rotate} asked, no stream rotated")
+        err = f", max rel. diff {self.fold_max_rel_err:.1e}" if self.fold_max_rel_err is not None else ""
+        return (f"fold: {self.folded} LayerNorm(s) folded, {self.kept} kept{extra}: exact, verified "
+                f"({self.fold_verified}{err})")
+
+    def basis_change_line(self) -> str:
+        n = sum(self.basis_changes.values())
+        return (f"kept float: {len(self.basis_changes)} MatMul(s) the fold inserted to change the stream's basis "
+                f"({', '.join(self.basis_changes)}; {n} parameters, {n / max(self.parameters, 1):.2%} of the "
+                "model's): no layer of the model, and a readout's error would land on the output")
+
+    def error_line(self) -> str:
+        parts = []
+        for name, e in self.errors.items():
+            agree = f", top-1 agreement {e['top1_agreement']:.1%}" if "top1_agreement" in e else ""
+            left = (f" ({e['nonfinite_ref']} value(s) where the float model itself is not finite left out)"
+                    if e.get("nonfinite_ref") else "")
+            parts.append(f"{name}: rel. RMS error {e['rel_rms']:.2e}, max rel. error {e['max_rel_err']:.2e}{agree}{left}")
+        return "; ".join(parts) or "no float output to compare"
+
+    def table(self) -> str:
+        lines = [f"quantized: {self.scheme}",
+                 self.fold_line(),
+                 f"linear layers quantized: {self.linear_layers}; ops changed: " + ", ".join(
+                     f"{k} {a} -> {b}" for k, (a, b) in self.changed_ops().items()),
+                 f"size: {self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
+                 f"({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
+        if self.basis_changes:
+            lines.append(self.basis_change_line())
+        if self.rotation:
+            lines.append(f"rotation: {self.rotation}")
+        lines += [f"note: {n}" for n in self.notes]
+        for t in self.candidates:
+            said = (f"skipped: {t['skipped']}" if "skipped" in t else
+                    f"rel. RMS error {t['score']:.3e}, max rel. error {t['max_rel_err']:.3e}")
+            if t.get("bytes"):
+                said += f", {t['bytes'] / max(self.bytes_before, 1):.2f}x the size"
+            if t.get("plain"):  # quantizes ops lnfold leaves float: what a user of onnxruntime alone gets
+                ops = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in t.get("changed_ops", {}).items())
+                said += (f" (ops changed: {ops}; " if ops else " (") + \
+                    "every op it takes, on the model as given: reference, never chosen)"
+            lines.append(f"auto: {t['candidate']}: {said}{'  <- chosen' if t.get('chosen') else ''}")
+        if self.chosen:
+            lines.append(f"auto chose {self.chosen} (chosen and measured on the same rows)")
+        lines.append(f"NOT exact (quantization): against the float model on {self.error_inputs}: {self.error_line()}")
+        return "\n".join(lines)
+
+    def metadata(self) -> str:
+        """One line for the model's metadata."""
+        rot = f", {self.rotated_streams} stream(s) rotated {self.rotate} (seed {self.seed})" if self.rotated_streams else ""
+        fold = f"{self.folded} LayerNorm(s) folded exactly{rot}; " if self.fold_verified else ""
+        return (f"{fold}then quantized: {self.scheme}. NOT exact: rel. RMS error {self.rel_rms:.2e}, max rel. error "
+                f"{self.max_rel_err:.2e} against the float model on {self.error_inputs}")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["max_rel_err"] = self.max_rel_err
+        d["rel_rms"] = self.rel_rms
+        d["changed_ops"] = {k: list(v) for k, v in self.changed_ops().items()}
+        return d
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.as_dict(), **kw)
+
+
+def report_of(scheme: str, q: Quantized, *, weights: str, activations: Optional[str], block_size: Optional[int],
+              per_channel: bool, rotate: Optional[str], seed: int, gamma_into_readers: bool, linear_layers: int,
+              basis_changes: dict, parameters: int, ops_before: dict, bytes_before: int, error_inputs: str,
+              notes: list, seconds: float, trials: list) -> QuantizeReport:
+    """The report of the quantized candidate `q` (chosen from `trials` where rotate="auto")."""
+    f = q.fold
+    chosen = next((t for t in trials if t.get("chosen")), None)
+    rotated = chosen["rotate"] if chosen else rotate
+    return QuantizeReport(
+        scheme=scheme, weights=weights, activations=activations, block_size=block_size, per_channel=per_channel,
+        folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
+        fold_verified=f.criterion if f else None, fold_max_rel_err=f.max_rel_err if f else None,
+        gamma_into_readers=gamma_into_readers, rotate=rotated, seed=seed if rotated else None,
+        rotation=rotation_summary(f), rotated_streams=rotated_streams(f), linear_layers=linear_layers,
+        basis_changes=basis_changes, parameters=parameters, ops_before=ops_before, ops_after=dict(q.ops),
+        bytes_before=bytes_before, bytes_after=q.bytes or 0, errors=q.errors, error_inputs=error_inputs,
+        notes=notes, timings={"total": seconds}, candidates=trials, chosen=chosen["why"] if chosen else None)
+
+
+@dataclass
+class QuantizeResult:
+    """A quantize's result: the quantized `model` (ONNX) or `module` (torch), its report (NOT
+    exact: its error), and the exact part's FoldResult (None when nothing folded)."""
+
+    report: QuantizeReport
+    model: Any = None
+    module: Any = None
+    fold: Optional[FoldResult] = None
