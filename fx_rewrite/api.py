@@ -31,6 +31,7 @@ from . import calibration as calibration_io
 from . import deferred_norm
 from .apply import ATEN, NORMS, Applier, AttrConstants, rms_probe
 from .edits import attr_of, from_numpy, new_attr, tensor_attrs, to_numpy
+from .ops import canonical
 from .classify import build_view
 from .hf import export_error, pytree, register_caches
 from .inline import inline_no_grad_regions
@@ -109,22 +110,64 @@ def _own_tensors(gm: fx.GraphModule) -> None:
                 setattr(mod, attr, copy(t))
 
 
-def exported_view(module, args, kwargs, dynamic):
+def exported_view(module, args, kwargs, dynamic, rms: bool = False):
     """torch.export `module` and classify its graph: (graph module, attrs, view, info). `attrs`: the
     get_attr nodes' targets, i.e. the module's own parameter and buffer names (`ep.module()` names
-    its attributes so; one of them where parameters are tied)."""
-    return program_view(export(module, args, kwargs, dynamic=dynamic))
+    its attributes so; one of them where parameters are tied). `rms`: RMSNorms as given are norms
+    of the view (classify.build_view)."""
+    return program_view(export(module, args, kwargs, dynamic=dynamic), rms)
 
 
-def program_view(ep) -> tuple:
+def program_view(ep, rms: bool = False) -> tuple:
     """`exported_view` of an ExportedProgram: each call a new graph module (sharing the program's
     tensors, which `ExportFrontend.apply` copies before it edits them), so one export serves many folds."""
     gm = ep.module()
     inline_no_grad_regions(gm)
+    if rms:
+        computed_gains(gm)
     gm.graph.eliminate_dead_code()  # a norm whose output nothing reads is no norm (ONNX drops it too)
     attrs = tensor_attrs(gm)
-    view, info = build_view(gm.graph, set(attrs))
+    view, info = build_view(gm.graph, set(attrs), rms=rms)
     return gm, attrs, view, info
+
+
+_ARITHMETIC = ("add", "sub", "rsub", "mul", "div", "neg")
+
+
+def computed_gains(gm: fx.GraphModule) -> None:
+    """Constants the graph computes from one parameter with Python numbers (GemmaRMSNorm's
+    `1 + weight.float()`), computed once into a buffer read in their place: the view sees a constant
+    γ, which can move into the readers like any (the ONNX exporters write it as an initializer, or
+    onnxruntime folds the Add). Only chains of casts and arithmetic with numbers; the result floating."""
+    computed: dict[fx.Node, bool] = {}  # node -> whether its chain holds arithmetic
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        call = canonical(node)
+        ins = node.all_input_nodes
+        v = node.meta.get("val")
+        if (call is None or call.kind not in ("identity",) + _ARITHMETIC or len(ins) != 1
+                or not (ins[0].op == "get_attr" or ins[0] in computed)
+                or not isinstance(v, torch.Tensor) or not v.is_floating_point()):
+            continue
+        computed[node] = call.kind != "identity" or computed.get(ins[0], False)
+    for node, arithmetic in computed.items():
+        if not arithmetic or all(u in computed for u in node.users):
+            continue
+        values: dict[fx.Node, torch.Tensor] = {}
+
+        def value(n: fx.Node) -> torch.Tensor:
+            if n not in values:
+                if n.op == "get_attr":
+                    values[n] = attr_of(gm, n.target)
+                else:
+                    args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
+                    values[n] = n.target(*args, **kwargs)
+            return values[n]
+
+        with torch.no_grad():
+            t = value(node).detach().clone()
+        node.replace_all_uses_with(new_attr(gm, f"lnfold_gain_{node.name}", t, node))
 
 
 class ExportFrontend:
@@ -146,8 +189,8 @@ class ExportFrontend:
 
     def view(self) -> View:
         self.gm, self.attrs, self._view, self.info = (
-            exported_view(self.module, self.args, self.kwargs, self.dynamic) if self.program is None
-            else program_view(self.program))
+            exported_view(self.module, self.args, self.kwargs, self.dynamic, self.opts.gamma_into_readers)
+            if self.program is None else program_view(self.program, self.opts.gamma_into_readers))
         return self._view
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -301,8 +344,9 @@ def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], to
 
 
 def check_plan(plan: Plan) -> None:
-    """Raise NothingToFold when the module has no LayerNorm, or none the plan folds."""
-    if not plan.report.norms:
+    """Raise NothingToFold when the module has no LayerNorm, or none the plan folds (a stream of
+    RMSNorms as given whose γ moves or which rotates is a fold: `plan.rms_swaps`)."""
+    if not plan.report.norms and plan.empty:
         raise NothingToFold("no LayerNorm found in the module: nothing to fold")
     if plan.empty:
         raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")

@@ -195,6 +195,8 @@ class Applier:
                 how = plan.emissions[name]
                 self._swap(self.nodes[name], how.beta_add, how.unit_gamma, how.rms_only, self._readout(how),
                            self._resized(how))
+        for name in plan.rms_swaps:  # RMSNorms as given, γ in their readers: emitted anew with unit weight
+            self._swap_rms(name, plan.emissions[name])
         for name in plan.approx:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
             node = self.nodes[name]
             if node.name in self.info.decomposed:
@@ -327,6 +329,40 @@ class Applier:
             return
         swap_norm(self.graph, node, self.dialect, beta_add, readout,
                   None if resized is None else (resized[0], resized[2]))
+
+
+    def _swap_rms(self, name: str, how: NormEmission) -> None:
+        """An RMSNorm as given (aten.rms_norm, or written out: `info.decomposed_rms`) as
+        aten.rms_norm of its input with unit weight (γ went into the readers, or into the readout
+        `how` carries), over a sliced stream's k features where `how` says so; its output cast to
+        the dtype the original's had (an fp32 upcast inside LlamaRMSNorm)."""
+        written = self.info.decomposed_rms.get(name)
+        node = self.nodes[name]
+        if written is None:
+            call = canonical(node)
+            x, out, covered = call.args["input"], node, [node]
+            eps = call.get("eps")
+            eps = torch.finfo(meta_val(x).dtype).eps if eps is None else float(eps)
+        else:
+            x, out, eps = self.nodes[written.x], self.nodes[written.output], written.epsilon
+            covered = [self.nodes[n] for n in written.nodes]
+        resized = self._resized(how)
+        width = meta_val(out).shape[-1] if resized is None else resized[0]
+        weight = None if resized is None else resized[1]
+        with self.graph.inserting_before(out):
+            y = self.dialect.rms_norm(self.graph, x, [width], weight, eps * how.eps_scale)
+            readout = self._readout(how)
+            if readout is not None:
+                y = self.graph.call_function(aten.matmul.default, (y, readout))
+            if meta_val(x).dtype != meta_val(out).dtype:
+                y = self.graph.call_function(aten.to.dtype, (y, meta_val(out).dtype))
+        out.replace_all_uses_with(y)
+        # the original's ops, and torch.export's dtype asserts on their values, in reverse order
+        gone = set(covered)
+        for n in reversed(list(self.graph.nodes)):
+            if n in gone or (n.op == "call_function" and not n.users and any(a in gone for a in n.all_input_nodes)):
+                if not n.users:
+                    self.graph.erase_node(n)
 
 
 def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> None:

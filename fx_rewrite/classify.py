@@ -67,11 +67,13 @@ def norm_outputs(node: fx.Node) -> tuple[list[fx.Node], Optional[fx.Node]]:
 class GraphInfo:
     """Shapes and view-input positions of one FX graph's nodes, and what the view made of them."""
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, rms: bool = False) -> None:
         self.nodes = {n.name: n for n in graph.nodes}
+        self.rms = rms  # RMSNorms as given are norms of the view (issue 47; γ into readers or a rotation asked)
         self.inputs: dict[str, list[str]] = {}  # view node name -> its input value names
         self.scalars: dict[str, tuple[fx.Node, str]] = {}  # synthetic constant -> (node, argument)
         self.decomposed: dict[str, DecomposedNorm] = {}  # multi-op LayerNorms, by view name
+        self.decomposed_rms: dict[str, DecomposedNorm] = {}  # multi-op RMSNorms as given, by view name
 
     def shape(self, x: Any) -> Shape:
         if isinstance(x, numbers.Number) and not isinstance(x, bool):
@@ -518,6 +520,19 @@ def _layer_norm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
                 stats_used=any(is_tuple_getitem(u) and u.args[1] != 0 and u.users for u in node.users))
 
 
+def _rms_norm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
+    """aten.rms_norm (torch.nn.RMSNorm): an RMSNorm as given over its last axis, where asked (g.rms);
+    its eps None is torch's default, the input dtype's machine epsilon."""
+    x = call.node("input")
+    i, shape, v = g.index(node, x), call.get("normalized_shape"), meta_val(x)
+    if not g.rms or i is None or not isinstance(shape, (list, tuple)) or len(shape) != 1 or not isinstance(v, torch.Tensor):
+        return None
+    w, eps = call.node("weight"), call.get("eps")
+    eps = torch.finfo(v.dtype).eps if eps is None else eps
+    return rule("layer_norm", data=i, axes=[-1], gamma=g.index(node, w) if w is not None else None,
+                eps=eps if isinstance(eps, numbers.Number) else None, rms=True)
+
+
 Builder = Callable[[GraphInfo, fx.Node, Call], Built]
 
 # op kind (see ops.py for the spellings of each) -> builder. Adding an op is one entry here.
@@ -557,6 +572,7 @@ KINDS: dict[str, Builder] = {
     "embedding": _embedding,
     **dict.fromkeys(("conv", "conv_transpose"), _conv),
     "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
 }
 
 
@@ -576,9 +592,11 @@ def _outputs(node: fx.Node) -> tuple[list[str], list[fx.Node]]:
     return outs, dupes
 
 
-def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
-    """The stream view of `graph`; `consts` names the nodes that hold constant tensors."""
-    g = GraphInfo(graph)
+def build_view(graph: fx.Graph, consts: set[str], rms: bool = False) -> tuple[View, GraphInfo]:
+    """The stream view of `graph`; `consts` names the nodes that hold constant tensors. `rms`: the
+    RMSNorms as given too (aten.rms_norm, and written out: passes/patterns.match_rms), as norms with
+    `NormSpec.rms` (issue 47)."""
+    g = GraphInfo(graph, rms)
     view = View()
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr", "output") or is_tuple_getitem(node):
@@ -609,5 +627,7 @@ def build_view(graph: fx.Graph, consts: set[str]) -> tuple[View, GraphInfo]:
     for leaf in outputs:
         if leaf.name in view.values:
             view.values[leaf.name].is_graph_output = True
-    g.decomposed = collapse_norms(view)
+    found = collapse_norms(view, rms=rms)
+    g.decomposed = {k: m for k, m in found.items() if not m.rms}
+    g.decomposed_rms = {k: m for k, m in found.items() if m.rms}
     return view, g

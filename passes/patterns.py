@@ -35,6 +35,7 @@ class DecomposedNorm:
     gamma: Optional[str] = None
     beta: Optional[str] = None
     epsilon: float = 0.0
+    rms: bool = False  # an RMSNorm as given (`match_rms`): nothing is centered, no β
 
 
 def _readers(view: View, value: str) -> list[Node]:
@@ -248,25 +249,146 @@ def _divides(final: Node, t: str, centered: set[str], divide: bool) -> bool:
     return (a in centered and b == t) or (not divide and b in centered and a == t)
 
 
-def collapse_norms(view: View) -> dict[str, DecomposedNorm]:
+def collapse_norms(view: View, rms: bool = False) -> dict[str, DecomposedNorm]:
     """Find every multi-op LayerNorm and put one LayerNorm node in its place (the near misses go
-    to `view.near_misses`, with their reasons)."""
+    to `view.near_misses`, with their reasons). `rms`: then every RMSNorm written out (`match_rms`)
+    too, one RMSNorm-as-given node each (issue 47: only where γ into the readers or a rotation is
+    asked; without, a model of RMSNorms has nothing to fold)."""
     found: dict[str, DecomposedNorm] = {}
     taken: set[str] = set()
-    for node in list(view.nodes.values()):
-        if node.name in taken or node.name not in view.nodes or _reduce_mean(node) is None:
-            continue
-        m = match(view, node)
-        if not m:
-            if m.near:  # the report lists it, with why it is not a LayerNorm
-                view.near_misses[node.name] = m
-            continue
-        if taken & set(m.nodes):
-            continue
-        taken.update(m.nodes)
-        found[m.name] = m
-        _replace(view, m)
+    for matcher in (match, match_rms) if rms else (match,):
+        for node in list(view.nodes.values()):
+            if node.name in taken or node.name not in view.nodes or _reduce_mean(node) is None:
+                continue
+            m = matcher(view, node)
+            if not m:
+                if m.near and matcher is match:  # the report lists it, with why it is not a LayerNorm
+                    view.near_misses[node.name] = m
+                continue
+            if taken & set(m.nodes):
+                continue
+            taken.update(m.nodes)
+            found[m.name] = m
+            _replace(view, m)
     return found
+
+
+def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
+    """An RMSNorm written out, named after its mean, as LlamaRMSNorm (Qwen2, Mistral, Phi-3),
+    GemmaRMSNorm and T5LayerNorm spell it (onnx_rewrite/norm_variants.match_rms is its ONNX twin,
+    for the op spellings only ONNX has):
+
+        [xs = cast(x)]   v = mean(xs², A)   [v = v + eps]   n = y / sqrt(v)  or  y * rsqrt(v)
+        or  y * reciprocal(sqrt(v)),  y = xs or x (T5 divides the uncast x)
+        [n = cast(n)]    [n = n * γ]  [n = cast(n)]     (γ a constant along A; Gemma's 1 + γ once
+                                                         the frontend computed it)
+
+    The mean square of x - mean(x) is a LayerNorm's variance (`match`'s): no match. Reads of an
+    intermediate value's metadata (torch.export's dtype asserts) are allowed: the swap drops them."""
+    axes = _reduce_mean(mean)
+    if axes is None:
+        return NoMatch("not a mean over constant axes that keeps its dims")
+    sq = view.nodes.get(view.values[mean.inputs[mean.rule.params.get("data", 0)]].producer or "")
+    if sq is None or sq.rule is None or sq.rule.kind not in ("pow", "scale"):
+        return NoMatch("not a mean of a square")
+    first = sq.rule.params.get("data", 0) if sq.rule.kind == "pow" else sq.rule.params["operands"][0]
+    xs = sq.inputs[first] if first is not None else None
+    if xs is None or not _is_square(view, sq, {xs}):
+        return NoMatch("not a mean of a square")
+    up = view.nodes.get(view.values[xs].producer or "")
+    x = up.inputs[up.rule.params.get("data", 0)] if up is not None and up.rule is not None and _is_cast(up) else xs
+    up = up if x != xs else None
+    if _is_centered(view, x) or _is_centered(view, xs):
+        return NoMatch("the mean square of x - mean: a LayerNorm's variance")
+    covered = ([up] if up is not None else []) + [sq, mean]
+    t, eps = mean.outputs[0], 0.0
+    add = _sole_reader(view, t, "broadcast")
+    if add is not None:
+        o = _other(add, t)
+        e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
+        if e is None or not _is_add(add):
+            return NoMatch(f"{add.describe()} adds something other than a constant eps to the mean square")
+        eps, t = e, add.outputs[0]
+        covered.append(add)
+    root = _sole_reader(view, t, "sqrt", "rsqrt")
+    if root is None:
+        return NoMatch(f"the mean square `{t}` is read by {_what_reads(view, t)}, not by one square root")
+    covered.append(root)
+    t = root.outputs[0]
+    final = _sole_reader(view, t, "scale")
+    if root.rule.kind == "sqrt" and final is None:
+        inv = _sole_reader(view, t, "reciprocal")  # y * (1 / sqrt(v))
+        final = _sole_reader(view, inv.outputs[0], "scale") if inv is not None else None
+        if final is not None:
+            covered.append(inv)
+            t = inv.outputs[0]
+    divide = root.rule.kind == "sqrt" and t == root.outputs[0]
+    if final is None or not _divides(final, t, {x, xs}, divide):
+        return NoMatch(f"the root mean square `{t}` of `{xs}` is not what it is divided by "
+                       f"(it is read by {_what_reads(view, t)})", 1)
+    covered.append(final)
+    out = final.outputs[0]
+    rank = view.values[x].rank
+    axis, why = norm_axis(list(axes), rank)
+    if why is not None:
+        return NoMatch(f"a root mean square that {why}", 1)
+    gamma = None
+    for _ in range(3):  # [cast] [γ] [cast], in any order once each
+        nxt = _sole_reader(view, out, "elementwise", "scale")
+        if nxt is None:
+            break
+        if nxt.rule.kind == "elementwise" and _is_cast(nxt):
+            covered.append(nxt)
+            out = nxt.outputs[0]
+        elif (gamma is None and nxt.rule.kind == "scale" and not nxt.rule.params.get("divide")
+              and _const_along(view, nxt, _other(nxt, out), axis, rank)):
+            gamma = nxt.inputs[_other(nxt, out)]
+            covered.append(nxt)
+            out = nxt.outputs[0]
+        else:
+            break
+    names = {n.name for n in covered}
+    if up is not None and (view.values[xs].is_graph_output or any(
+            c not in names and not _reads_metadata(view, c) for c, _ in view.values[xs].consumers)):
+        # the upcast read elsewhere too (torch.export names a same-dtype `to` as the stream itself,
+        # which the residual Add then reads): the norm starts after it
+        covered.remove(up)
+        names.discard(up.name)
+        x = xs
+    for n in covered:
+        for v in n.outputs:
+            if v == out:
+                continue
+            if view.values[v].is_graph_output:
+                return NoMatch(f"`{v}`, inside the RMSNorm, is a model output", 1)
+            outside = [c for c, _ in view.values[v].consumers if c not in names and not _reads_metadata(view, c)]
+            if outside:
+                return NoMatch(f"`{v}`, inside the RMSNorm, is also read by {view.nodes[outside[0]].describe()}", 1)
+    return DecomposedNorm(mean.name, [n.name for n in covered], x, out, axis, None, gamma=gamma, epsilon=eps, rms=True)
+
+
+def _sole_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
+    """`_only_reader`, reads of `value`'s metadata aside (torch.export asserts dtypes in between)."""
+    v = view.values[value]
+    readers = {c for c, _ in v.consumers if not _reads_metadata(view, c)}
+    if v.is_graph_output or len(readers) != 1:
+        return None
+    n = view.nodes[readers.pop()]
+    return n if n.rule is not None and n.rule.kind in kinds else None
+
+
+def _reads_metadata(view: View, name: str) -> bool:
+    r = view.nodes[name].rule
+    return r is not None and r.kind == "metadata"
+
+
+def _is_centered(view: View, value: str) -> bool:
+    """`value` is some x - mean(x) (a Sub of a reduce-mean)."""
+    p = view.nodes.get(view.values[value].producer or "")
+    if p is None or p.rule is None or p.rule.kind != "broadcast" or len(p.rule.params.get("minus", ())) != 1:
+        return False
+    m = view.nodes.get(view.values[p.inputs[p.rule.params["minus"][0]]].producer or "")
+    return m is not None and _reduce_mean(m) is not None
 
 
 def _replace(view: View, m: DecomposedNorm) -> None:
@@ -277,6 +399,10 @@ def _replace(view: View, m: DecomposedNorm) -> None:
         view.values.pop(v, None)
     inputs = [m.x] + [v for v in (m.gamma, m.beta) if v]
     at = lambda v: inputs.index(v) if v else None  # noqa: E731
+    if m.rms:
+        view.add_node(Node(m.name, "DecomposedRMSNorm", inputs, [m.output],
+                           rule=rule("layer_norm", axes=[m.axis], gamma=at(m.gamma), eps=m.epsilon, rms=True)))
+        return
     view.add_node(Node(m.name, "DecomposedLayerNorm", inputs, [m.output],
                        rule=rule("layer_norm", axes=[m.axis], gamma=at(m.gamma), beta=at(m.beta), eps=m.epsilon,
                                  rejection=m.rejection)))
