@@ -6,6 +6,7 @@ DESIGN §6b.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 from typing import Mapping, Optional
 
 import numpy as np
@@ -70,6 +71,10 @@ class StreamBasis:
     # and the MatMuls on the residual shortcuts where one segment's basis meets the next's
     norm_bases: dict[str, Basis] = field(default_factory=dict)
     shortcuts: list[BasisShortcut] = field(default_factory=list)
+    # parameters the constant MatMuls above add (readouts, starts, shortcuts) and those a slice
+    # deletes from the writers' and readers' constants (`parameter_change`)
+    added: int = 0
+    saved: int = 0
 
     @property
     def basis(self) -> Basis:
@@ -119,6 +124,9 @@ class StreamBasis:
         if self.readouts:
             text += (f"; un-rotated after {', '.join(f'`{n}`' for n in self.readouts)} by a constant "
                      f"{self.width}×{self.dim} MatMul (Qᵀ·diag γ, one GEMM more)")
+        if self.added:
+            text += f"; its constant MatMuls add {self.added:,} parameters"
+            text += f" and the slice deletes {self.saved:,}" if self.sliced else ""
         return text
 
 
@@ -174,7 +182,49 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
             out.readers.append((r.weight, Project(r.weight.axis, out.basis_of(n), keep)))
     out.starts = [(o.value, Project(o.axis, basis_of_value(o.value), keep)) for o in comp.opaque]
     out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
+    why = _costs_more(view, out)
+    if why is not None:
+        out.keep_unrotated(why)
     return out
+
+
+def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
+    """(parameters `rot` adds, parameters it deletes): the constant MatMuls it emits (a d×k one per
+    readout and recentered start, a k×k one per residual shortcut) against the share (d − k)/d of
+    each writer and reader constant a slice to k cuts off (each constant once; 0 unsliced)."""
+    d, k = rot.dim, rot.width
+    added = (len(rot.readouts) + len(rot.starts)) * d * k + len(rot.shortcuts) * k * k
+    sizes = {ref.value: _elements(view, ref.value) for ref, _ in rot.writers + rot.readers}
+    return added, sum(sizes.values()) * (d - k) // d
+
+
+def _costs_more(view: View, rot: StreamBasis) -> Optional[str]:
+    """Why the stream keeps its basis where changing it costs more than it gives (issue 45): a slice
+    must never add parameters, so its un-projections may not outweigh what it deletes; a rotation is
+    absorbed by its readers' weights, so its un-rotations may not outweigh those (a stream read by
+    nothing but non-linear ops would only gain d×d MatMuls). None where it pays."""
+    rot.added, rot.saved = parameter_change(view, rot)
+    if not rot.added:
+        return None
+    what = (f"{len(rot.readouts)} un-rotating readout(s)" if rot.readouts else "") + \
+        (f"{', ' if rot.readouts else ''}{len(rot.starts)} projected recentered start(s)" if rot.starts else "") + \
+        (f"{', ' if rot.readouts or rot.starts else ''}{len(rot.shortcuts)} residual shortcut(s)" if rot.shortcuts else "")
+    if rot.width < rot.dim:
+        if rot.added > rot.saved:
+            return (f"slicing it would add parameters: the constant MatMuls of its {what} hold {rot.added:,}, "
+                    f"more than the {rot.saved:,} the slice deletes from its writers and readers")
+        return None
+    absorbed = sum({ref.value: _elements(view, ref.value) for ref, _ in rot.readers}.values())
+    if rot.added > absorbed:
+        return (f"its readers' weights absorb too little of a rotation: the constant MatMuls of its {what} would "
+                f"add {rot.added:,} parameters, more than the {absorbed:,} of the {len(rot.readers)} reader "
+                "weight(s) that take it")
+    return None
+
+
+def _elements(view: View, value: str) -> int:
+    shape = view.values[value].shape
+    return prod(shape) if shape is not None and all(isinstance(x, int) for x in shape) else 0
 
 
 def _written(view: View, comp: Component, src, ref) -> Optional[str]:

@@ -378,8 +378,19 @@ class _WrittenOutFinalNorm(nn.Module):
         return (h - mu) / torch.sqrt(((h - mu) ** 2).mean(-1, keepdim=True) + 1e-5)
 
 
-def test_written_out_norm_without_gamma_is_unrotated_in_torch():
+def _readouts_at_any_cost(monkeypatch) -> None:
+    """Rotate streams even where the un-rotating MatMuls outweigh the reader weights absorbing the
+    rotation (rotate._costs_more keeps those unrotated, issue 45): the models below exercise the
+    readout itself on streams read by no weight at all."""
+    from lnfold.passes import rotate
+    monkeypatch.setattr(rotate, "_costs_more", lambda view, rot: None)
+
+
+def test_written_out_norm_without_gamma_is_unrotated_in_torch(monkeypatch):
     m, args = _WrittenOutFinalNorm().eval(), (torch.randint(0, 11, (2, 5)),)
+    (kept,) = lnfold.fold_module(m, args, rotate="hadamard").report.streams
+    assert kept.rotation.startswith("not rotated: its readers' weights absorb too little"), kept.rotation
+    _readouts_at_any_cost(monkeypatch)
     res = lnfold.fold_module(m, args, rotate="hadamard")
     assert res.criterion == "float64" and res.report.folded == 2
     (stream,) = res.report.streams
@@ -387,16 +398,18 @@ def test_written_out_norm_without_gamma_is_unrotated_in_torch():
     torch.testing.assert_close(res.module(*args), m(*args), rtol=1e-4, atol=1e-4)
 
 
-def test_a_readout_inside_an_if_branch_keeps_its_unrotation():
+def test_a_readout_inside_an_if_branch_keeps_its_unrotation(monkeypatch):
     """Optimum's merged decoder holds both decoders in If branches: each branch's share of the plan
     (Plan.scoped) carries the rotations, so a readout norm there is un-rotated (it was not: the
-    gate refused the fold at 0.66 relative error)."""
+    gate refused the fold at 0.66 relative error). Its norms' readers share weights across the
+    branches and keep γ, so every norm is a readout: rotated only at any cost."""
     from pathlib import Path
 
     import onnx
 
     from lnfold.onnx_rewrite import fold_model
 
+    _readouts_at_any_cost(monkeypatch)
     model = onnx.load(str(Path(__file__).parent / "corpus" / "optimum_gpt2_decoder_model_merged.onnx"))
     res = fold_model(model, rotate="hadamard", seed=3)  # verified against float64
     assert res.criterion == "float64" and res.exact_err < 1e-5

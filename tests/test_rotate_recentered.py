@@ -109,12 +109,13 @@ def test_a_start_left_unprojected_is_refused(frontend, monkeypatch):
 # --- slicing (issue 32): the same MatMul, d × k -------------------------------------------------------
 
 def test_onnx_slice_of_a_recentered_stream():
-    """tests/test_slice.py's float64 model whose only stream starts at Relu(linear): F→0 (k = d) is the
-    exact fold to float64 precision; F = 0.25 slices it (d → 12, a 16 × 12 MatMul after the recenter)."""
-    full = lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.01)
+    """tests/test_slice.py's float64 model whose only stream starts at Relu(linear), read by six heads:
+    F→0 (k = d) is the exact fold to float64 precision; F = 0.25 slices it (d → 12, a 16 × 12 MatMul
+    after the recenter, which the six heads' lost rows outweigh)."""
+    full = lnfold.slice_onnx(recentered_model(heads=6), calibration(floats=True), fraction=0.01)
     (s,) = full.report.streams
     assert s.sliced and s.dim == s.keep == 16 and full.report.error < 1e-13
-    sliced = lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.25)
+    sliced = lnfold.slice_onnx(recentered_model(heads=6), calibration(floats=True), fraction=0.25)
     (s,) = sliced.report.streams
     assert (s.dim, s.keep) == (16, 12) and 0 < sliced.report.error < 1
     inits = {t.name: t.dims for t in sliced.model.graph.initializer}
@@ -140,10 +141,15 @@ def test_cli_slices_a_recentered_stream(tmp_path, capsys):
     from lnfold.onnx_rewrite import cli
 
     src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "sliced.onnx"
-    onnx.save(recentered_model(), src)
     np.savez(cal, **calibration(floats=True))
+    # three heads: the 16 × 12 MatMul after the recenter outweighs what their 16-wide weights lose
+    # (884 -> 932 parameters before issue 45): the stream keeps its width, and nothing is sliced
+    onnx.save(recentered_model(), src)
+    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal)]) == 2
+    err = capsys.readouterr().err
+    assert "would add parameters" in err and "192" in err and not out.exists(), err
+    onnx.save(recentered_model(heads=6), src)
     assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    # (its parameters grow, 884 -> 932: the 16 × 12 MatMul after the recenter outweighs what the
-    # three 16-wide readers lose; a deeper model's readers and writers outweigh it)
     assert report["streams"][0]["keep"] == 12 and report["error"] > 0
+    assert report["params_after"] < report["params_before"]

@@ -59,19 +59,23 @@ def stream_model(span=None, readout=False, seed=0, batch="batch") -> onnx.ModelP
     return b.model(17)
 
 
-def recentered_model(softmax_reader: bool = False) -> onnx.ModelProto:
+def recentered_model(softmax_reader: bool = False, heads: int = 3) -> onnx.ModelProto:
     """x -> h = Relu(linear) -> Σ_k head_k(LN(k·h)): folds with a recenter (no constant writer), and
     rotates by a MatMul after it (tests/test_rotate_recentered.py). `softmax_reader`: a Softmax over
     the features reads h too (shift-invariant, so the fold stands, but not rotation-invariant): the
-    stream cannot be rotated, so nothing can be sliced."""
+    stream cannot be rotated, so nothing can be sliced. With 3 `heads` a slice to 12 of 16 features
+    would add parameters (the 16 × 12 MatMul after the recenter outweighs what the readers lose), so
+    the stream keeps its width; with 6 it pays."""
     b = Builder(3, np.float64)
     x = b.input("ids", onnx.TensorProto.DOUBLE, ["batch", T, D])
     h = b.op("Relu", [b.linear(x, D, D)])
-    heads = [b.op("MatMul", [b.layernorm(b.op("Mul", [h, b.const("k", np.array(1.0 + k))]), D),
-                             b.weight("head", (D, VOCAB))]) for k in range(3)]
+    outs = [b.op("MatMul", [b.layernorm(b.op("Mul", [h, b.const("k", np.array(1.0 + k))]), D),
+                            b.weight("head", (D, VOCAB))]) for k in range(heads)]
     if softmax_reader:
-        heads[2] = b.op("Add", [heads[2], b.op("MatMul", [b.op("Softmax", [h], axis=-1), b.weight("head", (D, VOCAB))])])
-    y = b.op("Add", [b.op("Add", heads[:2]), heads[2]])
+        outs[2] = b.op("Add", [outs[2], b.op("MatMul", [b.op("Softmax", [h], axis=-1), b.weight("head", (D, VOCAB))])])
+    y = outs[0]
+    for o in outs[1:]:
+        y = b.op("Add", [y, o])
     b.output(y, shape=["batch", T, VOCAB])
     return b.model(17)
 
@@ -353,11 +357,11 @@ def test_per_block_planted_bug_shortcut_skipped(monkeypatch):
 
 
 def test_per_block_falls_back_to_one_basis_with_why():
-    """Three norms each read their own scaled copy of one tensor (parallel branches, no residual Add
+    """Six norms each read their own scaled copy of one tensor (parallel branches, no residual Add
     between them): no order of segments exists, so the stream keeps one basis and says why; the
     slice is then the one-basis slice."""
-    one = lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.25)
-    per = lnfold.slice_onnx(recentered_model(), calibration(floats=True), fraction=0.25, per_block=True)
+    one = lnfold.slice_onnx(recentered_model(heads=6), calibration(floats=True), fraction=0.25)
+    per = lnfold.slice_onnx(recentered_model(heads=6), calibration(floats=True), fraction=0.25, per_block=True)
     (s,) = per.report.streams
     assert s.sliced and s.bases == 1 and "parallel branches" in s.one_basis_why
     assert "one basis:" in per.report.table() and _shortcut_matmuls(per.model) == 0
