@@ -11,6 +11,7 @@ from .api import analyze_module, check_equivalent, fold_module
 from .backend import lnfold_backend, lnfold_backend_with, register
 from .checkpoint_fold import fold_checkpoint
 from .handoff import Handoff, HandoffResult, fold_to_rmsnorm, restore_rmsnorm
+from .quantize import quantize_module
 from .slice import slice_module
 from .train import TrainingFold, fold_for_training, unfold_for_training
 
@@ -19,6 +20,6 @@ register()
 __all__ = [
     "FoldResult", "Handoff", "HandoffResult", "LnfoldError", "NothingToFold", "Report", "VerificationError",
     "TrainingFold", "analyze_module", "check_equivalent", "fold_checkpoint", "fold_for_training", "fold_module",
-    "fold_to_rmsnorm", "lnfold_backend", "lnfold_backend_with", "restore_rmsnorm", "slice_module",
+    "fold_to_rmsnorm", "lnfold_backend", "lnfold_backend_with", "quantize_module", "restore_rmsnorm", "slice_module",
     "unfold_for_training",
 ]

@@ -19,6 +19,8 @@ PyTorch (``pip install 'lnfold[torch]'``)::
                                                          # in place, then DDP / fully_shard / compile
     lnfold.fold_checkpoint("opt-1.3b/", "opt-1.3b.folded/")  # a sharded transformers checkpoint, shard
                                                          # by shard, in bounded memory
+    quantized = lnfold.quantize_module(module, args, weights="int8", rotate="hadamard")  # NOT exact:
+    print(quantized.report.table())                      # torchao's (or torch.ao's) quantizer after the fold
 
 Both frontends return the same `FoldResult` and `Report`; user errors are `LnfoldError`s
 (`NothingToFold`, `VerificationError`) with a one-line message.
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from .onnx_rewrite import slice_model as slice_onnx
     from .fx_rewrite import (analyze_module, fold_checkpoint, fold_for_training, fold_module, lnfold_backend,
                              lnfold_backend_with, unfold_for_training)
-    from .fx_rewrite import fold_to_rmsnorm, restore_rmsnorm, slice_module
+    from .fx_rewrite import fold_to_rmsnorm, quantize_module, restore_rmsnorm, slice_module
 
 
 
@@ -57,14 +59,15 @@ def _installed_version() -> str:
         return "0+unknown"
 
 _TORCH_NAMES = ("analyze_module", "fold_checkpoint", "fold_for_training", "fold_module", "lnfold_backend",
-                "lnfold_backend_with", "unfold_for_training", "fold_to_rmsnorm", "restore_rmsnorm", "slice_module")
+                "lnfold_backend_with", "unfold_for_training", "fold_to_rmsnorm", "restore_rmsnorm", "slice_module",
+                "quantize_module")
 
 __all__ = [
     "FoldResult", "LnfoldError", "NormVerdict", "NothingToFold", "Report", "VerificationError",
     "analyze_module", "analyze_onnx", "check_onnx", "fold_checkpoint", "fold_for_training", "fold_module",
     "fold_onnx",
     "lnfold_backend", "lnfold_backend_with", "load_onnx", "quantize_onnx", "save_onnx", "slice_onnx", "unfold_for_training",
-    "fold_to_rmsnorm", "restore_rmsnorm", "slice_module",
+    "fold_to_rmsnorm", "quantize_module", "restore_rmsnorm", "slice_module",
 ]
 
 
