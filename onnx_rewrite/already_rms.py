@@ -6,6 +6,7 @@ from typing import Optional
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 
 from ..passes.report import RmsNorm
 
@@ -71,3 +72,38 @@ def rms_norms(model: onnx.ModelProto) -> list:
         if final is not None and set(final.input) & xs:
             out.append(RmsNorm(n.name, "decomposed RMSNorm"))
     return out
+
+
+_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}
+
+
+def computed_gains(graph: gs.Graph) -> None:
+    """Constants the graph computes from one initializer with scalars (GemmaRMSNorm's `1 + weight`,
+    which an exporter without constant folding writes as Add(1, weight), after a Cast), computed once
+    and read in their place: the view sees a constant γ, which can move into the readers like any
+    (fx_rewrite/api.computed_gains is the torch twin). Default-domain Cast and Add/Sub/Mul/Div only."""
+    outputs = {t.name for t in graph.outputs}
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if ((node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1
+                    or node.outputs[0].name in outputs or not node.inputs
+                    or not all(isinstance(t, gs.Constant) for t in node.inputs)):
+                continue
+            values = [np.asarray(t.values) for t in node.inputs]
+            if node.op == "Cast" and len(values) == 1:
+                to = onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
+                out = values[0].astype(to)
+            elif node.op in _ARITHMETIC and len(values) == 2 and min(v.size for v in values) == 1:
+                out = _ARITHMETIC[node.op](*values).astype(np.result_type(*values))
+            else:
+                continue
+            if out.dtype.kind != "f" or int(np.prod(out.shape[:-1])) != 1:
+                continue  # (a γ is one vector; other constant arithmetic is left as it is)
+            t = node.outputs[0]
+            node.inputs.clear()
+            node.outputs.clear()
+            t.to_constant(out)
+            graph.nodes.remove(node)
+            changed = True

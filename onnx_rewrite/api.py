@@ -27,7 +27,7 @@ from . import read, subgraphs, targets, validate, write
 from . import verify as verification
 from .classify import GraphInfo, build_view
 from .emit import Emitter
-from .already_rms import rms_norms
+from .already_rms import computed_gains, rms_norms
 from .norms import const_values
 from .sessions import in_background
 from .shapes import infer_shapes
@@ -101,6 +101,8 @@ class OnnxFrontend:
             self.prepared = self._prepare()
         self.work, self.opset, shapes = self.prepared
         self.graph = _import(self.work)
+        if self.opts.gamma_into_readers:
+            computed_gains(self.graph)  # GemmaRMSNorm's Add(1, weight): a constant γ
         self.info = GraphInfo(self.graph, shapes)
         # RMSNorms as given are norms of the view where their γ can move (and their streams rotate)
         view, self.matches = build_view(self.info, self.opset, rms=self.opts.gamma_into_readers)

@@ -406,12 +406,13 @@ def match_rms(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRes
         return NoMatch(got.reason)  # (depth 0: a mean square read otherwise is no near miss)
     s, eps = got
     rec = _one(s, "Reciprocal")
+    # (T5LayerNorm takes the mean square of the fp32 cast and divides the uncast x)
     if rec is not None:  # x · (1 / rms)
         final = _one(rec.outputs[0], "Mul")
-        divides = final is not None and _other(final, rec.outputs[0]) is xs
+        divides = final is not None and _other(final, rec.outputs[0]) in (xs, x)
     else:  # x / rms
         final = _one(s, "Div")
-        divides = final is not None and final.inputs[0] is xs and final.inputs[1] is s
+        divides = final is not None and final.inputs[0] in (xs, x) and final.inputs[1] is s
     if not divides:
         return NoMatch(f"the root mean square `{s.name}` of `{xs.name}` is not what `{xs.name}` is divided by "
                        f"(it is read by {_what_reads(s)})", 2)
@@ -422,5 +423,9 @@ def match_rms(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRes
         nodes.append(down)
         out = down.outputs[0]
     gamma, out = _affine_after(out, "Mul", axis, rank, nodes)
+    back = _one(out, "Cast") if up is not None and down is None and gamma is not None else None
+    if back is not None:  # GemmaRMSNorm: γ in fp32, then cast back
+        nodes.append(back)
+        out = back.outputs[0]
     return _finish(NormMatch(mean.name, "decomposed RMSNorm", nodes, x, out, gamma=gamma, epsilon=eps, axis=axis,
                              axes=[axis]), x, outputs)
