@@ -53,7 +53,7 @@ class ReusedFold:
     fractions (each is the same for every F: only the bases and the sliced fold differ)."""
 
     def __init__(self, frontend) -> None:
-        self.frontend, self.rows = frontend, frontend.rows
+        self.frontend, self.rows, self.in_sample = frontend, frontend.rows, frontend.in_sample
         self.exact_result = None
         self.captured: dict = {}
         self.reference = None

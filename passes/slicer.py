@@ -45,12 +45,13 @@ class Slicing:
     """The steps' frontend, over any IR's `calibration.Folds` (its options: γ into the readers), the
     calibration data split by the one held-out rule, and the IR's count of a fold's parameters
     (benchmarks/realmodels_slice.py wraps one to keep the exact fold, its capture and its outputs
-    across fractions: `slice_with` needs only its four methods, `parameters` and `rows`)."""
+    across fractions: `slice_with` needs only its four methods, `parameters`, `rows` and `in_sample`)."""
 
     def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int]) -> None:
         self.folds, self.data = folds, data
         self.parameters = parameters  # the parameters of a fold's model
         self.measured = data.held if data.held is not None else data.deciding  # where the error is measured
+        self.in_sample = data.held is None  # the error is then measured on the rows that chose the bases
         self.rows = (f"{folds.rows(data.held)} held-out row(s)" if data.held is not None else
                      f"the {folds.rows(data.deciding)} calibration row(s) (none held out: NOT an independent measure)")
         self.rows += f"; {data.dropped}" if data.dropped else ""
@@ -105,7 +106,8 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
         if not any(s.sliced for s in decided.streams):
             raise LnfoldError(f"no stream can be sliced: {decided.streams[0].line()}")
         report = SliceReport(f, decided.streams, params_before, frontend.parameters(sliced),
-                             error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows)
+                             error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows,
+                             in_sample=frontend.in_sample)
         if steps:
             report.notes.append(f"per-block bases computed sequentially (each segment's on the model sliced "
                                 f"before it): {steps} sliced fold(s) and capture(s) more")

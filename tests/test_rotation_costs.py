@@ -57,3 +57,21 @@ def test_slicing_never_adds_parameters():
     # (before: 1,387 -> 1,631 parameters, 1.18x)
     assert report.params_after < report.params_before == parameters(result.exact.model)
     assert parameters(result.model) == report.params_after
+
+
+def test_fewer_calibration_vectors_than_features_and_an_in_sample_error_are_said():
+    """Issue 45 item 5: one row of T=5 positions for a 16-wide stream: 5 vectors span at most 5
+    directions (the basis's other 11 are arbitrary, the variance kept 100 % of those 5 vectors), and with
+    nothing held out the error is in-sample: both said, never printed as the result."""
+    one = lnfold.slice_onnx(graph_network(), rows(1), fraction=0.25).report
+    head = one.streams[-1]
+    assert head.sliced and (head.rows, head.span, head.dim) == (T, T, D)
+    line = head.line()
+    assert f"({T} calibration vectors" in line and f"span at most {T} of the {D} directions" in line, line
+    table = one.table()
+    assert "IN-SAMPLE only" in table and "WARNING: 1 sliced stream(s) have fewer calibration vectors" in table, table
+    assert one.as_dict()["error_in_sample"] and "IN-SAMPLE" in one.metadata()
+    many = lnfold.slice_onnx(graph_network(), rows(16), fraction=0.25).report  # 8 rows x 5 positions decide
+    head = many.streams[-1]
+    assert head.rows == 8 * T and "WARNING" not in many.table() and "span at most" not in head.line()
+    assert not many.in_sample and "IN-SAMPLE" not in many.table() and "held-out row(s)" in many.table()
