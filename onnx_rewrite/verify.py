@@ -22,6 +22,7 @@ from ..passes.weights import max_rel_err
 from . import inputs as synth
 from . import random_ops
 from . import exact
+from . import masks
 from .already_rms import RMS_OPS
 # (session, exact_run, float64_copy: what the rest of the frontend runs models with)
 from .exact import Float64Run, exact_run, float64_copy, float_elems, prepare  # noqa: F401
@@ -164,8 +165,11 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
         raise VerificationError(f"verification failed: the folded model has {len(rb_all) - len(norm_names)} outputs, "
                                 f"the original {len(ra)}")
     compute = _compute_dtype(original.skeleton)
-    outs = [gate.Output(name, _narrower(a.dtype.name, compute), a, b, None if exact is None else exact[k])
+    mask = masks.padding_mask(original.skeleton, feeds)  # padded positions are not judged (masks.py)
+    outs = [gate.Output(name, _narrower(a.dtype.name, compute),
+                        *masks.read_positions(mask, a, b, None if exact is None else exact[k]))
             for k, (name, a, b) in enumerate(zip(runner.names, ra, rb))]
+    restricted = [o.name for o, a in zip(outs, ra) if np.shape(o.original) != np.shape(a)]
     norm_inputs = {name: np.moveaxis(np.asarray(val), axis, -1) for (name, axis), val in zip(norm_names, extra)}
     verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(o.dtype for o in outs),
                          original_is_faithful=runner.sess is not None, no_float64=ref.how if exact is None else "")
@@ -174,7 +178,7 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
             if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
         verdict = verdict.noted(f"onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
                                 f"reference evaluator{erfc}")
-    return verdict.noted(ref.seeds)
+    return verdict.noted(masks.describe(mask, restricted), ref.seeds)
 
 
 def _pinned(model: Union[ModelLike, Source]) -> Source:
