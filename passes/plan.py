@@ -331,46 +331,60 @@ def _defer(view: View, plan: _Draft, decision: DeferDecision) -> None:
     plan.const_edits.extend(gamma_edits(view, decision))
 
 
+@dataclass
+class _Work:
+    """What the steps of `_draft` share while they decide: each norm's verdict, each reported
+    stream's edited readers, and the edits of each constant use. (value, user, input) -> (reader
+    ops, source ops): a constant can be both a CRMS reader's weight and a source of another
+    stream; reader ops (on its input axis, or b + Wβ on a bias) come first, then the centering,
+    as C(b + Wβ) = C(b) + C(W)β."""
+
+    verdicts: dict[str, NormVerdict] = field(default_factory=dict)
+    stream_readers: list[set[str]] = field(default_factory=list)  # per reported stream: its edited readers
+    rms_streams: dict[str, int] = field(default_factory=dict)  # an all-RMSNorm component's first norm -> stream
+    uses: dict[tuple, tuple[list, list]] = field(default_factory=dict)
+    owner: dict[tuple, int] = field(default_factory=dict)  # (value, user, input) -> the stream that centers it first
+    scaled_by: dict[str, int] = field(default_factory=dict)  # LayerScale Mul -> its stream
+
+    def use(self, ref_value: str, user: str, idx: int) -> tuple[list, list]:
+        return self.uses.setdefault((ref_value, user, idx), ([], []))
+
+
 def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
-    """The edits of every foldable component: what the analysis and the request allow."""
-    refuse, zero, caps = request.refuse, request.zero, request.target
-    components = analyze(view)
-    plan = _Draft(mode=mode, components=components, report=Report(mode=mode),
+    """The edits of every foldable component: what the analysis and the request allow, decided
+    by the steps below in this order (each reads what the ones before it decided)."""
+    plan = _Draft(mode=mode, components=analyze(view), report=Report(mode=mode),
                   origins={n.name: n.origin for n in view.nodes.values() if n.origin != n.name})
+    work = _Work()
+    for step in (_fold_streams, _gamma_and_rotation, _bias_sources, _collect_const_edits, _layer_scales,
+                 _betas_and_fusion, _verdicts):
+        step(view, plan, request, work)
+    return plan
 
-    verdicts: dict[str, NormVerdict] = {}
-    stream_readers: list[set[str]] = []  # per reported stream: the nodes reading its edited constants
-    # (value, user, input) -> (reader ops, source ops): a constant can be both a CRMS reader's
-    # weight and a source of another stream; reader ops (on its input axis, or b + Wβ on a bias)
-    # come first, then centering, as C(b + Wβ) = C(b) + C(W)β.
-    uses: dict[tuple, tuple[list, list]] = {}
 
-    owner: dict[tuple, int] = {}  # (value, user, input) -> the stream that centers it first
-    scaled_by: dict[str, int] = {}  # LayerScale Mul -> its stream
-
-    def use(ref_value: str, user: str, idx: int) -> tuple[list, list]:
-        return uses.setdefault((ref_value, user, idx), ([], []))
-
-    rms_streams: dict[str, int] = {}  # an all-RMSNorm component's first norm -> its stream in the report
-    for comp in components:
+def _fold_streams(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """Each component's verdicts and edits: the centering of its sources (after their LayerScale),
+    β into the readers' biases, and for CRMS the compression the readers absorb."""
+    refuse, zero, caps, use = request.refuse, request.zero, request.target, work.use
+    for comp in plan.components:
         if comp.rms:
-            _as_given(view, plan, comp, verdicts, stream_readers, rms_streams)
+            _as_given(view, plan, comp, work.verdicts, work.stream_readers, work.rms_streams)
             continue
         reason = comp.reason() if not comp.foldable else (refuse(comp) if refuse else None)
         if reason:
             for n in comp.norms:  # each kept norm's reason names its own input
-                verdicts[n] = NormVerdict(n, "keep", comp.reason(n) if not comp.foldable else reason,
-                                          blockers=comp.blocker_texts())
+                work.verdicts[n] = NormVerdict(n, "keep", comp.reason(n) if not comp.foldable else reason,
+                                               blockers=comp.blocker_texts())
             continue
         k = len(plan.report.streams)
         edits, readers = _stream_edits(view, comp)
         plan.report.streams.append(edits)
-        stream_readers.append(readers)
+        work.stream_readers.append(readers)
         for n in comp.norms:
-            verdicts[n] = NormVerdict(n, "fold", recentered=bool(comp.opaque), stream=k)
+            work.verdicts[n] = NormVerdict(n, "fold", recentered=bool(comp.opaque), stream=k)
         plan.swaps.extend(comp.norms)
         plan.recenters.extend(Recenter(o.value, o.axis) for o in comp.opaque)
-        cc = compress(view, comp) if mode == "crms" else None
+        cc = compress(view, comp) if plan.mode == "crms" else None
         if cc is not None:
             plan.compressions.append(cc)
         shrink = cc is not None and cc.compressed
@@ -384,7 +398,7 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                 plan.new_biases.extend(NewBias(node, add, w.value, w) for node, add, w in bf.new)
         for src in comp.sources:
             for s in src.scales:
-                scaled_by.setdefault(s.user, k)
+                work.scaled_by.setdefault(s.user, k)
                 ops = use(s.value, s.user, s.user_input)[1]
                 narrows = shrink and size_along(view, s.value, s.axis) != 1
                 ops[:] = [Ones()] + ([_drop_last(s.axis, cc.width)] if narrows else [])
@@ -392,40 +406,49 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
                 key = (ref.value, ref.user, ref.user_input)
                 ops = use(*key)[1]
                 center = _center(ref)
-                if owner.setdefault(key, k) != k:  # disjoint runs of one constant, another stream's
+                if work.owner.setdefault(key, k) != k:  # disjoint runs of one constant, another stream's
                     ops.append(center)
                     continue
                 ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [center]
                 if shrink and ref.axis is not None and size_along(view, ref.value, ref.axis) != 1:
                     ops.append(_drop_last(ref.axis, cc.width))
         if shrink:
-            for a in cc.absorbs:
-                w = a.read.weight
-                ops = use(w.value, w.user, w.user_input)[0]
-                if a.gamma is not None:
-                    ops.append(Scale(a.gamma, 0, w.axis))
-                ops.append(FoldDecompression(w.axis))
-                if a.beta is None:
-                    continue
-                add = AddWeightTimes(w.value, w.axis, a.beta)
-                if a.read.bias is not None:
-                    b = a.read.bias
-                    use(b.value, b.user, b.user_input)[0].append(add)
-                else:
-                    plan.new_biases.append(NewBias(a.node, add, w.value, w))
-
-    plan.report.rms_norms = [RmsNorm(n.name, n.op, stream=rms_streams.get(_first_norm(components, n.name)))
+            _absorb_compression(plan, cc, use)
+    plan.report.rms_norms = [RmsNorm(n.name, n.op, stream=work.rms_streams.get(_first_norm(plan.components, n.name)))
                              for n in view.rms_norms()]
-    if request.gamma_into_readers:
-        _gamma_and_rotation(view, plan, request, use, verdicts, rms_streams)
 
-    # W β joins the reader's output: it takes the source edits too
-    plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis) for op in uses.get(
+
+def _absorb_compression(plan: _Draft, cc: ComponentCompression, use: Callable) -> None:
+    """CRMS: each compressed reader's weight takes γ and the decompression, its bias W β."""
+    for a in cc.absorbs:
+        w = a.read.weight
+        ops = use(w.value, w.user, w.user_input)[0]
+        if a.gamma is not None:
+            ops.append(Scale(a.gamma, 0, w.axis))
+        ops.append(FoldDecompression(w.axis))
+        if a.beta is None:
+            continue
+        add = AddWeightTimes(w.value, w.axis, a.beta)
+        if a.read.bias is not None:
+            b = a.read.bias
+            use(b.value, b.user, b.user_input)[0].append(add)
+        else:
+            plan.new_biases.append(NewBias(a.node, add, w.value, w))
+
+
+def _bias_sources(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """W β joins the reader's output: a new bias takes its weight's source edits too."""
+    plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis) for op in work.uses.get(
                               (nb.weight.value, nb.weight.user, nb.weight.user_input), ([], []))[1]))
                           for nb in plan.new_biases]
 
+
+def _collect_const_edits(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """One ConstEdit per constant and ops; a constant other nodes read too is cloned, and the
+    stream whose readers it edits says so."""
+    zero = request.zero
     plan.const_edits += const_edits(view, ((value, tuple(reader_ops + source_ops), (user, idx))
-                                           for (value, user, idx), (reader_ops, source_ops) in uses.items()))
+                                           for (value, user, idx), (reader_ops, source_ops) in work.uses.items()))
     for e in (e for e in plan.const_edits if e.clone):
         others = sorted(set(view.values[e.value].consumers) - set(e.users))
         # exporters de-duplicate equal initializers: one all-zero tensor is then a bias and a β
@@ -434,34 +457,45 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
         note = (f"`{e.value}`: also read by {view.nodes[others[0][0]].describe()}"
                 + (f" and {len(others) - 1} more" if len(others) > 1 else "") + shared
                 + (", which keep" if len(others) > 1 else ", which keeps") + " the original")
-        for s, readers_of_s in zip(plan.report.streams, stream_readers):
+        for s, readers_of_s in zip(plan.report.streams, work.stream_readers):
             if any(u[0] in readers_of_s for u in e.users) and note not in s.cloned:
                 s.cloned.append(note)
 
-    for mul, k in scaled_by.items():
+
+def _layer_scales(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """A LayerScale Mul whose γ went into its sources' weights (Ones) goes, where nothing else needs it."""
+    for mul, k in work.scaled_by.items():
         if _bypassable(view, mul):
             plan.drop_muls.append(mul)
             plan.report.streams[k].dropped.append(view.nodes[mul].describe())
+
+
+def _betas_and_fusion(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """Each swapped norm's β as the report says it, and the residual Adds the target fuses into it."""
+    caps = request.target
     crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
     for name in plan.swaps:
         if name in crms_norms:
-            verdicts[name].beta = _crms_beta(view, crms_norms[name])
+            work.verdicts[name].beta = _crms_beta(view, crms_norms[name])
             continue
-        verdicts[name].beta = plan.betas[name].describe() if name in plan.betas else ""
+        work.verdicts[name].beta = plan.betas[name].describe() if name in plan.betas else ""
         if caps.fuses_residual is not None and _fusable(view, name, plan, caps.fuses_residual):
             plan.fuse_residual.append(name)
-            plan.report.streams[verdicts[name].stream].fused.append(name)
+            plan.report.streams[work.verdicts[name].stream].fused.append(name)
+
+
+def _verdicts(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """The report's records in the graph's order: every norm's verdict, near misses, compressions."""
     for node in view.norms():
-        if node.name not in verdicts:
-            verdicts[node.name] = NormVerdict(node.name, "keep", node.norm_rejection or "not analyzed")
-    plan.report.norms = [verdicts[n.name] for n in view.norms()]
+        if node.name not in work.verdicts:
+            work.verdicts[node.name] = NormVerdict(node.name, "keep", node.norm_rejection or "not analyzed")
+    plan.report.norms = [work.verdicts[n.name] for n in view.norms()]
     plan.report.near_misses = [NearMiss(name, m.reason) for name, m in view.near_misses.items()]
     plan.report.recentered = len(plan.recenters)
     for cc in plan.compressions:
         plan.report.compression.append(CompressionVerdict(
             list(cc.norms), "compressed" if cc.compressed else "rms", cc.reason, cc.width,
             cc.decompressions))
-    return plan
 
 
 def _as_given(view: View, plan: _Draft, comp: Component, verdicts, stream_readers, rms_streams) -> None:
@@ -484,11 +518,15 @@ def _first_norm(components: list[Component], norm: str) -> Optional[str]:
     return next((c.norms[0] for c in components if norm in c.norms), None)
 
 
-def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams) -> None:
+def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
     """γ into the readers' weights (passes/gamma.py), then each folded stream's rotation
     (passes/rotate.py): reader ops (Scale by γ, then Project of the input side) and source ops
     (after the centering: Project of the output side), all float64 with the other edits. The
-    streams of RMSNorms as given (`rms_streams`) alike, with nothing centered."""
+    streams of RMSNorms as given (`rms_streams`) alike, with nothing centered. Asked for only
+    with gamma_into_readers (a rotation and a slice imply it)."""
+    if not request.gamma_into_readers:
+        return
+    use, verdicts, rms_streams = work.use, work.verdicts, work.rms_streams
     caps = request.target
     swaps = frozenset(plan.swaps)
     refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
