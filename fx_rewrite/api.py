@@ -23,7 +23,7 @@ from torch import fx
 from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, geometry, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
 from ..passes.calibration import check_calibration
-from ..passes.options import FoldOptions, check_choice
+from ..passes.options import APPROX_MODE, FoldOptions, check_choice
 from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
@@ -288,15 +288,14 @@ def analyze_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] 
                                                                  make_plan, synthetic=synthetic))
 
 
-def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, calibration, budget,
-                heldout=None, metric=None, defer: str = "off", verify: bool = True, dynamic: bool = True) -> FoldResult:
+def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], opts: FoldOptions, *, calibration,
+                budget, heldout=None, metric=None, dynamic: bool = True) -> FoldResult:
     """`fold_module(mode="rms-approx")`: passes/approx.swap_within_budget over eager runs of folds that
     differ only in the kept norms swapped (RMSNorm, β kept; NOT exact). `calibration`: an args tuple
     or a list of them; `heldout` likewise (default: passes/calibration.split's rule)."""
     approx.check_budget(budget)
     check_calibration(calibration, approx.CALIBRATED)
     data = calibration_io.split(calibration_io.batches_of(calibration, tuple(args))[0], heldout)
-    opts = FoldOptions(defer=defer, verify=verify)
     folds = ExportFolds(module, tuple(args), dict(kwargs or {}), opts, dynamic=dynamic)
     return approx.swap_within_budget(folds, data, budget, make_plan, metric=metric)
 
@@ -317,12 +316,11 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     only on a zero-mean input), "-keep-ln" rotations keep its choice. Raises NothingToFold when no
     LayerNorm can be folded, VerificationError when the folded module's outputs on `args` differ.
     """
-    if mode == approx.MODE:  # NOT exact: see fold_approx
-        approx.check_not_rotated(gamma_into_readers, rotate)
-        return fold_approx(module, args, kwargs, calibration=calibration, budget=budget, heldout=heldout,
-                           metric=metric, defer=defer, verify=verify, dynamic=dynamic)
     opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
                        rotate=rotate, seed=seed)
+    if opts.mode == APPROX_MODE:  # NOT exact: see fold_approx
+        return fold_approx(module, args, kwargs, opts, calibration=calibration, budget=budget, heldout=heldout,
+                           metric=metric, dynamic=dynamic)
     check_choice("norm", norm, ("auto",) + NORMS)
     frontend = ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm=norm, dynamic=dynamic)
     return pipeline.fold(frontend, verify=opts.verify, planner=make_plan)

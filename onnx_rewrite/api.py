@@ -15,12 +15,12 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, View, make_plan, pipeline
-from ..passes.options import FoldOptions
+from ..passes.options import APPROX_MODE, FoldOptions
 from ..passes.calibration import check_calibration
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
 from ..passes import approx, geometry
-from ..passes.approx import METADATA_KEY as APPROX_KEY, MODE as APPROX_MODE
+from ..passes.approx import METADATA_KEY as APPROX_KEY
 
 from . import approx as approx_io
 from . import read, subgraphs, targets, validate, write
@@ -296,25 +296,21 @@ def fold_model(
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
         verify = verify_outputs
-    if mode == APPROX_MODE:
-        approx.check_not_rotated(gamma_into_readers, rotate)
-        return fold_approx(as_model(model), calibration=calibration, budget=budget, heldout=heldout, metric=metric,
-                           defer=defer, verify=verify, target=target, device=device, progress=progress)
-    return fold_file(None, model, None, mode=mode, defer=defer, verify=verify, target=target, device=device,
-                     inputs=inputs, dims=dims, progress=progress, gamma_into_readers=gamma_into_readers, rotate=rotate,
-                     seed=seed)
-
-
-def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str = "off", verify: bool = True,
-              target: str = "ort", device: str = "cpu", inputs=None, dims: Optional[dict] = None,
-              progress: Progress = None, layout=None, gamma_into_readers: bool = False,
-              rotate: Optional[str] = None, seed: int = 0) -> FoldResult:
-    """`fold_model` of `model` (loaded from the file `src`), written to `dst` atomically (its
-    weights as `layout` says: write.data_layout): the written files are verified against `src`
-    (any size: onnxruntime reads them) and published only when verification passes (the
-    `lnfold fold` command). With `dst` None: fold_model, in memory."""
     opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
                        rotate=rotate, seed=seed)
+    if opts.mode == APPROX_MODE:
+        return fold_approx(as_model(model), opts, calibration=calibration, budget=budget, heldout=heldout,
+                           metric=metric, target=target, device=device, progress=progress)
+    return fold_file(None, model, None, opts, target=target, device=device, inputs=inputs, dims=dims,
+                     progress=progress)
+
+
+def fold_file(src, model: onnx.ModelProto, dst, opts: FoldOptions, *, target: str = "ort", device: str = "cpu",
+              inputs=None, dims: Optional[dict] = None, progress: Progress = None, layout=None) -> FoldResult:
+    """`fold_model` of `model` (loaded from the file `src`) with the options `opts`, written to
+    `dst` atomically (its weights as `layout` says: write.data_layout): the written files are
+    verified against `src` (any size: onnxruntime reads them) and published only when verification
+    passes (the `lnfold fold` command). With `dst` None: fold_model, in memory."""
     tgt = targets.resolve(target, device)
     model = as_model(model)
     if opts.verify:  # bad inputs or dims are the user's error: say so before any work
@@ -324,15 +320,15 @@ def fold_file(src, model: onnx.ModelProto, dst, *, mode: str = "rms", defer: str
     return run_frontend(frontend, progress)
 
 
-def fold_approx(model: onnx.ModelProto, *, calibration, budget, heldout=None, metric=None, defer: str = "off",
-                verify: bool = True, target: str = "ort", device: str = "cpu", progress: Progress = None,
+def fold_approx(model: onnx.ModelProto, opts: FoldOptions, *, calibration, budget, heldout=None, metric=None,
+                target: str = "ort", device: str = "cpu", progress: Progress = None,
                 output=None, source=None, layout=None) -> FoldResult:
     """Mode "rms-approx" (see fold_model): passes/approx.swap_within_budget over onnxruntime runs of
     folds that differ only in the kept norms swapped. Written to `output` when given."""
     approx.check_budget(budget)
     check_calibration(calibration, approx.CALIBRATED)
     data = approx_io.calibration_data(model, calibration, heldout)
-    folds = OnnxFolds(model, FoldOptions(defer=defer, verify=verify), targets.resolve(target, device),
+    folds = OnnxFolds(model, opts, targets.resolve(target, device),
                       inputs=data.deciding[0], progress=progress, written=dict(output=output, source=source,
                                                                                 layout=layout))
     return approx.swap_within_budget(folds, data, budget, make_plan, metric=metric, progress=progress)

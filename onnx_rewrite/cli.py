@@ -16,28 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..passes import LnfoldError, NothingToFold, approx, pipeline
-from ..passes.approx import MODE as APPROX_MODE
-from ..passes.calibration import check_calibration
-from ..passes.options import (DEFER_POLICIES, MODES, ROTATIONS, as_argument, check_output, check_seconds,
-                               check_threads)
-from .targets import DEVICES, names as target_names
+from ..passes import LnfoldError, NothingToFold, pipeline
+from ..passes.options import (APPROX_MODE, MODE_HELP, OPTIONS, PLAN_MODES, as_argument, check_output,
+                               check_seconds, check_threads, options_from)
+from .targets import DEVICE, TARGET
 
 # Above this size the command reports its stages on stderr.
 PROGRESS_BYTES = 300 * 2**20
 
-
-_MODE_HELP = ("rms (default): each folded LayerNorm becomes an RMSNorm over the same d features; "
-              "crms: CRMSNorm, the zero-mean stream carried in d-1 features (its last feature is minus the "
-              "sum of the others); readers absorb gamma, beta and the decompression; a stream that cannot "
-              "be compressed stays RMSNorm and the report says why. crms is exact and saves 1/d of the "
-              "stream's memory and multiply-adds, but in onnxruntime on CPU its norm (primitive ops) "
-              "measured 3.2x the RMS op and no end-to-end gain over rms (benchmarks/RESULTS.md)")
-
-_TARGET_HELP = ("ort (default): onnxruntime's SimplifiedLayerNormalization, the residual Add left separate "
-                "(--device cpu), or SkipSimplifiedLayerNormalization where a residual Add feeds the norm "
-                "(--device cuda); onnx: the standard RMSNormalization (opset 23; older models are "
-                "converted); portable: primitive ops (ReduceMean, Sqrt, Reciprocal, Mul, Add) any runtime runs")
 
 _HINT = "lnfold: give a command: fold, report, quantize, bench or demo (`lnfold demo` folds a small GPT-2 end to end)"
 
@@ -65,34 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("-o", "--output", type=as_argument(check_output),
                    help="where to write the folded model (default: X.folded.onnx beside X.onnx; for a folder "
                         "DIR, DIR.folded); a model with external data comes back with its data file")
-    f.add_argument("--mode", choices=MODES + (APPROX_MODE,), default="rms",
-                   help=_MODE_HELP + f"; {APPROX_MODE}: NOT exact — after the exact fold, norms that cannot be folded "
-                                     "are swapped to RMSNorm while the outputs' relative error on --calibrate stays "
-                                     "within --budget (the written model's metadata says so)")
+    OPTIONS["mode"].add_to(f)
     f.add_argument("--calibrate", metavar="FILE.npz",
                    help=f"--mode {APPROX_MODE}: the inputs the budget is measured on (its batch's second half, or "
                         "--heldout, only reports)")
     f.add_argument("--budget", type=float, metavar="B",
                    help=f"--mode {APPROX_MODE}: the largest relative output error allowed (0: exact folds only)")
     f.add_argument("--heldout", metavar="FILE.npz", help=f"--mode {APPROX_MODE}: held-out inputs the error is reported on")
-    f.add_argument("--target", choices=target_names(), default="ort", help=_TARGET_HELP)
-    f.add_argument("--device", choices=DEVICES, default="cpu",
-                   help="where the ort target will run: cpu emits Add + SimplifiedLayerNormalization (fastest "
-                        "on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization")
-    f.add_argument("--defer", choices=DEFER_POLICIES, default="off",
-                   help="deferred normalization for norms read only by linear layers (γ into their weights, "
-                        "the row scale on their products): off (default: it never won in the measurements, "
-                        "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where "
-                        "the readers' outputs are narrower than d/2); on: wherever it is exact")
-    f.add_argument("--gamma-into-readers", action="store_true",
-                   help="move each folded norm's γ (and β) into the weights (biases) of the linear layers that "
-                        "read it, leaving unit-weight RMSNorms (exact; the report says where it could not)")
-    f.add_argument("--rotate", choices=ROTATIONS, default=None,
-                   help="rotate each folded stream by an orthogonal Q (exact; implies --gamma-into-readers): "
-                        "hadamard (a randomized Hadamard where the width allows one, else orthogonal), orthogonal "
-                        "(random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too")
-    f.add_argument("--seed", type=int, default=0, help="the rotation's seed (default 0)")
-    f.add_argument("--no-verify", action="store_true", help="skip the onnxruntime equivalence check")
+    for option in (TARGET, DEVICE, OPTIONS["defer"], OPTIONS["gamma_into_readers"], OPTIONS["rotate"],
+                   OPTIONS["seed"], OPTIONS["verify"]):
+        option.add_to(f)
     f.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="a transformers checkpoint folder: fold N shards at a time, in threads (default: 2 where "
                         "the machine has 2 cores; each adds about a shard's largest tensor to the memory)")
@@ -106,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="print every LayerNorm with its verdict and reason")
     r.add_argument("input", help="the ONNX model to analyze (nothing is written)")
     r.add_argument("--json", action="store_true", help="print a JSON object instead of a table")
-    r.add_argument("--mode", choices=MODES, default="rms", help=_MODE_HELP)
+    OPTIONS["mode"].add_to(r, help=MODE_HELP, choices=PLAN_MODES)
     r.add_argument("--calibrate", metavar="FILE.npz",
                    help="measure each norm's input on these inputs (an .npz, one array per model input): its angle "
                         "to the uniform vector 1 (mean, spread, worst) and |mean|/rms, before and after the fold")
@@ -234,20 +202,16 @@ def fold_file(src: Path, dst: Path, args):
         if out.resolve() in inputs:
             raise LnfoldError(f"{dst}: writing it would overwrite {out}, which the input model reads; "
                               "choose another path")
-    if args.mode == APPROX_MODE or args.budget is not None or args.calibrate:
-        if args.mode != APPROX_MODE:
+    opts = options_from(args)
+    if opts.mode == APPROX_MODE or args.budget is not None or args.calibrate:
+        if opts.mode != APPROX_MODE:
             raise LnfoldError(f"--calibrate and --budget belong to --mode {APPROX_MODE}")
-        approx.check_budget(args.budget)
-        check_calibration(args.calibrate, approx.CALIBRATED)
-        approx.check_not_rotated(args.gamma_into_readers, args.rotate)
-        result = fold_approx(model, calibration=args.calibrate, budget=args.budget, heldout=args.heldout,
-                             defer=args.defer, verify=not args.no_verify, target=args.target, device=args.device,
-                             progress=progress, output=dst, source=src, layout=layout)
+        result = fold_approx(model, opts, calibration=args.calibrate, budget=args.budget, heldout=args.heldout,
+                             target=args.target, device=args.device, progress=progress, output=dst, source=src,
+                             layout=layout)
     else:
-        result = fold_to_file(src, model, dst, mode=args.mode, target=args.target, device=args.device,
-                              defer=args.defer, verify=not args.no_verify, inputs=args.inputs,
-                              dims=parse_dims(args.dim), progress=progress, layout=layout,
-                              gamma_into_readers=args.gamma_into_readers, rotate=args.rotate, seed=args.seed)
+        result = fold_to_file(src, model, dst, opts, target=args.target, device=args.device, inputs=args.inputs,
+                              dims=parse_dims(args.dim), progress=progress, layout=layout)
     result.timings = {"loading": loading, **result.timings}  # (the stages in the order they ran)
     return result
 

@@ -1,4 +1,5 @@
-"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block] [--json]`:
+"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block] [--target T]
+[--device D] [--json]`:
 the command line of onnx_rewrite/slice.py (NOT exact), built and run as quantize_cli.py's.
 """
 from __future__ import annotations
@@ -7,6 +8,7 @@ import argparse
 import time
 
 from .quantize_cli import file_command, file_paths, write_and_report
+from .targets import DEVICE, TARGET
 
 _DESCRIPTION = ("Fold the LayerNorms exactly with their weights in the readers (verified), then carry each "
                 "residual stream that can be rotated in its first k = d - round(F*d) principal directions on "
@@ -29,6 +31,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--per-block", action="store_true",
                    help="a basis per block input (SliceGPT's scheme): each residual shortcut gets a k x k MatMul "
                         "between consecutive bases; a stream whose residual Adds do not allow it keeps one basis")
+    TARGET.add_to(s)
+    DEVICE.add_to(s)
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return s
 
@@ -38,5 +42,6 @@ def run(args) -> int:
 
     src, dst = file_paths(args)
     t0 = time.perf_counter()
-    result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget, per_block=args.per_block)
+    result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget, per_block=args.per_block,
+                         target=args.target, device=args.device)
     return write_and_report(result, dst, t0, args.json, "sliced")

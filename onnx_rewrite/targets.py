@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..passes.defer import ORT_CPU
-from ..passes.options import check_choice
+from ..passes.options import Option, check_choice
 from ..passes.request import Capabilities
 
 DEVICES = ("cpu", "cuda")  # where the ort target runs
@@ -55,3 +55,13 @@ def resolve(name: str, device: str) -> Target:
     check_choice("target", name, names())
     check_choice("device", device, DEVICES)
     return _TARGETS.get((name, device)) or _TARGETS[(name, None)]
+
+
+# The emission's options, declared as passes/options.OPTIONS are (the fold's and the slice's flags)
+TARGET = Option("target", str, "ort", "ort (default): onnxruntime's SimplifiedLayerNormalization, the residual Add "
+                "left separate (--device cpu), or SkipSimplifiedLayerNormalization where a residual Add feeds the "
+                "norm (--device cuda); onnx: the standard RMSNormalization (opset 23; older models are converted); "
+                "portable: primitive ops (ReduceMean, Sqrt, Reciprocal, Mul, Add) any runtime runs", choices=names())
+DEVICE = Option("device", str, "cpu", "where the ort target will run: cpu emits Add + SimplifiedLayerNormalization "
+                "(fastest on onnxruntime's CPU kernels), cuda the fused SkipSimplifiedLayerNormalization",
+                choices=DEVICES)

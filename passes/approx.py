@@ -20,12 +20,12 @@ import numpy as np
 from . import calibration, search
 from .calibration import Data, Folds, Planner
 from .errors import LnfoldError, NothingToFold
+from .options import APPROX_MODE
 from .metric import relative_error  # the default metric (passes/metric.py)
 from .pipeline import Progress, stage
 from .result import FoldResult
 
-MODE = "rms-approx"
-CALIBRATED = (f"--mode {MODE}", "the error budget is measured on them")  # (calibration.check_calibration)
+CALIBRATED = (f"--mode {APPROX_MODE}", "the error budget is measured on them")  # (calibration.check_calibration)
 METADATA_KEY = "lnfold_approximate"
 
 # metric(reference outputs, approximate outputs) -> error (0 = the same); the default is `relative_error`
@@ -36,7 +36,7 @@ def check_budget(budget) -> float:
     """The budget as a float >= 0; a missing or bad one is a one-line error (the approximate swap
     never runs without one)."""
     if budget is None:
-        raise LnfoldError(f"--mode {MODE} needs an error budget (--budget B, e.g. 0.01; API: budget=): "
+        raise LnfoldError(f"--mode {APPROX_MODE} needs an error budget (--budget B, e.g. 0.01; API: budget=): "
                           "it swaps norms that cannot be folded exactly, and only within a measured budget")
     try:
         b = float(budget)
@@ -45,14 +45,6 @@ def check_budget(budget) -> float:
     if not math.isfinite(b) or b < 0:
         raise LnfoldError(f"budget must be a finite number >= 0, got {budget!r}")
     return b
-
-
-def check_not_rotated(gamma_into_readers, rotate) -> None:
-    """The approximate swap keeps β and γ on kept norms' uncentered streams; it is not combined
-    with γ into the readers or a rotation (both assume every swapped norm's input is zero-mean)."""
-    if rotate is not None or gamma_into_readers:
-        raise LnfoldError(f"--mode {MODE} is not combined with --gamma-into-readers or --rotate "
-                          "(they need exactly folded norms)")
 
 
 @dataclass

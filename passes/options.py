@@ -1,32 +1,24 @@
-"""The fold's options, checked in one place: every entry point builds a `FoldOptions` from its
-keywords, so a bad value is the same one-line `LnfoldError` wherever it is given. What a frontend
-emits (ONNX targets and devices, the torch `norm=`) is the frontend's to check, with `check_choice`.
+"""The fold's options, declared once (`OPTIONS`: name, type, default, help, choices, check and a
+search space) and checked in one place: every entry point builds a `FoldOptions` from its keywords,
+so a bad value is the same one-line `LnfoldError` wherever it is given, and every command adds its
+flags from the same declarations (`Option.add_to`, `options_from`). What a frontend emits (ONNX
+targets and devices, the torch `norm=`) is the frontend's to declare, with the same `Option`.
 """
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional
 
 from .errors import LnfoldError
 
-MODES = ("rms", "crms")  # RMSNorm, or CRMSNorm with the stream compressed to d-1 features
+PLAN_MODES = ("rms", "crms")  # RMSNorm, or CRMSNorm with the stream compressed to d-1 features
+APPROX_MODE = "rms-approx"  # NOT exact: kept norms swapped for RMSNorm under a measured budget (passes/approx.py)
+MODES = PLAN_MODES + (APPROX_MODE,)
 DEFER_POLICIES = ("auto", "on", "off")  # deferred normalization (passes/defer.py)
 # stream rotations (passes/rotate.py, passes/orthogonal.py); "-keep-ln": Q·1 = 1, stock LayerNorms stay exact
 ROTATIONS = ("hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln")
-
-
-def check_rotation(rotate, seed, gamma_into_readers, mode: str) -> None:
-    """The rotation options (FoldOptions and PlanRequest alike): a bad one is a one-line LnfoldError."""
-    if rotate is not None:
-        check_choice("rotation", rotate, ROTATIONS)
-        if mode != "rms":
-            raise LnfoldError(f"rotate={rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise LnfoldError(f"seed must be a non-negative integer, got {seed!r}")
-    if gamma_into_readers not in (True, False):
-        raise LnfoldError(f"gamma_into_readers must be True or False, got {gamma_into_readers!r}")
 
 
 def check_choice(what: str, value, allowed: tuple) -> str:
@@ -36,27 +28,127 @@ def check_choice(what: str, value, allowed: tuple) -> str:
     return value
 
 
+def _check_bool(name: str) -> Callable[[Any], bool]:
+    def check(value) -> bool:
+        if value not in (True, False):
+            raise LnfoldError(f"{name} must be True or False, got {value!r}")
+        return bool(value)
+    return check
+
+
+def check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise LnfoldError(f"seed must be a non-negative integer, got {seed!r}")
+    return seed
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option, declared once: its Python keyword `name` (the flag is --name with dashes; a
+    boolean whose default is True is the flag --no-name), `type`, `default`, `help`, the `choices`
+    it takes (None allowed where the default is None), a `check` (value -> value, or a one-line
+    LnfoldError) and the values a search may try (`search`: Olive's search space, where one makes
+    sense). `cli_default`: the flag's default where the command line's differs."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple = ()
+    check: Optional[Callable[[Any], Any]] = None
+    search: tuple = ()
+    what: str = ""  # what a message calls a value of it ("rotation"); default: the name
+
+    @property
+    def flag(self) -> str:
+        name = self.name.replace("_", "-")
+        return f"--no-{name}" if self.type is bool and self.default is True else f"--{name}"
+
+    def checked(self, value):
+        """`value` when it is allowed (checked), else a one-line LnfoldError."""
+        if self.choices and not (value is None and self.default is None):
+            check_choice(self.what or self.name.replace("_", " "), value, self.choices)
+        if self.type is bool:
+            return _check_bool(self.name)(value)
+        return self.check(value) if self.check is not None else value
+
+    def add_to(self, parser, *, help: Optional[str] = None, choices: Optional[tuple] = None) -> None:
+        """This option's flag on an argparse parser (`help`/`choices`: a command's own wording or subset)."""
+        text = help or self.help
+        if self.type is bool:  # a switch: --name sets True, --no-name (default True) sets False
+            parser.add_argument(self.flag, dest=self.flag[2:].replace("-", "_"), action="store_true", help=text)
+            return
+        kw = dict(type=as_argument(self.check, self.type) if self.check else self.type, default=self.default,
+                  help=text)
+        if self.choices:
+            kw = dict(choices=choices or self.choices, default=self.default, help=text)
+        parser.add_argument(self.flag, **kw)
+
+    def value_in(self, args) -> Any:
+        """The option's value in an argparse Namespace this option's `add_to` declared."""
+        if self.type is bool and self.default is True:
+            return not getattr(args, self.flag[2:].replace("-", "_"))
+        return getattr(args, self.name)
+
+
+MODE_HELP = ("rms (default): each folded LayerNorm becomes an RMSNorm over the same d features; "
+             "crms: CRMSNorm, the zero-mean stream carried in d-1 features (its last feature is minus the "
+             "sum of the others); readers absorb gamma, beta and the decompression; a stream that cannot "
+             "be compressed stays RMSNorm and the report says why. crms is exact and saves 1/d of the "
+             "stream's memory and multiply-adds, but in onnxruntime on CPU its norm (primitive ops) "
+             "measured 3.2x the RMS op and no end-to-end gain over rms (benchmarks/RESULTS.md)")
+
+OPTIONS = {o.name: o for o in (
+    Option("mode", str, "rms", MODE_HELP + f"; {APPROX_MODE}: NOT exact — after the exact fold, norms that cannot "
+           "be folded are swapped to RMSNorm while the outputs' relative error on --calibrate stays within --budget "
+           "(the written model's metadata says so)", choices=MODES),
+    Option("defer", str, "off", "deferred normalization for norms read only by linear layers (γ into their "
+           "weights, the row scale on their products): off (default: it never won in the measurements, "
+           "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where the readers' "
+           "outputs are narrower than d/2); on: wherever it is exact", choices=DEFER_POLICIES, what="defer policy"),
+    Option("verify", bool, True, "skip the verification against float64 (the gate, passes/gate.py)"),
+    Option("gamma_into_readers", bool, False, "move each folded norm's γ (and β) into the weights (biases) of the "
+           "linear layers that read it, leaving unit-weight RMSNorms (exact; the report says where it could not)"),
+    Option("rotate", str, None, "rotate each folded stream by an orthogonal Q (exact; implies "
+           "--gamma-into-readers): hadamard (a randomized Hadamard where the width allows one, else orthogonal), "
+           "orthogonal (random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too",
+           choices=ROTATIONS, search=(None,) + ROTATIONS[:2], what="rotation"),
+    Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
+)}
+
+
 @dataclass(frozen=True)
 class FoldOptions:
-    """What any fold was asked to do (the frontend-neutral options)."""
+    """What any fold was asked to do (the frontend-neutral options; OPTIONS declares each field)."""
 
-    mode: str = "rms"
-    defer: str = "off"
-    verify: bool = True
+    mode: str = OPTIONS["mode"].default
+    defer: str = OPTIONS["defer"].default
+    verify: bool = OPTIONS["verify"].default
     # γ (and β) of each folded norm into its readers' weights (passes/gamma.py); a rotation implies it
-    gamma_into_readers: bool = False
-    rotate: Optional[str] = None  # one of ROTATIONS (passes/rotate.py)
-    seed: int = 0  # the rotation's random signs / Gaussian matrix
+    gamma_into_readers: bool = OPTIONS["gamma_into_readers"].default
+    rotate: Optional[str] = OPTIONS["rotate"].default  # one of ROTATIONS (passes/rotate.py)
+    seed: int = OPTIONS["seed"].default  # the rotation's random signs / Gaussian matrix
 
     def __post_init__(self) -> None:
-        check_choice("mode", self.mode, MODES)
-        check_choice("defer policy", self.defer, DEFER_POLICIES)
-        if self.verify not in (True, False):
-            raise LnfoldError(f"verify must be True or False, got {self.verify!r}")
-        object.__setattr__(self, "verify", bool(self.verify))
-        check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
+        for f in fields(self):
+            object.__setattr__(self, f.name, OPTIONS[f.name].checked(getattr(self, f.name)))
+        if self.mode == APPROX_MODE and (self.rotate is not None or self.gamma_into_readers):
+            # the approximate swap keeps β and γ on kept norms' uncentered streams; γ into the readers
+            # and a rotation assume every swapped norm's input is zero-mean
+            raise LnfoldError(f"--mode {APPROX_MODE} is not combined with --gamma-into-readers or --rotate "
+                              "(they need exactly folded norms)")
         if self.rotate is not None:
+            if self.mode != "rms":
+                raise LnfoldError(f"rotate={self.rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")
             object.__setattr__(self, "gamma_into_readers", True)
+
+
+def options_from(args, **overrides) -> FoldOptions:
+    """The FoldOptions of a command whose parser added the options' flags (`Option.add_to`);
+    the ones it did not add keep their defaults (or `overrides`)."""
+    given = {f.name: OPTIONS[f.name].value_in(args) for f in fields(FoldOptions)
+             if hasattr(args, f.name) or hasattr(args, OPTIONS[f.name].flag[2:].replace("-", "_"))}
+    return FoldOptions(**{**given, **overrides})
 
 
 # --- the command line's numbers and paths: checked as argparse reads them (`as_argument`), and by

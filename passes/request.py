@@ -10,7 +10,7 @@ from typing import Callable, Mapping, Optional
 from .analysis import Component
 from .defer import EAGER, Costs
 from .errors import LnfoldError
-from .options import DEFER_POLICIES, MODES, FoldOptions, check_choice, check_rotation
+from .options import APPROX_MODE, PLAN_MODES, FoldOptions, check_choice
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,10 @@ class PlanRequest:
     bases: Optional[Mapping[str, tuple]] = None
 
     def __post_init__(self) -> None:
-        check_choice("mode", self.mode, MODES)
-        check_choice("defer policy", self.defer, DEFER_POLICIES)
-        check_rotation(self.rotate, self.seed, self.gamma_into_readers, self.mode)
+        check_choice("mode", self.mode, PLAN_MODES)  # (rms-approx asks for `approx` norms in mode rms)
+        # the options' checks: FoldOptions' own (one declaration, passes/options.OPTIONS)
+        FoldOptions(mode=self.mode, defer=self.defer, gamma_into_readers=self.gamma_into_readers, rotate=self.rotate,
+                    seed=self.seed)
         if self.bases is not None and self.rotate is not None:
             raise LnfoldError("a stream is rotated by a seeded Q or projected on a given basis, not both")
         if self.rotate is not None or self.bases is not None:
@@ -81,6 +82,7 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                  approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None) -> PlanRequest:
     """The one way a frontend asks (the user's options were checked once, in FoldOptions): every entry
     point builds its request here, so a new option reaches all of them."""
-    return PlanRequest(options.mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
+    mode = "rms" if options.mode == APPROX_MODE else options.mode  # (its swaps come as `approx`)
+    return PlanRequest(mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
                        approx=approx, bases=bases)

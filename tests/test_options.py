@@ -181,3 +181,45 @@ def test_importing_and_folding_leave_graphsurgeons_logger_alone():
     root = pathlib.Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_option_declared_once_reaches_the_fold_command_and_the_api():
+    """passes/options.OPTIONS declares each FoldOptions field once: `lnfold fold` has its flag, a
+    non-default value on the command line comes back in FoldOptions (options_from), and the one
+    check refuses a bad value alike on the command line (usage error, exit 2) and in the API."""
+    import dataclasses
+
+    from lnfold.onnx_rewrite import cli
+    from lnfold.passes.options import OPTIONS, options_from
+
+    assert [f.name for f in dataclasses.fields(FoldOptions)] == list(OPTIONS)
+    args = cli.parse_args(["fold", "m.onnx", "--mode", "crms", "--defer", "auto", "--no-verify", "--seed", "7",
+                           "--gamma-into-readers"])
+    assert options_from(args) == FoldOptions(mode="crms", defer="auto", verify=False, seed=7, gamma_into_readers=True)
+    assert options_from(cli.parse_args(["fold", "m.onnx"])) == FoldOptions()
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["fold", "m.onnx", "--seed", "-1"])
+    assert e.value.code == 2
+    with pytest.raises(LnfoldError, match="seed must be a non-negative integer"):
+        FoldOptions(seed=-1)
+    # the same declaration reaches the slice command (the emission target) and report (a subset of modes)
+    assert cli.parse_args(["slice", "m.onnx", "-o", "s.onnx", "--fraction", "0.2", "--target", "portable"]).target == "portable"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["report", "m.onnx", "--mode", "rms-approx"])
+
+
+def test_slice_emits_the_target_asked_for(tmp_path, capsys):
+    """`lnfold slice --target portable`: the sliced model's norms are primitive ops, no onnxruntime contrib op."""
+    import onnx
+
+    from lnfold.onnx_rewrite import cli
+
+    from .test_slice import _files, stream_model
+
+    src, cal, out = _files(tmp_path, stream_model(span=12))
+    for target, op in (("ort", "SimplifiedLayerNormalization"), ("portable", None)):
+        assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal),
+                         "--target", target, "--json"]) == 0
+        ops = {n.op_type for n in onnx.load(str(out)).graph.node}
+        assert (op in ops) if op else not ops & {"SimplifiedLayerNormalization", "LayerNormalization"}, ops
+    capsys.readouterr()
