@@ -335,7 +335,9 @@ class Applier:
         """An RMSNorm as given (aten.rms_norm, or written out: `info.decomposed_rms`) as
         aten.rms_norm of its input with unit weight (γ went into the readers, or into the readout
         `how` carries), over a sliced stream's k features where `how` says so; its output cast to
-        the dtype the original's had (an fp32 upcast inside LlamaRMSNorm)."""
+        the dtype the original's had. It computes in the wider of its input's dtype and the dtype the
+        original computed in (LlamaRMSNorm's fp32 upcast of an fp16 x; a float64 model's norm is not
+        cast down to fp32 as LlamaRMSNorm does: never less precise than the original)."""
         written = self.info.decomposed_rms.get(name)
         node = self.nodes[name]
         if written is None:
@@ -348,14 +350,22 @@ class Applier:
             covered = [self.nodes[n] for n in written.nodes]
         resized = self._resized(how)
         width = meta_val(out).shape[-1] if resized is None else resized[0]
-        weight = None if resized is None else resized[1]
+        dtype = meta_val(x).dtype
+        if written is not None and meta_val(node).dtype.itemsize > dtype.itemsize:  # (node: its mean square)
+            dtype = meta_val(node).dtype
+        readout = self._readout(how)
         with self.graph.inserting_before(out):
-            y = self.dialect.rms_norm(self.graph, x, [width], weight, eps * how.eps_scale)
-            readout = self._readout(how)
-            if readout is not None:
-                y = self.graph.call_function(aten.matmul.default, (y, readout))
-            if meta_val(x).dtype != meta_val(out).dtype:
-                y = self.graph.call_function(aten.to.dtype, (y, meta_val(out).dtype))
+            y = self.graph.call_function(aten.to.dtype, (x, dtype)) if dtype != meta_val(x).dtype else x
+            if resized is not None:
+                resized = (resized[0], self.graph.call_function(aten.to.dtype, (resized[1], dtype)), resized[2])
+            y = self.dialect.rms_norm(self.graph, y, [width], None if resized is None else resized[1],
+                                      eps * how.eps_scale)
+            for want, matrix in ((readout.meta["val"].dtype, readout) if readout is not None else (dtype, None),
+                                 (meta_val(out).dtype, None)):
+                if want != dtype:
+                    y, dtype = self.graph.call_function(aten.to.dtype, (y, want)), want
+                if matrix is not None:
+                    y = self.graph.call_function(aten.matmul.default, (y, matrix))
         out.replace_all_uses_with(y)
         # the original's ops, and torch.export's dtype asserts on their values, in reverse order
         gone = set(covered)
