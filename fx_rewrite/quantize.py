@@ -38,7 +38,7 @@ from ..passes.pipeline import record
 from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_scheme, choose,
                                no_rotation_note, output_errors, report_of, rotated_streams, trial)
 from . import calibration as calibration_io
-from .api import export, fold_module, program_view
+from .api import _own_tensors, export, fold_module, program_view
 from .edits import attr_of
 from .verify import Verifier
 
@@ -56,6 +56,7 @@ class Prepared:
     notes: list
     gamma_into_readers: bool
     layers: dict  # new nn.Linear submodule -> the weight it holds (its state_dict name)
+    options: dict  # the fold options it was prepared with
 
 
 def _torchao():
@@ -276,8 +277,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
         q, trials = choose(lambda opts: prepare(opts), quantize, candidates=auto_candidates(backend),
                            plain=lambda: _plain_trial(module, names, reference, batches),
                            plain_name="plain torch.ao")
-        if verify:  # the chosen fold and rewrite, verified like any fold
-            _verify(module, args, kwargs, q.prepared)
+        if verify:  # the chosen fold and rewrite, verified like any fold (made again: q's is quantized)
+            prepare(q.prepared.options, True)
     else:
         q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify))
     prepared = q.prepared
@@ -294,10 +295,13 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 
 def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
              gamma_into_readers: Optional[bool] = None, dynamic: bool = True, verify: bool = True) -> Prepared:
-    """The exact steps: fold (γ into readers and rotation where asked), linear layers as nn.Linear,
-    verified together (float64) unless verify=False. A rotation that rotates no stream leaves γ in
-    the norms unless `gamma_into_readers=True` asks for it (as quantize_onnx: moved alone it made
-    weight quantization worse, issue 33)."""
+    """The exact steps: fold (γ into readers and rotation where asked), linear layers as nn.Linear.
+    `verify`: the fold through fold_module's gate (float64, with its probe of the kept LayerNorms),
+    then the module handed to the quantizer against the original in float64 (the rewrite, and the
+    fold again). A rotation that rotates no stream leaves γ in the norms unless
+    `gamma_into_readers=True` asks for it (as quantize_onnx: moved alone it made weight
+    quantization worse, issue 33)."""
+    options = dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers)
     gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
     if rotate and not gamma:
         raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
@@ -307,7 +311,7 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
     if fold:
         def run(gamma, rotate):
             return fold_module(module, args, kwargs, gamma_into_readers=gamma, rotate=rotate, seed=seed,
-                               verify=False, dynamic=dynamic)
+                               verify=verify, dynamic=dynamic)
         try:
             result = run(gamma, rotate)
             if rotate and gamma_into_readers is None and not rotated_streams(result):
@@ -320,22 +324,15 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
             notes.append(f"nothing folded ({e}); quantized as given")
     if gm is None:
         gm = program_view(export(module, args, kwargs, dynamic=dynamic))[0]
-        gm = copy.deepcopy(gm)  # (its own tensors: the program's are the module's)
+        _own_tensors(gm)  # (the program's tensors are the module's)
     layers = as_linear_modules(gm)
     if not layers:
         raise LnfoldError("no linear layer to quantize (no aten.linear or aten.addmm with a constant 2-D weight)")
-    prepared = Prepared(gm, result, notes, result is not None and gamma, layers)
-    if verify:
-        _verify(module, args, kwargs, prepared)
-    return prepared
-
-
-def _verify(module, args: tuple, kwargs: dict, prepared: Prepared) -> None:
-    """The fold's gate on the module handed to the quantizer: fold, γ, rotation and the nn.Linear
-    rewrite in one float64 run; its verdict is the fold result's."""
-    verdict = Verifier(module, args, kwargs).check(prepared.module)
-    if prepared.fold is not None:
-        record(prepared.fold, verdict)
+    if verify:  # the rewrite (and the fold under it): its verdict is the fold result's
+        verdict = Verifier(module, args, kwargs).check(gm)
+        if result is not None:
+            record(result, verdict)
+    return Prepared(gm, result, notes, result is not None and gamma, layers, options)
 
 
 def _plain_trial(module, names: list, reference: list, batches: list) -> dict:
