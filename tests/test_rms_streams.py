@@ -37,6 +37,8 @@ class _Graph(Builder):
 
     def rms(self, x: str, form: str) -> str:
         gamma = self.const("gamma", (self.rng.uniform(0.5, 2.0, D) * self.rng.choice([-1, 1], D)).astype(np.float32))
+        if form in ("gemma", "t5"):
+            return self.rms_upcast(x, form, gamma)
         if form == "simplified":
             return self.op("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=EPS)
         if form == "rmsnormalization":
@@ -50,6 +52,21 @@ class _Graph(Builder):
         if cast:
             n = self.op("Cast", [n], to=TensorProto.FLOAT)
         return self.op("Mul", [gamma, n])  # γ first, as dynamo writes `self.weight * h`
+
+    def rms_upcast(self, x: str, form: str, gamma: str) -> str:
+        """The mean square of x's fp32 Cast, then as GemmaRMSNorm writes it without constant folding
+        (Cast(x)·(1/rms) times Add(1, weight), weight = γ - 1, then Cast back) or as T5LayerNorm does
+        (the uncast x times 1/rms, Cast, γ·)."""
+        xs = self.op("Cast", [x], to=TensorProto.FLOAT)
+        sq = self.op("Pow", [xs, self.const("two", np.float32(2.0))])
+        ms = self.op("ReduceMean", [sq, self.const("axes", np.array([-1], np.int64))], keepdims=1)
+        inv = self.op("Reciprocal", [self.op("Sqrt", [self.op("Add", [ms, self.const("eps", np.float32(EPS))])])])
+        if form == "t5":
+            return self.op("Mul", [gamma, self.op("Cast", [self.op("Mul", [x, inv])], to=TensorProto.FLOAT)])
+        weight = self.inits[-1]  # (gamma's initializer) stored as γ - 1, read as 1 + weight
+        weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) - np.float32(1), weight.name))
+        gain = self.op("Add", [self.const("one", np.float32(1.0)), gamma])
+        return self.op("Cast", [self.op("Mul", [self.op("Mul", [xs, inv]), gain])], to=TensorProto.FLOAT)
 
 
 def llama_like(form: str = "decomposed", *, seed: int = 0, first=None, softmax: bool = False,
@@ -116,6 +133,45 @@ def test_an_rmsnorm_stream_rotates_exactly(form):
     feeds = _ids()
     want, got = _run(m, feeds), _run(r.model, feeds)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("form", ("gemma", "t5"))
+def test_gemmas_and_t5s_norms_rotate_exactly(form):
+    """GemmaRMSNorm's Add(1, weight) (computed once into γ: onnx_rewrite/already_rms.computed_gains)
+    and T5LayerNorm's division of the uncast x, each after an fp32 Cast of x."""
+    m = llama_like(form)
+    r = lnfold.fold_onnx(m, rotate="hadamard")
+    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), r
+    (s,) = r.report.streams
+    assert s.rotation.startswith("rotated (hadamard, d=32"), s.rotation
+    assert len(s.rms) == 3 and all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms)
+    assert not any(n.op_type in ("Pow", "Add") and "one" in " ".join(n.input) for n in r.model.graph.node)
+    feeds = _ids()
+    want, got = _run(m, feeds), _run(r.model, feeds)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_gemmas_gain_read_as_gamma_fails_verification(monkeypatch):
+    """Planted bug: the gain 1 + weight computed as the weight (its 1 read as 0)."""
+    from lnfold.onnx_rewrite import api
+
+    real = api.computed_gains
+
+    def gamma_only(graph):
+        for node in graph.nodes:
+            if node.op == "Add" and node.inputs[0].name.startswith("one"):
+                node.inputs[0].values = np.zeros_like(node.inputs[0].values)
+        real(graph)
+
+    monkeypatch.setattr(api, "computed_gains", gamma_only)
+    with pytest.raises(VerificationError):
+        lnfold.fold_onnx(llama_like("gemma"), rotate="hadamard")
+
+
+def test_gemmas_gain_slices_to_the_exact_fold():
+    r = lnfold.slice_onnx(llama_like("gemma"), {"input_ids": np.random.default_rng(3).integers(0, V, (16, T))},
+                          fraction=0.01)
+    assert r.report.streams[0].keep == D and r.report.error < 1e-5  # (float32: its rounding)
 
 
 def test_a_norm_whose_output_is_a_graph_output_reads_out_of_the_rotated_stream():
