@@ -201,8 +201,13 @@ class ExportFrontend:
         return name in self.attrs and not bool(self.tensor(name).any())
 
     def request(self) -> PlanRequest:
-        return request_from(self.opts, Capabilities(costs=EAGER), zero=self.zero, approx=self.approx,
-                            bases=self.bases)
+        return request_from(self.opts, Capabilities(costs=EAGER, resize_refusal=self._resize_refusal), zero=self.zero,
+                            approx=self.approx, bases=self.bases)
+
+    def _resize_refusal(self, norm: str) -> Optional[str]:
+        if norm in self.info.decomposed:  # (its mean, variance and γ ops read d features by shape)
+            return f"slicing the stream of a written-out LayerNorm ({norm}) is not implemented in the torch frontend"
+        return None
 
     def check(self, plan: Plan) -> None:
         check_plan(plan)

@@ -24,7 +24,7 @@ from torch import fx
 from ..passes import LnfoldError, Plan, View, compute_constants
 from ..passes.options import check_choice
 from ..passes.edits import ConstEdit, apply_ops, centers_rows
-from ..passes.plan import NormEmission
+from ..passes.plan import APPROXIMATE, AS_GIVEN, CRMS, DEFERRED, NormEmission
 
 from . import crms
 from .classify import GraphInfo, meta_val, norm_outputs
@@ -182,27 +182,23 @@ class Applier:
             self._shortcut(sc.node, sc.input, sc.matrix())
         for name in plan.drop_muls:
             self._bypass_mul(name)
-        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
-        # deferred norms are the caller's to emit after this (where W β + b lives depends on it:
-        # a buffer for fold_module, a recomputed graph input for the backend)
-        deferred = {d.norm for d in plan.deferral.deferred} if plan.deferral is not None else set()
-        for name in plan.swaps:
-            if name in deferred:
+        for how in plan.emissions.values():
+            node = self.nodes[how.norm]
+            if how.how == DEFERRED:
+                # the caller's to emit after this (where W β + b lives depends on it: a buffer for
+                # fold_module, a recomputed graph input for the backend)
                 continue
-            if name in crms_norms:
-                crms.swap(self, self.nodes[name], crms_norms[name])
+            if how.how == CRMS:
+                crms.swap(self, node, how.crms)
+            elif how.how == AS_GIVEN:  # RMSNorms as given, γ in their readers: emitted anew with unit weight
+                self._swap_rms(how.norm, how)
+            elif how.how == APPROXIMATE:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
+                if node.name in self.info.decomposed:
+                    self._swap(node, True)
+                else:  # even where folded norms stay layer_norm: on this stream only rms_norm is the swap
+                    swap_norm(self.graph, node, self.dialect, True)
             else:
-                how = plan.emissions[name]
-                self._swap(self.nodes[name], how.beta_add, how.unit_gamma, how.rms_only, self._readout(how),
-                           self._resized(how))
-        for name in plan.rms_swaps:  # RMSNorms as given, γ in their readers: emitted anew with unit weight
-            self._swap_rms(name, plan.emissions[name])
-        for name in plan.approx:  # not exact (passes/approx.py): RMSNorm on the uncentered stream, β kept
-            node = self.nodes[name]
-            if node.name in self.info.decomposed:
-                self._swap(node, True)
-            else:  # even where folded norms stay layer_norm: on this stream only rms_norm is the swap
-                swap_norm(self.graph, node, self.dialect, True)
+                self._swap(node, how.beta_add, how.unit_gamma, how.rms_only, self._readout(how), self._resized(how))
         crms.patch_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))

@@ -10,7 +10,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from ..passes import Plan, compute_constants
-from ..passes.plan import NormEmission
+from ..passes.plan import CRMS, DEFERRED, NormEmission
 from ..passes.defer import compute_biases
 
 from . import fused
@@ -102,9 +102,9 @@ class Emitter:
     # --- the plan ----------------------------------------------------------------------------
     def apply(self, plan: Plan, matches: dict[str, NormMatch]) -> None:
         """Execute `plan`: every decision is in it."""
-        deferred = {d.norm: d for d in plan.deferral.deferred} if plan.deferral is not None else {}
         # γ into the readers' weights is among the plan's edits; W β + b from the original weights
-        biases = compute_biases(plan.deferral, lambda n: const_values(self.info.tensors[n])) if deferred else {}
+        biases = compute_biases(plan.deferral, lambda n: const_values(self.info.tensors[n])) \
+            if plan.deferral is not None and plan.deferral.deferred else {}
         self.write_constants(plan, plan.const_edits, self.info.tensors.__getitem__, self.nodes.__getitem__)
         for rc in plan.recenters:
             self._recenter(rc.value, rc.axis, rc.matrix())
@@ -112,19 +112,13 @@ class Emitter:
             self._shortcut(self.nodes[sc.node], sc.input, sc.matrix())
         for name in plan.drop_muls:
             self.bypass_mul(self.nodes[plan.origin(name)])
-        crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
-        for name in plan.swaps:
-            if name in deferred:
-                deferred_norm.emit(self, matches[name], deferred[name], biases)
-            elif name in crms_norms:
-                crms.swap(self, matches[name], crms_norms[name])
+        for e in plan.emissions.values():  # (an RMSNorm as given or an approximate swap: the target's RMSNorm)
+            if e.how == DEFERRED:
+                deferred_norm.emit(self, matches[e.norm], e.deferred, biases)
+            elif e.how == CRMS:
+                crms.swap(self, matches[e.norm], e.crms)
             else:
-                self._swap(matches[name], plan.emissions[name])
-        for name in plan.rms_swaps:  # RMSNorms as given, γ in their readers: the target's RMSNorm, unit weight
-            self._swap(matches[name], plan.emissions[name])
-        for name in plan.approx:  # not exact (passes/approx.py): an RMSNorm on the uncentered stream, β kept
-            self._swap(matches[name], NormEmission(name, beta_add=True, unit_gamma=False, rms_only=True,
-                                                   fuse_residual=False))
+                self._swap(matches[e.norm], e)
         if self.retyped:
             (first, (stream, given)), more = sorted(self.retyped.items())[0], len(self.retyped) - 1
             self.notes.append(

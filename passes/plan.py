@@ -13,8 +13,8 @@ from . import beta as betas
 from . import gamma as gammas
 from .analysis import Component, analyze
 from .beta import BetaFold
-from .compress import ComponentCompression, compress, size_along
-from .defer import DeferDecision, gamma_edits, plan_deferral
+from .compress import ComponentCompression, CrmsNorm, compress, size_along
+from .defer import DeferDecision, Deferral, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamBasis, plan_rotation
@@ -47,17 +47,27 @@ class Readout:
         return dense(self.basis)[:, :self.keep].T * g[None, :]
 
 
+# How a swapped norm is emitted (NormEmission.how)
+FOLDED = "folded"  # the target's RMSNorm (or a LayerNorm on the centered stream), exact
+AS_GIVEN = "as given"  # an RMSNorm as given, emitted anew with unit weight (γ in its readers or a readout)
+DEFERRED = "deferred"  # no norm: γ in its readers' weights, the row scale on their products (`deferred`)
+CRMS = "crms"  # a CRMSNorm over the stream compressed to d-1 features (`crms`)
+APPROXIMATE = "approximate"  # NOT exact: an RMSNorm on the uncentered stream, β kept (passes/approx.py)
+
+
 @dataclass(frozen=True)
 class NormEmission:
-    """How one folded norm is emitted, as decided (the emitters read this, and no Plan flag)."""
+    """How one swapped norm is emitted, as decided: every mode fills one, and the emitters dispatch
+    on `how` alone (no other Plan record says how a norm is emitted)."""
 
     norm: str
-    beta_add: bool  # its β Add follows the norm (False: β went into the readers, or is zero)
-    unit_gamma: bool  # γ went into the readers' weights: the norm's weight is ones
-    # its input is not zero-mean (its stream is carried in a basis with B·1 ≠ 1): an RMSNorm, never a
-    # LayerNorm on the centered stream
-    rms_only: bool
-    fuse_residual: bool  # emitted fused with the residual Add before it
+    how: str  # FOLDED, AS_GIVEN, DEFERRED, CRMS or APPROXIMATE
+    beta_add: bool = False  # its β Add follows the norm (False: β went into the readers, or is zero)
+    unit_gamma: bool = False  # γ went into the readers' weights: the norm's weight is ones
+    # its input is not zero-mean (its stream is carried in a basis with B·1 ≠ 1, or kept its mean):
+    # an RMSNorm, never a LayerNorm on the centered stream
+    rms_only: bool = False
+    fuse_residual: bool = False  # emitted fused with the residual Add before it
     readout: Optional[Readout] = None
     # a sliced stream (passes/slicing.py): the norm reads `width` of its d features (None: all, as
     # matched); RMSNorm over them with its weight times `scale` = √(d/k) and ε times `eps_scale` = d/k
@@ -65,6 +75,8 @@ class NormEmission:
     width: Optional[int] = None
     scale: float = 1.0
     eps_scale: float = 1.0
+    deferred: Optional[Deferral] = None  # DEFERRED: its readers and β (passes/defer.py)
+    crms: Optional[CrmsNorm] = None  # CRMS: its compressed readers and decompression (passes/compress.py)
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class Plan:
     stream_bases: Sequence[StreamBasis] = FrozenList()  # rotate=: per folded stream, rotated or why not
 
     approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
-    # how each swapped norm that is neither deferred nor a CRMSNorm is emitted
+    # how each swapped norm is emitted, in the order the emitters emit them (swaps, rms_swaps, approx)
     emissions: Mapping[str, NormEmission] = field(default_factory=_frozen_dict)
     # what a calibrated decision on this fold measures (passes/calibration.py captures them in the
     # folded model): each swapped norm's input, the stream a principal basis is computed from
@@ -101,13 +113,13 @@ class Plan:
 
     @property
     def unit_gamma(self) -> frozenset:
-        """The folded norms emitted with unit weight (γ in their readers, or in a readout's matrix)."""
-        return frozenset(n for n, e in self.emissions.items() if e.unit_gamma)
+        """The norms emitted as norms with unit weight (γ in their readers, or in a readout's matrix)."""
+        return frozenset(n for n, e in self.emissions.items() if e.how in (FOLDED, AS_GIVEN) and e.unit_gamma)
 
     @property
     def rotated_norms(self) -> frozenset:
         """The norms whose input is no longer zero-mean (a stream rotated by a Q with Q·1 ≠ 1)."""
-        return frozenset(n for n, e in self.emissions.items() if e.rms_only)
+        return frozenset(n for n, e in self.emissions.items() if e.how in (FOLDED, AS_GIVEN) and e.rms_only)
 
     @property
     def resized_dims(self) -> list[tuple[DimRef, int]]:
@@ -131,9 +143,7 @@ class Plan:
         """The swapped norms emitted as a plain RMSNorm: neither CRMSNorms (exact only on their
         compressed stream) nor deferred (no norm any more). Verification checks them as RMSNorms
         where a frontend emits them as a LayerNorm on the centered stream."""
-        crms = {n for cc in self.compressions if cc.compressed for n in cc.norms}
-        deferred = {d.norm for d in self.deferral.deferred}
-        return FrozenList(n for n in self.swaps if n not in crms and n not in deferred)
+        return FrozenList(n for n, e in self.emissions.items() if e.how == FOLDED)
 
     def origin(self, node: str) -> str:
         """The IR node that view node `node` stands for (a fused op's part: the op)."""
@@ -241,32 +251,42 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     swapped = set(plan.swaps)
     needs = FrozenList(n.inputs[n.norm.input] for n in view.norms() if n.name in swapped)
     return plan.freeze(deferral=deferral, training=training, kept_by_target=kept_by_target, approx=approx,
-                       emissions=MappingProxyType(_emissions(view, plan, deferral)), needs=needs)
+                       emissions=MappingProxyType(_emissions(view, plan, deferral, approx)), needs=needs)
 
 
-def _emissions(view: View, plan: _Draft, deferral: DeferDecision) -> dict[str, NormEmission]:
-    """How each swapped norm is emitted, from the decisions about β, γ, rotation and fusion."""
-    skip = {d.norm for d in deferral.deferred} | {n for cc in plan.compressions if cc.compressed for n in cc.norms}
+def _emissions(view: View, plan: _Draft, deferral: DeferDecision,
+               approx: Sequence[str]) -> dict[str, NormEmission]:
+    """How each swapped norm is emitted, from the decisions about β, γ, rotation, fusion, deferral,
+    compression and the approximate swap: one record per norm, in the order they are emitted."""
+    deferred = {d.norm: d for d in deferral.deferred}
+    crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
     readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma)
                 for r in plan.stream_bases if r.rotated for n in r.readouts}
     rms_only = {n for r in plan.stream_bases if r.rotated and not r.keeps_mean for n in r.norms}
     sliced = {n: r for r in plan.stream_bases if r.sliced for n in r.norms}
     moved = {n for n, g in plan.gammas.items() if g.moved}
+
+    def resized(n: str) -> dict:
+        r = sliced.get(n)
+        return {} if r is None else dict(width=r.width, scale=(r.dim / r.width) ** 0.5, eps_scale=r.dim / r.width)
+
     out = {}
     for n in plan.swaps:
-        if n in skip:
+        if n in deferred:  # (β: placed by the deferral itself, W β + b after the row scale)
+            out[n] = NormEmission(n, DEFERRED, unit_gamma=True, deferred=deferred[n])
+            continue
+        if n in crms_norms:  # (γ and β: in the compressed readers, or after the decompression)
+            out[n] = NormEmission(n, CRMS, crms=crms_norms[n])
             continue
         bf = plan.betas.get(n)
-        r = sliced.get(n)
-        resized = {} if r is None else dict(width=r.width, scale=(r.dim / r.width) ** 0.5, eps_scale=r.dim / r.width)
-        out[n] = NormEmission(n, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
+        out[n] = NormEmission(n, FOLDED, beta_add=bf is None or bf.emits_add, unit_gamma=n in moved or n in readouts,
                               rms_only=n in rms_only, fuse_residual=n in plan.fuse_residual, readout=readouts.get(n),
-                              **resized)
+                              **resized(n))
     for n in plan.rms_swaps:  # RMSNorms as given: no β; fused with the residual Add where the given op was
-        r = sliced.get(n)
-        resized = {} if r is None else dict(width=r.width, scale=(r.dim / r.width) ** 0.5, eps_scale=r.dim / r.width)
-        out[n] = NormEmission(n, beta_add=False, unit_gamma=True, rms_only=True, fuse_residual=_own_add(view, n),
-                              readout=readouts.get(n), **resized)
+        out[n] = NormEmission(n, AS_GIVEN, beta_add=False, unit_gamma=True, rms_only=True,
+                              fuse_residual=_own_add(view, n), readout=readouts.get(n), **resized(n))
+    for n in approx:
+        out[n] = NormEmission(n, APPROXIMATE, beta_add=True, rms_only=True)
     return out
 
 
@@ -574,6 +594,10 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         if rot.rotated and rot.starts and not caps.readout_matmul:
             rot.keep_unrotated(f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the "
                                f"recenter, which {caps.name} cannot emit")
+        refused = next((w for n in comp.norms if (w := caps.resize_refusal(n))), None) \
+            if rot.sliced and caps.resize_refusal is not None else None
+        if refused is not None:
+            rot.keep_unrotated(refused)
         if rot.sliced:
             slicing.resize(view, comp, rot)
         plan.stream_bases.append(rot)

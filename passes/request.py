@@ -37,6 +37,9 @@ class Capabilities:
     # Why the target cannot swap folded norm `name` given every folded norm (None: it can): the
     # stream stays centered, the norm stays as it is (exact on a zero-mean input), and is reported kept.
     swap_refusal: Optional[Callable[[str, frozenset], Optional[str]]] = None
+    # Why the target cannot emit norm `name` over a sliced (narrower) stream (None: it can): the
+    # stream is then not sliced, with the reason, instead of a failure in the emitter.
+    resize_refusal: Optional[Callable[[str], Optional[str]]] = None
 
 
 @dataclass(frozen=True)
