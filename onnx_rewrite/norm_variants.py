@@ -406,6 +406,9 @@ def match_rms(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRes
         return NoMatch(got.reason)  # (depth 0: a mean square read otherwise is no near miss)
     s, eps = got
     rec = _one(s, "Reciprocal")
+    if rec is None:  # 1 / rms as a Div (torch's TorchScript exporter writes T5LayerNorm's rsqrt so)
+        one = _one(s, "Div")
+        rec = one if one is not None and one.inputs[1] is s and _scalar(one.inputs[0]) == 1.0 else None
     # (T5LayerNorm takes the mean square of the fp32 cast and divides the uncast x)
     if rec is not None:  # x · (1 / rms)
         final = _one(rec.outputs[0], "Mul")
@@ -427,5 +430,11 @@ def match_rms(mean: gs.Node, shapes: dict[str, Shape], outputs: set) -> MatchRes
     if back is not None:  # GemmaRMSNorm: γ in fp32, then cast back
         nodes.append(back)
         out = back.outputs[0]
+    inside = {id(n) for n in nodes}
+    if up is not None and (xs.name in outputs or any(id(r) not in inside for r in xs.outputs)):
+        # the Cast read elsewhere too (torch's exporters name a same-dtype `to` as the stream itself,
+        # which the residual Add then reads): the norm starts after it, as passes/patterns.match_rms's
+        nodes.remove(up)
+        x = xs
     return _finish(NormMatch(mean.name, "decomposed RMSNorm", nodes, x, out, gamma=gamma, epsilon=eps, axis=axis,
                              axes=[axis]), x, outputs)
