@@ -33,9 +33,11 @@ Parts (`--parts`):
   model as given and on lnfold's prepared (rotated) model (`quantize.prepare`, verified).
 - `slice`: `lnfold.slice_onnx` at `--fractions`, one basis and per block, calibrated on the GPL-3
   windows: perplexity, parameters, onnxruntime 1-thread latency against the original
-  (interleaved medians, A/A).
-- `memory`: the peak resident memory of `lnfold quantize … --weights int4 --rotate auto --calibrate`
-  on 8 GPL-3 windows, a child process measured by resource.getrusage(RUSAGE_CHILDREN).
+  (interleaved medians, A/A; `--rounds 0`: none). Each sliced model is saved in the cache as
+  `smollm2/sliced-F-one|per-block.onnx`.
+- `latency`: the saved sliced files timed against the original (1 thread, `--rounds` interleaved).
+- `memory`: the peak resident memory (VmHWM) of `lnfold quantize … --weights int4 --rotate auto
+  --calibrate` on 8 GPL-3 windows, a child process, killed past `--memory-limit-gib`.
 
 onnxruntime runs with `--threads` intra-op threads (default 2); timing with 1.
 """
@@ -49,6 +51,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import onnx
@@ -71,7 +74,7 @@ SCHEMES = {"int8": dict(weights="int8"),
            "int4-b128": dict(weights="int4", block_size=128)}
 SCHEME_FLAGS = {"int8": "--weights int8", "w8a8": "--weights int8 --activations int8 --per-channel",
                 "int4-b32": "--weights int4 --block-size 32", "int4-b128": "--weights int4 --block-size 128"}
-PARTS = ("fp32", "quantize", "accuracy4", "slice", "memory")
+PARTS = ("fp32", "quantize", "accuracy4", "slice", "latency", "memory")
 
 
 # --- text ------------------------------------------------------------------------------------------
@@ -297,13 +300,12 @@ def accuracy4_part(model: onnx.ModelProto, held: np.ndarray, rotations: list[str
 
 
 def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray, held: np.ndarray,
-               fractions: list[float], threads: int, rounds: int, log) -> None:
+               fractions: list[float], threads: int, rounds: int, log, save_dir: Optional[Path] = None) -> None:
     """lnfold.slice_onnx (the `lnfold slice` code path) at each fraction, one basis and per block:
     calibrated on every GPL-3 window, its own error measured on the next GPL-3 windows
     (`cal_heldout`); perplexity on Apache-2.0; parameters; 1-thread latency against the original."""
     import lnfold
     from lnfold.onnx_rewrite import quantize as q
-    from lnfold.onnx_rewrite import timing
 
     t = Table("**sliced** (lnfold slice), perplexity on the Apache-2.0 windows",
               ["F", "bases", "perplexity", "parameters", "× original", "seconds", "note"])
@@ -327,9 +329,17 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
                   f"{params / base:.3f}", f"{time.time() - t0:.0f}",
                   f"widths {widths}; rel. error vs exact fold {r.error:.3g} ({r.error_rows})")
             timed[f"F={fraction:g} {label}"] = res.model
+            if save_dir is not None:  # the `latency` part times them later (on a quieter machine)
+                onnx.save(res.model, str(save_dir / f"sliced-{fraction:g}-{label.replace(' ', '-')}.onnx"))
             del res
-    if len(timed) == 2 or rounds <= 0:
-        return
+    if len(timed) > 2 and rounds > 0:
+        latency_part(timed, held, rounds)
+
+
+def latency_part(timed: dict, held: np.ndarray, rounds: int) -> None:
+    """`timed`: name -> model (proto or path), with "original" and "original (A/A)"; one thread."""
+    from lnfold.onnx_rewrite import timing
+
     feeds = {"input_ids": held[:1]}
     fns = {}
     for name, proto in timed.items():
@@ -348,30 +358,47 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
                 f"{c['ratio']:.2f} ({c['lo']:.2f}–{c['hi']:.2f}; A/A ±{c['spread']:.0%})", verdict)
 
 
-def memory_part(onnx_path: Path, cal: np.ndarray) -> None:
+def _vm_kib(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def memory_part(onnx_path: Path, cal: np.ndarray, limit_gib: float) -> None:
     """Peak resident memory of `lnfold quantize --weights int4 --rotate auto --calibrate cal.npz` (8
-    rows) in a child process, against the model's file size."""
-    t = Table("**peak memory** of lnfold quantize (a child process; ru_maxrss of the children)",
+    rows) in a child process (its VmHWM, polled; killed past `limit_gib`: the machine is shared),
+    against the model's file size."""
+    t = Table("**peak memory** of lnfold quantize (a child process: its peak resident set, VmHWM)",
               ["command", "exit", "peak RSS MiB", "× model file", "seconds", "last line"])
     with tempfile.TemporaryDirectory(prefix="lnfold-llm-mem-") as tmp:
         npz = Path(tmp) / "cal.npz"
         np.savez(npz, input_ids=cal)
-        cmd = ["lnfold", "quantize", str(onnx_path), "-o", str(Path(tmp) / "q.onnx"), "--weights", "int4",
-               "--rotate", "auto", "--calibrate", str(npz)]
-        wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-                   "sys.stderr.write(r.stdout + r.stderr); "
-                   "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+        args = ["quantize", str(onnx_path), "-o", str(Path(tmp) / "q.onnx"), "--weights", "int4",
+                "--rotate", "auto", "--calibrate", str(npz)]
+        log_path = Path(tmp) / "log.txt"
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "lnfold"] + cmd[1:],
-                              capture_output=True, text=True)
+        peak, killed = 0, False
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "lnfold"] + args, stdout=log_file, stderr=subprocess.STDOUT)
+            while proc.poll() is None:
+                peak = max(peak, _vm_kib(proc.pid, "VmHWM"))
+                if _vm_kib(proc.pid, "VmRSS") > limit_gib * 2**20:
+                    proc.kill()
+                    killed = True
+                time.sleep(0.2)
         seconds = time.time() - t0
-        peak_mib = int(proc.stdout.strip().splitlines()[-1]) / 1024 if proc.stdout.strip() else float("nan")
-        last = (proc.stderr.strip().splitlines() or [""])[-1][:300].replace("|", "\\|")
-        shown = " ".join(cmd).replace(str(onnx_path), onnx_path.name).replace(tmp + "/", "")
+        out = log_path.read_text()
+        last = (f"killed by the benchmark at {limit_gib:g} GiB resident" if killed else
+                (out.strip().splitlines() or [""])[-1][:300].replace("|", "\\|"))
+        shown = " ".join(["lnfold"] + args).replace(str(onnx_path), onnx_path.name).replace(tmp + "/", "")
+        peak_mib = peak / 1024
         t.add(f"`{shown}` (cal.npz: 8 GPL-3 windows of {SEQ})", str(proc.returncode), f"{peak_mib:,.0f}",
               f"{peak_mib * 2**20 / onnx_path.stat().st_size:.1f}", f"{seconds:.0f}", last)
-        if proc.returncode:
-            print("```\n" + proc.stderr[-3000:] + "\n```", flush=True)
+        print("```\n" + out[-4000:] + "\n```", flush=True)
 
 
 def main(argv=None) -> int:
@@ -384,6 +411,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache", help=f"download folder (default ${rm.CACHE_ENV}, else ~/.cache/lnfold)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads for perplexity (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="latency rounds (default 5; 0: no latency)")
+    p.add_argument("--memory-limit-gib", type=float, default=14.0,
+                   help="memory part: kill lnfold quantize past this resident size (default 14)")
     args = p.parse_args(argv)
     import onnxruntime
     import torch
@@ -416,10 +445,14 @@ def main(argv=None) -> int:
     if "accuracy4" in args.parts:
         accuracy4_part(model, held, args.rotations, args.threads)
     if "slice" in args.parts:
-        slice_part(model, cal, cal_heldout, held, args.fractions, args.threads, args.rounds, log)
+        slice_part(model, cal, cal_heldout, held, args.fractions, args.threads, args.rounds, log, cache / "smollm2")
+    if "latency" in args.parts:  # the files the slice part saved, timed against the original
+        timed = {"original": onnx_path, "original (A/A)": onnx_path}
+        timed.update({f.stem: f for f in sorted((cache / "smollm2").glob("sliced-*.onnx"))})
+        latency_part(timed, held, args.rounds)
     if "memory" in args.parts:
         del model
-        memory_part(onnx_path, cal)
+        memory_part(onnx_path, cal, args.memory_limit_gib)
     print(f"(benchmark wall time {time.time() - t0:.0f} s)")
     return 0
 
