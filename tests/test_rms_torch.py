@@ -331,3 +331,57 @@ def test_the_other_norm_classes_rotate_exactly(form):
     m, ids = Tiny(form).eval(), _ids()
     r = lnfold.fold_module(m, (ids,), rotate="hadamard")
     assert r.report.streams[0].rotation.startswith("rotated") and len(r.report.rms_norms) == 3
+
+
+def test_a_layernorm_stream_and_an_rmsnorm_stream_both_rotate_in_onnx(tmp_path):
+    """The same model exported by torch's TorchScript exporter (LayerNormalization; the RMSNorms written
+    out with a Cast, Pow, ReduceMean, Add, Sqrt, Div(1, ·), Mul)."""
+    import onnx
+    import onnxruntime as ort
+
+    m, ids = Mixed().eval(), _ids()
+    path = tmp_path / "mixed.onnx"
+    torch.onnx.export(m, (ids,), str(path), dynamo=False, opset_version=17, input_names=["ids"],
+                      output_names=["logits"])
+    model = onnx.load(path)
+    r = lnfold.fold_onnx(model, rotate="hadamard")
+    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6)
+    ln, rms = sorted(r.report.streams, key=lambda s: bool(s.rms))
+    assert len(ln.norms) == 3 and ln.rotation.startswith("rotated"), ln.rotation
+    assert len(rms.rms) == 3 and rms.rotation.startswith("rotated"), rms.rotation
+    feeds = {"ids": ids.numpy()}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]
+    got = ort.InferenceSession(r.model.SerializeToString()).run(None, feeds)[0]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.slow
+def test_a_t5_encoder_rotates_exactly_in_both_irs(tmp_path):
+    """transformers' T5EncoderModel (T5LayerNorm: the mean square of the fp32 cast, the uncast x
+    divided) under a head, in torch and through the TorchScript exporter (its dynamo export fails
+    in torch's own decomposition)."""
+    import onnx
+
+    cfg = transformers.T5Config(vocab_size=96, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                feed_forward_proj="gated-gelu")
+    torch.manual_seed(0)
+    encoder = transformers.T5EncoderModel(cfg).eval()
+    _randomize(encoder)
+
+    class Head(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m, self.head = m, torch.nn.Linear(64, 5)
+
+        def forward(self, ids):
+            return self.head(self.m(input_ids=ids).last_hidden_state)
+
+    m, ids = Head(encoder).eval(), _ids(1, vocab=96, tokens=8)
+    r = lnfold.fold_module(m, (ids,), rotate="hadamard")
+    path = tmp_path / "t5.onnx"
+    torch.onnx.export(m, (ids,), str(path), dynamo=False, opset_version=17, input_names=["input_ids"])
+    o = lnfold.fold_onnx(onnx.load(path), rotate="hadamard")
+    for res in (r, o):
+        assert res.criterion == "float64" and res.exact_err <= max(2 * res.original_exact_err, 1e-6)
+        (s,) = res.report.streams
+        assert s.rotation.startswith("rotated (hadamard, d=64") and len(s.rms) == 5, res.report.table()
