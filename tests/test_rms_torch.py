@@ -182,6 +182,25 @@ def test_a_graph_output_norm_reads_out_of_the_rotated_stream():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_softmax_over_the_features_keeps_the_stream_unrotated_and_is_named():
+    """A Softmax over the features is not rotation-invariant: the report names it; γ still moves."""
+
+    class Softmaxed(Tiny):
+        def forward(self, ids):
+            x = self.emb(ids)
+            x = self.blocks[0](x)
+            side = torch.softmax(x, dim=-1)
+            x = self.blocks[1](x)
+            return self.head(self.norm(x) + side)
+
+    m, ids = Softmaxed("llama").eval(), _ids()
+    r = lnfold.fold_module(m, (ids,), rotate="hadamard")
+    (s,) = r.report.streams
+    assert s.rotation.startswith("not rotated: aten.softmax.int `softmax` reads the stream tensor"), s.rotation
+    assert all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms[:2]), r.report.rms_norms
+    torch.testing.assert_close(r.module(ids), m(ids), rtol=1e-5, atol=1e-5)
+
+
 # --- slicing ------------------------------------------------------------------------------------
 
 def _error_against_exact(result, ids) -> float:
