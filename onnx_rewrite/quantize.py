@@ -172,35 +172,19 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
             " (its layers are inside If/Loop branches, as in a merged decoder: quantize the decoder files "
             "before merging)" if branches else " (no MatMul or Gemm with a constant 2-D weight)"))
     keep_float = [] if quantize_basis_changes else list(basis_changes(prepared))
-    with _quiet_quantizers():
-        from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
-
-        # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
-        # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
-        inits = {t.name: t for t in prepared.graph.initializer}
-        by_name = {n.name: n for n in prepared.graph.node}
-        extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
-        if weights == "int4":
-            with _root_logger_kept():  # importing the module calls logging.basicConfig(INFO)
-                from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-            # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
-            # (keep_float among them) are excluded
-            others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
-            q = MatMulNBitsQuantizer(copy.deepcopy(prepared), bits=4, block_size=block_size, is_symmetric=True,
-                                     nodes_to_include=nodes, nodes_to_exclude=others)
-            q.process()
-            return q.model.model
-        with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
-            out = Path(tmp) / "quantized.onnx"
-            if activations is None:
-                quantize_dynamic(copy.deepcopy(prepared), out, weight_type=QuantType.QInt8, per_channel=per_channel,
-                                 nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
-            else:
-                quantize_static(copy.deepcopy(prepared), out, _calibration_reader(calibration),
-                                quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
-                                weight_type=QuantType.QInt8, per_channel=per_channel,
-                                nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra)
-            return onnx.load(str(out))
+    if weights == "int4":
+        # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
+        # (keep_float among them) are excluded
+        others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
+        return _onnxruntime(prepared, weights, activations, calibration, block_size, per_channel,
+                            dict(nodes_to_include=nodes, nodes_to_exclude=others))
+    # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
+    # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
+    inits = {t.name: t for t in prepared.graph.initializer}
+    by_name = {n.name: n for n in prepared.graph.node}
+    extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
+    return _onnxruntime(prepared, weights, activations, calibration, block_size, per_channel,
+                        dict(nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra))
 
 
 def run_plain(model: onnx.ModelProto, weights: str, activations: Optional[str], *,
@@ -208,23 +192,32 @@ def run_plain(model: onnx.ModelProto, weights: str, activations: Optional[str], 
     """Plain onnxruntime: its quantizer for the scheme on the model as given, with no node
     selection and nothing prepared (`scheme_name(..., plain=True)` says the call): the reference --rotate auto
     reports beside its candidates."""
+    return _onnxruntime(model, weights, activations, calibration, block_size, per_channel, {})
+
+
+def _onnxruntime(model: onnx.ModelProto, weights: str, activations: Optional[str], calibration: Optional[Rows],
+                 block_size: int, per_channel: bool, selection: dict) -> onnx.ModelProto:
+    """onnxruntime's quantizer for the scheme on a copy of `model`, with `selection` (its node
+    keywords) as given: MatMulNBitsQuantizer (int4), quantize_dynamic or quantize_static (QDQ)."""
     with _quiet_quantizers():
         from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
         if weights == "int4":
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-            q = MatMulNBitsQuantizer(copy.deepcopy(model), bits=4, block_size=block_size, is_symmetric=True)
+            with _root_logger_kept():  # importing the module calls logging.basicConfig(INFO)
+                from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+            q = MatMulNBitsQuantizer(copy.deepcopy(model), bits=4, block_size=block_size, is_symmetric=True,
+                                     **selection)
             q.process()
             return q.model.model
         with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
-            out = Path(tmp) / "plain.onnx"
+            out = Path(tmp) / "quantized.onnx"
             if activations is None:
-                quantize_dynamic(copy.deepcopy(model), out, weight_type=QuantType.QInt8, per_channel=per_channel)
+                quantize_dynamic(copy.deepcopy(model), out, weight_type=QuantType.QInt8, per_channel=per_channel,
+                                 **selection)
             else:
                 quantize_static(copy.deepcopy(model), out, _calibration_reader(calibration),
                                 quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
-                                weight_type=QuantType.QInt8, per_channel=per_channel)
+                                weight_type=QuantType.QInt8, per_channel=per_channel, **selection)
             return onnx.load(str(out))
 
 
