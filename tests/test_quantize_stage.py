@@ -1,0 +1,85 @@
+"""passes/quantize.py on its own: the rotate="auto" choice over a fake adapter (neither onnx nor torch
+imported), the skip rules read from the fold's plan records, the margin, the reference trial."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lnfold.passes import quantize as pq
+
+
+def fold(rotated: int = 0, moved: bool = False):
+    """A FoldResult's plan records, as choose reads them."""
+    plan = SimpleNamespace(stream_bases=[SimpleNamespace(rotated=bool(rotated))] * max(rotated, 1),
+                           gammas={"ln": SimpleNamespace(moved=moved, gamma=[1.0] if moved else None)})
+    return SimpleNamespace(plan=plan)
+
+
+def adapter(errors: dict, folds: dict):
+    """prepare/quantize over a table: candidate label -> its rel. RMS error and its fold records."""
+    label_of = {repr(opts): label for label, opts in pq.AUTO_CANDIDATES}
+
+    def prepare(opts):
+        label = label_of[repr(opts)]
+        return SimpleNamespace(label=label, fold=folds.get(label))
+
+    def quantize(prepared):
+        e = errors[prepared.label]
+        return pq.Quantized(prepared, f"quantized {prepared.label}", prepared.fold,
+                            {"logits": {"rel_rms": e, "max_rel_err": 2 * e}}, {"MatMulInteger": 1}, 10)
+
+    return prepare, quantize
+
+
+LABELS = [label for label, _ in pq.AUTO_CANDIDATES]
+
+
+def test_auto_keeps_the_lowest_error_unless_within_the_margin_and_skips_the_folds_repeats():
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5]))
+    folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
+             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=0), LABELS[6]: fold(rotated=1)}
+    q, trials = pq.choose(*adapter(errors, folds), plain=lambda: {"candidate": "plain", "score": 0.2, "plain": True})
+    by = {t["candidate"]: t for t in trials}
+    # hadamard (0.03) beats γ moved (0.08); orthogonal (0.029) is within 5 % of it: the simpler kept
+    assert q.quantized == f"quantized {LABELS[3]}" and by[LABELS[3]]["chosen"]
+    assert by[LABELS[5]]["skipped"] == "rotates no stream (the same as the fold)"
+    assert [t["candidate"] for t in trials] == LABELS + ["plain"]
+    assert "for reference: 0.2" in by[LABELS[3]]["why"] and "(not folded: 0.1)" in by[LABELS[3]]["why"]
+    assert sum(bool(t.get("chosen")) for t in trials) == 1
+
+
+def test_gamma_that_cannot_move_is_skipped_and_a_nan_is_never_chosen():
+    errors = dict(zip(LABELS, [0.1, float("nan"), 0.01, 0.5, 0.5, 0.5, 0.5]))
+    folds = {label: fold() for label in LABELS[1:]}  # nothing rotates, no γ moves
+    q, trials = pq.choose(*adapter(errors, folds))
+    assert q.prepared.label == LABELS[0]  # the fold's NaN loses to the not-folded 0.1
+    assert trials[2]["skipped"] == "no γ can move (the same as the fold)"
+
+
+def test_the_report_says_not_exact_and_by_how_much():
+    q = pq.Quantized(None, None, None, {"logits": {"rel_rms": 0.01, "max_rel_err": 0.05, "top1_agreement": 0.99}},
+                     {"Linear[Int8Tensor]": 3}, 100)
+    r = pq.report_of("int8", q, weights="int8", activations=None, block_size=None, per_channel=False, rotate=None,
+                     seed=0, gamma_into_readers=False, linear_layers=3, basis_changes={}, parameters=30,
+                     ops_before={"Linear": 3}, bytes_before=400, error_inputs="your rows", notes=[], seconds=1.0,
+                     trials=[])
+    assert r.exact is False and r.rel_rms == 0.01 and r.max_rel_err == 0.05
+    assert "NOT exact" in r.table() and "top-1 agreement 99.0%" in r.table()
+    assert r.as_dict()["changed_ops"] == {"Linear": [3, 0], "Linear[Int8Tensor]": [0, 3]}
+
+
+def test_the_stage_imports_neither_onnx_nor_torch():
+    code = ("import sys, lnfold.passes.quantize; "
+            "print(sorted(m for m in ('onnx', 'torch', 'onnxruntime') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("kw, says", [(dict(weights="int2"), "weights='int2'"), (dict(seed=True), "seed True"),
+                                      (dict(activations="int8", weights="int4"), "int8 activations go with")])
+def test_scheme_checks(kw, says):
+    with pytest.raises(pq.LnfoldError, match=says):
+        pq.check_scheme(**{"weights": "int8", "activations": None, "rotate": None, "seed": 0, **kw})
