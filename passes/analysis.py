@@ -455,12 +455,12 @@ def analyze(view: View) -> list[Component]:
     for node in view.nodes.values():
         if node.norm is None or node.name in placed:
             continue
-        comp = _ComponentBuilder(view).run(node.inputs[node.norm.input], node.norm.axis)
+        comp = _ComponentBuilder(view).run(node.norm_input, node.norm.axis)
         if node.name not in comp.norms:  # defensive: the start must reach its own norm
             comp.norms.insert(0, node.name)
             if node.norm.rms:
                 comp.rms.insert(0, node.name)
-        comp.inputs.setdefault(node.name, node.inputs[node.norm.input])
+        comp.inputs.setdefault(node.name, node.norm_input)
         placed.update(comp.norms)
         components.append(comp)
     _block_shared(components)

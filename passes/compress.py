@@ -159,7 +159,7 @@ def _width(view: View, comp: Component) -> int:
     widths = set()
     for name in comp.norms:
         n = view.nodes[name]
-        w = size_along(view, n.inputs[n.norm.input], n.norm.axis)
+        w = size_along(view, n.norm_input, n.norm.axis)
         if not isinstance(w, int):
             raise _Fallback(f"the feature size of {n.describe()} is not static")
         widths.add(w)

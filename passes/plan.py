@@ -249,7 +249,7 @@ def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **field
     _defer(view, plan, deferral)
     approx = approximate(view, plan.report, request.approx)
     swapped = set(plan.swaps)
-    needs = FrozenList(n.inputs[n.norm.input] for n in view.norms() if n.name in swapped)
+    needs = FrozenList(n.norm_input for n in view.norms() if n.name in swapped)
     return plan.freeze(deferral=deferral, training=training, kept_by_target=kept_by_target, approx=approx,
                        emissions=MappingProxyType(_emissions(view, plan, deferral, approx)), needs=needs)
 
@@ -642,7 +642,7 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
         return False
     if any(r.value == x.name for r in plan.recenters):
         return False
-    if any(view.nodes[n].inputs[view.nodes[n].norm.input] == x.name for n in plan.fuse_residual):
+    if any(view.nodes[n].norm_input == x.name for n in plan.fuse_residual):
         return False  # another norm reading the same sum fuses its Add already
     add = view.nodes[x.producer]
     kind, p = kind_of(add.rule)
@@ -659,7 +659,7 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
 def _own_add(view: View, name: str) -> bool:
     """The norm's input is the sum its own op computes (SkipSimplifiedLayerNormalization's Add)."""
     node = view.nodes[name]
-    x = view.values[node.inputs[node.norm.input]]
+    x = view.values[node.norm_input]
     return x.producer is not None and view.nodes[x.producer].origin == node.origin
 
 

@@ -268,7 +268,7 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
     for value in comp.axes:
         for name, i in view.values[value].consumers:
             node = view.nodes[name]
-            if name in norms and node.inputs[node.norm.input] == value:
+            if name in norms and node.norm_input == value:
                 continue
             if any(o in comp.axes for o in node.outputs):
                 continue  # a transparent op: it commutes with a map of the feature axis

@@ -50,7 +50,7 @@ def segments(view: View, comp: Component) -> Segments:
     head_of_input: dict[str, str] = {}  # norm input tensor -> the first norm reading it
     for n in comp.norms:
         node = view.nodes[n]
-        x = node.inputs[node.norm.input]
+        x = node.norm_input
         out.of_norm[n] = head_of_input.setdefault(x, n)
     order = _topological(view, comp)
     if order is None:
@@ -64,7 +64,7 @@ def segments(view: View, comp: Component) -> Segments:
             got.add(head_of_input[value])
         reach[value] = frozenset(got)
     for value in order:
-        first = [h for h in reach[value] if reach[value] <= reach[_input_of(view, h)]]
+        first = [h for h in reach[value] if reach[value] <= reach[view.nodes[h].norm_input]]
         if len(first) != 1:
             heads = ", ".join(f"`{h}`" for h in sorted(reach[value]))
             out.why = (f"the stream tensor `{value}` reaches no norm" if not reach[value] else
@@ -109,11 +109,6 @@ def _not_a_residual_add(view: View, comp: Component, node) -> Optional[str]:
         if x in comp.axes and (rank is None or comp.axes[x] != rank - 1):
             return f"reads `{x}` with the features not on its last axis (a MatMul cannot change their basis)"
     return None
-
-
-def _input_of(view: View, norm: str) -> str:
-    node = view.nodes[norm]
-    return node.inputs[node.norm.input]
 
 
 def _stream_edges(view: View, comp: Component, value: str) -> list:

@@ -202,7 +202,7 @@ def from_windows(parts: Mapping[int, list[np.ndarray]], axis: int, d: int) -> li
 def norm_input(view: View, norm: str) -> tuple[str, int]:
     """The value `norm` normalizes and its feature axis (non-negative where the rank is known)."""
     node = view.nodes[norm]
-    value = node.inputs[node.norm.input]
+    value = node.norm_input
     rank = view.values[value].rank
     axis = node.norm.axis
     return value, axis + rank if axis < 0 and rank is not None else axis

@@ -216,6 +216,11 @@ class Node:
     def describe(self) -> str:
         return f"{self.op} `{self.name}`"
 
+    @property
+    def norm_input(self) -> str:
+        """A norm's normalized input (the value its NormSpec names); only for a node whose `norm` is set."""
+        return self.inputs[self.norm.input]
+
     def _answers(self) -> Answers:
         view = self.__dict__.get("_view")
         if view is None:

@@ -219,7 +219,8 @@ def test_per_block_bases_at_full_width_re_express_the_shortcuts_and_fold_exactly
     result = run_frontend(frontend, None)  # verified against float64
     assert result.criterion == "float64"
     assert result.report.streams[0].rotation.endswith(
-        "3 per-block bases, 2 residual shortcut(s) re-expressed by a constant 8×8 MatMul")
+        "3 per-block bases, 2 residual shortcut(s) re-expressed by a constant 8×8 MatMul; its constant MatMuls "
+        "add 128 parameters")  # (two 8×8 shortcuts)
 
 
 def test_a_target_without_a_constant_matmul_keeps_a_stream_with_per_block_bases_unrotated():
