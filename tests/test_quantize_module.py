@@ -48,6 +48,7 @@ def test_int8_stays_close_and_the_fold_under_it_is_verified(gpt2):
     assert left and set(left) <= read, sorted(set(left) - read)
 
 
+@pytest.mark.slow  # (a fold and its gate: the fast sibling is test_int8_stays_close_and_the_fold_under_it_is_verified)
 def test_a_fold_the_gate_refuses_is_not_quantized(gpt2, monkeypatch):
     """The planted bug: one centering dropped from the plan. fold_module runs unverified inside
     quantize_module; the gate on the module handed to the quantizer must catch it."""
