@@ -297,16 +297,19 @@ def _shown_examples() -> list[tuple[str, list[str]]]:
 
 def _masked(text: str) -> str:
     """Figures vary by model and machine; the words and the layout of a line do not."""
-    return re.sub(r"\d+(\.\d+)?(e[-+]\d+)?", "#", text)
+    return re.sub(r"\d[\d,]*(\.\d+)?(e[-+]\d+)?", "#", text)
 
 
-@pytest.mark.slow  # six commands in fresh processes, bench's default 8 s budget among them: ~25 s
-def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path, zoo_onnx):
-    """Each command the README shows as typed runs on a GPT-2 (the zoo's: smaller than the demo's, so
-    figures and names differ; they are masked) and prints each line shown under it. The fold line of
-    its bash block runs first, as a reader would, to make gpt2.folded.onnx."""
+@pytest.mark.slow  # six commands, bench's default 8 s budget among them: ~20 s
+def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path, zoo_onnx, monkeypatch, capsys):
+    """Each command the README shows as typed runs (the console script's own `main`, in this process)
+    on a GPT-2 (the zoo's: smaller than the demo's, so figures and names differ; they are masked) and
+    prints each line shown under it. The fold line of its bash block runs first, as a reader would,
+    to make gpt2.folded.onnx."""
     import numpy as np
     import onnx
+
+    from lnfold.onnx_rewrite.cli import main
 
     model = zoo_onnx("gpt2")[2]
     onnx.save(model, tmp_path / "gpt2.onnx")
@@ -315,12 +318,14 @@ def test_readme_examples_run_and_print_what_the_readme_shows(tmp_path, zoo_onnx)
     (fold_line,) = [ln for ln in _lnfold_lines() if ln.startswith("lnfold fold gpt2.onnx")]
     examples = [(fold_line, []), *_shown_examples()]
     assert {line.split()[1] for line, _ in examples} >= {"fold", "check", "quantize", "slice", "bench"}, examples
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     for line, shown in examples:
-        run = subprocess.run(shlex.split(re.sub(r"\s*\[[^\]]+\]", "", line)), cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == 0, (line, run.stderr[-2000:])
-        printed = _masked(run.stdout + run.stderr)
+        code = main(shlex.split(re.sub(r"\s*\[[^\]]+\]", "", line))[1:])
+        out = capsys.readouterr()
+        assert code == 0, (line, out.err[-2000:])
+        printed = _masked(out.out + out.err)
         if line.startswith("lnfold bench"):  # its verdict ("within noise", "faster") is the machine's
             shown = [s for s in shown if "within noise" not in s]
         missing = [s for s in shown if _masked(s) not in printed]
-        assert not missing, (line, missing, run.stdout + run.stderr)
+        assert not missing, (line, missing, out.out + out.err)
