@@ -8,6 +8,8 @@ The transformers zoo (Llama, Qwen2, Mistral, Phi-3, Gemma) in both IRs is slow; 
 here are its fast siblings. The ONNX forms are tests/test_rms_streams.py's."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -98,17 +100,9 @@ def test_each_rmsnorm_form_rotates_exactly(form):
     torch.testing.assert_close(r.module(_ids(seed=2)), m(_ids(seed=2)), rtol=1e-5, atol=1e-5)
 
 
-def test_the_default_eps_of_torch_rmsnorm_is_its_dtypes():
-    m, ids = Tiny("torch-default-eps").eval(), _ids()
-    r = lnfold.fold_module(m, (ids,), rotate="hadamard")
-    assert r.report.streams[0].rotation.startswith("rotated")
-    assert all(n.args[3] == torch.finfo(torch.float32).eps for n in _rms_nodes(r.module))
-
-
-@pytest.mark.parametrize("form", ("torch", "llama"))
-def test_without_gamma_or_rotate_an_rmsnorm_module_has_nothing_to_fold(form):
+def test_without_gamma_or_rotate_an_rmsnorm_module_has_nothing_to_fold():
     with pytest.raises(NothingToFold, match="nothing to fold"):
-        lnfold.fold_module(Tiny(form).eval(), (_ids(),))
+        lnfold.fold_module(Tiny("llama").eval(), (_ids(),))
 
 
 def test_gamma_into_readers_alone():
@@ -127,8 +121,7 @@ def test_an_unrotated_reader_fails_verification(monkeypatch):
 
     def drop_one_reader(*args, **kw):
         rot = real(*args, **kw)
-        del rot.readers[0]
-        return rot
+        return dataclasses.replace(rot, readers=list(rot.readers)[1:])
 
     monkeypatch.setattr(plan_module, "plan_rotation", drop_one_reader)
     with pytest.raises(VerificationError):
@@ -208,11 +201,10 @@ def _error_against_exact(result, ids) -> float:
     return float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("form", ("torch", "gemma"))
-def test_a_full_width_slice_is_the_exact_fold(form):
+def test_a_full_width_slice_is_the_exact_fold():
     """F → 0 (k = d): the calibrated basis rotates the stream, nothing deleted (float64: 1e-12); one
     basis and per block."""
-    m = Tiny(form).double().eval()
+    m = Tiny("gemma").double().eval()
     cal = (_ids(16, seed=3),)
     for per_block in (False, True):
         r = lnfold.slice_module(m, cal, fraction=0.01, per_block=per_block)
@@ -222,7 +214,7 @@ def test_a_full_width_slice_is_the_exact_fold(form):
 
 
 def test_a_real_slice_has_fewer_parameters():
-    m = Tiny("llama").eval()
+    m = Tiny("torch").eval()
     r = lnfold.slice_module(m, (_ids(16, seed=3),), fraction=0.25)
     (s,) = r.report.streams
     assert (s.dim, s.keep) == (D, 12) and r.report.params_after < r.report.params_before
@@ -350,6 +342,8 @@ def test_the_other_norm_classes_rotate_exactly(form):
     m, ids = Tiny(form).eval(), _ids()
     r = lnfold.fold_module(m, (ids,), rotate="hadamard")
     assert r.report.streams[0].rotation.startswith("rotated") and len(r.report.rms_norms) == 3
+    if form == "torch-default-eps":  # eps=None: the input dtype's machine epsilon
+        assert all(n.args[3] == torch.finfo(torch.float32).eps for n in _rms_nodes(r.module))
 
 
 def test_a_layernorm_stream_and_an_rmsnorm_stream_both_rotate_in_onnx(tmp_path):
