@@ -120,12 +120,31 @@ class Runner:
 def reference(model: onnx.ModelProto):
     from onnx.reference import ReferenceEvaluator
 
-    return ReferenceEvaluator(model, new_ops=contrib_ops())
+    return ReferenceEvaluator(_named_outputs(model), new_ops=contrib_ops())
+
+
+def _named_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model`, or a copy whose unnamed outputs before a named one get names: onnx's evaluator stores
+    every output a node returns under its name, so a SkipSimplifiedLayerNormalization's unnamed mean
+    and 1/rms (outputs 1, 2 before the sum) became the value of '', which every absent optional input
+    of a later node then read (a GroupQueryAttention got them as its position_ids)."""
+    def gapped(n: onnx.NodeProto) -> bool:
+        return any(not o for o in n.output[:-1])
+
+    if not any(map(gapped, model.graph.node)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for k, n in enumerate(copy.graph.node):
+        if gapped(n):
+            for i, o in enumerate(n.output):
+                n.output[i] = o or f"lnfold_unread_{k}_{i}"
+    return copy
 
 
 def contrib_ops() -> list:
-    """Ops onnx's reference evaluator lacks (onnxruntime's RMSNorm ops, tf2onnx's Erfc), or rounds
-    to float32 (Erf, Gelu: `np.vectorize(erf, otypes=["f"])`, a float32 error in every GELU of a
+    """Ops onnx's reference evaluator lacks (onnxruntime's RMSNorm ops and GroupQueryAttention,
+    tf2onnx's Erfc), or rounds to float32 (Erf, Gelu: `np.vectorize(erf, otypes=["f"])`, a float32 error in every GELU of a
     float64 copy)."""
     from onnx.reference.op_run import OpRun
 
@@ -179,7 +198,9 @@ def contrib_ops() -> list:
                 return ((0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))).astype(x.dtype),)
             return ((0.5 * x * (1 + _ERF(x / np.sqrt(2)))).astype(x.dtype),)
 
-    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf, Gelu]
+    from .contrib_attention import ops as attention_ops  # GroupQueryAttention (onnxruntime-genai's builder)
+
+    return [SimplifiedLayerNormalization, SkipSimplifiedLayerNormalization, Erfc, Erf, Gelu] + attention_ops()
 
 
 def _elementwise(f):
