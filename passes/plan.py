@@ -556,9 +556,9 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _W
     plan.gammas.update({n: gammas.decide(view, n, None, refusal(n)) for n in as_given})
     records = {r.name: r for r in plan.report.rms_norms}
     said = lambda n: verdicts[n] if n in verdicts else records[n]  # noqa: E731
-    for n, g in plan.gammas.items():
+    for n, g in list(plan.gammas.items()):
         if g.moved and request.trainable is not None and any(request.trainable(r.weight.value) for r in g.readers):
-            g.why = "its readers' weights are trained (the training fold computes no γ edit)"
+            g = plan.gammas[n] = replace(g, why="its readers' weights are trained (the training fold computes no γ edit)")
         said(n).gamma = g.describe(view)
         for ref, op in g.edits(view):
             use(ref.value, ref.user, ref.user_input)[0].append(op)
@@ -584,22 +584,22 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         rot = plan_rotation(view, comp, stream, request.rotate, request.seed, plan.gammas,
                             given, blocks if len(blocks) > 1 else None)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
-            rot.keep_unrotated("its writers are trained (the training fold computes no rotation)")
+            rot = rot.unrotated("its writers are trained (the training fold computes no rotation)")
         if rot.rotated and rot.readouts and not caps.readout_matmul:
-            rot.keep_unrotated(f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
-                               f"constant MatMul, which {caps.name} cannot emit")
+            rot = rot.unrotated(f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
+                                f"constant MatMul, which {caps.name} cannot emit")
         if rot.rotated and rot.shortcuts and not caps.readout_matmul:
-            rot.keep_unrotated(f"its residual shortcut into `{rot.shortcuts[0].node}` would need a constant MatMul "
-                               f"(per-block bases), which {caps.name} cannot emit")
+            rot = rot.unrotated(f"its residual shortcut into `{rot.shortcuts[0].node}` would need a constant MatMul "
+                                f"(per-block bases), which {caps.name} cannot emit")
         if rot.rotated and rot.starts and not caps.readout_matmul:
-            rot.keep_unrotated(f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the "
-                               f"recenter, which {caps.name} cannot emit")
+            rot = rot.unrotated(f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the "
+                                f"recenter, which {caps.name} cannot emit")
         refused = next((w for n in comp.norms if (w := caps.resize_refusal(n))), None) \
             if rot.sliced and caps.resize_refusal is not None else None
         if refused is not None:
-            rot.keep_unrotated(refused)
+            rot = rot.unrotated(refused)
         if rot.sliced:
-            slicing.resize(view, comp, rot)
+            rot = slicing.resize(view, comp, rot)
         plan.stream_bases.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
         for n in rot.readouts:

@@ -5,9 +5,10 @@ DESIGN §6b.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
-from typing import Mapping, Optional
+from types import MappingProxyType
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from . import orthogonal
 from .analysis import Component
 from .compress import size_along
 from .edits import Basis, Project, Seeded, dense
+from .frozen import FrozenList
 from .segments import segments
 from .gamma import GammaFold
 from .rules import kind_of
@@ -41,36 +43,36 @@ class BasisShortcut:
         return dense(self.source)[:, :self.keep].T @ dense(self.target)[:, :self.keep]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamBasis:
     """One folded stream's basis, as the plan holds it: a rotation by Q of `kind` (width `dim`; a
     calibrated basis per stream or per segment where slicing asked for one, `width` < `dim` kept),
-    or the stream kept in its own basis (`why`)."""
+    or the stream kept in its own basis (`why`). Final: a change is a new one (`unrotated`, replace)."""
 
     stream: int  # index into Report.streams
-    norms: list[str]
+    norms: Sequence[str]
     kind: str = ""  # resolved: "hadamard" where d allows one, else "orthogonal" (and "-keep-ln")
     dim: Optional[int] = None
     seed: int = 0
     why: str = ""
-    writers: list[tuple[ConstRef, Project]] = field(default_factory=list)  # output side
-    readers: list[tuple[ConstRef, Project]] = field(default_factory=list)  # input side
+    writers: Sequence[tuple[ConstRef, Project]] = ()  # output side
+    readers: Sequence[tuple[ConstRef, Project]] = ()  # input side
     # norms whose γ stayed because of what reads them (a graph output, a non-linear reader): emitted
     # with unit weight followed by a constant `· Qᵀ·diag γ` (`plan.Readout`), which un-rotates
     # their output exactly, at the cost of one d×d MatMul each
-    readouts: list[str] = field(default_factory=list)
+    readouts: Sequence[str] = ()
     # a basis given by the request (a calibrated one: passes/slicing.py) and the entries of it kept:
     # `keep` < `dim` slices the stream (NOT exact); None: the Seeded basis of `kind`, all kept
     given: Optional[Basis] = None
     keep: Optional[int] = None
-    dims: list[DimRef] = field(default_factory=list)  # sliced: the layout ops' size entries that spell d
+    dims: Sequence[DimRef] = ()  # sliced: the layout ops' size entries that spell d
     # recentered stream starts (passes/analysis.OpaqueStart): their recenter is followed by a MatMul
     # that projects the recentered tensor (value, the Project along its feature axis)
-    starts: list[tuple[str, Project]] = field(default_factory=list)
+    starts: Sequence[tuple[str, Project]] = ()
     # per-block bases (a calibrated slice, passes/segments.py): each norm's own basis (absent: `basis`)
     # and the MatMuls on the residual shortcuts where one segment's basis meets the next's
-    norm_bases: dict[str, Basis] = field(default_factory=dict)
-    shortcuts: list[BasisShortcut] = field(default_factory=list)
+    norm_bases: Mapping[str, Basis] = field(default_factory=lambda: MappingProxyType({}))
+    shortcuts: Sequence[BasisShortcut] = ()
     # parameters the constant MatMuls above add (readouts, starts, shortcuts) and those a slice
     # deletes from the writers' and readers' constants (`parameter_change`)
     added: int = 0
@@ -102,11 +104,10 @@ class StreamBasis:
         """Q·1 = 1: the rotated stream stays zero-mean (a LayerNorm on it stays exact)."""
         return self.given is None and self.kind.endswith("-keep-ln")
 
-    def keep_unrotated(self, why: str) -> None:
-        """Withdraw the rotation (a target or a frontend cannot make it): the stream stays as it is."""
-        self.why = why
-        self.writers, self.readers, self.readouts, self.starts = [], [], [], []
-        self.norm_bases, self.shortcuts = {}, []
+    def unrotated(self, why: str) -> "StreamBasis":
+        """This stream with its rotation withdrawn (a target or a frontend cannot make it): it stays as it is."""
+        return replace(self, why=why, writers=(), readers=(), readouts=(), starts=(),
+                       norm_bases=MappingProxyType({}), shortcuts=())
 
     def describe(self) -> str:
         if not self.rotated:
@@ -144,48 +145,44 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
     by the Seeded Q of `kind`, or by `given` = (basis, entries kept) (a calibrated slice); with
     `blocks` (the first norm of each segment -> its basis, passes/segments.py), each segment in its
     own basis, `given`'s keep for all."""
-    out = StreamBasis(stream, list(comp.norms), seed=seed)
+    out = StreamBasis(stream, FrozenList(comp.norms), seed=seed)
     d, why = rotatable(view, comp, gammas)
     if why is None and given is not None and given[0].dim != d:
         why = f"the basis given has width {given[0].dim}, the stream {d}"
     if why is not None:
-        out.why = why
-        return out
-    out.dim = d
+        return replace(out, why=why)
     if given is not None:
-        out.given, out.keep = given
-        out.kind = getattr(out.given, "key", type(out.given).__name__)
+        out = replace(out, dim=d, given=given[0], keep=given[1], kind=getattr(given[0], "key", type(given[0]).__name__))
     else:
-        out.kind = orthogonal.resolved_kind(kind, d)
+        out = replace(out, dim=d, kind=orthogonal.resolved_kind(kind, d))
     keep = out.width
     basis_of_value = lambda value: out.basis  # noqa: E731 (one basis for the whole stream)
     if blocks:
         seg = segments(view, comp)
         if seg.why is not None or set(seg.heads) != set(blocks):
-            out.keep_unrotated(f"per-block bases: {seg.why or 'the bases given are not one per segment'}")
-            return out
-        out.norm_bases = {n: blocks[h] for n, h in seg.of_norm.items()}
-        out.shortcuts = [BasisShortcut(s.node, s.input, blocks[s.source], blocks[s.target], keep)
-                         for s in seg.shortcuts]
+            return out.unrotated(f"per-block bases: {seg.why or 'the bases given are not one per segment'}")
+        out = replace(out, norm_bases=MappingProxyType({n: blocks[h] for n, h in seg.of_norm.items()}),
+                      shortcuts=FrozenList(BasisShortcut(s.node, s.input, blocks[s.source], blocks[s.target], keep)
+                                           for s in seg.shortcuts))
         basis_of_value = lambda value: blocks[seg.of_value[value]]  # noqa: E731
+    writers = []
     for src in comp.sources:
         for ref in src.refs:
             if ref.axis is None or size_along(view, ref.value, ref.axis) == 1:
                 continue  # uniform along the features: centered to zero, nothing to rotate
             written = _written(view, comp, src, ref) if blocks else None
             if blocks and written is None:
-                out.keep_unrotated(f"per-block bases: which stream tensor `{ref.value}` writes is not known")
-                return out
-            out.writers.append((ref, Project(ref.axis, basis_of_value(written), keep)))
-    for n in comp.norms:
-        for r in gammas[n].readers:
-            out.readers.append((r.weight, Project(r.weight.axis, out.basis_of(n), keep)))
-    out.starts = [(o.value, Project(o.axis, basis_of_value(o.value), keep)) for o in comp.opaque]
-    out.readouts = [n for n in comp.norms if _readout(view, gammas[n])]
+                return out.unrotated(f"per-block bases: which stream tensor `{ref.value}` writes is not known")
+            writers.append((ref, Project(ref.axis, basis_of_value(written), keep)))
+    out = replace(out, writers=FrozenList(writers),
+                  readers=FrozenList((r.weight, Project(r.weight.axis, out.basis_of(n), keep))
+                                     for n in comp.norms for r in gammas[n].readers),
+                  starts=FrozenList((o.value, Project(o.axis, basis_of_value(o.value), keep)) for o in comp.opaque),
+                  readouts=FrozenList(n for n in comp.norms if _readout(view, gammas[n])))
+    added, saved = parameter_change(view, out)
+    out = replace(out, added=added, saved=saved)
     why = _costs_more(view, out)
-    if why is not None:
-        out.keep_unrotated(why)
-    return out
+    return out if why is None else out.unrotated(why)
 
 
 def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
@@ -203,7 +200,6 @@ def _costs_more(view: View, rot: StreamBasis) -> Optional[str]:
     must never add parameters, so its un-projections may not outweigh what it deletes; a rotation is
     absorbed by its readers' weights, so its un-rotations may not outweigh those (a stream read by
     nothing but non-linear ops would only gain d×d MatMuls). None where it pays."""
-    rot.added, rot.saved = parameter_change(view, rot)
     if not rot.added:
         return None
     what = (f"{len(rot.readouts)} un-rotating readout(s)" if rot.readouts else "") + \

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping, Optional
 
 import numpy as np
@@ -16,6 +16,7 @@ from .analysis import Component
 from .compress import absorbing, follows_stream, producer_width_refs, sized_off_stream
 from .edits import Data
 from .errors import LnfoldError
+from .frozen import FrozenList
 from .rotate import StreamBasis, rotatable
 from .segments import segments
 from .view import View
@@ -208,28 +209,28 @@ def norm_input(view: View, norm: str) -> tuple[str, int]:
     return value, axis + rank if axis < 0 and rank is not None else axis
 
 
-def resize(view: View, comp: Component, rot: StreamBasis) -> None:
-    """The layout ops' size entries that spell d on a sliced stream and between its norms and their
-    readers (patched to k by the frontends: `Plan.resized_dims`); or the stream keeps its full width
-    (`rot.why`) where an op sets the width in a shape no edit can change. A size read at run time
+def resize(view: View, comp: Component, rot: StreamBasis) -> StreamBasis:
+    """`rot` with the layout ops' size entries that spell d on a sliced stream and between its norms
+    and their readers (patched to k by the frontends: `Plan.resized_dims`); or the stream keeps its
+    full width (`rot.why`) where an op sets the width in a shape no edit can change. A size read at run time
     from a stream tensor's feature axis narrows with it: nothing to patch (compress.follows_stream)."""
     d = rot.dim
     dims = []
     why = sized_off_stream(view, comp)
     if why is not None:
-        return rot.keep_unrotated(why)
+        return rot.unrotated(why)
     starts = {value for value, _ in rot.starts}  # the MatMul after their recenter writes k features
     for value, axis in comp.axes.items():
         for c, _ in view.values[value].consumers:
             node = view.nodes[c]
             if node.shape_only and follows_stream(node.width_refs(0, axis), comp)[0] != []:
-                return rot.keep_unrotated(f"{node.describe()} reads the width {d} of stream tensor `{value}`, "
+                return rot.unrotated(f"{node.describe()} reads the width {d} of stream tensor `{value}`, "
                                           "which slicing changes")
         if value in starts:
             continue
         refs, why = follows_stream(producer_width_refs(view, value, axis), comp)
         if refs is None:
-            return rot.keep_unrotated(f"{view.nodes[view.values[value].producer].describe()} sets the stream's "
+            return rot.unrotated(f"{view.nodes[view.values[value].producer].describe()} sets the stream's "
                                       f"width {d} in a shape no edit can change{why}")
         dims += refs
     for n in comp.norms:
@@ -240,10 +241,10 @@ def resize(view: View, comp: Component, rot: StreamBasis) -> None:
             got = absorbing(view, c, i, node.norm.axis, d)
             refs, why = follows_stream(got[1], comp) if got is not None else (None, "")
             if refs is None:
-                return rot.keep_unrotated(f"{view.nodes[c].describe()} reads `{n}` through a shape that spells "
+                return rot.unrotated(f"{view.nodes[c].describe()} reads `{n}` through a shape that spells "
                                           f"its width {d}, which no edit can change{why}")
             dims += refs
-    rot.dims = list(dict.fromkeys(dims))
+    return replace(rot, dims=FrozenList(dict.fromkeys(dims)))
 
 
 @dataclass

@@ -10,6 +10,8 @@ unrotated, or a γ left in a norm of a rotated stream, moves the outputs far bey
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -213,8 +215,8 @@ def test_a_writer_left_unrotated_fails_verification(monkeypatch):
 
     def drop_one_writer(*args, **kw):  # one down projection's weight stays in the old basis
         rot = real(*args, **kw)
-        del rot.writers[next(k for k, (ref, _) in enumerate(rot.writers) if ref.value.startswith("down"))]
-        return rot
+        k = next(k for k, (ref, _) in enumerate(rot.writers) if ref.value.startswith("down"))
+        return dataclasses.replace(rot, writers=rot.writers[:k] + rot.writers[k + 1:])
 
     monkeypatch.setattr(plan_module, "plan_rotation", drop_one_writer)
     with pytest.raises(VerificationError):
@@ -359,8 +361,8 @@ def test_a_skip_simplified_writer_left_unrotated_fails_verification(monkeypatch,
 
     def drop_one_writer(*args, **kw):  # one down projection's weight (or one bias) stays in the old basis
         rot = real(*args, **kw)
-        del rot.writers[next(k for k, (ref, _) in enumerate(rot.writers) if ref.value.startswith(what))]
-        return rot
+        k = next(k for k, (ref, _) in enumerate(rot.writers) if ref.value.startswith(what))
+        return dataclasses.replace(rot, writers=rot.writers[:k] + rot.writers[k + 1:])
 
     monkeypatch.setattr(plan_module, "plan_rotation", drop_one_writer)
     with pytest.raises(VerificationError):

@@ -6,6 +6,8 @@ a reader or writer left unrotated, or a wrong Q moves the outputs far beyond the
 """
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import re
 import warnings
@@ -231,8 +233,8 @@ def test_blocking_reasons_are_the_same_in_onnx(block):
 def _one_reader_unrotated(real):
     def plan(*a, **kw):
         out = real(*a, **kw)
-        if out.rotated:
-            out.readers = out.readers[1:]  # the planted bug: one reader keeps reading x, not x·Q
+        if out.rotated:  # the planted bug: one reader keeps reading x, not x·Q
+            out = dataclasses.replace(out, readers=out.readers[1:])
         return out
     return plan
 
@@ -240,9 +242,9 @@ def _one_reader_unrotated(real):
 def _wrong_q(real):
     def plan(*a, **kw):
         out = real(*a, **kw)
-        out.writers = [(ref, rotate.Project(op.axis, rotate.Seeded(op.basis.kind, op.basis.dim, op.basis.seed + 1), op.keep))
-                       for ref, op in out.writers]
-        return out
+        return dataclasses.replace(out, writers=[
+            (ref, rotate.Project(op.axis, rotate.Seeded(op.basis.kind, op.basis.dim, op.basis.seed + 1), op.keep))
+            for ref, op in out.writers])
     return plan
 
 

@@ -131,8 +131,7 @@ def test_planted_bug_reader_left_unprojected(monkeypatch):
 
     def drop_one_reader(*a, **kw):
         rot = real(*a, **kw)
-        rot.readers = rot.readers[:-1]
-        return rot
+        return dataclasses.replace(rot, readers=rot.readers[:-1])
 
     monkeypatch.setattr(plan_module, "plan_rotation", drop_one_reader)
     r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.01)
@@ -348,8 +347,7 @@ def test_per_block_planted_bug_shortcut_skipped(monkeypatch):
 
     def no_shortcuts(*a, **kw):
         rot = real(*a, **kw)
-        rot.shortcuts = []
-        return rot
+        return dataclasses.replace(rot, shortcuts=())
 
     monkeypatch.setattr(plan_module, "plan_rotation", no_shortcuts)
     r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.01, per_block=True)
