@@ -21,10 +21,6 @@ from ..passes.options import (APPROX_MODE, MODE_HELP, OPTIONS, PLAN_MODES, as_ar
                                check_seconds, check_threads, options_from)
 from .targets import DEVICE, TARGET
 
-# Above this size the command reports its stages on stderr.
-PROGRESS_BYTES = 300 * 2**20
-
-
 _HINT = "lnfold: give a command: fold, report, quantize, bench or demo (`lnfold demo` folds a small GPT-2 end to end)"
 
 
@@ -133,16 +129,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _progress_for(path: Path):
-    from .api import stderr_progress
-
-    try:
-        big = path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(path.name + "*.data"))
-    except OSError:
-        big = 0
-    return stderr_progress if big > PROGRESS_BYTES else None
-
-
 def cmd_fold(args) -> int:
     src = Path(args.input)
     if src.is_dir():  # an exporter's folder: every ONNX file in it, one report (folders.py)
@@ -179,6 +165,13 @@ def fold_file(src: Path, dst: Path, args):
     """Fold the ONNX file `src` into `dst` (checked, then renamed into place), its weights in the
     input's layout (one file, or a data file beside it: onnx_rewrite/write.py `data_layout`).
     The one pipeline (passes/pipeline.py) verifies the written files before they are published."""
+    from .progress import reporting
+
+    with reporting(src, json=args.json) as progress:  # a status line on a terminal, erased before the report
+        return _fold_file(src, dst, args, progress)
+
+
+def _fold_file(src: Path, dst: Path, args, progress):
     import onnx
 
     from .api import fold_approx, fold_file as fold_to_file
@@ -186,7 +179,6 @@ def fold_file(src: Path, dst: Path, args):
     from .read import load
     from .write import data_layout
 
-    progress = _progress_for(src)
     pipeline.stage(progress, f"loading {src}")
     inputs = {src.resolve()}
     t0 = time.perf_counter()

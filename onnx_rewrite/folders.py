@@ -60,8 +60,11 @@ def fold_checkpoint_folder(src: Path, dst: Path | None, args) -> int:
         raise LnfoldError(f"{src}: a transformers checkpoint: folding it needs torch and transformers "
                           f"(pip install 'lnfold[torch]' transformers accelerate): {first_line(e)}") from None
 
+    from .progress import reporting
+
     t0 = time.perf_counter()
-    result = fold_checkpoint(src, dst, mode=args.mode, verify=not args.no_verify, jobs=args.jobs)
+    with reporting(src, json=args.json) as progress:
+        result = fold_checkpoint(src, dst, mode=args.mode, verify=not args.no_verify, jobs=args.jobs, progress=progress)
     if args.json:
         print(json.dumps({"output": str(result.model), **fold_summary(result, args, time.perf_counter() - t0)},
                          indent=2))

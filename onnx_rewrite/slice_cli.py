@@ -38,10 +38,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from .progress import reporting
     from .slice import slice_model
 
     src, dst = file_paths(args)
     t0 = time.perf_counter()
-    result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget, per_block=args.per_block,
-                         target=args.target, device=args.device)
+    with reporting(src, json=args.json) as progress:  # each fold's stages: many with --per-block or --budget
+        result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget,
+                             per_block=args.per_block, target=args.target, device=args.device, progress=progress)
     return write_and_report(result, dst, t0, args.json, "sliced")

@@ -1,0 +1,63 @@
+"""What a command shows while it works: the one place that decides (issue 46).
+
+The pipeline reports its stages through a `Progress` callable (passes/pipeline.stage: "analyzing",
+"editing ...", "verifying ..."; a slice or an approximate swap runs many folds, so many stages). On a
+terminal, and without `--json`, they show as one status line on stderr (tqdm: the stage, how many so
+far, the time taken) that is erased when the work is done, before the command prints its report.
+Elsewhere (a pipe, a log file, `--json`) only a model above PROGRESS_BYTES reports its stages, one
+line each, as before; a small one says nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+Progress = Optional[Callable[[str], None]]
+PROGRESS_BYTES = 300 * 2**20  # below this a fold takes a few seconds: no stage lines off a terminal
+
+
+class StatusLine:
+    """One line on stderr showing the latest stage; `close` erases it."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(file=sys.stderr, desc="starting", leave=False, dynamic_ncols=True, mininterval=0.2,
+                        bar_format="lnfold: {desc} ({n_fmt} stage(s), {elapsed})")
+
+    def __call__(self, msg: str) -> None:
+        self.bar.set_description_str(msg, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def model_bytes(path: Path) -> int:
+    """An ONNX file's size with its external data files (`NAME*.data`), or a folder's files."""
+    try:
+        if path.is_dir():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return path.stat().st_size + sum(f.stat().st_size for f in path.parent.glob(path.name + "*.data"))
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def reporting(path: Path, *, json: bool = False) -> Iterator[Progress]:
+    """The Progress for a command working on `path`; a status line is erased on leaving."""
+    status = None
+    if not json and sys.stderr.isatty():
+        try:
+            status = StatusLine()
+        except ImportError:  # tqdm comes with transformers, not with the ONNX-only install
+            pass
+    from .api import stderr_progress  # one "lnfold: STAGE" line each
+
+    try:
+        yield status if status is not None else (stderr_progress if model_bytes(Path(path)) > PROGRESS_BYTES else None)
+    finally:
+        if status is not None:
+            status.close()
