@@ -271,8 +271,11 @@ ZOO = ("llama", "qwen2", "mistral", "phi3", "gemma")
 
 
 def zoo_model(arch: str) -> torch.nn.Module:
-    """A tiny `transformers` causal LM (2 layers, hidden 64) with random signed γ and a large-mean
-    embedding, returning its logits."""
+    """A tiny `transformers` causal LM (2 layers, hidden 64) made adversarial as the zoo's LayerNorm
+    models are (lnfold.zoo.adversarial: large-mean sources), with random signed γ on its RMSNorms,
+    returning its logits."""
+    from lnfold import zoo
+
     common = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     cfg, cls = {
@@ -284,6 +287,8 @@ def zoo_model(arch: str) -> torch.nn.Module:
     }[arch]
     torch.manual_seed(0)
     model = cls(cfg()).eval()
+    with torch.no_grad():
+        zoo.adversarial(model)
     _randomize(model)
 
     class Logits(torch.nn.Module):
