@@ -78,27 +78,34 @@ _ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.
 
 
 def computed_gains(graph: gs.Graph) -> None:
-    """Constants the graph computes from one initializer with scalars (GemmaRMSNorm's `1 + weight`,
-    which an exporter without constant folding writes as Add(1, weight), after a Cast), computed once
-    and read in their place: the view sees a constant γ, which can move into the readers like any
-    (fx_rewrite/api.computed_gains is the torch twin). Default-domain Cast and Add/Sub/Mul/Div only."""
+    """Constants the graph computes from one initializer with a scalar (GemmaRMSNorm's `1 + weight`,
+    which an exporter without constant folding writes as Add(1, weight), maybe of a Cast), computed
+    once and read in their place: the view sees a constant γ, which can move into the readers like any
+    (fx_rewrite/api.computed_gains is the torch twin). Default-domain Add/Sub/Mul/Div of a constant
+    (or a Cast of one) and a scalar, whose result is one vector; nothing else changes."""
     outputs = {t.name for t in graph.outputs}
+
+    def value(t):  # a constant, or a Cast of one: (values, the Cast node or None)
+        if isinstance(t, gs.Constant):
+            return np.asarray(t.values), None
+        cast = t.inputs[0] if len(t.inputs) == 1 else None
+        if cast is not None and cast.op == "Cast" and (cast.domain or "") in ("", "ai.onnx") \
+                and len(cast.inputs) == 1 and isinstance(cast.inputs[0], gs.Constant):
+            to = onnx.helper.tensor_dtype_to_np_dtype(int(cast.attrs["to"]))
+            return np.asarray(cast.inputs[0].values).astype(to), cast
+        return None, None
+
     changed = True
     while changed:
         changed = False
         for node in list(graph.nodes):
-            if ((node.domain or "") not in ("", "ai.onnx") or len(node.outputs) != 1
-                    or node.outputs[0].name in outputs or not node.inputs
-                    or not all(isinstance(t, gs.Constant) for t in node.inputs)):
+            if ((node.domain or "") not in ("", "ai.onnx") or node.op not in _ARITHMETIC or len(node.inputs) != 2
+                    or len(node.outputs) != 1 or node.outputs[0].name in outputs):
                 continue
-            values = [np.asarray(t.values) for t in node.inputs]
-            if node.op == "Cast" and len(values) == 1:
-                to = onnx.helper.tensor_dtype_to_np_dtype(int(node.attrs["to"]))
-                out = values[0].astype(to)
-            elif node.op in _ARITHMETIC and len(values) == 2 and min(v.size for v in values) == 1:
-                out = _ARITHMETIC[node.op](*values).astype(np.result_type(*values))
-            else:
+            got = [value(t) for t in node.inputs]
+            if any(v is None for v, _ in got) or min(v.size for v, _ in got) != 1:
                 continue
+            out = _ARITHMETIC[node.op](got[0][0], got[1][0]).astype(np.result_type(got[0][0], got[1][0]))
             if out.dtype.kind != "f" or int(np.prod(out.shape[:-1])) != 1:
                 continue  # (a γ is one vector; other constant arithmetic is left as it is)
             t = node.outputs[0]
@@ -106,4 +113,10 @@ def computed_gains(graph: gs.Graph) -> None:
             node.outputs.clear()
             t.to_constant(out)
             graph.nodes.remove(node)
+            for _, cast in got:  # a Cast nothing else reads goes with it
+                if cast is not None and cast in graph.nodes and not cast.outputs[0].outputs \
+                        and cast.outputs[0].name not in outputs:
+                    cast.inputs.clear()
+                    cast.outputs.clear()
+                    graph.nodes.remove(cast)
             changed = True

@@ -57,7 +57,7 @@ class _Graph(Builder):
 
     def rms_upcast(self, x: str, form: str, gamma: str) -> str:
         """The mean square of x's fp32 Cast, then as GemmaRMSNorm writes it without constant folding
-        (Cast(x)·(1/rms) times Add(1, weight), weight = γ - 1, then Cast back) or as T5LayerNorm does
+        (Cast(x)·(1/rms) times Add(1, Cast(weight)), weight = γ - 1, then Cast back) or as T5LayerNorm does
         (the uncast x times 1/rms, Cast, γ·)."""
         xs = self.op("Cast", [x], to=TensorProto.FLOAT)
         sq = self.op("Pow", [xs, self.const("two", np.float32(2.0))])
@@ -67,7 +67,7 @@ class _Graph(Builder):
             return self.op("Mul", [gamma, self.op("Cast", [self.op("Mul", [x, inv])], to=TensorProto.FLOAT)])
         weight = self.inits[-1]  # (gamma's initializer) stored as γ - 1, read as 1 + weight
         weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) - np.float32(1), weight.name))
-        gain = self.op("Add", [self.const("one", np.float32(1.0)), gamma])
+        gain = self.op("Add", [self.const("one", np.float32(1.0)), self.op("Cast", [gamma], to=TensorProto.FLOAT)])
         return self.op("Cast", [self.op("Mul", [self.op("Mul", [xs, inv]), gain])], to=TensorProto.FLOAT)
 
 
