@@ -44,6 +44,7 @@ onnxruntime runs with `--threads` intra-op threads (default 2); timing with 1.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import subprocess
 import sys
@@ -253,7 +254,8 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
             note = r.fold_line()
             if r.chosen:
                 note += f"; auto chose: {r.chosen}"
-            note += f"; error on the calibration rows: rel. RMS {r.rel_rms:.3g}"
+            note += (f"; error on the calibration rows: rel. RMS {r.rel_rms:.3g}; this process's peak RSS so far "
+                     f"{_vm_kib(os.getpid(), 'VmHWM') / 2**20:.1f} GiB")
             seconds = time.time() - t0
             t.add(scheme, variant, f"{ort_perplexity(res.model, held, threads):.2f}", size_mib(res.model),
                   f"{seconds:.0f}", note.replace("|", "\\|"))
