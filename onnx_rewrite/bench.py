@@ -19,6 +19,7 @@ from typing import Optional
 
 
 from ..passes import LnfoldError
+from ..passes.pipeline import stage
 from ..passes.options import check_seconds, check_threads
 import numpy as np
 
@@ -83,24 +84,27 @@ def norm_kernel_time(path: Path, feeds: dict, runs: int = PROFILED_RUNS, until: 
 
 
 def measure(original: Path, folded: Path, feeds: dict, *, threads: int = 1, seconds: float = 8.0,
-            repeats: int = 3, started: Optional[float] = None) -> dict:
+            repeats: int = 3, started: Optional[float] = None, progress=None) -> dict:
     """The profiler's norm-kernel figures for both models, and end-to-end timings of original,
     folded and original again (A/A), interleaved, in up to `repeats` blocks with sessions of their
     own (timing.compare_repeats: a claim must hold in each). `seconds` bounds the whole measurement
     from `started` (time.perf_counter(); default: now), the caller's loading included: the profiler
     gets PROFILE_SHARE of it, each block an equal share of what is left, and a block stops at its
     share (one round at least, one block at least: a model slower than the budget overruns it by
-    that much, no more). `"rounds"`: the rounds run in all; `"budget"`: the seconds asked."""
+    that much, no more). `"rounds"`: the rounds run in all; `"budget"`: the seconds asked. `progress`
+    (onnx_rewrite/progress.py) hears of each phase, between timed runs, never inside them."""
     t0 = time.perf_counter() if started is None else started
     deadline = t0 + seconds
     share = (deadline - time.perf_counter()) * PROFILE_SHARE / 2
     kernels = {}
     for name, path in (("original", original), ("folded", folded)):
+        stage(progress, f"profiling the {name} model's norm kernels")
         kernels[name] = norm_kernel_time(path, feeds, until=time.perf_counter() + share)
     blocks, rounds, planned = [], 0, 0
     for k in range(repeats):
         if blocks and time.perf_counter() >= deadline:
             break
+        stage(progress, f"timing end to end: repeat {k + 1} of {repeats}, fresh sessions")
         a, a2, b = (timing_session(p, threads) for p in (original, original, folded))
         if not planned:  # from one run's time: about `seconds` over all blocks and variants
             a.run(None, feeds)
@@ -182,6 +186,7 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     import onnxruntime as ort
 
     from .api import check_verify_args
+    from .progress import reporting
     from .read import load
     from .verify import original_run
 
@@ -199,8 +204,10 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     print(f"lnfold bench: {original} (original) vs {folded} (folded), onnxruntime {ort.__version__} CPU")
     shapes = ", ".join(f"{k} {v.dtype} {list(v.shape)}" for k, v in feeds.items())
     print(f"inputs: {shapes} ({made})")
-    for line in describe(measure(Path(original), Path(folded), feeds, threads=threads, seconds=seconds,
-                                 started=started)):
+    with reporting(Path(original)) as progress:  # a status line on a terminal, erased before the figures
+        measured = measure(Path(original), Path(folded), feeds, threads=threads, seconds=seconds, started=started,
+                           progress=progress)
+    for line in describe(measured):
         print(line)
     return 0
 

@@ -24,7 +24,7 @@ class StatusLine:
     def __init__(self) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(file=sys.stderr, desc="starting", leave=False, dynamic_ncols=True, mininterval=0.2,
+        self.bar = tqdm(file=sys.stderr, desc="starting", leave=False, dynamic_ncols=True, mininterval=0,
                         bar_format="lnfold: {desc} ({n_fmt} stage(s), {elapsed})")
 
     def __call__(self, msg: str) -> None:

@@ -77,3 +77,13 @@ def test_json_output_has_no_progress(tmp_path, monkeypatch, capsys, terminal):
 def test_a_pipe_gets_no_stages_for_a_small_model(tmp_path, monkeypatch, capsys):
     code, out, err = _run(["fold", str(GPT2), "-o", str(tmp_path / "f.onnx")], monkeypatch, capsys, terminal=False)
     assert code == 0 and err == "", repr(err)
+
+
+def test_bench_shows_its_phases_between_its_header_and_its_figures(tmp_path, monkeypatch, capsys):
+    assert main(["fold", str(GPT2), "-o", str(tmp_path / "f.onnx")]) == 0
+    code, _, screen = _run(["bench", str(GPT2), str(tmp_path / "f.onnx"), "--seconds", "1"], monkeypatch, capsys,
+                           terminal=True)
+    header, _, figures = screen.partition("budget: --seconds")  # the figures start there
+    status = header.split("\n", 2)[-1]  # (after the two header lines)
+    assert code == 0 and "timing end to end: repeat 1 of 3" in status and "stage(s)" not in figures, repr(screen)
+    assert re.search(r"\r +\r", status), repr(status[-80:])
