@@ -24,7 +24,7 @@ from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression,
 from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, RmsNorm, StreamEdits
 from .request import Capabilities, PlanRequest
-from .rules import kind_of
+from .rules import is_product, is_sum_of_two, kind_of
 from .view import DimRef, View
 
 
@@ -623,8 +623,7 @@ def _bypassable(view: View, name: str) -> bool:
     """A LayerScale Mul whose vector is now all ones can go: it reads one tensor of its own
     output's shape (a broadcasting Mul would change the shape) and is no graph output."""
     node = view.nodes[name]
-    kind, params = kind_of(node.rule)
-    if kind != "scale" or params.get("divide") or len(node.outputs) != 1:
+    if not is_product(node.rule) or len(node.outputs) != 1:
         return False
     out = view.values[node.outputs[0]]
     data = [v for v in node.inputs if v and not view.values[v].is_const]
@@ -645,10 +644,9 @@ def _fusable(view: View, name: str, plan: _Draft, fuses: Callable[[tuple], bool]
     if any(view.nodes[n].norm_input == x.name for n in plan.fuse_residual):
         return False  # another norm reading the same sum fuses its Add already
     add = view.nodes[x.producer]
-    kind, p = kind_of(add.rule)
     if add.origin == node.origin:  # the norm's own op: SkipLayerNormalization's Add, not Embed's lookups
-        return kind == "broadcast"
-    if kind != "broadcast" or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
+        return kind_of(add.rule)[0] == "broadcast"
+    if not is_sum_of_two(add.rule) or len(add.inputs) != 2:
         return False
     shapes = [view.values[v].shape for v in add.inputs]
     if any(view.values[v].is_const for v in add.inputs) or shapes[0] is None or shapes[0] != shapes[1]:

@@ -120,6 +120,18 @@ def kind_of(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
     return kind_of(rule.params["op"]) if rule.kind == "in_branch" else (rule.kind, rule.params)
 
 
+def is_sum_of_two(rule: Optional[Rule]) -> bool:
+    """The rule adds two tensors (a `broadcast` of two data operands, none subtracted): a residual Add."""
+    kind, p = kind_of(rule)
+    return kind == "broadcast" and not p.get("minus") and sorted(p.get("data", ())) == [0, 1]
+
+
+def is_product(rule: Optional[Rule]) -> bool:
+    """The rule multiplies its operands (a `scale` that divides by none of them)."""
+    kind, p = kind_of(rule)
+    return kind == "scale" and not p.get("divide")
+
+
 # Ops that do not act along the feature axis (or only scale rows by a per-row factor): a shift
 # per block of the feature axis passes through them as it is, the axis' size unchanged.
 _BLOCK_AGNOSTIC = frozenset(("elementwise", "broadcast", "scale", "permute", "along", "pad", "take",
