@@ -58,6 +58,7 @@ import numpy as np
 import onnx
 
 from lnfold.passes import LnfoldError
+from lnfold.passes.calibration import Rows
 
 from . import realmodels as rm
 
@@ -231,7 +232,7 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
         try:
             plain = q.run_plain(model, opts["weights"], opts.get("activations"), block_size=opts.get("block_size", 128),
                                 per_channel=opts.get("per_channel", False),
-                                calibration=feeds if opts.get("activations") else None)
+                                calibration=Rows(feeds) if opts.get("activations") else None)
             t.add(scheme, "onnxruntime alone", f"{ort_perplexity(plain, held, threads):.2f}", size_mib(plain),
                   f"{time.time() - t0:.0f}", q.scheme_name(opts["weights"], opts.get("activations"),
                                                            opts.get("block_size", 128), opts.get("per_channel", False),
