@@ -32,10 +32,21 @@ def rows_for(model: onnx.ModelProto, calibration, dims: Optional[dict] = None) -
 
 def run(model: onnx.ModelProto, batches: list[dict]) -> list[np.ndarray]:
     """Every output of `model` on each batch of feeds (runs of `Rows.runs`), each output's pieces
-    joined along its first axis (a scalar output: stacked)."""
+    joined (`joined`)."""
     sess = session(model)
     parts = [sess.run(None, feeds) for feeds in batches]
-    return [np.concatenate(outs, axis=0) if np.ndim(outs[0]) else np.stack(outs) for outs in zip(*parts)]
+    return [joined(outs) for outs in zip(*parts)]
+
+
+def joined(pieces: list) -> np.ndarray:
+    """One output's pieces, one per run, as one array: along the first axis (a scalar output:
+    stacked); flattened and concatenated where the runs' rows differ in length (a folder of rows),
+    which a comparison of two models on the same runs reads element by element all the same."""
+    if not np.ndim(pieces[0]):
+        return np.stack(pieces)
+    if len({np.shape(p)[1:] for p in pieces}) == 1:
+        return np.concatenate(pieces, axis=0)
+    return np.concatenate([np.ravel(p) for p in pieces])
 
 
 def named_outputs(model: onnx.ModelProto, batches: list[dict]) -> tuple[list[str], list[np.ndarray]]:

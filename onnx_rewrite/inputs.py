@@ -22,6 +22,7 @@ from onnx import helper, numpy_helper
 
 from ..passes import LnfoldError
 from ..passes.calibration import Rows
+from ..passes.outputs import folder_files
 from .shapes import dims_of
 
 # ops that pass an index tensor through unchanged in value (maybe reshaped)
@@ -392,9 +393,22 @@ def model_batch(model: onnx.ModelProto) -> Optional[int]:
 
 
 def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
-    """The user's rows (an .npz path or a dict of arrays) for `model`, checked against its inputs.
-    A model with a fixed batch b is fed b rows per run: any count of at least b is taken, the rows
-    after the last whole batch dropped (and said: passes/calibration.Rows)."""
+    """The user's rows (an .npz path, a folder of .npz files, or a dict of arrays) for `model`,
+    checked against its inputs. A model with a fixed batch b is fed b rows per run: any count of at
+    least b is taken, the rows after the last whole batch dropped (and said: passes/calibration.Rows).
+    A folder's files are rows that need not share a shape (sequences of different lengths, which
+    padding would change): each file is fed on its own, in name order."""
+    if isinstance(src, (str, os.PathLike)) and Path(src).is_dir():
+        batch = model_batch(model)
+        names = [n for n in folder_files(src) if n.endswith(".npz")]  # (links out of the folder refused)
+        pieces = []
+        for name in names:
+            piece = Rows.of(read_npz(Path(src) / name), batch, f"{src}/{name}")
+            check_feeds(piece.runs()[0], model, f"{src}/{name}")
+            pieces.append(piece)
+        if not pieces:
+            raise LnfoldError(f"{src}: a folder with no .npz file in it (give one .npz per row or per group of rows)")
+        return Rows.of_pieces(pieces)
     if isinstance(src, (str, os.PathLike)):
         feeds, what = read_npz(src), str(src)
     else:

@@ -29,9 +29,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "--activations int8, quantize_static (QDQ); int4: MatMulNBitsQuantizer, weight-only")
     q.add_argument("--activations", choices=ACTIVATIONS,
                    help="int8: static int8 activations (W8A8, QDQ), calibrated on --calibrate")
-    q.add_argument("--calibrate", metavar="FILE.npz",
+    q.add_argument("--calibrate", metavar="FILE.npz|DIR",
                    help="your representative inputs: one array per model input, rows along the first axis (fed "
-                        "in the model's batch size). With --activations int8 they calibrate and the last quarter is "
+                        "in the model's batch size), or a folder of such .npz files (rows of different lengths: each "
+                        "file fed on its own). With --activations int8 they calibrate and the second half is "
                         "held out to measure the error; otherwise the error (and --rotate auto's choice) is measured "
                         "on them")
     q.add_argument("--rotate", choices=ROTATIONS + (AUTO,),

@@ -25,9 +25,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     width.add_argument("--budget", type=float, metavar="B",
                        help="instead of F: the largest F (0.025, 0.05, ..., 0.975) whose relative error against "
                             "the exact fold on the held-out rows is <= B")
-    s.add_argument("--calibrate", metavar="FILE.npz",
-                   help="your representative inputs: one array per model input, rows along the first axis; the "
-                        "first half (rounded up) calibrates, the rest measures the error")
+    s.add_argument("--calibrate", metavar="FILE.npz|DIR",
+                   help="your representative inputs: one array per model input, rows along the first axis (fed in "
+                        "the model's batch size), or a folder of such .npz files (rows of different lengths: each "
+                        "file fed on its own); the first half (rounded up) calibrates, the rest measures the error")
     s.add_argument("--per-block", action="store_true",
                    help="a basis per block input (SliceGPT's scheme): each residual shortcut gets a k x k MatMul "
                         "between consecutive bases; a stream whose residual Adds do not allow it keeps one basis")

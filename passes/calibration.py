@@ -69,11 +69,14 @@ class Rows:
     """Calibration rows: the user's arrays by input name, rows along the first axis, and the batch
     the model takes. A model whose export fixed its batch at b (Whisper's encoder as Optimum exports
     it: [1, 80, 3000]) is fed b rows per run; where the batch is free, at most RUN_ROWS per run.
-    `dropped`: rows after the last whole batch, left out (and said: `describe`)."""
+    `dropped`: rows after the last whole batch, left out (and said: `describe`). `pieces`: rows
+    that share no shape (a folder of .npz files: sequences of different lengths, which padding
+    would change), each its own feeds, fed one piece at a time; `feeds` is then empty."""
 
     feeds: dict
     batch: Optional[int] = None
     dropped: int = 0
+    pieces: tuple = ()  # of Rows, each fed on its own (`of_pieces`)
 
     @staticmethod
     def of(feeds: dict, batch: Optional[int], what: str) -> "Rows":
@@ -92,25 +95,43 @@ class Rows:
         keep = n - n % batch
         return Rows({k: v[:keep] for k, v in rows.feeds.items()}, batch, n - keep)
 
+    @staticmethod
+    def of_pieces(pieces: list["Rows"]) -> "Rows":
+        """Rows made of `pieces` (each from `of`), fed piece by piece: the held-out rule counts pieces."""
+        if not pieces:
+            raise LnfoldError("no calibration rows: the folder holds no .npz file")
+        return Rows({}, pieces[0].batch, sum(p.dropped for p in pieces), tuple(pieces))
+
     @property
     def count(self) -> Optional[int]:
         """The rows, where every array shares its first axis; None otherwise (one run of everything)."""
+        if self.pieces:
+            counts = [p.count for p in self.pieces]
+            return sum(1 if c is None else c for c in counts)
         n = {np.shape(a)[0] if np.ndim(a) else -1 for a in self.feeds.values()}
         return n.pop() if len(n) == 1 and min(n) >= 0 else None
 
     def runs(self) -> list[dict]:
-        """The feeds, `batch` rows per run (RUN_ROWS at most where the batch is free)."""
+        """The feeds, `batch` rows per run (RUN_ROWS at most where the batch is free); pieces one by one."""
+        if self.pieces:
+            return [feeds for p in self.pieces for feeds in p.runs()]
         n, step = self.count, self.batch or RUN_ROWS
         if n is None or n <= step:
             return [self.feeds]
         return [self.cut(i, i + step).feeds for i in range(0, n, step)]
 
     def cut(self, lo: int, hi: Optional[int]) -> "Rows":
+        """Rows [lo, hi) (pieces [lo, hi) where the rows come in pieces)."""
+        if self.pieces:
+            return Rows.of_pieces(list(self.pieces[lo:hi]))
         return Rows({k: v[lo:hi] for k, v in self.feeds.items()}, self.batch, self.dropped)
 
     def split(self) -> tuple["Rows", Optional["Rows"]]:
         """(the rows that decide, the rows held out to report: None where nothing is), by
-        `deciding_units` over whole batches (over rows where the batch is free)."""
+        `deciding_units` over whole batches (over rows where the batch is free; over pieces)."""
+        if self.pieces:
+            h = deciding_units(len(self.pieces))
+            return (self, None) if h >= len(self.pieces) else (self.cut(0, h), self.cut(h, None))
         n, unit = self.count, self.batch or 1
         if n is None:
             return self, None
@@ -127,6 +148,9 @@ class Rows:
                 "its export)") if self.dropped else ""
 
     def describe(self) -> str:
+        if self.pieces:
+            return "; ".join([f"{len(self.pieces)} files of {self.count} row(s), fed one file at a time (first: "
+                              f"{self.pieces[0].describe()})"] + ([self.dropped_note()] if self.dropped else []))
         return "; ".join([", ".join(f"{k} {list(np.shape(v))}" for k, v in self.feeds.items())] +
                          ([self.dropped_note()] if self.dropped else []))
 

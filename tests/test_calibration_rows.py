@@ -84,3 +84,89 @@ def test_the_approximate_swap_takes_a_fixed_batch_model():
     model = stream_model(batch=1)
     result = lnfold.fold_onnx(model, mode="rms-approx", calibration=calibration(4), budget=1.0)
     assert result.report.folded >= 1
+
+
+# --- a folder of .npz files: rows that share no shape, fed one file at a time (issue 45 item 10) ----
+
+def _sequence_model():
+    """x [batch, seq, d] (float64, seq free) -> Relu(linear) -> 2 pre-LN blocks -> final LN -> head:
+    a stream whose rows may have any length, as a text or speech encoder's."""
+    from tests.onnx_graphs import Builder, VOCAB
+    import onnx
+
+    d = 16
+    b = Builder(5, np.float64)
+    x = b.input("x", onnx.TensorProto.DOUBLE, ["batch", "seq", d])
+    h = b.op("Relu", [b.linear(x, d, d)])
+    for _ in range(2):
+        u = b.op("Relu", [b.linear(b.layernorm(h, d), d, 2 * d)])
+        h = b.op("Add", [h, b.linear(u, 2 * d, d)])
+    y = b.op("MatMul", [b.layernorm(h, d), b.weight("head", (d, VOCAB))])
+    b.output(y, shape=["batch", "seq", VOCAB])
+    return b.model(17)
+
+
+def _rows(lengths, seed=3):
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, n, 16)) * 2.0 + 1.5} for n in lengths]
+
+
+def test_a_folder_of_single_rows_slices_as_the_same_rows_stacked(tmp_path):
+    """Four files of one row each are the rows of one stacked .npz: the same held-out rule (two decide,
+    two report) and the same bases, so the same sliced model to float64 precision. Fails where a
+    folder's pieces were split by rows, or a piece was lost or fed twice."""
+    from lnfold.passes.approx import relative_error
+    from lnfold.onnx_rewrite import approx as approx_io
+
+    model = _sequence_model()
+    rows = _rows([5, 5, 5, 5])
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    for k, r in enumerate(rows):
+        np.savez(folder / f"row{k}.npz", **r)
+    stacked = {"x": np.concatenate([r["x"] for r in rows])}
+    by_files = lnfold.slice_onnx(model, str(folder), fraction=0.25)
+    by_stack = lnfold.slice_onnx(model, stacked, fraction=0.25)
+    fresh = _rows([5, 5], seed=9)
+    assert relative_error(approx_io.run(by_stack.model, fresh), approx_io.run(by_files.model, fresh)) < 1e-12
+    assert by_files.report.error == pytest.approx(by_stack.report.error, rel=1e-9)
+
+
+def test_rows_of_different_lengths_slice_and_quantize_from_a_folder(tmp_path, capsys):
+    """Sequences of 3, 7, 5 and 4 positions cannot share one .npz (and padding changes what some
+    models compute): as a folder, each is fed on its own, half the files decide and half report."""
+    import onnx
+
+    src, out, folder = tmp_path / "m.onnx", tmp_path / "s.onnx", tmp_path / "rows"
+    onnx.save(_sequence_model(), src)
+    folder.mkdir()
+    for k, r in enumerate(_rows([3, 7, 5, 4])):
+        np.savez(folder / f"row{k}.npz", **r)
+    rows = lnfold.onnx_rewrite.inputs.load_rows(str(folder), _sequence_model(), "calibration")
+    assert rows.count == 4 and [r["x"].shape[1] for r in rows.runs()] == [3, 7, 5, 4]
+    deciding, held = rows.split()
+    assert [r["x"].shape[1] for r in deciding.runs()] == [3, 7] and [r["x"].shape[1] for r in held.runs()] == [5, 4]
+    assert "4 files of 4 row(s), fed one file at a time" in rows.describe()
+    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(folder),
+                     "--json"]) == 0
+    assert cli.main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--weights", "int8",
+                     "--calibrate", str(folder)]) == 0
+    capsys.readouterr()
+
+
+def test_a_folder_without_rows_or_with_a_link_out_is_one_line(tmp_path, capsys):
+    import onnx
+
+    src, out, folder = tmp_path / "m.onnx", tmp_path / "s.onnx", tmp_path / "rows"
+    onnx.save(_sequence_model(), src)
+    folder.mkdir()
+    (folder / "notes.txt").write_text("no rows here")
+    argv = ["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(folder)]
+    assert cli.main(argv) == 2
+    assert "a folder with no .npz file in it" in capsys.readouterr().err
+    np.savez(tmp_path / "outside.npz", **_rows([4])[0])
+    (folder / "row.npz").symlink_to(tmp_path / "outside.npz")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lnfold takes a folder's own files only" in err and err.count("\n") == 1
+    assert not out.exists()
