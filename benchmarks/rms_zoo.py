@@ -1,5 +1,6 @@
 """RMSNorm streams as given across the transformers zoo (issue 47's first done-when): LlamaForCausalLM,
-Qwen2ForCausalLM, MistralForCausalLM, Phi3ForCausalLM and GemmaForCausalLM (2 layers, hidden 64,
+Qwen2ForCausalLM, MistralForCausalLM, Phi3ForCausalLM, GemmaForCausalLM and Qwen3ForCausalLM (per-head
+q/k RMSNorms, which stay unrotated with their reason; 2 layers, hidden 64,
 lnfold.zoo.adversarial sources and random signed γ: tests/test_rms_torch.zoo_model) rotated by a
 Hadamard in both frontends (fold_module; fold_onnx on torch.onnx.export(dynamo=True)), each fold
 verified against float64; whether the two frontends' rotation reports agree (node names aside), and
@@ -18,7 +19,13 @@ import warnings
 
 sys.path.insert(0, os.getcwd())  # tests/ of the checkout this runs in
 
-ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma")
+ARCHS = ("llama", "qwen2", "mistral", "phi3", "gemma", "qwen3")
+
+
+def _others(report) -> str:
+    """The streams after the residual one, counted by why they stay as they are."""
+    rest = [s.rotation.split(": ", 1)[-1] for s in report.streams[1:]]
+    return "".join(f"; {rest.count(w)} stream(s) not rotated: {w}" for w in dict.fromkeys(rest))
 
 
 def survey(arch: str) -> dict:
@@ -35,7 +42,7 @@ def survey(arch: str) -> dict:
     m, ids = zoo_model(arch), _ids(2, vocab=96, tokens=8)
     t0 = time.perf_counter()
     t = lnfold.fold_module(m, (ids,), rotate="hadamard")
-    row["torch"] = (t.report.streams[0].rotation.split(":")[0], t.exact_err, t.original_exact_err,
+    row["torch"] = (t.report.streams[0].rotation.split(":")[0] + _others(t.report), t.exact_err, t.original_exact_err,
                     time.perf_counter() - t0)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "m.onnx")
@@ -44,7 +51,7 @@ def survey(arch: str) -> dict:
         model = onnx.load(path)
     t0 = time.perf_counter()
     o = lnfold.fold_onnx(model, rotate="hadamard")
-    row["onnx"] = (o.report.streams[0].rotation.split(":")[0], o.exact_err, o.original_exact_err,
+    row["onnx"] = (o.report.streams[0].rotation.split(":")[0] + _others(o.report), o.exact_err, o.original_exact_err,
                    time.perf_counter() - t0)
     row["agree"] = _rotations(t.report) == _rotations(o.report)
     double, cal = m.double(), _ids(16, seed=3, vocab=96, tokens=8)

@@ -284,6 +284,8 @@ def zoo_model(arch: str) -> torch.nn.Module:
         "mistral": (lambda: transformers.MistralConfig(**common), transformers.MistralForCausalLM),
         "phi3": (lambda: transformers.Phi3Config(**common, pad_token_id=0), transformers.Phi3ForCausalLM),
         "gemma": (lambda: transformers.GemmaConfig(**common, head_dim=16), transformers.GemmaForCausalLM),
+        # (benchmarks/rms_zoo only: per-head q/k RMSNorms beside the residual stream's)
+        "qwen3": (lambda: transformers.Qwen3Config(**common, head_dim=16), transformers.Qwen3ForCausalLM),
     }[arch]
     torch.manual_seed(0)
     model = cls(cfg()).eval()
