@@ -217,6 +217,8 @@ def cmd_report(args) -> int:
         from ..passes.geometry_plot import check_path
 
         check_path(args.plot)  # a bad path is the user's error before any work
+    if Path(args.input).is_dir():  # every input `fold` takes: an exporter's folder, a checkpoint
+        return _report_folder(Path(args.input), args)
     model = load(args.input, lazy=True)
     report = analyze_model(model, mode=args.mode, calibration=args.calibrate,
                            angles=bool(args.angles or args.plot))
@@ -230,6 +232,34 @@ def cmd_report(args) -> int:
 
         plot(report.geometry, args.plot, Path(args.input).stem)
     print(report.to_json(indent=2) if args.json else report.table())
+    return 0
+
+
+def _report_folder(src: Path, args) -> int:
+    """`lnfold report DIR`: a transformers checkpoint's plan (the torch frontend, from its structure:
+    no weight read), or each ONNX file of an exporter's folder; anything else, the line `fold` says."""
+    from .folders import check_onnx_folder, is_transformers_checkpoint
+
+    if args.calibrate or args.angles or args.plot:
+        raise LnfoldError(f"{src}: --calibrate, --angles and --plot measure one ONNX file's norms: give the file")
+    if is_transformers_checkpoint(src):
+        try:
+            from ..fx_rewrite.checkpoint import plan_checkpoint, read_checkpoint
+        except ImportError as e:
+            raise LnfoldError(f"{src}: a transformers checkpoint: reporting on it needs torch and transformers "
+                              f"(pip install 'lnfold[torch]' transformers accelerate): {e}") from None
+        report = plan_checkpoint(read_checkpoint(src), args.mode).report
+        print(report.to_json(indent=2) if args.json else report.table())
+        return 0
+    from .api import analyze_model
+    from .read import load
+
+    reports = {f.relative_to(src).as_posix(): analyze_model(load(f, lazy=True), mode=args.mode)
+               for f in check_onnx_folder(src)}
+    if args.json:
+        print(json.dumps({name: r.to_dict() for name, r in reports.items()}, indent=2))
+    else:
+        print("\n\n".join(f"{name}:\n{r.table()}" for name, r in reports.items()))
     return 0
 
 
