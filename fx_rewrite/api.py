@@ -210,6 +210,12 @@ class ExportFrontend:
         return None
 
     def check(self, plan: Plan) -> None:
+        if not plan.report.norms and plan.empty and not self.opts.gamma_into_readers:
+            given = [n for n in build_view(self.gm.graph, set(self.attrs), rms=True)[0].nodes.values()
+                     if n.norm is not None and n.norm.rms]
+            if given:  # as onnx_rewrite/validate.no_norm_message says it
+                raise NothingToFold(f"no LayerNorm found in the module: its {len(given)} norm(s) are RMSNorms "
+                                    "already (gamma_into_readers or rotate takes their streams): nothing to fold")
         check_plan(plan)
 
     def apply(self, plan: Plan) -> fx.GraphModule:
