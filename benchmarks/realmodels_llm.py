@@ -303,7 +303,8 @@ def accuracy4_part(model: onnx.ModelProto, held: np.ndarray, rotations: list[str
 
 
 def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray, held: np.ndarray,
-               fractions: list[float], threads: int, rounds: int, log, save_dir: Optional[Path] = None) -> None:
+               fractions: list[float], threads: int, rounds: int, log, save_dir: Optional[Path] = None,
+               bases=("one", "per-block")) -> None:
     """lnfold.slice_onnx (the `lnfold slice` code path) at each fraction, one basis and per block:
     calibrated on every GPL-3 window, its own error measured on the next GPL-3 windows
     (`cal_heldout`); perplexity on Apache-2.0; parameters; 1-thread latency against the original."""
@@ -315,7 +316,7 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
     base = q.parameters(model)
     timed = {"original": model, "original (A/A)": model}
     for fraction in fractions:
-        for per_block in (False, True):
+        for per_block in [b == "per-block" for b in bases]:
             label = "per block" if per_block else "one"
             t0 = time.time()
             try:
@@ -411,6 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--rotations", nargs="+", default=["hadamard", "auto"],
                    choices=["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto"])
     p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.2, 0.25])
+    p.add_argument("--bases", nargs="+", default=["one", "per-block"], choices=["one", "per-block"],
+                   help="slice: one basis per stream and/or a basis per block (default both)")
     p.add_argument("--cache", help=f"download folder (default ${rm.CACHE_ENV}, else ~/.cache/lnfold)")
     p.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads for perplexity (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="latency rounds (default 5; 0: no latency)")
@@ -448,7 +451,8 @@ def main(argv=None) -> int:
     if "accuracy4" in args.parts:
         accuracy4_part(model, held, args.rotations, args.threads)
     if "slice" in args.parts:
-        slice_part(model, cal, cal_heldout, held, args.fractions, args.threads, args.rounds, log, cache / "smollm2")
+        slice_part(model, cal, cal_heldout, held, args.fractions, args.threads, args.rounds, log, cache / "smollm2",
+                   args.bases)
     if "latency" in args.parts:  # the files the slice part saved, timed against the original
         timed = {"original": onnx_path, "original (A/A)": onnx_path}
         timed.update({f.stem: f for f in sorted((cache / "smollm2").glob("sliced-*.onnx"))})

@@ -29,7 +29,7 @@ the parameter's dtype, as `fold_module` computes it, for one pass over each edit
 (a table only looked up: the rows looked up, after the lookup; benchmarks/RESULTS.md, "The
 backend's weight edits per call": no measurable cost against the old cached copies). Training
 (grad on, the edited parameters require grad): in the parameter's dtype, so loss and gradients
-are the original model's (DESIGN §1). A bf16/fp16 graph gets a LowPrecisionWarning.
+are the original model's (THEORY §1). A bf16/fp16 graph gets a LowPrecisionWarning.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ does, and the plan's constant edits become edits of the checkpoint's tensors by 
 "Checkpoints"); fx_rewrite/checkpoint_fold.py streams the shards through them.
 
 The output loads with `from_pretrained` in its stock class: its LayerNorms stay LayerNorms, but
-every folded one reads a zero-mean stream, where it computes what an RMSNorm does (DESIGN §1,
+every folded one reads a zero-mean stream, where it computes what an RMSNorm does (THEORY §1,
 Lemma 2). Hence the target's capabilities (`STOCK`): β stays the norm's own, no CRMS compression,
 and a stream that would need a `Recenter` op (BLOOM's embedding LayerNorm) is kept, with its reason.
 """

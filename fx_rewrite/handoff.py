@@ -14,7 +14,7 @@ copy; the original is kept only for verification's float64 run):
   and `config.tie_word_embeddings` becomes False, so that `from_pretrained` does not tie them again;
 - a reader Linear without a bias gets one (`W β`: `Capabilities.new_biases`);
 - each folded `nn.LayerNorm` becomes a plain `torch.nn.RMSNorm` (its weight is γ), exact because
-  its input is zero-mean now (DESIGN §1). A folded norm whose β cannot move into its readers (its
+  its input is zero-mean now (THEORY §1). A folded norm whose β cannot move into its readers (its
   output is a graph output, a reader is not linear) stays an `nn.LayerNorm` on its centered stream
   (exact as well) and is reported kept;
 - transformers models: `config.rms_norm_eps` is set where every swapped norm has one ε, and

@@ -6,7 +6,7 @@ nothing can be proven zero-mean inside one fragment. So the whole model is analy
 torch.export analysis of `fold_module`), and the plan is applied to the user's `nn.Module` itself:
 
 - each centered weight is computed in the forward from the original parameter (`W - mean(W)`,
-  DESIGN §1 "Equivalence in training"): the module that holds it gets a property of the same
+  THEORY §1 "Equivalence in training"): the module that holds it gets a property of the same
   name (the mechanism of `torch.nn.utils.parametrize`) that centers it while one of the plan's
   readers runs its forward (hooks count them in and out) and is the Parameter itself otherwise.
   The Parameter stays in `_parameters` under its own name: the optimizer, `named_parameters()`

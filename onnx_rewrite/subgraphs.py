@@ -5,7 +5,7 @@ whole decoder twice and share the outer graph's initializers: folding one branch
 weights the other reads. So the branches of every top-level If join the one stream view, each under
 its own scope (`<If name>/then_branch::<name>`). Outer names stay unscoped: a shared weight is one
 value read in both branches (edited once where every reader is centered alike, cloned where one
-needs the original: DESIGN §1). A branch's outputs leave through the If, so stream tensors among
+needs the original: THEORY §1). A branch's outputs leave through the If, so stream tensors among
 them block as graph outputs do. Shapes are inferred per branch (outer names as its inputs).
 
 Emission: the constant edits once for all scopes, then one `Emitter` per scope for its swaps and

@@ -11,7 +11,7 @@ from typing import Optional
 
 from .view import FeatureRuns, ChannelScale, ConstRef, Node, View
 
-# Recenter only where the swaps it enables outnumber the recenters by this factor (DESIGN §1).
+# Recenter only where the swaps it enables outnumber the recenters by this factor (THEORY §1).
 RECENTER_PAYOFF = 2
 
 

@@ -2,7 +2,7 @@
 anyway, only where the measured error stays within a budget. NOT exact, and every place it shows
 says so (ONNX: metadata_props `lnfold_approximate`).
 
-A kept norm's input still has a mean, by which RMSNorm differs from LN (DESIGN §1, Lemma 2); in
+A kept norm's input still has a mean, by which RMSNorm differs from LN (THEORY §1, Lemma 2); in
 trained models it is small (seed 003; passes/geometry.py), so the swap may cost little. How little
 is measured on the user's calibration inputs (`choose`), never assumed, and the error on a held-out
 part is reported next to the budget. The choice is `PlanRequest.approx`: make_plan marks those norms

@@ -1,4 +1,4 @@
-"""Where each folded norm's β goes (DESIGN §1, "β into the readers"): into the biases of its readers
+"""Where each folded norm's β goes (THEORY §1, "β into the readers"): into the biases of its readers
 (an `AddWeightTimes` of each), or an Add. A reader without a bias keeps β as an Add in both frontends
 (a new bias is a new op in ONNX; folding into one would give the two IRs of one model different
 emissions), except where `decide(into_readers=True)` asks for one (W β).

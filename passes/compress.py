@@ -1,4 +1,4 @@
-"""CRMSNorm compression plan (seed 001 §3.2; DESIGN §1, "CRMSNorm"): a foldable component carried in
+"""CRMSNorm compression plan (seed 001 §3.2; THEORY §1, "CRMSNorm"): a foldable component carried in
 d-1 features, decided from the view alone — which layout ops spell d, which readers absorb γ, β and
 the decompression, which norms still emit the decompressed vector — or a fallback to RMSNorm with
 a reason naming the node.

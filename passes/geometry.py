@@ -1,6 +1,6 @@
 """Where each LayerNorm's input points: its angle to the uniform vector 1 (seed 003, Figure 3: ≈ 90°
 in trained LLMs). For a row x, cos θ = μ(x) / rms(x): 90° ⇔ a zero mean, so a folded norm's input is
-at 90° by construction (DESIGN §1), a built-in sanity check. `measure` captures the norm inputs
+at 90° by construction (THEORY §1), a built-in sanity check. `measure` captures the norm inputs
 through the calibration phase (passes/calibration.py); the statistics are computed here.
 """
 from __future__ import annotations

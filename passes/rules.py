@@ -551,7 +551,7 @@ def _tile(view, node, data=0, axes=None):
 
 def _resample(view, node, data=0, axes=None, sizes=None, slot=None, fixed=False):
     """Interpolation along `axes` (YOLOS resizes its patch position table to the image): a per-row
-    map of the shift off those axes (DESIGN §1), computing new values, so no layout op. Its output
+    map of the shift off those axes (THEORY §1), computing new values, so no layout op. Its output
     sizes, where it spells them (ONNX Resize's `sizes`), spell the width too."""
     return dict(same_axes_rules([data], [0], None if axes is None else set(axes)),
                 width_refs=_width_refs(view, node, sizes, slot, fixed))
@@ -559,7 +559,7 @@ def _resample(view, node, data=0, axes=None, sizes=None, slot=None, fixed=False)
 
 def _zero_rows(view, node, data=0, mask=1):
     """masked_fill(x, mask, 0) (ESM's token dropout): where the mask is one value along a row's
-    features, the row is x's or zeros, a per-row map of the shift (DESIGN §1). Another fill value
+    features, the row is x's or zeros, a per-row map of the shift (THEORY §1). Another fill value
     writes rows of its mean: opaque."""
     R = _out_rank(view, node)
 

@@ -68,7 +68,7 @@ class FeatureRuns:
     """Runs of `size` entries along a feature axis, each centered on its own; only the runs in
     entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection).
 
-    DESIGN §1 says where the other fields arise: `stride`, the runs start every `stride` entries
+    THEORY §1 says where the other fields arise: `stride`, the runs start every `stride` entries
     from `lo` (None: back to back; Persimmon's q, every 3·head_dim); `row` (axis, index), only
     that index of another axis is in the stream; `spacing`, one run is `size` entries `spacing`
     apart (None: adjacent) on an axis merging the features with others (MobileViT's unfolding),

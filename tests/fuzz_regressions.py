@@ -101,7 +101,7 @@ def test_fp16_decomposed_layernorm(dtype):
 # --- bug 3: zero Pad on token axes ---------------------------------------------------------------
 class PadTokens(nn.Module):
     """F.pad of the stream on the token axis (zero rows are zero-mean, so the Pad is
-    shift-transparent; DESIGN §1 lists zero Pad). lnfold had no Pad entry: the Pad became an
+    shift-transparent; THEORY §1 lists zero Pad). lnfold had no Pad entry: the Pad became an
     opaque start, and a lone norm behind it was kept. The TorchScript exporter also computes
     Pad's pads at run time from constants (ConstantOfShape, Concat, Reshape, Slice, Transpose,
     Cast)."""
@@ -143,7 +143,7 @@ def test_nonzero_pad_is_not_transparent(exporter, opset):
 # --- torch frontend: layout ops on token axes -----------------------------------------------------
 class TokenLayout(nn.Module):
     """roll / flip / pad of the stream on the token axis, between two pre-LN blocks. All three
-    are shift-transparent (DESIGN §1: Roll, zero Pad; flip is a reversed Slice); the ONNX path
+    are shift-transparent (THEORY §1: Roll, zero Pad; flip is a reversed Slice); the ONNX path
     folds every norm. fx_rewrite first had no entry for aten.roll, aten.flip or aten.pad: it kept
     the norms (sound, incomplete) and disagreed with the ONNX frontend; it classifies them now."""
 

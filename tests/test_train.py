@@ -2,7 +2,7 @@
 checkpointing and per-block torch.compile.
 
 Training with the centered weights computed in forward is the original model's training, exactly
-(DESIGN §1): losses and parameters are compared with plain eager training of the unfolded model
+(THEORY §1): losses and parameters are compared with plain eager training of the unfolded model
 at float32 tolerance (1e-5 relative) with SGD. AdamW divides each gradient by its own running
 size, so an element whose true gradient is ~0 moves by ±lr whatever its rounding noise; there the
 yardstick is the plain fp32 run's own distance from a float64 run. The weights are adversarial

@@ -34,7 +34,7 @@ CLIP), `--only fp32ln` (TorchScript fp16 with fp32 LayerNorms), `--only keras_po
 keras 3.15.1 (not 4.57.6), onnxsim 0.8.1, onnxconverter-common 1.16.0.
 
 Every file gets a manifest entry (manifest.json beside the files) with the hand-derived count of
-LayerNorms that DESIGN §1 says fold: see EXPECT below for the derivations.
+LayerNorms that THEORY §1 says fold: see EXPECT below for the derivations.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ V = 100        # vocab
 P = 32         # positions
 
 # --------------------------------------------------------------------------------------------
-# Hand counts (DESIGN §1). total = LayerNorm-like ops in the file (fused ones included),
+# Hand counts (THEORY §1). total = LayerNorm-like ops in the file (fused ones included),
 # folded / recentered = what a correct lnfold does. Per-file overrides are given at the call.
 # --------------------------------------------------------------------------------------------
 EXPECT = {

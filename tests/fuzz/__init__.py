@@ -1,6 +1,6 @@
 """Random PyTorch models with known LayerNorm verdicts, and the fuzz properties lnfold must keep.
 
-In the spirit of NNSmith: the generator builds valid models from the op families of DESIGN §1 and
+In the spirit of NNSmith: the generator builds valid models from the op families of THEORY §1 and
 knows, *by construction*, which LayerNorms an exact fold may fold. Each model is a straight-line
 `forward` (printable Python source) over modules named `ln3`, `fc7`, ...; while it writes each
 line, the generator updates a union-find of stream components:

@@ -304,7 +304,7 @@ class Gen:
 
         # A branch that adds its LayerNorm's output through transparent ops puts that output in
         # the stream: one opaque start however many such branches, and if the norm is shared
-        # with another branch, that branch reads a stream tensor (DESIGN §1: a sink) and blocks.
+        # with another branch, that branch reads a stream tensor (THEORY §1: a sink) and blocks.
         plain = [b[2] for b in branches]
 
         def fn(st: Stream) -> str:

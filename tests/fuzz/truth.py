@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-RECENTER_PAYOFF = 2  # DESIGN §1: recenter only if #norms >= 2 * #opaque starts
+RECENTER_PAYOFF = 2  # THEORY §1: recenter only if #norms >= 2 * #opaque starts
 
 
 class Truth:
