@@ -5,7 +5,7 @@ Where an edited constant comes from depends on who calls (`Constants`): a new at
 once in float64 (fold_module), or `W - mean(W)` in the graph from the parameter itself at every call
 (the backend: in float64 at inference, so that a weight changed in place in any way is seen at once;
 in the parameter's dtype under autograd, so gradients reach the optimizer's own parameters
-unchanged: DESIGN §1). A folded LayerNorm reads a zero-mean stream, where
+unchanged: THEORY §1). A folded LayerNorm reads a zero-mean stream, where
 `layer_norm` and `rms_norm` are both exact: `norm` says which one runs.
 """
 from __future__ import annotations
