@@ -268,12 +268,17 @@ class Applier:
         arr = how.readout.matrix(None if like is None else to_numpy(like))
         return self._buffer(f"lnfold_unrotate_{name}", arr, like, self.nodes[name])
 
-    def _resized(self, how: NormEmission) -> Optional[tuple]:
-        """A sliced stream's norm: (k, its weight √(d/k) as a buffer, ε·d/k's factor); None: as it was."""
+    def _resized(self, how: NormEmission, dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
+        """A sliced stream's norm: (k, its weight √(d/k) as a buffer of `dtype` (default: the norm's
+        output's), ε·d/k's factor); None: as it was."""
         if how.width is None:
             return None
-        weight = self._buffer(f"lnfold_sliced_gamma_{how.norm}", np.full([how.width], how.scale), None,
-                              self.nodes[how.norm])
+        out = meta_val(self.nodes[how.norm])  # (native_layer_norm: (y, mean, rstd))
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out = torch.empty(0, dtype=dtype) if dtype is not None else out
+        # in the norm's own dtype: a float32 √(d/k) would cost a float64 model 3e-8
+        weight = self._buffer(f"lnfold_sliced_gamma_{how.norm}", np.full([how.width], how.scale),
+                              out if isinstance(out, torch.Tensor) else None, self.nodes[how.norm])
         return how.width, weight, how.eps_scale
 
     def _buffer(self, base: str, arr: np.ndarray, like: Optional[torch.Tensor], before: fx.Node) -> fx.Node:
@@ -344,16 +349,14 @@ class Applier:
         else:
             x, out, eps = self.nodes[written.x], self.nodes[written.output], written.epsilon
             covered = [self.nodes[n] for n in written.nodes]
-        resized = self._resized(how)
-        width = meta_val(out).shape[-1] if resized is None else resized[0]
         dtype = meta_val(x).dtype
         if written is not None and meta_val(node).dtype.itemsize > dtype.itemsize:  # (node: its mean square)
             dtype = meta_val(node).dtype
+        resized = self._resized(how, dtype)
+        width = meta_val(out).shape[-1] if resized is None else resized[0]
         readout = self._readout(how)
         with self.graph.inserting_before(out):
             y = self.graph.call_function(aten.to.dtype, (x, dtype)) if dtype != meta_val(x).dtype else x
-            if resized is not None:
-                resized = (resized[0], self.graph.call_function(aten.to.dtype, (resized[1], dtype)), resized[2])
             y = self.dialect.rms_norm(self.graph, y, [width], None if resized is None else resized[1],
                                       eps * how.eps_scale)
             for want, matrix in ((readout.meta["val"].dtype, readout) if readout is not None else (dtype, None),

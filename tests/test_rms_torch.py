@@ -223,6 +223,39 @@ def test_a_real_slice_has_fewer_parameters():
     assert torch.isfinite(r.module(_ids(4, seed=9))).all()
 
 
+def _spanning(form: str, span: int = 12) -> Tiny:
+    """Tiny in float64 whose writers (the embedding, each down projection) write into one random
+    `span`-dimensional subspace of the 16 features: a slice to k = span deletes only zero directions."""
+    m = Tiny(form).double().eval()
+    u, _ = torch.linalg.qr(torch.randn(D, span, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
+    with torch.no_grad():
+        m.emb.weight.copy_(m.emb.weight @ u @ u.T)
+        for b in m.blocks:
+            b.down.weight.copy_(u @ u.T @ b.down.weight)
+            b.down.bias.copy_(u @ u.T @ b.down.bias)
+    return m
+
+
+@pytest.mark.parametrize("form", ("torch", "llama"))
+def test_a_stream_in_k_dimensions_slices_with_zero_error(form):
+    """aten.rms_norm and the written-out form re-emitted over k = 12 features with √(d/k) and ε·d/k:
+    the exact fold's outputs (float64)."""
+    r = lnfold.slice_module(_spanning(form), (_ids(16, seed=3),), fraction=0.25)
+    (s,) = r.report.streams
+    assert (s.dim, s.keep) == (D, 12) and r.report.params_after < r.report.params_before
+    assert _error_against_exact(r, _ids(4, seed=9)) < 1e-10
+
+
+def test_an_unscaled_sliced_rmsnorm_fails():
+    """Planted bug: the sliced norms without their √(d/k) (tests/test_slice.plant_unscaled)."""
+    from tests.test_slice import plant_unscaled
+
+    with pytest.MonkeyPatch.context() as mp:
+        plant_unscaled(mp)
+        r = lnfold.slice_module(_spanning("llama"), (_ids(16, seed=3),), fraction=0.25)
+    assert _error_against_exact(r, _ids(4, seed=9)) > 1e-2
+
+
 # --- a LayerNorm stream and an RMSNorm stream ----------------------------------------------------
 
 class Mixed(torch.nn.Module):
