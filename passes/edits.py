@@ -112,7 +112,7 @@ class Identity:
 
 
 @dataclass(frozen=True)
-class Data:
+class DataBasis:
     """A basis computed from data (a calibrated matrix), owned by the plan; equal by `key`."""
 
     key: str
@@ -126,7 +126,7 @@ class Data:
         return self.array
 
 
-Basis = Union[Seeded, Identity, Data]
+Basis = Union[Seeded, Identity, DataBasis]
 
 
 def dense(basis: Basis) -> np.ndarray:

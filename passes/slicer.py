@@ -144,7 +144,7 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
         bases, starts = dict(decided.bases), {}
         for s, head in at:
             starts[head], p = window_basis(s.dim, s.keep, min(j, windows(s.dim, s.keep) - 1))
-            bases[head] = (edits.Data(f"window{starts[head]}:{head}", p), s.keep)
+            bases[head] = (edits.DataBasis(f"window{starts[head]}:{head}", p), s.keep)
         sliced = frontend.sliced(bases, planner)
         rotated = {r.stream for r in sliced.plan.stream_bases if r.rotated}
         wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}

@@ -14,7 +14,7 @@ import numpy as np
 
 from .analysis import Component
 from .compress import absorbing, follows_stream, producer_width_refs, sized_off_stream
-from .edits import Data
+from .edits import DataBasis
 from .errors import LnfoldError
 from .frozen import FrozenList
 from .rotate import StreamBasis, rotatable
@@ -115,7 +115,7 @@ class SlicePlan:
     """The calibrated bases a slice asks the planner for (PlanRequest.bases), and the per-stream account."""
 
     fraction: float
-    # the stream's first norm -> (Data, k); per-block, the first norm of each segment
+    # the stream's first norm -> (DataBasis, k); per-block, the first norm of each segment
     bases: dict = field(default_factory=dict)
     streams: list[StreamSlice] = field(default_factory=list)
     # per-block streams: each one's segments (their first norms) in the stream's order, and each
@@ -167,7 +167,7 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
             kept += rows * float(eigenvalues[:s.keep].sum() / eigenvalues.sum())
             s.rows += rows
             s.span = rows if s.span is None else min(s.span, rows)
-            out.bases[head] = (Data(f"pca:{head}", q), s.keep)
+            out.bases[head] = (DataBasis(f"pca:{head}", q), s.keep)
         s.variance_kept, s.bases = kept / s.rows, len(groups)
     return out
 

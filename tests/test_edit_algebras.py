@@ -10,7 +10,7 @@ from torch import fx
 
 from lnfold.fx_rewrite.apply import ATEN
 from lnfold.fx_rewrite.edits import TENSOR, graph_algebra
-from lnfold.passes.edits import (NUMPY, AddWeightTimes, Center, Data, FoldDecompression, Identity, Ones, Project, Scale,
+from lnfold.passes.edits import (NUMPY, AddWeightTimes, Center, DataBasis, FoldDecompression, Identity, Ones, Project, Scale,
                                  Seeded, apply_ops)
 
 RNG = np.random.default_rng(0)
@@ -33,7 +33,7 @@ CASES = {
 # changes of basis with arithmetic: the eager tensor algebra multiplies, the training graph refuses
 ROTATIONS = {
     "rotate": (Center(1), Project(1, Seeded("orthogonal", 8, 3), 8)),
-    "slice": (Center(1), Project(1, Data("pca", np.linalg.qr(RNG.normal(size=(8, 8)))[0]), 5)),
+    "slice": (Center(1), Project(1, DataBasis("pca", np.linalg.qr(RNG.normal(size=(8, 8)))[0]), 5)),
 }
 
 

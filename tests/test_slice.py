@@ -417,7 +417,7 @@ def test_sequential_windows_show_the_sliced_upstream_at_full_width(monkeypatch, 
     (the upstream deletion changed it). Planted bugs — only the first window, a window put back one
     feature off — break the identity."""
     from lnfold.passes import slicer
-    from lnfold.passes.edits import Data
+    from lnfold.passes.edits import DataBasis
 
     if plant == "one window":
         monkeypatch.setattr(slicer, "windows", lambda d, k: 1)
@@ -431,7 +431,7 @@ def test_sequential_windows_show_the_sliced_upstream_at_full_width(monkeypatch, 
     got, folds = slicer.full_width_inputs(frontend, plan_module.make_plan, decided, [(s, heads[1])])
     (value,) = got
     r = np.linalg.qr(np.random.default_rng(4).standard_normal((D, D)))[0]
-    bases = {**decided.bases, heads[1]: (Data("random", r), s.keep)}
+    bases = {**decided.bases, heads[1]: (DataBasis("random", r), s.keep)}
     seen = frontend.capture(frontend.sliced(bases, plan_module.make_plan), [value])[value]
     mismatch = max(np.abs(g @ r[:, :s.keep] - x).max() / np.abs(x).max() for g, x in zip(got[value], seen))
     if plant is None:
