@@ -199,7 +199,7 @@ class Applier:
                     swap_norm(self.graph, node, self.dialect, True)
             else:
                 self._swap(node, how.beta_add, how.unit_gamma, how.rms_only, self._readout(how), self._resized(how))
-        crms.patch_dims(self, plan)
+        crms.resize_dims(self, plan)
         if plan.new_biases:
             crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
         self.graph.lint()

@@ -39,7 +39,7 @@ def decompress(n: torch.Tensor, gamma, beta) -> torch.Tensor:
     return full
 
 
-def patch_dims(applier, plan: Plan) -> None:
+def resize_dims(applier, plan: Plan) -> None:
     """Each size argument that spells d on a narrowed stream gets the new width (d-1 on a CRMS
     stream, k on a sliced one: `Plan.resized_dims`)."""
     for ref, shrink in dict(plan.resized_dims).items():

@@ -15,7 +15,7 @@ from ..passes.plan import Plan
 from .norms import NormMatch, const_values, dtype_of
 
 
-def patch_dims(em, plan: Plan) -> None:
+def resize_dims(em, plan: Plan) -> None:
     """Each Reshape/Expand that spells d on a narrowed stream gets a shape with the new width there
     (d-1 on a CRMS stream, k on a sliced one: `Plan.resized_dims`)."""
     by_slot: dict[tuple, dict[int, int]] = {}

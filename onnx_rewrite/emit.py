@@ -125,7 +125,7 @@ class Emitter:
                 f"the input model is ill-typed: LayerNorm `{first}`{f' and {more} more' if more else ''} take(s) a "
                 f"{stream} input with {given} scale/bias, which onnxruntime refuses to load; repaired in the "
                 f"folded norms, whose γ and β are stored in {stream}, the stream's dtype")
-        crms.patch_dims(self, plan)
+        crms.resize_dims(self, plan)
         crms.add_new_biases(self, plan)
         crms.forget_shapes(self, plan)
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
