@@ -107,7 +107,8 @@ class OnnxFrontend:
         # RMSNorms as given are norms of the view where their γ can move (and their streams rotate)
         view, self.matches = build_view(self.info, self.opset, rms=self.opts.gamma_into_readers)
         # If branches: one view with the main graph
-        self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset)
+        self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset,
+                                                rms=self.opts.gamma_into_readers)
         return view
 
     def _prepare(self) -> tuple:

@@ -78,8 +78,10 @@ def _nested_reads(graph: onnx.GraphProto) -> set:
     return out
 
 
-def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: int) -> list[Scope]:
-    """Add the nodes of every top-level If's branches to `view`, scoped; returns the scopes."""
+def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: int, rms: bool = False
+                    ) -> list[Scope]:
+    """Add the nodes of every top-level If's branches to `view`, scoped; returns the scopes. `rms`:
+    their RMSNorms as given are norms of the view too (build_view's), as the main graph's are."""
     from .classify import GraphInfo, build_view
 
     ifs = [(k, n) for k, n in enumerate(graph.nodes) if n.op == "If"]
@@ -105,11 +107,25 @@ def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: 
             dedupe_node_names(branch, seen)
             shapes = infer_shapes(_branch_model(model, bproto, outer, types))
             info = GraphInfo(branch, shapes)
-            bview, matches = build_view(info, opset)
+            bview, matches = build_view(info, opset, rms=rms)
             scope = Scope(f"{node.name}/{attr}", branch, info, matches, outer)
             _merge(view, bview, scope)
             scopes.append(scope)
+    _outer_weights(view, model)
     return scopes
+
+
+def _outer_weights(view: View, model: onnx.ModelProto) -> None:
+    """The main graph's initializers that only branches read (merge_decoders moves the weights both
+    decoders share there) are constants of the view, with their shapes: a branch's shape inference
+    saw the large ones as inputs, and a γ can move into a MatMul only through a constant weight."""
+    for t in model.graph.initializer:
+        v = view.values.get(t.name)
+        if v is not None and v.producer is None and not v.is_const:
+            v.is_const = True
+            if v.shape is None or v.rank is None:
+                v.rank, v.shape = len(t.dims), tuple(int(x) for x in t.dims)
+    view.changed()
 
 
 def _drop_captured(view: View, node: gs.Node) -> None:

@@ -38,13 +38,24 @@ def _copies_rows_of(view: View, node, i: int) -> bool:
     return True
 
 
+def _linear_in_branch(view: View, node, i: int, axis: int):
+    """The linear read of an op of an inlined If branch (its `in_branch` rule answers none, so that
+    deferral and CRMSNorm, which the branch emitter does not apply, leave it alone): for a per-feature
+    constant edit (γ, β, a rotation), written once for all scopes like a source's centering."""
+    rule = node.rule
+    if rule is None or rule.kind != "in_branch":
+        return None
+    return rule.params["op"].answers(view, node).linear(i, axis)
+
+
 def linear_readers(view: View, value: str, axis: int, products_only: bool = False,
                    through_layout: bool = False) -> tuple[list[LinearReader], Optional[str]]:
     """Every linear layer that reads `value` along its feature axis `axis`, directly or through
     reshapes that keep that axis whole and last; or why some reader is not one. `products_only`:
     only readers whose output is their product (not a fused attention that starts with one).
     `through_layout`: through any layout op that keeps the feature axis whole and last (a slice or
-    gather of rows: fine for a per-feature edit, γ or β, not for a per-row scale)."""
+    gather of rows: fine for a per-feature edit, γ or β, not for a per-row scale), and the linear
+    layers of If branches (a per-feature edit of their weights)."""
     v = view.values[value]
     if v.is_graph_output:
         return [], f"`{value}` is a graph output"
@@ -56,6 +67,8 @@ def linear_readers(view: View, value: str, axis: int, products_only: bool = Fals
         if node.shape_only:  # a Shape/Size reads no values: β, γ, a row scale or Q never reach it
             continue
         lin = node.linear(i, axis) if writes_product(node) or not products_only else None
+        if lin is None and through_layout:
+            lin = _linear_in_branch(view, node, i, axis)
         if lin is not None:
             if lin.weight.axis is None:
                 return [], f"{node.describe()} has no input-feature axis on its weight"
