@@ -28,14 +28,26 @@ from olive.passes.onnx.common import get_external_data_config, model_proto_to_ol
 from olive.passes.pass_config import BasePassConfig, PassConfigParam
 from olive.search.search_parameter import Categorical
 
+from ..passes.options import OPTIONS, Option
+from .targets import TARGET
+
 logger = logging.getLogger(__name__)
 
 # This pass's row of an Olive package config: it runs on the host's CPU, whatever the target runs.
 PACKAGE_ENTRY = {"LnfoldPass": {"module_path": "lnfold.onnx_rewrite.olive_pass.LnfoldPass",
                                 "supported_providers": ["*"], "supported_accelerators": ["*"],
                                 "supported_precisions": ["*"]}}
-ROTATIONS = ["none", "hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln"]
+ROTATIONS = ["none", *OPTIONS["rotate"].choices]  # ("none": Olive's search space holds no None)
 SLICE_FRACTIONS = [0.1, 0.2, 0.3]
+
+
+def _param(option: Option, **overrides) -> PassConfigParam:
+    """An lnfold option (passes/options.OPTIONS, onnx_rewrite/targets: one declaration) as Olive
+    declares a pass's config: its type, default, description and search space."""
+    kw = dict(type_=option.type, default_value=option.default, description=option.help)
+    if option.search:
+        kw["search_defaults"] = Categorical(list(option.search))
+    return PassConfigParam(**{**kw, **overrides})
 
 
 class LnfoldPass(Pass):
@@ -47,20 +59,14 @@ class LnfoldPass(Pass):
     @classmethod
     def _default_config(cls, accelerator_spec: AcceleratorSpec) -> dict[str, PassConfigParam]:
         config = {
-            "mode": PassConfigParam(type_=str, default_value="rms",
-                                    description='"rms" (exact) or "crms" (exact, one feature fewer per stream)'),
-            "target": PassConfigParam(type_=str, default_value="ort",
-                                      description='what a folded norm becomes: "ort" (onnxruntime\'s '
-                                      'SimplifiedLayerNormalization), "onnx" (RMSNormalization, opset 23) or '
-                                      '"portable" (primitive ops)'),
-            "rotate": PassConfigParam(type_=str, default_value="none", search_defaults=Categorical(ROTATIONS),
-                                      description="an exact orthogonal rotation of every stream that can take one "
-                                      f"(γ moves into the readers first): one of {ROTATIONS}; with `quantize` also "
-                                      '"auto" (lnfold measures each candidate and keeps the best)'),
-            "seed": PassConfigParam(type_=int, default_value=0, description="the rotation's random seed"),
-            "gamma_into_readers": PassConfigParam(type_=bool, default_value=False,
-                                                  description="move each folded norm's γ and β into the linear "
-                                                  "layers that read it (implied by a rotation)"),
+            "mode": _param(OPTIONS["mode"], description='"rms" (exact) or "crms" (exact, one feature fewer per '
+                           'stream)'),
+            "target": _param(TARGET),
+            "rotate": _param(OPTIONS["rotate"], default_value="none", search_defaults=Categorical(ROTATIONS),
+                             description=OPTIONS["rotate"].help + f"; one of {ROTATIONS}; with `quantize` also "
+                             '"auto" (lnfold measures each candidate and keeps the best)'),
+            "seed": _param(OPTIONS["seed"]),
+            "gamma_into_readers": _param(OPTIONS["gamma_into_readers"]),
             "slice_fraction": PassConfigParam(type_=float, default_value=None,
                                               search_defaults=Categorical(SLICE_FRACTIONS),
                                               description="delete this share of each stream's width, its least-"
@@ -75,8 +81,8 @@ class LnfoldPass(Pass):
                                            description="an .npz of input rows (one array per model input, rows "
                                            "along the first axis): slicing's basis and quantization's "
                                            "calibration and error measurement"),
-            "verify": PassConfigParam(type_=bool, default_value=True,
-                                      description="verify the fold against a float64 run of the input model"),
+            "verify": _param(OPTIONS["verify"], description="verify the fold against a float64 run of the input "
+                             "model"),
         }
         config.update(get_external_data_config())
         return config
