@@ -91,7 +91,8 @@ def test_torchao_int8_and_int4_weight_only(gpt2):
     assert int8.report.ops_after == {"Linear[Int8Tensor]": 5}
     int4 = lnfold.quantize_module(model, args, weights="int4", block_size=32, dynamic=False)
     assert 0 < rel_rms(int4.module, model, args) < 0.3  # 4 bits: coarser
-    assert int4.report.bytes_after < int8.report.bytes_after < int8.report.bytes_before
+    # (torchao's CPU int4 keeps its values unpacked, one per int8: not smaller than int8)
+    assert int8.report.bytes_after < int8.report.bytes_before and int4.report.bytes_after < int4.report.bytes_before
 
 
 @pytest.mark.slow
