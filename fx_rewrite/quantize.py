@@ -278,7 +278,9 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
                            plain=lambda: _plain_trial(module, names, reference, batches),
                            plain_name="plain torch.ao")
         if verify:  # the chosen fold and rewrite, verified like any fold (made again: q's is quantized)
-            prepare(q.prepared.options, True)
+            again = prepare(q.prepared.options, True)
+            if q.fold is not None:  # (the same fold, deterministic: its verdict is the chosen one's)
+                record(q.fold, again.fold.verdict)
     else:
         q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify))
     prepared = q.prepared
