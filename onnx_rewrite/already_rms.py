@@ -37,6 +37,11 @@ def rms_norms(model: onnx.ModelProto) -> list:
             return False  # (a scalar exponent is stored inline; no weight is read here)
         return float(onnx.numpy_helper.to_array(t).reshape(-1)[0]) == 2.0
 
+    def is_one(value: str) -> bool:
+        t = consts.get(value)
+        return (t is not None and t.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(t.dims)) == 1
+                and float(onnx.numpy_helper.to_array(t).reshape(-1)[0]) == 1.0)
+
     def squared(value: str) -> Optional[set]:
         """The tensors that `value` is the square of (x, and what x is a Cast of)."""
         p = producer.get(value)
@@ -67,7 +72,9 @@ def rms_norms(model: onnx.ModelProto) -> list:
         if xs is None or root is None:
             continue
         t = root.output[0]
-        rec = one(t, "Reciprocal")
+        rec = one(t, "Reciprocal", "Div")  # 1/rms: Reciprocal, or Div(1, rms) (Optimum's, TorchScript's)
+        if rec is not None and rec.op_type == "Div" and (rec.input[1] != t or not is_one(rec.input[0])):
+            rec = None
         final = one(rec.output[0] if rec is not None else t, "Mul" if rec is not None else "Div")
         if final is not None and set(final.input) & xs:
             out.append(RmsNorm(n.name, "decomposed RMSNorm"))
