@@ -86,7 +86,7 @@ def _quiet_specialization():
         logger.setLevel(level)
 
 
-def _own_tensors(gm: fx.GraphModule) -> None:
+def own_tensors(gm: fx.GraphModule) -> None:
     """Give `gm` its own copy of every parameter, buffer and constant (aliases stay aliases)."""
     copies: dict[int, torch.Tensor] = {}
 
@@ -220,7 +220,7 @@ class ExportFrontend:
 
     def apply(self, plan: Plan) -> fx.GraphModule:
         gm = self.gm
-        _own_tensors(gm)
+        own_tensors(gm)
         constants = AttrConstants(gm, self.tensor)  # (the originals: edits are new attributes)
         constants.prepare(plan, self.info)
         Applier(gm, self._view, self.info, ATEN, constants, norm=self.norm).apply(plan)

@@ -38,7 +38,7 @@ from ..passes.pipeline import record
 from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_scheme, choose,
                                no_rotation_note, output_errors, report_of, rotated_streams, trial)
 from . import calibration as calibration_io
-from .api import _own_tensors, export, fold_module, program_view
+from .api import own_tensors, export, fold_module, program_view
 from .edits import attr_of
 from .verify import Verifier
 
@@ -326,7 +326,7 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
             notes.append(f"nothing folded ({e}); quantized as given")
     if gm is None:
         gm = program_view(export(module, args, kwargs, dynamic=dynamic))[0]
-        _own_tensors(gm)  # (the program's tensors are the module's)
+        own_tensors(gm)  # (the program's tensors are the module's)
     layers = as_linear_modules(gm)
     if not layers:
         raise LnfoldError("no linear layer to quantize (no aten.linear or aten.addmm with a constant 2-D weight)")
