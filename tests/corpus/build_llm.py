@@ -11,9 +11,10 @@ transformers 5.24.0, onnx 1.23.2, onnxruntime 1.32.0):
     LNFOLD_GENAI_PYTHON    a venv with `pip install onnxruntime-genai==0.18.0` (adds nothing else)
     LNFOLD_OPTIMUM_PYTHON  a venv with `pip install optimum-onnx==0.1.0` (pins transformers 4.57.6)
 
-Models: `transformers` LlamaForCausalLM / Qwen2ForCausalLM, 2 layers, hidden 64, 4 heads, 2 kv heads
+Models: `transformers` LlamaForCausalLM / Qwen2ForCausalLM / Phi3ForCausalLM (packed qkv_proj and
+gate_up_proj; original_max_position_embeddings = max_position_embeddings, no LongRoPE), 2 layers, hidden 64, 4 heads, 2 kv heads
 (head size 16: onnxruntime's GroupQueryAttention CPU kernel needs a multiple of 16), MLP 96, vocab
-128, tied embeddings, random weights, every RMSNorm weight uniform in ±[0.5, 2] with random signs (a
+128, tied embeddings, random weights and biases, every RMSNorm weight uniform in ±[0.5, 2] with random signs (a
 γ left in a norm of a rotated stream, or a reader left unrotated, then moves the outputs far beyond
 the gate), and a large mean on the embedding rows (+3). MLP 96 and vocab 128 (not 128 and 256) keep
 each file near 300 KB. save_pretrained with a tiny WordLevel tokenizer (the genai builder saves one).
@@ -41,13 +42,18 @@ arch, out = sys.argv[1], sys.argv[2]
 kw = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
           vocab_size=128, max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=126, eos_token_id=127)
 cfg, cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[arch]
+if arch == "phi3":  # no LongRoPE (the genai builder's Phi3MiniModel, not its 128K variant)
+    kw.update(original_max_position_embeddings=128, pad_token_id=0)
 torch.manual_seed(0)
 m = cls(cfg(**kw)).eval()
 with torch.no_grad():
     for name, p in m.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(torch.empty_like(p).uniform_(0.5, 2.0) * torch.randint(0, 2, p.shape).mul(2).sub(1))
+        elif name.endswith(".bias"):  # Qwen2's q/k/v biases (zeros at init: the genai builder drops zero biases)
+            p.copy_(torch.randn_like(p))
     m.model.embed_tokens.weight.add_(3.0)
 m.save_pretrained(out)
 vocab = {f"t{i}": i for i in range(125)} | {"<unk>": 125, "<s>": 126, "</s>": 127}
@@ -144,7 +150,7 @@ def main() -> None:
                         "graph_count": {"ops": ops}, "size": (out / fname).stat().st_size})
         print("  +", fname, (out / fname).stat().st_size, flush=True)
 
-    for arch, cls in (("llama", "Llama"), ("qwen2", "Qwen2")):
+    for arch, cls in (("llama", "Llama"), ("qwen2", "Qwen2"), ("phi3", "Phi3")):
         hf = tmp / f"hf_{arch}"
         run(sys.executable, HF_SRC, arch, hf)
         name = f"genai_fp32_cpu_{arch}.onnx"
