@@ -32,11 +32,11 @@ from typing import Optional
 import torch
 from torch import fx
 
-from ..passes import LnfoldError, NothingToFold
+from ..passes import LnfoldError
 from ..passes.options import check_choice
 from ..passes.pipeline import record
 from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_scheme, choose,
-                               no_rotation_note, output_errors, report_of, rotated_streams, trial)
+                               fold_for_quantizer, output_errors, report_of, trial)
 from . import calibration as calibration_io
 from .api import own_tensors, export, fold_module, program_view
 from .edits import attr_of
@@ -59,7 +59,7 @@ class Prepared:
     options: dict  # the fold options it was prepared with
 
 
-def _torchao():
+def torchao_quantization():
     """torchao's quantization module, or None where it is not installed."""
     try:
         # (its import logs, on a CPU build, that its CUDA kernels did not load)
@@ -80,8 +80,8 @@ def check_options(weights: str, rotate: Optional[str], seed, block_size: int, ba
     if weights != "int4" and block_size != 32:
         raise LnfoldError("block_size is for int4 weights")
     if backend == "auto":
-        backend = "torchao" if _torchao() is not None else "torch.ao"
-    if backend == "torchao" and _torchao() is None:
+        backend = "torchao" if torchao_quantization() is not None else "torch.ao"
+    if backend == "torchao" and torchao_quantization() is None:
         raise LnfoldError("backend='torchao': torchao is not installed (pip install 'lnfold[quantize]')")
     if weights == "int4" and backend != "torchao":
         raise LnfoldError("int4 weight-only needs torchao (pip install 'lnfold[quantize]'); torch.ao quantizes "
@@ -178,7 +178,7 @@ def run_quantizer(module: fx.GraphModule, layers: dict, weights: str, backend: s
         if backend == "torch.ao":
             holder = torch.ao.quantization.quantize_dynamic(holder, {torch.nn.Linear}, dtype=torch.qint8)
         else:
-            ao = _torchao()
+            ao = torchao_quantization()
             if weights == "int4":
                 from torchao.quantization.granularity import PerGroup
 
@@ -297,33 +297,19 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 
 def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
              gamma_into_readers: Optional[bool] = None, dynamic: bool = True, verify: bool = True) -> Prepared:
-    """The exact steps: fold (γ into readers and rotation where asked), linear layers as nn.Linear.
-    `verify`: the fold through fold_module's gate (float64, with its probe of the kept LayerNorms),
-    then the module handed to the quantizer against the original in float64 (the rewrite, and the
-    fold again). A rotation that rotates no stream leaves γ in the norms unless
-    `gamma_into_readers=True` asks for it (as quantize_onnx: moved alone it made weight
-    quantization worse, issue 33)."""
+    """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer,
+    as quantize_onnx), linear layers as nn.Linear. `verify`: the fold through fold_module's gate
+    (float64, with its probe of the kept LayerNorms), then the module handed to the quantizer
+    against the original in float64 (the rewrite, and the fold again)."""
     options = dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers)
-    gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
-    if rotate and not gamma:
-        raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
-    if not fold and (rotate or gamma):
-        raise LnfoldError("rotation and γ into the readers are part of the fold: they need fold=True")
-    notes, result, gm = [], None, None
-    if fold:
-        def run(gamma, rotate):
-            return fold_module(module, args, kwargs, gamma_into_readers=gamma, rotate=rotate, seed=seed,
-                               verify=verify, dynamic=dynamic)
-        try:
-            result = run(gamma, rotate)
-            if rotate and gamma_into_readers is None and not rotated_streams(result):
-                notes.append(no_rotation_note(rotate, result))
-                gamma, result = False, run(False, None)
-            gm = result.module
-        except NothingToFold as e:
-            if rotate or gamma:
-                raise LnfoldError(f"cannot rotate: {e}") from None
-            notes.append(f"nothing folded ({e}); quantized as given")
+
+    def run(gamma, rotate):
+        return fold_module(module, args, kwargs, gamma_into_readers=gamma, rotate=rotate, seed=seed,
+                           verify=verify, dynamic=dynamic)
+
+    folded = fold_for_quantizer(run, **options)
+    result, notes = folded.result, folded.notes
+    gm = result.module if result is not None else None
     if gm is None:
         gm = program_view(export(module, args, kwargs, dynamic=dynamic))[0]
         own_tensors(gm)  # (the program's tensors are the module's)
@@ -334,7 +320,7 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
         verdict = Verifier(module, args, kwargs).check(gm)
         if result is not None:
             record(result, verdict)
-    return Prepared(gm, result, notes, result is not None and gamma, layers, options)
+    return Prepared(gm, result, notes, folded.gamma_into_readers, layers, options)
 
 
 def _plain_trial(module, names: list, reference: list, batches: list) -> dict:

@@ -37,13 +37,13 @@ from typing import Optional
 import numpy as np
 import onnx
 
-from ..passes import FoldResult, LnfoldError, NothingToFold
+from ..passes import FoldResult, LnfoldError
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
 from ..passes.options import ROTATIONS  # noqa: F401  (quantize_cli's choices)
 from ..passes.quantize import (ACTIVATIONS, AUTO, AUTO_CANDIDATES, AUTO_MARGIN, NOT_FOLDED, WEIGHTS,  # noqa: F401
                                Measured, QuantizeReport, QuantizeResult, Quantized, check_scheme, choose,
-                               measurement, moved_gamma, no_rotation_note, output_errors, report_of,
+                               fold_for_quantizer, measurement, moved_gamma, output_errors, report_of,
                                rotated_streams, trial)
 from . import approx as approx_io
 from . import inputs as synth
@@ -85,30 +85,15 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
 
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
             gamma_into_readers: Optional[bool] = None, inputs=None, dims=None, verify: bool = True) -> Prepared:
-    """The exact steps: fold (verified unless verify=False), γ into readers and rotation where
-    asked, Gemm → MatMul. A rotation that rotates no stream leaves γ in the norms unless
-    `gamma_into_readers=True` asks for it: γ moved alone made weight quantization worse (issue 33)."""
-    gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
-    if rotate and not gamma:
-        raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
-    if not fold and (rotate or gamma):
-        raise LnfoldError("rotation and γ into the readers are part of the fold: they need fold=True")
-    notes, result = [], None
-    work = model
-    if fold:
-        def run(gamma, rotate):  # (verified below, with the Gemm rewrite: what the quantizer gets)
-            return fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
-                              rotate=rotate, seed=seed, verify=False)
-        try:
-            result = run(gamma, rotate)
-            if rotate and gamma_into_readers is None and not rotated_streams(result):
-                notes.append(no_rotation_note(rotate, result))
-                gamma, result = False, run(False, None)
-            work = result.model
-        except NothingToFold as e:
-            if rotate or gamma:
-                raise LnfoldError(f"cannot rotate: {e}") from None
-            notes.append(f"nothing folded ({e}); quantized as given")
+    """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer),
+    Gemm → MatMul; verified together unless verify=False."""
+    def run(gamma, rotate):  # (verified below, with the Gemm rewrite: what the quantizer gets)
+        return fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
+                          rotate=rotate, seed=seed, verify=False)
+
+    folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers)
+    result, notes = folded.result, folded.notes
+    work = result.model if result is not None else model
     work = copy.deepcopy(work)
     name_nodes(work)
     resolved, float_kept = constant_weights(work)
@@ -121,7 +106,7 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     if rewritten:
         notes.append(f"{rewritten} Gemm(s) rewritten as MatMul + Add (exact) so that the quantizer sees them")
     notes += [f"Gemm kept float: {k}" for k in kept]
-    prepared = Prepared(work, result, notes, bool(result) and gamma, resolved + rewritten)
+    prepared = Prepared(work, result, notes, folded.gamma_into_readers, resolved + rewritten)
     if verify:
         check_exact_steps(model, prepared, inputs, dims)
     return prepared

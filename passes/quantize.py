@@ -21,7 +21,7 @@ import numpy as np
 
 from . import metric, search
 from .calibration import Rows
-from .errors import LnfoldError
+from .errors import LnfoldError, NothingToFold
 from .options import ROTATIONS
 from .result import FoldResult
 
@@ -82,10 +82,40 @@ def rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
     return "; ".join(said) or None
 
 
-def no_rotation_note(rotate: str, fold: FoldResult) -> str:
-    """Why a fold asked to rotate was redone without γ moved (the adapters' prepare)."""
-    return (f"--rotate {rotate} rotated no stream ({rotation_summary(fold)}): γ left in the norms (moved alone "
-            "it makes weight quantization worse)")
+@dataclass
+class Folded:
+    """What `fold_for_quantizer` made: the fold (None: nothing folded), whether γ moved, notes."""
+
+    result: Optional[FoldResult]
+    gamma_into_readers: bool
+    notes: list
+
+
+def fold_for_quantizer(run: Callable[[bool, Optional[str]], FoldResult], *, fold: bool = True,
+                       rotate: Optional[str] = None, gamma_into_readers: Optional[bool] = None) -> Folded:
+    """The exact step in front of a quantizer, for both adapters: `run(gamma_into_readers, rotate)`
+    is the frontend's fold. γ moves with a rotation by default; a rotation that rotates no stream
+    is folded again with γ left in the norms unless `gamma_into_readers=True` asks for it (γ moved
+    alone made weight quantization worse, issue 33). A model with nothing to fold goes to the
+    quantizer as given (said in a note) unless a rotation or γ's move was asked for."""
+    gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
+    if rotate and not gamma:
+        raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
+    if not fold and (rotate or gamma):
+        raise LnfoldError("rotation and γ into the readers are part of the fold: they need fold=True")
+    if not fold:
+        return Folded(None, False, [])
+    try:
+        result = run(gamma, rotate)
+    except NothingToFold as e:
+        if rotate or gamma:
+            raise LnfoldError(f"cannot rotate: {e}") from None
+        return Folded(None, False, [f"nothing folded ({e}); quantized as given"])
+    if rotate and gamma_into_readers is None and not rotated_streams(result):
+        note = (f"--rotate {rotate} rotated no stream ({rotation_summary(result)}): γ left in the norms (moved alone "
+                "it makes weight quantization worse)")
+        return Folded(run(False, None), False, [note])
+    return Folded(result, gamma, [])
 
 
 # -- the error --------------------------------------------------------------------------------------

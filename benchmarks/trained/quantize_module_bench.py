@@ -112,18 +112,18 @@ def goals(results: dict) -> list[str]:
 
 
 def main(argv=None) -> None:
-    from lnfold.fx_rewrite.quantize import _torchao
+    from lnfold.fx_rewrite.quantize import torchao_quantization
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--backends", nargs="+", choices=BACKENDS,
-                   default=[b for b in BACKENDS if b == "torch.ao" or _torchao() is not None])
+                   default=[b for b in BACKENDS if b == "torch.ao" or torchao_quantization() is not None])
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: DEFAULT's per quantizer")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     t0 = time.time()
     results = {m: measure(m, args.backends, args.variants) for m in args.models}
-    ao = _torchao()
+    ao = torchao_quantization()
     version = f", torchao {__import__('torchao').__version__}" if ao is not None else ", torchao not installed"
     out = [f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, torch "
            f"{torch.__version__}{version}, {torch.get_num_threads()} thread(s); "
