@@ -47,6 +47,7 @@ import numpy as np
 import onnx
 
 from lnfold.onnx_rewrite import quantize as q
+from lnfold.passes import quantize as pq
 from lnfold.onnx_rewrite import timing
 from lnfold.passes import LnfoldError
 from lnfold.passes.weights import max_rel_err
@@ -309,7 +310,7 @@ def measure(rm: RealModel, seeds: int, schemes: list[str], keep: dict, log) -> d
         prep = q.prepare(rm.model, verify=False, **opts)  # exactness: the fp32 metric below, and the suite
         exact_steps.setdefault(label, []).append(rm.metric(ref, run(verify.session(prep.model), rm.heldout)))
         note = ""
-        if opts.get("rotate") and not q.rotated_streams(prep.fold):
+        if opts.get("rotate") and not pq.rotated_streams(prep.fold):
             note = "no stream rotated"
         for scheme in schemes:
             sopts = SCHEMES[scheme]

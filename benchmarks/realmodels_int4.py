@@ -41,6 +41,7 @@ from onnx import numpy_helper
 
 from lnfold.onnx_rewrite import approx as approx_io
 from lnfold.onnx_rewrite import quantize as q
+from lnfold.passes import quantize as pq
 from lnfold.passes import metric
 from lnfold.passes import orthogonal
 
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
         print("| block | rotation | writers | unweighted | by the final norm's γ² | by the later norms' γ²·‖reader rows‖² |")
         print("| --- | --- | --- | --- | --- | --- |")
         for block in args.blocks:
-            for label in [v for v in preps if preps[v].fold and q.rotated_streams(preps[v].fold)]:
+            for label in [v for v in preps if preps[v].fold and pq.rotated_streams(preps[v].fold)]:
                 w = writer_error_model(rm.model, preps["fold"].model, preps[label].model, block)
                 print(f"| {block} | {label} | {w['writers']} | {w['unweighted']:.2f} | {w['final γ²']:.2f} | "
                       f"{w['later readers']:.2f} |", flush=True)

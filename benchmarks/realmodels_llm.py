@@ -280,6 +280,7 @@ def accuracy4_part(model: onnx.ModelProto, held: np.ndarray, rotations: list[str
     """int4 with accuracy_level=4 (lnfold quantize does not expose it): onnxruntime alone, and on
     lnfold's verified exact steps (quantize.prepare: fold, γ into the readers, the rotation)."""
     from lnfold.onnx_rewrite import quantize as q
+    from lnfold.passes.quantize import rotated_streams
 
     t = Table("**int4 accuracy_level=4** (W4A8 CPU kernel), MatMulNBitsQuantizer called directly",
               ["block", "variant", "perplexity", "size MiB", "seconds", "note"])
@@ -296,7 +297,7 @@ def accuracy4_part(model: onnx.ModelProto, held: np.ndarray, rotations: list[str
             except Exception as e:  # noqa: BLE001
                 t.add(str(block), f"lnfold prepare(rotate={rotate})", "—", "—", f"{time.time() - t0:.0f}", failure(e))
                 continue
-            note = (f"{q.rotated_streams(prep.fold)} stream(s) rotated, fold verified ({prep.fold.criterion}); "
+            note = (f"{rotated_streams(prep.fold)} stream(s) rotated, fold verified ({prep.fold.criterion}); "
                     f"basis changes kept float: {len(q.basis_changes(prep.model))}")
             t.add(str(block), f"lnfold prepare(rotate={rotate})", f"{ort_perplexity(quantized, held, threads):.2f}",
                   size_mib(quantized), f"{time.time() - t0:.0f}", note)

@@ -40,11 +40,9 @@ import onnx
 from ..passes import FoldResult, LnfoldError
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
-from ..passes.options import ROTATIONS  # noqa: F401  (quantize_cli's choices)
-from ..passes.quantize import (ACTIVATIONS, AUTO, AUTO_CANDIDATES, AUTO_MARGIN, NOT_FOLDED, WEIGHTS,  # noqa: F401
-                               Measured, QuantizeReport, QuantizeResult, Quantized, check_scheme, choose,
-                               fold_for_quantizer, measurement, moved_gamma, output_errors, report_of,
-                               rotated_streams, trial)
+from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, check_scheme, choose,
+                               fold_for_quantizer, measurement, output_errors, report_of,
+                               trial)
 from . import approx as approx_io
 from . import inputs as synth
 from . import verify

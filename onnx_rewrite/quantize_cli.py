@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ..passes import LnfoldError
 from ..passes.options import as_argument, check_output
-from .quantize import ACTIVATIONS, AUTO, ROTATIONS, WEIGHTS
+from ..passes.options import ROTATIONS
+from ..passes.quantize import ACTIVATIONS, AUTO, WEIGHTS
 
 _DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their weights into the readers and "
                 "rotate the residual stream (exact, verified), then quantize the linear layers with "

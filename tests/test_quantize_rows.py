@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import lnfold
 from lnfold.onnx_rewrite import cli, quantize as q
+from lnfold.passes import quantize as pq
 from lnfold.onnx_rewrite import verify
 from lnfold.passes import LnfoldError
 from lnfold.passes.calibration import Rows
@@ -123,13 +124,13 @@ def test_auto_tries_every_candidate_and_keeps_the_best():
     plain = lnfold.quantize_onnx(model, weights="int8", fold=False, inputs=given).report
     auto = lnfold.quantize_onnx(model, weights="int8", rotate="auto", inputs=given).report
     tried = {t["candidate"]: t for t in auto.candidates}
-    assert list(tried) == [label for label, _ in q.AUTO_CANDIDATES] + [auto.candidates[-1]["candidate"]]
-    assert tried[q.NOT_FOLDED]["score"] == pytest.approx(plain.rel_rms)
+    assert list(tried) == [label for label, _ in pq.AUTO_CANDIDATES] + [auto.candidates[-1]["candidate"]]
+    assert tried[pq.NOT_FOLDED]["score"] == pytest.approx(plain.rel_rms)
     chosen = [t for t in auto.candidates if t.get("chosen")]
-    assert len(chosen) == 1 and chosen[0]["candidate"] != q.NOT_FOLDED
+    assert len(chosen) == 1 and chosen[0]["candidate"] != pq.NOT_FOLDED
     # the planted outliers: moving γ out of the activations cuts the error several-fold
     assert auto.rel_rms == pytest.approx(chosen[0]["score"]) and auto.rel_rms < plain.rel_rms / 3, auto.candidates
-    assert auto.rel_rms <= min(t["score"] for t in auto.candidates if "score" in t) / (1 - q.AUTO_MARGIN)
+    assert auto.rel_rms <= min(t["score"] for t in auto.candidates if "score" in t) / (1 - pq.AUTO_MARGIN)
     assert auto.fold_verified and "auto chose" in auto.table() and auto.chosen.startswith(chosen[0]["candidate"])
 
 
@@ -143,7 +144,7 @@ def test_what_the_fold_decided_is_read_from_its_plan():
              (read_out, dict(gamma_into_readers=True), False, 0), (stand_in(1), dict(), False, 0)]
     for model, opts, moved, rotated in cases:
         fold = q.prepare(model, **opts).fold
-        assert (q.moved_gamma(fold), q.rotated_streams(fold)) == (moved, rotated), opts
+        assert (pq.moved_gamma(fold), pq.rotated_streams(fold)) == (moved, rotated), opts
         assert any(n.gamma.startswith("into") for n in fold.report.norms) == moved
         assert sum(s.rotation.startswith("rotated") for s in fold.report.streams) == rotated
     auto = lnfold.quantize_onnx(read_out, weights="int8", rotate="auto").report
@@ -181,7 +182,7 @@ def test_cli_rotate_auto_on_calibration_rows(tmp_path, capsys):
                      "--calibrate", str(calib)]) == 0
     text = capsys.readouterr().out
     assert "auto chose" in text and "your --calibrate rows (x [6, 4, 16])" in text and out.exists()
-    assert len([line for line in text.splitlines() if line.startswith("auto: ")]) == len(q.AUTO_CANDIDATES) + 1  # + plain onnxruntime
+    assert len([line for line in text.splitlines() if line.startswith("auto: ")]) == len(pq.AUTO_CANDIDATES) + 1  # + plain onnxruntime
 
 
 def test_rows_where_the_float_model_is_not_finite_are_left_out_and_counted():

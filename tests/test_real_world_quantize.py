@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import lnfold
 from lnfold.onnx_rewrite import cli, quantize as q
+from lnfold.passes import quantize as pq
 from lnfold.onnx_rewrite.linear_layers import linear_layers
 from tests.test_quantize_rows import stand_in
 
@@ -219,5 +220,5 @@ def test_cli_auto_prints_plain_onnxruntime(tmp_path, capsys):
                      "--rotate", "auto"]) == 0
     text = capsys.readouterr().out
     lines = [line for line in text.splitlines() if line.startswith("auto: ")]
-    assert len(lines) == len(q.AUTO_CANDIDATES) + 1, lines
+    assert len(lines) == len(pq.AUTO_CANDIDATES) + 1, lines
     assert any("plain onnxruntime" in line and "MatMulNBitsQuantizer" in line for line in lines), lines

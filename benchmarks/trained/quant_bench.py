@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import onnx
 
 from lnfold.passes import LnfoldError
 from lnfold.onnx_rewrite import quantize as q
+from lnfold.passes import quantize as pq
 from lnfold.onnx_rewrite import timing
 
 from . import harness
@@ -131,7 +131,7 @@ def measure(model: str, seeds: int, keep: dict) -> dict:
             continue
         prepared_metric.setdefault(key, []).append(evaluate(model, prep.model))
         note = ""
-        if "rotate" in opts and not q.rotated_streams(prep.fold):
+        if "rotate" in opts and not pq.rotated_streams(prep.fold):
             why = "; ".join(s.rotation.removeprefix("not rotated: ") for s in prep.fold.report.streams)
             note = f"no stream rotated: {why[:100]}…"
         if opts.get("seed", 0) == 0:
