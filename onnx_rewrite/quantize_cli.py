@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..passes import LnfoldError
 from ..passes.options import as_argument, check_output
-from ..passes.options import ROTATIONS
+from ..passes.options import OPTIONS
 from ..passes.quantize import ACTIVATIONS, AUTO, WEIGHTS
 
 _DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their weights into the readers and "
@@ -36,13 +36,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "file fed on its own). With --activations int8 they calibrate and the second half is "
                         "held out to measure the error; otherwise the error (and --rotate auto's choice) is measured "
                         "on them")
-    q.add_argument("--rotate", choices=ROTATIONS + (AUTO,),
-                   help="rotate each folded residual stream (γ moved into the readers first): hadamard (a "
-                        "randomized Hadamard where the width has one, else a random orthogonal matrix) or "
-                        "orthogonal (-keep-ln: Q·1 = 1); exact, verified; spreads outlier channels before "
-                        "quantization. auto: try the model as given, the fold, γ moved, and each rotation, "
-                        "quantize each, keep the lowest error on your rows (--inputs or --calibrate)")
-    q.add_argument("--seed", type=int, default=0, help="the rotation's random seed (default 0)")
+    OPTIONS["rotate"].add_to(q, choices=OPTIONS["rotate"].choices + (AUTO,),
+                             help=OPTIONS["rotate"].help + "; spreads outlier channels before quantization. auto: "
+                             "try the model as given, the fold, γ moved, and each rotation, quantize each, keep the "
+                             "lowest error on your rows (--inputs or --calibrate)")
+    OPTIONS["seed"].add_to(q)
     q.add_argument("--block-size", type=int, default=128,
                    help="int4: weights per quantization block along K (16, 32, 64, 128 or 256; default 128, "
                         "onnxruntime's)")
