@@ -39,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from lnfold.onnx_rewrite.linear_layers import float_parameters
 from lnfold.onnx_rewrite import approx as approx_io
 from lnfold.onnx_rewrite import quantize as q
 from lnfold.passes import quantize as pq
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         kept = q.basis_changes(prep.model)
         if kept:
             print(f"- {label}: {len(kept)} basis change(s) ({sum(kept.values())} parameters, "
-                  f"{sum(kept.values()) / q.parameters(prep.model):.2%} of the model's)")
+                  f"{sum(kept.values()) / float_parameters(prep.model):.2%} of the model's)")
 
     def cell(prep, block, algo, keep_float=(), quantize_basis_changes=False) -> str:
         quantized = nbits(prep.model, block, algo, rm.calibration, keep_float, quantize_basis_changes)

@@ -57,6 +57,7 @@ from typing import Optional
 import numpy as np
 import onnx
 
+from lnfold.onnx_rewrite.linear_layers import float_parameters
 from lnfold.passes import LnfoldError
 from lnfold.passes.calibration import Rows
 
@@ -310,11 +311,10 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
     calibrated on every GPL-3 window, its own error measured on the next GPL-3 windows
     (`cal_heldout`); perplexity on Apache-2.0; parameters; 1-thread latency against the original."""
     import lnfold
-    from lnfold.onnx_rewrite import quantize as q
 
     t = Table("**sliced** (lnfold slice), perplexity on the Apache-2.0 windows",
               ["F", "bases", "perplexity", "parameters", "× original", "seconds", "note"])
-    base = q.parameters(model)
+    base = float_parameters(model)
     timed = {"original": model, "original (A/A)": model}
     for fraction in fractions:
         for per_block in [b == "per-block" for b in bases]:
@@ -329,7 +329,7 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
                 continue
             r = res.report
             widths = ", ".join(sorted({f"{s.dim}→{s.keep}" for s in r.streams if s.sliced})) or "none sliced"
-            params = q.parameters(res.model)
+            params = float_parameters(res.model)
             t.add(f"{fraction:g}", label, f"{ort_perplexity(res.model, held, threads):.2f}", f"{params:,}",
                   f"{params / base:.3f}", f"{time.time() - t0:.0f}",
                   f"widths {widths}; rel. error vs exact fold {r.error:.3g} ({r.error_rows})")

@@ -35,6 +35,7 @@ import onnx
 from onnx import helper
 
 import lnfold
+from lnfold.onnx_rewrite.linear_layers import float_parameters
 from lnfold.onnx_rewrite import slice as onnx_slice
 from lnfold.onnx_rewrite import targets
 from lnfold.onnx_rewrite import approx as approx_io
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
           f"{onnxruntime.__version__}; `python -m benchmarks.realmodels_slice "
           f"{' '.join(sys.argv[1:] if argv is None else argv)}`; the file as shipped\n", flush=True)
     one_image = {k: v[:1] for k, v in real.heldout.items()}
-    params0, macs0, bytes0 = onnx_slice.parameters(real.model), macs(real.model, one_image), real.model.ByteSize()
+    params0, macs0, bytes0 = float_parameters(real.model), macs(real.model, one_image), real.model.ByteSize()
     lines = ["| variant | widths | variance kept | " + " | ".join(real.columns) +
              " | error vs exact fold | parameters | MACs / image |",
              "| --- | --- | --- | " + " | ".join("---" for _ in real.columns) + " | --- | --- | --- |",
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
         widths = ", ".join(f"{s.dim}→{s.keep}" + (f" ({s.bases} bases)" if s.bases > 1 else "") for s in kept)
         variance = ", ".join(f"{100 * s.variance_kept:.2f} %" for s in kept if s.variance_kept is not None)
         m = macs(model, one_image)
-        p_ = onnx_slice.parameters(model)
+        p_ = float_parameters(model)
         print(f"| {label} | {widths} | {variance} | " + " | ".join(rm._fmt(k, [got[k]]) for k in real.columns) +
               f" | {report.error:.2e} | {p_:,} ({p_ / params0:.3f}×) | {m / 1e9:.3f} G ({m / macs0:.3f}×) |", flush=True)
     print()

@@ -16,7 +16,7 @@ from . import calibration as calibration_io
 from .api import ExportFolds
 
 
-def parameters(gm: torch.fx.GraphModule) -> int:
+def float_parameters(gm: torch.fx.GraphModule) -> int:
     """The floating-point tensors the graph reads (the exported module also keeps unread originals),
     each once."""
     read = [operator.attrgetter(n.target)(gm) for n in gm.graph.nodes if n.op == "get_attr"]
@@ -38,6 +38,6 @@ def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=
     # the first calibration batch is the example input (export, verification)
     folds = ExportFolds(module, data.deciding[0], dict(kwargs or {}), FoldOptions(gamma_into_readers=True),
                         dynamic=dynamic)
-    frontend = Slicing(folds, data, lambda result: parameters(result.module))
+    frontend = Slicing(folds, data, lambda result: float_parameters(result.module))
     exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block)
     return SliceResult(report, exact, module=sliced.module)

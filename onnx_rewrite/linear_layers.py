@@ -272,3 +272,12 @@ def basis_changes(model: onnx.ModelProto) -> dict[str, int]:
     its constant matrix's parameter count."""
     sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer}
     return {n.name: sum(sizes.get(i, 0) for i in n.input) for n in model.graph.node if is_basis_change(n)}
+
+
+def float_parameters(model: onnx.ModelProto) -> int:
+    """The floating-point constants' element count (initializers and Constant nodes' values): a model's
+    parameters, as slicing and quantization report them."""
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
+                                               for a in n.attribute if a.name == "value"]
+    return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import onnx
 
 from ..passes import FoldResult, LnfoldError
@@ -48,7 +47,8 @@ from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
 from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
-from .linear_layers import WEIGHT_VIEWS, basis_changes, constant_weights, gemm_to_matmul, linear_layers, name_nodes
+from .linear_layers import (WEIGHT_VIEWS, basis_changes, constant_weights, float_parameters, gemm_to_matmul,
+                            linear_layers, name_nodes)
 from .write import is_large
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # int4 (MLAS MlasQuantizeBlockwise: no other)
@@ -232,11 +232,6 @@ def _root_logger_kept():
         root.setLevel(level)
 
 
-def parameters(model: onnx.ModelProto) -> int:
-    """The elements of the model's initializers (main graph)."""
-    return sum(int(np.prod(t.dims)) for t in model.graph.initializer)
-
-
 def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type for n in model.graph.node)
 
@@ -322,7 +317,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         scheme_name(weights, activations, block_size, per_channel), q, weights=weights, activations=activations,
         block_size=block_size if weights == "int4" else None, per_channel=per_channel, rotate=rotate, seed=seed,
         gamma_into_readers=prepared.gamma_into_readers, linear_layers=len(linear_layers(prepared.model)),
-        basis_changes=basis_changes(prepared.model), parameters=parameters(prepared.model),
+        basis_changes=basis_changes(prepared.model), parameters=float_parameters(prepared.model),
         ops_before=dict(op_counts(prepared.model)), bytes_before=model.ByteSize(), error_inputs=m.described,
         notes=prepared.notes, seconds=time.perf_counter() - t0, trials=trials)
     stamp(q.quantized, METADATA_KEY, report.metadata())  # the model says what was done to it: not exact

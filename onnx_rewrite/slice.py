@@ -3,7 +3,6 @@ passes/slicer.py runs the steps: exact fold, capture, bases, sliced fold, error)
 """
 from __future__ import annotations
 
-import numpy as np
 import onnx
 
 from ..passes import make_plan
@@ -14,21 +13,14 @@ from ..passes.options import FoldOptions
 from . import approx as approx_io
 from . import targets
 from .api import OnnxFolds, Progress, as_model, stamp
-
-
-def parameters(model: onnx.ModelProto) -> int:
-    """The floating-point constants' element count (initializers and Constant nodes' values)."""
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
-    tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
-                                               for a in n.attribute if a.name == "value"]
-    return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)
+from .linear_layers import float_parameters
 
 
 def slicing_frontend(model: onnx.ModelProto, target, data: Data, progress: Progress) -> Slicing:
     """passes/slicer's steps over ONNX: one validation of the model, folds run in onnxruntime (and
     verified on the first deciding run)."""
     folds = OnnxFolds(model, FoldOptions(gamma_into_readers=True), target, inputs=data.deciding[0], progress=progress)
-    return Slicing(folds, data, lambda result: parameters(result.model))
+    return Slicing(folds, data, lambda result: float_parameters(result.model))
 
 
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 import lnfold
-from lnfold.onnx_rewrite.slice import parameters
+from lnfold.onnx_rewrite.linear_layers import float_parameters as parameters
 from tests.onnx_graphs import VOCAB, Builder
 
 D, T, LAYERS = 16, 5, 3

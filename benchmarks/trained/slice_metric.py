@@ -20,7 +20,7 @@ import numpy as np
 import lnfold
 from lnfold import zoo
 from lnfold.onnx_rewrite import timing
-from lnfold.onnx_rewrite.slice import parameters
+from lnfold.onnx_rewrite.linear_layers import float_parameters as parameters
 
 from . import harness
 

@@ -40,7 +40,7 @@ import torch
 import lnfold
 from lnfold import zoo
 from lnfold.onnx_rewrite import timing
-from lnfold.onnx_rewrite.slice import parameters
+from lnfold.onnx_rewrite.linear_layers import float_parameters as parameters
 from lnfold.passes.slicing import kept_width
 
 from . import harness, train
