@@ -94,6 +94,47 @@ def test_the_genai_builders_file_keeps_its_fused_ops():
         assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max()
 
 
+# genai_config.json as the builder wrote it for the corpus file (model part; search defaults)
+_GENAI_CONFIG = {"model": {"bos_token_id": 126, "context_length": 128, "eos_token_id": 127, "pad_token_id": 127,
+                           "type": "llama", "vocab_size": 128, "decoder": {
+                               "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                               "filename": "model.onnx", "head_size": 16, "hidden_size": 64,
+                               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+                               "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                                          "past_key_names": "past_key_values.%d.key",
+                                          "past_value_names": "past_key_values.%d.value"},
+                               "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                                           "present_value_names": "present.%d.value"}}},
+                 "search": {"do_sample": False, "max_length": 128, "num_beams": 1, "past_present_share_buffer": True}}
+
+
+@pytest.mark.slow
+def test_the_rotated_genai_file_decodes_in_onnxruntime_genai(tmp_path):
+    """The rotated file in the runtime it was built for: a prompt, then 7 tokens decoded through its
+    shared-buffer KV cache (the past GroupQueryAttention reads, which verification's first prompt does
+    not), logits as the original's."""
+    og = pytest.importorskip("onnxruntime_genai")
+    logits = []
+    for name in ("original", "rotated"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "genai_config.json").write_text(json.dumps(_GENAI_CONFIG))
+        m = _load(GENAI)
+        onnx.save(m if name == "original" else lnfold.fold_onnx(m, rotate="hadamard").model, str(d / "model.onnx"))
+        model = og.Model(str(d))
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=16, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(np.array([[5, 17, 42, 99, 3, 7]], np.int32))
+        steps = []
+        for _ in range(8):
+            steps.append(np.array(gen.get_logits()).reshape(-1).copy())
+            gen.generate_next_token()
+        logits.append(np.stack(steps))
+    want, got = logits
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.slow
 def test_the_merged_decoder_rotates_both_branches():
     m = _load(MERGED)
