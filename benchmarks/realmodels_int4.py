@@ -40,7 +40,7 @@ import onnx
 from onnx import numpy_helper
 
 from lnfold.onnx_rewrite.linear_layers import float_parameters
-from lnfold.onnx_rewrite import approx as approx_io
+from lnfold.onnx_rewrite import calibration as calibration_io
 from lnfold.onnx_rewrite import quantize as q
 from lnfold.passes import quantize as pq
 from lnfold.passes import metric
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     rm = realmodels.LOADERS[args.model](realmodels.cache_dir(args.cache))
     rows = q.Rows(rm.heldout, None)
-    reference = approx_io.named_outputs(rm.model, rows.runs())
+    reference = calibration_io.named_outputs(rm.model, rows.runs())
     preps = {label: q.prepare(rm.model, verify=False, **opts) for label, opts in variants(args.seeds).items()}
     first = rm.columns[0]
     print(f"{rm.name}, int4 weight-only; worst output's relative RMS error on {rows.count} held-out rows "
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
 
     def cell(prep, block, algo, keep_float=(), quantize_basis_changes=False) -> str:
         quantized = nbits(prep.model, block, algo, rm.calibration, keep_float, quantize_basis_changes)
-        got = approx_io.named_outputs(quantized, rows.runs())[1]
+        got = calibration_io.named_outputs(quantized, rows.runs())[1]
         worst = metric.worst(metric.compare_outputs(reference[1], got))
         return f"{worst:.4f} ({rm.metric(reference[1], got)[first]:.4f})"
 

@@ -38,7 +38,7 @@ import lnfold
 from lnfold.onnx_rewrite.linear_layers import float_parameters
 from lnfold.onnx_rewrite import slice as onnx_slice
 from lnfold.onnx_rewrite import targets
-from lnfold.onnx_rewrite import approx as approx_io
+from lnfold.onnx_rewrite import calibration as calibration_io
 from lnfold.onnx_rewrite.sessions import session
 from lnfold.passes import LnfoldError, make_plan
 from lnfold.passes.slicer import slice_with
@@ -116,7 +116,7 @@ def macs(model: onnx.ModelProto, feeds: dict) -> int:
 
 def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, log):
     """(label, sliced model, SliceReport) for every basis choice and fraction, as each is made."""
-    data = approx_io.calibration_data(model, real.calibration, real.heldout)
+    data = calibration_io.calibration_data(model, real.calibration, real.heldout)
     frontend = ReusedFold(onnx_slice.slicing_frontend(model, targets.resolve("ort", "cpu"), data, None))
     for basis, per_block in bases.items():  # the same exact fold and capture for both
         for f in fractions:
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     lines = ["| variant | widths | variance kept | " + " | ".join(real.columns) +
              " | error vs exact fold | parameters | MACs / image |",
              "| --- | --- | --- | " + " | ".join("---" for _ in real.columns) + " | --- | --- | --- |",
-             f"| original | 384 | | " + " | ".join("" for _ in real.columns) + f" | | {params0:,} (1.000×) | "
+             "| original | 384 | | " + " | ".join("" for _ in real.columns) + f" | | {params0:,} (1.000×) | "
              f"{macs0 / 1e9:.3f} G (1.000×) |"]
     print("\n".join(lines), flush=True)
     sliced = {}
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
             base[0], weights="int8", inputs=rows, verify=False).model
     lines = ["| variant | " + " | ".join(real.columns) + " | file size |",
              "| --- | " + " | ".join("---" for _ in real.columns) + " | --- |",
-             f"| fp32 original | " + " | ".join("" for _ in real.columns) + f" | {bytes0 / 2**20:.1f} MiB (1.00×) |"]
+             "| fp32 original | " + " | ".join("" for _ in real.columns) + f" | {bytes0 / 2**20:.1f} MiB (1.00×) |"]
     if base is not None:
         got = real.metric(ref, rm.run(session(base[0]), real.heldout))
         lines.append(f"| slice F={COMPOSED:g} one basis (fp32) | " + " | ".join(rm._fmt(k, [got[k]]) for k in real.columns)

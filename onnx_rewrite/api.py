@@ -22,7 +22,7 @@ from ..passes.request import PlanRequest, request_from
 from ..passes import approx, geometry
 from ..passes.approx import METADATA_KEY as APPROX_KEY
 
-from . import approx as approx_io
+from . import calibration as calibration_io
 from . import read, subgraphs, targets, validate, write
 from . import verify as verification
 from .classify import GraphInfo, build_view
@@ -175,7 +175,7 @@ class OnnxFrontend:
     def verify(self, plan: Plan, artifact):
         reference = self._reference
         if reference is None or (self.output is None and is_large(artifact)):
-            return None  # not exact by design (its error was measured against the budget: approx.py); or over
+            return None  # not exact by design (its error was measured against the budget: passes/approx.py); or over
             # protobuf's 2 GB in memory: onnxruntime needs files (fold_model(output=...))
         pipeline.stage(self.progress, "verifying in onnxruntime" if self.output is not None else "verifying")
         folded = verification.Source(artifact, parsed=self.folded) if self.output is not None else artifact
@@ -188,10 +188,10 @@ class OnnxFrontend:
         return FoldResult(report=plan.report.with_notes(self.notes), model=folded)
 
     def capture(self, artifact: Optional[onnx.ModelProto], values: list[str], batches: list[dict]) -> dict:
-        return approx_io.capture(self.model if artifact is None else artifact, values, batches)
+        return calibration_io.capture(self.model if artifact is None else artifact, values, batches)
 
     def run(self, artifact: Optional[onnx.ModelProto], batches: list[dict]) -> list:
-        return approx_io.run(self.model if artifact is None else artifact, batches)
+        return calibration_io.run(self.model if artifact is None else artifact, batches)
 
 
 def _unrotated(plan: Plan) -> str:
@@ -232,7 +232,7 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     view, plan = folds.plan(make_plan)
     report = plan.report
     if calibration is not None or angles:
-        rows, synthetic = approx_io.rows_for(model, calibration, dims)
+        rows, synthetic = calibration_io.rows_for(model, calibration, dims)
         measured = geometry.measure(folds, view, report.verdicts(), rows.runs(), make_plan, synthetic=synthetic)
         report = dataclasses.replace(report, geometry=measured)
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
@@ -328,7 +328,7 @@ def fold_approx(model: onnx.ModelProto, opts: FoldOptions, *, calibration, budge
     folds that differ only in the kept norms swapped. Written to `output` when given."""
     approx.check_budget(budget)
     check_calibration(calibration, approx.CALIBRATED)
-    data = approx_io.calibration_data(model, calibration, heldout)
+    data = calibration_io.calibration_data(model, calibration, heldout)
     folds = OnnxFolds(model, opts, targets.resolve(target, device),
                       inputs=data.deciding[0], progress=progress, written=dict(output=output, source=source,
                                                                                 layout=layout))

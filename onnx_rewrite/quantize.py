@@ -42,7 +42,7 @@ from ..passes.calibration import Rows
 from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, check_scheme, choose,
                                fold_for_quantizer, measurement, output_errors, report_of,
                                trial)
-from . import approx as approx_io
+from . import calibration as calibration_io
 from . import inputs as synth
 from . import verify
 from ..passes.pipeline import record
@@ -240,8 +240,8 @@ def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
             reference: Optional[tuple] = None) -> dict:
     """passes/quantize.output_errors of the quantized model against the original on `rows`.
     `reference`: the original's (names, outputs), if already run."""
-    names, ref = reference or approx_io.named_outputs(original, rows.runs())
-    return output_errors(names, ref, approx_io.named_outputs(quantized, rows.runs())[1])
+    names, ref = reference or calibration_io.named_outputs(original, rows.runs())
+    return output_errors(names, ref, calibration_io.named_outputs(quantized, rows.runs())[1])
 
 
 def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
@@ -287,7 +287,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, activations, dims)
-    reference = approx_io.named_outputs(model, m.rows.runs())
+    reference = calibration_io.named_outputs(model, m.rows.runs())
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
 

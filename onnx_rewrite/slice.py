@@ -10,7 +10,7 @@ from ..passes import slicing
 from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
 from ..passes.calibration import Data, check_calibration
 from ..passes.options import FoldOptions
-from . import approx as approx_io
+from . import calibration as calibration_io
 from . import targets
 from .api import OnnxFolds, Progress, as_model, stamp
 from .linear_layers import float_parameters
@@ -36,7 +36,7 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     fraction, budget = check_request(fraction, budget)
     check_calibration(calibration, slicing.CALIBRATED)
     model = as_model(model)
-    data = approx_io.calibration_data(model, calibration, heldout)
+    data = calibration_io.calibration_data(model, calibration, heldout)
     exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), data, progress),
                                        fraction, make_plan, budget, per_block)
     stamp(sliced.model, slicing.METADATA_KEY, report.metadata())

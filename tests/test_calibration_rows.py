@@ -50,7 +50,7 @@ def test_a_fixed_batch_model_slices_from_any_count_of_rows(batch, n):
     if deciding * T >= 12:  # the deciding tokens span the stream's 12 directions: nothing is lost
         assert result.report.error < 1e-10, result.report.error
     # the sliced model runs in the model's batch
-    out = lnfold.onnx_rewrite.approx.run(result.model, Rows(calibration(2 * batch, seed=5), batch).runs())
+    out = lnfold.onnx_rewrite.calibration.run(result.model, Rows(calibration(2 * batch, seed=5), batch).runs())
     assert np.all(np.isfinite(out[0])) and out[0].shape[0] == 2 * batch
 
 
@@ -116,7 +116,7 @@ def test_a_folder_of_single_rows_slices_as_the_same_rows_stacked(tmp_path):
     two report) and the same bases, so the same sliced model to float64 precision. Fails where a
     folder's pieces were split by rows, or a piece was lost or fed twice."""
     from lnfold.passes.approx import relative_error
-    from lnfold.onnx_rewrite import approx as approx_io
+    from lnfold.onnx_rewrite import calibration as calibration_io
 
     model = _sequence_model()
     rows = _rows([5, 5, 5, 5])
@@ -128,7 +128,7 @@ def test_a_folder_of_single_rows_slices_as_the_same_rows_stacked(tmp_path):
     by_files = lnfold.slice_onnx(model, str(folder), fraction=0.25)
     by_stack = lnfold.slice_onnx(model, stacked, fraction=0.25)
     fresh = _rows([5, 5], seed=9)
-    assert relative_error(approx_io.run(by_stack.model, fresh), approx_io.run(by_files.model, fresh)) < 1e-12
+    assert relative_error(calibration_io.run(by_stack.model, fresh), calibration_io.run(by_files.model, fresh)) < 1e-12
     assert by_files.report.error == pytest.approx(by_stack.report.error, rel=1e-9)
 
 

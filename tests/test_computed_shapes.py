@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import lnfold
-from lnfold.onnx_rewrite import approx as approx_io
+from lnfold.onnx_rewrite import calibration as calibration_io
 from lnfold.passes import LnfoldError
 from lnfold.passes.approx import relative_error
 from tests.onnx_graphs import INT64, Builder
@@ -118,7 +118,7 @@ def images(rows: int, seed: int) -> dict:
 
 def error_against_exact(result, rows: int = 8) -> float:
     feeds = [images(rows, seed=99)]
-    return relative_error(approx_io.run(result.exact.model, feeds), approx_io.run(result.model, feeds))
+    return relative_error(calibration_io.run(result.exact.model, feeds), calibration_io.run(result.model, feeds))
 
 
 def initializer_shapes(model: onnx.ModelProto) -> list[tuple]:
@@ -180,7 +180,7 @@ def test_the_exact_fold_of_the_computed_shapes_is_verified(mode):
     assert res.report.folded == 3 and res.max_rel_err < FP32
     assert mode == "rms" or res.report.compression[0].verdict == "compressed"
     feeds = [images(4, seed=5)]
-    assert relative_error(approx_io.run(model, feeds), approx_io.run(res.model, feeds)) < FP32
+    assert relative_error(calibration_io.run(model, feeds), calibration_io.run(res.model, feeds)) < FP32
 
 
 def test_a_width_read_by_the_head_off_the_stream():
@@ -216,4 +216,4 @@ def test_transformers_dinov2_exported_by_torchscript_slices():
     r = lnfold.slice_onnx(model, calibration, fraction=0.25)
     assert r.report.streams[0].keep == 48 and r.report.params_after < 0.8 * r.report.params_before
     three = {"pixels": rng.standard_normal((3,) + tuple(args[0].shape[1:])).astype(np.float32)}
-    assert approx_io.run(r.model, [three])[0].shape == approx_io.run(model, [three])[0].shape
+    assert calibration_io.run(r.model, [three])[0].shape == calibration_io.run(model, [three])[0].shape

@@ -166,7 +166,7 @@ def test_the_one_heldout_rule_in_both_frontends():
     import torch
 
     from lnfold.fx_rewrite import calibration as fx_calibration
-    from lnfold.onnx_rewrite.approx import calibration_data
+    from lnfold.onnx_rewrite.calibration import calibration_data
     from tests.geometry_models import ids, onnx_model
 
     model, x = onnx_model(), ids(5)

@@ -458,11 +458,11 @@ def _span_rows(rows: int = 16, seed: int = 1) -> dict:
 
 def _error_against_exact(result) -> float:
     """The sliced model's relative error against the exact (rotated) fold, on fresh rows."""
-    from lnfold.onnx_rewrite import approx as approx_io
+    from lnfold.onnx_rewrite import calibration as calibration_io
     from lnfold.passes.approx import relative_error
 
     rows = [_span_rows(8, seed=99)]
-    return relative_error(approx_io.run(result.exact.model, rows), approx_io.run(result.model, rows))
+    return relative_error(calibration_io.run(result.exact.model, rows), calibration_io.run(result.model, rows))
 
 
 @pytest.mark.parametrize("form", ("decomposed", "simplified"))

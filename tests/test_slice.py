@@ -19,7 +19,7 @@ import pytest
 from onnx import numpy_helper
 
 import lnfold
-from lnfold.onnx_rewrite import approx as approx_io
+from lnfold.onnx_rewrite import calibration as calibration_io
 from lnfold.onnx_rewrite import cli
 from lnfold.passes import LnfoldError
 from lnfold.passes import plan as plan_module
@@ -89,7 +89,7 @@ def calibration(rows: int = 16, seed: int = 1, floats: bool = False) -> dict:
 def error_against_exact(result) -> float:
     """The sliced model's relative error against the exact fold, on fresh rows."""
     rows = [calibration(8, seed=99)]
-    return relative_error(approx_io.run(result.exact.model, rows), approx_io.run(result.model, rows))
+    return relative_error(calibration_io.run(result.exact.model, rows), calibration_io.run(result.model, rows))
 
 
 @pytest.mark.parametrize("readout", [False, True])
@@ -311,7 +311,7 @@ def test_slice_then_quantize(tmp_path, zoo_onnx):
     onnx.save(sliced.model, tmp_path / "sliced.onnx")
     q = lnfold.quantize_onnx(tmp_path / "sliced.onnx", weights="int8", inputs=feeds)
     assert q.report.linear_layers > 0 and "nothing folded" in q.report.table()
-    assert relative_error(approx_io.run(sliced.model, [feeds]), approx_io.run(q.model, [feeds])) < 0.1
+    assert relative_error(calibration_io.run(sliced.model, [feeds]), calibration_io.run(q.model, [feeds])) < 0.1
 
 
 # --- per-block bases (passes/segments.py): a basis per block input, the shortcuts re-expressed -----
@@ -391,7 +391,7 @@ def _sequential_pieces(model: onnx.ModelProto, fraction: float):
     from lnfold.onnx_rewrite import targets
     from lnfold.onnx_rewrite.slice import slicing_frontend
 
-    frontend = slicing_frontend(model, targets.resolve("ort", "cpu"), approx_io.calibration_data(model, calibration()),
+    frontend = slicing_frontend(model, targets.resolve("ort", "cpu"), calibration_io.calibration_data(model, calibration()),
                                 None)
     exact = frontend.exact(plan_module.make_plan)
     captured = frontend.capture(exact, list(exact.plan.needs))
