@@ -88,11 +88,12 @@ def test_nothing_points_outside_the_repository():
     assert not outside, outside
 
 
-def test_every_design_citation_is_a_section_of_docs_design():
+def test_every_design_and_theory_citation_is_a_section():
     text = DESIGN.read_text()
     sections = set(re.findall(r"^## (\d+)\. ", text, flags=re.M))
     titles = [t.lower() for t in re.findall(r"^## (?:\d+\. )?(.+)$", text, flags=re.M)]
     papers = set(re.findall(r"^- \*\*(\d{3})\*\*", text, flags=re.M))
+    theory = set(re.findall(r"^## (\d+)\. ", (DESIGN.parent / "THEORY.md").read_text(), flags=re.M))
     bad = []
     for p in _tracked_text_files():
         body = p.read_text(errors="replace")
@@ -105,8 +106,11 @@ def test_every_design_citation_is_a_section_of_docs_design():
         for n in re.findall(r"\bseed (\d{3})\b", body):
             if n not in papers:
                 bad.append(f"{p.relative_to(ROOT)}: seed {n}")
+        for n in re.findall(r"THEORY(?:\.md)? §(\d+)", body):
+            if n not in theory:
+                bad.append(f"{p.relative_to(ROOT)}: THEORY §{n}")
     assert not bad, bad
-    assert {"1", "4", "5"} <= sections and "001" in papers
+    assert {"1", "4", "5"} <= sections and "001" in papers and "1" in theory
 
 
 def test_readme_names_the_papers_and_its_paths_exist():
@@ -175,6 +179,7 @@ TORCH_BLOCK = "lnfold.fold_module(model, args)"
 TRAINING_BLOCK = "lnfold.fold_for_training(model, args)"
 HANDOFF_BLOCK = "lnfold.fold_to_rmsnorm(model, args"
 CHECKPOINT_BLOCK = 'lnfold.fold_checkpoint("opt-1.3b/"'
+QUANTIZE_BLOCK = "lnfold.quantize_module(model, args"
 
 
 def _block(phrase: str) -> str:
@@ -184,7 +189,8 @@ def _block(phrase: str) -> str:
 
 def test_every_python_block_has_a_test():
     for block in _blocks("python"):
-        assert sum(p in block for p in (ONNX_BLOCK, TORCH_BLOCK, TRAINING_BLOCK, HANDOFF_BLOCK, CHECKPOINT_BLOCK)) == 1, block
+        assert sum(p in block for p in (ONNX_BLOCK, TORCH_BLOCK, TRAINING_BLOCK, HANDOFF_BLOCK, CHECKPOINT_BLOCK,
+                                    QUANTIZE_BLOCK)) == 1, block
 
 
 def _run(script: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -261,6 +267,13 @@ def test_readme_handoff_example_runs(tmp_path):
     run = _run(_block(HANDOFF_BLOCK) + "\nprint('handed off')", tmp_path)
     assert run.returncode == 0, run.stderr
     assert "torch.nn.RMSNorm modules" in run.stdout and "handed off" in run.stdout
+
+
+@pytest.mark.slow
+def test_guide_quantize_module_example_runs(tmp_path):
+    run = _run(_block(QUANTIZE_BLOCK) + "\nprint('quantized', tuple(logits.logits.shape))", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "NOT exact" in run.stdout and "quantized (2, 9, 101)" in run.stdout, run.stdout
 
 
 @pytest.mark.slow  # as the README's other torch examples; fold_checkpoint itself is the fast tier's (test_checkpoint.py)
