@@ -13,6 +13,8 @@ or torch.
 """
 from __future__ import annotations
 
+import math
+
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -48,6 +50,12 @@ NOT_FOLDED = AUTO_CANDIDATES[0][0]
 # few held-out rows rank near-equal candidates by chance (measured on MiniLM: 2% apart, reversed
 # on other rows)
 AUTO_MARGIN = 0.05
+# ... and a candidate whose file is over this multiple of the smallest candidate's only where its
+# error falls by at least the factor its file grows (error x growth <= the lowest error within the
+# slack): a rotation whose stream no weight absorbs keeps d×d MatMuls in float (issue 45: 3.6x the
+# int8 size for a 9 % error gain), while γ moved out of outlier activations can cut the error 20x
+# for a few bias vectors. The model as given is always eligible.
+AUTO_SIZE_SLACK = 1.10
 
 
 def check_scheme(weights: str, activations: Optional[str], rotate: Optional[str], seed) -> None:
@@ -182,24 +190,46 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
     """rotate="auto": each candidate's fold options given to `prepare` (an adapter's float artifact
     with its `.fold`, unverified; an LnfoldError skips the candidate), `quantize` (quantize and
     measure it), then search.best_of (lowest `score`, simpler ones kept unless beaten by `margin`; a
-    NaN never chosen). A rotation that rotates no stream, or γ moved where none can move, is the
-    fold again: skipped unquantized. `plain()`: a reference trial record, measured after and never
-    chosen. Returns (the chosen Quantized, every trial record; the chosen one has "chosen": True
-    and "why")."""
-    made: dict[int, Quantized] = {}
-
-    def scored(k: int) -> float:
-        opts = candidates[k][1]
+    NaN never chosen) over the candidates whose file is at most AUTO_SIZE_SLACK x the smallest one's
+    (the first, the model as given, always eligible). A rotation that rotates no stream, or γ moved
+    where none can move, is the fold again: skipped unquantized. `plain()`: a reference trial record,
+    measured after and never chosen. Returns (the chosen Quantized, every trial record; the chosen
+    one has "chosen": True and "why")."""
+    made: dict[int, Quantized] = {}  # each candidate's measurements, its artifacts dropped
+    skipped: dict[int, str] = {}
+    for k, (_, opts) in enumerate(candidates):  # one candidate's artifacts in memory at a time
         try:
             prepared = prepare(opts)
         except LnfoldError as e:
-            raise search.Skip(str(e)[:160]) from None
+            skipped[k] = str(e)[:160]
+            continue
         if opts.get("rotate") and not rotated_streams(prepared.fold):
-            raise search.Skip("rotates no stream (the same as the fold)")
-        if opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
-            raise search.Skip("no γ can move (the same as the fold)")
-        made[k] = quantize(prepared)
-        return score(made[k].errors)
+            skipped[k] = "rotates no stream (the same as the fold)"
+        elif opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
+            skipped[k] = "no γ can move (the same as the fold)"
+        else:
+            q = quantize(prepared)
+            made[k] = Quantized(None, None, None, q.errors, q.ops, q.bytes)
+            del q
+        del prepared
+    smallest = min((q.bytes for q in made.values() if q.bytes), default=None)
+
+    def growth(k: int) -> float:
+        size = made[k].bytes
+        return size / smallest if k and smallest and size else 1.0
+
+    small = [score(q.errors) for k, q in made.items() if growth(k) <= AUTO_SIZE_SLACK]
+    lowest_small = min((e for e in small if math.isfinite(e)), default=math.inf)
+
+    def scored(k: int) -> float:
+        if k in skipped:
+            raise search.Skip(skipped[k])
+        g, error = growth(k), score(made[k].errors)
+        if g > AUTO_SIZE_SLACK and not error * g <= lowest_small:
+            raise search.Skip(f"its file is {g:.2f}x the smallest candidate's and its error ({error:.3g}) does not "
+                              f"fall by as much (the lowest within {AUTO_SIZE_SLACK:g}x: {lowest_small:.3g}): "
+                              "a lower error does not pay for a bigger model")
+        return error
 
     best = search.best_of(range(len(candidates)), scored, margin)
     trials = []
@@ -217,10 +247,11 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
         plain_score = trials[-1].get("score")
     chosen["why"] = (f"{chosen['candidate']}: the lowest relative RMS error ({chosen['score']:.3g}) of "
                      f"{counted} candidates on the measurement rows, simpler ones kept "
-                     f"unless beaten by over {margin:.0%}"
+                     f"unless beaten by over {margin:.0%}, a bigger file only for a lower error in proportion"
                      + (f" (not folded: {base:.3g})" if base is not None and chosen is not trials[0] else "")
                      + (f"; {plain_name}, for reference: {plain_score:.3g}" if plain_score is not None else ""))
-    return made[best.index], trials
+    # the chosen one made again (prepare and quantize are deterministic): the others were never all kept
+    return quantize(prepare(candidates[best.index][1])), trials
 
 
 # -- the rows it is measured on ---------------------------------------------------------------------
