@@ -39,7 +39,7 @@ import onnx
 from ..passes import FoldResult, LnfoldError
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
-from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, check_scheme, choose,
+from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, calibrates, check_scheme, choose,
                                fold_for_quantizer, measurement, output_errors, report_of,
                                trial)
 from . import calibration as calibration_io
@@ -70,7 +70,7 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
                   block_size: int, seed: int) -> None:
     """Every option, checked before any work: one-line LnfoldErrors (passes/quantize's, then onnxruntime's)."""
     check_scheme(weights, activations, rotate, seed)
-    if activations == "int8" and calibrate is None:
+    if calibrates(weights, activations) and calibrate is None:
         raise LnfoldError("int8 activations (static, W8A8) need calibration inputs: --calibrate FILE.npz "
                           "(API: calibrate=), representative inputs, one array per model input")
     if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:  # MLAS refuses others (an internal error)
@@ -188,8 +188,9 @@ def _onnxruntime(model: onnx.ModelProto, weights: str, activations: Optional[str
         if weights == "int4":
             with _root_logger_kept():  # importing the module calls logging.basicConfig(INFO)
                 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+            # accuracy_level 4: the CPU kernel quantizes each activation block to int8 at run time (W4A8)
             q = MatMulNBitsQuantizer(copy.deepcopy(model), bits=4, block_size=block_size, is_symmetric=True,
-                                     **selection)
+                                     accuracy_level=4 if activations == "int8" else None, **selection)
             q.process()
             return q.model.model
         with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
@@ -250,10 +251,11 @@ def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
     return Rows(feeds)
 
 
-def measurement_rows(model: onnx.ModelProto, inputs, calibrate, activations: Optional[str], dims) -> Measured:
+def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, activations: Optional[str],
+                     dims) -> Measured:
     """passes/quantize.measurement over the user's .npz files (or made-up inputs)."""
     load = lambda f, what: synth.load_rows(f, model, what) if f is not None else None  # noqa: E731
-    return measurement(load(inputs, "inputs"), load(calibrate, "calibration inputs"), activations,
+    return measurement(load(inputs, "inputs"), load(calibrate, "calibration inputs"), calibrates(weights, activations),
                        lambda: made_up_rows(model, dims))
 
 
@@ -267,7 +269,9 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     (MatMulNBitsQuantizer, weight-only, `block_size` along K); `activations="int8"` with
     int8 weights: quantize_static, QDQ, calibrated on `calibrate` (an .npz path or a dict
     name -> array; rows along the first axis, fed in the model's batch size; the second half is
-    held out to measure the error unless `inputs` are given: passes/calibration's one rule). `per_channel`: onnxruntime's
+    held out to measure the error unless `inputs` are given: passes/calibration's one rule); with int4
+    weights, W4A8: MatMulNBits accuracy_level=4, whose CPU kernel quantizes the activations to int8 at
+    run time (nothing calibrates). `per_channel`: onnxruntime's
     per-channel int8 weights. `rotate` ("hadamard", "orthogonal", their "-keep-ln" variants,
     seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
     (`gamma_into_readers`, default: with a rotation that rotates a stream); `rotate="auto"` tries
@@ -286,7 +290,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
                           "drop fold=False / gamma_into_readers")
     model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
-    m = measurement_rows(model, inputs, calibrate, activations, dims)
+    m = measurement_rows(model, inputs, calibrate, weights, activations, dims)
     reference = calibration_io.named_outputs(model, m.rows.runs())
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
@@ -347,6 +351,10 @@ def scheme_name(weights: str, activations: Optional[str], block_size: int, per_c
     """The scheme in words; `plain`: the call plain onnxruntime makes for it, as a user writes it."""
     channel = (", per_channel=True" if plain else ", per channel") if per_channel else ""
     if weights == "int4":
+        if activations == "int8":
+            return (f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True, accuracy_level=4)"
+                    if plain else f"W4A8: int4 weights, blocks of {block_size}, int8 activations quantized at run "
+                    "time by the CPU kernel (onnxruntime MatMulNBitsQuantizer, symmetric, accuracy_level=4)")
         return (f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True)" if plain else
                 f"int4 weight-only, blocks of {block_size} (onnxruntime MatMulNBitsQuantizer, symmetric)")
     if activations == "int8":

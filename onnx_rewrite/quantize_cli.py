@@ -29,7 +29,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="int8: onnxruntime quantize_dynamic (activations quantized at run time) or, with "
                         "--activations int8, quantize_static (QDQ); int4: MatMulNBitsQuantizer, weight-only")
     q.add_argument("--activations", choices=ACTIVATIONS,
-                   help="int8: static int8 activations (W8A8, QDQ), calibrated on --calibrate")
+                   help="int8: with --weights int8, static int8 activations (W8A8, QDQ), calibrated on --calibrate; "
+                        "with --weights int4, int8 activations quantized at run time by the CPU kernel (W4A8: "
+                        "MatMulNBits accuracy_level=4, no calibration)")
     q.add_argument("--calibrate", metavar="FILE.npz|DIR",
                    help="your representative inputs: one array per model input, rows along the first axis (fed "
                         "in the model's batch size), or a folder of such .npz files (rows of different lengths: each "

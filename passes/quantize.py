@@ -58,14 +58,19 @@ AUTO_MARGIN = 0.05
 AUTO_SIZE_SLACK = 1.10
 
 
+def calibrates(weights: str, activations: Optional[str]) -> bool:
+    """The scheme fixes its activations' scales on calibration rows (W8A8: static, QDQ). W4A8 (int4
+    weights, int8 activations) quantizes its activations at run time, in the CPU kernel, as int8
+    dynamic does: no rows calibrate it."""
+    return weights == "int8" and activations == "int8"
+
+
 def check_scheme(weights: str, activations: Optional[str], rotate: Optional[str], seed) -> None:
     """The options every frontend's quantize shares, checked before any work: one-line LnfoldErrors."""
     if weights not in WEIGHTS:
         raise LnfoldError(f"weights={weights!r}: one of {', '.join(WEIGHTS)}")
     if activations is not None and activations not in ACTIVATIONS:
         raise LnfoldError(f"activations={activations!r}: int8, or none (int8 weights alone: dynamic activations)")
-    if activations == "int8" and weights != "int8":
-        raise LnfoldError("int8 activations go with int8 weights (W8A8); int4 is weight-only here")
     if rotate is not None and rotate not in ROTATIONS + (AUTO,):
         raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS + (AUTO,))}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -268,7 +273,7 @@ class Measured:
     all_calibration: Optional[Rows] = None  # every --calibrate row (the written model's calibration)
 
 
-def measurement(inputs: Optional[Rows], calibration: Optional[Rows], activations: Optional[str],
+def measurement(inputs: Optional[Rows], calibration: Optional[Rows], calibrating: bool,
                 made_up: Callable[[], Rows]) -> Measured:
     """--inputs when given; else the --calibrate rows (static activations: held out of calibration
     by the one rule, passes/calibration.Rows.split); else `made_up()` inputs, said to be."""
@@ -278,7 +283,7 @@ def measurement(inputs: Optional[Rows], calibration: Optional[Rows], activations
         rows = made_up()
         return Measured(rows, f"made-up inputs ({rows.describe()}) — NOT your data: the error on real inputs can be "
                         "far larger; give --inputs or --calibrate", None, None)
-    if activations is None:  # nothing calibrates: every row measures
+    if not calibrating:  # nothing calibrates: every row measures
         return Measured(calibration, f"your --calibrate rows ({calibration.describe()})", None, calibration.runs()[0])
     fit, held = calibration.split()
     if held is None:

@@ -196,3 +196,28 @@ def test_rows_where_the_float_model_is_not_finite_are_left_out_and_counted():
     assert np.isfinite(e["rel_rms"]) and np.isfinite(e["max_rel_err"]) and e["nonfinite_ref"] == 4 * 8, e
     assert "left out" in rep.error_line() and "nan" not in rep.table().lower(), rep.table()
     assert all(np.isfinite(t["score"]) for t in rep.candidates if "score" in t), rep.candidates
+
+
+def test_w4a8_is_int4_weights_with_int8_activations_in_the_cpu_kernel(tmp_path, capsys):
+    """Issue 47: `--weights int4 --activations int8` is onnxruntime's W4A8 — MatMulNBits with
+    accuracy_level=4, whose CPU kernel quantizes each activation block to int8 at run time — not a
+    refusal; it needs no calibration rows, and its error differs from weight-only int4's (the
+    activations are rounded too)."""
+    model = stand_in(1, outliers=True)
+    given = rows(4, seed=7)
+    w4 = lnfold.quantize_onnx(model, weights="int4", block_size=16, inputs=given)
+    w4a8 = lnfold.quantize_onnx(model, weights="int4", activations="int8", block_size=16, inputs=given)
+    levels = [a.i for n in w4a8.model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level"]
+    assert levels and set(levels) == {4}
+    assert not [a for n in w4.model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+                if a.name == "accuracy_level" and a.i == 4]
+    assert "W4A8" in w4a8.report.table() and w4a8.report.rel_rms != w4.report.rel_rms
+    auto = lnfold.quantize_onnx(model, weights="int4", activations="int8", block_size=16, rotate="auto", inputs=given)
+    as_given = lnfold.quantize_onnx(model, weights="int4", activations="int8", block_size=16, fold=False, inputs=given)
+    assert auto.report.rel_rms <= as_given.report.rel_rms * (1 + 1e-9)  # auto: never worse than the model as given
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    assert cli.main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--weights", "int4", "--activations", "int8",
+                     "--block-size", "16"]) == 0  # no --calibrate needed
+    capsys.readouterr()
