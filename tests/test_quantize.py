@@ -99,7 +99,7 @@ def test_bad_inputs_one_line_exit_2_nothing_written(tmp_path, capsys):
     src = str(OPTIMUM)
     assert "no such ONNX file" in _bad(tmp_path, capsys, str(tmp_path / "missing.onnx"), "--weights", "int8")
     assert "need calibration inputs" in _bad(tmp_path, capsys, src, "--weights", "int8", "--activations", "int8")
-    assert "int4 is weight-only" in _bad(tmp_path, capsys, src, "--weights", "int4", "--activations", "int8")
+    assert "invalid choice: 'int4'" in _bad(tmp_path, capsys, src, "--weights", "int8", "--activations", "int4")
     assert "power of two" in _bad(tmp_path, capsys, src, "--weights", "int4", "--block-size", "48")
     assert "--weights" in _bad(tmp_path, capsys, src)  # argparse: the required option
     wrong = tmp_path / "wrong.npz"

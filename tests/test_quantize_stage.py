@@ -81,7 +81,7 @@ def test_the_stage_imports_neither_onnx_nor_torch():
 
 
 @pytest.mark.parametrize("kw, says", [(dict(weights="int2"), "weights='int2'"), (dict(seed=True), "seed True"),
-                                      (dict(activations="int8", weights="int4"), "int8 activations go with")])
+                                      (dict(activations="int4"), "activations='int4'")])
 def test_scheme_checks(kw, says):
     with pytest.raises(pq.LnfoldError, match=says):
         pq.check_scheme(**{"weights": "int8", "activations": None, "rotate": None, "seed": 0, **kw})
