@@ -45,7 +45,7 @@ from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, calibr
 from . import calibration as calibration_io
 from . import inputs as synth
 from . import verify
-from ..passes.pipeline import record
+from ..passes.pipeline import Progress, record, stage
 from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
 from .linear_layers import (WEIGHT_VIEWS, basis_changes, constant_weights, float_parameters, gemm_to_matmul,
                             linear_layers, name_nodes)
@@ -262,7 +262,7 @@ def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, ac
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
                    rotate: Optional[str] = None, seed: int = 0, block_size: int = 128, per_channel: bool = False,
                    fold: bool = True, gamma_into_readers: Optional[bool] = None, inputs=None,
-                   dims: Optional[dict] = None, verify: bool = True) -> QuantizeResult:
+                   dims: Optional[dict] = None, verify: bool = True, progress: Progress = None) -> QuantizeResult:
     """Fold `model` exactly, then quantize it with onnxruntime's quantizer; NOT exact.
 
     `weights` "int8" (with `activations=None`: onnxruntime's quantize_dynamic) or "int4"
@@ -306,13 +306,19 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
 
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m, reference))
+        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m, reference),
+                           progress=progress)
         if verify:  # the chosen fold, verified like any fold
             check_exact_steps(model, q.prepared, m.verification, dims)
     else:
-        q = quantize_prepared(prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify))
+        stage(progress, "folding (verified)" if verify else "folding")
+        prepared = prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify)
+        stage(progress, f"quantizing ({scheme_name(weights, activations, block_size, per_channel, plain=True)}) and "
+                        f"measuring on {m.rows.count} row(s)")
+        q = quantize_prepared(prepared)
     prepared = q.prepared
     if m.all_calibration is not None:  # measured held out; the model written: calibrated on every row
+        stage(progress, f"calibrating the model written on all {m.all_calibration.count} row(s)")
         q.quantized = run_quantizer(prepared.model, **{**scheme, "calibration": m.all_calibration})
         q.ops, q.bytes = dict(op_counts(q.quantized)), q.quantized.ByteSize()
         prepared.notes.append(f"the error was measured calibrated on {m.calibration.count} rows; the model written is "

@@ -76,11 +76,15 @@ def run(args) -> int:
     from .inputs import parse_dims
     from .quantize import quantize_model
 
+    from .progress import reporting
+
     src, dst = file_paths(args)
     t0 = time.perf_counter()
-    result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
-                            rotate=args.rotate, seed=args.seed, block_size=args.block_size,
-                            per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim))
+    with reporting(src, json=args.json) as progress:  # (auto: one stage per candidate)
+        result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
+                                rotate=args.rotate, seed=args.seed, block_size=args.block_size,
+                                per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim),
+                                progress=progress)
     return write_and_report(result, dst, t0, args.json, "quantized")
 
 

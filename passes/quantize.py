@@ -25,6 +25,7 @@ from . import metric, search
 from .calibration import Rows
 from .errors import LnfoldError, NothingToFold
 from .options import ROTATIONS
+from .pipeline import Progress, stage
 from .result import FoldResult
 
 WEIGHTS = ("int8", "int4")
@@ -191,7 +192,7 @@ def trial(candidate: str, q: Quantized, **extra) -> dict:
 
 def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
            plain: Optional[Callable[[], dict]] = None, candidates=AUTO_CANDIDATES, margin: float = AUTO_MARGIN,
-           plain_name: str = "plain onnxruntime") -> tuple[Quantized, list[dict]]:
+           plain_name: str = "plain onnxruntime", progress: Progress = None) -> tuple[Quantized, list[dict]]:
     """rotate="auto": each candidate's fold options given to `prepare` (an adapter's float artifact
     with its `.fold`, unverified; an LnfoldError skips the candidate), `quantize` (quantize and
     measure it), then search.best_of (lowest `score`, simpler ones kept unless beaten by `margin`; a
@@ -202,7 +203,8 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
     one has "chosen": True and "why")."""
     made: dict[int, Quantized] = {}  # each candidate's measurements, its artifacts dropped
     skipped: dict[int, str] = {}
-    for k, (_, opts) in enumerate(candidates):  # one candidate's artifacts in memory at a time
+    for k, (label, opts) in enumerate(candidates):  # one candidate's artifacts in memory at a time
+        stage(progress, f"rotate auto: candidate {k + 1} of {len(candidates)}, {label}")
         try:
             prepared = prepare(opts)
         except LnfoldError as e:
@@ -256,6 +258,7 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
                      + (f" (not folded: {base:.3g})" if base is not None and chosen is not trials[0] else "")
                      + (f"; {plain_name}, for reference: {plain_score:.3g}" if plain_score is not None else ""))
     # the chosen one made again (prepare and quantize are deterministic): the others were never all kept
+    stage(progress, f"rotate auto: {candidates[best.index][0]} chosen, quantized again")
     return quantize(prepare(candidates[best.index][1])), trials
 
 

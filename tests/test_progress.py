@@ -87,3 +87,16 @@ def test_bench_shows_its_phases_between_its_header_and_its_figures(tmp_path, mon
     status = header.split("\n", 2)[-1]  # (after the two header lines)
     assert code == 0 and "timing end to end: repeat 1 of 3" in status and "stage(s)" not in figures, repr(screen)
     assert re.search(r"\r +\r", status), repr(status[-80:])
+
+
+@pytest.mark.slow  # (15 s: seven candidates twice; the fold's and the slice's status lines are the fast tier's)
+def test_quantize_rotate_auto_shows_each_candidate_on_a_terminal_and_nothing_in_json(tmp_path, monkeypatch, capsys):
+    """`lnfold quantize --rotate auto` measures seven candidates: on a terminal the status line names
+    each one as it goes, erased before the report; with --json nothing of it is printed."""
+    argv = ["quantize", str(GPT2), "-o", str(tmp_path / "q.onnx"), "--weights", "int8", "--rotate", "auto"]
+    code, _, screen = _run(argv, monkeypatch, capsys, terminal=True)
+    assert code == 0, repr(screen[-400:])
+    assert "rotate auto: candidate 1 of 7" in screen and "rotate auto: candidate 7 of 7" in screen, repr(screen[:400])
+    assert "chosen, quantized again" in screen
+    code, out, err = _run(argv + ["--json"], monkeypatch, capsys, terminal=False)
+    assert code == 0 and "rotate auto: candidate" not in out + err and json.loads(out)["exact"] is False
