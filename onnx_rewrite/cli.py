@@ -214,7 +214,7 @@ def cmd_report(args) -> int:
     from .validate import no_norm_message
 
     if args.plot:
-        from ..passes.geometry_plot import check_path
+        from ..passes.plots import check_path
 
         check_path(args.plot)  # a bad path is the user's error before any work
     if Path(args.input).is_dir():  # every input `fold` takes: an exporter's folder, a checkpoint

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..passes import LnfoldError
 from ..passes.options import as_argument, check_output
 from ..passes.options import OPTIONS
+from ..passes.plots import candidates_chart, check_path
 from ..passes.quantize import ACTIVATIONS, AUTO, WEIGHTS
 
 _DESCRIPTION = ("Fold the LayerNorms exactly (verified), optionally move their weights into the readers and "
@@ -53,6 +54,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "auto) on these inputs instead of --calibrate rows or made-up ones")
     q.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of a symbolic input dim for the made-up inputs (repeatable)")
+    q.add_argument("--plot", metavar="FILE.svg|png",
+                   help="with --rotate auto: draw the candidates (each one's error and size, the one chosen, plain "
+                        "onnxruntime for reference); needs matplotlib (lnfold[plot])")
     q.add_argument("--json", action="store_true", help="print the report as one JSON object")
     return q
 
@@ -79,13 +83,20 @@ def run(args) -> int:
     from .progress import reporting
 
     src, dst = file_paths(args)
+    if args.plot is not None:  # (the user's mistakes before any work)
+        if args.rotate != AUTO:
+            raise LnfoldError("--plot draws --rotate auto's candidates: give --rotate auto")
+        check_path(args.plot)
     t0 = time.perf_counter()
     with reporting(src, json=args.json) as progress:  # (auto: one stage per candidate)
         result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
                                 rotate=args.rotate, seed=args.seed, block_size=args.block_size,
                                 per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim),
                                 progress=progress)
-    return write_and_report(result, dst, t0, args.json, "quantized")
+    code = write_and_report(result, dst, t0, args.json, "quantized")
+    if args.plot is not None and code == 0:
+        candidates_chart(result.report, args.plot, f"lnfold quantize --rotate auto: {src.name} (NOT exact)")
+    return code
 
 
 def file_command(sub, name: str, made: str, help: str, description: str) -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ import time
 
 from .quantize_cli import file_command, file_paths, write_and_report
 from .targets import DEVICE, TARGET
+from ..passes import LnfoldError
+from ..passes.plots import budget_curve, check_path
 
 _DESCRIPTION = ("Fold the LayerNorms exactly with their weights in the readers (verified), then carry each "
                 "residual stream that can be rotated in its first k = d - round(F*d) principal directions on "
@@ -32,6 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--per-block", action="store_true",
                    help="a basis per block input (SliceGPT's scheme): each residual shortcut gets a k x k MatMul "
                         "between consecutive bases; a stream whose residual Adds do not allow it keeps one basis")
+    s.add_argument("--plot", metavar="FILE.svg|png",
+                   help="with --budget: draw the search (the error at each fraction tried, the budget, the one "
+                        "chosen, the parameters kept); needs matplotlib (lnfold[plot])")
     TARGET.add_to(s)
     DEVICE.add_to(s)
     s.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -43,8 +48,15 @@ def run(args) -> int:
     from .slice import slice_model
 
     src, dst = file_paths(args)
+    if args.plot is not None:  # (the user's mistakes before any work)
+        if args.budget is None:
+            raise LnfoldError("--plot draws a --budget search: give --budget B (a fraction searches nothing)")
+        check_path(args.plot)
     t0 = time.perf_counter()
     with reporting(src, json=args.json) as progress:  # each fold's stages: many with --per-block or --budget
         result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget,
                              per_block=args.per_block, target=args.target, device=args.device, progress=progress)
-    return write_and_report(result, dst, t0, args.json, "sliced")
+    code = write_and_report(result, dst, t0, args.json, "sliced")
+    if args.plot is not None and code == 0:
+        budget_curve(result.report, args.plot, f"lnfold slice --budget {args.budget:g}: {src.name} (NOT exact)")
+    return code

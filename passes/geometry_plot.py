@@ -3,35 +3,16 @@ mean angle between its input and 1 with its spread (± one standard deviation), 
 after it (folded norms: 90° by construction). matplotlib is an optional extra (`lnfold[plot]`)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from .errors import LnfoldError
 from .geometry import Geometry
-
-_FORMATS = (".svg", ".png", ".pdf")
-
-
-def check_path(path) -> Path:
-    """The picture's path, with a format matplotlib writes; else a one-line error."""
-    p = Path(path)
-    if p.suffix.lower() not in _FORMATS:
-        raise LnfoldError(f"{p}: --plot writes {', '.join(_FORMATS)} files (say which by the suffix)")
-    if not p.parent.is_dir() and str(p.parent):
-        raise LnfoldError(f"{p.parent}: output directory does not exist")
-    return p
+from .plots import check_path, pyplot, save
 
 
 def plot(g: Geometry, path, title: str = "") -> Path:
     """Write the picture of `g` to `path` (atomically: a temporary file renamed into place)."""
-    p = check_path(path)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise LnfoldError("--plot needs matplotlib: pip install 'lnfold[plot]'") from None
+    check_path(path)
+    plt = pyplot()
     xs = list(range(len(g.norms)))
     fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(xs) + 2), 3.6))
     ax.axhline(90.0, color="0.6", lw=0.8, ls="--", zorder=0)
@@ -54,12 +35,4 @@ def plot(g: Geometry, path, title: str = "") -> Path:
     ax.set_title((title + note) if title else note.lstrip(" —"), fontsize=10)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp{p.suffix}")
-    try:
-        fig.savefig(tmp, metadata={"Date": None} if p.suffix.lower() == ".svg" else None)
-        os.replace(tmp, p)
-    finally:
-        plt.close(fig)
-        if tmp.exists():
-            tmp.unlink()
-    return p
+    return save(fig, path)

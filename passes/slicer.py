@@ -174,6 +174,8 @@ def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldRe
                           f"(F={said.fraction:g} gives {said.error:.3e} on {rows})")
     sliced, report = tried[fits]
     steps = ", ".join(f"F={GRID[i]:g}: {r.error:.2e}" for i, (_, r) in sorted(tried.items()))
+    report.budget = budget
+    report.tries = [(GRID[i], r.error, r.params_after) for i, (_, r) in sorted(tried.items())]
     report.notes.append(f"budget {budget:g}: F={report.fraction:g} is the largest fraction of {GRID[0]:g}, "
                         f"{GRID[1]:g}, ..., {GRID[-1]:g} whose error is within it, by bisection on {rows} "
                         f"(assumes the error grows with F); tried {steps}")

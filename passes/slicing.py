@@ -261,11 +261,14 @@ class SliceReport:
     # error on other inputs (issue 45: 9.0e-4 in-sample, 9.9e-2 held out) and is never the result
     in_sample: bool = False
     notes: list[str] = field(default_factory=list)
+    budget: Optional[float] = None  # `--budget`: the error allowed, and the search's (F, error, parameters) tries
+    tries: list[tuple[float, float, int]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"exact": False, "fraction": self.fraction, "params_before": self.params_before,
                 "params_after": self.params_after, "error": self.error, "error_rows": self.error_rows,
-                "error_in_sample": self.in_sample,
+                "error_in_sample": self.in_sample, "budget": self.budget,
+                "budget_tries": [list(t) for t in self.tries],
                 "streams": [asdict(s) for s in self.streams], "notes": list(self.notes)}
 
     def to_json(self, **kw) -> str:
