@@ -55,6 +55,7 @@ class ReusedFold:
 
     def __init__(self, frontend) -> None:
         self.frontend, self.rows, self.in_sample = frontend, frontend.rows, frontend.in_sample
+        self.original = frontend.original
         self.exact_result = None
         self.captured: dict = {}
         self.reference = None

@@ -38,6 +38,7 @@ def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=
     # the first calibration batch is the example input (export, verification)
     folds = ExportFolds(module, data.deciding[0], dict(kwargs or {}), FoldOptions(gamma_into_readers=True),
                         dynamic=dynamic)
-    frontend = Slicing(folds, data, lambda result: float_parameters(result.module))
+    own = {t.data_ptr(): t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()}
+    frontend = Slicing(folds, data, lambda result: float_parameters(result.module), sum(t.numel() for t in own.values()))
     exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block)
     return SliceResult(report, exact, module=sliced.module)

@@ -20,7 +20,7 @@ def slicing_frontend(model: onnx.ModelProto, target, data: Data, progress: Progr
     """passes/slicer's steps over ONNX: one validation of the model, folds run in onnxruntime (and
     verified on the first deciding run)."""
     folds = OnnxFolds(model, FoldOptions(gamma_into_readers=True), target, inputs=data.deciding[0], progress=progress)
-    return Slicing(folds, data, lambda result: float_parameters(result.model))
+    return Slicing(folds, data, lambda result: float_parameters(result.model), float_parameters(model))
 
 
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",

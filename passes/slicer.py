@@ -47,9 +47,10 @@ class Slicing:
     (benchmarks/realmodels_slice.py wraps one to keep the exact fold, its capture and its outputs
     across fractions: `slice_with` needs only its four methods, `parameters`, `rows` and `in_sample`)."""
 
-    def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int]) -> None:
+    def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int], original: int) -> None:
         self.folds, self.data = folds, data
         self.parameters = parameters  # the parameters of a fold's model
+        self.original = original  # the model's own, as given (a fold that unties a shared weight has more)
         self.measured = data.held if data.held is not None else data.deciding  # where the error is measured
         self.in_sample = data.held is None  # the error is then measured on the rows that chose the bases
         self.rows = (f"{folds.rows(data.held)} held-out row(s)" if data.held is not None else
@@ -114,6 +115,15 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
         return sliced, report
 
     sliced, report = attempt(fraction) if budget is None else _largest_within(attempt, budget, frontend.rows)
+    report.params_original = frontend.original
+    deletes = any(s.sliced and s.keep < s.dim for s in report.streams)  # (at full width: a rotation, the exact fold)
+    if deletes and report.params_after > frontend.original:  # (each stream pays for itself; a weight cloned may not)
+        cloned = [c for s in sliced.plan.report.streams for c in s.cloned]
+        raise LnfoldError(f"slicing at F={report.fraction:g} would leave {report.params_after:,} parameters, more than "
+                          f"the model's own {frontend.original:,}"
+                          + (f" (a weight shared by the stream's writer and a reader is written apart, each copy "
+                             f"k of d wide: {cloned[0]})" if cloned else "")
+                          + "; slicing never adds parameters: give a larger fraction")
     return exact, sliced, report
 
 

@@ -253,7 +253,7 @@ class SliceReport:
 
     fraction: float
     streams: list[StreamSlice]
-    params_before: int  # the exact fold's (which the original's equal)
+    params_before: int  # the exact fold's (the original's, unless it wrote a shared weight apart)
     params_after: int
     error: Optional[float] = None  # relative error against the exact fold (passes/metric.relative_error)
     error_rows: str = ""  # which rows it was measured on
@@ -261,12 +261,13 @@ class SliceReport:
     # error on other inputs (issue 45: 9.0e-4 in-sample, 9.9e-2 held out) and is never the result
     in_sample: bool = False
     notes: list[str] = field(default_factory=list)
+    params_original: Optional[int] = None  # the model's own, as given
     budget: Optional[float] = None  # `--budget`: the error allowed, and the search's (F, error, parameters) tries
     tries: list[tuple[float, float, int]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"exact": False, "fraction": self.fraction, "params_before": self.params_before,
-                "params_after": self.params_after, "error": self.error, "error_rows": self.error_rows,
+                "params_after": self.params_after, "params_original": self.params_original, "error": self.error, "error_rows": self.error_rows,
                 "error_in_sample": self.in_sample, "budget": self.budget,
                 "budget_tries": [list(t) for t in self.tries],
                 "streams": [asdict(s) for s in self.streams], "notes": list(self.notes)}
@@ -279,7 +280,9 @@ class SliceReport:
                  "kept principal subspace are deleted)"]
         lines += ["  " + s.line() for s in self.streams]
         ratio = self.params_after / self.params_before if self.params_before else float("nan")
-        lines.append(f"  parameters {self.params_before:,} (the exact fold's) -> {self.params_after:,} ({ratio:.3f}x)")
+        lines.append(f"  parameters {self.params_before:,} (the exact fold's) -> {self.params_after:,} ({ratio:.3f}x)"
+                     + (f"; the model's own: {self.params_original:,} ({self.params_after / self.params_original:.3f}x)"
+                        if self.params_original and self.params_original != self.params_before else ""))
         if self.error is not None and self.in_sample:
             lines.append(f"  relative error against the exact fold: not measured on held-out rows; IN-SAMPLE only, "
                          f"{self.error:.3e} on {self.error_rows}, the rows that chose the bases: it understates the "

@@ -488,3 +488,31 @@ def test_torch_sequential_per_block_matches_onnx(zoo_onnx):
     assert t.report.notes == o.report.notes and "8 sliced fold(s)" in t.report.notes[0]
     assert t.report.streams[0].bases == o.report.streams[0].bases == 5
     assert t.report.error == pytest.approx(o.report.error, rel=0.05)
+
+
+def _tied_model(vocab: int = 400) -> onnx.ModelProto:
+    """ids -> Gather(E) + positions -> one pre-LN block -> final LN -> MatMul(Transpose(E)): a table
+    shared by the embedding (the stream's writer) and the head (a reader). γ into the head writes the
+    table apart, so a fold has one more V×d table than the model; with V ≫ d a small slice cannot pay for it."""
+    b = Builder(0, np.float64)
+    ids = b.input("ids", INT64, ["batch", T])
+    table = b.weight("emb", (vocab, D), mean=2.0)
+    h = b.op("Add", [b.op("Gather", [table, ids], axis=0), b.weight("pos", (T, D), mean=-1.0)])
+    u = b.op("Relu", [b.linear(b.layernorm(h, D), D, 2 * D)])
+    h = b.op("Add", [h, b.linear(u, 2 * D, D)])
+    b.output(b.op("MatMul", [b.layernorm(h, D), b.op("Transpose", [table], perm=[1, 0])]), shape=["batch", T, vocab])
+    return b.model(17)
+
+
+def test_a_slice_that_unties_a_shared_table_never_adds_parameters():
+    """Issue 45 item 4 at the whole model (SmolLM2 at F = 0.1: 1.09x its parameters): against the
+    model's own count, not the exact fold's (which has the table twice already). Refused with the
+    clone named; a fraction that pays for the clone slices."""
+    model = _tied_model()
+    rows = {"ids": np.random.default_rng(1).integers(0, 400, (16, T)).astype(np.int64)}
+    with pytest.raises(LnfoldError, match=r"^slicing at F=0.05 would leave [\d,]+ parameters, more than the model's "
+                                          r"own 7,616 \(a weight shared .*`emb_1`.*give a larger fraction$"):
+        lnfold.slice_onnx(model, rows, fraction=0.05)
+    r = lnfold.slice_onnx(model, rows, fraction=0.6)
+    assert r.report.params_after < r.report.params_original == 7616 < r.report.params_before
+    assert "the model's own: 7,616" in r.report.table()
