@@ -116,13 +116,19 @@ def macs(model: onnx.ModelProto, feeds: dict) -> int:
 
 
 def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, log):
-    """(label, sliced model, SliceReport) for every basis choice and fraction, as each is made."""
+    """(label, sliced model, SliceReport) for every basis choice and fraction, as each is made; (label, None,
+    the reason) for a fraction slicing refuses."""
     data = calibration_io.calibration_data(model, real.calibration, real.heldout)
     frontend = ReusedFold(onnx_slice.slicing_frontend(model, targets.resolve("ort", "cpu"), data, None))
     for basis, per_block in bases.items():  # the same exact fold and capture for both
         for f in fractions:
             t0 = time.time()
-            _, sliced, report = slice_with(frontend, f, make_plan, None, per_block)
+            try:
+                _, sliced, report = slice_with(frontend, f, make_plan, None, per_block)
+            except LnfoldError as e:  # e.g. every stream would grow: (label, None, the reason)
+                log(f"{basis} F={f:g}: refused in {time.time() - t0:.0f} s")
+                yield f"slice F={f:g} {basis}", None, str(e)
+                continue
             log(f"{basis} F={f:g}: {time.time() - t0:.0f} s; error vs exact fold {report.error:.3e}")
             yield f"slice F={f:g} {basis}", sliced.model, report
 
@@ -163,6 +169,9 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     sliced = {}
     for label, model, report in slices(real.model, real, args.fractions, bases, log):
+        if model is None:
+            print(f"| {label} | refused: {report} |", flush=True)
+            continue
         sliced[label] = (model, report)
         got = real.metric(ref, rm.run(session(model), real.heldout))
         kept = [s for s in report.streams if s.sliced]
