@@ -16,7 +16,7 @@ is no constant, ...) is a near miss: `match` says why (passes/match.py) and the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from .match import MatchResult, NoMatch
 from .rules import norm_axis, rule
@@ -199,18 +199,9 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
         if down is not None and _is_cast(down):
             covered.append(down)
             out = down.outputs[0]
-    # Every intermediate value is read inside the pattern only.
-    names = {n.name for n in covered}
-    for n in covered:
-        for v in n.outputs:
-            if v == out:
-                continue
-            if view.values[v].is_graph_output:
-                return NoMatch(f"`{v}`, inside the norm, is a model output (the swap would remove it)", 4)
-            outside = [c for c, _ in view.values[v].consumers if c not in names]
-            if outside:
-                return NoMatch(f"`{v}`, inside the norm, is also read by {view.nodes[outside[0]].describe()} "
-                               "(the swap would remove it)", 4)
+    escapes = _escapes(view, covered, out, "norm", 4)  # every intermediate value read inside the pattern only
+    if escapes is not None:
+        return escapes
     rank = view.values[x].rank
     axis, why = norm_axis(list(axes), rank)
     m = DecomposedNorm(mean1.name, [], x, out, axis, why, [s.name for s in subs], epsilon=eps)
@@ -355,16 +346,28 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
         covered.remove(up)
         names.discard(up.name)
         x = xs
+    escapes = _escapes(view, covered, out, "RMSNorm", 1, lambda c: _reads_metadata(view, c))
+    if escapes is not None:
+        return escapes
+    return DecomposedNorm(mean.name, [n.name for n in covered], x, out, axis, None, gamma=gamma, epsilon=eps, rms=True)
+
+
+def _escapes(view: View, covered: list, out: str, what: str, priority: int,
+             ignored: Callable[[str], bool] = lambda name: False) -> Optional[NoMatch]:
+    """Why a value computed inside a matched norm (`covered`, whose output is `out`) is read outside
+    it, which the swap would remove; None where none is (`ignored` readers: ones that read no values)."""
+    names = {n.name for n in covered}
     for n in covered:
         for v in n.outputs:
             if v == out:
                 continue
             if view.values[v].is_graph_output:
-                return NoMatch(f"`{v}`, inside the RMSNorm, is a model output", 1)
-            outside = [c for c, _ in view.values[v].consumers if c not in names and not _reads_metadata(view, c)]
+                return NoMatch(f"`{v}`, inside the {what}, is a model output (the swap would remove it)", priority)
+            outside = [c for c, _ in view.values[v].consumers if c not in names and not ignored(c)]
             if outside:
-                return NoMatch(f"`{v}`, inside the RMSNorm, is also read by {view.nodes[outside[0]].describe()}", 1)
-    return DecomposedNorm(mean.name, [n.name for n in covered], x, out, axis, None, gamma=gamma, epsilon=eps, rms=True)
+                return NoMatch(f"`{v}`, inside the {what}, is also read by {view.nodes[outside[0]].describe()} "
+                               "(the swap would remove it)", priority)
+    return None
 
 
 def _sole_reader(view: View, value: str, *kinds: str) -> Optional[Node]:

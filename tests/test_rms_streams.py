@@ -273,17 +273,11 @@ def _dynamo_llama(tmp_path):
                 p.copy_(torch.empty_like(p).uniform_(0.5, 2.0) * torch.randint(0, 2, p.shape).mul(2).sub(1))
         model.model.embed_tokens.weight.add_(3.0)
 
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).logits
+    from lnfold import zoo
 
     ids = torch.randint(0, 64, (1, 8))
     path = tmp_path / "llama.onnx"
-    torch.onnx.export(Logits(model), (ids,), str(path), dynamo=True, input_names=["input_ids"],
+    torch.onnx.export(zoo.Logits(model, "logits"), (ids,), str(path), dynamo=True, input_names=["input_ids"],
                       output_names=["logits"], verbose=False)
     return path, ids
 

@@ -326,15 +326,7 @@ def zoo_model(arch: str) -> torch.nn.Module:
         zoo.adversarial(model)
     _randomize(model)
 
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).logits
-
-    return Logits(model).eval()
+    return zoo.Logits(model, "logits").eval()
 
 
 @pytest.mark.slow

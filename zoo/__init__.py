@@ -32,7 +32,8 @@ class Logits(nn.Module):
 
 
 def _is_decoder(model) -> bool:
-    return getattr(model.config, "is_decoder", False) or model.config.model_type in ("gpt2", "opt", "gpt_neox")
+    return (getattr(model.config, "is_decoder", False) or model.config.model_type in ("gpt2", "opt", "gpt_neox")
+            or type(model).__name__.endswith("ForCausalLM"))  # (Llama, Qwen2, Mistral, Phi-3, Gemma: no cache wanted)
 
 
 @torch.no_grad()

@@ -85,15 +85,10 @@ merge_decoders(decoder=tmp / "decoder_model.onnx", decoder_with_past=tmp / "deco
 DYNAMO_SRC = r'''
 import sys, torch, transformers
 src, out = sys.argv[1], sys.argv[2]
+from lnfold import zoo
 m = transformers.AutoModelForCausalLM.from_pretrained(src).eval()
-class Logits(torch.nn.Module):
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-    def forward(self, ids):
-        return self.m(input_ids=ids, use_cache=False).logits
 ids = torch.randint(0, 128, (1, 8))
-torch.onnx.export(Logits(m), (ids,), out, dynamo=True, input_names=["input_ids"], output_names=["logits"])
+torch.onnx.export(zoo.Logits(m, "logits"), (ids,), out, dynamo=True, input_names=["input_ids"], output_names=["logits"])
 '''
 
 ORTOPT_SRC = r'''
