@@ -39,6 +39,7 @@ from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates,
                                fold_for_quantizer, output_errors, report_of, trial)
 from . import calibration as calibration_io
 from .api import own_tensors, export, fold_module, program_view
+from .slice import module_float_parameters
 from .edits import attr_of
 from .verify import Verifier
 
@@ -265,8 +266,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
         return _prepare(module, args, kwargs, seed=seed, dynamic=dynamic, verify=verified, **opts)
 
     def quantize(prepared: Prepared) -> Quantized:
-        # (in place, but for "auto", whose chosen candidate is verified after: on a copy)
-        target = copy.deepcopy(prepared.module) if rotate == AUTO else prepared.module
+        # (in place: "auto" verifies its chosen candidate on a fold prepared again, below)
+        target = prepared.module
         prepared.notes += run_quantizer(target, prepared.layers, weights, backend, block_size)
         got = calibration_io.outputs(target, batches)
         return Quantized(prepared, target, prepared.fold, output_errors(names, reference, got),
@@ -289,7 +290,7 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
         scheme_name(weights, backend, block_size), q, weights=weights, activations=None,
         block_size=block_size if weights == "int4" else None, per_channel=False, rotate=rotate, seed=seed,
         gamma_into_readers=prepared.gamma_into_readers, linear_layers=len(prepared.layers),
-        basis_changes=kept_float, parameters=_elements(module), ops_before={"Linear": len(prepared.layers)},
+        basis_changes=kept_float, parameters=module_float_parameters(module), ops_before={"Linear": len(prepared.layers)},
         bytes_before=saved_bytes(module), error_inputs=described, notes=prepared.notes,
         seconds=time.perf_counter() - t0, trials=trials)
     return QuantizeResult(report, module=q.quantized, fold=q.fold)
@@ -335,9 +336,3 @@ def _plain_trial(module, names: list, reference: list, batches: list) -> dict:
     kinds = Counter(type(m).__name__ for m in quantized.modules() if "Linear" in type(m).__name__)
     return trial(label, Quantized(None, quantized, None, errors, dict(kinds), saved_bytes(quantized)),
                  rotate=None, plain=True)
-
-
-def _elements(module: torch.nn.Module) -> int:
-    """The elements of the module's parameters and buffers (tied ones once)."""
-    seen = {id(t): t.numel() for t in list(module.parameters()) + list(module.buffers())}
-    return sum(seen.values())

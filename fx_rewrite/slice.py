@@ -16,6 +16,12 @@ from . import calibration as calibration_io
 from .api import ExportFolds
 
 
+def module_float_parameters(module: torch.nn.Module) -> int:
+    """The floating-point parameters and buffers of a module as given, each tensor once (tied ones too)."""
+    own = {t.data_ptr(): t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()}
+    return sum(t.numel() for t in own.values())
+
+
 def float_parameters(gm: torch.fx.GraphModule) -> int:
     """The floating-point tensors the graph reads (the exported module also keeps unread originals),
     each once."""
@@ -38,7 +44,6 @@ def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=
     # the first calibration batch is the example input (export, verification)
     folds = ExportFolds(module, data.deciding[0], dict(kwargs or {}), FoldOptions(gamma_into_readers=True),
                         dynamic=dynamic)
-    own = {t.data_ptr(): t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()}
-    frontend = Slicing(folds, data, lambda result: float_parameters(result.module), sum(t.numel() for t in own.values()))
+    frontend = Slicing(folds, data, lambda result: float_parameters(result.module), module_float_parameters(module))
     exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block)
     return SliceResult(report, exact, module=sliced.module)

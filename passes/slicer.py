@@ -108,14 +108,13 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
             raise LnfoldError(f"no stream can be sliced: {decided.streams[0].line()}")
         report = SliceReport(f, decided.streams, params_before, frontend.parameters(sliced),
                              error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows,
-                             in_sample=frontend.in_sample)
+                             in_sample=frontend.in_sample, params_original=frontend.original)
         if steps:
             report.notes.append(f"per-block bases computed sequentially (each segment's on the model sliced "
                                 f"before it): {steps} sliced fold(s) and capture(s) more")
         return sliced, report
 
     sliced, report = attempt(fraction) if budget is None else _largest_within(attempt, budget, frontend.rows)
-    report.params_original = frontend.original
     deletes = any(s.sliced and s.keep < s.dim for s in report.streams)  # (at full width: a rotation, the exact fold)
     if deletes and report.params_after > frontend.original:  # (each stream pays for itself; a weight cloned may not)
         cloned = [c for s in sliced.plan.report.streams for c in s.cloned]
