@@ -23,7 +23,7 @@ from torch import fx
 from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, geometry, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
 from ..passes.calibration import check_calibration
-from ..passes.options import APPROX_MODE, FoldOptions, check_choice
+from ..passes.options import APPROX_MODE, FoldOptions, check_choice, takes_options
 from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
@@ -311,24 +311,22 @@ def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], op
     return approx.swap_within_budget(folds, data, budget, make_plan, metric=metric)
 
 
-def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, mode: str = "rms",
-                defer: str = "off", verify: bool = True, norm: str = "auto", dynamic: bool = True,
-                gamma_into_readers: bool = False, rotate: Optional[str] = None, seed: int = 0,
-                calibration=None, budget: Optional[float] = None, heldout=None,
+@takes_options
+def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, options: FoldOptions,
+                norm: str = "auto", dynamic: bool = True, calibration=None, budget: Optional[float] = None, heldout=None,
                 metric: Optional[Callable] = None) -> FoldResult:
     """Fold every foldable LayerNorm of `module` (or of an ExportedProgram already made, read as it
     is: `dynamic` then means nothing); the module and its parameters are not modified. Returns a
     FoldResult whose `.module` takes the same inputs and returns the same outputs.
 
-    `mode`, `defer`, `verify`, `gamma_into_readers`, `rotate` and `seed` mean what they mean for
-    `fold_onnx` (passes/options.py; `defer="auto"` defers nothing in eager mode). `norm`: "auto"
+    The options (listed at the end) mean what they mean for `fold_onnx` (`defer="auto"` defers
+    nothing in eager mode). `norm`: "auto"
     (the fused LayerNorm kernel on the centered stream), "rms_norm" or "layer_norm"; the norms of a
     stream rotated by a Q with Q·1 ≠ 1 are `aten.rms_norm` whatever it says (a LayerNorm is exact
     only on a zero-mean input), "-keep-ln" rotations keep its choice. Raises NothingToFold when no
     LayerNorm can be folded, VerificationError when the folded module's outputs on `args` differ.
     """
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
-                       rotate=rotate, seed=seed)
+    opts = options
     if opts.mode == APPROX_MODE:  # NOT exact: see fold_approx
         return fold_approx(module, args, kwargs, opts, calibration=calibration, budget=budget, heldout=heldout,
                            metric=metric, dynamic=dynamic)

@@ -259,14 +259,15 @@ class Applier:
 
     # --- norms -------------------------------------------------------------------------------
     def _readout(self, how: NormEmission) -> Optional[fx.Node]:
-        """A norm whose output leaves a stream carried in another basis: `Bᵀ·diag γ` as a buffer
-        (passes/plan.Readout, float64, cast to the stream's dtype)."""
+        """A norm whose output leaves a stream carried in another basis (`Bᵀ·diag γ`) or keeps γ in
+        float in it (`Bᵀ·diag γ·B`), as a buffer (passes/plan.Readout, float64, in the stream's dtype)."""
         if how.readout is None:
             return None
         name, gamma = how.norm, how.readout.gamma
         like = self.constants.tensor_of(gamma) if gamma is not None else None
         arr = how.readout.matrix(None if like is None else to_numpy(like))
-        return self._buffer(f"lnfold_unrotate_{name}", arr, like, self.nodes[name])
+        what = "float_gamma" if how.readout.rotated else "unrotate"
+        return self._buffer(f"lnfold_{what}_{name}", arr, like, self.nodes[name])
 
     def _resized(self, how: NormEmission, dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
         """A sliced stream's norm: (k, its weight √(d/k) as a buffer of `dtype` (default: the norm's

@@ -15,7 +15,7 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, View, make_plan, pipeline
-from ..passes.options import APPROX_MODE, FoldOptions
+from ..passes.options import APPROX_MODE, FoldOptions, takes_options
 from ..passes.calibration import check_calibration
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
@@ -238,21 +238,17 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
     return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
 
 
+@takes_options
 def fold_model(
     model: onnx.ModelProto,
     *,
-    mode: str = "rms",
-    defer: str = "off",
-    verify: bool = True,
+    options: FoldOptions,
     target: str = "ort",
     device: str = "cpu",
     inputs=None,
     dims: Optional[dict] = None,
     progress: Progress = None,
     verify_outputs: Optional[bool] = None,
-    gamma_into_readers: bool = False,
-    rotate: Optional[str] = None,
-    seed: int = 0,
     calibration=None,
     budget: Optional[float] = None,
     heldout=None,
@@ -260,9 +256,8 @@ def fold_model(
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
-    `mode`: "rms" (RMSNorms), "crms" (CRMSNorms, each folded stream carried in d-1 features;
-    passes/compress.py) or "rms-approx" (below); passes/options.py checks the options. `target`
-    picks the emission ("ort", "onnx", "portable"; onnx_rewrite/targets.py); `device` picks
+    The options (`mode`, `defer`, `gamma_into_readers`, `rotate`, ...: listed at the end) are
+    checked by passes/options.py. `target` picks the emission ("ort", "onnx", "portable"; onnx_rewrite/targets.py); `device` picks
     onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
     SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
@@ -271,17 +266,8 @@ def fold_model(
     `inputs` (a dict name -> array, or a path to an .npz file) are used as given; otherwise inputs
     are made up from the graph, with `dims` (symbolic dim name -> size) fixing sizes.
 
-    `defer` ("auto", "on", "off"): emit folded norms whose readers are all linear layers with
-    constant weights as deferred normalization (γ into the weights, the per-row scale applied to
-    each product; passes/defer.py). Default "off": it never beat the RMS emission in a measurement
-    (benchmarks/RESULTS.md); "auto" asks the traffic cost model per norm.
-
-    `gamma_into_readers`: move each folded norm's γ (and β) into the weights (biases) of the linear
-    layers that read it, leaving unit-weight RMSNorms (passes/gamma.py; `report.norms[i].gamma`
-    says where γ went or why it stayed). `rotate` ("hadamard", "orthogonal", "hadamard-keep-ln",
-    "orthogonal-keep-ln"; implies gamma_into_readers) rotates each folded stream whose writers and
-    readers can all absorb it by an orthogonal Q drawn from `seed` (passes/rotate.py;
-    `report.streams[k].rotation` says which were and why not). Both are exact and verified.
+    Where γ went or why it stayed is `report.norms[i].gamma`; which streams were rotated and why
+    not, `report.streams[k].rotation`. Every option but mode="rms-approx" is exact and verified.
 
     `mode="rms-approx"` (NOT exact; passes/approx.py): after the exact fold, norms that cannot be
     folded are swapped for RMSNorm (β kept) while the outputs' relative error on `calibration`
@@ -296,9 +282,8 @@ def fold_model(
     """
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
-        verify = verify_outputs
-    opts = FoldOptions(mode=mode, defer=defer, verify=verify, gamma_into_readers=gamma_into_readers,
-                       rotate=rotate, seed=seed)
+        options = dataclasses.replace(options, verify=verify_outputs)
+    opts = options
     if opts.mode == APPROX_MODE:
         return fold_approx(as_model(model), opts, calibration=calibration, budget=budget, heldout=heldout,
                            metric=metric, target=target, device=device, progress=progress)

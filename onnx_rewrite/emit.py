@@ -231,7 +231,8 @@ class Emitter:
         unrotate = None
         if readout is not None:
             g = const_values(m.gamma) if m.gamma is not None else None
-            unrotate = self.const(f"{m.name}/lnfold_unrotate", readout.matrix(g).astype(dtype))
+            what = "lnfold_float_gamma" if readout.rotated else "lnfold_unrotate"
+            unrotate = self.const(f"{m.name}/{what}", readout.matrix(g).astype(dtype))
         x, skip, bias = self.detach(m)
         beta = m.beta if how.beta_add else None
         normed = m.output if beta is None else self.var(f"{m.name}/lnfold_rms", m.output.dtype)

@@ -16,7 +16,7 @@ from .edits import ConstEdit, Scale, const_edits
 from .frozen import FrozenList
 from .options import DEFER_POLICIES, check_choice
 from .readers import LinearReader, linear_readers
-from .view import ConstRef, View
+from .view import View
 
 
 @dataclass(frozen=True)

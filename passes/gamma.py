@@ -15,7 +15,10 @@ from .view import ConstRef, View
 
 @dataclass
 class GammaFold:
-    """One folded norm's γ: moved into the weights of `readers`, or kept (`why`)."""
+    """One folded norm's γ: moved into the weights of `readers`, kept (`why`), or kept in float
+    beside a rotation (`in_float`: the readers take the rotation alone, and the rotated norm is
+    followed by a float Qᵀ·diag γ·Q, passes/rotate.py; where its stream is not rotated, γ stays in
+    the norm)."""
 
     norm: str
     gamma: Optional[str]
@@ -23,10 +26,12 @@ class GammaFold:
     why: str = ""
     by_readers: bool = False  # kept because of what reads the norm (a graph output, a non-linear reader)
     read_as_output: bool = False  # the norm's output is a graph output (a model's hidden states as its output)
+    in_float: bool = False  # asked (gamma_in_float) where γ could move: it stays beside the rotation
 
     @property
     def moved(self) -> bool:
-        return not self.why
+        """γ goes into the readers' weights."""
+        return not self.why and not self.in_float
 
     def edits(self, view: View) -> list[tuple[ConstRef, Scale]]:
         """(reader weight, W·diag γ along its input axis) for each reader; none where γ is absent."""
@@ -36,6 +41,8 @@ class GammaFold:
         return [(r.weight, Scale(self.gamma, g_axis, r.weight.axis)) for r in self.readers]
 
     def describe(self, view: View) -> str:
+        if self.in_float:
+            return "kept in float"
         if not self.moved:
             return f"kept in the norm ({self.why})"
         if self.gamma is None:

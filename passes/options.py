@@ -6,6 +6,8 @@ targets and devices, the torch `norm=`) is the frontend's to declare, with the s
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
 from dataclasses import dataclass, fields
@@ -106,13 +108,17 @@ OPTIONS = {o.name: o for o in (
            "weights, the row scale on their products): off (default: it never won in the measurements, "
            "benchmarks/RESULTS.md); auto: per norm by the traffic cost model (defers only where the readers' "
            "outputs are narrower than d/2); on: wherever it is exact", choices=DEFER_POLICIES, what="defer policy"),
-    Option("verify", bool, True, "skip the verification against float64 (the gate, passes/gate.py)"),
+    Option("verify", bool, True, "verify the fold against float64 (the gate, passes/gate.py); --no-verify skips it"),
     Option("gamma_into_readers", bool, False, "move each folded norm's γ (and β) into the weights (biases) of the "
            "linear layers that read it, leaving unit-weight RMSNorms (exact; the report says where it could not)"),
     Option("rotate", str, None, "rotate each folded stream by an orthogonal Q (exact; implies "
            "--gamma-into-readers): hadamard (a randomized Hadamard where the width allows one, else orthogonal), "
            "orthogonal (random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too",
            choices=ROTATIONS, search=(None,) + ROTATIONS[:2], what="rotation"),
+    Option("gamma_in_float", bool, False, "with --rotate: keep each rotated norm's γ in float after the unit-weight "
+           "norm, as a constant MatMul by Qᵀ·diag(γ)·Q, the readers taking Q alone (exact; one d×d MatMul per norm, "
+           "kept float by the quantizers). Trained LLMs' γ suppresses their few massive-activation channels; moved "
+           "into weights that are then quantized, that suppression drowns in the rounding"),
     Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
 )}
 
@@ -127,6 +133,8 @@ class FoldOptions:
     # γ (and β) of each folded norm into its readers' weights (passes/gamma.py); a rotation implies it
     gamma_into_readers: bool = OPTIONS["gamma_into_readers"].default
     rotate: Optional[str] = OPTIONS["rotate"].default  # one of ROTATIONS (passes/rotate.py)
+    # with a rotation: γ kept as a float Qᵀ·diag γ·Q after each rotated norm (passes/gamma.py), not in the readers
+    gamma_in_float: bool = OPTIONS["gamma_in_float"].default
     seed: int = OPTIONS["seed"].default  # the rotation's random signs / Gaussian matrix
 
     def __post_init__(self) -> None:
@@ -137,6 +145,8 @@ class FoldOptions:
             # and a rotation assume every swapped norm's input is zero-mean
             raise LnfoldError(f"--mode {APPROX_MODE} is not combined with --gamma-into-readers or --rotate "
                               "(they need exactly folded norms)")
+        if self.gamma_in_float and self.rotate is None:
+            raise LnfoldError("--gamma-in-float keeps γ beside a rotation: give --rotate too")
         if self.rotate is not None:
             if self.mode != "rms":
                 raise LnfoldError(f"rotate={self.rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")
@@ -149,6 +159,30 @@ def options_from(args, **overrides) -> FoldOptions:
     given = {f.name: OPTIONS[f.name].value_in(args) for f in fields(FoldOptions)
              if hasattr(args, f.name) or hasattr(args, OPTIONS[f.name].flag[2:].replace("-", "_"))}
     return FoldOptions(**{**given, **overrides})
+
+
+def takes_options(fn: Callable) -> Callable:
+    """The Python keywords of the fold options, derived from OPTIONS: `fn(..., options: FoldOptions,
+    ...)` is exposed as `fn(..., mode=..., defer=..., ...)`, one keyword-only argument per FoldOptions
+    field with its default (its signature and help say so), checked into the `options` it receives.
+    A new option reaches every decorated entry point without a word there."""
+    own = inspect.signature(fn)
+    names = [f.name for f in fields(FoldOptions)]
+    params = [p for p in own.parameters.values() if p.name != "options"]
+    at = next((k for k, p in enumerate(params) if p.kind is p.KEYWORD_ONLY), len(params))
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=OPTIONS[n].default,
+                               annotation=Optional[OPTIONS[n].type] if OPTIONS[n].default is None else OPTIONS[n].type)
+             for n in names]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        given = {n: kwargs.pop(n) for n in names if n in kwargs}
+        return fn(*args, options=FoldOptions(**given), **kwargs)
+
+    wrapper.__signature__ = own.replace(parameters=params[:at] + added + params[at:])
+    wrapper.__doc__ = (fn.__doc__ or "").rstrip() + "\n\n    The fold's options (passes/options.OPTIONS):\n" + "".join(
+        f"\n    `{n}` (default {OPTIONS[n].default!r}): {OPTIONS[n].help}" for n in names) + "\n"
+    return wrapper
 
 
 # --- the command line's numbers and paths: checked as argparse reads them (`as_argument`), and by

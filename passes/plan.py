@@ -34,17 +34,21 @@ def _frozen_dict() -> Mapping:
 
 @dataclass(frozen=True)
 class Readout:
-    """A norm whose output leaves a stream carried in another basis: after the unit-weight norm,
-    `· B[:, :keep]ᵀ · diag γ` takes it back to the original features (exact: passes/rotate.py)."""
+    """A constant product after a unit-weight norm on a stream carried in another basis B:
+    `· B[:, :keep]ᵀ · diag γ` takes its output back to the original features (a norm whose readers
+    cannot take the basis), or, `rotated`, `· Bᵀ · diag γ · B` applies γ and stays in the basis (γ
+    kept in float, its readers rotated; unsliced streams only). Exact: passes/rotate.py."""
 
     basis: Basis
     keep: int
     gamma: Optional[str]  # the norm's γ constant (None: no γ)
+    rotated: bool = False
 
     def matrix(self, gamma: Optional[np.ndarray]) -> np.ndarray:
-        """The float64 (keep × d) matrix, given γ's values."""
+        """The float64 (keep × d) matrix (keep × keep, `rotated`), given γ's values."""
         g = np.ones(self.basis.dim) if gamma is None else np.asarray(gamma, dtype=np.float64).reshape(-1)
-        return dense(self.basis)[:, :self.keep].T * g[None, :]
+        b = dense(self.basis)[:, :self.keep]
+        return (b.T * g[None, :]) @ b if self.rotated else b.T * g[None, :]
 
 
 # How a swapped norm is emitted (NormEmission.how)
@@ -260,8 +264,8 @@ def _emissions(view: View, plan: _Draft, deferral: DeferDecision,
     compression and the approximate swap: one record per norm, in the order they are emitted."""
     deferred = {d.norm: d for d in deferral.deferred}
     crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
-    readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma)
-                for r in plan.stream_bases if r.rotated for n in r.readouts}
+    readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma, rotated=n in r.float_gammas)
+                for r in plan.stream_bases if r.rotated for n in (*r.readouts, *r.float_gammas)}
     rms_only = {n for r in plan.stream_bases if r.rotated and not r.keeps_mean for n in r.norms}
     sliced = {n: r for r in plan.stream_bases if r.sliced for n in r.norms}
     moved = {n for n, g in plan.gammas.items() if g.moved}
@@ -554,6 +558,8 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _W
     plan.gammas.update({n: gammas.decide(view, n, plan.betas.get(n), refusal(n), n in crms) for n in plan.swaps})
     as_given = [n for c in plan.components if c.norms and c.norms[0] in rms_streams for n in c.norms]
     plan.gammas.update({n: gammas.decide(view, n, None, refusal(n)) for n in as_given})
+    if request.gamma_in_float:  # (where γ could move: it stays beside the rotation instead)
+        plan.gammas.update({n: replace(g, in_float=True) for n, g in plan.gammas.items() if g.moved and g.gamma})
     records = {r.name: r for r in plan.report.rms_norms}
     said = lambda n: verdicts[n] if n in verdicts else records[n]  # noqa: E731
     for n, g in list(plan.gammas.items()):
@@ -564,7 +570,7 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _W
             use(ref.value, ref.user, ref.user_input)[0].append(op)
     if request.rotate is not None or request.bases is not None:
         _rotations(view, plan, request, use, verdicts, rms_streams, said)
-    readouts = {n for r in plan.stream_bases if r.rotated for n in r.readouts}
+    readouts = {n for r in plan.stream_bases if r.rotated for n in (*r.readouts, *r.float_gammas)}
     sliced = {n for r in plan.stream_bases if r.sliced for n in r.norms}  # re-emitted over k features
     plan.rms_swaps[:] = [n for n in as_given
                          if n in readouts or n in sliced or (plan.gammas[n].moved and plan.gammas[n].gamma)]
@@ -588,6 +594,9 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         if rot.rotated and rot.readouts and not caps.readout_matmul:
             rot = rot.unrotated(f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
                                 f"constant MatMul, which {caps.name} cannot emit")
+        if rot.rotated and rot.float_gammas and not caps.readout_matmul:
+            rot = rot.unrotated(f"γ kept in float after `{rot.float_gammas[0]}` would need a constant MatMul, which "
+                                f"{caps.name} cannot emit")
         if rot.rotated and rot.shortcuts and not caps.readout_matmul:
             rot = rot.unrotated(f"its residual shortcut into `{rot.shortcuts[0].node}` would need a constant MatMul "
                                 f"(per-block bases), which {caps.name} cannot emit")
@@ -604,6 +613,12 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         plan.report.streams[rot.stream].rotation = rot.describe()
         for n in rot.readouts:
             said(n).gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
+        for n in rot.float_gammas:
+            said(n).gamma += " after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers take Q alone"
+        if not rot.rotated:
+            for n in comp.norms:
+                if plan.gammas[n].in_float:
+                    said(n).gamma += " in the norm (its stream is not rotated)"
         for ref, op in rot.readers:
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:

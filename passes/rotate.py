@@ -61,6 +61,10 @@ class StreamBasis:
     # with unit weight followed by a constant `· Qᵀ·diag γ` (`plan.Readout`), which un-rotates
     # their output exactly, at the cost of one d×d MatMul each
     readouts: Sequence[str] = ()
+    # norms whose γ stays in float (gamma_in_float): emitted with unit weight followed by a constant
+    # `· Qᵀ·diag γ·Q` (a `plan.Readout` that stays rotated), their readers taking Q alone — so that
+    # a quantizer never rounds γ's suppression of outlier channels into their weights
+    float_gammas: Sequence[str] = ()
     # a basis given by the request (a calibrated one: passes/slicing.py) and the entries of it kept:
     # `keep` < `dim` slices the stream (NOT exact); None: the Seeded basis of `kind`, all kept
     given: Optional[Basis] = None
@@ -106,7 +110,7 @@ class StreamBasis:
 
     def unrotated(self, why: str) -> "StreamBasis":
         """This stream with its rotation withdrawn (a target or a frontend cannot make it): it stays as it is."""
-        return replace(self, why=why, writers=(), readers=(), readouts=(), starts=(),
+        return replace(self, why=why, writers=(), readers=(), readouts=(), float_gammas=(), starts=(),
                        norm_bases=MappingProxyType({}), shortcuts=())
 
     def describe(self) -> str:
@@ -125,6 +129,9 @@ class StreamBasis:
         if self.readouts:
             text += (f"; un-rotated after {', '.join(f'`{n}`' for n in self.readouts)} by a constant "
                      f"{self.width}×{self.dim} MatMul (Qᵀ·diag γ, one GEMM more)")
+        if self.float_gammas:
+            text += (f"; γ kept in float after {len(self.float_gammas)} norm(s) by a constant {self.width}×{self.width} "
+                     "MatMul (Qᵀ·diag γ·Q)")
         if self.added:
             text += f"; its constant MatMuls add {self.added:,} parameters"
             text += f" and the slice deletes {self.saved:,}" if self.sliced else ""
@@ -178,7 +185,8 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
                   readers=FrozenList((r.weight, Project(r.weight.axis, out.basis_of(n), keep))
                                      for n in comp.norms for r in gammas[n].readers),
                   starts=FrozenList((o.value, Project(o.axis, basis_of_value(o.value), keep)) for o in comp.opaque),
-                  readouts=FrozenList(n for n in comp.norms if _readout(view, gammas[n])))
+                  readouts=FrozenList(n for n in comp.norms if _readout(view, gammas[n])),
+                  float_gammas=FrozenList(n for n in comp.norms if gammas[n].in_float))
     added, saved = parameter_change(view, out)
     out = replace(out, added=added, saved=saved)
     why = _costs_more(view, out)
@@ -188,9 +196,10 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
 def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
     """(parameters `rot` adds, parameters it deletes): the constant MatMuls it emits (a d×k one per
     readout and recentered start, a k×k one per residual shortcut) against the share (d − k)/d of
-    each writer and reader constant a slice to k cuts off (each constant once; 0 unsliced)."""
+    each writer and reader constant a slice to k cuts off (each constant once; 0 unsliced), and
+    a k×k one per norm whose γ stays in float."""
     d, k = rot.dim, rot.width
-    added = (len(rot.readouts) + len(rot.starts)) * d * k + len(rot.shortcuts) * k * k
+    added = (len(rot.readouts) + len(rot.starts)) * d * k + (len(rot.shortcuts) + len(rot.float_gammas)) * k * k
     sizes = {ref.value: _elements(view, ref.value) for ref, _ in rot.writers + rot.readers}
     return added, sum(sizes.values()) * (d - k) // d
 
@@ -202,9 +211,9 @@ def _costs_more(view: View, rot: StreamBasis) -> Optional[str]:
     nothing but non-linear ops would only gain d×d MatMuls). None where it pays."""
     if not rot.added:
         return None
-    what = (f"{len(rot.readouts)} un-rotating readout(s)" if rot.readouts else "") + \
-        (f"{', ' if rot.readouts else ''}{len(rot.starts)} projected recentered start(s)" if rot.starts else "") + \
-        (f"{', ' if rot.readouts or rot.starts else ''}{len(rot.shortcuts)} residual shortcut(s)" if rot.shortcuts else "")
+    what = ", ".join(f"{len(items)} {name}" for items, name in (
+        (rot.readouts, "un-rotating readout(s)"), (rot.starts, "projected recentered start(s)"),
+        (rot.shortcuts, "residual shortcut(s)"), (rot.float_gammas, "float γ product(s)")) if items)
     if rot.width < rot.dim:
         if rot.added > rot.saved:
             return (f"slicing it would add parameters: the constant MatMuls of its {what} hold {rot.added:,}, "
@@ -255,7 +264,7 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
                     "can project only the last two")
     for n in comp.norms:
         g = gammas.get(n)
-        if g is None or (not g.moved and not _readout(view, g)):
+        if g is None or (not g.moved and not g.in_float and not _readout(view, g)):
             why = g.why if g else "not asked"
             hint = ("; a model's hidden states as its output: fold it with the head that reads them"
                     if g is not None and g.read_as_output else "")
