@@ -229,7 +229,7 @@ def saved_bytes(module: torch.nn.Module) -> int:
 
 def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, weights: str = "int8",
                     rotate: Optional[str] = None, seed: int = 0, gamma_into_readers: Optional[bool] = None,
-                    fold: bool = True, block_size: int = 32, backend: str = "auto", inputs=None,
+                    gamma_in_float: bool = False, fold: bool = True, block_size: int = 32, backend: str = "auto", inputs=None,
                     verify: bool = True, dynamic: bool = True) -> QuantizeResult:
     """Fold `module` exactly (fold_module), then quantize its linear layers with torchao or torch.ao;
     NOT exact: the report says by how much.
@@ -239,7 +239,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     (weight-only, groups of `block_size` along K: torchao IntxWeightOnlyConfig). `backend`: "auto"
     (torchao where installed), "torchao" or "torch.ao". `rotate` ("hadamard", "orthogonal", their
     "-keep-ln" variants, seeded by `seed`) rotates each folded stream after moving the norms' γ
-    into their readers (`gamma_into_readers`, default: with a rotation that rotates a stream);
+    into their readers (`gamma_into_readers`, default: with a rotation that rotates a stream), or
+    keeps γ in float beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized);
     "auto" quantizes each of passes/quantize's candidates and keeps the lowest error on the
     measurement rows. `fold=False`: the same export and quantizer, nothing folded (the baseline).
     `inputs`: an args tuple, or a list of them, the error is measured (and "auto" chooses) on;
@@ -252,9 +253,9 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     """
     t0 = time.perf_counter()
     backend = check_options(weights, rotate, seed, block_size, backend)
-    if rotate == AUTO and (gamma_into_readers is not None or not fold):
+    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or not fold):
         raise LnfoldError("rotate='auto' chooses the fold, γ's place and the rotation itself: "
-                          "drop fold=False / gamma_into_readers")
+                          "drop fold=False / gamma_into_readers / gamma_in_float")
     args, kwargs = tuple(args), dict(kwargs or {})
     batches, synthetic = calibration_io.batches_of(inputs, args)
     described = (f"the example args ({len(batches)} batch) — NOT your data: give inputs= for the error on real "
@@ -283,9 +284,10 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
             if q.fold is not None:  # (the same fold, deterministic: its verdict is the chosen one's)
                 record(q.fold, again.fold.verdict)
     else:
-        q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify))
+        q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
+                                  gamma_in_float=gamma_in_float), verify))
     prepared = q.prepared
-    kept_float = {n: t.numel() for n, t in q.quantized.named_buffers() if n.startswith("lnfold_unrotate")}
+    kept_float = {n: t.numel() for n, t in q.quantized.named_buffers() if n.startswith(("lnfold_unrotate", "lnfold_float_gamma"))}
     report = report_of(
         scheme_name(weights, backend, block_size), q, weights=weights, activations=None,
         block_size=block_size if weights == "int4" else None, per_channel=False, rotate=rotate, seed=seed,
@@ -297,16 +299,16 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 
 
 def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
-             gamma_into_readers: Optional[bool] = None, dynamic: bool = True, verify: bool = True) -> Prepared:
+             gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, dynamic: bool = True,
+             verify: bool = True) -> Prepared:
     """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer,
     as quantize_onnx), linear layers as nn.Linear. `verify`: the fold through fold_module's gate
     (float64, with its probe of the kept LayerNorms), then the module handed to the quantizer
     against the original in float64 (the rewrite, and the fold again)."""
-    options = dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers)
+    options = dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers, gamma_in_float=gamma_in_float)
 
-    def run(gamma, rotate):
-        return fold_module(module, args, kwargs, gamma_into_readers=gamma, rotate=rotate, seed=seed,
-                           verify=verify, dynamic=dynamic)
+    def run(**fold_options):
+        return fold_module(module, args, kwargs, seed=seed, verify=verify, dynamic=dynamic, **fold_options)
 
     folded = fold_for_quantizer(run, **options)
     result, notes = folded.result, folded.notes

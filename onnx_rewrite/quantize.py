@@ -82,14 +82,15 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
 
 
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
-            gamma_into_readers: Optional[bool] = None, inputs=None, dims=None, verify: bool = True) -> Prepared:
+            gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, inputs=None, dims=None,
+            verify: bool = True) -> Prepared:
     """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer),
     Gemm → MatMul; verified together unless verify=False."""
-    def run(gamma, rotate):  # (verified below, with the Gemm rewrite: what the quantizer gets)
-        return fold_model(model, target="ort", inputs=inputs, dims=dims, gamma_into_readers=gamma,
-                          rotate=rotate, seed=seed, verify=False)
+    def run(**options):  # (verified below, with the Gemm rewrite: what the quantizer gets)
+        return fold_model(model, target="ort", inputs=inputs, dims=dims, seed=seed, verify=False, **options)
 
-    folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers)
+    folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
+                                gamma_in_float=gamma_in_float)
     result, notes = folded.result, folded.notes
     work = result.model if result is not None else model
     work = copy.deepcopy(work)
@@ -261,8 +262,9 @@ def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, ac
 
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
                    rotate: Optional[str] = None, seed: int = 0, block_size: int = 128, per_channel: bool = False,
-                   fold: bool = True, gamma_into_readers: Optional[bool] = None, inputs=None,
-                   dims: Optional[dict] = None, verify: bool = True, progress: Progress = None) -> QuantizeResult:
+                   fold: bool = True, gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
+                   inputs=None, dims: Optional[dict] = None, verify: bool = True,
+                   progress: Progress = None) -> QuantizeResult:
     """Fold `model` exactly, then quantize it with onnxruntime's quantizer; NOT exact.
 
     `weights` "int8" (with `activations=None`: onnxruntime's quantize_dynamic) or "int4"
@@ -274,8 +276,9 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     run time (nothing calibrates). `per_channel`: onnxruntime's
     per-channel int8 weights. `rotate` ("hadamard", "orthogonal", their "-keep-ln" variants,
     seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
-    (`gamma_into_readers`, default: with a rotation that rotates a stream); `rotate="auto"` tries
-    AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation) and keeps the one with
+    (`gamma_into_readers`, default: with a rotation that rotates a stream), or keeps γ in float
+    beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized); `rotate="auto"`
+    tries AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation, γ in float) and keeps the one with
     the lowest relative RMS error on the measurement rows (passes/quantize.choose). `fold=False` hands the model to the
     quantizer as given (plain onnxruntime, with the same Gemm rewrite and settings: the baseline).
     `inputs` / `dims`: the measurement inputs (as for fold_onnx; `--calibrate` rows or made-up
@@ -285,9 +288,11 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     """
     t0 = time.perf_counter()
     check_options(weights, activations, calibrate, rotate, block_size, seed)
-    if rotate == AUTO and (gamma_into_readers is not None or not fold):
+    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or not fold):
         raise LnfoldError("--rotate auto chooses the fold, γ's place and the rotation itself: "
-                          "drop fold=False / gamma_into_readers")
+                          "drop fold=False / gamma_into_readers / gamma_in_float")
+    if gamma_in_float and rotate is None:
+        raise LnfoldError("--gamma-in-float keeps γ beside a rotation: give --rotate too")
     model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, weights, activations, dims)
@@ -312,7 +317,8 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
             check_exact_steps(model, q.prepared, m.verification, dims)
     else:
         stage(progress, "folding (verified)" if verify else "folding")
-        prepared = prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers), verify)
+        prepared = prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
+                                     gamma_in_float=gamma_in_float), verify)
         stage(progress, f"quantizing ({scheme_name(weights, activations, block_size, per_channel, plain=True)}) and "
                         f"measuring on {m.rows.count} row(s)")
         q = quantize_prepared(prepared)

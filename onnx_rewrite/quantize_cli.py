@@ -43,6 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                              help=OPTIONS["rotate"].help + "; spreads outlier channels before quantization. auto: "
                              "try the model as given, the fold, γ moved, and each rotation, quantize each, keep the "
                              "lowest error on your rows (--inputs or --calibrate)")
+    OPTIONS["gamma_in_float"].add_to(q)
     OPTIONS["seed"].add_to(q)
     q.add_argument("--block-size", type=int, default=128,
                    help="int4: weights per quantization block along K (16, 32, 64, 128 or 256; default 128, "
@@ -90,7 +91,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with reporting(src, json=args.json) as progress:  # (auto: one stage per candidate)
         result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
-                                rotate=args.rotate, seed=args.seed, block_size=args.block_size,
+                                rotate=args.rotate, seed=args.seed, gamma_in_float=args.gamma_in_float,
+                                block_size=args.block_size,
                                 per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim),
                                 progress=progress)
     code = write_and_report(result, dst, t0, args.json, "quantized")

@@ -42,7 +42,10 @@ def auto_candidates(quantizer: str) -> tuple:
     """(label, fold options) of each rotate="auto" candidate, for `quantizer` ("onnxruntime")."""
     return ((f"not folded ({quantizer}'s quantizer on lnfold's linear layers)", dict(fold=False)),
             ("fold", dict()), ("fold, γ into the readers", dict(gamma_into_readers=True)),
-            *((r, dict(rotate=r)) for r in ROTATIONS))
+            *((r, dict(rotate=r)) for r in ROTATIONS),
+            # γ left out of the quantized weights (a float Qᵀ·diag γ·Q per norm): where trained γ
+            # suppresses massive-activation channels, moved into weights it drowns in their rounding
+            ("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)))
 
 
 AUTO_CANDIDATES = auto_candidates("onnxruntime")
@@ -85,6 +88,11 @@ def rotated_streams(fold: Optional[FoldResult]) -> int:
     return sum(r.rotated for r in fold.plan.stream_bases) if fold else 0
 
 
+def float_gammas(fold: Optional[FoldResult]) -> int:
+    """The rotated norms whose γ the fold's plan kept in float (their StreamBasis records)."""
+    return sum(len(r.float_gammas) for r in fold.plan.stream_bases if r.rotated) if fold else 0
+
+
 def moved_gamma(fold: Optional[FoldResult]) -> bool:
     """Whether the fold's plan moved some norm's γ into its readers' weights (its GammaFold records)."""
     return fold is not None and any(g.moved and g.gamma is not None for g in fold.plan.gammas.values())
@@ -98,17 +106,18 @@ def rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
 
 @dataclass
 class Folded:
-    """What `fold_for_quantizer` made: the fold (None: nothing folded), whether γ moved, notes."""
+    """What `fold_for_quantizer` made: the fold (None: nothing folded), whether γ moved into the
+    readers' weights, notes."""
 
     result: Optional[FoldResult]
     gamma_into_readers: bool
     notes: list
 
 
-def fold_for_quantizer(run: Callable[[bool, Optional[str]], FoldResult], *, fold: bool = True,
-                       rotate: Optional[str] = None, gamma_into_readers: Optional[bool] = None) -> Folded:
-    """The exact step in front of a quantizer, for both adapters: `run(gamma_into_readers, rotate)`
-    is the frontend's fold. γ moves with a rotation by default; a rotation that rotates no stream
+def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rotate: Optional[str] = None,
+                       gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False) -> Folded:
+    """The exact step in front of a quantizer, for both adapters: `run(**fold options)` (the
+    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float) is the frontend's fold. γ moves with a rotation by default; a rotation that rotates no stream
     is folded again with γ left in the norms unless `gamma_into_readers=True` asks for it (γ moved
     alone made weight quantization worse, issue 33). A model with nothing to fold goes to the
     quantizer as given (said in a note) unless a rotation or γ's move was asked for."""
@@ -120,7 +129,7 @@ def fold_for_quantizer(run: Callable[[bool, Optional[str]], FoldResult], *, fold
     if not fold:
         return Folded(None, False, [])
     try:
-        result = run(gamma, rotate)
+        result = run(gamma_into_readers=gamma, rotate=rotate, gamma_in_float=gamma_in_float)
     except NothingToFold as e:
         if rotate or gamma:
             raise LnfoldError(f"cannot rotate: {e}") from None
@@ -128,8 +137,8 @@ def fold_for_quantizer(run: Callable[[bool, Optional[str]], FoldResult], *, fold
     if rotate and gamma_into_readers is None and not rotated_streams(result):
         note = (f"--rotate {rotate} rotated no stream ({rotation_summary(result)}): γ left in the norms (moved alone "
                 "it makes weight quantization worse)")
-        return Folded(run(False, None), False, [note])
-    return Folded(result, gamma, [])
+        return Folded(run(gamma_into_readers=False, rotate=None, gamma_in_float=False), False, [note])
+    return Folded(result, gamma and not gamma_in_float, [])
 
 
 # -- the error --------------------------------------------------------------------------------------
@@ -214,6 +223,8 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
             skipped[k] = "rotates no stream (the same as the fold)"
         elif opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
             skipped[k] = "no γ can move (the same as the fold)"
+        elif opts.get("gamma_in_float") and not float_gammas(prepared.fold):
+            skipped[k] = "no rotated norm has a γ to keep (the same as the rotation)"
         else:
             q = quantize(prepared)
             made[k] = Quantized(None, None, None, q.errors, q.ops, q.bytes)

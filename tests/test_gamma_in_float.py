@@ -112,3 +112,37 @@ def test_torch_keeps_gamma_in_float_exactly():
         buffers = [n for n, _ in r.module.named_buffers() if n.startswith("lnfold_float_gamma")]
         assert len(buffers) == 3, [n for n, _ in r.module.named_buffers()]
         torch.testing.assert_close(r.module(ids_of(seed=2)), m(ids_of(seed=2)), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_keeps_the_float_gamma_products_float(tmp_path, capsys):
+    """The products are basis changes: onnxruntime's quantizer never sees them (the point of keeping
+    γ out of the quantized weights); --rotate auto tries them as one more candidate."""
+    from lnfold.onnx_rewrite import cli
+    from lnfold.onnx_rewrite.quantize import quantize_model
+
+    m = llama_like("simplified")
+    r = quantize_model(m, weights="int8", rotate="hadamard", gamma_in_float=True)
+    assert len(r.report.basis_changes) == 3 and "γ kept in float after 3 norm(s)" in r.report.rotation
+    assert "γ into the readers" not in r.report.fold_line()
+    products = [k for k in _inits(r.model) if k.endswith("lnfold_float_gamma")]
+    readers = {i for n in r.model.graph.node if n.op_type == "MatMul" for i in n.input}
+    assert len(products) == 3 and set(products) <= readers  # float MatMuls, as written
+    auto = quantize_model(m, weights="int8", rotate="auto")
+    assert any(t["candidate"] == "hadamard, γ in float" for t in auto.report.candidates), auto.report.candidates
+    with pytest.raises(LnfoldError, match="give --rotate too"):
+        quantize_model(m, weights="int8", gamma_in_float=True)
+    src = tmp_path / "llama.onnx"
+    onnx.save(m, src)
+    assert cli.main(["quantize", str(src), "-o", str(tmp_path / "q.onnx"), "--weights", "int8", "--rotate",
+                     "hadamard", "--gamma-in-float"]) == 0
+    assert "γ kept in float after" in capsys.readouterr().out
+
+
+def test_quantize_module_keeps_the_float_gamma_products_float():
+    pytest.importorskip("transformers")
+    from tests.test_rms_torch import Tiny, _ids as ids_of
+
+    r = lnfold.quantize_module(Tiny("llama").eval(), (ids_of(),), weights="int8", rotate="hadamard",
+                               gamma_in_float=True, backend="torch.ao")
+    assert len(r.report.basis_changes) == 3, r.report.basis_changes
+    assert r.report.errors["output"]["rel_rms"] < 0.05, r.report.errors

@@ -11,9 +11,10 @@ import pytest
 from lnfold.passes import quantize as pq
 
 
-def fold(rotated: int = 0, moved: bool = False):
+def fold(rotated: int = 0, moved: bool = False, in_float: int = 0):
     """A FoldResult's plan records, as choose reads them."""
-    plan = SimpleNamespace(stream_bases=[SimpleNamespace(rotated=bool(rotated))] * max(rotated, 1),
+    plan = SimpleNamespace(stream_bases=[SimpleNamespace(rotated=bool(rotated), float_gammas=["ln"] * in_float)]
+                           * max(rotated, 1),
                            gammas={"ln": SimpleNamespace(moved=moved, gamma=[1.0] if moved else None)})
     return SimpleNamespace(plan=plan)
 
@@ -40,21 +41,23 @@ LABELS = [label for label, _ in pq.AUTO_CANDIDATES]
 
 
 def test_auto_keeps_the_lowest_error_unless_within_the_margin_and_skips_the_folds_repeats():
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
     folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
-             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=0), LABELS[6]: fold(rotated=1)}
+             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=0), LABELS[6]: fold(rotated=1),
+             LABELS[7]: fold(rotated=1, in_float=0)}
     q, trials = pq.choose(*adapter(errors, folds), plain=lambda: {"candidate": "plain", "score": 0.2, "plain": True})
     by = {t["candidate"]: t for t in trials}
     # hadamard (0.03) beats γ moved (0.08); orthogonal (0.029) is within 5 % of it: the simpler kept
     assert q.quantized == f"quantized {LABELS[3]}" and by[LABELS[3]]["chosen"]
     assert by[LABELS[5]]["skipped"] == "rotates no stream (the same as the fold)"
+    assert by[LABELS[7]]["skipped"] == "no rotated norm has a γ to keep (the same as the rotation)"
     assert [t["candidate"] for t in trials] == LABELS + ["plain"]
     assert "for reference: 0.2" in by[LABELS[3]]["why"] and "(not folded: 0.1)" in by[LABELS[3]]["why"]
     assert sum(bool(t.get("chosen")) for t in trials) == 1
 
 
 def test_gamma_that_cannot_move_is_skipped_and_a_nan_is_never_chosen():
-    errors = dict(zip(LABELS, [0.1, float("nan"), 0.01, 0.5, 0.5, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.1, float("nan"), 0.01, 0.5, 0.5, 0.5, 0.5, 0.5]))
     folds = {label: fold() for label in LABELS[1:]}  # nothing rotates, no γ moves
     q, trials = pq.choose(*adapter(errors, folds))
     assert q.prepared.label == LABELS[0]  # the fold's NaN loses to the not-folded 0.1
@@ -91,9 +94,10 @@ def test_auto_never_pays_for_a_lower_error_with_a_bigger_file():
     """Issue 45 item 3: a rotation whose stream no weight absorbs keeps d×d MatMuls in float, and
     auto chose it for a 9 % error gain at 3.6x the int8 size. A candidate over AUTO_SIZE_SLACK x the
     smallest file is not eligible, and its record says why; the model as given always is."""
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
     folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
-             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1)}
+             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
+             LABELS[7]: fold(rotated=1, in_float=2)}
     sizes = {LABELS[3]: 36, LABELS[4]: 11}  # hadamard 3.6x the smallest (10); orthogonal within 10 %
     q, trials = pq.choose(*adapter(errors, folds, sizes))
     by = {t["candidate"]: t for t in trials}
@@ -105,7 +109,7 @@ def test_auto_never_pays_for_a_lower_error_with_a_bigger_file():
     assert q.prepared.label == LABELS[3]
     # a bigger file that cuts the error by more than it grows is worth it: γ moved out of outlier
     # activations (0.33 -> 0.015) for 1.26x the bytes of a tiny model
-    errors = dict(zip(LABELS, [0.33, 0.33, 0.015, 0.5, 0.5, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.33, 0.33, 0.015, 0.5, 0.5, 0.5, 0.5, 0.5]))
     q, trials = pq.choose(*adapter(errors, folds, {LABELS[2]: 12.6}))
     assert q.prepared.label == LABELS[2]
 
@@ -116,9 +120,10 @@ def test_auto_keeps_one_candidate_in_memory_and_makes_the_chosen_one_again():
     all held at once."""
     import weakref
 
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
     folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
-             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1)}
+             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
+             LABELS[7]: fold(rotated=1, in_float=2)}
     prepare, quantize = adapter(errors, folds)
     alive, calls = [], []
 
