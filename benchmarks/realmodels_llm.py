@@ -25,7 +25,8 @@ Parts (`--parts`):
 - `fp32`: perplexity in torch and in onnxruntime (they must agree).
 - `quantize`: each scheme (SCHEMES) by onnxruntime alone on the model as given
   (`quantize_model(fold=False)`, the `run_plain` call beside it) and through lnfold with each
-  `--rotate` of `--rotations` (default hadamard and auto); the fold's verdict and --rotate auto's
+  `--rotate` of `--rotations` (default hadamard and auto; `hadamard+gamma-in-float`: with
+  --gamma-in-float); the fold's verdict and --rotate auto's
   choice in the note; W8A8 calibrated on the GPL-3 windows. Where lnfold refuses or fails, the
   message is the cell.
 - `accuracy4`: int4 MatMulNBits with accuracy_level=4 (onnxruntime's W4A8 CPU kernel) — lnfold's
@@ -74,9 +75,13 @@ ONNX_NAME = "smollm2-135m.onnx"
 SCHEMES = {"int8": dict(weights="int8"),
            "w8a8": dict(weights="int8", activations="int8", per_channel=True),
            "int4-b32": dict(weights="int4", block_size=32),
-           "int4-b128": dict(weights="int4", block_size=128)}
+           "int4-b128": dict(weights="int4", block_size=128),
+           "w4a8-b32": dict(weights="int4", activations="int8", block_size=32)}
 SCHEME_FLAGS = {"int8": "--weights int8", "w8a8": "--weights int8 --activations int8 --per-channel",
-                "int4-b32": "--weights int4 --block-size 32", "int4-b128": "--weights int4 --block-size 128"}
+                "int4-b32": "--weights int4 --block-size 32", "int4-b128": "--weights int4 --block-size 128",
+                "w4a8-b32": "--weights int4 --activations int8 --block-size 32"}
+# a --rotations entry ending in FLOAT_GAMMA: that rotation with --gamma-in-float (γ kept in float beside it)
+FLOAT_GAMMA = "+gamma-in-float"
 PARTS = ("fp32", "quantize", "accuracy4", "slice", "latency", "memory")
 
 
@@ -243,10 +248,13 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
             t.add(scheme, "onnxruntime alone", "—", "—", f"{time.time() - t0:.0f}", failure(e))
         for rotate in ["as given"] + rotations:
             t0 = time.time()
-            variant = (f"lnfold {SCHEME_FLAGS[scheme]} --rotate {rotate}" if rotate != "as given" else
+            rotation, in_float = rotate.removesuffix(FLOAT_GAMMA), rotate.endswith(FLOAT_GAMMA)
+            variant = (f"lnfold {SCHEME_FLAGS[scheme]} --rotate {rotation}{' --gamma-in-float' if in_float else ''}"
+                       if rotate != "as given" else
                        "quantize_onnx(fold=False): onnxruntime on lnfold's linear layers, the file as given")
             try:
-                how = dict(fold=False, verify=False) if rotate == "as given" else dict(rotate=rotate, verify=True)
+                how = (dict(fold=False, verify=False) if rotate == "as given" else
+                       dict(rotate=rotation, gamma_in_float=in_float, verify=True))
                 res = q.quantize_model(model, calibrate=feeds, **how, **opts)
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
@@ -290,7 +298,7 @@ def accuracy4_part(model: onnx.ModelProto, held: np.ndarray, rotations: list[str
         quantized = int4_accuracy4(model, block)
         t.add(str(block), "onnxruntime alone", f"{ort_perplexity(quantized, held, threads):.2f}", size_mib(quantized),
               f"{time.time() - t0:.0f}", "MatMulNBitsQuantizer(bits=4, is_symmetric=True, accuracy_level=4)")
-        for rotate in [r for r in rotations if r != "auto"]:
+        for rotate in [r for r in rotations if r != "auto" and not r.endswith(FLOAT_GAMMA)]:
             t0 = time.time()
             try:
                 prep = q.prepare(model, rotate=rotate, verify=True)
@@ -411,7 +419,8 @@ def main(argv=None) -> int:
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--rotations", nargs="+", default=["hadamard", "auto"],
-                   choices=["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto"])
+                   choices=["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto",
+                            "hadamard" + FLOAT_GAMMA, "orthogonal" + FLOAT_GAMMA])
     p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.2, 0.25])
     p.add_argument("--bases", nargs="+", default=["one", "per-block"], choices=["one", "per-block"],
                    help="slice: one basis per stream and/or a basis per block (default both)")
