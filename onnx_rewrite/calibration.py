@@ -57,6 +57,37 @@ def named_outputs(model: onnx.ModelProto, batches: list[dict]) -> tuple[list[str
         raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
 
 
+def row_output_bytes(model: onnx.ModelProto, rows: Rows) -> Optional[int]:
+    """The bytes of `model`'s outputs on one row (the first of `rows`), run once: what
+    passes/calibration.Rows.bounded sizes a measurement's runs by. None where there is nothing to
+    size (a fixed batch, pieces, one row, rows that share no first axis)."""
+    if rows.batch or rows.pieces or (rows.count or 0) < 2:
+        return None
+    try:
+        return sum(np.asarray(o).nbytes for o in session(model).run(None, rows.cut(0, 1).feeds))
+    except Exception as e:
+        raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
+
+
+def paired_runs(reference: onnx.ModelProto, candidate: onnx.ModelProto, batches: list[dict]):
+    """(the reference's outputs, the candidate's) per batch of feeds, the two models run in lockstep:
+    a generator, so that its consumer (passes/quantize.streamed_errors) holds one batch's outputs at
+    a time, never every row's. Each model's serialized copy is dropped once its session is made; a
+    model onnxruntime cannot run is one line."""
+    try:
+        ref_sess = session(reference)
+        got_sess = session(candidate)
+    except Exception as e:
+        raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
+    for feeds in batches:
+        try:  # (no name holds a pair while the generator waits: the consumer's drop frees it)
+            yield ref_sess.run(None, feeds), got_sess.run(None, feeds)
+        except LnfoldError:
+            raise
+        except Exception as e:
+            raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
+
+
 def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> dict[str, list[np.ndarray]]:
     """name -> one array per batch: the values of tensors `names` when `model` runs on `batches` (runs
     of `Rows.runs`; a folded model keeps the stream tensors' names: the fold edits constants and norms)."""

@@ -39,8 +39,8 @@ import onnx
 from ..passes import FoldResult, LnfoldError
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
-from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, calibrates, check_scheme, choose,
-                               fold_for_quantizer, measurement, output_errors, report_of,
+from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, bounded, calibrates, check_scheme, choose,
+                               fold_for_quantizer, measurement, report_of, streamed_errors,
                                trial)
 from . import calibration as calibration_io
 from . import inputs as synth
@@ -238,12 +238,12 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type for n in model.graph.node)
 
 
-def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows,
-            reference: Optional[tuple] = None) -> dict:
-    """passes/quantize.output_errors of the quantized model against the original on `rows`.
-    `reference`: the original's (names, outputs), if already run."""
-    names, ref = reference or calibration_io.named_outputs(original, rows.runs())
-    return output_errors(names, ref, calibration_io.named_outputs(quantized, rows.runs())[1])
+def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows) -> dict:
+    """passes/quantize.streamed_errors of the quantized model against the original on `rows`: both
+    run run by run, in lockstep, one run's outputs alive at a time (a model's outputs over every row,
+    an LM's logits, are no longer held)."""
+    names = [o.name for o in original.graph.output]
+    return streamed_errors(names, calibration_io.paired_runs(original, quantized, rows.runs()))
 
 
 def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
@@ -296,7 +296,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, weights, activations, dims)
-    reference = calibration_io.named_outputs(model, m.rows.runs())
+    m = bounded(m, calibration_io.row_output_bytes(model, m.rows))  # (an LM's logits: a row per run)
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
 
@@ -306,12 +306,12 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
 
     def quantize_prepared(prepared: Prepared) -> Quantized:
         quantized = run_quantizer(prepared.model, **scheme)
-        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, reference),
+        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows),
                          dict(op_counts(quantized)), quantized.ByteSize())
 
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m, reference),
+        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m),
                            progress=progress)
         if verify:  # the chosen fold, verified like any fold
             check_exact_steps(model, q.prepared, m.verification, dims)
@@ -340,14 +340,14 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     return QuantizeResult(report, model=q.quantized, fold=q.fold)
 
 
-def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, reference) -> dict:
+def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured) -> dict:
     """Plain onnxruntime's quantizer on the model as given, measured as the candidates are: a
     reference beside them (`plain`), never chosen."""
     label = "plain onnxruntime: " + scheme_name(scheme["weights"], scheme["activations"], scheme["block_size"],
                                                 scheme["per_channel"], plain=True)
     try:
         quantized = run_plain(model, **scheme)
-        errors = measure(model, quantized, m.rows, reference)
+        errors = measure(model, quantized, m.rows)
     except Exception as e:  # (its failure is a finding about onnxruntime, not an error of the command)
         return {"candidate": label, "rotate": None, "plain": True,
                 "skipped": f"onnxruntime failed: {first_line(e)[:160]}"}

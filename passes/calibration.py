@@ -5,7 +5,7 @@ over the same pieces: `Folds` (one per IR: onnx_rewrite/api.OnnxFolds, fx_rewrit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -62,6 +62,9 @@ def check_calibration(calibration, needed_for: tuple[str, str]) -> None:
 
 
 RUN_ROWS = 16  # rows per run where the model's batch is free (memory: a run keeps each captured value)
+# ... and fewer where one row's outputs are big (an LM's logits: 256 tokens x 49,152 classes are 48 MiB
+# a row): a measurement run's outputs stay about this size, whatever the row count (`Rows.bounded`)
+RUN_OUTPUT_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Rows:
     batch: Optional[int] = None
     dropped: int = 0
     pieces: tuple = ()  # of Rows, each fed on its own (`of_pieces`)
+    per_run: Optional[int] = None  # rows per run where the batch is free (None: RUN_ROWS; `bounded`)
 
     @staticmethod
     def of(feeds: dict, batch: Optional[int], what: str) -> "Rows":
@@ -115,7 +119,7 @@ class Rows:
         """The feeds, `batch` rows per run (RUN_ROWS at most where the batch is free); pieces one by one."""
         if self.pieces:
             return [feeds for p in self.pieces for feeds in p.runs()]
-        n, step = self.count, self.batch or RUN_ROWS
+        n, step = self.count, self.batch or self.per_run or RUN_ROWS
         if n is None or n <= step:
             return [self.feeds]
         return [self.cut(i, i + step).feeds for i in range(0, n, step)]
@@ -124,7 +128,15 @@ class Rows:
         """Rows [lo, hi) (pieces [lo, hi) where the rows come in pieces)."""
         if self.pieces:
             return Rows.of_pieces(list(self.pieces[lo:hi]))
-        return Rows({k: v[lo:hi] for k, v in self.feeds.items()}, self.batch, self.dropped)
+        return Rows({k: v[lo:hi] for k, v in self.feeds.items()}, self.batch, self.dropped, per_run=self.per_run)
+
+    def bounded(self, row_bytes: Optional[int]) -> "Rows":
+        """These rows run so that a run's outputs stay about RUN_OUTPUT_BYTES: fewer than RUN_ROWS per
+        run where one row's outputs take `row_bytes` (None: unknown, unchanged). A fixed batch, and
+        pieces (each one run), are kept as they are."""
+        if not row_bytes or self.batch or self.pieces:
+            return self
+        return replace(self, per_run=max(1, min(RUN_ROWS, RUN_OUTPUT_BYTES // row_bytes)))
 
     def split(self) -> tuple["Rows", Optional["Rows"]]:
         """(the rows that decide, the rows held out to report: None where nothing is), by

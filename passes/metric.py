@@ -4,7 +4,8 @@ Per output, `compare(reference, candidate) -> OutputError`, a frozen record of
 
 - ``rel_rms``: ‖got − ref‖ / ‖ref‖ in float64 (‖got − ref‖ where ‖ref‖ = 0): the error of a typical
   entry (one entry does not set it);
-- ``max_rel``: max |got − ref| / max |ref| (`weights.max_rel_err`, the measure of every verification);
+- ``max_rel``: max |got − ref| / max |ref| (`weights.max_rel_err` on finite values, the measure of every
+  verification);
 - ``nonfinite_ref``: positions where the reference is NaN or ±inf: left OUT of both errors, counted;
 - ``nonfinite_got``: positions where the reference is finite and the candidate is not: both errors
   are then inf (never NaN, and never silently dropped as a NaN is by ``max``), counted;
@@ -20,18 +21,27 @@ outputs' names. `worst(errors)` is the score a search ranks by: the largest ``re
     print([e.line() for e in errors if e is not None])
 
 `relative_error(reference, candidate)` is that score in one call (passes/approx.relative_error).
+
+Rows that do not fit in memory at once are compared batch by batch: `RunningErrors` (every output)
+or `RunningError` (one) accumulate the same record, IDENTICAL to `compare_outputs` on the batches
+joined along the first axis (`compare` is the accumulator over one batch), holding a few MiB of
+float64 whatever the outputs' size::
+
+    running = metric.RunningErrors()
+    for reference_outputs, candidate_outputs in batches:   # one batch's outputs alive at a time
+        running.add(reference_outputs, candidate_outputs)
+    errors = running.errors()
+
 IR-neutral: numpy only.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from itertools import zip_longest
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from .weights import max_rel_err
 
 INF = float("inf")
 
@@ -69,45 +79,149 @@ def _unmeasurable(why: str) -> OutputError:
     return OutputError(INF, INF, why=why)
 
 
-def _rel_rms(ref: np.ndarray, got: np.ndarray) -> float:
-    """‖got − ref‖ / ‖ref‖ (‖got − ref‖ where ‖ref‖ = 0) of finite float64 arrays; never NaN (where
-    a norm overflows, the ratio is taken on values scaled by the largest magnitude)."""
-    with np.errstate(over="ignore"):
-        num, den = float(np.linalg.norm(got - ref)), float(np.linalg.norm(ref))
-    if math.isfinite(num) and math.isfinite(den):
-        return num / den if den > 0 else num
-    scale = max(float(np.abs(ref).max()), float(np.abs(got).max()))
-    num, den = float(np.linalg.norm(got / scale - ref / scale)), float(np.linalg.norm(ref / scale))
-    return num / den if den > 0 else INF  # (a reference negligible against an overflowing candidate)
+# values per segment of the accumulated sums: a first-axis row's flattened values are cut into
+# segments of at most this many (float64 temporaries of a few MiB, whatever the output's size)
+SEGMENT = 1 << 20
+
+
+class RunningError:
+    """One output's error accumulated batch by batch (`add`), in bounded memory: `error()` is
+    IDENTICAL to `compare` on the batches joined along the first axis (`compare` is this over one
+    batch). The sums of squares are kept per first-axis row (per segment of at most SEGMENT values:
+    the same cuts in every batching), scaled by a power of two from the row's largest magnitude (no
+    overflow; exact), and added at the end, in row order, by math.fsum (correctly rounded): how the
+    rows come in batches changes no bit. `scores`:
+    the last axis scores classes; `top1()` is then the share of rows whose argmax agrees (rows where
+    the reference is not finite left out)."""
+
+    def __init__(self, scores: bool = False) -> None:
+        self.scores = scores
+        self.why = ""
+        self.nonfinite_ref = self.nonfinite_got = self.compared = 0
+        self.exps: list = []  # per segment: its power-of-two scale
+        self.num: list = []  # per segment: Σ ((got − ref) / 2^e)²
+        self.den: list = []  # per segment: Σ (ref / 2^e)²
+        self.max_diff = self.max_ref = 0.0
+        self.agree = self.ranked = 0  # rows whose argmax agrees, rows ranked
+
+    def add(self, reference, candidate) -> None:
+        """One batch (`candidate` None: missing, inf)."""
+        if self.why:
+            return
+        if candidate is None:
+            self.why = "no candidate output"
+            return
+        ref, got = np.asarray(reference), np.asarray(candidate)
+        if ref.shape != got.shape:
+            self.why = f"shape {list(got.shape)} against the reference's {list(ref.shape)}"
+            return
+        if not ref.size:
+            return
+        n = ref.shape[0] if ref.ndim else 1
+        flat_ref, flat_got = ref.reshape(n, -1), got.reshape(n, -1)
+        k = flat_ref.shape[1]
+        try:
+            if k <= SEGMENT:
+                step = max(1, SEGMENT // k)
+                for i in range(0, n, step):
+                    self._segment(flat_ref[i:i + step], flat_got[i:i + step])
+            else:
+                for i in range(n):
+                    for j in range(0, k, SEGMENT):
+                        self._segment(flat_ref[i:i + 1, j:j + SEGMENT], flat_got[i:i + 1, j:j + SEGMENT])
+        except (TypeError, ValueError):
+            self.why = f"a {got.dtype} candidate is no number"
+            return
+        if self.scores and ref.ndim >= 2 and ref.shape[-1] > 1:
+            step = max(1, SEGMENT // ref.shape[-1])
+            flat_ref, flat_got = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, ref.shape[-1])
+            for i in range(0, len(flat_ref), step):
+                a, b = flat_ref[i:i + step], flat_got[i:i + step]
+                ok = np.isfinite(a).all(axis=-1)  # (rows where the float model is not finite: left out)
+                self.agree += int(np.count_nonzero((a.argmax(-1) == b.argmax(-1)) & ok))
+                self.ranked += int(np.count_nonzero(ok))
+
+    def _segment(self, ref: np.ndarray, got: np.ndarray) -> None:
+        """Rows × at most SEGMENT values: counted, and (while every compared candidate value is finite)
+        summed per row, scaled by 2^-e (e from the row's largest magnitude: exact, never overflows)."""
+        ref, got = ref.astype(np.float64), got.astype(np.float64)
+        ok = np.isfinite(ref)
+        compared = int(np.count_nonzero(ok))
+        self.nonfinite_ref += ok.size - compared
+        self.compared += compared
+        self.nonfinite_got += int(np.count_nonzero(ok & ~np.isfinite(got)))
+        if self.nonfinite_got or not compared:
+            return  # (the errors are inf, or nothing here is compared)
+        if compared < ok.size:
+            ref, got = np.where(ok, ref, 0.0), np.where(ok, got, 0.0)
+        e = np.frexp(np.maximum(np.abs(ref).max(axis=1), np.abs(got).max(axis=1)))[1][:, None]
+        ref, got = np.ldexp(ref, -e), np.ldexp(got, -e)
+        diff = got - ref
+        self.exps.append(e[:, 0])
+        self.num.append(np.add.reduce(diff * diff, axis=1))
+        self.den.append(np.add.reduce(ref * ref, axis=1))
+        self.max_diff = max(self.max_diff, float(np.ldexp(np.abs(diff).max(axis=1), e[:, 0]).max()))
+        self.max_ref = max(self.max_ref, float(np.ldexp(np.abs(ref).max(axis=1), e[:, 0]).max()))
+
+    def error(self) -> OutputError:
+        if self.why:
+            return _unmeasurable(self.why)
+        counts = dict(nonfinite_ref=self.nonfinite_ref, nonfinite_got=self.nonfinite_got, compared=self.compared)
+        if self.nonfinite_got:
+            return OutputError(INF, INF, **counts)
+        if not self.exps:
+            return OutputError(0.0, 0.0, **counts)
+        exps = np.concatenate(self.exps)
+        top = int(exps.max())
+        num, den = (math.fsum(np.ldexp(np.concatenate(q), 2 * (exps - top)).tolist()) for q in (self.num, self.den))
+        with np.errstate(over="ignore"):
+            rel_rms = math.sqrt(num) / math.sqrt(den) if den > 0 else float(np.ldexp(math.sqrt(num), top))
+        max_rel = self.max_diff / self.max_ref if self.max_ref > 0 else self.max_diff
+        return OutputError(rel_rms, max_rel, **counts)
+
+    def top1(self) -> Optional[float]:
+        """The share of rows (reference finite) whose argmax agrees; None: not scores, no such row, or
+        not measurable (`why`)."""
+        return self.agree / self.ranked if self.ranked and not self.why else None
+
+
+class RunningErrors:
+    """Every output's `RunningError`, batch by batch: `add(reference_outputs, candidate_outputs)`
+    per batch, then `errors()` (as `compare_outputs` on the joined batches: None for a non-float
+    reference; a candidate output missing is inf, one more than the reference's is ignored).
+    `scores(k)`: whether output k scores classes (its top-1 agreement is kept)."""
+
+    def __init__(self, scores: Callable[[int], bool] = lambda k: False) -> None:
+        self.scores = scores
+        self.outputs: Optional[list[Optional[RunningError]]] = None
+
+    def add(self, reference: Sequence, candidate: Sequence) -> "RunningErrors":
+        if self.outputs is None:
+            self.outputs = [RunningError(self.scores(k)) if np.issubdtype(np.asarray(r).dtype, np.floating) else None
+                            for k, r in enumerate(reference)]
+        for k, running in enumerate(self.outputs):
+            if running is not None:
+                running.add(reference[k], candidate[k] if k < len(candidate) else None)
+        return self
+
+    def errors(self) -> list[Optional[OutputError]]:
+        return [None if r is None else r.error() for r in self.outputs or []]
+
+    def top1(self) -> list[Optional[float]]:
+        return [None if r is None else r.top1() for r in self.outputs or []]
 
 
 def compare(reference, candidate) -> OutputError:
-    """One output's error (module docstring); `candidate` None: missing, inf."""
-    if candidate is None:
-        return _unmeasurable("no candidate output")
-    ref, got = np.asarray(reference, dtype=np.float64), np.asarray(candidate)
-    if ref.shape != got.shape:
-        return _unmeasurable(f"shape {list(got.shape)} against the reference's {list(ref.shape)}")
-    try:
-        got = got.astype(np.float64)
-    except (TypeError, ValueError):
-        return _unmeasurable(f"a {got.dtype} candidate is no number")
-    ok = np.isfinite(ref)
-    ref, got = ref[ok], got[ok]
-    bad = int(np.count_nonzero(~np.isfinite(got)))
-    counts = dict(nonfinite_ref=int(ok.size - ref.size), nonfinite_got=bad, compared=int(ref.size))
-    if bad:
-        return OutputError(INF, INF, **counts)
-    if not ref.size:
-        return OutputError(0.0, 0.0, **counts)
-    return OutputError(_rel_rms(ref, got), max_rel_err(ref, got), **counts)
+    """One output's error (module docstring); `candidate` None: missing, inf. `RunningError` over one batch."""
+    running = RunningError()
+    running.add(reference, candidate)
+    return running.error()
 
 
 def compare_outputs(reference: Sequence, candidate: Sequence) -> list[Optional[OutputError]]:
     """Per reference output, its `compare` (None: a non-float output, not compared); a candidate
     output missing is inf, one more than the reference's is ignored."""
-    return [None if not np.issubdtype(np.asarray(ref).dtype, np.floating) else compare(ref, got)
-            for ref, got in zip_longest(reference, list(candidate)[:len(reference)])]
+    return RunningErrors().add(reference, candidate).errors()
 
 
 def worst(errors: Iterable[Optional[OutputError]], of: str = "rel_rms") -> float:

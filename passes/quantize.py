@@ -16,10 +16,8 @@ from __future__ import annotations
 import math
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Optional
-
-import numpy as np
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Iterable, Optional
 
 from . import metric, search
 from .calibration import Rows
@@ -152,19 +150,30 @@ def _is_scores(output: str) -> bool:
 def output_errors(names, reference, got) -> dict:
     """Per float output: passes/metric's relative RMS and max relative error of `got` against
     `reference` (positions where the reference is not finite left out and counted), and, for
-    outputs that score classes (logits), the share of rows whose argmax agrees."""
+    outputs that score classes (logits), the share of rows whose argmax agrees. One batch:
+    `streamed_errors` over one (reference, got) pair."""
+    return streamed_errors(names, [(reference, got)])
+
+
+def streamed_errors(names, batches: Iterable[tuple]) -> dict:
+    """`output_errors` accumulated over `batches`, each (reference outputs, candidate outputs) of
+    one run of the rows (passes/metric.RunningErrors): the same numbers, to the bit, as on the
+    batches joined, with one batch's outputs alive at a time (a generator's: each pair is dropped
+    before the next is made)."""
+    names = list(names)
+    running = metric.RunningErrors(lambda k: k < len(names) and _is_scores(names[k]))
+    for pair in batches:
+        running.add(*pair)
+        del pair  # (before the generator runs the next batch)
     errors = {}
-    for name, a, b, e in zip(names, reference, got, metric.compare_outputs(reference, got)):
+    for name, e, top1 in zip(names, running.errors(), running.top1()):
         if e is None:  # (not a float output)
             continue
         entry = {"max_rel_err": e.max_rel, "rel_rms": e.rel_rms}
         if e.nonfinite_ref:
             entry["nonfinite_ref"] = e.nonfinite_ref
-        a, b = np.asarray(a), np.asarray(b)
-        if _is_scores(name) and a.ndim >= 2 and a.shape[-1] > 1 and a.shape == b.shape:
-            rows_ok = np.isfinite(a).all(axis=-1)  # (rows where the float model is not finite: left out)
-            if rows_ok.any():
-                entry["top1_agreement"] = float((a.argmax(-1) == b.argmax(-1))[rows_ok].mean())
+        if top1 is not None:
+            entry["top1_agreement"] = top1
         errors[name] = entry
     return errors
 
@@ -305,6 +314,17 @@ def measurement(inputs: Optional[Rows], calibration: Optional[Rows], calibrating
                         "any out: give --inputs for an independent figure)", calibration, calibration.runs()[0])
     return Measured(held, f"{held.count} held-out --calibrate rows ({held.describe()}), not used to calibrate; "
                     f"calibrated on the other {fit.count}", fit, held.runs()[0], calibration)
+
+
+def bounded(m: Measured, row_bytes: Optional[int]) -> Measured:
+    """`m` with its measurement rows run so that a run's outputs stay about RUN_OUTPUT_BYTES
+    (`Rows.bounded`; `row_bytes`: one row's outputs, as the frontend ran it) and the fold verified on
+    the first such run: the memory of measuring (and verifying) a candidate no longer grows with the
+    rows. The rows that calibrate are not touched."""
+    rows = m.rows.bounded(row_bytes)
+    if rows is m.rows:
+        return m
+    return replace(m, rows=rows, verification=None if m.verification is None else rows.runs()[0])
 
 
 # -- the result and its report ----------------------------------------------------------------------
