@@ -11,7 +11,7 @@ import onnx
 from ..passes import LnfoldError
 from ..passes.calibration import Data, Rows
 from .inputs import load_rows
-from .sessions import with_outputs
+from .sessions import ModelLike, with_outputs
 from .verify import original_run, session
 
 
@@ -57,7 +57,7 @@ def named_outputs(model: onnx.ModelProto, batches: list[dict]) -> tuple[list[str
         raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
 
 
-def row_output_bytes(model: onnx.ModelProto, rows: Rows) -> Optional[int]:
+def row_output_bytes(model: ModelLike, rows: Rows) -> Optional[int]:
     """The bytes of `model`'s outputs on one row (the first of `rows`), run once: what
     passes/calibration.Rows.bounded sizes a measurement's runs by. None where there is nothing to
     size (a fixed batch, pieces, one row, rows that share no first axis)."""
@@ -69,10 +69,11 @@ def row_output_bytes(model: onnx.ModelProto, rows: Rows) -> Optional[int]:
         raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
 
 
-def paired_runs(reference: onnx.ModelProto, candidate: onnx.ModelProto, batches: list[dict]):
+def paired_runs(reference: ModelLike, candidate: ModelLike, batches: list[dict]):
     """(the reference's outputs, the candidate's) per batch of feeds, the two models run in lockstep:
     a generator, so that its consumer (passes/quantize.streamed_errors) holds one batch's outputs at
-    a time, never every row's. Each model's serialized copy is dropped once its session is made; a
+    a time, never every row's. A model given as a path is read by onnxruntime from its file; one given
+    as a ModelProto is serialized for its session, that copy dropped once the session is made; a
     model onnxruntime cannot run is one line."""
     try:
         ref_sess = session(reference)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import tempfile
 import time
 from collections import Counter
@@ -238,12 +239,13 @@ def op_counts(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type for n in model.graph.node)
 
 
-def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows) -> dict:
+def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows, original_file=None) -> dict:
     """passes/quantize.streamed_errors of the quantized model against the original on `rows`: both
     run run by run, in lockstep, one run's outputs alive at a time (a model's outputs over every row,
-    an LM's logits, are no longer held)."""
+    an LM's logits, are never held). `original_file`: the file `original` was read from, which its
+    session then reads (no serialized copy of the model in memory)."""
     names = [o.name for o in original.graph.output]
-    return streamed_errors(names, calibration_io.paired_runs(original, quantized, rows.runs()))
+    return streamed_errors(names, calibration_io.paired_runs(original_file or original, quantized, rows.runs()))
 
 
 def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
@@ -293,10 +295,11 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
                           "drop fold=False / gamma_into_readers / gamma_in_float")
     if gamma_in_float and rotate is None:
         raise LnfoldError("--gamma-in-float keeps γ beside a rotation: give --rotate too")
+    given = model if isinstance(model, (str, os.PathLike)) else None  # (its sessions read the file)
     model = as_model(model)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, weights, activations, dims)
-    m = bounded(m, calibration_io.row_output_bytes(model, m.rows))  # (an LM's logits: a row per run)
+    m = bounded(m, calibration_io.row_output_bytes(given or model, m.rows))  # (an LM's logits: a row per run)
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
 
@@ -306,12 +309,12 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
 
     def quantize_prepared(prepared: Prepared) -> Quantized:
         quantized = run_quantizer(prepared.model, **scheme)
-        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows),
+        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, given),
                          dict(op_counts(quantized)), quantized.ByteSize())
 
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m),
+        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m, given),
                            progress=progress)
         if verify:  # the chosen fold, verified like any fold
             check_exact_steps(model, q.prepared, m.verification, dims)
@@ -340,14 +343,14 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     return QuantizeResult(report, model=q.quantized, fold=q.fold)
 
 
-def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured) -> dict:
+def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, given=None) -> dict:
     """Plain onnxruntime's quantizer on the model as given, measured as the candidates are: a
     reference beside them (`plain`), never chosen."""
     label = "plain onnxruntime: " + scheme_name(scheme["weights"], scheme["activations"], scheme["block_size"],
                                                 scheme["per_channel"], plain=True)
     try:
         quantized = run_plain(model, **scheme)
-        errors = measure(model, quantized, m.rows)
+        errors = measure(model, quantized, m.rows, given)
     except Exception as e:  # (its failure is a finding about onnxruntime, not an error of the command)
         return {"candidate": label, "rotate": None, "plain": True,
                 "skipped": f"onnxruntime failed: {first_line(e)[:160]}"}
