@@ -93,8 +93,10 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
                                 gamma_in_float=gamma_in_float)
     result, notes = folded.result, folded.notes
-    work = result.model if result is not None else model
-    work = copy.deepcopy(work)
+    # the fold's own model (made for this call) is edited in place: the fold result then holds the
+    # model handed to the quantizer, which its verdict is about, and no second copy of a big model
+    # is alive beside it; the model as given is never edited (it is the error's reference)
+    work = result.model if result is not None and result.model is not model else copy.deepcopy(model)
     name_nodes(work)
     resolved, float_kept = constant_weights(work)
     if resolved:
