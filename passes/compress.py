@@ -14,7 +14,7 @@ from math import prod
 from typing import Optional
 
 from .analysis import Component
-from .rules import writes_product
+from .rules import spelled_sizes, writes_product
 from .view import ConstRef, DimRef, LinearRead, SizeOf, View
 
 # A decompression reads d-1 values (the sum) and writes d (the concat): ~2d element operations.
@@ -147,8 +147,7 @@ def sized_off_stream(view: View, comp: Component) -> Optional[str]:
     (a `SizeOf` of a stream tensor's feature axis among its sizes, its output not on the stream
     along that axis: it would narrow too), else None."""
     for node in view.nodes.values():
-        sizes = node.rule.params.get("sizes") if node.rule is not None else None
-        for axis, e in enumerate(sizes or ()):
+        for axis, e in enumerate(spelled_sizes(node.rule) or ()):
             if isinstance(e, SizeOf) and comp.axes.get(e.value) == e.axis and comp.axes.get(node.outputs[0]) != axis:
                 return (f"{node.describe()} takes its size along axis {axis} from the stream's width (the shape of "
                         f"`{e.value}`) but is not on the stream")

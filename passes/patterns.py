@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .match import MatchResult, NoMatch
-from .rules import norm_axis, rule
+from .rules import (data_input, difference, is_cast_or_identity, is_product, is_quotient, is_sum_of_two, mean_axes,
+                    norm_axis, operands, rule, squared_inputs)
 from .view import Node, View
 
 
@@ -51,30 +52,10 @@ def _only_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
     return n if n.rule is not None and n.rule.kind in kinds else None
 
 
-def _reduce_mean(node: Node) -> Optional[tuple]:
-    r = node.rule
-    if r is None or r.kind != "reduce" or r.params.get("op") != "mean" or not r.params.get("keepdims"):
-        return None
-    axes = r.params.get("axes")
-    return None if axes is None else tuple(sorted(axes))
-
-
-def _is_cast(node: Node) -> bool:
-    return node.rule is not None and node.rule.kind == "elementwise" and node.rule.params.get("op") in ("cast", "identity")
-
-
 def _other(node: Node, value: str) -> Optional[int]:
     """The index of the other operand of a binary rule one of whose operands is `value`."""
-    p, i = node.rule.params, node.inputs.index(value)
-    ops = p.get("operands", p.get("data"))
-    if ops is None or len(ops) != 2 or i not in ops:
-        return None
-    return ops[1 - ops.index(i)]
-
-
-def _is_add(node: Node) -> bool:
-    """A broadcast rule that adds two inputs (no subtraction, no expand)."""
-    return not node.rule.params.get("minus") and len(node.rule.params["data"]) == 2
+    ops, i = operands(node.rule), node.inputs.index(value)
+    return None if ops is None or i not in ops else ops[1 - ops.index(i)]
 
 
 def _const_along(view: View, node: Node, i: Optional[int], axis: int, rank: int) -> bool:
@@ -99,7 +80,7 @@ def _what_reads(view: View, value: str) -> str:
 def _squared_mean_of(view: View, value: str, axes: tuple) -> bool:
     """`value` is squared and the square averaged over `axes` (a variance of it, uncentered)."""
     means = [_only_reader(view, n.outputs[0], "reduce") for n in _readers(view, value) if _is_square(view, n, {value})]
-    return any(m is not None and _reduce_mean(m) == axes for m in means)
+    return any(m is not None and mean_axes(m.rule) == axes for m in means)
 
 
 def _axes_text(axes) -> str:
@@ -108,10 +89,10 @@ def _axes_text(axes) -> str:
 
 def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     """The LayerNorm starting at this mean, or why there is none (depth >= 1: a near miss)."""
-    axes = _reduce_mean(mean1)
+    axes = mean_axes(mean1.rule)
     if axes is None:
         return NoMatch("not a mean over constant axes that keeps its dims")
-    x = mean1.inputs[mean1.rule.params.get("data", 0)]
+    x = mean1.inputs[data_input(mean1.rule)]
     u = mean1.outputs[0]
     if view.values[u].is_graph_output:
         return NoMatch(f"its mean `{u}` is a model output")
@@ -119,11 +100,10 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     if not subs:
         return NoMatch(f"its mean `{u}` is read by nothing")
     for s in subs:
-        p = s.rule.params if s.rule is not None else {}
-        if s.rule is None or s.rule.kind != "broadcast" or len(p.get("data", ())) != 2 or len(p.get("minus", ())) != 1:
+        diff = difference(s.rule)
+        if diff is None:
             return NoMatch(f"its mean `{u}` is read by {s.describe()}, not only by x - mean")
-        m = p["minus"][0]
-        keep = [d for d in p["data"] if d != m][0]
+        keep, m = diff
         if s.inputs[m] != u or s.inputs[keep] != x:
             return NoMatch(f"{s.describe()} does not compute x - mean")
     covered = [mean1] + subs
@@ -133,7 +113,7 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     for s in subs:
         d = s.outputs[0]
         c = _only_reader(view, d, "elementwise")
-        if c is not None and _is_cast(c):
+        if c is not None and is_cast_or_identity(c.rule):
             covered.append(c)
             d, up_cast = c.outputs[0], True
         centered.add(d)
@@ -159,7 +139,7 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     if mean2 is None:
         return NoMatch(f"the square `{square.outputs[0]}` is read by {_what_reads(view, square.outputs[0])}, "
                        "not by one mean (the variance)", 2)
-    axes2 = _reduce_mean(mean2)
+    axes2 = mean_axes(mean2.rule)
     if axes2 != axes:
         over = _axes_text(axes2) if axes2 is not None else "no constant axes"
         return NoMatch(f"the variance is a mean over {over} but the mean over {_axes_text(axes)}", 3)
@@ -170,7 +150,7 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     if add is not None:
         o = _other(add, t)
         e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
-        if e is None or not _is_add(add):
+        if e is None or not is_sum_of_two(add.rule):
             what = f"`{add.inputs[o]}`" if o is not None and add.inputs[o] else "something"
             return NoMatch(f"{add.describe()} adds {what} to the variance: not a constant scalar eps", 3)
         eps, t = e, add.outputs[0]
@@ -181,14 +161,14 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     covered.append(root)
     t = root.outputs[0]
     if root.rule.kind == "sqrt":
-        if not final.rule.params.get("divide"):
+        if is_product(final.rule):
             inv = _only_reader(view, t, "reciprocal")  # d * (1 / sqrt(v))
             if inv is None:
                 return NoMatch(f"{final.describe()} multiplies the centered value, and the standard deviation "
                                f"`{t}` is read by {_what_reads(view, t)}, not by one reciprocal", 3)
             covered.append(inv)
             t = inv.outputs[0]
-    if not _divides(final, t, centered, divide=root.rule.kind == "sqrt" and final.rule.params.get("divide", False)):
+    if not _divides(final, t, centered, divide=root.rule.kind == "sqrt" and is_quotient(final.rule)):
         return NoMatch(f"{final.describe()} does not divide the centered value by the standard deviation", 3)
     if len(view.values[t].consumers) != 1 or view.values[t].is_graph_output:
         return NoMatch(f"the standard deviation `{t}` is also read by {_what_reads(view, t)}", 3)
@@ -196,7 +176,7 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     out = final.outputs[0]
     if up_cast:
         down = _only_reader(view, out, "elementwise")
-        if down is not None and _is_cast(down):
+        if down is not None and is_cast_or_identity(down.rule):
             covered.append(down)
             out = down.outputs[0]
     escapes = _escapes(view, covered, out, "norm", 4)  # every intermediate value read inside the pattern only
@@ -207,11 +187,11 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     m = DecomposedNorm(mean1.name, [], x, out, axis, why, [s.name for s in subs], epsilon=eps)
     if why is None:
         gm = _only_reader(view, out, "scale")
-        if gm is not None and not gm.rule.params.get("divide") and _const_along(view, gm, _other(gm, out), axis, rank):
+        if gm is not None and is_product(gm.rule) and _const_along(view, gm, _other(gm, out), axis, rank):
             m.gamma, out = gm.inputs[_other(gm, out)], gm.outputs[0]
             covered.append(gm)
         bt = _only_reader(view, out, "broadcast") if m.gamma is not None else None
-        if bt is not None and _is_add(bt) and _const_along(view, bt, _other(bt, out), axis, rank):
+        if bt is not None and is_sum_of_two(bt.rule) and _const_along(view, bt, _other(bt, out), axis, rank):
             m.beta, out = bt.inputs[_other(bt, out)], bt.outputs[0]
             covered.append(bt)
     m.nodes, m.output = [n.name for n in covered], out
@@ -219,22 +199,15 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
 
 
 def _is_square(view: View, n: Node, centered: set[str]) -> bool:
-    if n.rule is None:
-        return False
-    if n.rule.kind == "pow":
-        return n.rule.params.get("exponent") == 2 and n.inputs[n.rule.params.get("data", 0)] in centered
-    if n.rule.kind == "scale" and not n.rule.params.get("divide"):
-        ops = n.rule.params["operands"]
-        return None not in ops and all(n.inputs[i] in centered for i in ops)
-    return False
+    """`n` squares a value of `centered` (pow(d, 2), d * d)."""
+    factors = squared_inputs(n.rule)
+    return factors is not None and all(n.inputs[i] in centered for i in factors)
 
 
 def _divides(final: Node, t: str, centered: set[str], divide: bool) -> bool:
     """`final` is d / t (divide) or d * t, with d centered."""
-    if final.rule is None or final.rule.kind != "scale" or bool(final.rule.params.get("divide")) != divide:
-        return False
-    ops = final.rule.params["operands"]
-    if None in ops:
+    ops = operands(final.rule)
+    if not (is_quotient if divide else is_product)(final.rule) or ops is None or None in ops:
         return False
     a, b = (final.inputs[i] for i in ops)
     return (a in centered and b == t) or (not divide and b in centered and a == t)
@@ -249,7 +222,7 @@ def collapse_norms(view: View, rms: bool = False) -> dict[str, DecomposedNorm]:
     taken: set[str] = set()
     for matcher in (match, match_rms) if rms else (match,):
         for node in list(view.nodes.values()):
-            if node.name in taken or node.name not in view.nodes or _reduce_mean(node) is None:
+            if node.name in taken or node.name not in view.nodes or mean_axes(node.rule) is None:
                 continue
             m = matcher(view, node)
             if not m:
@@ -276,18 +249,16 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
 
     The mean square of x - mean(x) is a LayerNorm's variance (`match`'s): no match. Reads of an
     intermediate value's metadata (torch.export's dtype asserts) are allowed: the swap drops them."""
-    axes = _reduce_mean(mean)
+    axes = mean_axes(mean.rule)
     if axes is None:
         return NoMatch("not a mean over constant axes that keeps its dims")
-    sq = view.nodes.get(view.values[mean.inputs[mean.rule.params.get("data", 0)]].producer or "")
-    if sq is None or sq.rule is None or sq.rule.kind not in ("pow", "scale"):
-        return NoMatch("not a mean of a square")
-    first = sq.rule.params.get("data", 0) if sq.rule.kind == "pow" else sq.rule.params["operands"][0]
-    xs = sq.inputs[first] if first is not None else None
+    sq = view.nodes.get(view.values[mean.inputs[data_input(mean.rule)]].producer or "")
+    factors = squared_inputs(sq.rule) if sq is not None else None
+    xs = sq.inputs[factors[0]] if factors else None
     if xs is None or not _is_square(view, sq, {xs}):
         return NoMatch("not a mean of a square")
     up = view.nodes.get(view.values[xs].producer or "")
-    x = up.inputs[up.rule.params.get("data", 0)] if up is not None and up.rule is not None and _is_cast(up) else xs
+    x = up.inputs[data_input(up.rule)] if up is not None and is_cast_or_identity(up.rule) else xs
     up = up if x != xs else None
     if _is_centered(view, x) or _is_centered(view, xs):
         return NoMatch("the mean square of x - mean: a LayerNorm's variance")
@@ -297,7 +268,7 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
     if add is not None:
         o = _other(add, t)
         e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
-        if e is None or not _is_add(add):
+        if e is None or not is_sum_of_two(add.rule):
             return NoMatch(f"{add.describe()} adds something other than a constant eps to the mean square")
         eps, t = e, add.outputs[0]
         covered.append(add)
@@ -328,11 +299,10 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
         nxt = _sole_reader(view, out, "elementwise", "scale")
         if nxt is None:
             break
-        if nxt.rule.kind == "elementwise" and _is_cast(nxt):
+        if is_cast_or_identity(nxt.rule):
             covered.append(nxt)
             out = nxt.outputs[0]
-        elif (gamma is None and nxt.rule.kind == "scale" and not nxt.rule.params.get("divide")
-              and _const_along(view, nxt, _other(nxt, out), axis, rank)):
+        elif gamma is None and is_product(nxt.rule) and _const_along(view, nxt, _other(nxt, out), axis, rank):
             gamma = nxt.inputs[_other(nxt, out)]
             covered.append(nxt)
             out = nxt.outputs[0]
@@ -388,10 +358,9 @@ def _reads_metadata(view: View, name: str) -> bool:
 def _is_centered(view: View, value: str) -> bool:
     """`value` is some x - mean(x) (a Sub of a reduce-mean)."""
     p = view.nodes.get(view.values[value].producer or "")
-    if p is None or p.rule is None or p.rule.kind != "broadcast" or len(p.rule.params.get("minus", ())) != 1:
-        return False
-    m = view.nodes.get(view.values[p.inputs[p.rule.params["minus"][0]]].producer or "")
-    return m is not None and _reduce_mean(m) is not None
+    diff = difference(p.rule) if p is not None else None
+    m = view.nodes.get(view.values[p.inputs[diff[1]]].producer or "") if diff is not None else None
+    return m is not None and mean_axes(m.rule) is not None
 
 
 def _replace(view: View, m: DecomposedNorm) -> None:

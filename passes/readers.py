@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .rules import writes_product
+from .rules import branch_op, kind_of, writes_product
 from .view import ConstRef, View
 
 
@@ -26,10 +26,7 @@ def _copies_rows_of(view: View, node, i: int) -> bool:
     gather, transpose, expand): a per-feature edit (γ, β, Q) moved past it reaches exactly the rows
     it reached before. Not a Pad (its new zero rows would get β) nor a Concat with other data (its
     other rows would get γ, β and Q too)."""
-    rule = node.rule
-    while rule is not None and rule.kind == "in_branch":
-        rule = rule.params["op"]
-    if not node.layout or (rule is not None and rule.kind == "pad"):
+    if not node.layout or kind_of(node.rule)[0] == "pad":
         return False
     for j, x in enumerate(node.inputs):
         other = view.values.get(x) if j != i else None
@@ -42,10 +39,8 @@ def _linear_in_branch(view: View, node, i: int, axis: int):
     """The linear read of an op of an inlined If branch (its `in_branch` rule answers none, so that
     deferral and CRMSNorm, which the branch emitter does not apply, leave it alone): for a per-feature
     constant edit (γ, β, a rotation), written once for all scopes like a source's centering."""
-    rule = node.rule
-    if rule is None or rule.kind != "in_branch":
-        return None
-    return rule.params["op"].answers(view, node).linear(i, axis)
+    op = branch_op(node.rule)
+    return None if op is None else op.answers(view, node).linear(i, axis)
 
 
 def linear_readers(view: View, value: str, axis: int, products_only: bool = False,

@@ -132,6 +132,74 @@ def is_product(rule: Optional[Rule]) -> bool:
     return kind == "scale" and not p.get("divide")
 
 
+# --- questions other passes ask of a rule (its params are read here only) -----------------------
+# passes/patterns.py recognizes the norms written out; it runs on each graph's own view (an If
+# branch's before it is merged as `in_branch` rules), so these unwrap branch ops as `kind_of` does.
+
+def data_input(rule: Optional[Rule]) -> int:
+    """The input index of the tensor a one-input rule reads (`elementwise`, `reduce`, `pow`, ...)."""
+    return kind_of(rule)[1].get("data", 0)
+
+
+def mean_axes(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
+    """The axes, sorted, that a mean keeping its dims averages over (a `reduce` mean, keepdims);
+    None for any other rule, or where its axes are not known."""
+    kind, p = kind_of(rule)
+    if kind != "reduce" or p.get("op") != "mean" or not p.get("keepdims") or p.get("axes") is None:
+        return None
+    return tuple(sorted(p["axes"]))
+
+
+def is_cast_or_identity(rule: Optional[Rule]) -> bool:
+    """The rule is a float cast or an identity (the casts around a norm's statistics)."""
+    kind, p = kind_of(rule)
+    return kind == "elementwise" and p.get("op") in ("cast", "identity")
+
+
+def is_quotient(rule: Optional[Rule]) -> bool:
+    """The rule divides its first operand by its second (a `scale` that divides)."""
+    kind, p = kind_of(rule)
+    return kind == "scale" and bool(p.get("divide"))
+
+
+def operands(rule: Optional[Rule]) -> Optional[tuple]:
+    """The input indices of a two-operand rule's operands, in order: a `scale`'s (None: a Python
+    number), a `broadcast`'s data inputs (an Add's, a Sub's); None for any other rule."""
+    kind, p = kind_of(rule)
+    ops = p["operands"] if kind == "scale" else p["data"] if kind == "broadcast" else None
+    return tuple(ops) if ops is not None and len(ops) == 2 else None
+
+
+def difference(rule: Optional[Rule]) -> Optional[tuple[int, int]]:
+    """(the input kept, the input subtracted) of a `broadcast` that subtracts one of its two data
+    inputs from the other (x - u); None for any other rule."""
+    kind, p = kind_of(rule)
+    if kind != "broadcast" or len(p.get("data", ())) != 2 or len(p.get("minus", ())) != 1:
+        return None
+    m = p["minus"][0]
+    return [d for d in p["data"] if d != m][0], m
+
+
+def squared_inputs(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
+    """The inputs a rule multiplies together as a square: a `pow` by 2's data input, a product's two
+    tensor operands (a square where both are one value); None for any other rule."""
+    kind, p = kind_of(rule)
+    if kind == "pow":
+        return (p.get("data", 0),) if p.get("exponent") == 2 else None
+    return tuple(p["operands"]) if is_product(rule) and None not in p["operands"] else None
+
+
+def branch_op(rule: Optional[Rule]) -> Optional[Rule]:
+    """The op an inlined If branch's `in_branch` rule stands for; None for any other rule."""
+    return rule.params["op"] if rule is not None and rule.kind == "in_branch" else None
+
+
+def spelled_sizes(rule: Optional[Rule]) -> Optional[list]:
+    """The output sizes an op spells (`reshape`, an expand, `resample`: int, -1, a `SizeOf`, None:
+    see the vocabulary); None where it spells none. The rule's own: an `in_branch` rule spells none."""
+    return rule.params.get("sizes") if rule is not None else None
+
+
 # Ops that do not act along the feature axis (or only scale rows by a per-row factor): a shift
 # per block of the feature axis passes through them as it is, the axis' size unchanged.
 _BLOCK_AGNOSTIC = frozenset(("elementwise", "broadcast", "scale", "permute", "along", "pad", "take",
