@@ -120,6 +120,10 @@ def kind_of(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
     return kind_of(rule.params["op"]) if rule.kind == "in_branch" else (rule.kind, rule.params)
 
 
+# --- what other passes ask of a rule: only this module reads its params (issue 44) ---------------
+# Each answers for an inlined branch's op as for the op itself (`kind_of`), `spelled_sizes` aside.
+# (passes/patterns.py runs on each graph's own view, before If branches are merged into it.)
+
 def is_sum_of_two(rule: Optional[Rule]) -> bool:
     """The rule adds two tensors (a `broadcast` of two data operands, none subtracted): a residual Add."""
     kind, p = kind_of(rule)
@@ -130,30 +134,6 @@ def is_product(rule: Optional[Rule]) -> bool:
     """The rule multiplies its operands (a `scale` that divides by none of them)."""
     kind, p = kind_of(rule)
     return kind == "scale" and not p.get("divide")
-
-
-# --- questions other passes ask of a rule (its params are read here only) -----------------------
-# passes/patterns.py recognizes the norms written out; it runs on each graph's own view (an If
-# branch's before it is merged as `in_branch` rules), so these unwrap branch ops as `kind_of` does.
-
-def data_input(rule: Optional[Rule]) -> int:
-    """The input index of the tensor a one-input rule reads (`elementwise`, `reduce`, `pow`, ...)."""
-    return kind_of(rule)[1].get("data", 0)
-
-
-def mean_axes(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
-    """The axes, sorted, that a mean keeping its dims averages over (a `reduce` mean, keepdims);
-    None for any other rule, or where its axes are not known."""
-    kind, p = kind_of(rule)
-    if kind != "reduce" or p.get("op") != "mean" or not p.get("keepdims") or p.get("axes") is None:
-        return None
-    return tuple(sorted(p["axes"]))
-
-
-def is_cast_or_identity(rule: Optional[Rule]) -> bool:
-    """The rule is a float cast or an identity (the casts around a norm's statistics)."""
-    kind, p = kind_of(rule)
-    return kind == "elementwise" and p.get("op") in ("cast", "identity")
 
 
 def is_quotient(rule: Optional[Rule]) -> bool:
@@ -180,6 +160,20 @@ def difference(rule: Optional[Rule]) -> Optional[tuple[int, int]]:
     return [d for d in p["data"] if d != m][0], m
 
 
+def data_input(rule: Optional[Rule]) -> int:
+    """The input index of the tensor a one-input rule reads (`elementwise`, `reduce`, `pow`, ...)."""
+    return kind_of(rule)[1].get("data", 0)
+
+
+def mean_axes(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
+    """The axes, sorted, that a mean keeping its dims averages over (a `reduce` mean, keepdims);
+    None for any other rule, or where its axes are not known."""
+    kind, p = kind_of(rule)
+    if kind != "reduce" or p.get("op") != "mean" or not p.get("keepdims") or p.get("axes") is None:
+        return None
+    return tuple(sorted(p["axes"]))
+
+
 def squared_inputs(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
     """The inputs a rule multiplies together as a square: a `pow` by 2's data input, a product's two
     tensor operands (a square where both are one value); None for any other rule."""
@@ -187,6 +181,12 @@ def squared_inputs(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
     if kind == "pow":
         return (p.get("data", 0),) if p.get("exponent") == 2 else None
     return tuple(p["operands"]) if is_product(rule) and None not in p["operands"] else None
+
+
+def is_cast_or_identity(rule: Optional[Rule]) -> bool:
+    """The rule is a float cast or an identity (the casts around a norm's statistics)."""
+    kind, p = kind_of(rule)
+    return kind == "elementwise" and p.get("op") in ("cast", "identity")
 
 
 def branch_op(rule: Optional[Rule]) -> Optional[Rule]:
