@@ -309,15 +309,25 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         return prepare(model, seed=seed, dims=dims, inputs=m.verification if verified else None,
                        verify=verified, **opts)
 
-    def quantize_prepared(prepared: Prepared) -> Quantized:
+    def quantize_prepared(prepared: Prepared, measured: bool = True) -> Quantized:
         quantized = run_quantizer(prepared.model, **scheme)
-        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, given),
-                         dict(op_counts(quantized)), quantized.ByteSize())
+        return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, given) if measured
+                         else {}, dict(op_counts(quantized)), quantized.ByteSize())
+
+    def tried(prepared: Prepared) -> Quantized:
+        """A --rotate auto candidate, quantized and measured, never kept: its float model (the fold
+        result's, the same one) dropped once quantized, before its runs."""
+        quantized = run_quantizer(prepared.model, **scheme)
+        prepared.model = None
+        if prepared.fold is not None:
+            prepared.fold.model = None
+        return Quantized(None, None, None, measure(model, quantized, m.rows, given), dict(op_counts(quantized)),
+                         quantized.ByteSize())
 
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(prepare_with, quantize_prepared, lambda: _plain_trial(model, scheme, m, given),
-                           progress=progress)
+        q, trials = choose(prepare_with, tried, lambda: _plain_trial(model, scheme, m, given), progress=progress,
+                           unmeasured=lambda prepared: quantize_prepared(prepared, measured=False))
         if verify:  # the chosen fold, verified like any fold
             check_exact_steps(model, q.prepared, m.verification, dims)
     else:

@@ -210,15 +210,19 @@ def trial(candidate: str, q: Quantized, **extra) -> dict:
 
 def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
            plain: Optional[Callable[[], dict]] = None, candidates=AUTO_CANDIDATES, margin: float = AUTO_MARGIN,
-           plain_name: str = "plain onnxruntime", progress: Progress = None) -> tuple[Quantized, list[dict]]:
+           plain_name: str = "plain onnxruntime", progress: Progress = None,
+           unmeasured: Optional[Callable[[Any], Quantized]] = None) -> tuple[Quantized, list[dict]]:
     """rotate="auto": each candidate's fold options given to `prepare` (an adapter's float artifact
     with its `.fold`, unverified; an LnfoldError skips the candidate), `quantize` (quantize and
     measure it), then search.best_of (lowest `score`, simpler ones kept unless beaten by `margin`; a
     NaN never chosen) over the candidates whose file is at most AUTO_SIZE_SLACK x the smallest one's
     (the first, the model as given, always eligible). A rotation that rotates no stream, or γ moved
     where none can move, is the fold again: skipped unquantized. `plain()`: a reference trial record,
-    measured after and never chosen. Returns (the chosen Quantized, every trial record; the chosen
-    one has "chosen": True and "why")."""
+    measured after and never chosen. The chosen candidate is made again (prepare and quantize are
+    deterministic): by `unmeasured` where given (the adapter's quantize without measuring: it takes
+    the errors measured when it was tried; `quantize` then only ever sees candidates that are not
+    kept, and may drop their float artifact once quantized), else by `quantize`. Returns (the chosen
+    Quantized, every trial record; the chosen one has "chosen": True and "why")."""
     made: dict[int, Quantized] = {}  # each candidate's measurements, its artifacts dropped
     skipped: dict[int, str] = {}
     for k, (label, opts) in enumerate(candidates):  # one candidate's artifacts in memory at a time
@@ -279,7 +283,11 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
                      + (f"; {plain_name}, for reference: {plain_score:.3g}" if plain_score is not None else ""))
     # the chosen one made again (prepare and quantize are deterministic): the others were never all kept
     stage(progress, f"rotate auto: {candidates[best.index][0]} chosen, quantized again")
-    return quantize(prepare(candidates[best.index][1])), trials
+    if unmeasured is None:
+        return quantize(prepare(candidates[best.index][1])), trials
+    q = unmeasured(prepare(candidates[best.index][1]))
+    q.errors = made[best.index].errors  # (measured when it was tried, on the same rows)
+    return q, trials
 
 
 # -- the rows it is measured on ---------------------------------------------------------------------

@@ -141,3 +141,30 @@ def test_auto_keeps_one_candidate_in_memory_and_makes_the_chosen_one_again():
 
     q, _ = pq.choose(prepare, tracked_quantize)
     assert q.prepared.label == LABELS[3] and calls == LABELS + [LABELS[3]]
+
+
+def test_the_chosen_one_made_again_unmeasured_takes_its_trial_errors():
+    """With `unmeasured` (the adapter's quantize without its runs), the chosen candidate is made again
+    by it and keeps the errors measured when it was tried: `quantize` (which may drop a candidate's
+    float artifact) only sees the candidates that are not kept, once each."""
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
+    folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
+             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
+             LABELS[7]: fold(rotated=1, in_float=2)}
+    prepare, quantize = adapter(errors, folds)
+    tried, again = [], []
+
+    def measured(prepared):
+        tried.append(prepared.label)
+        return quantize(prepared)
+
+    def unmeasured(prepared):
+        again.append(prepared.label)
+        q = quantize(prepared)
+        q.errors = {}  # (not measured)
+        return q
+
+    q, trials = pq.choose(prepare, measured, unmeasured=unmeasured)
+    assert tried == LABELS and again == [LABELS[3]] and q.prepared.label == LABELS[3]
+    assert q.errors == {"logits": {"rel_rms": 0.03, "max_rel_err": 0.06}}
+    assert next(t for t in trials if t.get("chosen"))["score"] == pq.score(q.errors)
