@@ -59,6 +59,14 @@ def outputs(module, batches: list[tuple]) -> list[np.ndarray]:
     return [np.concatenate(o, axis=0) if np.ndim(o[0]) else np.stack(o) for o in zip(*parts)]
 
 
+def paired_outputs(reference, candidate, batches: list[tuple]):
+    """(the reference module's outputs, the candidate's) per batch, as `outputs` gives them: a
+    generator, so that its consumer (passes/quantize.streamed_errors) holds one batch's outputs at a
+    time, never every row's."""
+    for args in batches:
+        yield outputs(reference, [args]), outputs(candidate, [args])
+
+
 def split(batches: list[tuple], heldout: Optional[list]) -> calibration.Data:
     """The held-out batches given, else passes/calibration.split's rule."""
     return calibration.split(batches, _rows, _cut, None if heldout is None else batches_of(heldout, ())[0])

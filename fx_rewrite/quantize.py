@@ -36,7 +36,7 @@ from ..passes import LnfoldError
 from ..passes.options import check_choice
 from ..passes.pipeline import record
 from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_scheme, choose,
-                               fold_for_quantizer, output_errors, report_of, trial)
+                               fold_for_quantizer, report_of, streamed_errors, trial)
 from . import calibration as calibration_io
 from .api import own_tensors, export, fold_module, program_view
 from .slice import module_float_parameters
@@ -260,8 +260,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     batches, synthetic = calibration_io.batches_of(inputs, args)
     described = (f"the example args ({len(batches)} batch) — NOT your data: give inputs= for the error on real "
                  "inputs" if synthetic else f"your inputs ({len(batches)} batch(es))")
-    reference = calibration_io.outputs(module, batches)
-    names = ["output"] if len(reference) == 1 else [f"output {k}" for k in range(len(reference))]
+    count = len(calibration_io.outputs(module, batches[:1]))  # (the outputs' errors stream: none is held)
+    names = ["output"] if count == 1 else [f"output {k}" for k in range(count)]
 
     def prepare(opts: dict, verified: bool = False) -> Prepared:
         return _prepare(module, args, kwargs, seed=seed, dynamic=dynamic, verify=verified, **opts)
@@ -270,14 +270,14 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
         # (in place: "auto" verifies its chosen candidate on a fold prepared again, below)
         target = prepared.module
         prepared.notes += run_quantizer(target, prepared.layers, weights, backend, block_size)
-        got = calibration_io.outputs(target, batches)
-        return Quantized(prepared, target, prepared.fold, output_errors(names, reference, got),
-                         layer_kinds(target, prepared.layers), saved_bytes(target))
+        errors = streamed_errors(names, calibration_io.paired_outputs(module, target, batches))
+        return Quantized(prepared, target, prepared.fold, errors, layer_kinds(target, prepared.layers),
+                         saved_bytes(target))
 
     trials: list[dict] = []
     if rotate == AUTO:
         q, trials = choose(lambda opts: prepare(opts), quantize, candidates=auto_candidates(backend),
-                           plain=lambda: _plain_trial(module, names, reference, batches),
+                           plain=lambda: _plain_trial(module, names, batches),
                            plain_name="plain torch.ao")
         if verify:  # the chosen fold and rewrite, verified like any fold (made again: q's is quantized)
             again = prepare(q.prepared.options, True)
@@ -326,7 +326,7 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
     return Prepared(gm, result, notes, folded.gamma_into_readers, layers, options)
 
 
-def _plain_trial(module, names: list, reference: list, batches: list) -> dict:
+def _plain_trial(module, names: list, batches: list) -> dict:
     """Plain torch.ao quantize_dynamic on the module as given (its nn.Linear modules only: a
     transformers Conv1D is none), measured as the candidates are: a reference, never chosen."""
     label = "plain torch.ao: quantize_dynamic(module, {nn.Linear}, dtype=qint8)"
@@ -334,7 +334,7 @@ def _plain_trial(module, names: list, reference: list, batches: list) -> dict:
         warnings.simplefilter("ignore")
         quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(module), {torch.nn.Linear},
                                                            dtype=torch.qint8)
-        errors = output_errors(names, reference, calibration_io.outputs(quantized, batches))
+        errors = streamed_errors(names, calibration_io.paired_outputs(module, quantized, batches))
     kinds = Counter(type(m).__name__ for m in quantized.modules() if "Linear" in type(m).__name__)
     return trial(label, Quantized(None, quantized, None, errors, dict(kinds), saved_bytes(quantized)),
                  rotate=None, plain=True)

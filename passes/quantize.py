@@ -5,7 +5,7 @@ candidates and the choice over them, the error it reports and the report itself.
 
 A frontend adapter (onnx_rewrite/quantize.py: onnxruntime's quantizers; fx_rewrite/quantize.py:
 torchao's or torch.ao's) prepares a candidate (folds with the options of AUTO_CANDIDATES), hands it
-to its quantizer, runs it on the measurement rows and gives `output_errors` the outputs. What is
+to its quantizer, runs it on the measurement rows and gives `streamed_errors` the outputs, run by run. What is
 decided from those numbers is here: `choose` (passes/search.best_of: the lowest `score`, simpler
 candidates kept unless beaten by AUTO_MARGIN), the candidates' records and why one was kept, and
 `QuantizeReport`, which says the result is NOT exact and by how much. Nothing here imports onnx

@@ -123,3 +123,20 @@ def test_addmm_weights_are_transposed_into_nn_linear():
     made = fq.as_linear_modules(gm)
     assert list(made) == ["lnfold_linear_0"] and gm.lnfold_linear_0.weight.shape == (3, 6)
     torch.testing.assert_close(gm(x), m(x), rtol=0, atol=1e-12)
+
+
+def test_the_error_streams_run_by_run_and_equals_the_joined_figure(gpt2):
+    """The measurement runs the original and the candidate batch by batch (one batch's outputs alive
+    at a time: fx calibration.paired_outputs); its figures are those of every batch's outputs joined."""
+    import types
+
+    from lnfold.fx_rewrite import calibration as calibration_io
+    from lnfold.passes import quantize as pq
+
+    model, args = gpt2
+    batches = [tuple(a.roll(k, dims=-1) for a in args) for k in range(3)]
+    assert isinstance(calibration_io.paired_outputs(model, model, batches), types.GeneratorType)
+    r = lnfold.quantize_module(model, args, backend="torch.ao", inputs=batches, dynamic=False)
+    joined = pq.output_errors(["output"], calibration_io.outputs(model, batches),
+                              calibration_io.outputs(r.module, batches))
+    assert r.report.errors == joined and 0 < r.report.rel_rms < BOUND
