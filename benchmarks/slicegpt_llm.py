@@ -56,6 +56,7 @@ from . import realmodels as rm
 from . import realmodels_llm as llm
 
 PARTS = ("slicegpt", "lnfold", "latency")
+VARIANTS = {"head": (True, False), "unit-rms": (False, True), "both": (True, True)}  # (slice_head, unit_rms)
 
 
 # ---------------------------------------------------------------- SliceGPT, from its source tree
@@ -117,41 +118,66 @@ def slicegpt_prepare(sg: types.SimpleNamespace, lm):
     return model, adapter
 
 
-def slicegpt_slice(sg: types.SimpleNamespace, lm, calibration: np.ndarray, keep: int):
+def slicegpt_slice(sg: types.SimpleNamespace, lm, calibration: np.ndarray, keep: int, slice_head: bool = False,
+                   unit_rms: bool = False):
     """SliceGPT's rotate_and_slice to `keep` on the calibration rows (one batch, all-ones masks),
-    its defaults: final_orientation='pca', the head not sliced."""
+    its defaults: final_orientation='pca', the head not sliced. Two of lnfold's choices, to tell
+    where the two differ: `slice_head` (its scheduler's do_slice_head: the last block writes, and
+    the head reads, k features, as in lnfold's slice) and `unit_rms` (its `pca_calc` given each
+    row divided by its RMS, the moment lnfold's bases come from, instead of the raw rows)."""
     import torch
 
     model, adapter = slicegpt_prepare(sg, lm)
     ids = torch.from_numpy(calibration)
     loader = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
-    sg.rotate.rotate_and_slice(adapter, loader, sg.ConstSlicingScheduler(keep), final_orientation="pca")
+    pca_calc = sg.rotate.pca_calc
+    if unit_rms:
+        sg.rotate.pca_calc = lambda xs, masks=None: pca_calc(
+            [x / x.double().pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-30).to(x.dtype) for x in xs], masks)
+    try:
+        sg.rotate.rotate_and_slice(adapter, loader, sg.ConstSlicingScheduler(keep, do_slice_head=slice_head),
+                                   final_orientation="pca")
+    finally:
+        sg.rotate.pca_calc = pca_calc
     return model.eval()
 
 
 # ---------------------------------------------------------------- the parts
 
-def slicegpt_part(sg, lm, cal, held, fractions, threads, base, out: Path, table: llm.Table) -> None:
-    t0 = time.time()
-    fused, _ = slicegpt_prepare(sg, lm)
-    table.add("0", "SliceGPT fused (no slice)", "", f"{llm.perplexity(llm.torch_logits(fused.eval(), held), held):.2f}",
-              "", "", f"{time.time() - t0:.0f}", "fuse_modules alone, torch")
-    del fused
+def slicegpt_part(sg, lm, cal, held, fractions, threads, base, out: Path, table: llm.Table, variants=(),
+                  plain: bool = True) -> None:
+    """SliceGPT's slices at each fraction (`plain`: as it runs, exported and scored in onnxruntime), and
+    `variants` ((slice_head, unit_rms) pairs: slicegpt_slice) scored in torch."""
+    if plain:
+        t0 = time.time()
+        fused, _ = slicegpt_prepare(sg, lm)
+        table.add("0", "SliceGPT fused (no slice)", "",
+                  f"{llm.perplexity(llm.torch_logits(fused.eval(), held), held):.2f}", "", "", f"{time.time() - t0:.0f}",
+                  "fuse_modules alone, torch")
+        del fused
     d = lm.config.hidden_size
     for f in fractions:
         k = kept_width(d, f)
-        t0 = time.time()
-        sliced = slicegpt_slice(sg, lm, cal, k)
-        torch_ppl = llm.perplexity(llm.torch_logits(sliced, held), held)
-        path = out / f"slicegpt-{f:g}.onnx"
-        path.unlink(missing_ok=True)
-        llm.export(sliced, path)
-        del sliced
-        model = onnx.load(str(path))
-        params = float_parameters(model)
-        table.add(f"{f:g}", "SliceGPT", str(k), f"{llm.ort_perplexity(model, held, threads):.2f}",
-                  f"{params:,}", f"{params / base:.3f}", f"{time.time() - t0:.0f}",
-                  f"torch {torch_ppl:.2f}; head reads all {d} features (not sliced)")
+        if plain:
+            t0 = time.time()
+            sliced = slicegpt_slice(sg, lm, cal, k)
+            torch_ppl = llm.perplexity(llm.torch_logits(sliced, held), held)
+            path = out / f"slicegpt-{f:g}.onnx"
+            path.unlink(missing_ok=True)
+            llm.export(sliced, path)
+            del sliced
+            model = onnx.load(str(path))
+            params = float_parameters(model)
+            table.add(f"{f:g}", "SliceGPT", str(k), f"{llm.ort_perplexity(model, held, threads):.2f}",
+                      f"{params:,}", f"{params / base:.3f}", f"{time.time() - t0:.0f}",
+                      f"torch {torch_ppl:.2f}; head reads all {d} features (not sliced)")
+        for slice_head, unit_rms in variants:
+            t0 = time.time()
+            sliced = slicegpt_slice(sg, lm, cal, k, slice_head, unit_rms)
+            label = "SliceGPT" + (", head sliced" if slice_head else "") + (", unit-RMS PCA" if unit_rms else "")
+            table.add(f"{f:g}", label, str(k), f"{llm.perplexity(llm.torch_logits(sliced, held), held):.2f}", "", "",
+                      f"{time.time() - t0:.0f}", "torch (not exported); lnfold's choice put into SliceGPT's code")
+            del sliced
 
 
 def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, out: Path, table: llm.Table) -> None:
@@ -199,6 +225,10 @@ def main(argv=None) -> int:
     p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.2, 0.25])
     p.add_argument("--bases", nargs="+", default=["per-block", "one"], choices=["one", "per-block"],
                    help="lnfold: a basis per block and/or one basis per stream (default both)")
+    p.add_argument("--slicegpt-variants", nargs="*", default=[], choices=list(VARIANTS),
+                   help="SliceGPT with lnfold's choices put in, scored in torch: head (the head sliced), unit-rms "
+                        "(PCA of RMS-normalized rows), both")
+    p.add_argument("--variants-only", action="store_true", help="slicegpt part: the variants alone")
     p.add_argument("--cache", help=f"download folder (default ${rm.CACHE_ENV}, else ~/.cache/lnfold)")
     p.add_argument("--threads", type=int, default=1, help="onnxruntime/torch threads for perplexity (default 1)")
     p.add_argument("--rounds", type=int, default=10, help="latency rounds (default 10)")
@@ -235,7 +265,8 @@ def main(argv=None) -> int:
         table.add("0", "original", str(lm.config.hidden_size), f"{llm.ort_perplexity(model, held, args.threads):.2f}",
                   f"{base:,}", "1.000", "", "")
         if "slicegpt" in args.parts:
-            slicegpt_part(sg, lm, cal, held, args.fractions, args.threads, base, out, table)
+            slicegpt_part(sg, lm, cal, held, args.fractions, args.threads, base, out, table,
+                          [VARIANTS[v] for v in args.slicegpt_variants], not args.variants_only)
         del lm
         if "lnfold" in args.parts:
             lnfold_part(model, cal, cal_heldout, held, args.fractions, args.bases, args.threads, base, out, table)
@@ -246,6 +277,9 @@ def main(argv=None) -> int:
             for name in (f"slicegpt-{f:g}", f"lnfold-{f:g}-one", f"lnfold-{f:g}-per-block"):
                 if (out / f"{name}.onnx").is_file():
                     timed[name] = out / f"{name}.onnx"
+            earlier = cache / "smollm2" / f"sliced-{f:g}-one.onnx"  # realmodels_llm's slice part: the same call
+            if f"lnfold-{f:g}-one" not in timed and earlier.is_file():
+                timed[f"lnfold-{f:g}-one (realmodels_llm --parts slice's file)"] = earlier
         llm.latency_part(timed, held, args.rounds)
     print(f"(benchmark wall time {time.time() - t0:.0f} s)")
     return 0
