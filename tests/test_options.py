@@ -70,6 +70,26 @@ def test_shared_keywords_in_the_same_order():
     assert shared == [k for k in b if k in a] and shared[:3] == ["mode", "defer", "verify"]
 
 
+def test_the_option_keywords_are_derived_from_the_declarations():
+    """Every FoldOptions field is a keyword of fold_onnx and fold_module, with its declared default,
+    and documented with its declared help (passes/options.takes_options): a new option needs no edit
+    of the API; a value is checked into FoldOptions, a name nobody declared is a TypeError."""
+    from dataclasses import fields
+
+    from lnfold.passes.options import OPTIONS
+
+    for f in (lnfold.fold_onnx, lnfold.fold_module):
+        params = inspect.signature(f).parameters
+        for field in fields(FoldOptions):
+            assert params[field.name].default == OPTIONS[field.name].default, (f, field.name)
+            assert OPTIONS[field.name].help in f.__doc__, (f, field.name)
+        assert "options" not in params
+    with pytest.raises(LnfoldError, match="give --rotate too"):
+        lnfold.fold_onnx(G.pre_ln(), gamma_in_float=True)
+    with pytest.raises(TypeError):
+        lnfold.fold_onnx(G.pre_ln(), rotation="hadamard")
+
+
 def test_verify_outputs_still_works():
     with pytest.warns(DeprecationWarning, match="verify="):
         res = lnfold.fold_onnx(G.pre_ln(), verify_outputs=False)
