@@ -180,12 +180,24 @@ def slicegpt_part(sg, lm, cal, held, fractions, threads, base, out: Path, table:
             del sliced
 
 
-def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, out: Path, table: llm.Table) -> None:
+def raw_second_moment(batches: list, axis: int) -> tuple[np.ndarray, int]:
+    """passes/slicing.unit_rms_moment's signature, the rows as they are (not scaled to unit RMS)."""
+    total, n = 0.0, 0
+    for x in batches:
+        x = np.moveaxis(np.asarray(x, dtype=np.float64), axis, -1).reshape(-1, np.shape(x)[axis])
+        total, n = total + x.T @ x, n + x.shape[0]
+    return total / n, n
+
+
+def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, out: Path, table: llm.Table,
+                raw_moment: bool = False) -> None:
     """`lnfold.slice_onnx`'s steps (onnx_rewrite/slice.py: its frontend, `slice_with`), the exact fold and
     its capture made once for every slice (realmodels_slice.ReusedFold), per block and/or one basis.
     lnfold refuses a slice with more parameters than the model's own (SliceGPT's at these fractions
     have 1.1-1.2x); to score it beside SliceGPT's all the same, that guard is lifted here (the
-    frontend's `original` count set past any slice) and the note says where `lnfold slice` refuses."""
+    frontend's `original` count set past any slice) and the note says where `lnfold slice` refuses.
+    `raw_moment`: the bases from the raw rows' second moment (SliceGPT's) instead of lnfold's unit-RMS
+    rows' (passes/slicing.unit_rms_moment replaced in this process: an experiment, files `…-raw.onnx`)."""
     from lnfold.onnx_rewrite import calibration as calibration_io
     from lnfold.onnx_rewrite import targets
     from lnfold.onnx_rewrite.slice import slicing_frontend
@@ -194,6 +206,9 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
 
     from .realmodels_slice import ReusedFold
 
+    if raw_moment:  # SliceGPT's moment (its pca_calc's Σ xxᵀ; its 1 % damping moves no eigenvector)
+        from lnfold.passes import slicing
+        slicing.unit_rms_moment = raw_second_moment
     data = calibration_io.calibration_data(model, {"input_ids": cal}, {"input_ids": cal_heldout})
     frontend = ReusedFold(slicing_frontend(model, targets.resolve("ort", "cpu"), data, None))
     frontend.original = 10 ** 15  # the guard lifted (see above); `base` is the model's own count
@@ -207,12 +222,12 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
                 table.add(f"{f:g}", f"lnfold {label}", "", "—", "—", "—", f"{time.time() - t0:.0f}", llm.failure(e))
                 continue
             widths = ", ".join(sorted({f"{s.dim}→{s.keep}" for s in r.streams if s.sliced})) or "none sliced"
-            onnx.save(sliced.model, str(out / f"lnfold-{f:g}-{label}.onnx"))
+            onnx.save(sliced.model, str(out / f"lnfold-{f:g}-{label}{'-raw' if raw_moment else ''}.onnx"))
             params = float_parameters(sliced.model)
             note = f"rel. error vs exact fold {r.error:.3g} ({r.error_rows}); {'; '.join(r.notes)}"
             if params > base:
                 note += "; `lnfold slice` refuses this slice (more parameters than the model's own)"
-            table.add(f"{f:g}", f"lnfold {label}", widths, f"{llm.ort_perplexity(sliced.model, held, threads):.2f}",
+            table.add(f"{f:g}", f"lnfold {label}" + (", raw-moment PCA" if raw_moment else ""), widths, f"{llm.ort_perplexity(sliced.model, held, threads):.2f}",
                       f"{params:,}", f"{params / base:.3f}", f"{time.time() - t0:.0f}", note.replace("|", "\\|"))
             del sliced
 
@@ -229,6 +244,8 @@ def main(argv=None) -> int:
                    help="SliceGPT with lnfold's choices put in, scored in torch: head (the head sliced), unit-rms "
                         "(PCA of RMS-normalized rows), both")
     p.add_argument("--variants-only", action="store_true", help="slicegpt part: the variants alone")
+    p.add_argument("--raw-moment", action="store_true",
+                   help="lnfold part: bases from the raw rows' second moment (SliceGPT's), an experiment")
     p.add_argument("--cache", help=f"download folder (default ${rm.CACHE_ENV}, else ~/.cache/lnfold)")
     p.add_argument("--threads", type=int, default=1, help="onnxruntime/torch threads for perplexity (default 1)")
     p.add_argument("--rounds", type=int, default=10, help="latency rounds (default 10)")
@@ -269,7 +286,8 @@ def main(argv=None) -> int:
                           [VARIANTS[v] for v in args.slicegpt_variants], not args.variants_only)
         del lm
         if "lnfold" in args.parts:
-            lnfold_part(model, cal, cal_heldout, held, args.fractions, args.bases, args.threads, base, out, table)
+            lnfold_part(model, cal, cal_heldout, held, args.fractions, args.bases, args.threads, base, out, table,
+                        args.raw_moment)
     if "latency" in args.parts:
         del model
         timed = {"original": onnx_path, "original (A/A)": onnx_path}
