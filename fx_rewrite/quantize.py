@@ -57,7 +57,6 @@ class Prepared:
     notes: list
     gamma_into_readers: bool
     layers: dict  # new nn.Linear submodule -> the weight it holds (its state_dict name)
-    options: dict  # the fold options it was prepared with
 
 
 def torchao_quantization():
@@ -266,23 +265,25 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     def prepare(opts: dict, verified: bool = False) -> Prepared:
         return _prepare(module, args, kwargs, seed=seed, dynamic=dynamic, verify=verified, **opts)
 
-    def quantize(prepared: Prepared) -> Quantized:
-        # (in place: "auto" verifies its chosen candidate on a fold prepared again, below)
-        target = prepared.module
+    def quantize(prepared: Prepared, measured: bool = True) -> Quantized:
+        target = prepared.module  # (quantized in place)
         prepared.notes += run_quantizer(target, prepared.layers, weights, backend, block_size)
-        errors = streamed_errors(names, calibration_io.paired_outputs(module, target, batches))
+        errors = streamed_errors(names, calibration_io.paired_outputs(module, target, batches)) if measured else {}
         return Quantized(prepared, target, prepared.fold, errors, layer_kinds(target, prepared.layers),
                          saved_bytes(target))
+
+    def chosen(prepared: Prepared) -> Quantized:
+        """The candidate auto keeps, made again: verified like any fold (before quantizing it in
+        place), quantized, not measured again (choose keeps its trial's errors)."""
+        if verify:
+            _verify(module, args, kwargs, prepared)
+        return quantize(prepared, measured=False)
 
     trials: list[dict] = []
     if rotate == AUTO:
         q, trials = choose(lambda opts: prepare(opts), quantize, candidates=auto_candidates(backend),
                            plain=lambda: _plain_trial(module, names, batches),
-                           plain_name="plain torch.ao")
-        if verify:  # the chosen fold and rewrite, verified like any fold (made again: q's is quantized)
-            again = prepare(q.prepared.options, True)
-            if q.fold is not None:  # (the same fold, deterministic: its verdict is the chosen one's)
-                record(q.fold, again.fold.verdict)
+                           plain_name="plain torch.ao", unmeasured=chosen)
     else:
         q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
                                   gamma_in_float=gamma_in_float), verify))
@@ -305,12 +306,11 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
     as quantize_onnx), linear layers as nn.Linear. `verify`: the fold through fold_module's gate
     (float64, with its probe of the kept LayerNorms), then the module handed to the quantizer
     against the original in float64 (the rewrite, and the fold again)."""
-    options = dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers, gamma_in_float=gamma_in_float)
-
     def run(**fold_options):
         return fold_module(module, args, kwargs, seed=seed, verify=verify, dynamic=dynamic, **fold_options)
 
-    folded = fold_for_quantizer(run, **options)
+    folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
+                                gamma_in_float=gamma_in_float)
     result, notes = folded.result, folded.notes
     gm = result.module if result is not None else None
     if gm is None:
@@ -319,11 +319,18 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
     layers = as_linear_modules(gm)
     if not layers:
         raise LnfoldError("no linear layer to quantize (no aten.linear or aten.addmm with a constant 2-D weight)")
-    if verify:  # the rewrite (and the fold under it): its verdict is the fold result's
-        verdict = Verifier(module, args, kwargs).check(gm)
-        if result is not None:
-            record(result, verdict)
-    return Prepared(gm, result, notes, folded.gamma_into_readers, layers, options)
+    prepared = Prepared(gm, result, notes, folded.gamma_into_readers, layers)
+    if verify:
+        _verify(module, args, kwargs, prepared)
+    return prepared
+
+
+def _verify(module, args: tuple, kwargs: dict, prepared: Prepared) -> None:
+    """The module handed to the quantizer against the original in float64 (the nn.Linear rewrite,
+    and the fold under it): its verdict is the fold result's; a VerificationError where it fails."""
+    verdict = Verifier(module, args, kwargs).check(prepared.module)
+    if prepared.fold is not None:
+        record(prepared.fold, verdict)
 
 
 def _plain_trial(module, names: list, batches: list) -> dict:
