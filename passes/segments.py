@@ -13,7 +13,7 @@ from graphlib import CycleError, TopologicalSorter
 from typing import Optional
 
 from .analysis import Component
-from .rules import kind_of
+from .rules import kind_of, operands
 from .view import View
 
 
@@ -99,8 +99,7 @@ def _shortcuts(view: View, comp: Component, out: Segments) -> Optional[str]:
 
 
 def _not_a_residual_add(view: View, comp: Component, node) -> Optional[str]:
-    kind, p = kind_of(node.rule)
-    if kind != "broadcast" or len(p.get("data", ())) != 2:
+    if kind_of(node.rule)[0] != "broadcast" or operands(node.rule) is None:
         return "is no Add of two tensors"
     if node.origin != node.name:
         return f"is part of the fused op `{node.origin}` (a MatMul cannot go between its inputs)"
