@@ -40,6 +40,16 @@ def adapter(errors: dict, folds: dict, sizes: dict = {}):
 LABELS = [label for label, _ in pq.AUTO_CANDIDATES]
 
 
+def typical() -> tuple[dict, dict]:
+    """(errors, folds) of a run where every candidate folds and rotates as asked: hadamard (0.03) the
+    lowest but for orthogonal (0.029), within the margin of it."""
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
+    folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
+             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
+             LABELS[7]: fold(rotated=1, in_float=2)}
+    return errors, folds
+
+
 def test_auto_keeps_the_lowest_error_unless_within_the_margin_and_skips_the_folds_repeats():
     errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
     folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
@@ -94,10 +104,7 @@ def test_auto_never_pays_for_a_lower_error_with_a_bigger_file():
     """Issue 45 item 3: a rotation whose stream no weight absorbs keeps d×d MatMuls in float, and
     auto chose it for a 9 % error gain at 3.6x the int8 size. A candidate over AUTO_SIZE_SLACK x the
     smallest file is not eligible, and its record says why; the model as given always is."""
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
-    folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
-             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
-             LABELS[7]: fold(rotated=1, in_float=2)}
+    errors, folds = typical()
     sizes = {LABELS[3]: 36, LABELS[4]: 11}  # hadamard 3.6x the smallest (10); orthogonal within 10 %
     q, trials = pq.choose(*adapter(errors, folds, sizes))
     by = {t["candidate"]: t for t in trials}
@@ -120,10 +127,7 @@ def test_auto_keeps_one_candidate_in_memory_and_makes_the_chosen_one_again():
     all held at once."""
     import weakref
 
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
-    folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
-             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
-             LABELS[7]: fold(rotated=1, in_float=2)}
+    errors, folds = typical()
     prepare, quantize = adapter(errors, folds)
     alive, calls = [], []
 
@@ -147,10 +151,7 @@ def test_the_chosen_one_made_again_unmeasured_takes_its_trial_errors():
     """With `unmeasured` (the adapter's quantize without its runs), the chosen candidate is made again
     by it and keeps the errors measured when it was tried: `quantize` (which may drop a candidate's
     float artifact) only sees the candidates that are not kept, once each."""
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
-    folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
-             LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
-             LABELS[7]: fold(rotated=1, in_float=2)}
+    errors, folds = typical()
     prepare, quantize = adapter(errors, folds)
     tried, again = [], []
 
