@@ -31,7 +31,17 @@ same `realmodels_llm.export` as the original, so both methods are timed as onnxr
 `SliceGPT fused (no slice)`: its `fuse_modules` alone (γ into the readers, and — for every model,
 RMSNorm ones too — each embedding row's mean subtracted), scored in torch: what its slices start from.
 
-Every ONNX file is saved under `<cache>/smollm2/slicegpt_llm/` (the `latency` part times them again).
+lnfold refuses a slice with more parameters than the model's own; SliceGPT's slices here have 1.05–1.23×, so
+the lnfold part lifts that guard to score lnfold's beside them (its note says where `lnfold slice` refuses).
+A per-block lnfold slice of this model is slow (59 sequential steps of 2 sliced folds and captures: 85 min at
+F = 0.25 on a shared 2-core machine): `--bases one` for a quick run.
+
+Investigation options: `--slicegpt-variants head unit-rms both` (SliceGPT's code with lnfold's choices put in —
+the head sliced, the PCA of unit-RMS rows — scored in torch; `--variants-only` skips the plain runs) and
+`--raw-moment` (lnfold's bases from SliceGPT's raw second moment; files `…-raw.onnx`).
+
+Every ONNX file is saved under `<cache>/smollm2/slicegpt_llm/` (the `latency` part times them again, and the
+one-basis files of `realmodels_llm --parts slice` where this benchmark made none).
 """
 from __future__ import annotations
 
