@@ -72,16 +72,13 @@ VARIANTS = {"head": (True, False), "unit-rms": (False, True), "both": (True, Tru
 # ---------------------------------------------------------------- SliceGPT, from its source tree
 
 def import_slicegpt(src: Path) -> types.SimpleNamespace:
-    """SliceGPT's modules from `src` (the folder holding `slicegpt/`), without its package __init__."""
+    """SliceGPT's modules from `src` (the folder holding `slicegpt/`), without its package __init__
+    (trained/slicegpt_side.slicegpt_package), its Llama adapter's layer forward repeated for transformers 5."""
     import torch
 
-    if not (src / "slicegpt" / "rotate.py").is_file():
-        raise SystemExit(f"--slicegpt-src {src}: no slicegpt/rotate.py there (give TransformerCompression's src/)")
-    package = types.ModuleType("slicegpt")
-    package.__path__ = [str(src / "slicegpt")]
-    config = types.ModuleType("slicegpt.config")
-    config.config = types.SimpleNamespace(device=torch.device("cpu"))
-    sys.modules.update({"slicegpt": package, "slicegpt.config": config})
+    from .trained.slicegpt_side import slicegpt_package
+
+    slicegpt_package(src)
     from slicegpt import layernorm_fusion, rotate
     from slicegpt.adapters.llama_adapter import CompressedLlamaDecoderLayer, LlamaModelAdapter
     from slicegpt.slicing_scheduler import ConstSlicingScheduler

@@ -69,8 +69,10 @@ def calibration_rows(n: int = CALIBRATION_ROWS, seed: int = 3) -> np.ndarray:
 
 # ---------------------------------------------------------------- SliceGPT, from its source tree
 
-def import_slicegpt(src: Path) -> types.SimpleNamespace:
-    """SliceGPT's modules from `src` (the folder holding `slicegpt/`), without its package __init__."""
+def slicegpt_package(src: Path) -> None:
+    """Make `import slicegpt...` read SliceGPT's modules from `src` (the folder holding `slicegpt/`)
+    without running its package __init__, its config holding device=cpu (benchmarks/slicegpt_llm.py
+    shares it)."""
     if not (src / "slicegpt" / "rotate.py").is_file():
         raise SystemExit(f"--slicegpt-src {src}: no slicegpt/rotate.py there (give TransformerCompression's src/)")
     package = types.ModuleType("slicegpt")
@@ -78,6 +80,11 @@ def import_slicegpt(src: Path) -> types.SimpleNamespace:
     config = types.ModuleType("slicegpt.config")
     config.config = types.SimpleNamespace(device=torch.device("cpu"))
     sys.modules.update({"slicegpt": package, "slicegpt.config": config})
+
+
+def import_slicegpt(src: Path) -> types.SimpleNamespace:
+    """SliceGPT's modules from `src`, its OPT adapter's layer forward repeated for transformers 5."""
+    slicegpt_package(src)
     from slicegpt import layernorm_fusion, rotate
     from slicegpt.adapters.opt_adapter import CompressedOPTDecoderLayer, OPTModelAdapter
     from slicegpt.slicing_scheduler import ConstSlicingScheduler
@@ -204,7 +211,7 @@ def main(argv=None) -> None:
     original = logits_of(hf)
     onnx_models = {"original": zoo.export_onnx(original, example, ["input_ids"])}
     eager = {"original": original}
-    metric, params, notes = {}, {}, {}
+    params, notes = {}, {}
 
     for f in args.fractions:
         k = kept_width(d, f)
