@@ -41,8 +41,8 @@ class GammaFold:
         return [(r.weight, Scale(self.gamma, g_axis, r.weight.axis)) for r in self.readers]
 
     def describe(self, view: View) -> str:
-        if self.in_float:
-            return "kept in float"
+        if self.in_float:  # (a rotated stream's plan says more: passes/plan.py)
+            return "kept in the norm (gamma_in_float, and its stream is not rotated)"
         if not self.moved:
             return f"kept in the norm ({self.why})"
         if self.gamma is None:

@@ -614,11 +614,7 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         for n in rot.readouts:
             said(n).gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for n in rot.float_gammas:
-            said(n).gamma += " after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers take Q alone"
-        if not rot.rotated:
-            for n in comp.norms:
-                if plan.gammas[n].in_float:
-                    said(n).gamma += " in the norm (its stream is not rotated)"
+            said(n).gamma = "kept in float after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers take Q alone"
         for ref, op in rot.readers:
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:

@@ -146,3 +146,13 @@ def test_quantize_module_keeps_the_float_gamma_products_float():
                                gamma_in_float=True, backend="torch.ao")
     assert len(r.report.basis_changes) == 3, r.report.basis_changes
     assert r.report.errors["output"]["rel_rms"] < 0.05, r.report.errors
+
+
+def test_a_stream_that_cannot_rotate_keeps_gamma_in_its_norms():
+    """Where the stream stays unrotated (a Softmax over the features reads it), γ in float means γ
+    stays in the norms as given: an RMSNorm model then has nothing to change, and says why."""
+    from lnfold.passes import NothingToFold
+
+    with pytest.raises(NothingToFold, match=r"not rotated: Softmax .*γ kept in the norm \(gamma_in_float, and its "
+                                            r"stream is not rotated\)"):
+        lnfold.fold_onnx(llama_like("simplified", softmax=True), rotate="hadamard", gamma_in_float=True)
