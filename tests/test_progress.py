@@ -96,7 +96,11 @@ def test_quantize_rotate_auto_shows_each_candidate_on_a_terminal_and_nothing_in_
     argv = ["quantize", str(GPT2), "-o", str(tmp_path / "q.onnx"), "--weights", "int8", "--rotate", "auto"]
     code, _, screen = _run(argv, monkeypatch, capsys, terminal=True)
     assert code == 0, repr(screen[-400:])
-    assert "rotate auto: candidate 1 of 7" in screen and "rotate auto: candidate 7 of 7" in screen, repr(screen[:400])
+    from lnfold.passes.quantize import AUTO_CANDIDATES
+
+    n = len(AUTO_CANDIDATES)
+    assert f"rotate auto: candidate 1 of {n}" in screen and f"rotate auto: candidate {n} of {n}" in screen, \
+        repr(screen[:400])
     assert "chosen, quantized again" in screen
     code, out, err = _run(argv + ["--json"], monkeypatch, capsys, terminal=False)
     assert code == 0 and "rotate auto: candidate" not in out + err and json.loads(out)["exact"] is False
