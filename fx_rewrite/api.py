@@ -313,7 +313,8 @@ def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], op
 
 @takes_options
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, options: FoldOptions,
-                norm: str = "auto", dynamic: bool = True, calibration=None, budget: Optional[float] = None, heldout=None,
+                norm: str = "auto", dynamic: bool = True, calibration=None, budget: Optional[float] = None,
+                heldout=None,
                 metric: Optional[Callable] = None) -> FoldResult:
     """Fold every foldable LayerNorm of `module` (or of an ExportedProgram already made, read as it
     is: `dynamic` then means nothing); the module and its parameters are not modified. Returns a
@@ -326,13 +327,12 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
     only on a zero-mean input), "-keep-ln" rotations keep its choice. Raises NothingToFold when no
     LayerNorm can be folded, VerificationError when the folded module's outputs on `args` differ.
     """
-    opts = options
-    if opts.mode == APPROX_MODE:  # NOT exact: see fold_approx
-        return fold_approx(module, args, kwargs, opts, calibration=calibration, budget=budget, heldout=heldout,
+    if options.mode == APPROX_MODE:  # NOT exact: see fold_approx
+        return fold_approx(module, args, kwargs, options, calibration=calibration, budget=budget, heldout=heldout,
                            metric=metric, dynamic=dynamic)
     check_choice("norm", norm, ("auto",) + NORMS)
-    frontend = ExportFrontend(module, tuple(args), dict(kwargs or {}), opts, norm=norm, dynamic=dynamic)
-    return pipeline.fold(frontend, verify=opts.verify, planner=make_plan)
+    frontend = ExportFrontend(module, tuple(args), dict(kwargs or {}), options, norm=norm, dynamic=dynamic)
+    return pipeline.fold(frontend, verify=options.verify, planner=make_plan)
 
 
 def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], torch.Tensor]) -> deferred_norm.BiasNode:

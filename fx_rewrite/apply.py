@@ -32,6 +32,9 @@ from .edits import from_numpy, graph_algebra, new_attr, rounded, to_numpy
 from .ops import canonical, set_arg
 
 NORMS = ("rms_norm", "layer_norm")
+# the buffer (a prefix, the norm's name after it) of a readout's constant MatMul, by `Readout.rotated`:
+# an un-rotation, or γ kept in float. No layer of the model: quantize_module keeps them float.
+READOUT_BUFFERS = {False: "lnfold_unrotate_", True: "lnfold_float_gamma_"}
 aten = torch.ops.aten
 
 
@@ -266,8 +269,7 @@ class Applier:
         name, gamma = how.norm, how.readout.gamma
         like = self.constants.tensor_of(gamma) if gamma is not None else None
         arr = how.readout.matrix(None if like is None else to_numpy(like))
-        what = "float_gamma" if how.readout.rotated else "unrotate"
-        return self._buffer(f"lnfold_{what}_{name}", arr, like, self.nodes[name])
+        return self._buffer(READOUT_BUFFERS[how.readout.rotated] + name, arr, like, self.nodes[name])
 
     def _resized(self, how: NormEmission, dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
         """A sliced stream's norm: (k, its weight √(d/k) as a buffer of `dtype` (default: the norm's

@@ -59,7 +59,7 @@ def outputs(module, batches: list[tuple]) -> list[np.ndarray]:
     return [np.concatenate(o, axis=0) if np.ndim(o[0]) else np.stack(o) for o in zip(*parts)]
 
 
-def paired_outputs(reference, candidate, batches: list[tuple]):
+def paired_runs(reference, candidate, batches: list[tuple]):
     """(the reference module's outputs, the candidate's) per batch, as `outputs` gives them: a
     generator, so that its consumer (passes/quantize.streamed_errors) holds one batch's outputs at a
     time, never every row's."""

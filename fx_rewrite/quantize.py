@@ -39,6 +39,7 @@ from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates,
                                fold_for_quantizer, report_of, streamed_errors, trial)
 from . import calibration as calibration_io
 from .api import own_tensors, export, fold_module, program_view
+from .apply import READOUT_BUFFERS
 from .slice import module_float_parameters
 from .edits import attr_of
 from .verify import Verifier
@@ -228,7 +229,8 @@ def saved_bytes(module: torch.nn.Module) -> int:
 
 def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, weights: str = "int8",
                     rotate: Optional[str] = None, seed: int = 0, gamma_into_readers: Optional[bool] = None,
-                    gamma_in_float: bool = False, fold: bool = True, block_size: int = 32, backend: str = "auto", inputs=None,
+                    gamma_in_float: bool = False, fold: bool = True, block_size: int = 32, backend: str = "auto",
+                    inputs=None,
                     verify: bool = True, dynamic: bool = True) -> QuantizeResult:
     """Fold `module` exactly (fold_module), then quantize its linear layers with torchao or torch.ao;
     NOT exact: the report says by how much.
@@ -268,7 +270,7 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     def quantize(prepared: Prepared, measured: bool = True) -> Quantized:
         target = prepared.module  # (quantized in place)
         prepared.notes += run_quantizer(target, prepared.layers, weights, backend, block_size)
-        errors = streamed_errors(names, calibration_io.paired_outputs(module, target, batches)) if measured else {}
+        errors = streamed_errors(names, calibration_io.paired_runs(module, target, batches)) if measured else {}
         return Quantized(prepared, target, prepared.fold, errors, layer_kinds(target, prepared.layers),
                          saved_bytes(target))
 
@@ -288,12 +290,14 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
         q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
                                   gamma_in_float=gamma_in_float), verify))
     prepared = q.prepared
-    kept_float = {n: t.numel() for n, t in q.quantized.named_buffers() if n.startswith(("lnfold_unrotate", "lnfold_float_gamma"))}
+    readouts = tuple(READOUT_BUFFERS.values())
+    kept_float = {n: t.numel() for n, t in q.quantized.named_buffers() if n.startswith(readouts)}
     report = report_of(
         scheme_name(weights, backend, block_size), q, weights=weights, activations=None,
         block_size=block_size if weights == "int4" else None, per_channel=False, rotate=rotate, seed=seed,
         gamma_into_readers=prepared.gamma_into_readers, linear_layers=len(prepared.layers),
-        basis_changes=kept_float, parameters=module_float_parameters(module), ops_before={"Linear": len(prepared.layers)},
+        basis_changes=kept_float, parameters=module_float_parameters(module),
+        ops_before={"Linear": len(prepared.layers)},
         bytes_before=saved_bytes(module), error_inputs=described, notes=prepared.notes,
         seconds=time.perf_counter() - t0, trials=trials)
     return QuantizeResult(report, module=q.quantized, fold=q.fold)
@@ -341,7 +345,7 @@ def _plain_trial(module, names: list, batches: list) -> dict:
         warnings.simplefilter("ignore")
         quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(module), {torch.nn.Linear},
                                                            dtype=torch.qint8)
-        errors = streamed_errors(names, calibration_io.paired_outputs(module, quantized, batches))
+        errors = streamed_errors(names, calibration_io.paired_runs(module, quantized, batches))
     kinds = Counter(type(m).__name__ for m in quantized.modules() if "Linear" in type(m).__name__)
     return trial(label, Quantized(None, quantized, None, errors, dict(kinds), saved_bytes(quantized)),
                  rotate=None, plain=True)

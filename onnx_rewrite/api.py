@@ -257,7 +257,8 @@ def fold_model(
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
     The options (`mode`, `defer`, `gamma_into_readers`, `rotate`, ...: listed at the end) are
-    checked by passes/options.py. `target` picks the emission ("ort", "onnx", "portable"; onnx_rewrite/targets.py); `device` picks
+    checked by passes/options.py. `target` picks the emission ("ort", "onnx", "portable";
+    onnx_rewrite/targets.py); `device` picks
     onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
     SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
 
@@ -283,11 +284,10 @@ def fold_model(
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
         options = dataclasses.replace(options, verify=verify_outputs)
-    opts = options
-    if opts.mode == APPROX_MODE:
-        return fold_approx(as_model(model), opts, calibration=calibration, budget=budget, heldout=heldout,
+    if options.mode == APPROX_MODE:
+        return fold_approx(as_model(model), options, calibration=calibration, budget=budget, heldout=heldout,
                            metric=metric, target=target, device=device, progress=progress)
-    return fold_file(None, model, None, opts, target=target, device=device, inputs=inputs, dims=dims,
+    return fold_file(None, model, None, options, target=target, device=device, inputs=inputs, dims=dims,
                      progress=progress)
 
 

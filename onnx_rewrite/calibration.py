@@ -49,14 +49,6 @@ def joined(pieces: list) -> np.ndarray:
     return np.concatenate([np.ravel(p) for p in pieces])
 
 
-def named_outputs(model: onnx.ModelProto, batches: list[dict]) -> tuple[list[str], list[np.ndarray]]:
-    """(the model's output names, `run`'s outputs); a model onnxruntime cannot run is one line."""
-    try:
-        return [o.name for o in model.graph.output], run(model, batches)
-    except Exception as e:
-        raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
-
-
 def row_output_bytes(model: ModelLike, rows: Rows) -> Optional[int]:
     """The bytes of `model`'s outputs on one row (the first of `rows`), run once: what
     passes/calibration.Rows.bounded sizes a measurement's runs by. None where there is nothing to
@@ -77,17 +69,13 @@ def paired_runs(reference: ModelLike, candidate: ModelLike, batches: list[dict])
     as a ModelProto is serialized for its session, that copy dropped once the session is made; a
     model onnxruntime cannot run is one line."""
     try:
-        ref_sess = session(reference)
-        got_sess = session(candidate)
+        ref_sess, got_sess = session(reference), session(candidate)
+        for feeds in batches:  # (no name holds a pair while the generator waits: the consumer's drop frees it)
+            yield ref_sess.run(None, feeds), got_sess.run(None, feeds)
+    except LnfoldError:
+        raise
     except Exception as e:
         raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
-    for feeds in batches:
-        try:  # (no name holds a pair while the generator waits: the consumer's drop frees it)
-            yield ref_sess.run(None, feeds), got_sess.run(None, feeds)
-        except LnfoldError:
-            raise
-        except Exception as e:
-            raise LnfoldError(f"onnxruntime cannot run the model: {str(e).splitlines()[0][:200]}") from None
 
 
 def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> dict[str, list[np.ndarray]]:

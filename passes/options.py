@@ -116,9 +116,9 @@ OPTIONS = {o.name: o for o in (
            "orthogonal (random, from --seed); -keep-ln: Q·1 = 1, so stock LayerNorms stay exact too",
            choices=ROTATIONS, search=(None,) + ROTATIONS[:2], what="rotation"),
     Option("gamma_in_float", bool, False, "with --rotate: keep each rotated norm's γ in float after the unit-weight "
-           "norm, as a constant MatMul by Qᵀ·diag(γ)·Q, the readers taking Q alone (exact; one d×d MatMul per norm, "
-           "kept float by the quantizers). Trained LLMs' γ suppresses their few massive-activation channels; moved "
-           "into weights that are then quantized, that suppression drowns in the rounding"),
+           "norm, as a constant MatMul by Qᵀ·diag(γ)·Q, the readers taking Q alone (exact; one d×d MatMul per "
+           "norm, kept float by the quantizers). Trained LLMs' γ suppresses their few massive-activation "
+           "channels; moved into weights that are then quantized, that suppression drowns in the rounding"),
     Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
 )}
 

@@ -614,7 +614,8 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         for n in rot.readouts:
             said(n).gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for n in rot.float_gammas:
-            said(n).gamma = "kept in float after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers take Q alone"
+            said(n).gamma = ("kept in float after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers "
+                             "take Q alone")
         for ref, op in rot.readers:
             use(ref.value, ref.user, ref.user_input)[0].append(op)
         for ref, op in rot.writers:

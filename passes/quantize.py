@@ -13,9 +13,8 @@ or torch.
 """
 from __future__ import annotations
 
-import math
-
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional
 
@@ -115,9 +114,10 @@ class Folded:
 def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rotate: Optional[str] = None,
                        gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False) -> Folded:
     """The exact step in front of a quantizer, for both adapters: `run(**fold options)` (the
-    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float) is the frontend's fold. γ moves with a rotation by default; a rotation that rotates no stream
-    is folded again with γ left in the norms unless `gamma_into_readers=True` asks for it (γ moved
-    alone made weight quantization worse, issue 33). A model with nothing to fold goes to the
+    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float) is the frontend's fold. γ moves
+    with a rotation by default; a rotation that rotates no stream is folded again with γ left in the
+    norms unless `gamma_into_readers=True` asks for it (γ moved alone made weight quantization worse,
+    issue 33). A model with nothing to fold goes to the
     quantizer as given (said in a note) unless a rotation or γ's move was asked for."""
     gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
     if rotate and not gamma:

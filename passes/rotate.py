@@ -130,8 +130,8 @@ class StreamBasis:
             text += (f"; un-rotated after {', '.join(f'`{n}`' for n in self.readouts)} by a constant "
                      f"{self.width}×{self.dim} MatMul (Qᵀ·diag γ, one GEMM more)")
         if self.float_gammas:
-            text += (f"; γ kept in float after {len(self.float_gammas)} norm(s) by a constant {self.width}×{self.width} "
-                     "MatMul (Qᵀ·diag γ·Q)")
+            text += (f"; γ kept in float after {len(self.float_gammas)} norm(s) by a constant "
+                     f"{self.width}×{self.width} MatMul (Qᵀ·diag γ·Q)")
         if self.added:
             text += f"; its constant MatMuls add {self.added:,} parameters"
             text += f" and the slice deletes {self.saved:,}" if self.sliced else ""

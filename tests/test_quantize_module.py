@@ -127,7 +127,7 @@ def test_addmm_weights_are_transposed_into_nn_linear():
 
 def test_the_error_streams_run_by_run_and_equals_the_joined_figure(gpt2):
     """The measurement runs the original and the candidate batch by batch (one batch's outputs alive
-    at a time: fx calibration.paired_outputs); its figures are those of every batch's outputs joined."""
+    at a time: fx calibration.paired_runs); its figures are those of every batch's outputs joined."""
     import types
 
     from lnfold.fx_rewrite import calibration as calibration_io
@@ -135,7 +135,7 @@ def test_the_error_streams_run_by_run_and_equals_the_joined_figure(gpt2):
 
     model, args = gpt2
     batches = [tuple(a.roll(k, dims=-1) for a in args) for k in range(3)]
-    assert isinstance(calibration_io.paired_outputs(model, model, batches), types.GeneratorType)
+    assert isinstance(calibration_io.paired_runs(model, model, batches), types.GeneratorType)
     r = lnfold.quantize_module(model, args, backend="torch.ao", inputs=batches, dynamic=False)
     joined = pq.output_errors(["output"], calibration_io.outputs(model, batches),
                               calibration_io.outputs(r.module, batches))

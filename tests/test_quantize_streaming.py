@@ -34,8 +34,8 @@ def test_measured_run_by_run_equals_every_row_at_once_and_holds_one_run():
     quantized = q.run_quantizer(model, "int8", None)
     rows = Rows({"x": rng.normal(size=(2 * RUN_ROWS + 5, 4, 16)).astype(np.float32)})
     assert len(rows.runs()) == 3
-    names, ref = calibration_io.named_outputs(model, rows.runs())  # every row's outputs, joined
-    got = calibration_io.named_outputs(quantized, rows.runs())[1]
+    names = [o.name for o in model.graph.output]
+    ref, got = (calibration_io.run(m, rows.runs()) for m in (model, quantized))  # every row's outputs, joined
     one_shot = pq.output_errors(names, ref, got)
     assert "top1_agreement" in one_shot["logits"] and 0 < one_shot["logits"]["rel_rms"] < 0.1
     assert q.measure(model, quantized, rows) == one_shot
@@ -69,7 +69,7 @@ def test_rows_whose_outputs_are_big_run_a_few_at_a_time(monkeypatch):
     assert [len(f["x"]) for f in m.rows.runs()] == [3, 3, 3, 2] and len(m.verification["x"]) == 3
     assert [len(f["x"]) for f in rows.runs()] == [11]  # (the rows given: one run)
     quantized = q.run_quantizer(model, "int4", None, block_size=16)
-    names, ref = calibration_io.named_outputs(model, rows.runs())
-    assert q.measure(model, quantized, m.rows) == pq.output_errors(names, ref, calibration_io.named_outputs(
-        quantized, rows.runs())[1])
+    names = [o.name for o in model.graph.output]
+    assert q.measure(model, quantized, m.rows) == pq.output_errors(names, calibration_io.run(model, rows.runs()),
+                                                                   calibration_io.run(quantized, rows.runs()))
     assert pq.bounded(m, None) is m and rows.bounded(1).per_run == pc.RUN_ROWS
