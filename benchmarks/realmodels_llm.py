@@ -150,25 +150,29 @@ def export(model, path: Path) -> Path:
     import torch
     from lnfold import zoo
 
-    class Logits(torch.nn.Module):  # input_ids alone: no mask (full windows), no cache
-        def __init__(self):
-            super().__init__()
-            self.lm = model
-
-        def forward(self, input_ids):
-            return self.lm(input_ids=input_ids, use_cache=False).logits
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zoo.quiet_onnx_logs()
-        prog = torch.onnx.export(Logits().eval(), (torch.zeros(2, SEQ, dtype=torch.long),), dynamo=True,
+        prog = torch.onnx.export(zoo.Logits(model, "logits").eval(),  # input_ids alone: no mask, no cache
+                                 (torch.zeros(2, SEQ, dtype=torch.long),), dynamo=True,
                                  opset_version=18, input_names=["input_ids"], output_names=["logits"],
                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
     onnx.save(prog.model_proto, str(tmp))
     tmp.replace(path)
     return path
+
+
+def materials(cache: Path):
+    """What every part reads: (the float32 LM, its tokenizer, the WINDOWS GPL-3 calibration windows,
+    the two GPL-3 windows after them (held out of calibration), the Apache-2.0 windows, the ONNX
+    export's path). An LnfoldError where the weights cannot be had."""
+    lm, tokenizer = load(cache)
+    cal_all = tokenizer(CALIBRATION_TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    cal, cal_heldout = windows(cal_all), windows(cal_all, WINDOWS + 2)[WINDOWS:]
+    held = text_windows(tokenizer, HELDOUT_TEXT)
+    return lm, tokenizer, cal, cal_heldout, held, export(lm, cache / "smollm2" / ONNX_NAME)
 
 
 def ort_session(model, threads: int):
@@ -451,11 +455,7 @@ def main(argv=None) -> int:
     cache = rm.cache_dir(args.cache)
     t0 = time.time()
     try:
-        lm, tokenizer = load(cache)
-        cal_all = tokenizer(CALIBRATION_TEXT.read_text(), add_special_tokens=False)["input_ids"]
-        cal, cal_heldout = windows(cal_all), windows(cal_all, WINDOWS + 2)[WINDOWS:]
-        held = text_windows(tokenizer, HELDOUT_TEXT)
-        onnx_path = export(lm, cache / "smollm2" / ONNX_NAME)
+        lm, _, cal, cal_heldout, held, onnx_path = materials(cache)
     except LnfoldError as e:
         print(f"benchmarks.realmodels_llm: {e}", file=sys.stderr)
         return 2

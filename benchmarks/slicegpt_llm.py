@@ -76,12 +76,10 @@ def import_slicegpt(src: Path) -> types.SimpleNamespace:
     (trained/slicegpt_side.slicegpt_package), its Llama adapter's layer forward repeated for transformers 5."""
     import torch
 
-    from .trained.slicegpt_side import slicegpt_package
+    from .trained.slicegpt_side import slicegpt_modules, slicegpt_package
 
     slicegpt_package(src)
-    from slicegpt import layernorm_fusion, rotate
     from slicegpt.adapters.llama_adapter import CompressedLlamaDecoderLayer, LlamaModelAdapter
-    from slicegpt.slicing_scheduler import ConstSlicingScheduler
 
     class Transformers5Layer(CompressedLlamaDecoderLayer):
         """SliceGPT's CompressedLlamaDecoderLayer.forward for transformers 5's layer call."""
@@ -103,13 +101,7 @@ def import_slicegpt(src: Path) -> types.SimpleNamespace:
                 return torch.matmul(residual, self.mlp_shortcut_Q) + hidden_states
             return residual + hidden_states
 
-    class Adapter(LlamaModelAdapter):
-        @property
-        def compressed_layer_type(self) -> type:
-            return Transformers5Layer
-
-    return types.SimpleNamespace(rotate=rotate, fusion=layernorm_fusion, Adapter=Adapter,
-                                 ConstSlicingScheduler=ConstSlicingScheduler)
+    return slicegpt_modules(LlamaModelAdapter, Transformers5Layer)
 
 
 def slicegpt_prepare(sg: types.SimpleNamespace, lm):
@@ -269,11 +261,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     try:
-        lm, tokenizer = llm.load(cache)
-        cal_all = tokenizer(llm.CALIBRATION_TEXT.read_text(), add_special_tokens=False)["input_ids"]
-        cal, cal_heldout = llm.windows(cal_all), llm.windows(cal_all, llm.WINDOWS + 2)[llm.WINDOWS:]
-        held = llm.text_windows(tokenizer, llm.HELDOUT_TEXT)
-        onnx_path = llm.export(lm, cache / "smollm2" / llm.ONNX_NAME)
+        lm, _, cal, cal_heldout, held, onnx_path = llm.materials(cache)
     except LnfoldError as e:
         print(f"benchmarks.slicegpt_llm: {e}", file=sys.stderr)
         return 2

@@ -82,12 +82,23 @@ def slicegpt_package(src: Path) -> None:
     sys.modules.update({"slicegpt": package, "slicegpt.config": config})
 
 
+def slicegpt_modules(adapter: type, layer: type) -> types.SimpleNamespace:
+    """What the side-by-sides call of SliceGPT (imported after `slicegpt_package`): its rotation and
+    fusion modules, its slicing scheduler, and `adapter` (one of its model adapters) building its
+    compressed layers as `layer` (the adapter's layer with a transformers-5 forward)."""
+    from slicegpt import layernorm_fusion, rotate
+    from slicegpt.slicing_scheduler import ConstSlicingScheduler
+
+    with_layer = type(adapter.__name__, (adapter,), {"compressed_layer_type": property(lambda self: layer),
+                                                     "__module__": __name__})
+    return types.SimpleNamespace(rotate=rotate, fusion=layernorm_fusion, Adapter=with_layer,
+                                 ConstSlicingScheduler=ConstSlicingScheduler)
+
+
 def import_slicegpt(src: Path) -> types.SimpleNamespace:
     """SliceGPT's modules from `src`, its OPT adapter's layer forward repeated for transformers 5."""
     slicegpt_package(src)
-    from slicegpt import layernorm_fusion, rotate
     from slicegpt.adapters.opt_adapter import CompressedOPTDecoderLayer, OPTModelAdapter
-    from slicegpt.slicing_scheduler import ConstSlicingScheduler
 
     class Transformers5Layer(CompressedOPTDecoderLayer):
         """SliceGPT's CompressedOPTDecoderLayer.forward (Pre-LN branch) for transformers 5's layer call."""
@@ -111,13 +122,7 @@ def import_slicegpt(src: Path) -> types.SimpleNamespace:
                 return torch.matmul(residual, self.mlp_shortcut_Q).view(shape) + hidden_states.view(shape)
             return (residual + hidden_states).view(shape)
 
-    class Adapter(OPTModelAdapter):
-        @property
-        def compressed_layer_type(self) -> type:
-            return Transformers5Layer
-
-    return types.SimpleNamespace(rotate=rotate, fusion=layernorm_fusion, Adapter=Adapter,
-                                 ConstSlicingScheduler=ConstSlicingScheduler)
+    return slicegpt_modules(OPTModelAdapter, Transformers5Layer)
 
 
 def slicegpt_slice(sg: types.SimpleNamespace, model, calibration: np.ndarray, keep: int, slice_head: bool):
