@@ -115,6 +115,14 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def run_header(module: str, argv, *packages: str, extra: str = "") -> str:
+    """The line a benchmark's output starts with: when (UTC), the machine, the versions of `packages`
+    (with `extra`) and the command (`argv`: main's, None where it is the process's own)."""
+    said = ", ".join(f"{p} {__import__(p).__version__}" for p in packages)
+    args = " ".join(sys.argv[1:] if argv is None else argv)
+    return f"Run {now()}, {platform.machine()}, {said}{extra}; `python -m {module}{' ' if args else ''}{args}`"
+
+
 @contextlib.contextmanager
 def quiet():
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

