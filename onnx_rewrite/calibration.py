@@ -57,7 +57,7 @@ def row_output_bytes(model: ModelLike, rows: Rows) -> Optional[int]:
     if rows.batch or rows.pieces or (rows.count or 0) < 2:
         return None
     try:
-        return sum(np.asarray(o).nbytes for o in session(model).run(None, rows.cut(0, 1).feeds))
+        return sum(np.asarray(o).nbytes for o in session(model).run(None, rows.cut(0, 1).runs()[0]))
     except Exception:  # (a model that runs on no rows at all says so when it is measured)
         return None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -392,18 +392,37 @@ def model_batch(model: onnx.ModelProto) -> Optional[int]:
     return b if isinstance(b, int) and b > 0 else None
 
 
+def unbatched_inputs(model: onnx.ModelProto, feeds: dict) -> set[str]:
+    """The inputs of `feeds` that carry no rows: the model fixes the input's whole shape (Optimum's
+    merged decoder's `use_cache_branch`, a bool of shape [1]) while another input's first dim is
+    free (the batch), and the array is that shape. They are fed whole with every run of the rows."""
+    specs = graph_inputs(model)
+    if not any(s.dims and not isinstance(s.dims[0], int) for s in specs):
+        return set()
+    return {s.name for s in specs if s.name in feeds and s.dims and all(isinstance(d, int) and d > 0 for d in s.dims)
+            and list(np.shape(feeds[s.name])) == s.dims}
+
+
+def _rows_of(feeds: dict, model: onnx.ModelProto, batch: Optional[int], what: str) -> Rows:
+    """Rows.of over the batched inputs, the `unbatched_inputs` fed whole with every run."""
+    whole = unbatched_inputs(model, feeds)
+    rows = Rows.of({k: v for k, v in feeds.items() if k not in whole}, batch, what)
+    return replace(rows, unbatched={k: feeds[k] for k in whole}) if whole else rows
+
+
 def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
     """The user's rows (an .npz path, a folder of .npz files, or a dict of arrays) for `model`,
     checked against its inputs. A model with a fixed batch b is fed b rows per run: any count of at
     least b is taken, the rows after the last whole batch dropped (and said: passes/calibration.Rows).
     A folder's files are rows that need not share a shape (sequences of different lengths, which
-    padding would change): each file is fed on its own, in name order."""
+    padding would change): each file is fed on its own, in name order. An input with no batch axis
+    (`unbatched_inputs`) is given once and fed with every run."""
     if isinstance(src, (str, os.PathLike)) and Path(src).is_dir():
         batch = model_batch(model)
         names = [n for n in folder_files(src) if n.endswith(".npz")]  # (links out of the folder refused)
         pieces = []
         for name in names:
-            piece = Rows.of(read_npz(Path(src) / name), batch, f"{src}/{name}")
+            piece = _rows_of(read_npz(Path(src) / name), model, batch, f"{src}/{name}")
             check_feeds(piece.runs()[0], model, f"{src}/{name}")
             pieces.append(piece)
         if not pieces:
@@ -414,7 +433,7 @@ def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
     else:
         feeds = {k: np.asarray(v) for k, v in dict(src).items()}
     batch = model_batch(model)
-    rows = Rows.of(feeds, batch, what)
+    rows = _rows_of(feeds, model, batch, what)
     check_feeds(rows.runs()[0], model, what)  # names, types and shapes, on one run
     return rows
 

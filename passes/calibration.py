@@ -5,7 +5,7 @@ over the same pieces: `Folds` (one per IR: onnx_rewrite/api.OnnxFolds, fx_rewrit
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -74,13 +74,16 @@ class Rows:
     it: [1, 80, 3000]) is fed b rows per run; where the batch is free, at most RUN_ROWS per run.
     `dropped`: rows after the last whole batch, left out (and said: `describe`). `pieces`: rows
     that share no shape (a folder of .npz files: sequences of different lengths, which padding
-    would change), each its own feeds, fed one piece at a time; `feeds` is then empty."""
+    would change), each its own feeds, fed one piece at a time; `feeds` is then empty. `unbatched`:
+    inputs with no batch axis (Optimum's merged decoder's `use_cache_branch`, a bool of shape [1]),
+    fed whole with every run."""
 
     feeds: dict
     batch: Optional[int] = None
     dropped: int = 0
     pieces: tuple = ()  # of Rows, each fed on its own (`of_pieces`)
     per_run: Optional[int] = None  # rows per run where the batch is free (None: RUN_ROWS; `bounded`)
+    unbatched: dict = field(default_factory=dict)  # name -> array fed whole with every run
 
     @staticmethod
     def of(feeds: dict, batch: Optional[int], what: str) -> "Rows":
@@ -121,14 +124,15 @@ class Rows:
             return [feeds for p in self.pieces for feeds in p.runs()]
         n, step = self.count, self.batch or self.per_run or RUN_ROWS
         if n is None or n <= step:
-            return [self.feeds]
-        return [self.cut(i, i + step).feeds for i in range(0, n, step)]
+            return [{**self.feeds, **self.unbatched}]
+        return [{**self.cut(i, i + step).feeds, **self.unbatched} for i in range(0, n, step)]
 
     def cut(self, lo: int, hi: Optional[int]) -> "Rows":
         """Rows [lo, hi) (pieces [lo, hi) where the rows come in pieces)."""
         if self.pieces:
             return Rows.of_pieces(list(self.pieces[lo:hi]))
-        return Rows({k: v[lo:hi] for k, v in self.feeds.items()}, self.batch, self.dropped, per_run=self.per_run)
+        return Rows({k: v[lo:hi] for k, v in self.feeds.items()}, self.batch, self.dropped, per_run=self.per_run,
+                    unbatched=self.unbatched)
 
     def bounded(self, row_bytes: Optional[int]) -> "Rows":
         """These rows run so that a run's outputs stay about RUN_OUTPUT_BYTES: fewer than RUN_ROWS per
@@ -163,7 +167,8 @@ class Rows:
         if self.pieces:
             return "; ".join([f"{len(self.pieces)} files of {self.count} row(s), fed one file at a time (first: "
                               f"{self.pieces[0].describe()})"] + ([self.dropped_note()] if self.dropped else []))
-        return "; ".join([", ".join(f"{k} {list(np.shape(v))}" for k, v in self.feeds.items())] +
+        return "; ".join([", ".join([f"{k} {list(np.shape(v))}" for k, v in self.feeds.items()] +
+                                    [f"{k} {np.asarray(v).tolist()} (every row)" for k, v in self.unbatched.items()])] +
                          ([self.dropped_note()] if self.dropped else []))
 
 
