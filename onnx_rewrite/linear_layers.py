@@ -39,13 +39,36 @@ from .emit import BASIS_CHANGE
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
 
+def graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto, dict]]:
+    """The main graph, then every subgraph in it (If/Loop/Scan bodies, nested), each as (where,
+    graph, the initializers it can read by name: its own and its outer graphs'). onnxruntime's
+    int8 dynamic (EnableSubgraph) and int4 quantizers quantize inside them, reading a weight from
+    the outer graph as Optimum's merged decoder's two branches share theirs."""
+    out = []
+
+    def visit(g: onnx.GraphProto, where: str, outer: dict) -> None:
+        inits = {**outer, **{t.name: t for t in g.initializer}}
+        out.append((where, g, inits))
+        for n in g.node:
+            for a in n.attribute:
+                subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs) \
+                    if a.type == onnx.AttributeProto.GRAPHS else []
+                for k, sub in enumerate(subs):
+                    visit(sub, f"{n.op_type} `{n.name}` {a.name}{f'[{k}]' if len(subs) > 1 else ''}", inits)
+
+    visit(model.graph, "main graph", {})
+    return out
+
+
 def name_nodes(model: onnx.ModelProto) -> None:
-    """Give every node of the main graph a unique name (the quantizers select nodes by name)."""
+    """Give every node a unique name, across the main graph and its subgraphs (the quantizers
+    select nodes by name, in a branch too)."""
     seen: set[str] = set()
-    for k, node in enumerate(model.graph.node):
-        if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_{k}" if not node.name else f"{node.name}_{k}"
-        seen.add(node.name)
+    for _, g, _ in graphs(model):
+        for k, node in enumerate(g.node):
+            if not node.name or node.name in seen:
+                node.name = _unique(f"{node.op_type}_{k}" if not node.name else f"{node.name}_{k}", seen)
+            seen.add(node.name)
 
 
 def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
@@ -254,13 +277,25 @@ def _drop_dead(model: onnx.ModelProto, values: set[str], roots: set[str]) -> Non
 
 
 def linear_layers(model: onnx.ModelProto, *, with_basis_changes: bool = False) -> list[str]:
-    """Names of the main graph's MatMul nodes whose B is a 2-D float initializer, but for the
-    fold's `basis_changes` (`with_basis_changes`: those too)."""
-    inits = {t.name: t for t in model.graph.initializer}
-    return [n.name for n in model.graph.node
-            if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
-            and n.input[1] in inits and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].data_type in _FLOAT
-            and (with_basis_changes or not is_basis_change(n))]
+    """Names of the MatMul nodes whose B is a 2-D float initializer (of their graph or an outer
+    one), in the main graph and its subgraphs (`graphs`), but for the fold's `basis_changes`
+    (`with_basis_changes`: those too)."""
+    return [name for names in layers_by_graph(model, with_basis_changes=with_basis_changes).values()
+            for name in names]
+
+
+def layers_by_graph(model: onnx.ModelProto, *, with_basis_changes: bool = False) -> dict[str, list[str]]:
+    """`linear_layers` by the graph that holds them (`graphs`' where: "main graph", then each
+    branch), graphs with none left out."""
+    out = {}
+    for where, g, inits in graphs(model):
+        names = [n.name for n in g.node
+                 if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+                 and n.input[1] in inits and len(inits[n.input[1]].dims) == 2
+                 and inits[n.input[1]].data_type in _FLOAT and (with_basis_changes or not is_basis_change(n))]
+        if names:
+            out[where] = names
+    return out
 
 
 def is_basis_change(node: onnx.NodeProto) -> bool:
@@ -268,10 +303,13 @@ def is_basis_change(node: onnx.NodeProto) -> bool:
 
 
 def basis_changes(model: onnx.ModelProto) -> dict[str, int]:
-    """The MatMuls the fold inserted to change a stream's basis (emit.BASIS_CHANGE): node name ->
-    its constant matrix's parameter count."""
-    sizes = {t.name: int(np.prod(t.dims)) for t in model.graph.initializer}
-    return {n.name: sum(sizes.get(i, 0) for i in n.input) for n in model.graph.node if is_basis_change(n)}
+    """The MatMuls the fold inserted to change a stream's basis (emit.BASIS_CHANGE), in any graph:
+    node name -> its constant matrix's parameter count."""
+    out = {}
+    for _, g, inits in graphs(model):
+        out.update({n.name: sum(int(np.prod(inits[i].dims)) for i in n.input if i in inits)
+                    for n in g.node if is_basis_change(n)})
+    return out
 
 
 def float_parameters(model: onnx.ModelProto) -> int:

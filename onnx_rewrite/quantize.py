@@ -18,6 +18,12 @@ user's data. Rows are fed in the model's own batch size (`Rows`). So do the mode
 the command's output. `rotate="auto"` quantizes each of AUTO_CANDIDATES and keeps the lowest error
 on those rows (issue 33: on DINOv2 rotation pays for int8 and hurts weight-only int4).
 
+Linear layers inside If branches (Optimum's merged decoder: the decoder with and without its past,
+one per branch, sharing the main graph's weights) are quantized where onnxruntime does it: int8
+dynamic (quantize_dynamic with EnableSubgraph) and int4 (MatMulNBitsQuantizer recurses); its static
+QDQ quantizer does not, so W8A8 on such a model is refused before any work (`check_branches`). The
+error is measured on the branch the rows take, and the report says which (`branches_taken`).
+
 What is decided from measured numbers — the candidates, the choice, the error, the report — is
 passes/quantize.py's, shared with the torch entry (fx_rewrite/quantize.py); this module is the
 adapter to onnxruntime: prepare the float model, run its quantizer, run the result.
@@ -31,10 +37,11 @@ import os
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import onnx
 
 from ..passes import FoldResult, LnfoldError
@@ -49,7 +56,7 @@ from . import verify
 from ..passes.pipeline import Progress, record, stage
 from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
 from .linear_layers import (WEIGHT_VIEWS, basis_changes, constant_weights, float_parameters, gemm_to_matmul,
-                            linear_layers, name_nodes)
+                            graphs, layers_by_graph, linear_layers, name_nodes)
 from .write import is_large
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # int4 (MLAS MlasQuantizeBlockwise: no other)
@@ -82,6 +89,21 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
         raise LnfoldError("--block-size is for int4 weights")
 
 
+def check_branches(model: onnx.ModelProto, weights: str, activations: Optional[str]) -> None:
+    """Linear layers inside If/Loop branches (Optimum's merged decoder: the decoder with and without
+    its past, one per branch of an If) are quantized by onnxruntime's int8 dynamic quantizer
+    (EnableSubgraph) and its int4 one, not by its static QDQ quantizer (onnxruntime 1.32: it
+    recurses into no subgraph, EnableSubgraph or not, and its calibrator sees no branch's tensors):
+    W8A8 on such a model is refused before any work, not written with its layers left float."""
+    branches = [where for where in layers_by_graph(model) if where != "main graph"]
+    if branches and calibrates(weights, activations):
+        raise LnfoldError(
+            f"W8A8 (onnxruntime's quantize_static, QDQ) cannot quantize this model: its linear layers are inside "
+            f"{' and '.join(branches[:2])}{' ...' if len(branches) > 2 else ''} (a merged decoder), and onnxruntime's "
+            "static quantizer and calibrator see only the main graph; use int8 dynamic (--weights int8 alone) or "
+            "int4 (--weights int4, with or without --activations int8), or quantize the decoders before merging")
+
+
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
             gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, inputs=None, dims=None,
             verify: bool = True) -> Prepared:
@@ -108,6 +130,10 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     if rewritten:
         notes.append(f"{rewritten} Gemm(s) rewritten as MatMul + Add (exact) so that the quantizer sees them")
     notes += [f"Gemm kept float: {k}" for k in kept]
+    inside = {where: len(names) for where, names in layers_by_graph(work).items() if where != "main graph"}
+    if inside:
+        notes.append("linear layers inside branches, each quantized there: " + ", ".join(
+            f"{n} in {where}" for where, n in inside.items()) + " (a weight the branches share stays one initializer)")
     prepared = Prepared(work, result, notes, folded.gamma_into_readers, resolved + rewritten)
     if verify:
         check_exact_steps(model, prepared, inputs, dims)
@@ -152,24 +178,25 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
     costs)."""
     if calibration is not None and not isinstance(calibration, Rows):
         calibration = Rows(dict(calibration))
+    check_branches(prepared, weights, activations)
     nodes = linear_layers(prepared, with_basis_changes=quantize_basis_changes)
     if not nodes:
-        branches = any(a.type == onnx.AttributeProto.GRAPH for n in prepared.graph.node for a in n.attribute)
-        raise LnfoldError("no linear layer to quantize in the main graph" + (
-            " (its layers are inside If/Loop branches, as in a merged decoder: quantize the decoder files "
-            "before merging)" if branches else " (no MatMul or Gemm with a constant 2-D weight)"))
+        raise LnfoldError("no linear layer to quantize (no MatMul or Gemm with a constant 2-D weight)")
     keep_float = [] if quantize_basis_changes else list(basis_changes(prepared))
+    # (node names are unique across the main graph and its branches: name_nodes; the quantizers
+    # select by name in a branch too)
     if weights == "int4":
         # nodes_to_include adds to the MatMuls it quantizes anyway (onnxruntime 1.32): the others
         # (keep_float among them) are excluded
-        others = [n.name for n in prepared.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
+        others = [n.name for _, g, _ in graphs(prepared) for n in g.node
+                  if n.op_type == "MatMul" and n.name not in set(nodes)]
         return _onnxruntime(prepared, weights, activations, calibration, block_size, per_channel,
                             dict(nodes_to_include=nodes, nodes_to_exclude=others))
     # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
     # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
-    inits = {t.name: t for t in prepared.graph.initializer}
-    by_name = {n.name: n for n in prepared.graph.node}
-    extra = {"DefaultTensorType": inits[by_name[nodes[0]].input[1]].data_type}
+    where, g, inits = next(x for x in graphs(prepared) if any(n.name == nodes[0] for n in x[1].node))
+    first = next(n for n in g.node if n.name == nodes[0])
+    extra = {"DefaultTensorType": inits[first.input[1]].data_type}
     return _onnxruntime(prepared, weights, activations, calibration, block_size, per_channel,
                         dict(nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra))
 
@@ -200,6 +227,9 @@ def _onnxruntime(model: onnx.ModelProto, weights: str, activations: Optional[str
         with tempfile.TemporaryDirectory(prefix="lnfold-quantize-") as tmp:
             out = Path(tmp) / "quantized.onnx"
             if activations is None:
+                if len(graphs(model)) > 1:  # (its branches too: off by default)
+                    selection = {**selection, "extra_options": {**selection.get("extra_options", {}),
+                                                                "EnableSubgraph": True}}
                 quantize_dynamic(copy.deepcopy(model), out, weight_type=QuantType.QInt8, per_channel=per_channel,
                                  **selection)
             else:
@@ -238,7 +268,13 @@ def _root_logger_kept():
 
 
 def op_counts(model: onnx.ModelProto) -> Counter:
-    return Counter(n.op_type for n in model.graph.node)
+    """Op kind -> count over the main graph and its branches (`branch_op_counts`: by graph)."""
+    return sum(branch_op_counts(model).values(), Counter())
+
+
+def branch_op_counts(model: onnx.ModelProto) -> dict[str, Counter]:
+    """Op kind -> count in each graph (linear_layers.graphs' where: "main graph", then each branch)."""
+    return {where: Counter(n.op_type for n in g.node) for where, g, _ in graphs(model)}
 
 
 def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows, original_file=None) -> dict:
@@ -254,6 +290,27 @@ def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
     """Inputs the verification makes up (verify.original_run), as Rows."""
     _, feeds, _ = verify.original_run(original, dims=dims)
     return Rows(feeds)
+
+
+def branches_taken(model: onnx.ModelProto, rows: Rows) -> Optional[str]:
+    """Which branch of each top-level If whose condition is a model input (Optimum's merged decoder:
+    `use_cache_branch`) the rows take, in words: the error is measured there only, where every row
+    takes one branch. None for a model without such an If."""
+    said = []
+    for node in model.graph.node:
+        if node.op_type != "If" or node.input[0] not in {i.name for i in model.graph.input}:
+            continue
+        taken = {bool(v) for feeds in rows.runs() if node.input[0] in feeds
+                 for v in np.asarray(feeds[node.input[0]]).reshape(-1)}
+        if taken == {True, False}:
+            said.append(f"the rows take both branches of If `{node.name}` (`{node.input[0]}` True and False)")
+        elif taken:
+            (value,) = taken
+            branch, other = ("then_branch", "else_branch") if value else ("else_branch", "then_branch")
+            said.append(f"every row takes the {branch} of If `{node.name}` (`{node.input[0]}` = {value}): the error "
+                        f"is measured on that branch only; the {other}, quantized the same way, is not measured "
+                        f"(rows with `{node.input[0]}` = {not value} measure it)")
+    return "; ".join(said) or None
 
 
 def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, activations: Optional[str],
@@ -299,8 +356,11 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         raise LnfoldError("--gamma-in-float keeps γ beside a rotation: give --rotate too")
     given = model if isinstance(model, (str, os.PathLike)) else None  # (its sessions read the file)
     model = as_model(model)
+    check_branches(model, weights, activations)
     dims = check_verify_args(model, None, dims)[1]
     m = measurement_rows(model, inputs, calibrate, weights, activations, dims)
+    if (taken := branches_taken(model, m.rows)) is not None:
+        m = replace(m, described=f"{m.described}; {taken}")
     m = bounded(m, calibration_io.row_output_bytes(given or model, m.rows))  # (an LM's logits: a row per run)
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)

@@ -57,6 +57,8 @@ def rows(model: onnx.ModelProto, n: int = 16, t: int = 8, seed: int = 1) -> dict
             feeds[i.name] = np.broadcast_to(np.arange(t), (n, t)).astype(np.int64).copy()
         elif i.name.startswith("past_key_values"):
             feeds[i.name] = np.zeros((n, 2, 0, 16), np.float32)  # 2 kv heads of 16
+        elif i.name == "use_cache_branch":  # the merged decoder: its branch without past (no batch axis)
+            feeds[i.name] = np.array([False])
         else:
             raise AssertionError(f"no rows for input {i.name}")
     return feeds
