@@ -420,6 +420,8 @@ def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, given=None) 
     reference beside them (`plain`), never chosen."""
     label = "plain onnxruntime: " + scheme_name(scheme["weights"], scheme["activations"], scheme["block_size"],
                                                 scheme["per_channel"], plain=True)
+    if scheme["weights"] == "int8" and len(graphs(model)) > 1:  # (_onnxruntime: its branches too)
+        label = label[:-1] + ", extra_options={'EnableSubgraph': True})"
     try:
         quantized = run_plain(model, **scheme)
         errors = measure(model, quantized, m.rows, given)

@@ -233,7 +233,7 @@ def _merged_llm_rows(model: onnx.ModelProto, use_cache: bool) -> dict:
 
 
 @pytest.mark.skipif(not (CORPUS / MERGED).exists(), reason="the Optimum corpus file is not here")
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", pytest.param("int4", marks=pytest.mark.slow)])  # (~2 s each)
 def test_optimums_merged_decoder_quantizes_rotated(tmp_path, capsys, weights):
     m = onnx.load(str(CORPUS / MERGED))
     np.savez(tmp_path / "rows.npz", **llm_rows(m))
@@ -247,3 +247,11 @@ def test_optimums_merged_decoder_quantizes_rotated(tmp_path, capsys, weights):
     for use_cache in (False, True):
         assert logits_error(m, quantized, _merged_llm_rows(m, use_cache)) < BOUND[weights], use_cache
 
+
+
+def test_rotate_auto_and_its_plain_reference_quantize_the_branches():
+    r = lnfold.quantize_onnx(merged_model(), weights="int8", rotate="auto", calibrate=merged_rows(False, n=16))
+    plain = r.report.candidates[-1]
+    assert plain.get("plain") and "EnableSubgraph" in plain["candidate"], plain
+    assert plain["changed_ops"]["MatMulInteger"] == [0, 10], plain  # (not left float, as its default would)
+    assert all(c["MatMulInteger"] == 5 for c in per_branch(r.model).values())
