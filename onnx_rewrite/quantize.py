@@ -181,7 +181,9 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
     check_branches(prepared, weights, activations)
     nodes = linear_layers(prepared, with_basis_changes=quantize_basis_changes)
     if not nodes:
-        raise LnfoldError("no linear layer to quantize (no MatMul or Gemm with a constant 2-D weight)")
+        raise LnfoldError("no linear layer to quantize in the main graph" + (" or its branches" if len(graphs(prepared))
+                                                                              > 1 else "") +
+                          " (no MatMul or Gemm with a constant 2-D weight)")
     keep_float = [] if quantize_basis_changes else list(basis_changes(prepared))
     # (node names are unique across the main graph and its branches: name_nodes; the quantizers
     # select by name in a branch too)
