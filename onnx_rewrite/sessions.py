@@ -64,16 +64,34 @@ def in_background(name: str, fn: Callable, *args, **kwargs) -> Future:
     return future
 
 
-def session(model: Union[ModelLike, Source]) -> ort.InferenceSession:
+def session(model: Union[ModelLike, Source], outputs=()) -> ort.InferenceSession:
+    """An onnxruntime session of `model`; `outputs`: tensors it also outputs (those it does not
+    output already). A file is read by onnxruntime; a ModelProto is serialized, and that copy of its
+    weights dropped once the session is made (onnxruntime's Python session would keep it for its
+    whole life: "bad as we're holding the memory indefinitely", says its own comment)."""
     so = ort.SessionOptions()
     so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
     # a run or two per session: threads spinning between ops would only take the CPU from the
     # fold's other work (the original's runs overlap the fold's editing: OnnxFrontend.apply)
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if isinstance(model, Source):
-        model = model.path if model.path is not None else model.proto
-    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
-    return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    model = Source.of(model)
+    if model.path is not None and not outputs:
+        src = model.path
+    else:
+        src = model.proto.SerializeToString()
+        src += _more_outputs(model.proto, outputs)  # (the bytes before it freed at once)
+    sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    sess._model_bytes = None  # (read only to re-create the session, which nothing here does)
+    return sess
+
+
+def _more_outputs(model: onnx.ModelProto, names) -> bytes:
+    """A serialized ModelProto holding only `names` as graph outputs (those `model` lacks): appended
+    to `model`'s bytes, protobuf's parser merges it in (repeated fields are concatenated), so that
+    the model with these outputs is never a second copy of its weights (`with_outputs`)."""
+    have = {o.name for o in model.graph.output}
+    extra = [onnx.ValueInfoProto(name=n) for n in dict.fromkeys(names) if n not in have]
+    return onnx.ModelProto(graph=onnx.GraphProto(output=extra)).SerializeToString() if extra else b""
 
 
 def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
@@ -97,24 +115,41 @@ def skeleton_of(model: Union[ModelLike, Source]) -> onnx.ModelProto:
 
 class Runner:
     """Runs one model: in onnxruntime, or with onnx's reference evaluator where onnxruntime
-    refuses to load it."""
+    refuses to load it. `outputs`: tensors it also outputs (`session`). `release()` drops the
+    session once the runs are done: `sess` then holds RELEASED (it ran in onnxruntime)."""
 
-    def __init__(self, model: ModelLike, *, allow_reference: bool = False) -> None:
+    def __init__(self, model: ModelLike, *, allow_reference: bool = False, outputs=()) -> None:
         self.model, self.load_error, self.refusal = model, None, None
         try:
-            self.sess = session(model)
+            self.sess = session(model, outputs)
             self.names = [o.name for o in self.sess.get_outputs()]
         except Exception as e:
             if not allow_reference:
                 raise
             self.sess, self.load_error, self.refusal = None, first_line(e), refusal_kind(e)
-            self.ref = reference(proto_of(model))
+            proto = proto_of(model)
+            self.ref = reference(with_outputs(proto, outputs) if outputs else proto)
             self.names = list(self.ref.output_names)
 
     def run(self, feeds: dict) -> list[np.ndarray]:
         if self.sess is not None:
             return self.sess.run(None, feeds, QUIET)
         return [np.asarray(x) for x in self.ref.run(None, feeds)]
+
+    def release(self) -> None:
+        """Drop the onnxruntime session, and its copy of the model's weights, where one was made."""
+        if self.sess is not None:
+            self.sess = RELEASED
+
+
+class _Released:
+    """`Runner.sess` once released: the model ran in onnxruntime; it runs no more."""
+
+    def run(self, *args, **kwargs):
+        raise RuntimeError("this model's onnxruntime session was released after its runs")
+
+
+RELEASED = _Released()
 
 
 def reference(model: onnx.ModelProto):

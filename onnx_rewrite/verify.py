@@ -133,6 +133,7 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
     except _RefusedAndUnrunnable as e:
         ref.refused = e
         return ref
+    ref.runner.release()  # (its copy of the weights: not alive beside the float64 copy's, nor the folded model's)
     ref.exact, ref.how = exact_run(original, ref.feeds, prepared=copy.result())
     return ref
 
@@ -154,8 +155,7 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
     # the folded norms' inputs are read only by the gate's fallback without float64
     norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
     try:
-        fr = Runner(with_outputs(folded.proto, [name for name, _ in norm_names]) if norm_names else folded,
-                     allow_reference=runner.sess is None)
+        fr = Runner(folded, allow_reference=runner.sess is None, outputs=[name for name, _ in norm_names])
         rb_all = fr.run(feeds)
     except Exception as e:
         raise VerificationError(f"verification failed: {'onnxruntime' if runner.sess is not None else 'the reference evaluator'} "

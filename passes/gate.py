@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import LnfoldError, VerificationError
-from .weights import max_rel_err
+from .weights import flat_pieces, max_rel_err
 
 FACTOR = 2.0
 # The error a correct fold may have beyond FACTOR x the original's, relative to the output's
@@ -196,19 +196,29 @@ def _non_finite(outputs: Sequence[Output]) -> Optional[Verdict]:
     value on these inputs (NaN compared with NaN "agrees": such an output proves nothing); None
     otherwise. An output with some non-finite values is judged on the others, and must keep its
     NaNs and infinities where they are (max_rel_err): NaN weights in one embedding row."""
-    floats = [(o, np.asarray(o.original, dtype=np.float64)) for o in outputs if o.dtype in FLOOR]
-    blind = [(o, a) for o, a in floats if a.size and not np.isfinite(a).any()]
+    floats = [o for o in outputs if o.dtype in FLOOR]
+    blind = [o for o in floats if np.size(o.original) and not _anywhere(np.isfinite, o.original)]
     if not blind:
         return None
-    if all(np.isnan(a).all() for _, a in floats):
+    if not any(_anywhere(_not_nan, o.original) for o in floats):
         return Verdict(False, NOT_JUDGED, float("nan"), judged=False, input_broken=True,
                        failure="the input model's outputs are all NaN on these inputs: it computes nothing "
                                "to compare a fold with")
-    o, a = blind[0]
-    what = "NaN" if np.isnan(a).all() else "NaN or infinite"
+    o = blind[0]
+    what = "NaN or infinite" if _anywhere(_not_nan, o.original) else "NaN"
     return Verdict(False, NOT_JUDGED, float("nan"), judged=False,
                    failure=f"output {o.name} of the original model is {what} everywhere on these inputs, and a "
                            "comparison with it proves nothing; give inputs on which it is finite")
+
+
+def _anywhere(test, a) -> bool:
+    """Does `test` hold for some value of `a` (in float64)? Piece by piece (weights.flat_pieces): no
+    float64 copy of a whole output."""
+    return any(test(piece.astype(np.float64)).any() for (piece,) in flat_pieces(np.asarray(a)))
+
+
+def _not_nan(x: np.ndarray) -> np.ndarray:
+    return ~np.isnan(x)
 
 
 def off_center(norm_inputs: dict[str, np.ndarray], dtype: str) -> Optional[tuple[str, float]]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .metric import SEGMENT
+
 
 def _f64(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float64)
@@ -120,21 +122,34 @@ def add_weight_times(a, weight, in_axis: int, vec, tensordot=None):
 
 
 def max_rel_err(ref: np.ndarray, got: np.ndarray) -> float:
-    """max |ref - got| / max |ref|: the equivalence measure of every verification."""
-    r, g = _f64(ref), _f64(got)
+    """max |ref - got| / max |ref|: the equivalence measure of every verification. Computed on
+    pieces of at most metric.SEGMENT values (float64 temporaries of a few MiB, whatever the
+    outputs' size: an LM's logits were a GiB of them); maxima are exact, so the pieces change no bit."""
+    r, g = np.asarray(ref), np.asarray(got)
     if r.shape != g.shape:
         return float("inf")
     if r.size == 0:
         return 0.0
-    both_nan = np.isnan(r) & np.isnan(g)
-    with np.errstate(invalid="ignore"):  # inf - inf: equal infinities are no difference
-        diff = np.where(both_nan | (r == g), 0.0, np.abs(r - g))
-    if np.isnan(diff).any():
-        return float("inf")
-    finite = np.isfinite(r)
-    special = ~finite & ~both_nan  # r's infinities: g must have the same ones
-    if not np.array_equal(np.isinf(r), np.isinf(g)) or not np.array_equal(r[special], g[special]):
-        return float("inf")
-    denom = float(np.abs(r[finite]).max()) if finite.any() else 0.0
-    d = float(diff[finite].max()) if finite.any() else 0.0
+    denom = d = 0.0
+    for r, g in flat_pieces(r, g):
+        r, g = _f64(r), _f64(g)
+        both_nan = np.isnan(r) & np.isnan(g)
+        with np.errstate(invalid="ignore"):  # inf - inf: equal infinities are no difference
+            diff = np.where(both_nan | (r == g), 0.0, np.abs(r - g))
+        if np.isnan(diff).any():
+            return float("inf")
+        finite = np.isfinite(r)
+        special = ~finite & ~both_nan  # r's infinities: g must have the same ones
+        if not np.array_equal(np.isinf(r), np.isinf(g)) or not np.array_equal(r[special], g[special]):
+            return float("inf")
+        if finite.any():
+            denom, d = max(denom, float(np.abs(r[finite]).max())), max(d, float(diff[finite].max()))
     return d / denom if denom > 0 else d
+
+
+def flat_pieces(*arrays: np.ndarray):
+    """The arrays (of one shape) flattened, in aligned pieces of at most metric.SEGMENT values: views
+    where they are contiguous."""
+    flat = [np.reshape(a, -1) for a in arrays]
+    for i in range(0, flat[0].size, SEGMENT):
+        yield tuple(f[i:i + SEGMENT] for f in flat)
