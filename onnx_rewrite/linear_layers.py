@@ -6,7 +6,9 @@ exporter makes of GPT-2's Conv1D, `addmm`) stays float. `gemm_to_matmul` rewrite
 weight is an initializer, with alpha = beta = 1 and no transposed A, into MatMul (+ Add of C):
 the same products and the same bias, so the same function (a transposed B is stored transposed;
 the rounding is at most the summation order's), checked with the fold by its float64 gate
-(quantize.check_exact_steps). Other Gemms are left as they are and counted.
+(quantize.check_exact_steps). Other Gemms are left as they are and counted. Gemms, MatMuls and basis
+changes are found in the main graph and in its If/Loop branches (`graphs`: Optimum's merged decoders);
+`constant_weights` reads the main graph only.
 
 `constant_weights` hands the quantizers, as an initializer, each linear layer's weight that the
 graph reaches from an initializer through ops that only alias, lay out or widen it (WEIGHT_VIEWS:
@@ -72,43 +74,49 @@ def name_nodes(model: onnx.ModelProto) -> None:
 
 
 def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
-    """Rewrite, in place, the main graph's Gemms with an initializer weight into MatMul (+ Add).
-    Returns (how many were rewritten, [why each other Gemm was kept])."""
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    uses = Counter(i for n in g.node for i in n.input)
-    rewritten, kept, nodes = 0, [], []
-    for node in g.node:
-        if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
-            nodes.append(node)
-            continue
-        a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
-        b = node.input[1]
-        c = node.input[2] if len(node.input) > 2 and node.input[2] else None
-        why = ("its weight is not an initializer" if b not in inits else
-               "alpha is not 1" if a.get("alpha", 1.0) != 1.0 else
-               "beta is not 1" if c is not None and a.get("beta", 1.0) != 1.0 else
-               "A is transposed" if a.get("transA", 0) else None)
-        if why:
-            kept.append(f"{node.name}: {why}")
-            nodes.append(node)
-            continue
-        if a.get("transB", 0):  # MatMul takes B as [K, N]: store the transposed weight
-            w = numpy_helper.to_array(inits[b]).T.copy()
-            new = numpy_helper.from_array(w, f"{b}__transposed")
-            if uses[b] == 1:
-                g.initializer.remove(inits[b])
-            g.initializer.append(new)
-            b = new.name
-        out = node.output[0]
-        mm_out = f"{out}__matmul" if c is not None else out
-        nodes.append(helper.make_node("MatMul", [node.input[0], b], [mm_out], name=f"{node.name}__matmul"))
-        if c is not None:
-            nodes.append(helper.make_node("Add", [mm_out, c], [out], name=f"{node.name}__bias"))
-        rewritten += 1
-    if rewritten:
-        del g.node[:]
-        g.node.extend(nodes)
+    """Rewrite, in place, the Gemms with an initializer weight into MatMul (+ Add), in the main graph
+    and its branches (`graphs`: a branch's Gemm reads the outer graph's weight, as GPT-2's merged
+    decoder's do). Returns (how many were rewritten, [why each other Gemm was kept])."""
+    everything = graphs(model)
+    owner = {name: g for _, g, _ in everything for name in (t.name for t in g.initializer)}
+    uses = Counter(i for _, g, _ in everything for n in g.node for i in n.input)
+    rewritten, kept = 0, []
+    for _, g, inits in everything:
+        nodes, changed = [], False
+        for node in g.node:
+            if node.op_type != "Gemm" or node.domain not in ("", "ai.onnx"):
+                nodes.append(node)
+                continue
+            a = {x.name: helper.get_attribute_value(x) for x in node.attribute}
+            b = node.input[1]
+            c = node.input[2] if len(node.input) > 2 and node.input[2] else None
+            why = ("its weight is not an initializer" if b not in inits else
+                   "alpha is not 1" if a.get("alpha", 1.0) != 1.0 else
+                   "beta is not 1" if c is not None and a.get("beta", 1.0) != 1.0 else
+                   "A is transposed" if a.get("transA", 0) else None)
+            if why:
+                kept.append(f"{node.name}: {why}")
+                nodes.append(node)
+                continue
+            if a.get("transB", 0):  # MatMul takes B as [K, N]: one transposed weight beside its initializer
+                home, name = owner[b], f"{b}__transposed"
+                if name not in owner:
+                    home.initializer.append(numpy_helper.from_array(numpy_helper.to_array(inits[b]).T.copy(), name))
+                    owner[name] = home
+                uses[b] -= 1
+                if not uses[b]:  # (every reader rewritten: the untransposed one goes)
+                    home.initializer.remove(next(t for t in home.initializer if t.name == b))
+                b = name
+            out = node.output[0]
+            mm_out = f"{out}__matmul" if c is not None else out
+            nodes.append(helper.make_node("MatMul", [node.input[0], b], [mm_out], name=f"{node.name}__matmul"))
+            if c is not None:
+                nodes.append(helper.make_node("Add", [mm_out, c], [out], name=f"{node.name}__bias"))
+            rewritten += 1
+            changed = True
+        if changed:
+            del g.node[:]
+            g.node.extend(nodes)
     return rewritten, kept
 
 

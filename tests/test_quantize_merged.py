@@ -255,3 +255,32 @@ def test_rotate_auto_and_its_plain_reference_quantize_the_branches():
     assert plain.get("plain") and "EnableSubgraph" in plain["candidate"], plain
     assert plain["changed_ops"]["MatMulInteger"] == [0, 10], plain  # (not left float, as its default would)
     assert all(c["MatMulInteger"] == 5 for c in per_branch(r.model).values())
+
+
+def test_gemms_in_both_branches_become_matmuls_reading_one_transposed_weight():
+    """GPT-2's merged decoder: its Conv1D layers are Gemms (transB) inside the branches, reading the
+    main graph's weights. Rewritten in both (else the quantizers skip them), one transposed copy of
+    the shared weight, the untransposed one gone, the outputs as before."""
+    from lnfold.onnx_rewrite.linear_layers import gemm_to_matmul
+
+    rng = np.random.default_rng(0)
+    branch = lambda label: helper.make_graph(  # noqa: E731
+        [helper.make_node("Gemm", ["x", "w", "b"], [f"{label}_y"], name="conv1d", transB=1)], label, [],
+        [helper.make_tensor_value_info(f"{label}_y", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], name="if", then_branch=branch("then"), else_branch=branch("else"))], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, D]), helper.make_tensor_value_info("c", TensorProto.BOOL, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])],
+        [numpy_helper.from_array(rng.standard_normal((5, D)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    rewritten = onnx.ModelProto()
+    rewritten.CopyFrom(m)
+    assert gemm_to_matmul(rewritten) == (2, [])
+    assert [t.name for t in rewritten.graph.initializer] == ["b", "w__transposed"]
+    assert all(c["MatMul"] == 1 and not c["Gemm"] for c in per_branch(rewritten).values())
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    for c in (True, False):
+        feeds = {"x": x, "c": np.array([c])}
+        want, got = (ort.InferenceSession(a.SerializeToString()).run(None, feeds)[0] for a in (m, rewritten))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
