@@ -233,7 +233,8 @@ def _merged_llm_rows(model: onnx.ModelProto, use_cache: bool) -> dict:
 
 
 @pytest.mark.skipif(not (CORPUS / MERGED).exists(), reason="the Optimum corpus file is not here")
-@pytest.mark.parametrize("weights", ["int8", pytest.param("int4", marks=pytest.mark.slow)])  # (~2 s each)
+@pytest.mark.slow  # (1-3 s each; the synthetic model's tests above are the fast tier's)
+@pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_optimums_merged_decoder_quantizes_rotated(tmp_path, capsys, weights):
     m = onnx.load(str(CORPUS / MERGED))
     np.savez(tmp_path / "rows.npz", **llm_rows(m))
