@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Union
 
@@ -66,9 +67,8 @@ def in_background(name: str, fn: Callable, *args, **kwargs) -> Future:
 
 def session(model: Union[ModelLike, Source], outputs=()) -> ort.InferenceSession:
     """An onnxruntime session of `model`; `outputs`: tensors it also outputs (those it does not
-    output already). A file is read by onnxruntime; a ModelProto is serialized, and that copy of its
-    weights dropped once the session is made (onnxruntime's Python session would keep it for its
-    whole life: "bad as we're holding the memory indefinitely", says its own comment)."""
+    output already). onnxruntime reads a file itself; a ModelProto (or a model given extra outputs)
+    is written to a temporary file for it to read (`_from_file`)."""
     so = ort.SessionOptions()
     so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
     # a run or two per session: threads spinning between ops would only take the CPU from the
@@ -76,13 +76,34 @@ def session(model: Union[ModelLike, Source], outputs=()) -> ort.InferenceSession
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     model = Source.of(model)
     if model.path is not None and not outputs:
-        src = model.path
-    else:
-        src = model.proto.SerializeToString()
-        src += _more_outputs(model.proto, outputs)  # (the bytes before it freed at once)
-    sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-    sess._model_bytes = None  # (read only to re-create the session, which nothing here does)
-    return sess
+        return ort.InferenceSession(model.path, so, providers=_PROVIDERS)
+    return _from_file(model.proto, outputs, so)
+
+
+_PROVIDERS = ["CPUExecutionProvider"]
+
+
+def _from_file(model: onnx.ModelProto, outputs, so: ort.SessionOptions) -> ort.InferenceSession:
+    """`model`'s session (with `outputs`), onnxruntime reading it from a temporary file, in memory
+    once (issue 47): its bytes handed to onnxruntime would be copied into a C++ string beside them,
+    parsed beside both, and kept by its Python session for its whole life; from a file it parses
+    as it reads. Errors say what they would of the bytes (not the file's name); where no temporary
+    file can be written, the bytes all the same."""
+    try:
+        with tempfile.TemporaryDirectory(prefix="lnfold-") as folder:
+            path = os.path.join(folder, "model.onnx")
+            with open(path, "wb") as f:
+                f.write(model.SerializeToString())
+                f.write(_more_outputs(model, outputs))
+            try:
+                return ort.InferenceSession(path, so, providers=_PROVIDERS)
+            except Exception as e:
+                raise type(e)(str(e).replace(f"Load model from {path} failed:", "")) from None
+    except OSError:
+        sess = ort.InferenceSession(model.SerializeToString() + _more_outputs(model, outputs), so,
+                                    providers=_PROVIDERS)
+        sess._model_bytes = None  # (read only to re-create the session, which nothing here does)
+        return sess
 
 
 def _more_outputs(model: onnx.ModelProto, names) -> bytes:
