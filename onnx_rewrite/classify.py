@@ -429,8 +429,9 @@ def build_view(info: GraphInfo, opset: int, rms: bool = False) -> tuple[View, di
             view.values[t.name].is_graph_output = True
 
     nodes, tensors = {n.name: n for n in graph.nodes}, info.tensors
-    for name, d in collapse_norms(view).items():
-        by_name[name] = NormMatch(d.name, "decomposed", [nodes[n] for n in d.nodes], tensors[d.x], tensors[d.output],
+    for name, d in collapse_norms(view, rms=rms).items():  # torch's forms, in the vocabulary of passes/
+        kind = "decomposed RMSNorm" if d.rms else "decomposed"
+        by_name[name] = NormMatch(d.name, kind, [nodes[n] for n in d.nodes], tensors[d.x], tensors[d.output],
                                   gamma=tensors[d.gamma] if d.gamma else None,
                                   beta=tensors[d.beta] if d.beta else None,
                                   epsilon=d.epsilon, axis=d.axis, rejection=d.rejection)
@@ -469,9 +470,8 @@ def _add_norm(view: View, info: GraphInfo, m: NormMatch) -> None:
         x = summed
     ins = [x] + names([m.gamma, m.beta])
     if m.kind in RMS_KINDS:  # an RMSNorm as given (no β): its input need not be zero-mean
-        view.add_node(Node(m.name, "DecomposedRMSNorm" if m.kind == "decomposed RMSNorm" else m.kind, ins[:2],
-                           [m.output.name], rule=rule("layer_norm", axes=m.axes, gamma=1 if ins[1] else None,
-                                                      eps=m.epsilon, rms=True)))
+        view.add_node(Node(m.name, m.kind, ins[:2], [m.output.name],
+                           rule=rule("layer_norm", axes=m.axes, gamma=1 if ins[1] else None, eps=m.epsilon, rms=True)))
         return
     view.add_node(Node(m.name, m.kind, ins, [m.output.name],
                        rule=rule("layer_norm", axes=m.axes, gamma=1 if ins[1] else None, beta=2 if ins[2] else None,

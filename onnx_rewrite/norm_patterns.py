@@ -108,10 +108,8 @@ RMS_PATTERNS = (
     NormPattern("RMSNormalization", ("RMSNormalization",), ONNX_DOMAINS, match_rms_op),
     NormPattern("SkipSimplifiedLayerNormalization", ("SkipSimplifiedLayerNormalization",), (fused.MS,),
                 match_skip_rms),
-    NormPattern("decomposed RMSNorm", ("ReduceMean",), ONNX_DOMAINS, norm_variants.match_rms),
-)
-RMS_KINDS = ("SimplifiedLayerNormalization", "RMSNormalization", "SkipSimplifiedLayerNormalization",
-             "decomposed RMSNorm")
+)  # (an RMSNorm written out: passes/patterns.match_rms, over the view)
+RMS_KINDS = ("SimplifiedLayerNormalization", "RMSNormalization", "SkipSimplifiedLayerNormalization")
 # the fused ops whose residual Add is part of the stream (classify.py, emit.py): input slot of their bias
 SKIP_BIAS = {"SkipLayerNormalization": 4, "SkipSimplifiedLayerNormalization": 3}
 

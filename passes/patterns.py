@@ -239,11 +239,11 @@ def collapse_norms(view: View, rms: bool = False) -> dict[str, DecomposedNorm]:
 
 def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
     """An RMSNorm written out, named after its mean, as LlamaRMSNorm (Qwen2, Mistral, Phi-3),
-    GemmaRMSNorm and T5LayerNorm spell it (onnx_rewrite/norm_variants.match_rms is its ONNX twin,
-    for the op spellings only ONNX has):
+    GemmaRMSNorm and T5LayerNorm spell it, in either IR (torch.export's graph, or the ONNX exporters'
+    Pow or Mul, ReduceMean, Add, Sqrt, Reciprocal or Div(1, ·), Mul or Div, Casts):
 
         [xs = cast(x)]   v = mean(xs², A)   [v = v + eps]   n = y / sqrt(v)  or  y * rsqrt(v)
-        or  y * reciprocal(sqrt(v)),  y = xs or x (T5 divides the uncast x)
+        or  y * reciprocal(sqrt(v))  or  y * (1 / sqrt(v)),  y = xs or x (T5 divides the uncast x)
         [n = cast(n)]    [n = n * γ]  [n = cast(n)]     (γ a constant along A; Gemma's 1 + γ once
                                                          the frontend computed it)
 
@@ -277,14 +277,12 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
         return NoMatch(f"the mean square `{t}` is read by {_what_reads(view, t)}, not by one square root")
     covered.append(root)
     t = root.outputs[0]
+    inv = _reciprocal_of(view, t) if root.rule.kind == "sqrt" else None  # y * (1 / sqrt(v))
+    if inv is not None:
+        covered.append(inv)
+        t = inv.outputs[0]
     final = _sole_reader(view, t, "scale")
-    if root.rule.kind == "sqrt" and final is None:
-        inv = _sole_reader(view, t, "reciprocal")  # y * (1 / sqrt(v))
-        final = _sole_reader(view, inv.outputs[0], "scale") if inv is not None else None
-        if final is not None:
-            covered.append(inv)
-            t = inv.outputs[0]
-    divide = root.rule.kind == "sqrt" and t == root.outputs[0]
+    divide = root.rule.kind == "sqrt" and inv is None
     if final is None or not _divides(final, t, {x, xs}, divide):
         return NoMatch(f"the root mean square `{t}` of `{xs}` is not what it is divided by "
                        f"(it is read by {_what_reads(view, t)})", 1)
@@ -351,8 +349,24 @@ def _sole_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
 
 
 def _reads_metadata(view: View, name: str) -> bool:
-    r = view.nodes[name].rule
-    return r is not None and r.kind == "metadata"
+    """A read of a value's metadata whose result nothing reads (torch.export's dtype asserts): the
+    swap drops it. (A used one, an ONNX Shape's, would be left reading a value the swap removes.)"""
+    n = view.nodes[name]
+    return (n.rule is not None and n.rule.kind == "metadata"
+            and not any(view.values[v].consumers or view.values[v].is_graph_output for v in n.outputs if v))
+
+
+def _reciprocal_of(view: View, value: str) -> Optional[Node]:
+    """The one reader of `value` that computes 1 / value: a reciprocal, or a division of the constant
+    1 by it (TorchScript's and Optimum's exports of rsqrt)."""
+    n = _sole_reader(view, value, "reciprocal", "scale")
+    if n is None or n.rule.kind == "reciprocal":
+        return n
+    ops = operands(n.rule)
+    if not is_quotient(n.rule) or ops is None or None in ops:
+        return None
+    one, by = (n.inputs[i] for i in ops)
+    return n if by == value and one and view.values[one].scalar == 1.0 else None
 
 
 def _is_centered(view: View, value: str) -> bool:
