@@ -46,14 +46,18 @@ def forget_shapes(em, plan: Plan) -> None:
             t.shape = None
 
 
-def add_new_biases(em, plan: Plan) -> None:
-    original = lambda name: const_values(em.info.tensors[name])  # noqa: E731
+def add_new_biases(plan: Plan, tensor, place) -> None:
+    """`+ W β` after each linear reader that had no bias (with its weight's source edits). As the
+    constant edits: `tensor(name)` is the original constant a plan name stands for, and
+    `place(view node)` the emitter of the graph that holds that node, and the node (an If branch's
+    readers are its own graph's: subgraphs.apply)."""
+    original = lambda name: const_values(tensor(name))  # noqa: E731
     for nb in plan.new_biases:
-        node = em.nodes[plan.origin(nb.node)]
+        em, node = place(plan.origin(nb.node))
         y = node.outputs[0]
         pre = em.var(f"{y.name}/lnfold_nobias", y.dtype)
         node.outputs[0] = pre
-        em.node("Add", [pre, em.const(f"{nb.node}/lnfold_bias", compute_new_bias(nb, original))], [y])
+        em.node("Add", [pre, em.const(f"{node.name}/lnfold_bias", compute_new_bias(nb, original))], [y])
 
 
 def swap(em, m: NormMatch, crms: CrmsNorm) -> None:

@@ -126,7 +126,7 @@ class Emitter:
                 f"{stream} input with {given} scale/bias, which onnxruntime refuses to load; repaired in the "
                 f"folded norms, whose γ and β are stored in {stream}, the stream's dtype")
         crms.resize_dims(self, plan)
-        crms.add_new_biases(self, plan)
+        crms.add_new_biases(plan, self.info.tensors.__getitem__, lambda name: (self, self.nodes[name]))
         crms.forget_shapes(self, plan)
         self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
 

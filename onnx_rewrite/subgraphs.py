@@ -8,9 +8,9 @@ value read in both branches (edited once where every reader is centered alike, c
 needs the original: THEORY §1). A branch's outputs leave through the If, so stream tensors among
 them block as graph outputs do. Shapes are inferred per branch (outer names as its inputs).
 
-Emission: the constant edits once for all scopes, then one `Emitter` per scope for its swaps and
-recenters; on export, the initializers graphsurgeon copies into each branch go back to the main
-graph, once.
+Emission: the constant edits and new biases once for all scopes, then one `Emitter` per scope for
+its swaps and recenters; on export, the initializers graphsurgeon copies into each branch go back
+to the main graph, once.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from onnx import helper
 from ..passes import Node, Plan, View
 from ..passes.rules import rule
 
+from . import crms
 from .shapes import infer_shapes, infer_types
 
 SEP = "::"
@@ -181,6 +182,8 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
     main_emitter.write_constants(plan, plan.const_edits, tensors.__getitem__, node_of)
     for name in plan.drop_muls:
         where(name)[1].bypass_mul(node_of(plan.origin(name)))
+    # a new bias's reader is in one graph, its W β read from constants of any (an If's heads and k_projs)
+    crms.add_new_biases(plan, tensors.__getitem__, lambda name: (where(name)[1], node_of(name)))
 
     for sc, em in emitters:
         # the scope's share of the plan, in its own graph's names

@@ -156,7 +156,8 @@ class Plan:
     def scoped(self, mine: Callable[[str], bool], local: Callable[[str], str], *, main: bool) -> "Plan":
         """The share of the plan that one graph of a model with subgraphs applies (ONNX If branches:
         onnx_rewrite/subgraphs.py), in that graph's own names (`local`) for the names it owns (`mine`).
-        Deferred and CRMS norms and new biases are the main graph's alone (branch ops offer neither)."""
+        Deferred and CRMS norms are the main graph's alone (branch ops offer neither); new biases,
+        like the constant edits, are applied once for every graph (their W β reads any graph's constants)."""
         def names(ns) -> FrozenList:
             return FrozenList(local(n) for n in ns if mine(n))
 
@@ -166,8 +167,7 @@ class Plan:
                                           shortcuts=[replace(s, node=local(s.node)) for s in r.shortcuts
                                                      if mine(s.node)])
                                   for r in self.stream_bases)
-        main_only = dict(deferral=self.deferral, compressions=self.compressions, new_biases=self.new_biases,
-                         origins=self.origins) if main else {}
+        main_only = dict(deferral=self.deferral, compressions=self.compressions, origins=self.origins) if main else {}
         return Plan(mode=self.mode, swaps=names(self.swaps), rms_swaps=names(self.rms_swaps),
                     recenters=FrozenList(replace(r, value=local(r.value)) for r in self.recenters if mine(r.value)),
                     betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
