@@ -98,8 +98,11 @@ def _from_file(model: onnx.ModelProto, outputs, so: ort.SessionOptions) -> ort.I
             try:
                 return ort.InferenceSession(path, so, providers=_PROVIDERS)
             except Exception as e:
-                raise type(e)(str(e).replace(f"Load model from {path} failed:", "")) from None
-    except OSError:
+                said = f"Load model from {path} failed:"
+                if said not in str(e):
+                    raise
+                raise type(e)(str(e).replace(said, "")) from None
+    except OSError:  # (no temporary file: onnxruntime's errors are not OSErrors)
         sess = ort.InferenceSession(model.SerializeToString() + _more_outputs(model, outputs), so,
                                     providers=_PROVIDERS)
         sess._model_bytes = None  # (read only to re-create the session, which nothing here does)

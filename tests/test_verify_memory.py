@@ -105,3 +105,14 @@ def test_the_original_session_is_released_before_the_folded_model_runs(monkeypat
     assert alive == [[], []], "the original's session was alive when the folded model's was made"
     with pytest.raises(RuntimeError, match="released"):
         ref.runner.run(ref.feeds)
+
+
+def test_without_a_temporary_file_a_session_is_made_of_the_bytes(monkeypatch):
+    """Where no temporary file can be written, onnxruntime gets the bytes, and does not keep them."""
+    def unwritable(*a, **kw):
+        raise PermissionError("read-only temporary folder")
+
+    model = G.pre_ln(layers=1)
+    monkeypatch.setattr(sessions.tempfile, "TemporaryDirectory", unwritable)
+    sess = sessions.session(model)
+    assert sess.get_outputs() and not any(isinstance(v, bytes) for v in vars(sess).values())
