@@ -6,6 +6,9 @@ cannot run it in its own dtype either (onnxconverter-common's fp16 files), float
 models are compared (gate.judge_float64_copies), and onnxruntime must refuse the folded model for the
 input's reason, not a new one. Cost (issue 24): each model is read once and each session built once;
 the folded norms' inputs become outputs (for the gate's fallback) only where no float64 run was possible.
+Memory (issue 47): the original's session is released once its outputs are made, onnxruntime reads
+every model from a file (sessions.session: no serialized copy kept), and the gate measures the
+outputs piece by piece (weights.max_rel_err).
 """
 from __future__ import annotations
 
