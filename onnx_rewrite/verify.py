@@ -243,7 +243,7 @@ def _rounding_sensitivity(copies, storage: str, feeds: dict, ra: list, rb: list)
     again with their weights moved; `ra`, `rb`: their outputs as they are. None where one cannot run."""
     elem = {v: k for k, v in _FLOAT_NAMES.items()}[storage]
     worst = []
-    for (m, model), exact in zip(copies, (ra, rb)):
+    for (m, model), as_they_are in zip(copies, (ra, rb)):
         rng = np.random.default_rng(0)
         moved_weights = dict(m.weights)  # (float64_copy: the float weights are inputs of the copy)
         for t in skeleton_of(model).graph.initializer:
@@ -254,7 +254,7 @@ def _rounding_sensitivity(copies, storage: str, feeds: dict, ra: list, rb: list)
             moved, _ = m.run(feeds, moved_weights)
         except RuntimeError:
             return None
-        worst.append(max((max_rel_err(a, b) for a, b in zip(exact, moved)), default=0.0))
+        worst.append(max((max_rel_err(a, b) for a, b in zip(as_they_are, moved)), default=0.0))
     return min(worst)
 
 
