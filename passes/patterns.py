@@ -226,7 +226,7 @@ def collapse_norms(view: View, rms: bool = False) -> dict[str, DecomposedNorm]:
                 continue
             m = matcher(view, node)
             if not m:
-                if m.near and matcher is match:  # the report lists it, with why it is not a LayerNorm
+                if m.near:  # the report lists it, with why it is not a LayerNorm (or an RMSNorm)
                     view.near_misses[node.name] = m
                 continue
             if taken & set(m.nodes):
@@ -291,7 +291,7 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
     rank = view.values[x].rank
     axis, why = norm_axis(list(axes), rank)
     if why is not None:
-        return NoMatch(f"a root mean square that {why}", 1)
+        return NoMatch(f"a root mean square that {why}")  # (not near: an RMS over several axes)
     gamma = None
     for _ in range(3):  # [cast] [γ] [cast], in any order once each
         nxt = _sole_reader(view, out, "elementwise", "scale")

@@ -71,3 +71,23 @@ def test_each_onnx_spelling_of_an_rmsnorm_rotates_exactly(form):
     feeds = _ids()
     want, got = _run(m, feeds), _run(r.model, feeds)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_an_rmsnorm_lookalike_is_a_near_miss_naming_the_op_that_stops_it():
+    """With γ into the readers (RMSNorms as given looked for), the root mean square of x multiplied
+    into x, not dividing it, is listed with the op that reads it (the view rule's near miss)."""
+    from lnfold.onnx_rewrite import targets
+    from lnfold.onnx_rewrite.api import OnnxFrontend
+    from lnfold.passes.options import FoldOptions
+
+    g = _Graph(0)
+    x = g.input("x", TensorProto.FLOAT, [B, T, D])
+    ms = g.op("ReduceMean", [g.op("Pow", [x, g.const("two", np.float32(2.0))]),
+                             g.const("axes", np.array([-1], np.int64))], name="ms", keepdims=1)
+    s = g.op("Sqrt", [g.op("Add", [ms, g.const("eps", np.float32(EPS))])])
+    g.output(g.op("Mul", [s, x], name="times_not_div"), shape=[B, T, D])
+    model = helper.make_model(helper.make_graph(g.nodes, "lookalike", g.inputs, g.outputs, g.inits),
+                              opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    view = OnnxFrontend(model, FoldOptions(gamma_into_readers=True), targets.resolve("ort", "cpu")).view()
+    assert view.rms_norms() == []
+    assert "is read by Mul `times_not_div`" in view.near_misses["ms"].reason, view.near_misses
