@@ -35,8 +35,8 @@ from torch import fx
 from ..passes import LnfoldError
 from ..passes.options import check_choice
 from ..passes.pipeline import record
-from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_scheme, choose,
-                               fold_for_quantizer, report_of, streamed_errors, trial)
+from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_rotation_options, check_scheme,
+                               choose, fold_for_quantizer, report_of, streamed_errors, trial)
 from . import calibration as calibration_io
 from .api import own_tensors, export, fold_module, program_view
 from .apply import READOUT_BUFFERS
@@ -229,8 +229,8 @@ def saved_bytes(module: torch.nn.Module) -> int:
 
 def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, weights: str = "int8",
                     rotate: Optional[str] = None, seed: int = 0, gamma_into_readers: Optional[bool] = None,
-                    gamma_in_float: bool = False, fold: bool = True, block_size: int = 32, backend: str = "auto",
-                    inputs=None,
+                    gamma_in_float: bool = False, spare_channels=None, fold: bool = True, block_size: int = 32,
+                    backend: str = "auto", inputs=None,
                     verify: bool = True, dynamic: bool = True) -> QuantizeResult:
     """Fold `module` exactly (fold_module), then quantize its linear layers with torchao or torch.ao;
     NOT exact: the report says by how much.
@@ -241,7 +241,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     (torchao where installed), "torchao" or "torch.ao". `rotate` ("hadamard", "orthogonal", their
     "-keep-ln" variants, seeded by `seed`) rotates each folded stream after moving the norms' γ
     into their readers (`gamma_into_readers`, default: with a rotation that rotates a stream), or
-    keeps γ in float beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized);
+    keeps γ in float beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized),
+    leaving the channels `spare_channels` unrotated;
     "auto" quantizes each of passes/quantize's candidates and keeps the lowest error on the
     measurement rows. `fold=False`: the same export and quantizer, nothing folded (the baseline).
     `inputs`: an args tuple, or a list of them, the error is measured (and "auto" chooses) on;
@@ -254,9 +255,7 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     """
     t0 = time.perf_counter()
     backend = check_options(weights, rotate, seed, block_size, backend)
-    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or not fold):
-        raise LnfoldError("rotate='auto' chooses the fold, γ's place and the rotation itself: "
-                          "drop fold=False / gamma_into_readers / gamma_in_float")
+    check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels)
     args, kwargs = tuple(args), dict(kwargs or {})
     batches, synthetic = calibration_io.batches_of(inputs, args)
     described = (f"the example args ({len(batches)} batch) — NOT your data: give inputs= for the error on real "
@@ -283,12 +282,12 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(lambda opts: prepare(opts), quantize, candidates=auto_candidates(backend),
+        q, trials = choose(lambda opts: prepare(opts), quantize, candidates=auto_candidates(backend, spare_channels),
                            plain=lambda: _plain_trial(module, names, batches),
                            plain_name="plain torch.ao", unmeasured=chosen)
     else:
         q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                  gamma_in_float=gamma_in_float), verify))
+                                  gamma_in_float=gamma_in_float, spare_channels=spare_channels), verify))
     prepared = q.prepared
     readouts = tuple(READOUT_BUFFERS.values())
     kept_float = {n: t.numel() for n, t in q.quantized.named_buffers() if n.startswith(readouts)}
@@ -304,8 +303,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 
 
 def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
-             gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, dynamic: bool = True,
-             verify: bool = True) -> Prepared:
+             gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, spare_channels=None,
+             dynamic: bool = True, verify: bool = True) -> Prepared:
     """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer,
     as quantize_onnx), linear layers as nn.Linear. `verify`: the fold through fold_module's gate
     (float64, with its probe of the kept LayerNorms), then the module handed to the quantizer
@@ -314,7 +313,7 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
         return fold_module(module, args, kwargs, seed=seed, verify=verify, dynamic=dynamic, **fold_options)
 
     folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                gamma_in_float=gamma_in_float)
+                                gamma_in_float=gamma_in_float, spare_channels=spare_channels)
     result, notes = folded.result, folded.notes
     gm = result.module if result is not None else None
     if gm is None:

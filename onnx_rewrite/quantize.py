@@ -47,9 +47,9 @@ import onnx
 from ..passes import FoldResult, LnfoldError
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
-from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, bounded, calibrates, check_scheme, choose,
-                               fold_for_quantizer, measurement, report_of, streamed_errors,
-                               trial)
+from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, auto_candidates, bounded,
+                               calibrates, check_rotation_options, check_scheme, choose, fold_for_quantizer,
+                               measurement, report_of, streamed_errors, trial)
 from . import calibration as calibration_io
 from . import inputs as synth
 from . import verify
@@ -105,15 +105,15 @@ def check_branches(model: onnx.ModelProto, weights: str, activations: Optional[s
 
 
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
-            gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, inputs=None, dims=None,
-            verify: bool = True) -> Prepared:
+            gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
+            spare_channels: Optional[tuple] = None, inputs=None, dims=None, verify: bool = True) -> Prepared:
     """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer),
     Gemm → MatMul; verified together unless verify=False."""
     def run(**options):  # (verified below, with the Gemm rewrite: what the quantizer gets)
         return fold_model(model, target="ort", inputs=inputs, dims=dims, seed=seed, verify=False, **options)
 
     folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                gamma_in_float=gamma_in_float)
+                                gamma_in_float=gamma_in_float, spare_channels=spare_channels)
     result, notes = folded.result, folded.notes
     # the fold's own model (made for this call) is edited in place: the fold result then holds the
     # model handed to the quantizer, which its verdict is about, and no second copy of a big model
@@ -326,7 +326,7 @@ def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, ac
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
                    rotate: Optional[str] = None, seed: int = 0, block_size: int = 128, per_channel: bool = False,
                    fold: bool = True, gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
-                   inputs=None, dims: Optional[dict] = None, verify: bool = True,
+                   spare_channels=None, inputs=None, dims: Optional[dict] = None, verify: bool = True,
                    progress: Progress = None) -> QuantizeResult:
     """Fold `model` exactly, then quantize it with onnxruntime's quantizer; NOT exact.
 
@@ -340,7 +340,8 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     per-channel int8 weights. `rotate` ("hadamard", "orthogonal", their "-keep-ln" variants,
     seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
     (`gamma_into_readers`, default: with a rotation that rotates a stream), or keeps γ in float
-    beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized); `rotate="auto"`
+    beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized), leaving the
+    channels `spare_channels` unrotated (a trained LM's massive-activation channels); `rotate="auto"`
     tries AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation, γ in float) and keeps the one with
     the lowest relative RMS error on the measurement rows (passes/quantize.choose). `fold=False` hands the model to the
     quantizer as given (plain onnxruntime, with the same Gemm rewrite and settings: the baseline).
@@ -351,11 +352,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     """
     t0 = time.perf_counter()
     check_options(weights, activations, calibrate, rotate, block_size, seed)
-    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or not fold):
-        raise LnfoldError("--rotate auto chooses the fold, γ's place and the rotation itself: "
-                          "drop fold=False / gamma_into_readers / gamma_in_float")
-    if gamma_in_float and rotate is None:
-        raise LnfoldError("--gamma-in-float keeps γ beside a rotation: give --rotate too")
+    check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels)
     given = model if isinstance(model, (str, os.PathLike)) else None  # (its sessions read the file)
     model = as_model(model)
     check_branches(model, weights, activations)
@@ -389,13 +386,14 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     trials: list[dict] = []
     if rotate == AUTO:
         q, trials = choose(prepare_with, tried, lambda: _plain_trial(model, scheme, m, given), progress=progress,
+                           candidates=auto_candidates("onnxruntime", spare_channels),
                            unmeasured=lambda prepared: quantize_prepared(prepared, measured=False))
         if verify:  # the chosen fold, verified like any fold
             check_exact_steps(model, q.prepared, m.verification, dims)
     else:
         stage(progress, "folding (verified)" if verify else "folding")
         prepared = prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                     gamma_in_float=gamma_in_float), verify)
+                                     gamma_in_float=gamma_in_float, spare_channels=spare_channels), verify)
         stage(progress, f"quantizing ({scheme_name(weights, activations, block_size, per_channel, plain=True)}) and "
                         f"measuring on {m.rows.count} row(s)")
         q = quantize_prepared(prepared)

@@ -96,9 +96,10 @@ class Seeded:
     kind: str
     dim: int
     seed: int = 0
+    spared: tuple = ()  # channels left as they are (orthogonal.matrix)
 
     def matrix(self) -> Optional[np.ndarray]:
-        return orthogonal.matrix(self.kind, self.dim, self.seed)
+        return orthogonal.matrix(self.kind, self.dim, self.seed, self.spared)
 
 
 @dataclass(frozen=True)

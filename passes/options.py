@@ -44,6 +44,25 @@ def check_seed(seed) -> int:
     return seed
 
 
+def check_channels(channels) -> Optional[tuple]:
+    """Channels of a stream to spare from its rotation: "247,507" (the command line) or a sequence of
+    non-negative integers, as a sorted tuple without repeats; None or empty: none."""
+    if channels is None:
+        return None
+    items = channels.split(",") if isinstance(channels, str) else channels
+    try:
+        out = tuple(sorted({_channel(c) for c in items}))
+    except (TypeError, ValueError):
+        raise LnfoldError(f"spare channels must be non-negative integers (\"247,507\"), got {channels!r}") from None
+    return out or None
+
+
+def _channel(c) -> int:
+    if isinstance(c, bool) or not isinstance(c, (int, str)) or int(c) < 0:
+        raise ValueError(c)
+    return int(c)
+
+
 @dataclass(frozen=True)
 class Option:
     """One option, declared once: its Python keyword `name` (the flag is --name with dashes; a
@@ -119,6 +138,10 @@ OPTIONS = {o.name: o for o in (
            "norm, as a constant MatMul by Qᵀ·diag(γ)·Q, the readers taking Q alone (exact; one d×d MatMul per "
            "norm, kept float by the quantizers). Trained LLMs' γ suppresses their few massive-activation "
            "channels; moved into weights that are then quantized, that suppression drowns in the rounding"),
+    Option("spare_channels", str, None, "with --rotate: channels the rotation leaves as they are (\"247,507\"; "
+           "each rotated stream's own indices): a trained LM's few massive-activation channels (the ones its "
+           "norms' γ suppresses), whose large weights a full rotation spreads into every channel's int4 "
+           "blocks. Exact like any rotation", check=check_channels),
     Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
 )}
 
@@ -135,6 +158,8 @@ class FoldOptions:
     rotate: Optional[str] = OPTIONS["rotate"].default  # one of ROTATIONS (passes/rotate.py)
     # with a rotation: γ kept as a float Qᵀ·diag γ·Q after each rotated norm (passes/gamma.py), not in the readers
     gamma_in_float: bool = OPTIONS["gamma_in_float"].default
+    # with a rotation: channels of each rotated stream it leaves as they are (passes/orthogonal.matrix)
+    spare_channels: Optional[tuple] = OPTIONS["spare_channels"].default
     seed: int = OPTIONS["seed"].default  # the rotation's random signs / Gaussian matrix
 
     def __post_init__(self) -> None:
@@ -147,6 +172,8 @@ class FoldOptions:
                               "(they need exactly folded norms)")
         if self.gamma_in_float and self.rotate is None:
             raise LnfoldError("--gamma-in-float keeps γ beside a rotation: give --rotate too")
+        if self.spare_channels and self.rotate is None:
+            raise LnfoldError("--spare-channels leaves channels out of a rotation: give --rotate too")
         if self.rotate is not None:
             if self.mode != "rms":
                 raise LnfoldError(f"rotate={self.rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")

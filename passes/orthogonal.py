@@ -88,7 +88,13 @@ def resolved_kind(kind: str, d: int) -> str:
 
 
 @lru_cache(maxsize=16)
-def _matrix(kind: str, d: int, seed: int) -> np.ndarray:
+def _matrix(kind: str, d: int, seed: int, spared: tuple = ()) -> np.ndarray:
+    if spared:  # the identity on the spared channels, a rotation of the kind on the others
+        rest = [c for c in range(d) if c not in set(spared)]
+        q = np.eye(d)
+        q[np.ix_(rest, rest)] = _matrix(resolved_kind(kind, len(rest)), len(rest), seed)
+        q.setflags(write=False)
+        return q
     rng = np.random.default_rng([seed, d])
     base = kind.replace("-keep-ln", "")
     h = hadamard(d) if base == "hadamard" else None
@@ -117,9 +123,14 @@ def _keep_ones(q: np.ndarray) -> np.ndarray:
     return q - np.outer(z, (2.0 / nz) * (z @ q))
 
 
-def matrix(kind: str, d: int, seed: int = 0) -> np.ndarray:
+def matrix(kind: str, d: int, seed: int = 0, spared: tuple = ()) -> np.ndarray:
     """The rotation Q (d × d, float64, read-only) of `kind` for a stream of width d: a row x of the
-    stream becomes x·Q. Deterministic in (kind, d, seed)."""
+    stream becomes x·Q. Deterministic in (kind, d, seed, spared). `spared`: channels Q leaves as they
+    are (Q is the identity on them and rotates the others among themselves; a -keep-ln kind still
+    maps 1 to 1, its rotation of the others mapping their ones to themselves)."""
     if kind not in KINDS:
         raise ValueError(f"unknown rotation {kind!r}")
-    return _matrix(resolved_kind(kind, d), int(d), int(seed))
+    spared = tuple(sorted({int(c) for c in spared}))
+    if spared and not (0 <= spared[0] and spared[-1] < d and len(spared) <= d - 2):
+        raise ValueError(f"spared channels {spared} must leave at least two of the {d} channels to rotate")
+    return _matrix(resolved_kind(kind, d) if not spared else kind, int(d), int(seed), spared)

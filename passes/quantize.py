@@ -35,14 +35,18 @@ AUTO = "auto"  # rotate="auto": the best of AUTO_CANDIDATES on the user's rows
 # without the fold on the rows it is judged on. Plain onnxruntime (its quantizer on the model as
 # given, every op it takes) is measured beside them as a reference, never chosen: it quantizes
 # other ops than lnfold says it quantizes (issue 45 item 9).
-def auto_candidates(quantizer: str) -> tuple:
-    """(label, fold options) of each rotate="auto" candidate, for `quantizer` ("onnxruntime")."""
+def auto_candidates(quantizer: str, spare_channels: Optional[tuple] = None) -> tuple:
+    """(label, fold options) of each rotate="auto" candidate, for `quantizer` ("onnxruntime"); with
+    `spare_channels` (the user's), one more: the rotation that spares them, γ in float."""
+    spared = (() if not spare_channels else
+              ((f"orthogonal sparing channel(s) {', '.join(map(str, spare_channels))}, γ in float",
+                dict(rotate="orthogonal", gamma_in_float=True, spare_channels=tuple(spare_channels))),))
     return ((f"not folded ({quantizer}'s quantizer on lnfold's linear layers)", dict(fold=False)),
             ("fold", dict()), ("fold, γ into the readers", dict(gamma_into_readers=True)),
             *((r, dict(rotate=r)) for r in ROTATIONS),
             # γ left out of the quantized weights (a float Qᵀ·diag γ·Q per norm): where trained γ
             # suppresses massive-activation channels, moved into weights it drowns in their rounding
-            ("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)))
+            ("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)), *spared)
 
 
 AUTO_CANDIDATES = auto_candidates("onnxruntime")
@@ -76,6 +80,19 @@ def check_scheme(weights: str, activations: Optional[str], rotate: Optional[str]
         raise LnfoldError(f"rotate={rotate!r}: one of {', '.join(ROTATIONS + (AUTO,))}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise LnfoldError(f"seed {seed!r}: a non-negative integer")
+
+
+def check_rotation_options(rotate: Optional[str], fold: bool, gamma_into_readers: Optional[bool],
+                           gamma_in_float: bool, spare_channels) -> None:
+    """The fold options of a quantize that go only with others, checked before any work (one-line
+    LnfoldErrors). rotate="auto" chooses γ's place itself; the channels it is given to spare, each
+    rotation candidate spares (passes/orthogonal.matrix)."""
+    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or not fold):
+        raise LnfoldError("--rotate auto chooses the fold, γ's place and the rotation itself: "
+                          "drop fold=False / gamma_into_readers / gamma_in_float")
+    if rotate is None and (gamma_in_float or spare_channels):
+        flag = "--gamma-in-float keeps γ beside" if gamma_in_float else "--spare-channels leaves channels out of"
+        raise LnfoldError(f"{flag} a rotation: give --rotate too")
 
 
 # -- the fold's records a quantizer reads ------------------------------------------------------------
@@ -112,9 +129,10 @@ class Folded:
 
 
 def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rotate: Optional[str] = None,
-                       gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False) -> Folded:
+                       gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
+                       spare_channels: Optional[tuple] = None) -> Folded:
     """The exact step in front of a quantizer, for both adapters: `run(**fold options)` (the
-    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float) is the frontend's fold. γ moves
+    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float, spare_channels) is the frontend's fold. γ moves
     with a rotation by default; a rotation that rotates no stream is folded again with γ left in the
     norms unless `gamma_into_readers=True` asks for it (γ moved alone made weight quantization worse,
     issue 33). A model with nothing to fold goes to the
@@ -127,7 +145,8 @@ def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rot
     if not fold:
         return Folded(None, False, [])
     try:
-        result = run(gamma_into_readers=gamma, rotate=rotate, gamma_in_float=gamma_in_float)
+        result = run(gamma_into_readers=gamma, rotate=rotate, gamma_in_float=gamma_in_float,
+                     spare_channels=spare_channels)
     except NothingToFold as e:
         if rotate or gamma:
             raise LnfoldError(f"cannot rotate: {e}") from None
@@ -135,7 +154,8 @@ def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rot
     if rotate and gamma_into_readers is None and not rotated_streams(result):
         note = (f"--rotate {rotate} rotated no stream ({rotation_summary(result)}): γ left in the norms (moved alone "
                 "it makes weight quantization worse)")
-        return Folded(run(gamma_into_readers=False, rotate=None, gamma_in_float=False), False, [note])
+        return Folded(run(gamma_into_readers=False, rotate=None, gamma_in_float=False, spare_channels=None), False,
+                      [note])
     return Folded(result, gamma and not gamma_in_float, [])
 
 

@@ -60,6 +60,7 @@ class PlanRequest:
     rotate: Optional[str] = None  # a stream rotation (passes/rotate.py); implies gamma_into_readers
     seed: int = 0
     gamma_in_float: bool = False  # with `rotate`: γ as a float Qᵀ·diag γ·Q after each rotated norm
+    spare_channels: Optional[tuple] = None  # with `rotate`: channels each rotated stream leaves as they are
     # mode "rms-approx" (passes/approx.py): kept norms to swap for RMSNorm although they cannot be
     # folded exactly (NOT exact; chosen under a measured error budget). Empty: exact folds only.
     approx: frozenset = frozenset()
@@ -72,7 +73,7 @@ class PlanRequest:
         check_choice("mode", self.mode, PLAN_MODES)  # (rms-approx asks for `approx` norms in mode rms)
         # the options' checks: FoldOptions' own (one declaration, passes/options.OPTIONS)
         FoldOptions(mode=self.mode, defer=self.defer, gamma_into_readers=self.gamma_into_readers, rotate=self.rotate,
-                    seed=self.seed, gamma_in_float=self.gamma_in_float)
+                    seed=self.seed, gamma_in_float=self.gamma_in_float, spare_channels=self.spare_channels)
         if self.bases is not None and self.rotate is not None:
             raise LnfoldError("a stream is rotated by a seeded Q or projected on a given basis, not both")
         if self.rotate is not None or self.bases is not None:
@@ -89,4 +90,5 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
     mode = "rms" if options.mode == APPROX_MODE else options.mode  # (its swaps come as `approx`)
     return PlanRequest(mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
-                       gamma_in_float=options.gamma_in_float, approx=approx, bases=bases)
+                       gamma_in_float=options.gamma_in_float, spare_channels=options.spare_channels, approx=approx,
+                       bases=bases)

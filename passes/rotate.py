@@ -54,6 +54,9 @@ class StreamBasis:
     kind: str = ""  # resolved: "hadamard" where d allows one, else "orthogonal" (and "-keep-ln")
     dim: Optional[int] = None
     seed: int = 0
+    # channels the rotation leaves as they are (spare_channels: a trained model's few massive-activation
+    # channels, whose weights a rotation would spread over every channel's quantization blocks)
+    spared: Sequence[int] = ()
     why: str = ""
     writers: Sequence[tuple[ConstRef, Project]] = ()  # output side
     readers: Sequence[tuple[ConstRef, Project]] = ()  # input side
@@ -84,7 +87,7 @@ class StreamBasis:
 
     @property
     def basis(self) -> Basis:
-        return self.given if self.given is not None else Seeded(self.kind, self.dim, self.seed)
+        return self.given if self.given is not None else Seeded(self.kind, self.dim, self.seed, tuple(self.spared))
 
     def basis_of(self, norm: str) -> Basis:
         """The basis `norm`'s input is carried in."""
@@ -117,7 +120,8 @@ class StreamBasis:
         if not self.rotated:
             return f"not rotated: {self.why}"
         how = (f"projected on a calibrated basis ({self.kind}), d={self.dim} -> {self.width}" if self.given is not None
-               else f"rotated ({self.kind}, d={self.dim}, seed {self.seed})")
+               else f"rotated ({self.kind}, d={self.dim}, seed {self.seed}"
+               + (f"; channel(s) {', '.join(map(str, self.spared))} left unrotated)" if self.spared else ")"))
         text = f"{how}: {len(self.writers)} writer constant(s), {len(self.readers)} reader weight(s)"
         if self.shortcuts:
             text += (f"; {len(set(self.norm_bases.values()))} per-block bases, "
@@ -147,9 +151,10 @@ def rotatable(view: View, comp: Component, gammas: dict[str, GammaFold]) -> tupl
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,
                   gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None,
-                  blocks: Optional[Mapping[str, Basis]] = None) -> StreamBasis:
+                  blocks: Optional[Mapping[str, Basis]] = None, spared: Sequence[int] = ()) -> StreamBasis:
     """The rotation of one folded component, or why it stays as it is (pure, on the view):
-    by the Seeded Q of `kind`, or by `given` = (basis, entries kept) (a calibrated slice); with
+    by the Seeded Q of `kind` (the identity on the channels `spared`), or by `given` = (basis,
+    entries kept) (a calibrated slice); with
     `blocks` (the first norm of each segment -> its basis, passes/segments.py), each segment in its
     own basis, `given`'s keep for all."""
     out = StreamBasis(stream, FrozenList(comp.norms), seed=seed)
@@ -160,8 +165,12 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
         return replace(out, why=why)
     if given is not None:
         out = replace(out, dim=d, given=given[0], keep=given[1], kind=getattr(given[0], "key", type(given[0]).__name__))
+    elif spared and not (max(spared) < d and len(spared) <= d - 2):
+        return replace(out, why=f"the channels to spare ({', '.join(map(str, spared))}) are not channels of its "
+                                f"width {d} (or leave fewer than two to rotate)")
     else:
-        out = replace(out, dim=d, kind=orthogonal.resolved_kind(kind, d))
+        out = replace(out, dim=d, kind=orthogonal.resolved_kind(kind, d - len(spared)),
+                      spared=FrozenList(sorted(spared)))
     keep = out.width
     basis_of_value = lambda value: out.basis  # noqa: E731 (one basis for the whole stream)
     if blocks:

@@ -65,7 +65,7 @@ def test_a_fold_the_gate_refuses_is_not_quantized(gpt2, monkeypatch):
     (dict(weights="int4", block_size=48), "block size 48"),
     (dict(block_size=64), "block_size is for int4"),
     (dict(seed=-1), "seed -1"),
-    (dict(rotate="auto", fold=False), "rotate='auto' chooses"),
+    (dict(rotate="auto", fold=False), "--rotate auto chooses"),
 ])
 def test_a_bad_option_is_one_line_before_any_work(kw, says):
     with pytest.raises(lnfold.LnfoldError) as e:
