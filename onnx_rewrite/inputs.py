@@ -204,13 +204,14 @@ def _is_past(name: str) -> bool:
 
 
 def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, seed: int = 0,
-               known: Optional[GraphFacts] = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+               known: Optional[GraphFacts] = None, empty_past: bool = False) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
     """(description, feeds) for a few size assignments, most likely to run first. Sizes over
     MAX_INPUT_BYTES are not made: the first assignment's is a one-line LnfoldError, a later one's
-    is skipped."""
+    is skipped. `empty_past`: every past length 0 (verify.py's run of an Optimum merged decoder's
+    cached branch whose mask's length is named as the sequence's: it runs only without a past)."""
     f = known or facts(model)
     made = False
-    for what, sizes, past in _plans(f, dict(dims or {})):
+    for what, sizes, past in _plans(f, dict(dims or {}), empty_past):
         total = input_bytes(f, sizes)
         if total > MAX_INPUT_BYTES:
             if not made:
@@ -230,7 +231,7 @@ def check_size(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None) ->
         raise LnfoldError(_too_big(f, sizes, total))
 
 
-def _plans(f: GraphFacts, dims: dict[str, int]) -> Iterator[tuple[str, dict, int]]:
+def _plans(f: GraphFacts, dims: dict[str, int], empty_past: bool = False) -> Iterator[tuple[str, dict, int]]:
     """(description, sizes, past) of each size assignment `candidates` tries, in order."""
     seq, past = _SEQ, _PAST
     if f.length_limit is not None and past + seq > f.length_limit:
@@ -244,6 +245,8 @@ def _plans(f: GraphFacts, dims: dict[str, int]) -> Iterator[tuple[str, dict, int
         if f.length_limit is None or s_ + p_ <= f.length_limit:
             plans.append((s_, p_, sides[0], plans[0][3]))
     plans.append((seq, past, sides[0], _BATCH))  # an image model that needs a batch of 2
+    if empty_past:
+        plans = [(s_, 0, side, batch) for s_, _, side, batch in plans]
     for seq_, past_, side, batch in dict.fromkeys(plans):  # each once, in order
         yield (f"sequence {seq_}, past {past_}" + (f", image side {side}" if side else "") + f", batch {batch}",
                _assign(f, dims, seq_, past_, side, batch), past_)

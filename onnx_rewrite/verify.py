@@ -12,8 +12,9 @@ outputs piece by piece (weights.max_rel_err).
 """
 from __future__ import annotations
 
+import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import numpy as np
@@ -50,16 +51,27 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
     """Run the original on the user's inputs, or on made-up ones that it accepts; a LnfoldError
     naming the input(s) and the op that failed when no attempt runs."""
     original = Source.of(original)
-    skel = original.skeleton
+    runner = _runner(original)
+    feeds, outputs = _run_on(runner, original.skeleton, inputs=inputs, dims=dims, seed=seed)
+    return runner, feeds, outputs
+
+
+def _runner(original: Source) -> Runner:
     try:
-        runner = Runner(original, allow_reference=True)
+        return Runner(original, allow_reference=True)
     except Exception as e:  # neither onnxruntime nor the reference evaluator can load it
         raise LnfoldError(f"cannot verify: onnxruntime cannot load the input model ({first_line(e)}); "
                           "use --no-verify (API: verify=False) to skip it") from None
+
+
+def _run_on(runner: Runner, skel: onnx.ModelProto, *, inputs: Optional[dict], dims: Optional[dict], seed: int,
+            fixed: Optional[dict] = None) -> tuple[dict, list[np.ndarray]]:
+    """(feeds, outputs) of `original_run`; `fixed`: {input: value} set in every made-up attempt
+    (a branch's condition: `branch_inputs`)."""
     if inputs is not None:
         feeds = synth.check_feeds(inputs, skel)
         try:
-            return runner, feeds, runner.run(feeds)
+            return feeds, runner.run(feeds)
         except Exception as e:
             error = LnfoldError if runner.sess is not None else lambda m: _RefusedAndUnrunnable(m, runner)
             raise error(f"cannot verify: {_where(skel, e)} on the given inputs: "
@@ -67,9 +79,14 @@ def original_run(original: ModelLike, *, inputs: Optional[dict] = None, dims: Op
     if dims:
         synth.check_dims(dims, skel)
     first: Optional[Exception] = None
-    for _, feeds in synth.candidates(skel, dims, seed):
+    attempts = synth.candidates(skel, dims, seed)
+    if fixed:  # then with an empty past: Optimum's merged GPT-2 and Llama name their mask's length as the
+        # sequence's, so their cached branch runs only without a past (its nodes all run all the same)
+        attempts = itertools.chain(attempts, synth.candidates(skel, dims, seed, empty_past=True))
+    for _, feeds in attempts:
+        feeds.update({name: np.full(np.shape(feeds[name]), value) for name, value in (fixed or {}).items()})
         try:
-            return runner, feeds, runner.run(feeds)
+            return feeds, runner.run(feeds)
         except Exception as e:
             first = first or e
     assert first is not None
@@ -102,24 +119,118 @@ def _where(model: onnx.ModelProto, e: Exception) -> str:
     return f"{op} `{name}`{reach}"
 
 
+# --- every branch of an If that a graph input decides ------------------------------------------------
+# Optimum's merged decoders hold two decoders in the branches of one If on the bool input
+# `use_cache_branch`: made-up inputs take one of them (a random bool), so a fold wrong in the
+# other passed its own verification. Covered: an If of the main graph whose condition is a bool
+# graph input of shape [] or [1], directly or through Identity, Cast, Not or Equal with a
+# constant; verification then runs once for each value of those inputs (made-up inputs), or says
+# which values the user's inputs take. Not covered: an If whose condition is computed from other
+# inputs or values (a sequence length), an If nested in a branch, and the float64-copies path of
+# models neither runtime runs in their own dtype (_check_float64_copies: one run, as before).
+
+_CONDITION_PASSTHROUGH = {"Identity", "Cast", "Not"}
+
+
+def branch_inputs(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """{bool graph input: the names of the main graph's Ifs whose condition it decides}."""
+    bools = {s.name for s in synth.graph_inputs(model)
+             if s.elem == onnx.TensorProto.BOOL and s.dims in ([], [1])}
+    constants = {t.name for t in model.graph.initializer} | \
+        {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    out: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        if n.op_type != "If" or not n.input:
+            continue
+        name, seen = n.input[0], set()
+        while name in producer and name not in seen:
+            seen.add(name)
+            p = producer[name]
+            if p.op_type in _CONDITION_PASSTHROUGH and p.input:
+                name = p.input[0]
+            elif p.op_type == "Equal" and len(p.input) == 2 and sum(i in constants for i in p.input) == 1:
+                name = next(i for i in p.input if i not in constants)
+            else:
+                break
+        if name in bools:
+            out.setdefault(name, []).append(n.name or n.output[0])
+    return out
+
+
+def _branch_values(covered: dict[str, list[str]]) -> list[dict[str, bool]]:
+    """Each assignment of False and True to the inputs that decide Ifs (one input: two runs)."""
+    return [dict(zip(covered, values)) for values in itertools.product((False, True), repeat=len(covered))]
+
+
+def _takes(values: dict[str, bool]) -> str:
+    """'use_cache_branch False': the branch values one run's inputs take."""
+    return ", ".join(f"{name} {value}" for name, value in values.items())
+
+
+def _ifs(covered: dict[str, list[str]]) -> str:
+    names = [f"`{n}`" for ifs in covered.values() for n in ifs]
+    return f"If{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
+
+def _branches_note(covered: dict[str, list[str]], ran: list[dict[str, bool]], missing: list[tuple[dict, str]]) -> str:
+    """The verdict's note on the branches verified: every one, or those the runs took and why not the rest."""
+    if not missing:
+        both = "; ".join(f"{name} False and True" for name in covered)
+        return f"verified on both branches of {_ifs(covered)} ({both})"
+    not_run = "; ".join(f"made-up inputs with {_takes(v)} do not run it ({why})" for v, why in missing)
+    return (f"verified on some branches only of {_ifs(covered)} ({'; '.join(map(_takes, ran))}): {not_run}; "
+            "give inputs for the others with --inputs FILE.npz (API: inputs=)")
+
+
+def _given_note(covered: dict[str, list[str]], feeds: dict) -> str:
+    """What the user's inputs say of the branches: they take one value of each deciding input."""
+    if not covered:
+        return ""
+    takes = _takes({name: bool(np.asarray(feeds[name]).ravel()[0]) for name in covered if np.size(feeds[name])})
+    return f"the given inputs take one branch only of {_ifs(covered)} ({takes})"
+
+
 # --- the verdict ---------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """The original's outputs on one set of inputs, and its float64 copy's."""
+    feeds: dict
+    outputs: list
+    exact: Optional[list] = None
+    how: str = ""  # how the float64 run was made, or why there is none
+    takes: dict = field(default_factory=dict)  # {input deciding an If: its value} where the run covers a branch
+
 
 @dataclass
 class Reference:
     """The original's side of the verdict, which does not depend on the fold: the inputs it
-    accepts, its outputs and its float64 copy's. The ONNX frontend computes it in a thread while
-    the fold is applied and written (OnnxFrontend.apply): onnxruntime and numpy release the GIL."""
+    accepts, its outputs and its float64 copy's, one Run for each branch value covered
+    (`branch_inputs`), else one. The ONNX frontend computes it in a thread while the fold is
+    applied and written (OnnxFrontend.apply): onnxruntime and numpy release the GIL."""
     original: Source
     inputs: Optional[dict]
     dims: Optional[dict]
     seed: int
     seeds: str  # what random_ops pinned, for the criterion
     runner: Optional[Runner] = None
-    feeds: Optional[dict] = None
-    outputs: Optional[list] = None
-    exact: Optional[list] = None
-    how: str = ""  # how the float64 run was made, or why there is none
+    runs: list[Run] = field(default_factory=list)
+    branches: str = ""  # the verdict's note on the If branches the runs cover ("" where no input decides an If)
     refused: Optional[_RefusedAndUnrunnable] = None  # neither runtime runs it in its own dtype
+
+    # the first run's (check.py measures and searches on one set of inputs)
+    @property
+    def feeds(self) -> Optional[dict]:
+        return self.runs[0].feeds if self.runs else None
+
+    @property
+    def outputs(self) -> Optional[list]:
+        return self.runs[0].outputs if self.runs else None
+
+    @property
+    def exact(self) -> Optional[list]:
+        return self.runs[0].exact if self.runs else None
 
 
 def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = None, dims: Optional[dict] = None,
@@ -131,14 +242,37 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
     # the float64 copy and its session need no inputs: made while the original runs (both release
     # the GIL; a ViT-B's copy and session take a second and a half)
     copy = in_background("float64", prepare, original)
+    skel, covered = original.skeleton, branch_inputs(original.skeleton)
     try:
-        ref.runner, ref.feeds, ref.outputs = original_run(original, inputs=inputs, dims=dims, seed=seed)
+        ref.runner = _runner(original)
+        if inputs is not None or not covered:
+            ref.runs = [Run(*_run_on(ref.runner, skel, inputs=inputs, dims=dims, seed=seed))]
+            ref.branches = _given_note(covered, ref.runs[0].feeds) if inputs is not None else ""
+        else:  # one run per branch value, one after the other in the same session
+            missing: list[tuple[dict, LnfoldError]] = []
+            for values in _branch_values(covered):
+                try:
+                    ref.runs.append(Run(*_run_on(ref.runner, skel, inputs=None, dims=dims, seed=seed, fixed=values),
+                                        takes=values))
+                except LnfoldError as e:  # (said in the note where another branch runs)
+                    missing.append((values, e))
+            if not ref.runs:
+                raise missing[0][1]
+            ref.branches = _branches_note(covered, [r.takes for r in ref.runs],
+                                          [(v, _made_up_failure(str(e))) for v, e in missing])
     except _RefusedAndUnrunnable as e:
         ref.refused = e
         return ref
     ref.runner.release()  # (its copy of the weights: not alive beside the float64 copy's, nor the folded model's)
-    ref.exact, ref.how = exact_run(original, ref.feeds, prepared=copy.result())
+    prepared = copy.result()
+    for run in ref.runs:
+        run.exact, run.how = exact_run(original, run.feeds, prepared=prepared)
     return ref
+
+
+def _made_up_failure(message: str) -> str:
+    """The op that failed, from original_run's message on made-up inputs."""
+    return message.split("made-up inputs: ", 1)[-1].split(f"; {_HINT}", 1)[0]
 
 
 def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = None,
@@ -149,39 +283,63 @@ def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = No
 
 
 def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verdict:
-    """`check` with the original's side already run."""
+    """`check` with the original's side already run: the folded model runs on each Run's inputs in
+    turn (its outputs dropped once judged), and the verdict is the first that fails, else the worst."""
     original, folded = ref.original, _pinned(folded)
     if ref.refused is not None:
         verdict = _check_float64_copies(original, folded, ref.refused, inputs=ref.inputs, dims=ref.dims, seed=ref.seed)
         return verdict.noted(ref.seeds)
-    runner, feeds, ra, exact = ref.runner, ref.feeds, ref.outputs, ref.exact
+    runner = ref.runner
     # the folded norms' inputs are read only by the gate's fallback without float64
-    norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if exact is None else []
+    no_exact = any(run.exact is None for run in ref.runs)
+    norm_names = _new_rms_inputs(original.skeleton, folded.skeleton) if no_exact else []
+    runtime = 'onnxruntime' if runner.sess is not None else 'the reference evaluator'
     try:
         fr = Runner(folded, allow_reference=runner.sess is None, outputs=[name for name, _ in norm_names])
-        rb_all = fr.run(feeds)
     except Exception as e:
-        raise VerificationError(f"verification failed: {'onnxruntime' if runner.sess is not None else 'the reference evaluator'} "
-                                f"cannot run the folded model ({first_line(e)})") from None
+        raise VerificationError(f"verification failed: {runtime} cannot run the folded model ({first_line(e)})") from None
+    judged = []
+    for run in ref.runs:
+        on = f" on inputs with {_takes(run.takes)}" if run.takes else ""
+        try:
+            rb_all = fr.run(run.feeds)
+        except Exception as e:
+            raise VerificationError(f"verification failed: {runtime} cannot run the folded model{on} "
+                                    f"({first_line(e)})") from None
+        verdict, mask_note = _judge_run(ref, run, rb_all, norm_names)
+        del rb_all  # (one run's outputs at a time)
+        if not verdict.ok:
+            judged = [(replace(verdict, failure=f"{verdict.failure}{on}"), mask_note)]
+            break
+        judged.append((verdict, mask_note))
+    verdict, mask_note = max(judged, key=lambda vm: (not vm[0].ok, vm[0].folded_err if vm[0].folded_err is not None
+                                                     else vm[0].diff))
+    if runner.sess is None:
+        erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
+            if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
+        verdict = verdict.noted(f"onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
+                                f"reference evaluator{erfc}")
+    return verdict.noted(mask_note, ref.seeds, ref.branches)
+
+
+def _judge_run(ref: Reference, run: Run, rb_all: list, norm_names: list[tuple[str, int]]) -> tuple[gate.Verdict, str]:
+    """The gate's verdict on one Run (the folded model's outputs `rb_all`, the folded norms' inputs
+    after them), and its note on padded positions."""
+    original, runner, ra, exact = ref.original, ref.runner, run.outputs, run.exact
     rb, extra = rb_all[:len(ra)], rb_all[len(ra):]
     if len(rb_all) != len(ra) + len(norm_names):
         raise VerificationError(f"verification failed: the folded model has {len(rb_all) - len(norm_names)} outputs, "
                                 f"the original {len(ra)}")
     compute = _compute_dtype(original.skeleton)
-    mask = masks.padding_mask(original.skeleton, feeds)  # padded positions are not judged (masks.py)
+    mask = masks.padding_mask(original.skeleton, run.feeds)  # padded positions are not judged (masks.py)
     outs = [gate.Output(name, _narrower(a.dtype.name, compute),
                         *masks.read_positions(mask, a, b, None if exact is None else exact[k]))
             for k, (name, a, b) in enumerate(zip(runner.names, ra, rb))]
     restricted = [o.name for o, a in zip(outs, ra) if np.shape(o.original) != np.shape(a)]
     norm_inputs = {name: np.moveaxis(np.asarray(val), axis, -1) for (name, axis), val in zip(norm_names, extra)}
     verdict = gate.judge(outs, norm_inputs, norm_dtype=_narrowest(o.dtype for o in outs),
-                         original_is_faithful=runner.sess is not None, no_float64=ref.how if exact is None else "")
-    if runner.sess is None:
-        erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
-            if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
-        verdict = verdict.noted(f"onnxruntime refuses to load the model: {runner.load_error}; run with onnx's "
-                                f"reference evaluator{erfc}")
-    return verdict.noted(masks.describe(mask, restricted), ref.seeds)
+                         original_is_faithful=runner.sess is not None, no_float64=run.how if exact is None else "")
+    return verdict, masks.describe(mask, restricted)
 
 
 def _pinned(model: Union[ModelLike, Source]) -> Source:
