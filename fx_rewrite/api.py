@@ -23,7 +23,8 @@ from torch import fx
 from ..passes import FoldResult, NothingToFold, Report, View, approx, gate, geometry, make_plan, pipeline
 from ..passes.defer import EAGER, compute_biases
 from ..passes.calibration import check_calibration
-from ..passes.options import APPROX_MODE, FoldOptions, check_choice, takes_options
+from ..passes.massive import massive_channels
+from ..passes.options import APPROX_MODE, MASSIVE, FoldOptions, check_choice, takes_options
 from ..passes.request import Capabilities, PlanRequest, request_from
 from ..passes.plan import Plan, first_kept_reason
 
@@ -331,8 +332,21 @@ def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = N
         return fold_approx(module, args, kwargs, options, calibration=calibration, budget=budget, heldout=heldout,
                            metric=metric, dynamic=dynamic)
     check_choice("norm", norm, ("auto",) + NORMS)
+    options = with_massive_channels(module, tuple(args), dict(kwargs or {}), options, dynamic=dynamic)
     frontend = ExportFrontend(module, tuple(args), dict(kwargs or {}), options, norm=norm, dynamic=dynamic)
     return pipeline.fold(frontend, verify=options.verify, planner=make_plan)
+
+
+def with_massive_channels(module, args: tuple, kwargs: dict, options: FoldOptions, batches=None,
+                          dynamic: bool = True) -> FoldOptions:
+    """`options` with spare_channels=MASSIVE found on `batches` (args tuples; None: the example
+    `args`) for each stream (passes/massive.py); other options as they are."""
+    if options.spare_channels != MASSIVE:
+        return options
+    folds = ExportFolds(module, args, kwargs, dataclasses.replace(options, spare_channels=None, verify=False),
+                        dynamic=dynamic)
+    found = massive_channels(folds, batches or [args], make_plan)
+    return dataclasses.replace(options, spare_channels=found)
 
 
 def _buffer_biases(gm: fx.GraphModule, plan: Plan, tensor_of: Callable[[str], torch.Tensor]) -> deferred_norm.BiasNode:

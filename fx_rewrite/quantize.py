@@ -33,12 +33,12 @@ import torch
 from torch import fx
 
 from ..passes import LnfoldError
-from ..passes.options import check_choice
+from ..passes.options import MASSIVE, FoldOptions, check_choice
 from ..passes.pipeline import record
 from ..passes.quantize import (AUTO, QuantizeResult, Quantized, auto_candidates, check_rotation_options, check_scheme,
                                choose, fold_for_quantizer, report_of, streamed_errors, trial)
 from . import calibration as calibration_io
-from .api import own_tensors, export, fold_module, program_view
+from .api import own_tensors, export, fold_module, program_view, with_massive_channels
 from .apply import READOUT_BUFFERS
 from .slice import module_float_parameters
 from .edits import attr_of
@@ -258,6 +258,9 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels)
     args, kwargs = tuple(args), dict(kwargs or {})
     batches, synthetic = calibration_io.batches_of(inputs, args)
+    if spare_channels == MASSIVE:  # found once, on the rows the error is measured on
+        spare_channels = with_massive_channels(module, args, kwargs, FoldOptions(rotate="orthogonal",
+                                               spare_channels=MASSIVE), batches, dynamic).spare_channels
     described = (f"the example args ({len(batches)} batch) — NOT your data: give inputs= for the error on real "
                  "inputs" if synthetic else f"your inputs ({len(batches)} batch(es))")
     count = len(calibration_io.outputs(module, batches[:1]))  # (the outputs' errors stream: none is held)

@@ -15,7 +15,9 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, View, make_plan, pipeline
-from ..passes.options import APPROX_MODE, FoldOptions, takes_options
+from ..passes.calibration import Rows
+from ..passes.massive import massive_channels
+from ..passes.options import APPROX_MODE, MASSIVE, FoldOptions, takes_options
 from ..passes.calibration import check_calibration
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
@@ -301,9 +303,22 @@ def fold_file(src, model: onnx.ModelProto, dst, opts: FoldOptions, *, target: st
     model = as_model(model)
     if opts.verify:  # bad inputs or dims are the user's error: say so before any work
         inputs, dims = check_verify_args(model, inputs, dims)
+    opts = with_massive_channels(model, opts, tgt, inputs, dims)
     frontend = OnnxFrontend(model, opts, tgt, inputs=inputs, dims=dims, progress=progress, output=dst, source=src,
                             layout=layout)
     return run_frontend(frontend, progress)
+
+
+def with_massive_channels(model: onnx.ModelProto, opts: FoldOptions, target: Target, rows=None,
+                          dims: Optional[dict] = None) -> FoldOptions:
+    """`opts` with spare_channels=MASSIVE found on `rows` (the user's inputs, an .npz path, Rows, or
+    None: made-up ones) for each stream (passes/massive.py); other options as they are."""
+    if opts.spare_channels != MASSIVE:
+        return opts
+    if not isinstance(rows, Rows):
+        rows = calibration_io.rows_for(model, rows, dims)[0]
+    folds = OnnxFolds(model, dataclasses.replace(opts, spare_channels=None, verify=False), target)
+    return dataclasses.replace(opts, spare_channels=massive_channels(folds, rows.runs(), make_plan))
 
 
 def fold_approx(model: onnx.ModelProto, opts: FoldOptions, *, calibration, budget, heldout=None, metric=None,

@@ -47,14 +47,16 @@ import onnx
 from ..passes import FoldResult, LnfoldError
 from ..passes.errors import first_line
 from ..passes.calibration import Rows
+from ..passes.options import MASSIVE, FoldOptions
 from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, auto_candidates, bounded,
                                calibrates, check_rotation_options, check_scheme, choose, fold_for_quantizer,
                                measurement, report_of, streamed_errors, trial)
 from . import calibration as calibration_io
+from . import targets
 from . import inputs as synth
 from . import verify
 from ..passes.pipeline import Progress, record, stage
-from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp
+from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp, with_massive_channels
 from .linear_layers import (WEIGHT_VIEWS, basis_changes, constant_weights, float_parameters, gemm_to_matmul,
                             graphs, layers_by_graph, linear_layers, name_nodes)
 from .write import is_large
@@ -361,6 +363,10 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     if (taken := branches_taken(model, m.rows)) is not None:
         m = replace(m, described=f"{m.described}; {taken}")
     m = bounded(m, calibration_io.row_output_bytes(given or model, m.rows))  # (an LM's logits: a row per run)
+    if spare_channels == MASSIVE:  # found once, on every calibration row (else the measurement rows)
+        spare_channels = with_massive_channels(model, FoldOptions(rotate="orthogonal", spare_channels=MASSIVE),
+                                               targets.resolve("ort", "cpu"), m.all_calibration or m.rows,
+                                               dims).spare_channels
     scheme = dict(weights=weights, activations=activations, calibration=m.calibration, block_size=block_size,
                   per_channel=per_channel)
 

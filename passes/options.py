@@ -44,17 +44,27 @@ def check_seed(seed) -> int:
     return seed
 
 
-def check_channels(channels) -> Optional[tuple]:
+MASSIVE = "massive"  # spare_channels: each stream's massive-activation channels, found on rows (passes/massive.py)
+
+
+def check_channels(channels):
     """Channels of a stream to spare from its rotation: "247,507" (the command line) or a sequence of
-    non-negative integers, as a sorted tuple without repeats; None or empty: none."""
-    if channels is None:
-        return None
-    items = channels.split(",") if isinstance(channels, str) else channels
+    non-negative integers, as a sorted tuple without repeats (every rotated stream's); MASSIVE (found
+    on rows: passes/massive.py); or what that resolves to, ((a stream's first norm, its channels),
+    ...) per stream. None or empty: none."""
+    if channels is None or channels == MASSIVE:
+        return channels
     try:
-        out = tuple(sorted({_channel(c) for c in items}))
+        if not isinstance(channels, str) and all(isinstance(c, tuple) and len(c) == 2 for c in channels):
+            return tuple((str(norm), _channels(cs)) for norm, cs in channels) or None
+        return _channels(channels.split(",") if isinstance(channels, str) else channels) or None
     except (TypeError, ValueError):
-        raise LnfoldError(f"spare channels must be non-negative integers (\"247,507\"), got {channels!r}") from None
-    return out or None
+        raise LnfoldError(f"spare channels must be non-negative integers (\"247,507\") or {MASSIVE!r}, "
+                          f"got {channels!r}") from None
+
+
+def _channels(items) -> tuple:
+    return tuple(sorted({_channel(c) for c in items}))
 
 
 def _channel(c) -> int:
@@ -138,10 +148,11 @@ OPTIONS = {o.name: o for o in (
            "norm, as a constant MatMul by Qᵀ·diag(γ)·Q, the readers taking Q alone (exact; one d×d MatMul per "
            "norm, kept float by the quantizers). Trained LLMs' γ suppresses their few massive-activation "
            "channels; moved into weights that are then quantized, that suppression drowns in the rounding"),
-    Option("spare_channels", str, None, "with --rotate: channels the rotation leaves as they are (\"247,507\"; "
-           "each rotated stream's own indices): a trained LM's few massive-activation channels (the ones its "
-           "norms' γ suppresses), whose large weights a full rotation spreads into every channel's int4 "
-           "blocks. Exact like any rotation", check=check_channels),
+    Option("spare_channels", str, None, "with --rotate: channels the rotation leaves as they are (\"247,507\", "
+           f"each rotated stream's indices; {MASSIVE}: each stream's channels whose largest value on the rows "
+           "(--calibrate, --inputs, else made-up ones) is over 20x the median channel's): a trained LM's few "
+           "massive-activation channels, which its norms' γ suppresses and a full rotation spreads into every "
+           "channel's quantization blocks. Exact like any rotation", check=check_channels),
     Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
 )}
 

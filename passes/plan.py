@@ -17,7 +17,7 @@ from .compress import ComponentCompression, CrmsNorm, compress, size_along
 from .defer import DeferDecision, Deferral, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
-from .rotate import StreamBasis, plan_rotation
+from .rotate import StreamBasis, plan_rotation, spared_for
 from . import slicing
 from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
                     Ones, Project, Recenter, Scale, const_edits, dense)
@@ -588,7 +588,8 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         blocks = {n: request.bases[n][0] for n in comp.norms if n in request.bases} if given is not None else {}
         stream = rms_streams[comp.norms[0]] if comp.norms[0] in rms_streams else verdicts[comp.norms[0]].stream
         rot = plan_rotation(view, comp, stream, request.rotate, request.seed, plan.gammas,
-                            given, blocks if len(blocks) > 1 else None, request.spare_channels or ())
+                            given, blocks if len(blocks) > 1 else None,
+                            spared_for(request.spare_channels, comp.norms[0]))
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot = rot.unrotated("its writers are trained (the training fold computes no rotation)")
         if rot.rotated and rot.readouts and not caps.readout_matmul:

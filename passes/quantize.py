@@ -38,15 +38,25 @@ AUTO = "auto"  # rotate="auto": the best of AUTO_CANDIDATES on the user's rows
 def auto_candidates(quantizer: str, spare_channels: Optional[tuple] = None) -> tuple:
     """(label, fold options) of each rotate="auto" candidate, for `quantizer` ("onnxruntime"); with
     `spare_channels` (the user's), one more: the rotation that spares them, γ in float."""
+    if spare_channels and isinstance(spare_channels[0], tuple) and not any(cs for _, cs in spare_channels):
+        spare_channels = None  # (MASSIVE found none: the candidate would be "orthogonal, γ in float" again)
     spared = (() if not spare_channels else
-              ((f"orthogonal sparing channel(s) {', '.join(map(str, spare_channels))}, γ in float",
-                dict(rotate="orthogonal", gamma_in_float=True, spare_channels=tuple(spare_channels))),))
+              ((f"orthogonal sparing channel(s) {spared_text(spare_channels)}, γ in float",
+                dict(rotate="orthogonal", gamma_in_float=True, spare_channels=spare_channels)),))
     return ((f"not folded ({quantizer}'s quantizer on lnfold's linear layers)", dict(fold=False)),
             ("fold", dict()), ("fold, γ into the readers", dict(gamma_into_readers=True)),
             *((r, dict(rotate=r)) for r in ROTATIONS),
             # γ left out of the quantized weights (a float Qᵀ·diag γ·Q per norm): where trained γ
             # suppresses massive-activation channels, moved into weights it drowns in their rounding
             ("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)), *spared)
+
+
+def spared_text(spare_channels) -> str:
+    """The channels a rotation spares, as a label says them: every stream's, or per stream (by its
+    first norm) where MASSIVE resolved them."""
+    if spare_channels and isinstance(spare_channels[0], tuple):
+        return "; ".join(f"{', '.join(map(str, cs)) or 'none'} in `{norm}`'s stream" for norm, cs in spare_channels)
+    return ", ".join(map(str, spare_channels))
 
 
 AUTO_CANDIDATES = auto_candidates("onnxruntime")

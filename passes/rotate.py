@@ -16,7 +16,9 @@ from . import orthogonal
 from .analysis import Component
 from .compress import size_along
 from .edits import Basis, Project, Seeded, dense
+from .errors import LnfoldError
 from .frozen import FrozenList
+from .options import MASSIVE
 from .segments import segments
 from .gamma import GammaFold
 from .rules import kind_of
@@ -147,6 +149,20 @@ def rotatable(view: View, comp: Component, gammas: dict[str, GammaFold]) -> tupl
     else (None, why not)."""
     why = _blocker(view, comp, gammas)
     return (None, why) if why is not None else _width(view, comp)
+
+
+def spared_for(spare_channels, first_norm: str) -> tuple:
+    """The channels a stream (by its first norm) spares: `spare_channels` as FoldOptions checked it
+    (every stream's channels, or per stream: what MASSIVE resolved to); MASSIVE itself is resolved on
+    rows before any plan (passes/massive.py) and never reaches one."""
+    if spare_channels == MASSIVE:
+        raise LnfoldError(f"spare_channels={MASSIVE!r} is found on rows by the fold's entry point (fold_onnx, "
+                          "fold_module, quantize_onnx, quantize_module) before the plan: this entry point does not")
+    if not spare_channels:
+        return ()
+    if isinstance(spare_channels[0], tuple):
+        return dict(spare_channels).get(first_norm, ())
+    return tuple(spare_channels)
 
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,

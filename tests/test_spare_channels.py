@@ -64,9 +64,13 @@ def test_the_spared_channels_weights_are_untouched():
     assert not np.allclose(w[rest], w0[rest], atol=1e-3)
 
 
-def test_a_layernorm_stream_and_torch_spare_channels_exactly():
+def test_a_layernorm_stream_spares_channels_exactly():
     r = lnfold.fold_onnx(pre_ln(seed=3), rotate="hadamard-keep-ln", spare_channels=(1,))
     assert r.criterion == "float64" and "channel(s) 1 left unrotated" in r.report.streams[0].rotation
+
+
+@pytest.mark.slow  # (three torch.export runs: ~10 s)
+def test_torch_spares_channels_exactly_and_finds_massive_ones():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from tests.test_rms_torch import Tiny, _ids as ids_of
@@ -75,6 +79,13 @@ def test_a_layernorm_stream_and_torch_spare_channels_exactly():
     t = lnfold.fold_module(m, (ids_of(),), rotate="orthogonal", spare_channels=(1, 3), gamma_in_float=True)
     assert t.criterion == "float64" and "channel(s) 1, 3 left unrotated" in t.report.streams[0].rotation
     torch.testing.assert_close(t.module(ids_of(seed=2)), m(ids_of(seed=2)), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        m.emb.weight[:, 5] *= 300.0  # (a massive channel)
+    found = lnfold.fold_module(m, (ids_of(),), rotate="orthogonal", spare_channels="massive", gamma_in_float=True)
+    assert "channel(s) 5 left unrotated" in found.report.streams[0].rotation, found.report.streams[0].rotation
+    q = lnfold.quantize_module(m, (ids_of(),), weights="int8", rotate="orthogonal", spare_channels="massive",
+                               gamma_in_float=True)
+    assert "channel(s) 5 left unrotated" in q.report.rotation, q.report.rotation
 
 
 def test_a_spared_channel_rotated_by_the_readers_fails_verification(monkeypatch):
@@ -121,3 +132,39 @@ def test_quantize_spares_channels_and_auto_tries_them(tmp_path):
     auto = lnfold.quantize_onnx(m, weights="int4", rotate="auto", spare_channels=SPARED, block_size=16)
     labels = [t["candidate"] for t in auto.report.candidates]
     assert "orthogonal sparing channel(s) 3, 17, γ in float" in labels, labels
+
+
+def _with_massive_channel(channel: int, scale: float = 300.0) -> onnx.ModelProto:
+    """llama_like with one embedding channel `scale` times the others: the stream's massive channel."""
+    m = llama_like("simplified")
+    for t in m.graph.initializer:
+        if t.name.startswith("embed"):
+            w = numpy_helper.to_array(t).copy()
+            w[:, channel] *= scale
+            t.CopyFrom(numpy_helper.from_array(w, t.name))
+    return m
+
+
+def test_massive_finds_the_massive_channel_and_spares_it():
+    from lnfold.passes.massive import MASSIVE_RATIO
+
+    m = _with_massive_channel(11)
+    r = lnfold.fold_onnx(m, rotate="orthogonal", spare_channels="massive", gamma_in_float=True)  # verified
+    assert r.criterion == "float64" and "channel(s) 11 left unrotated" in r.report.streams[0].rotation, \
+        r.report.streams[0].rotation
+    # a model without one spares none (the rotation text says no channel), and the ratio is the rule
+    plain = lnfold.fold_onnx(llama_like("simplified"), rotate="orthogonal", spare_channels="massive")
+    assert "left unrotated" not in plain.report.streams[0].rotation
+    weak = lnfold.fold_onnx(_with_massive_channel(11, scale=MASSIVE_RATIO / 4), rotate="orthogonal",
+                            spare_channels="massive")
+    assert "left unrotated" not in weak.report.streams[0].rotation
+
+
+def test_quantize_finds_massive_channels_on_its_rows():
+    m = _with_massive_channel(5)
+    q = lnfold.quantize_onnx(m, weights="int4", rotate="auto", spare_channels="massive", block_size=16)
+    labels = [t["candidate"] for t in q.report.candidates]
+    assert any(lab.startswith("orthogonal sparing channel(s) 5 in `") for lab in labels), labels
+    none = lnfold.quantize_onnx(llama_like("simplified"), weights="int4", rotate="auto", spare_channels="massive",
+                                block_size=16)
+    assert not any("sparing" in t["candidate"] for t in none.report.candidates)  # (none found: no candidate)
