@@ -76,7 +76,8 @@ def _entry(name: str) -> dict:
 def test_an_llm_file_rotates_exactly(name):
     entry = _entry(name)
     r = lnfold.fold_onnx(_load(name), rotate="hadamard")  # raises unless verified
-    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), (r.criterion, r)
+    both = "; verified on both branches of If `optimum::if` (use_cache_branch False and True)" if "merged" in name else ""
+    assert r.criterion == "float64" + both and r.exact_err <= max(2 * r.original_exact_err, 1e-6), (r.criterion, r)
     rotated = [s for s in r.report.streams if s.rotation.startswith("rotated (hadamard, d=64")]
     assert len(rotated) == entry["expected_rotated"] * (2 if "If" in entry["graph_count"]["ops"] else 1), \
         r.report.table()

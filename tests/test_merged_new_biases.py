@@ -147,7 +147,8 @@ def test_an_optimum_merged_decoder_folds_exactly_in_both_branches(name, options)
         pytest.skip(f"{name} not in tests/corpus")
     m = onnx.load(str(CORPUS / name))
     r = lnfold.fold_onnx(m, **options)
-    assert r.criterion == "float64" and r.exact_err <= 1e-5, r  # the fold's own gate (one branch's rows)
+    assert r.criterion == "float64; verified on both branches of If `optimum::if` (use_cache_branch False and True)" \
+        and r.exact_err <= 1e-5, r  # the fold's own gate (now on rows of both branches: verify.branch_inputs)
     a, b = (ort.InferenceSession(x.SerializeToString(), providers=["CPUExecutionProvider"]) for x in (m, r.model))
     for use_cache in (False, True):
         feeds = corpus_feeds(m, use_cache)
