@@ -293,11 +293,11 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
     if why is not None:
         return NoMatch(f"a root mean square that {why}")  # (not near: an RMS over several axes)
     gamma = None
-    for _ in range(3):  # [cast] [γ] [cast], in any order once each
+    for _ in range(3):  # [cast] [γ] [cast], in any order once each; casts back only after a cast up
         nxt = _sole_reader(view, out, "elementwise", "scale")
         if nxt is None:
             break
-        if is_cast_or_identity(nxt.rule):
+        if is_cast_or_identity(nxt.rule) and up is not None:
             covered.append(nxt)
             out = nxt.outputs[0]
         elif gamma is None and is_product(nxt.rule) and _const_along(view, nxt, _other(nxt, out), axis, rank):

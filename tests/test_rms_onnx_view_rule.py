@@ -91,3 +91,27 @@ def test_an_rmsnorm_lookalike_is_a_near_miss_naming_the_op_that_stops_it():
     view = OnnxFrontend(model, FoldOptions(gamma_into_readers=True), targets.resolve("ort", "cpu")).view()
     assert view.rms_norms() == []
     assert "is read by Mul `times_not_div`" in view.near_misses["ms"].reason, view.near_misses
+
+
+def test_a_cast_down_after_an_fp32_rmsnorm_stays_outside_it():
+    """Only a cast up before the statistics lets the match take the casts after the norm: the ONNX
+    emitter writes the RMSNorm in its input's dtype, so an fp32 norm taking a trailing fp16 Cast
+    would leave an fp16 MatMul reading fp32 (onnxruntime refuses the model)."""
+    from lnfold.onnx_rewrite import targets
+    from lnfold.onnx_rewrite.api import OnnxFrontend
+    from lnfold.passes.options import FoldOptions
+
+    g = _Graph(0)
+    x = g.input("x", TensorProto.FLOAT, [B, T, D])
+    ms = g.op("ReduceMean", [g.op("Pow", [x, g.const("two", np.float32(2.0))]),
+                             g.const("axes", np.array([-1], np.int64))], name="ms", keepdims=1)
+    n = g.op("Div", [x, g.op("Sqrt", [g.op("Add", [ms, g.const("eps", np.float32(EPS))])])], name="normalized")
+    half = g.op("Cast", [n], to=TensorProto.FLOAT16)
+    y = g.op("MatMul", [g.op("Mul", [half, g.const("gamma", np.full(D, 2, np.float16))]),
+                        g.const("w", np.ones((D, F), np.float16))])
+    g.output(g.op("Cast", [y], to=TensorProto.FLOAT), shape=[B, T, F])
+    model = helper.make_model(helper.make_graph(g.nodes, "fp16_after", g.inputs, g.outputs, g.inits),
+                              opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    fe = OnnxFrontend(model, FoldOptions(gamma_into_readers=True), targets.resolve("ort", "cpu"))
+    fe.view()
+    assert fe.matches["ms"].output.name == n and fe.matches["ms"].gamma is None
