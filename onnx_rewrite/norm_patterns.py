@@ -4,8 +4,8 @@ match starts at; its `match(node, shapes, graph outputs)` returns a `NormMatch` 
 x, output, γ, β, eps, axes) or a `passes.match.NoMatch` saying why not (a near miss, depth >= 1, is
 reported). The rewrite is the emitter's (emit.py): it removes the covered nodes and writes the
 RMSNorm from `x` to `output`. Only spellings that exist as ONNX ops are here: the decomposed form
-both frontends see (torch's ReduceMean, Sub, Pow, ... chain) is matched over the view by
-passes/patterns.py, and classify.py makes its matches NormMatches.
+both frontends see (torch's ReduceMean, Sub, Pow, ... chain), and an RMSNorm written out, are
+matched over the view by passes/patterns.py, and classify.py makes their matches NormMatches.
 """
 from __future__ import annotations
 

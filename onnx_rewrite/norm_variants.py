@@ -1,5 +1,5 @@
-"""Decomposed LayerNorms as tf2onnx and jax2onnx write them (two rules of norm_patterns.PATTERNS;
-passes/patterns.py has torch's form).
+"""Decomposed LayerNorms as tf2onnx and jax2onnx write them (three rules of norm_patterns.PATTERNS;
+passes/patterns.py has torch's form, and the RMSNorms written out).
 
 tf2onnx, Keras `LayerNormalization` (keras 3: `moments`, `rsqrt`, then `x·inv + (β − μ·inv)`):
 

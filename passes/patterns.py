@@ -245,10 +245,12 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
         [xs = cast(x)]   v = mean(xs², A)   [v = v + eps]   n = y / sqrt(v)  or  y * rsqrt(v)
         or  y * reciprocal(sqrt(v))  or  y * (1 / sqrt(v)),  y = xs or x (T5 divides the uncast x)
         [n = cast(n)]    [n = n * γ]  [n = cast(n)]     (γ a constant along A; Gemma's 1 + γ once
-                                                         the frontend computed it)
+                                                         the frontend computed it; the casts
+                                                         only after xs = cast(x))
 
     The mean square of x - mean(x) is a LayerNorm's variance (`match`'s): no match. Reads of an
-    intermediate value's metadata (torch.export's dtype asserts) are allowed: the swap drops them."""
+    intermediate value's metadata that nothing uses (torch.export's dtype asserts) are allowed: the
+    swap drops them."""
     axes = mean_axes(mean.rule)
     if axes is None:
         return NoMatch("not a mean over constant axes that keeps its dims")
