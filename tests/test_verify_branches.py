@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 
 import lnfold
 from lnfold.onnx_rewrite import crms, verify
-from lnfold.passes import VerificationError
+from lnfold.passes import LnfoldError, VerificationError
 from tests import onnx_graphs as G
 from tests.test_merged_new_biases import CORPUS, MERGED, V, merged_model
 from tests.test_verify_cost import _count
@@ -105,10 +105,33 @@ def test_which_conditions_are_covered(nodes, cond, shape, found):
     assert verify.branch_inputs(model) == ({"flag": ["pick"]} if found else {})
 
 
+def _reshaped_in(branch: str) -> onnx.ModelProto:
+    """`_if_on` with x reshaped to [3, 7] in `branch` ("t", "e", or both): no made-up x has 21 elements."""
+    model = _if_on([], "flag", [1])
+    model.graph.initializer.append(helper.make_tensor("odd", TensorProto.INT64, [2], [3, 7]))
+    for a in model.graph.node[0].attribute:
+        if a.g.name in branch:
+            n = a.g.node[0]
+            a.g.node.insert(0, helper.make_node("Reshape", ["x", "odd"], [f"{a.g.name}_x"]))
+            n.input[0] = f"{a.g.name}_x"
+    return model
+
+
+def test_a_branch_no_made_up_input_runs_is_said():
+    verdict = verify.check(_reshaped_in("t"), _reshaped_in("t"))
+    assert verdict.ok and "verified on some branches only of If `pick` (flag False): made-up inputs with flag " \
+                          "True do not run it (If `pick`" in verdict.criterion and "requested shape:{3,7}" in verdict.criterion \
+        and verdict.criterion.endswith("give inputs for the others with --inputs FILE.npz (API: inputs=)"), verdict.criterion
+    with pytest.raises(LnfoldError, match="cannot verify: onnxruntime cannot run the input model on made-up inputs"):
+        verify.check(_reshaped_in("te"), _reshaped_in("te"))  # no branch runs: as without an If
+
+
 def test_a_model_without_if_is_verified_as_before():
     model = G.pre_ln()
     ref = verify.reference(model)
     assert len(ref.runs) == 1 and not ref.runs[0].takes and not ref.branches
+    _, feeds, outputs = verify.original_run(model)  # the inputs made up as before
+    assert feeds.keys() == ref.feeds.keys() and all(np.array_equal(feeds[k], ref.feeds[k]) for k in feeds)
     assert lnfold.fold_onnx(model).criterion == "float64"
 
 
