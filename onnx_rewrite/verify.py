@@ -9,6 +9,9 @@ the folded norms' inputs become outputs (for the gate's fallback) only where no 
 Memory (issue 47): the original's session is released once its outputs are made, onnxruntime reads
 every model from a file (sessions.session: no serialized copy kept), and the gate measures the
 outputs piece by piece (weights.max_rel_err).
+Branches: an If that a bool graph input decides (Optimum's merged decoders' `use_cache_branch`) is
+verified on both its branches, one run per value of that input, in the same sessions one after the
+other (branch_inputs); the criterion says which values were verified.
 """
 from __future__ import annotations
 
@@ -79,10 +82,11 @@ def _run_on(runner: Runner, skel: onnx.ModelProto, *, inputs: Optional[dict], di
     if dims:
         synth.check_dims(dims, skel)
     first: Optional[Exception] = None
-    attempts = synth.candidates(skel, dims, seed)
+    known = synth.facts(skel)
+    attempts = synth.candidates(skel, dims, seed, known)
     if fixed:  # then with an empty past: Optimum's merged GPT-2 and Llama name their mask's length as the
         # sequence's, so their cached branch runs only without a past (its nodes all run all the same)
-        attempts = itertools.chain(attempts, synth.candidates(skel, dims, seed, empty_past=True))
+        attempts = itertools.chain(attempts, synth.candidates(skel, dims, seed, known, empty_past=True))
     for _, feeds in attempts:
         feeds.update({name: np.full(np.shape(feeds[name]), value) for name, value in (fixed or {}).items()})
         try:
