@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import lnfold
-from lnfold.onnx_rewrite import crms, verify
+from lnfold.onnx_rewrite import crms, sessions, verify
 from lnfold.passes import LnfoldError, VerificationError
 from tests import onnx_graphs as G
 from tests.test_merged_new_biases import CORPUS, MERGED, V, merged_model
@@ -42,6 +42,8 @@ def test_both_branches_are_verified_and_said():
     assert r.criterion == f"float64; {BOTH}", r.criterion
     ref = verify.reference(merged_model())
     assert [run.takes for run in ref.runs] == [{"use_cache_branch": False}, {"use_cache_branch": True}]
+    # both runs made in the original's one session, released before the float64 runs (issue 47)
+    assert ref.runner.sess is sessions.RELEASED and all(run.exact is not None for run in ref.runs)
 
 
 # then_branch: the one seed 0's made-up bool did not take (the old gate passed this fold)
