@@ -72,10 +72,10 @@ def test_the_original_and_folded_sessions_are_built_once(tmp_path, monkeypatch):
     original, folded = tmp_path / "merged.onnx", tmp_path / "merged.folded.onnx"
     onnx.save(merged_model(), original)
     onnx.save(lnfold.fold_onnx(merged_model(), rotate="hadamard", verify=False).model, folded)
-    _, sessions = _count(monkeypatch)
+    _, built = _count(monkeypatch)
     verdict = verify.check(original, folded)
     assert verdict.ok and verdict.criterion == f"float64; {BOTH}", verdict
-    assert sessions.count(str(original)) == 1 and sessions.count(str(folded)) == 1 and len(sessions) == 3, sessions
+    assert built.count(str(original)) == 1 and built.count(str(folded)) == 1 and len(built) == 3, built
 
 
 def _if_on(cond_nodes: list, cond: str, shape: list) -> onnx.ModelProto:
