@@ -103,6 +103,7 @@ class RunningError:
         self.den: list = []  # per segment: Σ (ref / 2^e)²
         self.max_diff = self.max_ref = 0.0
         self.agree = self.ranked = 0  # rows whose argmax agrees, rows ranked
+        self.kl_sums: list = []  # per ranked segment of rows: KL(softmax ref ‖ softmax got) of each row
 
     def add(self, reference, candidate) -> None:
         """One batch (`candidate` None: missing, inf)."""
@@ -140,6 +141,7 @@ class RunningError:
                 ok = np.isfinite(a).all(axis=-1)  # (rows where the float model is not finite: left out)
                 self.agree += int(np.count_nonzero((a.argmax(-1) == b.argmax(-1)) & ok))
                 self.ranked += int(np.count_nonzero(ok))
+                self.kl_sums.append(_kl_rows(a[ok], b[ok]))
 
     def _segment(self, ref: np.ndarray, got: np.ndarray) -> None:
         """Rows × at most SEGMENT values: counted, and (while every compared candidate value is finite)
@@ -184,6 +186,30 @@ class RunningError:
         not measurable (`why`)."""
         return self.agree / self.ranked if self.ranked and not self.why else None
 
+    def kl(self) -> Optional[float]:
+        """The mean over rows (reference finite) of KL(softmax(reference) ‖ softmax(candidate)) along
+        the scored axis, in nats: how far the candidate's predicted distribution is from the
+        reference's where the reference puts its mass (the measure llama.cpp's perplexity tool
+        reports for quantized LMs); inf where a candidate row is not finite. None as for `top1`."""
+        if not self.ranked or self.why:
+            return None
+        return math.fsum(np.concatenate(self.kl_sums).tolist()) / self.ranked
+
+
+def _kl_rows(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """KL(softmax(ref) ‖ softmax(got)) of each row (last axis), in float64; inf where `got` is not finite."""
+    if not len(ref):
+        return np.zeros(0)
+    with np.errstate(invalid="ignore", over="ignore"):  # (a non-finite candidate row: inf below)
+        lp, lq = (_log_softmax(x.astype(np.float64)) for x in (ref, got))
+        kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    return np.where(np.isfinite(got).all(axis=-1), np.maximum(kl, 0.0), INF)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
 
 class RunningErrors:
     """Every output's `RunningError`, batch by batch: `add(reference_outputs, candidate_outputs)`
@@ -209,6 +235,9 @@ class RunningErrors:
 
     def top1(self) -> list[Optional[float]]:
         return [None if r is None else r.top1() for r in self.outputs or []]
+
+    def kl(self) -> list[Optional[float]]:
+        return [None if r is None else r.kl() for r in self.outputs or []]
 
 
 def compare(reference, candidate) -> OutputError:

@@ -96,7 +96,7 @@ def candidates_chart(report, path, title: str = "") -> Path:
     ax.set_xscale("log")
     ax.set_xlim(left=floor)
     ax.set_yticks([])
-    ax.set_xlabel("worst output's relative RMS error (NOT exact: quantized)")
+    ax.set_xlabel("what --rotate auto minimizes: the worst output's KL of logits, else relative RMS error (NOT exact)")
     ax.set_title(title or f"lnfold quantize --rotate auto: {report.scheme}", fontsize=9)
     fig.tight_layout()
     return save(fig, path)

@@ -126,3 +126,33 @@ def test_unmeasurable_batches_stay_unmeasurable():
     assert e.rel_rms == e.max_rel == INF and "shape [3, 2]" in e.why and top1 is None
     missing = metric.RunningErrors().add([np.ones(2), np.ones(2)], [np.ones(2)]).errors()
     assert missing[0].rel_rms == 0.0 and missing[1].rel_rms == INF
+
+
+def test_the_kl_of_logits_is_the_mean_row_divergence_however_batched():
+    """RunningError(scores=True).kl(): mean over rows of KL(softmax ref ‖ softmax got), in float64,
+    the same bits in any batching; inf where a candidate row is not finite; only for logits in
+    quantize's errors, where it is what auto ranks by."""
+    rng = np.random.default_rng(4)
+    ref = rng.normal(size=(6, 3, 11)) * 4
+    got = ref + rng.normal(size=ref.shape) * 0.3
+    lp = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    lq = got - np.log(np.exp(got - got.max(-1, keepdims=True)).sum(-1, keepdims=True)) - got.max(-1, keepdims=True)
+    want = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    values = set()
+    for cut in (1, 2, 5):
+        running = metric.RunningError(scores=True)
+        for i in range(0, 6, cut):
+            running.add(ref[i:i + cut], got[i:i + cut])
+        values.add(running.kl())
+    assert len(values) == 1 and abs(values.pop() - want) < 1e-12 * max(1.0, want)
+    bad = got.copy()
+    bad[2, 1, 4] = np.inf
+    running = metric.RunningError(scores=True)
+    running.add(ref, bad)
+    assert running.kl() == math.inf
+    assert metric.RunningError().kl() is None
+    errors = pq.streamed_errors(["logits", "hidden"], [((ref, ref), (got, got * 1.01))])
+    assert abs(errors["logits"]["kl"] - want) < 1e-12 and "kl" not in errors["hidden"]
+    # what auto ranks by: the logits' KL (not their relative RMS), the others' relative RMS
+    assert pq.score(errors) == max(errors["logits"]["kl"], errors["hidden"]["rel_rms"])
+    assert pq.score({"hidden": errors["hidden"]}) == errors["hidden"]["rel_rms"]
