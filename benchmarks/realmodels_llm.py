@@ -29,6 +29,10 @@ Parts (`--parts`):
   --gamma-in-float); the fold's verdict and --rotate auto's
   choice in the note; W8A8 calibrated on the GPL-3 windows. Where lnfold refuses or fails, the
   message is the cell.
+- `metric`: what `--rotate auto` should rank by — per scheme, the model as given, orthogonal
+  rotations with γ in float (full and sparing `--spare-channels`, over `--seeds`) and Hadamard: each
+  one's perplexity beside its logits' KL divergence, relative RMS error and top-1 agreement on the
+  GPL-3 windows auto would measure on.
 - `accuracy4`: int4 MatMulNBits with accuracy_level=4 (onnxruntime's W4A8 CPU kernel) — lnfold's
   quantize does not expose it, so onnxruntime's MatMulNBitsQuantizer is called directly on the
   model as given and on lnfold's prepared (rotated) model (`quantize.prepare`, verified).
@@ -80,9 +84,13 @@ SCHEMES = {"int8": dict(weights="int8"),
 SCHEME_FLAGS = {"int8": "--weights int8", "w8a8": "--weights int8 --activations int8 --per-channel",
                 "int4-b32": "--weights int4 --block-size 32", "int4-b128": "--weights int4 --block-size 128",
                 "w4a8-b32": "--weights int4 --activations int8 --block-size 32"}
-# a --rotations entry ending in FLOAT_GAMMA: that rotation with --gamma-in-float (γ kept in float beside it)
+# a --rotations entry ending in FLOAT_GAMMA: that rotation with --gamma-in-float (γ kept in float beside it);
+# with SPARE before it: --spare-channels (the benchmark's own --spare-channels)
 FLOAT_GAMMA = "+gamma-in-float"
-PARTS = ("fp32", "quantize", "accuracy4", "slice", "latency", "memory")
+SPARE = "+spare"
+ROTATIONS = ["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto", "auto" + SPARE,
+             *(r + s + FLOAT_GAMMA for r in ("hadamard", "orthogonal") for s in ("", SPARE)), "orthogonal" + SPARE]
+PARTS = ("fp32", "quantize", "accuracy4", "metric", "slice", "latency", "memory")
 
 
 # --- text ------------------------------------------------------------------------------------------
@@ -228,7 +236,7 @@ def fp32_part(lm, onnx_path: Path, held: np.ndarray, threads: int) -> dict:
 
 
 def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, schemes: list[str],
-                  rotations: list[str], threads: int, log) -> None:
+                  rotations: list[str], threads: int, log, spare_channels: Optional[str] = None) -> None:
     """Each scheme by onnxruntime alone (run_plain: its quantizer on the file as given, defaults) and
     through lnfold's quantize_model with each rotation (the CLI's code path; verify=True)."""
     from lnfold.onnx_rewrite import quantize as q
@@ -253,12 +261,13 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
         for rotate in ["as given"] + rotations:
             t0 = time.time()
             rotation, in_float = rotate.removesuffix(FLOAT_GAMMA), rotate.endswith(FLOAT_GAMMA)
+            rotation, spare = rotation.removesuffix(SPARE), spare_channels if rotation.endswith(SPARE) else None
             variant = (f"lnfold {SCHEME_FLAGS[scheme]} --rotate {rotation}{' --gamma-in-float' if in_float else ''}"
-                       if rotate != "as given" else
+                       f"{f' --spare-channels {spare}' if spare else ''}" if rotate != "as given" else
                        "quantize_onnx(fold=False): onnxruntime on lnfold's linear layers, the file as given")
             try:
                 how = (dict(fold=False, verify=False) if rotate == "as given" else
-                       dict(rotate=rotation, gamma_in_float=in_float, verify=True))
+                       dict(rotate=rotation, gamma_in_float=in_float, spare_channels=spare, verify=True))
                 res = q.quantize_model(model, calibrate=feeds, **how, **opts)
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
@@ -273,6 +282,43 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
             seconds = time.time() - t0
             t.add(scheme, variant, f"{ort_perplexity(res.model, held, threads):.2f}", size_mib(res.model),
                   f"{seconds:.0f}", note.replace("|", "\\|"))
+            del res
+
+
+def metric_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, schemes: list[str], seeds: list[int],
+                spare_channels: str, threads: int) -> None:
+    """What --rotate auto should rank by: per scheme, the model as given and orthogonal rotations (γ in
+    float; full, and sparing `spare_channels`) over `seeds`, Hadamard with γ moved and in float —
+    each one's perplexity on the Apache-2.0 windows beside three errors of its logits against the
+    float model's on the last half of the GPL-3 windows (the rows auto would measure on): KL
+    divergence of the softmax (nats per row), relative RMS, top-1 agreement."""
+    from lnfold.onnx_rewrite import quantize as q
+    from lnfold.passes import metric
+
+    def logits(m, ids):
+        sess = ort_session(m, threads)
+        return [sess.run(["logits"], {"input_ids": row[None]})[0] for row in ids]
+
+    rows = cal[len(cal) // 2:]
+    reference = logits(model, rows)
+    variants = [("as given", dict(fold=False))]
+    for seed in seeds:
+        variants += [(f"orthogonal, γ in float, seed {seed}", dict(rotate="orthogonal", gamma_in_float=True, seed=seed)),
+                     (f"orthogonal sparing {spare_channels}, γ in float, seed {seed}",
+                      dict(rotate="orthogonal", gamma_in_float=True, spare_channels=spare_channels, seed=seed))]
+    variants += [("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)),
+                 ("hadamard (γ moved)", dict(rotate="hadamard"))]
+    t = Table("**auto's metric against perplexity**: logits errors on GPL-3 windows "
+              f"{len(cal) - len(rows) + 1}–{len(cal)} (KL: nats per row)",
+              ["scheme", "variant", "perplexity", "KL", "rel. RMS", "top-1 agreement"])
+    for scheme in schemes:
+        for name, how in variants:
+            res = q.quantize_model(model, calibrate={"input_ids": cal}, verify=False, **how, **SCHEMES[scheme])
+            running = metric.RunningError(scores=True)
+            for ref, got in zip(reference, logits(res.model, rows)):
+                running.add(ref, got)
+            t.add(scheme, name, f"{ort_perplexity(res.model, held, threads):.2f}", f"{running.kl():.4f}",
+                  f"{running.error().rel_rms:.4f}", f"{running.top1():.3f}")
             del res
 
 
@@ -302,7 +348,7 @@ def accuracy4_part(model: onnx.ModelProto, held: np.ndarray, rotations: list[str
         quantized = int4_accuracy4(model, block)
         t.add(str(block), "onnxruntime alone", f"{ort_perplexity(quantized, held, threads):.2f}", size_mib(quantized),
               f"{time.time() - t0:.0f}", "MatMulNBitsQuantizer(bits=4, is_symmetric=True, accuracy_level=4)")
-        for rotate in [r for r in rotations if r != "auto" and not r.endswith(FLOAT_GAMMA)]:
+        for rotate in [r for r in rotations if not r.startswith("auto") and not r.endswith(FLOAT_GAMMA) and SPARE not in r]:
             t0 = time.time()
             try:
                 prep = q.prepare(model, rotate=rotate, verify=True)
@@ -431,9 +477,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    p.add_argument("--rotations", nargs="+", default=["hadamard", "auto"],
-                   choices=["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto",
-                            "hadamard" + FLOAT_GAMMA, "orthogonal" + FLOAT_GAMMA])
+    p.add_argument("--rotations", nargs="+", default=["hadamard", "auto"], choices=ROTATIONS)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
+                   help="metric part: the random rotations' seeds (default 0 1 2)")
+    p.add_argument("--spare-channels", default="247,507",
+                   help=f"the channels a rotation marked {SPARE} spares (default 247,507: the two channels SmolLM2's "
+                        "norms' γ suppresses most often, its massive-activation channels)")
     p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.2, 0.25])
     p.add_argument("--bases", nargs="+", default=["one", "per-block"], choices=["one", "per-block"],
                    help="slice: one basis per stream and/or a basis per block (default both)")
@@ -464,9 +513,11 @@ def main(argv=None) -> int:
     del lm
     model = onnx.load(str(onnx_path)) if {"quantize", "accuracy4", "slice"} & set(args.parts) else None
     if "quantize" in args.parts:
-        quantize_part(model, cal, held, args.schemes, args.rotations, args.threads, log)
+        quantize_part(model, cal, held, args.schemes, args.rotations, args.threads, log, args.spare_channels)
     if "accuracy4" in args.parts:
         accuracy4_part(model, held, args.rotations, args.threads)
+    if "metric" in args.parts:
+        metric_part(model, cal, held, args.schemes, args.seeds, args.spare_channels, args.threads)
     if "slice" in args.parts:
         slice_part(model, cal, cal_heldout, held, args.fractions, args.threads, args.rounds, log, cache / "smollm2",
                    args.bases)
