@@ -56,7 +56,7 @@ from . import targets
 from . import inputs as synth
 from . import verify
 from ..passes.pipeline import Progress, record, stage
-from .api import as_model, check_equivalent, check_verify_args, fold_model, stamp, with_massive_channels
+from .api import as_model, check_verify_args, fold_model, stamp, with_massive_channels
 from .linear_layers import (WEIGHT_VIEWS, basis_changes, constant_weights, float_parameters, gemm_to_matmul,
                             graphs, layers_by_graph, linear_layers, name_nodes)
 from .write import is_large
@@ -146,13 +146,17 @@ def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) 
     """The fold's gate (passes/gate.py) on the model handed to the quantizer: fold, γ, rotation,
     constant weights and Gemm rewrite in one run; its verdict is the fold result's. Where nothing
     folded, the rewrites alone (if any) are checked the same way. None over protobuf's 2 GB in
-    memory (as fold_model)."""
+    memory (as fold_model). On every branch of an If that a bool input decides (a merged decoder):
+    the rows (`inputs`) take one, made-up inputs the others (verify.reference's other_branches)."""
     if is_large(prepared.model):
         return
+    if prepared.fold is None and not prepared.rewritten:
+        return
+    verdict = verify.check(model, prepared.model, inputs=inputs, dims=dims, other_branches=True)
+    if not verdict.ok:
+        raise verdict.error()
     if prepared.fold is not None:
-        record(prepared.fold, check_equivalent(model, prepared.model, inputs=inputs, dims=dims))
-    elif prepared.rewritten:
-        check_equivalent(model, prepared.model, inputs=inputs, dims=dims)
+        record(prepared.fold, verdict)
 
 
 def _calibration_reader(rows: Rows):

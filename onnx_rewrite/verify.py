@@ -11,7 +11,8 @@ every model from a file (sessions.session: no serialized copy kept), and the gat
 outputs piece by piece (weights.max_rel_err).
 Branches: an If that a bool graph input decides (Optimum's merged decoders' `use_cache_branch`) is
 verified on both its branches, one run per value of that input, in the same sessions one after the
-other (branch_inputs); the criterion says which values were verified.
+other (branch_inputs); the criterion says which values were verified. Given inputs are used as
+given (they take one value); `other_branches` (quantize's rows) adds a made-up run for each other value.
 """
 from __future__ import annotations
 
@@ -177,12 +178,14 @@ def _ifs(covered: dict[str, list[str]]) -> str:
     return f"If{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
 
-def _branches_note(covered: dict[str, list[str]], ran: list[dict[str, bool]], missing: list[tuple[dict, str]]) -> str:
+def _branches_note(covered: dict[str, list[str]], ran: list[dict[str, bool]],
+                   missing: list[tuple[dict, LnfoldError]]) -> str:
     """The verdict's note on the branches verified: every one, or those the runs took and why not the rest."""
     if not missing:
         both = "; ".join(f"{name} False and True" for name in covered)
         return f"verified on both branches of {_ifs(covered)} ({both})"
-    not_run = "; ".join(f"made-up inputs with {_takes(v)} do not run it ({why})" for v, why in missing)
+    not_run = "; ".join(f"made-up inputs with {_takes(v)} do not run it ({_made_up_failure(str(e))})"
+                        for v, e in missing)
     return (f"verified on some branches only of {_ifs(covered)} ({'; '.join(map(_takes, ran))}): {not_run}; "
             "give inputs for the others with --inputs FILE.npz (API: inputs=)")
 
@@ -191,8 +194,12 @@ def _given_note(covered: dict[str, list[str]], feeds: dict) -> str:
     """What the user's inputs say of the branches: they take one value of each deciding input."""
     if not covered:
         return ""
-    takes = _takes({name: bool(np.asarray(feeds[name]).ravel()[0]) for name in covered if np.size(feeds[name])})
-    return f"the given inputs take one branch only of {_ifs(covered)} ({takes})"
+    return f"the given inputs take one branch only of {_ifs(covered)} ({_takes(_taken(covered, feeds))})"
+
+
+def _taken(covered: dict[str, list[str]], feeds: dict) -> dict[str, bool]:
+    """{input deciding an If: the value `feeds` give it}."""
+    return {name: bool(np.asarray(feeds[name]).ravel()[0]) for name in covered if np.size(feeds[name])}
 
 
 # --- the verdict ---------------------------------------------------------------------------------
@@ -238,9 +245,10 @@ class Reference:
 
 
 def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = None, dims: Optional[dict] = None,
-              seed: int = 0) -> Reference:
+              seed: int = 0, other_branches: bool = False) -> Reference:
     """Run the original (and its float64 copy) for `check_against`. Raises LnfoldError when it cannot
-    be run at all (nothing to compare with)."""
+    be run at all (nothing to compare with). `other_branches`: with `inputs`, also one run on made-up
+    inputs for each branch value they do not take (quantize's rows take one branch)."""
     original = _pinned(original)
     ref = Reference(original, inputs, dims, seed, random_ops.describe(original.skeleton))
     # the float64 copy and its session need no inputs: made while the original runs (both release
@@ -252,6 +260,8 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
         if inputs is not None or not covered:
             ref.runs = [Run(*_run_on(ref.runner, skel, inputs=inputs, dims=dims, seed=seed))]
             ref.branches = _given_note(covered, ref.runs[0].feeds) if inputs is not None else ""
+            if inputs is not None and covered and other_branches:
+                _run_other_branches(ref, covered)
         else:  # one run per branch value, one after the other in the same session
             missing: list[tuple[dict, LnfoldError]] = []
             for values in _branch_values(covered):
@@ -262,8 +272,7 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
                     missing.append((values, e))
             if not ref.runs:
                 raise missing[0][1]
-            ref.branches = _branches_note(covered, [r.takes for r in ref.runs],
-                                          [(v, _made_up_failure(str(e))) for v, e in missing])
+            ref.branches = _branches_note(covered, [r.takes for r in ref.runs], missing)
     except _RefusedAndUnrunnable as e:
         ref.refused = e
         return ref
@@ -274,16 +283,38 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
     return ref
 
 
+def _run_other_branches(ref: Reference, covered: dict[str, list[str]]) -> None:
+    """After the run on the given inputs (`ref.runs[0]`): one run on made-up inputs for each branch
+    value those do not take, in the same session, and the note says which inputs took which."""
+    given = ref.runs[0]
+    given.takes = _taken(covered, given.feeds)
+    missing = []
+    for values in _branch_values(covered):
+        if values == given.takes:
+            continue
+        try:
+            ref.runs.append(Run(*_run_on(ref.runner, ref.original.skeleton, inputs=None, dims=ref.dims, seed=ref.seed,
+                                         fixed=values), takes=values))
+        except LnfoldError as e:  # (said in the note: the given inputs' branch is verified)
+            missing.append((values, e))
+    made_up = "; ".join(_takes(r.takes) for r in ref.runs[1:])
+    which = f"the given inputs take {_takes(given.takes)}" + (f", made-up inputs {made_up}" if made_up else "")
+    note = _branches_note(covered, [r.takes for r in ref.runs], missing)
+    ref.branches = f"{which}; {note}" if missing else f"{note}: {which}"  # (the note ends on its advice)
+
+
 def _made_up_failure(message: str) -> str:
     """The op that failed, from original_run's message on made-up inputs."""
     return message.split("made-up inputs: ", 1)[-1].split(f"; {_HINT}", 1)[0]
 
 
 def check(original: ModelLike, folded: ModelLike, *, inputs: Optional[dict] = None,
-          dims: Optional[dict] = None, seed: int = 0) -> gate.Verdict:
+          dims: Optional[dict] = None, seed: int = 0, other_branches: bool = False) -> gate.Verdict:
     """The gate's verdict on `folded` (passes/gate.py). Raises LnfoldError when the original cannot
-    be run (nothing to compare with) and VerificationError when only the folded model fails."""
-    return check_against(reference(original, inputs=inputs, dims=dims, seed=seed), folded)
+    be run (nothing to compare with) and VerificationError when only the folded model fails.
+    `other_branches`: `reference`'s."""
+    return check_against(reference(original, inputs=inputs, dims=dims, seed=seed, other_branches=other_branches),
+                         folded)
 
 
 def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verdict:

@@ -133,9 +133,10 @@ def test_both_branches_quantized_and_close(weights, activations, rotate):
     r = lnfold.quantize_onnx(m, weights=weights, activations=activations, rotate=rotate, block_size=32
                              if weights == "int4" else 128, calibrate=merged_rows(False))
     if rotate:
-        # (the fold is verified on the --calibrate rows, given inputs: they take one branch, and it says so)
-        assert r.report.rotated_streams == 2 and r.fold.criterion == "float64; the given inputs take one branch " \
-            "only of If `optimum::if` (use_cache_branch False)", r.report.table()  # one stream per branch
+        # (the fold is verified on the --calibrate rows, which take one branch, and on made-up inputs for the other)
+        assert r.report.rotated_streams == 2 and r.fold.criterion == "float64; verified on both branches of If " \
+            "`optimum::if` (use_cache_branch False and True): the given inputs take use_cache_branch False, made-up " \
+            "inputs use_cache_branch True", r.report.table()  # one stream per branch
     counts = per_branch(r.model)
     assert set(counts) == {"then_branch", "else_branch"}
     for branch, c in counts.items():  # 2 blocks x (up, down) + head, in each branch
@@ -243,7 +244,8 @@ def test_optimums_merged_decoder_quantizes_rotated(tmp_path, capsys, weights):
     out = tmp_path / "q.onnx"
     assert cli.main(["quantize", str(CORPUS / MERGED), "-o", str(out), "--weights", weights, "--rotate", "hadamard",
                      "--calibrate", str(tmp_path / "rows.npz")]) == 0, capsys.readouterr().err
-    assert "every row takes the else_branch" in capsys.readouterr().out
+    said = capsys.readouterr().out  # (measured on the rows' branch; the fold verified on both)
+    assert "every row takes the else_branch" in said and "verified on both branches of If `optimum::if`" in said, said
     quantized = onnx.load(str(out))
     for branch, c in per_branch(quantized).items():  # 2 layers x 7 projections + lm_head
         assert c[QUANTIZED_OPS[weights]] == 15, (branch, c)
