@@ -22,7 +22,8 @@ Linear layers inside If branches (Optimum's merged decoder: the decoder with and
 one per branch, sharing the main graph's weights) are quantized where onnxruntime does it: int8
 dynamic (quantize_dynamic with EnableSubgraph) and int4 (MatMulNBitsQuantizer recurses); its static
 QDQ quantizer does not, so W8A8 on such a model is refused before any work (`check_branches`). The
-error is measured on the branch the rows take, and the report says which (`branches_taken`).
+error is measured on the branch the rows take, and the report says which (`branches_taken`); the
+exact steps are verified on every branch: the rows' and made-up inputs for the others (`check_exact_steps`).
 
 What is decided from measured numbers — the candidates, the choice, the error, the report — is
 passes/quantize.py's, shared with the torch entry (fx_rewrite/quantize.py); this module is the
