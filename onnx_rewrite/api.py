@@ -134,7 +134,8 @@ class OnnxFrontend:
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms and plan.empty:
-            raise NothingToFold(validate.no_norm_message(self.work) + plan.report.near_miss_hint()
+            raise NothingToFold(validate.no_norm_message(self.work, rms_norms(self.info, self.opset))
+                                + plan.report.near_miss_hint()
                                 + _unrotated(plan))
         if plan.empty:
             raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
@@ -237,7 +238,8 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
         rows, synthetic = calibration_io.rows_for(model, calibration, dims)
         measured = geometry.measure(folds, view, report.verdicts(), rows.runs(), make_plan, synthetic=synthetic)
         report = dataclasses.replace(report, geometry=measured)
-    return dataclasses.replace(report, rms_norms=rms_norms(model))  # a folded model's: listed as already RMSNorm
+    # a folded model's: listed as already RMSNorm
+    return dataclasses.replace(report, rms_norms=rms_norms(folds.frontend.info, folds.frontend.opset))
 
 
 @takes_options

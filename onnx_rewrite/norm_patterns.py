@@ -101,7 +101,7 @@ PATTERNS = (
 
 # RMSNorms as given (issue 47; NormMatch.kind one of RMS_KINDS): looked for only where γ into the
 # readers or a rotation is asked (`find_norms(rms=True)`); without, a model of RMSNorms folds nothing
-# exactly as before (already_rms.py lists them).
+# exactly as before (already_rms.rms_norms lists them, with these and match_rms).
 RMS_PATTERNS = (
     NormPattern("SimplifiedLayerNormalization", ("SimplifiedLayerNormalization",), ONNX_DOMAINS + (fused.MS,),
                 match_rms_op),

@@ -5,11 +5,11 @@ Each failure is a one-line LnfoldError saying what is wrong with the input.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import onnx
 
 from ..passes import LnfoldError
-from .already_rms import rms_norms
 
 MIN_OPSET = 9
 # Bytes per element of the types whose raw data can be checked against their dims.
@@ -131,12 +131,12 @@ def check_initializer_names(graph: onnx.GraphProto) -> None:
                     for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs))
 
 
-def no_norm_message(model: onnx.ModelProto) -> str:
+def no_norm_message(model: onnx.ModelProto, rms: Sequence = ()) -> str:
+    """Why `model` has nothing to fold; `rms`: its RMSNorms (already_rms.rms_norms)."""
     inner = subgraph_norms(model)
     if inner:
         return (f"no LayerNorm found in the main graph ({inner} inside If/Loop/Scan subgraphs, "
                 "which lnfold does not fold): nothing to fold")
-    rms = rms_norms(model)
     if rms:
         ops = sorted({r.op for r in rms})
         return (f"no LayerNorm found: the model's {len(rms)} norm(s) are RMSNorms already ({', '.join(ops)}; "

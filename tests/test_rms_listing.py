@@ -1,0 +1,52 @@
+"""The RMSNorms a model already has, as `lnfold report` (analyze_model) lists them and "nothing to
+fold" names them, are the ones the fold itself recognizes (onnx_rewrite/already_rms.rms_norms: the
+view with RMSNorms as given, issue 44): each single op by its node's name, each one written out by
+its mean's (ReduceMean) name as "decomposed RMSNorm", once each, in graph order.
+"""
+from __future__ import annotations
+
+import pytest
+
+import lnfold
+from lnfold.onnx_rewrite import analyze_model
+from lnfold.passes import NothingToFold
+from tests.onnx_graphs import decomposed_ln
+from tests.test_rms_onnx_view_rule import FORMS as WRITTEN_OUT, one_block
+from tests.test_rms_streams import FORMS, llama_like, llama_skip
+
+SINGLE = ("SimplifiedLayerNormalization", "RMSNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def _listed(model) -> list[tuple]:
+    return [(r.name, r.op) for r in analyze_model(model).rms_norms]
+
+
+def _in_the_graph(model) -> list[tuple]:
+    """Each norm as the hand-built graph holds it: a single op, or the mean of one written out."""
+    return [(n.name, n.op_type if n.op_type in SINGLE else "decomposed RMSNorm") for n in model.graph.node
+            if n.op_type in SINGLE + ("ReduceMean",)]
+
+
+@pytest.mark.parametrize("model", [llama_like(f) for f in FORMS + ("gemma", "t5")] + [llama_skip()]
+                         + [one_block(f) for f in WRITTEN_OUT],
+                         ids=[*FORMS, "gemma", "t5", "skip_simplified", *WRITTEN_OUT])
+def test_each_form_is_listed_under_its_name(model):
+    want = _in_the_graph(model)
+    assert len(want) in (2, 3) and _listed(model) == want
+
+
+@pytest.mark.parametrize("form,first", [("decomposed", "simplified"), ("simplified", "decomposed")])
+def test_single_ops_and_written_out_norms_are_listed_in_graph_order_and_named_when_nothing_folds(form, first):
+    m = llama_like(form, first=first)
+    want = _in_the_graph(m)
+    assert sorted({k for _, k in want}) == ["SimplifiedLayerNormalization", "decomposed RMSNorm"] and len(want) == 3
+    assert _listed(m) == want
+    with pytest.raises(NothingToFold, match=r"the model's 3 norm\(s\) are RMSNorms already "
+                                            r"\(SimplifiedLayerNormalization, decomposed RMSNorm; "):
+        lnfold.fold_onnx(m)
+
+
+def test_a_written_out_layernorm_is_not_listed_as_an_rmsnorm():
+    """The mean square of x - mean(x) is a LayerNorm's variance: its norms are LayerNorms, none RMSNorm."""
+    r = analyze_model(decomposed_ln())
+    assert len(r.norms) == 3 and r.rms_norms == []
