@@ -6,20 +6,26 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from ..passes import View
+from ..passes.patterns import collapse_norms
 from ..passes.report import RmsNorm
-from .classify import GraphInfo, build_view
-from .norm_patterns import RMS_KINDS
+from .classify import GraphInfo
+from .norm_patterns import RMS_KINDS, find_norms
 
 RMS_OPS = RMS_KINDS  # the single ops that are an RMSNorm (verify.py: the ones a fold added)
 
 
-def rms_norms(info: GraphInfo, opset: int) -> list[RmsNorm]:
-    """The RMSNorms of the graph `info` describes, in graph order, found as the fold finds them where
-    γ into the readers is asked: the view with RMSNorms as given (norm_patterns.RMS_PATTERNS, and
-    passes/patterns.match_rms for one written out), built from the shapes the fold inferred."""
-    view, matches = build_view(info, opset, rms=True)
-    order = {n.name: i for i, n in enumerate(info.graph.nodes)}
-    return sorted((RmsNorm(n.name, matches[n.name].kind) for n in view.rms_norms()), key=lambda r: order[r.name])
+def rms_norms(info: GraphInfo, view: View) -> list[RmsNorm]:
+    """The RMSNorms of the main graph `info` describes, in graph order, found as the fold finds them
+    where γ into the readers is asked: the single ops by norm_patterns.RMS_PATTERNS (find_norms), the
+    ones written out by passes/patterns.match_rms (collapse_norms) over `view`, the fold's own view of
+    the graph, done with: collapse_norms edits it (one built with RMSNorms as given has them already)."""
+    single = [RmsNorm(m.name, m.kind) for m in find_norms(info.graph, info.shapes, rms=True) if m.kind in RMS_KINDS]
+    collapse_norms(view, rms=True)
+    written = [RmsNorm(n.name, "decomposed RMSNorm") for n in view.nodes.values()
+               if n.op == "DecomposedRMSNorm" and n.norm is not None]  # (as view.rms_norms(), op first: cheap)
+    order = {n.name: i for i, n in enumerate(info.graph.nodes)}  # (the main graph's: not an If branch's)
+    return sorted((r for r in single + written if r.name in order), key=lambda r: order[r.name])
 
 
 _ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide}

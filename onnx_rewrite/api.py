@@ -111,6 +111,7 @@ class OnnxFrontend:
         # If branches: one view with the main graph
         self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset,
                                                 rms=self.opts.gamma_into_readers)
+        self.built_view = view  # (the RMSNorms "nothing to fold" names are found over it: already_rms.rms_norms)
         return view
 
     def _prepare(self) -> tuple:
@@ -134,7 +135,7 @@ class OnnxFrontend:
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms and plan.empty:
-            raise NothingToFold(validate.no_norm_message(self.work, rms_norms(self.info, self.opset))
+            raise NothingToFold(validate.no_norm_message(self.work, rms_norms(self.info, self.built_view))
                                 + plan.report.near_miss_hint()
                                 + _unrotated(plan))
         if plan.empty:
@@ -239,7 +240,7 @@ def analyze_model(model: onnx.ModelProto, *, mode: str = "rms", calibration=None
         measured = geometry.measure(folds, view, report.verdicts(), rows.runs(), make_plan, synthetic=synthetic)
         report = dataclasses.replace(report, geometry=measured)
     # a folded model's: listed as already RMSNorm
-    return dataclasses.replace(report, rms_norms=rms_norms(folds.frontend.info, folds.frontend.opset))
+    return dataclasses.replace(report, rms_norms=rms_norms(folds.frontend.info, view))
 
 
 @takes_options

@@ -11,8 +11,10 @@ import lnfold
 from lnfold.onnx_rewrite import analyze_model
 from lnfold.passes import NothingToFold
 from tests.onnx_graphs import decomposed_ln
-from tests.test_rms_onnx_view_rule import FORMS as WRITTEN_OUT, one_block
-from tests.test_rms_streams import FORMS, llama_like, llama_skip
+from onnx import TensorProto, helper
+
+from tests.test_rms_onnx_view_rule import FORMS as WRITTEN_OUT, _rms, one_block
+from tests.test_rms_streams import B, D, F, FORMS, T, V, _Graph, llama_like, llama_skip
 
 SINGLE = ("SimplifiedLayerNormalization", "RMSNormalization", "SkipSimplifiedLayerNormalization")
 
@@ -50,3 +52,25 @@ def test_a_written_out_layernorm_is_not_listed_as_an_rmsnorm():
     """The mean square of x - mean(x) is a LayerNorm's variance: its norms are LayerNorms, none RMSNorm."""
     r = analyze_model(decomposed_ln())
     assert len(r.norms) == 3 and r.rms_norms == []
+
+
+def _unit_gain_block():
+    """Embedding -> RMSNorm -> MatMul -> residual Add -> RMSNorm -> lm head, both norms without γ."""
+    g = _Graph(0)
+    h = g.op("Gather", [g.weight("embed", (V, D), mean=3.0), "input_ids"], axis=0)
+    up = g.op("MatMul", [_rms(g, h, "no_gamma_no_eps"), g.weight("up", (D, F))])
+    h = g.op("Add", [h, g.op("MatMul", [up, g.weight("down", (F, D))])])
+    logits = g.op("MatMul", [_rms(g, h, "no_gamma_no_eps"), g.weight("lm_head", (D, V))])
+    graph = helper.make_graph(g.nodes, "unit_gain", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [B, T])],
+                              [helper.make_tensor_value_info(logits, TensorProto.FLOAT, [B, T, V])], g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("options", [{}, {"gamma_into_readers": True}])
+def test_nothing_to_fold_names_the_rmsnorms_whether_the_folds_view_has_them_or_not(options):
+    """With γ into the readers the fold's view has its RMSNorms already (found there, not again); a
+    model of γ-less RMSNorms then has nothing to fold all the same."""
+    m = _unit_gain_block()
+    assert _listed(m) == _in_the_graph(m) and len(_listed(m)) == 2
+    with pytest.raises(NothingToFold, match=r"the model's 2 norm\(s\) are RMSNorms already \(decomposed RMSNorm; "):
+        lnfold.fold_onnx(m, **options)
