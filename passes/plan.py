@@ -140,7 +140,10 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not self.swaps and not self.approx and not self.rms_swaps
+        """Nothing to apply: no norm swapped (folded, approximated, or an RMSNorm as given re-emitted)
+        and no stream rotated (a stream of γ-less RMSNorms rotates with no norm to swap)."""
+        return not self.swaps and not self.approx and not self.rms_swaps and \
+            not any(r.rotated for r in self.stream_bases)
 
     @property
     def plain_rms(self) -> list[str]:

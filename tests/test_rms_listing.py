@@ -5,6 +5,7 @@ its mean's (ReduceMean) name as "decomposed RMSNorm", once each, in graph order.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import lnfold
@@ -74,3 +75,16 @@ def test_nothing_to_fold_names_the_rmsnorms_whether_the_folds_view_has_them_or_n
     assert _listed(m) == _in_the_graph(m) and len(_listed(m)) == 2
     with pytest.raises(NothingToFold, match=r"the model's 2 norm\(s\) are RMSNorms already \(decomposed RMSNorm; "):
         lnfold.fold_onnx(m, **options)
+
+
+def test_a_stream_of_gamma_less_rmsnorms_rotates():
+    """No norm to swap, but a rotation edits the writers and readers: a fold (it said "nothing to
+    fold" before), verified against float64, in both IRs' plan."""
+    m = _unit_gain_block()
+    r = lnfold.fold_onnx(m, rotate="hadamard")
+    assert r.criterion == "float64" and r.report.streams[0].rotation.startswith("rotated"), r.report.streams
+    feeds = {"input_ids": np.random.default_rng(1).integers(0, V, (B, T))}
+    import onnxruntime as ort
+
+    run = lambda model: ort.InferenceSession(model.SerializeToString()).run(None, feeds)[0]  # noqa: E731
+    assert np.abs(run(r.model) - run(m)).max() <= 1e-4 * np.abs(run(m)).max()
