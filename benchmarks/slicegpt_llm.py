@@ -38,7 +38,8 @@ F = 0.25 on a shared 2-core machine): `--bases one` for a quick run.
 
 Investigation options: `--slicegpt-variants head unit-rms both` (SliceGPT's code with lnfold's choices put in —
 the head sliced, the PCA of unit-RMS rows — scored in torch; `--variants-only` skips the plain runs) and
-`--raw-moment` (lnfold's bases from SliceGPT's raw second moment; files `…-raw.onnx`).
+`--raw-moment` (lnfold's one basis too from SliceGPT's raw second moment, as its per-block bases are; files
+`…-raw.onnx`).
 
 Every ONNX file is saved under `<cache>/smollm2/slicegpt_llm/` (the `latency` part times them again, and the
 one-basis files of `realmodels_llm --parts slice` where this benchmark made none).
@@ -179,15 +180,6 @@ def slicegpt_part(sg, lm, cal, held, fractions, threads, base, out: Path, table:
             del sliced
 
 
-def raw_second_moment(batches: list, axis: int) -> tuple[np.ndarray, int]:
-    """passes/slicing.unit_rms_moment's signature, the rows as they are (not scaled to unit RMS)."""
-    total, n = 0.0, 0
-    for x in batches:
-        x = np.moveaxis(np.asarray(x, dtype=np.float64), axis, -1).reshape(-1, np.shape(x)[axis])
-        total, n = total + x.T @ x, n + x.shape[0]
-    return total / n, n
-
-
 def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, out: Path, table: llm.Table,
                 raw_moment: bool = False) -> None:
     """`lnfold.slice_onnx`'s steps (onnx_rewrite/slice.py: its frontend, `slice_with`), the exact fold and
@@ -195,8 +187,9 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
     lnfold refuses a slice with more parameters than the model's own (SliceGPT's at these fractions
     have 1.1-1.2x); to score it beside SliceGPT's all the same, that guard is lifted here (the
     frontend's `original` count set past any slice) and the note says where `lnfold slice` refuses.
-    `raw_moment`: the bases from the raw rows' second moment (SliceGPT's) instead of lnfold's unit-RMS
-    rows' (passes/slicing.unit_rms_moment replaced in this process: an experiment, files `…-raw.onnx`)."""
+    `raw_moment`: one basis too from the raw rows' second moment (per block it is lnfold's already,
+    SliceGPT's choice; one basis pools unit-RMS rows): passes/slicing.second_moment forced in this
+    process, an experiment, files `…-raw.onnx`."""
     from lnfold.onnx_rewrite import calibration as calibration_io
     from lnfold.onnx_rewrite import targets
     from lnfold.onnx_rewrite.slice import slicing_frontend
@@ -207,7 +200,8 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
 
     if raw_moment:  # SliceGPT's moment (its pca_calc's Σ xxᵀ; its 1 % damping moves no eigenvector)
         from lnfold.passes import slicing
-        slicing.unit_rms_moment = raw_second_moment
+        moment = slicing.second_moment
+        slicing.second_moment = lambda batches, axis, unit_rms=True: moment(batches, axis, unit_rms=False)
     data = calibration_io.calibration_data(model, {"input_ids": cal}, {"input_ids": cal_heldout})
     frontend = ReusedFold(slicing_frontend(model, targets.resolve("ort", "cpu"), data, None))
     frontend.original = 10 ** 15  # the guard lifted (see above); `base` is the model's own count

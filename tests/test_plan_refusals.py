@@ -521,4 +521,4 @@ def test_a_plot_into_a_directory_that_does_not_exist_is_a_one_line_error(tmp_pat
 
 def test_slicing_on_calibration_rows_that_are_all_zero_is_a_one_line_error():
     with pytest.raises(LnfoldError, match=r"^no calibration row reached the stream \(all rows zero\)$"):
-        slicing.unit_rms_moment([np.zeros((2, T, D)), np.zeros((0, T, D))], axis=-1)
+        slicing.second_moment([np.zeros((2, T, D)), np.zeros((0, T, D))], axis=-1)

@@ -340,6 +340,24 @@ def test_per_block_beats_one_basis_on_the_test_stream():
     assert error_against_exact(per) < 0.75 * error_against_exact(one)
 
 
+def test_per_block_bases_take_raw_moments_one_basis_unit_rms_rows(monkeypatch):
+    """A segment's basis comes from its inputs' raw second moment (SliceGPT's: a few massive tokens
+    set its leading directions); one basis pooled over every norm, from unit-RMS rows (pooled raw
+    moments are the deepest layers' massive activations': SmolLM2 F=0.25, 161 against 76.5)."""
+    x = np.ones((1, 4, 3))
+    x[0, 0] = [100.0, 0.0, 0.0]  # (one massive row along e0; three small ones along 1 = (1, 1, 1))
+    raw, unit = (slicing.principal_basis(slicing.second_moment([x], -1, unit_rms=u)[0])[0][:, 0] for u in (False, True))
+    assert abs(raw[0]) > 0.99 and np.allclose(np.abs(unit), 1 / np.sqrt(3), atol=0.2)
+    asked = []
+    real = slicing.second_moment
+    monkeypatch.setattr(slicing, "second_moment", lambda b, a, unit_rms=True: asked.append(unit_rms) or real(b, a, unit_rms))
+    lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, per_block=True)
+    assert asked and not any(asked)
+    asked.clear()
+    lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25)
+    assert asked and all(asked)
+
+
 def test_per_block_planted_bug_shortcut_skipped(monkeypatch):
     """The shortcut MatMuls left out (x_l added in Q_l's basis to a sum in Q_l+1's): the full-width
     per-block slice is no longer exact (the plan is the frontends' shared one)."""
@@ -487,7 +505,9 @@ def test_torch_sequential_per_block_matches_onnx(zoo_onnx):
     o = lnfold.slice_onnx(zoo_onnx("gpt2")[2], {"input_ids": ids.numpy()}, fraction=0.25, per_block=True)
     assert t.report.notes == o.report.notes and "8 sliced fold(s)" in t.report.notes[0]
     assert t.report.streams[0].bases == o.report.streams[0].bases == 5
-    assert t.report.error == pytest.approx(o.report.error, rel=0.05)
+    # (per-block bases come from raw second moments, where a row weighs its norm²: the two runtimes'
+    # float32 captures differ in the last bits and move near-equal eigenvectors a little more)
+    assert t.report.error == pytest.approx(o.report.error, rel=0.1)
 
 
 def _tied_model(vocab: int = 400) -> onnx.ModelProto:

@@ -173,7 +173,7 @@ def basis_sharing(model, cal: np.ndarray, held: np.ndarray, ks: list[int]) -> No
     """Per norm, the held-out energy outside the kept k directions: with lnfold's one basis per stream
     (every norm's calibration moment pooled, passes/slicing.py) and with a basis of the norm's own
     (the per-block choice SliceGPT makes, here on the unsliced model)."""
-    from lnfold.passes.slicing import principal_basis, unit_rms_moment
+    from lnfold.passes.slicing import principal_basis, second_moment as unit_rms_moment
 
     calibrating, scored = centered_norm_inputs(model, cal), centered_norm_inputs(model, held)
     own = {n: principal_basis(unit_rms_moment([x], -1)[0])[0] for n, x in calibrating.items()}
