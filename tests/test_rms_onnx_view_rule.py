@@ -13,8 +13,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-import lnfold
-from tests.test_rms_streams import EPS, B, D, F, T, V, _Graph, _ids, _run
+from tests.test_rms_streams import EPS, B, D, F, T, V, _Graph, _ids, _run, rotated_exactly
 
 FORMS = ("div_one", "gemma_div_one", "no_gamma_no_eps", "eps_first_div")
 
@@ -58,10 +57,7 @@ def one_block(form: str) -> onnx.ModelProto:
 @pytest.mark.parametrize("form", FORMS)
 def test_each_onnx_spelling_of_an_rmsnorm_rotates_exactly(form):
     m = one_block(form)
-    r = lnfold.fold_onnx(m, rotate="hadamard")  # verified against float64 (raises otherwise)
-    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), r
-    (s,) = r.report.streams
-    assert s.rotation.startswith("rotated (hadamard, d=32"), s.rotation
+    r, _ = rotated_exactly(m)
     assert [(n.op, n.stream) for n in r.report.rms_norms] == [("DecomposedRMSNorm", 0)] * 2, r.report.rms_norms
     moved = [n.gamma.startswith("into the weight of") for n in r.report.rms_norms]
     assert moved == [form != "no_gamma_no_eps", True], r.report.rms_norms

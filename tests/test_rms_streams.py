@@ -119,13 +119,20 @@ def _norm_weights(model: onnx.ModelProto) -> list[np.ndarray]:
             if n.op_type in ("SimplifiedLayerNormalization", "RMSNormalization")]
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_an_rmsnorm_stream_rotates_exactly(form):
-    m = llama_like(form)
+def rotated_exactly(m):
+    """(the fold of `m` rotated by a Hadamard, its one stream's report), after checking it was verified
+    against float64 within the original's own error and that the stream rotated."""
     r = lnfold.fold_onnx(m, rotate="hadamard")  # verified against float64 (raises otherwise)
     assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), r
     (s,) = r.report.streams
     assert s.rotation.startswith("rotated (hadamard, d=32"), s.rotation
+    return r, s
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_rmsnorm_stream_rotates_exactly(form):
+    m = llama_like(form)
+    r, s = rotated_exactly(m)
     assert len(s.rms) == 3 and not s.norms and not s.centered
     assert [x.stream for x in r.report.rms_norms] == [0, 0, 0]
     assert all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms), r.report.rms_norms
@@ -327,10 +334,7 @@ def llama_skip(*, bias: bool = False, last_sum: bool = False, seed: int = 0, lay
 @pytest.mark.parametrize("bias,last_sum", [(False, False), (True, False), (False, True), (True, True)])
 def test_a_skip_simplified_stream_rotates_exactly(bias, last_sum):
     m = llama_skip(bias=bias, last_sum=last_sum)
-    r = lnfold.fold_onnx(m, rotate="hadamard")  # verified against float64 (raises otherwise)
-    assert r.criterion == "float64" and r.exact_err <= max(2 * r.original_exact_err, 1e-6), r
-    (s,) = r.report.streams
-    assert s.rotation.startswith("rotated (hadamard, d=32"), s.rotation
+    r, s = rotated_exactly(m)
     assert len(s.rms) == 3 and not s.norms and not s.centered
     assert [x.op for x in r.report.rms_norms] == ["SimplifiedLayerNormalization"] + 2 * ["SkipSimplifiedLayerNormalization"]
     assert all(x.gamma.startswith("into the weight of") for x in r.report.rms_norms), r.report.rms_norms
