@@ -482,7 +482,8 @@ class QuantizeReport:
         lines += [f"note: {n}" for n in self.notes]
         for t in self.candidates:
             said = (f"skipped: {t['skipped']}" if "skipped" in t else
-                    (f"KL {t['score']:.3e}, " if t.get("rel_rms", t["score"]) != t["score"] else "")
+                    (f"score {t['score']:.3e} (KL of logits, else rel. RMS), " if t.get("rel_rms", t["score"]) != t["score"]
+                     else "")
                     + f"rel. RMS error {t.get('rel_rms', t['score']):.3e}, max rel. error {t['max_rel_err']:.3e}")
             if t.get("bytes"):
                 said += f", {t['bytes'] / max(self.bytes_before, 1):.2f}x the size"
