@@ -123,6 +123,12 @@ def _keep_ones(q: np.ndarray) -> np.ndarray:
     return q - np.outer(z, (2.0 / nz) * (z @ q))
 
 
+def can_spare(d: int, spared) -> bool:
+    """Whether a rotation of width d can leave the channels `spared` as they are: each one of its
+    channels, and at least two others left to rotate."""
+    return not spared or (min(spared) >= 0 and max(spared) < d and len(set(spared)) <= d - 2)
+
+
 def matrix(kind: str, d: int, seed: int = 0, spared: tuple = ()) -> np.ndarray:
     """The rotation Q (d × d, float64, read-only) of `kind` for a stream of width d: a row x of the
     stream becomes x·Q. Deterministic in (kind, d, seed, spared). `spared`: channels Q leaves as they
@@ -131,6 +137,6 @@ def matrix(kind: str, d: int, seed: int = 0, spared: tuple = ()) -> np.ndarray:
     if kind not in KINDS:
         raise ValueError(f"unknown rotation {kind!r}")
     spared = tuple(sorted({int(c) for c in spared}))
-    if spared and not (0 <= spared[0] and spared[-1] < d and len(spared) <= d - 2):
+    if not can_spare(d, spared):
         raise ValueError(f"spared channels {spared} must leave at least two of the {d} channels to rotate")
     return _matrix(resolved_kind(kind, d) if not spared else kind, int(d), int(seed), spared)

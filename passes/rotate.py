@@ -181,7 +181,7 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
         return replace(out, why=why)
     if given is not None:
         out = replace(out, dim=d, given=given[0], keep=given[1], kind=getattr(given[0], "key", type(given[0]).__name__))
-    elif spared and not (max(spared) < d and len(spared) <= d - 2):
+    elif not orthogonal.can_spare(d, spared):
         return replace(out, why=f"the channels to spare ({', '.join(map(str, spared))}) are not channels of its "
                                 f"width {d} (or leave fewer than two to rotate)")
     else:
