@@ -3,7 +3,9 @@ on rows. Trained LMs carry a few channels whose values reach hundreds of times t
 channel 507 at 300x the median channel's largest value, 247 at 24x); their norms' γ suppresses them,
 and a full rotation spreads their large reader weights into every channel's quantization blocks.
 Spared (passes/orthogonal.matrix: the identity on them), they keep their own blocks. Measured on
-SmolLM2, int4 b32 with γ in float: full rotation 32.7, these two spared 29.9 (as given 31.0).
+SmolLM2, int4 b32 with γ in float: four random rotations sparing 247 and 507 gave perplexity
+29.9–38.8, two full ones 32.7–44.2, the model as given 31.0 (benchmarks/RESULTS.md): the spread over
+seeds is wider than the gain, so `--rotate auto` measures it as one candidate among the others.
 """
 from __future__ import annotations
 
