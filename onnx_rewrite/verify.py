@@ -263,13 +263,7 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
             if inputs is not None and covered and other_branches:
                 _run_other_branches(ref, covered)
         else:  # one run per branch value, one after the other in the same session
-            missing: list[tuple[dict, LnfoldError]] = []
-            for values in _branch_values(covered):
-                try:
-                    ref.runs.append(Run(*_run_on(ref.runner, skel, inputs=None, dims=dims, seed=seed, fixed=values),
-                                        takes=values))
-                except LnfoldError as e:  # (said in the note where another branch runs)
-                    missing.append((values, e))
+            missing = _made_up_branch_runs(ref, covered)
             if not ref.runs:
                 raise missing[0][1]
             ref.branches = _branches_note(covered, [r.takes for r in ref.runs], missing)
@@ -288,19 +282,28 @@ def _run_other_branches(ref: Reference, covered: dict[str, list[str]]) -> None:
     value those do not take, in the same session, and the note says which inputs took which."""
     given = ref.runs[0]
     given.takes = _taken(covered, given.feeds)
-    missing = []
-    for values in _branch_values(covered):
-        if values == given.takes:
-            continue
-        try:
-            ref.runs.append(Run(*_run_on(ref.runner, ref.original.skeleton, inputs=None, dims=ref.dims, seed=ref.seed,
-                                         fixed=values), takes=values))
-        except LnfoldError as e:  # (said in the note: the given inputs' branch is verified)
-            missing.append((values, e))
+    missing = _made_up_branch_runs(ref, covered, skip=given.takes)
     made_up = "; ".join(_takes(r.takes) for r in ref.runs[1:])
     which = f"the given inputs take {_takes(given.takes)}" + (f", made-up inputs {made_up}" if made_up else "")
     note = _branches_note(covered, [r.takes for r in ref.runs], missing)
     ref.branches = f"{which}; {note}" if missing else f"{note}: {which}"  # (the note ends on its advice)
+
+
+def _made_up_branch_runs(ref: Reference, covered: dict[str, list[str]],
+                         skip: Optional[dict] = None) -> list[tuple[dict, LnfoldError]]:
+    """A run on made-up inputs for each branch value but `skip`, appended to `ref.runs`, one after
+    the other in its one session; returns the values no made-up input runs, with why (said in the
+    note where another branch runs)."""
+    missing = []
+    for values in _branch_values(covered):
+        if values == skip:
+            continue
+        try:
+            ref.runs.append(Run(*_run_on(ref.runner, ref.original.skeleton, inputs=None, dims=ref.dims, seed=ref.seed,
+                                         fixed=values), takes=values))
+        except LnfoldError as e:
+            missing.append((values, e))
+    return missing
 
 
 def _made_up_failure(message: str) -> str:
