@@ -209,7 +209,8 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
         for f in fractions:
             t0 = time.time()
             try:
-                _, sliced, r = slice_with(frontend, f, make_plan, None, label == "per-block")
+                _, sliced, r = slice_with(frontend, f, make_plan, None, label.startswith("per-block"),
+                                          full_width_head=label == "per-block-full-head")
             except Exception as e:  # noqa: BLE001 (the cell says what happened)
                 traceback.print_exc()
                 table.add(f"{f:g}", f"lnfold {label}", "", "—", "—", "—", f"{time.time() - t0:.0f}", llm.failure(e))
@@ -231,8 +232,9 @@ def main(argv=None) -> int:
                    help="TransformerCompression's src/ folder (holding slicegpt/)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.2, 0.25])
-    p.add_argument("--bases", nargs="+", default=["per-block", "one"], choices=["one", "per-block"],
-                   help="lnfold: a basis per block and/or one basis per stream (default both)")
+    p.add_argument("--bases", nargs="+", default=["per-block", "one"], choices=["one", "per-block", "per-block-full-head"],
+                   help="lnfold: a basis per block (per-block-full-head: the head segment kept d wide, as "
+                        "SliceGPT's) and/or one basis per stream (default per-block and one)")
     p.add_argument("--slicegpt-variants", nargs="*", default=[], choices=list(VARIANTS),
                    help="SliceGPT with lnfold's choices put in, scored in torch: head (the head sliced), unit-rms "
                         "(PCA of RMS-normalized rows), both")

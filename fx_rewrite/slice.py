@@ -31,19 +31,20 @@ def float_parameters(gm: torch.fx.GraphModule) -> int:
 
 
 def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=None, kwargs: Optional[dict] = None,
-                 heldout=None, dynamic: bool = True, per_block: bool = False) -> SliceResult:
+                 heldout=None, dynamic: bool = True, per_block: bool = False,
+                 full_width_head: bool = False) -> SliceResult:
     """Slice every rotatable folded stream of `module` to k = d − round(F·d) features on the principal
     directions of `calibration` (an args tuple, or a list of them; rows along the first axis).
     NOT exact: `result.report` as `slice_onnx`'s; the error is measured on `heldout` (default:
     passes/calibration.split's rule); `budget=B` instead of `fraction`: the largest F
     (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis per block input, as
-    `slice_onnx`'s. `result.module` runs like the module. Bad input: LnfoldError."""
-    fraction, budget = check_request(fraction, budget)
+    `slice_onnx`'s, `full_width_head` too. `result.module` runs like the module. Bad input: LnfoldError."""
+    fraction, budget = check_request(fraction, budget, per_block, full_width_head)
     check_calibration(calibration, slicing.CALIBRATED)
     data = calibration_io.split(calibration_io.batches_of(calibration, ())[0], heldout)
     # the first calibration batch is the example input (export, verification)
     folds = ExportFolds(module, data.deciding[0], dict(kwargs or {}), FoldOptions(gamma_into_readers=True),
                         dynamic=dynamic)
     frontend = Slicing(folds, data, lambda result: float_parameters(result.module), module_float_parameters(module))
-    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block)
+    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block, full_width_head)
     return SliceResult(report, exact, module=sliced.module)

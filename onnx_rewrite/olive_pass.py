@@ -76,6 +76,9 @@ class LnfoldPass(Pass):
                                               "needs `calibration`)"),
             "per_block": PassConfigParam(type_=bool, default_value=False,
                                          description="slice with a basis per block (SliceGPT's own scheme)"),
+            "full_width_head": PassConfigParam(type_=bool, default_value=False,
+                                               description="with per_block: the last segment (what the head reads) "
+                                               "keeps all d features, as SliceGPT's head (more parameters)"),
             "quantize": PassConfigParam(type_=str, default_value=None,
                                         description='"int8" (quantize_dynamic), "int4" (MatMulNBits, weight-only) '
                                         'or "w8a8" (quantize_static, needs `calibration`) after the fold (NOT exact)'),
@@ -99,7 +102,8 @@ class LnfoldPass(Pass):
             if config.calibration is None:
                 raise ValueError("LnfoldPass: slice_fraction needs calibration (an .npz of input rows)")
             sliced = lnfold.slice_onnx(source, config.calibration, fraction=config.slice_fraction,
-                                       target=config.target, per_block=config.per_block)
+                                       target=config.target, per_block=config.per_block,
+                                       full_width_head=config.full_width_head)
             logger.info("lnfold slice: %s", sliced.report.table())
             result = sliced.model
             if config.quantize:  # slice first, then quantize the sliced model (guide: slicing)

@@ -1,4 +1,4 @@
-"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block] [--target T]
+"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block [--full-width-head]] [--target T]
 [--device D] [--json]`:
 the command line of onnx_rewrite/slice.py (NOT exact), built and run as quantize_cli.py's.
 """
@@ -34,6 +34,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--per-block", action="store_true",
                    help="a basis per block input (SliceGPT's scheme): each residual shortcut gets a k x k MatMul "
                         "between consecutive bases; a stream whose residual Adds do not allow it keeps one basis")
+    s.add_argument("--full-width-head", action="store_true",
+                   help="with --per-block: the last segment (what the model's head reads) keeps all d features, as "
+                        "SliceGPT's head does: a k x d shortcut into it; better perplexity where the head is "
+                        "sensitive, more parameters")
     s.add_argument("--plot", metavar="FILE.svg|png",
                    help="with --budget: draw the search (the error at each fraction tried, the budget, the one "
                         "chosen, the parameters kept); needs matplotlib (lnfold[plot])")
@@ -55,7 +59,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with reporting(src, json=args.json) as progress:  # each fold's stages: many with --per-block or --budget
         result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget,
-                             per_block=args.per_block, target=args.target, device=args.device, progress=progress)
+                             per_block=args.per_block, full_width_head=args.full_width_head, target=args.target,
+                             device=args.device, progress=progress)
     code = write_and_report(result, dst, t0, args.json, "sliced")
     if args.plot is not None and code == 0:
         budget_curve(result.report, args.plot, f"lnfold slice --budget {args.budget:g}: {src.name} (NOT exact)")

@@ -130,7 +130,7 @@ class Plan:
         """The layout ops' size entries that spell a stream's width, each with how much it shrinks:
         1 on a CRMS stream (d−1 features), d−k on a sliced one."""
         out = [(ref, 1) for cc in self.compressions if cc.compressed for ref in cc.dims]
-        out += [(ref, r.dim - r.width) for r in self.stream_bases if r.sliced for ref in r.dims]
+        out += [(ref, r.dim - width) for r in self.stream_bases if r.sliced for ref, width in r.dims]
         return out
 
     @property
@@ -165,8 +165,10 @@ class Plan:
             return FrozenList(local(n) for n in ns if mine(n))
 
         stream_bases = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)),
-                                          dims=[replace(d, node=local(d.node)) for d in r.dims if mine(d.node)],
+                                          dims=[(replace(d, node=local(d.node)), w) for d, w in r.dims
+                                                if mine(d.node)],
                                           norm_bases={local(n): b for n, b in r.norm_bases.items() if mine(n)},
+                                          norm_widths={local(n): w for n, w in r.norm_widths.items() if mine(n)},
                                           shortcuts=[replace(s, node=local(s.node)) for s in r.shortcuts
                                                      if mine(s.node)])
                                   for r in self.stream_bases)
@@ -267,7 +269,7 @@ def _emissions(view: View, plan: _Draft, deferral: DeferDecision,
     compression and the approximate swap: one record per norm, in the order they are emitted."""
     deferred = {d.norm: d for d in deferral.deferred}
     crms_norms = {c.name: c for cc in plan.compressions if cc.compressed for c in cc.crms}
-    readouts = {n: Readout(r.basis_of(n), r.width, plan.gammas[n].gamma, rotated=n in r.float_gammas)
+    readouts = {n: Readout(r.basis_of(n), r.width_of(n), plan.gammas[n].gamma, rotated=n in r.float_gammas)
                 for r in plan.stream_bases if r.rotated for n in (*r.readouts, *r.float_gammas)}
     rms_only = {n for r in plan.stream_bases if r.rotated and not r.keeps_mean for n in r.norms}
     sliced = {n: r for r in plan.stream_bases if r.sliced for n in r.norms}
@@ -275,7 +277,8 @@ def _emissions(view: View, plan: _Draft, deferral: DeferDecision,
 
     def resized(n: str) -> dict:
         r = sliced.get(n)
-        return {} if r is None else dict(width=r.width, scale=(r.dim / r.width) ** 0.5, eps_scale=r.dim / r.width)
+        k = None if r is None else r.width_of(n)
+        return {} if k is None or k == r.dim else dict(width=k, scale=(r.dim / k) ** 0.5, eps_scale=r.dim / k)
 
     out = {}
     for n in plan.swaps:
@@ -588,7 +591,7 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         if request.rotate is None and given is None:
             continue  # a slice that leaves this stream as it is
         # per-block bases (passes/segments.py): the request names each segment's first norm
-        blocks = {n: request.bases[n][0] for n in comp.norms if n in request.bases} if given is not None else {}
+        blocks = {n: request.bases[n] for n in comp.norms if n in request.bases} if given is not None else {}
         stream = rms_streams[comp.norms[0]] if comp.norms[0] in rms_streams else verdicts[comp.norms[0]].stream
         rot = plan_rotation(view, comp, stream, request.rotate, request.seed, plan.gammas,
                             given, blocks if len(blocks) > 1 else None,

@@ -32,17 +32,19 @@ _BLIND = ("metadata", "nonfinite_test")
 @dataclass(frozen=True)
 class BasisShortcut:
     """Per-block bases (passes/segments.py): input `input` of the residual Add `node` is carried in
-    `source` and the Add's output in `target`; a constant MatMul by `B_s[:, :keep]ᵀ·B_t[:, :keep]`
-    (keep × keep) on that input re-expresses it (at keep = d exactly: B_sᵀB_t is orthogonal)."""
+    `source` (its first `source_keep` entries) and the Add's output in `target` (`target_keep`); a
+    constant MatMul by `B_s[:, :k_s]ᵀ·B_t[:, :k_t]` (k_s × k_t) on that input re-expresses it (at
+    k = d exactly: B_sᵀB_t is orthogonal; k_s < k_t = d: into a full-width head segment)."""
 
     node: str
     input: int
     source: Basis
     target: Basis
-    keep: int
+    source_keep: int
+    target_keep: int
 
     def matrix(self) -> np.ndarray:
-        return dense(self.source)[:, :self.keep].T @ dense(self.target)[:, :self.keep]
+        return dense(self.source)[:, :self.source_keep].T @ dense(self.target)[:, :self.target_keep]
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,11 @@ class StreamBasis:
     # `keep` < `dim` slices the stream (NOT exact); None: the Seeded basis of `kind`, all kept
     given: Optional[Basis] = None
     keep: Optional[int] = None
-    dims: Sequence[DimRef] = ()  # sliced: the layout ops' size entries that spell d
+    # per-block slices: the norms whose segment keeps another width than `keep` (full_width_head: the
+    # segment the model's head reads keeps all d, as SliceGPT's does)
+    norm_widths: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    # sliced: the layout ops' size entries that spell d, each with the width it becomes
+    dims: Sequence[tuple[DimRef, int]] = ()
     # recentered stream starts (passes/analysis.OpaqueStart): their recenter is followed by a MatMul
     # that projects the recentered tensor (value, the Project along its feature axis)
     starts: Sequence[tuple[str, Project]] = ()
@@ -99,6 +105,10 @@ class StreamBasis:
     def width(self) -> Optional[int]:
         """The stream's width once projected (`dim` unless sliced)."""
         return self.dim if self.keep is None else self.keep
+
+    def width_of(self, norm: str) -> Optional[int]:
+        """The width `norm`'s input is carried in (its segment's)."""
+        return self.norm_widths.get(norm, self.width)
 
     @property
     def sliced(self) -> bool:
@@ -129,6 +139,9 @@ class StreamBasis:
             text += (f"; {len(set(self.norm_bases.values()))} per-block bases, "
                      f"{len(self.shortcuts)} residual shortcut(s) re-expressed by a constant "
                      f"{self.width}×{self.width} MatMul")
+            if self.norm_widths:
+                text += (f" ({', '.join(f'`{n}`' for n in self.norm_widths)} read(s) all {self.dim} features: "
+                         f"{self.width}×{self.dim} into that segment)")
         if self.starts:
             text += (f"; {len(self.starts)} recentered start(s) projected by a constant {self.dim}×{self.width} "
                      "MatMul after the recenter")
@@ -167,12 +180,11 @@ def spared_for(spare_channels, first_norm: str) -> tuple:
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,
                   gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None,
-                  blocks: Optional[Mapping[str, Basis]] = None, spared: Sequence[int] = ()) -> StreamBasis:
+                  blocks: Optional[Mapping[str, tuple[Basis, int]]] = None, spared: Sequence[int] = ()) -> StreamBasis:
     """The rotation of one folded component, or why it stays as it is (pure, on the view):
     by the Seeded Q of `kind` (the identity on the channels `spared`), or by `given` = (basis,
-    entries kept) (a calibrated slice); with
-    `blocks` (the first norm of each segment -> its basis, passes/segments.py), each segment in its
-    own basis, `given`'s keep for all."""
+    entries kept) (a calibrated slice); with `blocks` (the first norm of each segment -> its basis
+    and entries kept, passes/segments.py), each segment in its own basis and width."""
     out = StreamBasis(stream, FrozenList(comp.norms), seed=seed)
     d, why = rotatable(view, comp, gammas)
     if why is None and given is not None and given[0].dim != d:
@@ -188,15 +200,18 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
         out = replace(out, dim=d, kind=orthogonal.resolved_kind(kind, d - len(spared)),
                       spared=FrozenList(sorted(spared)))
     keep = out.width
-    basis_of_value = lambda value: out.basis  # noqa: E731 (one basis for the whole stream)
+    project_value = lambda axis, value: Project(axis, out.basis, keep)  # noqa: E731 (one basis, one width)
     if blocks:
         seg = segments(view, comp)
         if seg.why is not None or set(seg.heads) != set(blocks):
             return out.unrotated(f"per-block bases: {seg.why or 'the bases given are not one per segment'}")
-        out = replace(out, norm_bases=MappingProxyType({n: blocks[h] for n, h in seg.of_norm.items()}),
-                      shortcuts=FrozenList(BasisShortcut(s.node, s.input, blocks[s.source], blocks[s.target], keep)
+        out = replace(out, norm_bases=MappingProxyType({n: blocks[h][0] for n, h in seg.of_norm.items()}),
+                      norm_widths=MappingProxyType({n: blocks[h][1] for n, h in seg.of_norm.items()
+                                                    if blocks[h][1] != keep}),
+                      shortcuts=FrozenList(BasisShortcut(s.node, s.input, blocks[s.source][0], blocks[s.target][0],
+                                                         blocks[s.source][1], blocks[s.target][1])
                                            for s in seg.shortcuts))
-        basis_of_value = lambda value: blocks[seg.of_value[value]]  # noqa: E731
+        project_value = lambda axis, value: Project(axis, *blocks[seg.of_value[value]])  # noqa: E731
     writers = []
     for src in comp.sources:
         for ref in src.refs:
@@ -205,11 +220,11 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
             written = _written(view, comp, src, ref) if blocks else None
             if blocks and written is None:
                 return out.unrotated(f"per-block bases: which stream tensor `{ref.value}` writes is not known")
-            writers.append((ref, Project(ref.axis, basis_of_value(written), keep)))
+            writers.append((ref, project_value(ref.axis, written)))
     out = replace(out, writers=FrozenList(writers),
-                  readers=FrozenList((r.weight, Project(r.weight.axis, out.basis_of(n), keep))
+                  readers=FrozenList((r.weight, Project(r.weight.axis, out.basis_of(n), out.width_of(n)))
                                      for n in comp.norms for r in gammas[n].readers),
-                  starts=FrozenList((o.value, Project(o.axis, basis_of_value(o.value), keep)) for o in comp.opaque),
+                  starts=FrozenList((o.value, project_value(o.axis, o.value)) for o in comp.opaque),
                   readouts=FrozenList(n for n in comp.norms if _readout(view, gammas[n])),
                   float_gammas=FrozenList(n for n in comp.norms if gammas[n].in_float))
     added, saved = parameter_change(view, out)
@@ -224,9 +239,10 @@ def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
     each writer and reader constant a slice to k cuts off (each constant once; 0 unsliced), and
     a k×k one per norm whose γ stays in float."""
     d, k = rot.dim, rot.width
-    added = (len(rot.readouts) + len(rot.starts)) * d * k + (len(rot.shortcuts) + len(rot.float_gammas)) * k * k
-    sizes = {ref.value: _elements(view, ref.value) for ref, _ in rot.writers + rot.readers}
-    return added, sum(sizes.values()) * (d - k) // d
+    added = (sum(d * rot.width_of(n) for n in rot.readouts) + sum(d * p.keep for _, p in rot.starts)
+             + sum(s.source_keep * s.target_keep for s in rot.shortcuts) + len(rot.float_gammas) * k * k)
+    cut = {ref.value: _elements(view, ref.value) * (d - p.keep) // d for ref, p in rot.writers + rot.readers}
+    return added, sum(cut.values())
 
 
 def _costs_more(view: View, rot: StreamBasis) -> Optional[str]:

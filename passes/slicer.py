@@ -21,8 +21,13 @@ from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_
 GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
 
 
-def check_request(fraction, budget) -> tuple[Optional[float], Optional[float]]:
-    """(F, None) or (None, B): exactly one of a fraction in (0, 1) and a budget >= 0; else a one-line error."""
+def check_request(fraction, budget, per_block: bool = False,
+                  full_width_head: bool = False) -> tuple[Optional[float], Optional[float]]:
+    """(F, None) or (None, B): exactly one of a fraction in (0, 1) and a budget >= 0, and
+    full_width_head only with per_block; else a one-line error."""
+    if full_width_head and not per_block:
+        raise LnfoldError("full_width_head (--full-width-head) keeps the last segment of a per-block slice d wide: "
+                          "give per_block (--per-block) too")
     if (fraction is None) == (budget is None):
         raise LnfoldError("slicing needs exactly one of a fraction (--fraction F, API fraction=: the share of each "
                           "stream's width deleted) and an error budget (--budget B, API budget=: the largest "
@@ -76,10 +81,12 @@ class Slicing:
 
 
 def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
-               budget: Optional[float] = None, per_block: bool = False) -> tuple[FoldResult, FoldResult, SliceReport]:
+               budget: Optional[float] = None, per_block: bool = False,
+               full_width_head: bool = False) -> tuple[FoldResult, FoldResult, SliceReport]:
     """(the exact fold, the sliced fold, the report) at `fraction`, or at the largest fraction of GRID
     whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it.
-    `per_block`: a basis per segment of each stream (slicing.plan_slices)."""
+    `per_block`: a basis per segment of each stream, `full_width_head`: its last segment kept d wide
+    (slicing.plan_slices)."""
     exact = frontend.exact(planner)
     view, plan = exact.view, exact.plan
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
@@ -91,7 +98,8 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     reference = frontend.outputs(exact)
 
     def decide(f: float, captures: dict) -> SlicePlan:
-        return plan_slices(view, list(plan.components), plan.gammas, stream_of, captures, f, per_block)
+        return plan_slices(view, list(plan.components), plan.gammas, stream_of, captures, f, per_block,
+                           full_width_head)
 
     def attempt(f: float) -> tuple[FoldResult, SliceReport]:
         decided, steps = sequential(frontend, planner, lambda captures: decide(f, captures), captured)
@@ -148,12 +156,13 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
     (the later segments' bases do not reach it), and put back together. A stream whose rotation its
     fold withdraws is left out (its slice is withdrawn alike)."""
     parts: dict[str, dict[int, list]] = {}  # norm input -> window start -> its batches
-    count = max(windows(s.dim, s.keep) for s, _ in at)
+    keep = {head: decided.bases[head][1] for _, head in at}  # (a full-width head segment: d, one window)
+    count = max(windows(s.dim, keep[head]) for s, head in at)
     for j in range(count):
         bases, starts = dict(decided.bases), {}
         for s, head in at:
-            starts[head], p = window_basis(s.dim, s.keep, min(j, windows(s.dim, s.keep) - 1))
-            bases[head] = (edits.DataBasis(f"window{starts[head]}:{head}", p), s.keep)
+            starts[head], p = window_basis(s.dim, keep[head], min(j, windows(s.dim, keep[head]) - 1))
+            bases[head] = (edits.DataBasis(f"window{starts[head]}:{head}", p), keep[head])
         sliced = frontend.sliced(bases, planner)
         rotated = {r.stream for r in sliced.plan.stream_bases if r.rotated}
         wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}

@@ -88,6 +88,8 @@ class StreamSlice:
     # the stream has one basis after all
     bases: int = 1
     one_basis_why: str = ""
+    # full_width_head: the norms of the segments the model's head reads, which keep all `dim` features
+    full_width: list[str] = field(default_factory=list)
 
     @property
     def sliced(self) -> bool:
@@ -98,6 +100,8 @@ class StreamSlice:
         if not self.sliced:
             return f"{head}: full width{f' {self.dim}' if self.dim else ''}: {self.why}"
         bases = f"; {self.bases} per-block bases" if self.bases > 1 else ""
+        bases += (f"; {', '.join(f'`{n}`' for n in self.full_width)} (the last segment) read(s) all {self.dim} "
+                  "features" if self.full_width else "")
         one = f"; one basis: {self.one_basis_why}" if self.one_basis_why else ""
         return (f"{head}: width {self.dim} -> {self.keep}, variance kept {self.variance_kept:.4%} "
                 f"({self.rows} calibration vectors: one per position of each row, per norm input){self.deficient()}"
@@ -127,7 +131,8 @@ class SlicePlan:
 
 
 def plan_slices(view: View, components: list[Component], gammas: Mapping, stream_of: Mapping[str, int],
-                captured: Mapping[str, list[np.ndarray]], fraction: float, per_block: bool = False) -> SlicePlan:
+                captured: Mapping[str, list[np.ndarray]], fraction: float, per_block: bool = False,
+                full_width_head: bool = False) -> SlicePlan:
     """The basis of every rotatable folded stream of the exact fold, and of every stream of RMSNorms as
     given (issue 47: their inputs are the stream itself, uncentered; the same PCA of unit-RMS rows)
     (its `components`, `gammas`, and `stream_of`: norm -> its stream's index in the report), from
@@ -135,7 +140,9 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
     batches of it in the exact fold's model on the calibration rows). `per_block`: a basis per
     segment of the stream (passes/segments.py), each from its own norms' inputs (their raw second
     moment), where the stream's residual Adds allow; else one basis from all of its norms' inputs
-    pooled (the second moment of their rows scaled to unit RMS)."""
+    pooled (the second moment of their rows scaled to unit RMS). `full_width_head` (per block): the
+    last segments — those no residual shortcut leaves, i.e. what the model's head reads — keep all d
+    features, as SliceGPT's head does (its default), the shortcut into them d wide on its output side."""
     out = SlicePlan(fraction)
     for comp in components:
         if not comp.norms or comp.norms[0] not in stream_of:
@@ -153,10 +160,14 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
             continue
         s.keep = kept_width(s.dim, fraction)
         groups = {comp.norms[0]: list(comp.norms)}  # the first norm of each basis's group -> its norms
+        full = set()  # the groups that keep all d features
         if per_block:
             seg = segments(view, comp)
             if seg.why is None:
                 groups = {h: [n for n, g in seg.of_norm.items() if g == h] for h in seg.heads}
+                if full_width_head and len(groups) > 1:
+                    full = set(groups) - {c.source for c in seg.shortcuts}
+                    s.full_width = [n for h in groups if h in full for n in groups[h]]
             else:
                 s.one_basis_why = seg.why
         if len(groups) > 1:
@@ -171,10 +182,11 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
                        for value, axis in out.inputs[head]]
             rows = sum(n for _, n in moments)
             q, eigenvalues = principal_basis(sum(m * n for m, n in moments) / rows)
-            kept += rows * float(eigenvalues[:s.keep].sum() / eigenvalues.sum())
+            keep = s.dim if head in full else s.keep
+            kept += rows * float(eigenvalues[:keep].sum() / eigenvalues.sum())
             s.rows += rows
             s.span = rows if s.span is None else min(s.span, rows)
-            out.bases[head] = (DataBasis(f"pca:{head}", q), s.keep)
+            out.bases[head] = (DataBasis(f"pca:{head}", q), keep)
         s.variance_kept, s.bases = kept / s.rows, len(groups)
     return out
 
@@ -227,7 +239,10 @@ def resize(view: View, comp: Component, rot: StreamBasis) -> StreamBasis:
     if why is not None:
         return rot.unrotated(why)
     starts = {value for value, _ in rot.starts}  # the MatMul after their recenter writes k features
+    # each stream tensor's width: its segment's (per-block widths), else the stream's
+    of_value = segments(view, comp).of_value if rot.norm_widths else {}
     for value, axis in comp.axes.items():
+        width = rot.width_of(of_value[value]) if value in of_value else rot.width
         for c, _ in view.values[value].consumers:
             node = view.nodes[c]
             if node.shape_only and follows_stream(node.width_refs(0, axis), comp)[0] != []:
@@ -239,7 +254,7 @@ def resize(view: View, comp: Component, rot: StreamBasis) -> StreamBasis:
         if refs is None:
             return rot.unrotated(f"{view.nodes[view.values[value].producer].describe()} sets the stream's "
                                       f"width {d} in a shape no edit can change{why}")
-        dims += refs
+        dims += [(ref, width) for ref in refs]
     for n in comp.norms:
         if n in rot.readouts:
             continue  # its output is taken back to d features
@@ -250,8 +265,8 @@ def resize(view: View, comp: Component, rot: StreamBasis) -> StreamBasis:
             if refs is None:
                 return rot.unrotated(f"{view.nodes[c].describe()} reads `{n}` through a shape that spells "
                                           f"its width {d}, which no edit can change{why}")
-            dims += refs
-    return replace(rot, dims=FrozenList(dict.fromkeys(dims)))
+            dims += [(ref, rot.width_of(n)) for ref in refs]
+    return replace(rot, dims=FrozenList((ref, w) for ref, w in dict.fromkeys(dims) if w != d))
 
 
 @dataclass

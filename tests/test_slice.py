@@ -401,6 +401,72 @@ def test_torch_per_block_full_width_is_the_exact_fold():
     assert r.report.error < 1e-12
 
 
+# --- full_width_head: the last segment (what the head reads) keeps all d features, as SliceGPT's head
+
+def _head_width(model: onnx.ModelProto) -> int:
+    """The rows of the head's weight (the final norm's reader): d, or k where it is sliced."""
+    inits = {t.name: t for t in model.graph.initializer}
+    (head,) = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits
+               and inits[n.input[1]].dims[-1] == VOCAB]
+    return inits[head.input[1]].dims[0]
+
+
+def test_full_width_head_keeps_the_last_segment_d_wide():
+    """F = 0.25 per block: the head reads all 16 features, the shortcut into its segment is 12 × 16,
+    the other segments keep 12; what the last slice deleted is back, so the error falls."""
+    sliced = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, per_block=True)
+    full = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, per_block=True, full_width_head=True)
+    (s,) = full.report.streams
+    assert (s.keep, s.bases) == (12, 3) and len(s.full_width) == 1 and "read(s) all 16 features" in s.line()
+    assert _head_width(sliced.model) == 12 and _head_width(full.model) == D
+    inits = {t.name: t.dims for t in full.model.graph.initializer if "lnfold_shortcut" in t.name}
+    assert sorted(tuple(d) for d in inits.values()) == [(12, 12), (12, D)]
+    assert full.report.params_after > sliced.report.params_after
+    assert error_against_exact(full) < 0.9 * error_against_exact(sliced)
+
+
+def test_full_width_head_of_a_stream_in_k_dimensions_has_zero_error():
+    """Writers spanning 12 of 16 dimensions, k = 12: the 12 × 16 shortcut into the full-width head
+    segment re-expresses exactly what the sliced segments carry (zero error, float64)."""
+    r = lnfold.slice_onnx(stream_model(span=12), calibration(), fraction=0.25, per_block=True, full_width_head=True)
+    assert _head_width(r.model) == D and error_against_exact(r) < 1e-12
+
+
+def test_full_width_head_planted_bug_shortcut_padded(monkeypatch):
+    """The k features padded into the d-wide segment without the change of basis (the identity where
+    B_sᵀ·B_t belongs): the zero-error slice above is no longer exact."""
+    from lnfold.passes import rotate
+
+    real = rotate.BasisShortcut.matrix
+    monkeypatch.setattr(rotate.BasisShortcut, "matrix", lambda sc: np.eye(sc.source_keep, sc.target_keep)
+                        if sc.source_keep != sc.target_keep else real(sc))
+    r = lnfold.slice_onnx(stream_model(span=12), calibration(), fraction=0.25, per_block=True, full_width_head=True)
+    assert error_against_exact(r) > 1e-2
+
+
+def test_full_width_head_needs_per_block(tmp_path, capsys):
+    src, cal, out = _files(tmp_path, stream_model())
+    with pytest.raises(LnfoldError, match="give per_block"):
+        lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, full_width_head=True)
+    assert cli.main(["slice", str(src), "-o", str(out), "--fraction", "0.25", "--calibrate", str(cal),
+                     "--full-width-head"]) != 0
+    assert "--per-block" in capsys.readouterr().err and not out.exists()
+    report = _sliced_json(capsys, src, cal, out, "--fraction", "0.25", "--per-block", "--full-width-head")
+    assert _head_width(onnx.load(str(out))) == D and report["streams"][0]["full_width"]
+
+
+def test_torch_full_width_head_matches_onnx(zoo_onnx):
+    """The torch frontend keeps the head segment d wide too: same widths, same error as ONNX."""
+    m, args, ids = _zoo_gpt2()
+    t = lnfold.slice_module(m, (ids,), fraction=0.25, per_block=True, full_width_head=True)
+    o = lnfold.slice_onnx(zoo_onnx("gpt2")[2], {"input_ids": ids.numpy()}, fraction=0.25, per_block=True,
+                          full_width_head=True)
+    assert len(t.report.streams[0].full_width) == len(o.report.streams[0].full_width) == 1
+    assert t.report.error == pytest.approx(o.report.error, rel=0.1)
+    head = lnfold.slice_module(m, (ids,), fraction=0.25, per_block=True)
+    assert t.report.error < head.report.error and t.report.params_after > head.report.params_after
+
+
 # --- sequential per-block bases (passes/slicer.sequential): segment i's basis on the model sliced before it
 
 def _sequential_pieces(model: onnx.ModelProto, fraction: float):
