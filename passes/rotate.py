@@ -241,8 +241,8 @@ def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
     d, k = rot.dim, rot.width
     added = (sum(d * rot.width_of(n) for n in rot.readouts) + sum(d * p.keep for _, p in rot.starts)
              + sum(s.source_keep * s.target_keep for s in rot.shortcuts) + len(rot.float_gammas) * k * k)
-    cut = {ref.value: _elements(view, ref.value) * (d - p.keep) // d for ref, p in rot.writers + rot.readers}
-    return added, sum(cut.values())
+    cut = {ref.value: _elements(view, ref.value) * (d - p.keep) for ref, p in rot.writers + rot.readers}
+    return added, sum(cut.values()) // d
 
 
 def _costs_more(view: View, rot: StreamBasis) -> Optional[str]:

@@ -87,7 +87,7 @@ def test_options_are_declared_as_olive_config_params_with_search_spaces():
     from lnfold.onnx_rewrite.olive_pass import ROTATIONS, SLICE_FRACTIONS, LnfoldPass, package_config
 
     params = LnfoldPass.default_config(DEFAULT_CPU_ACCELERATOR)
-    for name in ("mode", "target", "rotate", "seed", "gamma_into_readers", "slice_fraction", "per_block", "quantize",
+    for name in ("mode", "target", "rotate", "seed", "gamma_into_readers", "slice_fraction", "per_block", "full_width_head", "quantize",
                  "calibration", "verify"):
         assert params[name].description, name
     assert params["rotate"].default_value == "none" and params["slice_fraction"].default_value is None
