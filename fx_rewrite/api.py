@@ -190,8 +190,8 @@ class ExportFrontend:
 
     def view(self) -> View:
         self.gm, self.attrs, self._view, self.info = (
-            exported_view(self.module, self.args, self.kwargs, self.dynamic, self.opts.gamma_into_readers)
-            if self.program is None else program_view(self.program, self.opts.gamma_into_readers))
+            exported_view(self.module, self.args, self.kwargs, self.dynamic, self.opts.reads_rms_norms)
+            if self.program is None else program_view(self.program, self.opts.reads_rms_norms))
         return self._view
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -183,6 +183,8 @@ class Applier:
             self._recenter(rc.value, rc.axis, rc.matrix())
         for sc in plan.shortcuts:
             self._shortcut(sc.node, sc.input, sc.matrix())
+        for o in plan.online:
+            self._online(o)
         for name in plan.drop_muls:
             self._bypass_mul(name)
         for how in plan.emissions.values():
@@ -256,6 +258,15 @@ class Applier:
         basis between its segment and the next (features on the last axis: the plan checked)."""
         node, x = self.nodes[add], self.nodes[self.view.nodes[add].inputs[i]]
         m = self._buffer(f"lnfold_shortcut_{add}", matrix, meta_val(x), node)
+        with self.graph.inserting_before(node):
+            mm = self.graph.call_function(aten.matmul.default, (x, m))
+        node.replace_input_with(x, mm)
+
+    def _online(self, o) -> None:
+        """online_hadamard (passes/online.py): the linear layer's activation input times H, by a
+        constant matmul before it (its weight took Hᵀ among the constant edits)."""
+        node, x = self.nodes[o.node], self.nodes[o.value]
+        m = self._buffer(f"lnfold_online_{o.node}", o.basis.matrix(), meta_val(x), node)
         with self.graph.inserting_before(node):
             mm = self.graph.call_function(aten.matmul.default, (x, m))
         node.replace_input_with(x, mm)

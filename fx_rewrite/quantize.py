@@ -229,7 +229,8 @@ def saved_bytes(module: torch.nn.Module) -> int:
 
 def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, weights: str = "int8",
                     rotate: Optional[str] = None, seed: int = 0, gamma_into_readers: Optional[bool] = None,
-                    gamma_in_float: bool = False, spare_channels=None, fold: bool = True, block_size: int = 32,
+                    gamma_in_float: bool = False, spare_channels=None, online_hadamard: bool = False,
+                    fold: bool = True, block_size: int = 32,
                     backend: str = "auto", inputs=None,
                     verify: bool = True, dynamic: bool = True) -> QuantizeResult:
     """Fold `module` exactly (fold_module), then quantize its linear layers with torchao or torch.ao;
@@ -242,7 +243,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     "-keep-ln" variants, seeded by `seed`) rotates each folded stream after moving the norms' γ
     into their readers (`gamma_into_readers`, default: with a rotation that rotates a stream), or
     keeps γ in float beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized),
-    leaving the channels `spare_channels` unrotated;
+    leaving the channels `spare_channels` unrotated; `online_hadamard`: a Hadamard on the input of each
+    layer that writes a stream, online (a float matmul) and in its weight (QuaRot's R4, exact);
     "auto" quantizes each of passes/quantize's candidates and keeps the lowest error on the
     measurement rows. `fold=False`: the same export and quantizer, nothing folded (the baseline).
     `inputs`: an args tuple, or a list of them, the error is measured (and "auto" chooses) on;
@@ -290,7 +292,8 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
                            plain_name="plain torch.ao", unmeasured=chosen)
     else:
         q = quantize(prepare(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                  gamma_in_float=gamma_in_float, spare_channels=spare_channels), verify))
+                                  gamma_in_float=gamma_in_float, spare_channels=spare_channels,
+                                  online_hadamard=online_hadamard), verify))
     prepared = q.prepared
     readouts = tuple(READOUT_BUFFERS.values())
     kept_float = {n: t.numel() for n, t in q.quantized.named_buffers() if n.startswith(readouts)}
@@ -307,7 +310,7 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 
 def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
              gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, spare_channels=None,
-             dynamic: bool = True, verify: bool = True) -> Prepared:
+             online_hadamard: bool = False, dynamic: bool = True, verify: bool = True) -> Prepared:
     """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer,
     as quantize_onnx), linear layers as nn.Linear. `verify`: the fold through fold_module's gate
     (float64, with its probe of the kept LayerNorms), then the module handed to the quantizer
@@ -316,7 +319,8 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
         return fold_module(module, args, kwargs, seed=seed, verify=verify, dynamic=dynamic, **fold_options)
 
     folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                gamma_in_float=gamma_in_float, spare_channels=spare_channels)
+                                gamma_in_float=gamma_in_float, spare_channels=spare_channels,
+                                online_hadamard=online_hadamard)
     result, notes = folded.result, folded.notes
     gm = result.module if result is not None else None
     if gm is None:

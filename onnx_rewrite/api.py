@@ -106,11 +106,10 @@ class OnnxFrontend:
         if self.opts.gamma_into_readers:
             computed_gains(self.graph)  # GemmaRMSNorm's Add(1, weight): a constant γ
         self.info = GraphInfo(self.graph, shapes)
-        # RMSNorms as given are norms of the view where their γ can move (and their streams rotate)
-        view, self.matches = build_view(self.info, self.opset, rms=self.opts.gamma_into_readers)
+        view, self.matches = build_view(self.info, self.opset, rms=self.opts.reads_rms_norms)
         # If branches: one view with the main graph
         self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset,
-                                                rms=self.opts.gamma_into_readers)
+                                                rms=self.opts.reads_rms_norms)
         self.built_view = view  # (the RMSNorms "nothing to fold" names are found over it: already_rms.rms_norms)
         return view
 

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"--mode {APPROX_MODE}: the largest relative output error allowed (0: exact folds only)")
     f.add_argument("--heldout", metavar="FILE.npz", help=f"--mode {APPROX_MODE}: held-out inputs the error is reported on")
     for option in (TARGET, DEVICE, OPTIONS["defer"], OPTIONS["gamma_into_readers"], OPTIONS["rotate"],
-                   OPTIONS["gamma_in_float"], OPTIONS["spare_channels"], OPTIONS["seed"], OPTIONS["verify"]):
+                   OPTIONS["gamma_in_float"], OPTIONS["spare_channels"], OPTIONS["online_hadamard"], OPTIONS["seed"],
+                   OPTIONS["verify"]):
         option.add_to(f)
     f.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="a transformers checkpoint folder: fold N shards at a time, in threads (default: 2 where "

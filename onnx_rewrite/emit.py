@@ -110,6 +110,9 @@ class Emitter:
             self._recenter(rc.value, rc.axis, rc.matrix())
         for sc in plan.shortcuts:  # before the swaps: a norm fused with this Add reads the MatMul's output
             self._shortcut(self.nodes[sc.node], sc.input, sc.matrix())
+        online = {}  # one constant H per basis and dtype, read by every layer of its width
+        for o in plan.online:
+            self._online(self.nodes[plan.origin(o.node)], o, online)
         for name in plan.drop_muls:
             self.bypass_mul(self.nodes[plan.origin(name)])
         for e in plan.emissions.values():  # (an RMSNorm as given or an approximate swap: the target's RMSNorm)
@@ -211,6 +214,18 @@ class Emitter:
         out = self.var(f"{x.name}/lnfold_reexpressed", x.dtype)
         self.basis_change([x, m], out)
         add.inputs[i] = out
+
+    def _online(self, layer: gs.Node, o, shared: dict) -> None:
+        """online_hadamard (passes/online.py): the layer's activation input `o.value` times H, by a
+        constant MatMul before it (its weight took Hᵀ among the constant edits)."""
+        (j, x), = [(j, t) for j, t in enumerate(layer.inputs) if t.name == o.value]
+        dtype = np_dtype(float_dtype(x))
+        key = (o.basis, np.dtype(dtype).str)
+        if key not in shared:
+            shared[key] = self.const(f"lnfold_online_{o.basis.kind}{o.basis.dim}", o.basis.matrix().astype(dtype))
+        out = self.var(f"{x.name}/lnfold_online", x.dtype)
+        self.basis_change([x, shared[key]], out)
+        layer.inputs[j] = out
 
     # --- norms -------------------------------------------------------------------------------
     def _swap(self, m: NormMatch, how: NormEmission) -> None:

@@ -69,6 +69,7 @@ class LnfoldPass(Pass):
             "gamma_into_readers": _param(OPTIONS["gamma_into_readers"]),
             "gamma_in_float": _param(OPTIONS["gamma_in_float"]),
             "spare_channels": _param(OPTIONS["spare_channels"]),
+            "online_hadamard": _param(OPTIONS["online_hadamard"]),
             "slice_fraction": PassConfigParam(type_=float, default_value=None,
                                               search_defaults=Categorical(SLICE_FRACTIONS),
                                               description="delete this share of each stream's width, its least-"
@@ -113,7 +114,8 @@ class LnfoldPass(Pass):
         else:
             folded = lnfold.fold_onnx(source, mode=config.mode, target=config.target, verify=config.verify,
                                       rotate=rotate, seed=config.seed, gamma_into_readers=config.gamma_into_readers,
-                                      gamma_in_float=config.gamma_in_float, spare_channels=config.spare_channels)
+                                      gamma_in_float=config.gamma_in_float, spare_channels=config.spare_channels,
+                                      online_hadamard=config.online_hadamard)
             logger.info("lnfold fold: %s", folded.report.table())
             result = folded.model
         output_model_path = resolve_onnx_path(output_model_path, Path(model.model_path).name)
@@ -125,6 +127,7 @@ class LnfoldPass(Pass):
         quantized = lnfold.quantize_onnx(source, weights=weights, activations=activations, rotate=rotate,
                                          seed=config.seed, gamma_in_float=bool(rotate) and config.gamma_in_float,
                                          spare_channels=config.spare_channels if rotate else None,
+                                         online_hadamard=config.online_hadamard,
                                          calibrate=config.calibration, verify=config.verify)
         logger.info("lnfold quantize: %s", quantized.report.table())
         return quantized.model

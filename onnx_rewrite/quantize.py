@@ -109,14 +109,16 @@ def check_branches(model: onnx.ModelProto, weights: str, activations: Optional[s
 
 def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
             gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
-            spare_channels: Optional[tuple] = None, inputs=None, dims=None, verify: bool = True) -> Prepared:
+            spare_channels: Optional[tuple] = None, online_hadamard: bool = False, inputs=None, dims=None,
+            verify: bool = True) -> Prepared:
     """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer),
     Gemm → MatMul; verified together unless verify=False."""
     def run(**options):  # (verified below, with the Gemm rewrite: what the quantizer gets)
         return fold_model(model, target="ort", inputs=inputs, dims=dims, seed=seed, verify=False, **options)
 
     folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                gamma_in_float=gamma_in_float, spare_channels=spare_channels)
+                                gamma_in_float=gamma_in_float, spare_channels=spare_channels,
+                                online_hadamard=online_hadamard)
     result, notes = folded.result, folded.notes
     # the fold's own model (made for this call) is edited in place: the fold result then holds the
     # model handed to the quantizer, which its verdict is about, and no second copy of a big model
@@ -333,8 +335,8 @@ def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, ac
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
                    rotate: Optional[str] = None, seed: int = 0, block_size: int = 128, per_channel: bool = False,
                    fold: bool = True, gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
-                   spare_channels=None, inputs=None, dims: Optional[dict] = None, verify: bool = True,
-                   progress: Progress = None) -> QuantizeResult:
+                   spare_channels=None, online_hadamard: bool = False, inputs=None, dims: Optional[dict] = None,
+                   verify: bool = True, progress: Progress = None) -> QuantizeResult:
     """Fold `model` exactly, then quantize it with onnxruntime's quantizer; NOT exact.
 
     `weights` "int8" (with `activations=None`: onnxruntime's quantize_dynamic) or "int4"
@@ -348,7 +350,9 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
     (`gamma_into_readers`, default: with a rotation that rotates a stream), or keeps γ in float
     beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized), leaving the
-    channels `spare_channels` unrotated (a trained LM's massive-activation channels); `rotate="auto"`
+    channels `spare_channels` unrotated (a trained LM's massive-activation channels);
+    `online_hadamard`: a Hadamard on the input of each layer that writes a stream, online and in
+    its weight (QuaRot's R4, exact; its MatMuls stay float); `rotate="auto"`
     tries AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation, γ in float) and keeps the one with
     the lowest relative RMS error on the measurement rows (passes/quantize.choose). `fold=False` hands the model to the
     quantizer as given (plain onnxruntime, with the same Gemm rewrite and settings: the baseline).
@@ -404,7 +408,8 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     else:
         stage(progress, "folding (verified)" if verify else "folding")
         prepared = prepare_with(dict(fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                     gamma_in_float=gamma_in_float, spare_channels=spare_channels), verify)
+                                     gamma_in_float=gamma_in_float, spare_channels=spare_channels,
+                                     online_hadamard=online_hadamard), verify)
         stage(progress, f"quantizing ({scheme_name(weights, activations, block_size, per_channel, plain=True)}) and "
                         f"measuring on {m.rows.count} row(s)")
         q = quantize_prepared(prepared)

@@ -45,6 +45,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                              "lowest error on your rows (--inputs or --calibrate)")
     OPTIONS["gamma_in_float"].add_to(q)
     OPTIONS["spare_channels"].add_to(q)
+    OPTIONS["online_hadamard"].add_to(q)
     OPTIONS["seed"].add_to(q)
     q.add_argument("--block-size", type=int, default=128,
                    help="int4: weights per quantization block along K (16, 32, 64, 128 or 256; default 128, "
@@ -93,7 +94,7 @@ def run(args) -> int:
     with reporting(src, json=args.json) as progress:  # (auto: one stage per candidate)
         result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
                                 rotate=args.rotate, seed=args.seed, gamma_in_float=args.gamma_in_float,
-                                spare_channels=args.spare_channels,
+                                spare_channels=args.spare_channels, online_hadamard=args.online_hadamard,
                                 block_size=args.block_size,
                                 per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim),
                                 progress=progress)

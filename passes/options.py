@@ -153,6 +153,11 @@ OPTIONS = {o.name: o for o in (
            "(--calibrate, --inputs, else made-up ones) is over 20x the median channel's): a trained LM's few "
            "massive-activation channels, which its norms' γ suppresses and a full rotation spreads into every "
            "channel's quantization blocks. Exact like any rotation", check=check_channels),
+    Option("online_hadamard", bool, False, "a Hadamard on the input of each linear layer that writes a stream, "
+           "online (a constant n x n MatMul before the layer, kept float by the quantizers) and folded into its "
+           "weight (QuaRot's R4; exact, with or without --rotate): spreads the outlier channels of the MLP's down "
+           "projection input before a quantizer of activations (W8A8, W4A8) sees them; one n x n MatMul more per "
+           "layer in float"),
     Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
 )}
 
@@ -171,6 +176,8 @@ class FoldOptions:
     gamma_in_float: bool = OPTIONS["gamma_in_float"].default
     # with a rotation: channels of each rotated stream it leaves as they are (passes/orthogonal.matrix)
     spare_channels: Optional[tuple] = OPTIONS["spare_channels"].default
+    # an online Hadamard on the stream writers' inputs, Hᵀ in their weights (passes/online.py)
+    online_hadamard: bool = OPTIONS["online_hadamard"].default
     seed: int = OPTIONS["seed"].default  # the rotation's random signs / Gaussian matrix
 
     def __post_init__(self) -> None:
@@ -189,6 +196,13 @@ class FoldOptions:
             if self.mode != "rms":
                 raise LnfoldError(f"rotate={self.rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")
             object.__setattr__(self, "gamma_into_readers", True)
+
+
+    @property
+    def reads_rms_norms(self) -> bool:
+        """RMSNorms as given are norms of the view (their streams analyzed): where their γ can move
+        (and their streams rotate), or their writers' inputs take an online rotation."""
+        return self.gamma_into_readers or self.online_hadamard
 
 
 def options_from(args, **overrides) -> FoldOptions:

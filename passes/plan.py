@@ -18,7 +18,8 @@ from .defer import DeferDecision, Deferral, gamma_edits, plan_deferral
 from .frozen import FrozenList
 from .gamma import GammaFold
 from .rotate import StreamBasis, plan_rotation, spared_for
-from . import slicing
+from . import online, slicing
+from .online import OnlineRotation
 from .edits import (AddWeightTimes, Basis, Center, ConstEdit, FoldDecompression, Identity, NewBias,  # noqa: F401
                     Ones, Project, Recenter, Scale, const_edits, dense)
 from .errors import LnfoldError
@@ -107,6 +108,8 @@ class Plan:
     kept_by_target: Sequence[str] = FrozenList()  # folded streams' norms the target keeps (Capabilities.swap_refusal)
     gammas: Mapping[str, GammaFold] = field(default_factory=_frozen_dict)  # gamma_into_readers: per folded norm
     stream_bases: Sequence[StreamBasis] = FrozenList()  # rotate=: per folded stream, rotated or why not
+    # online_hadamard: the stream writers' inputs rotated by a constant MatMul, Hᵀ in their weights
+    online: Sequence[OnlineRotation] = FrozenList()
 
     approx: Sequence[str] = FrozenList()  # kept norms swapped to RMSNorm anyway, β kept: NOT exact (passes/approx.py)
     # how each swapped norm is emitted, in the order the emitters emit them (swaps, rms_swaps, approx)
@@ -143,7 +146,7 @@ class Plan:
         """Nothing to apply: no norm swapped (folded, approximated, or an RMSNorm as given re-emitted)
         and no stream rotated (a stream of γ-less RMSNorms rotates with no norm to swap)."""
         return not self.swaps and not self.approx and not self.rms_swaps and \
-            not any(r.rotated for r in self.stream_bases)
+            not any(r.rotated for r in self.stream_bases) and not self.online
 
     @property
     def plain_rms(self) -> list[str]:
@@ -179,6 +182,8 @@ class Plan:
                     fuse_residual=names(self.fuse_residual),
                     gammas=MappingProxyType({local(n): g for n, g in self.gammas.items() if mine(n)}),
                     stream_bases=stream_bases, approx=names(self.approx),
+                    online=FrozenList(replace(o, node=local(o.node), value=local(o.value))
+                                      for o in self.online if mine(o.node)),
                     emissions=MappingProxyType({local(n): replace(e, norm=local(n))
                                                 for n, e in self.emissions.items() if mine(n)}), **main_only)
 
@@ -202,6 +207,7 @@ class _Draft:
     origins: dict[str, str] = field(default_factory=dict)
     gammas: dict[str, GammaFold] = field(default_factory=dict)
     stream_bases: list[StreamBasis] = field(default_factory=list)
+    online: list[OnlineRotation] = field(default_factory=list)
 
     def freeze(self, **decided) -> Plan:
         def final(v):
@@ -386,8 +392,8 @@ def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
     plan = _Draft(mode=mode, components=analyze(view), report=Report(mode=mode),
                   origins={n.name: n.origin for n in view.nodes.values() if n.origin != n.name})
     work = _Work()
-    for step in (_fold_streams, _gamma_and_rotation, _bias_sources, _collect_const_edits, _layer_scales,
-                 _betas_and_fusion, _verdicts):
+    for step in (_fold_streams, _gamma_and_rotation, _online_rotations, _bias_sources, _collect_const_edits,
+                 _layer_scales, _betas_and_fusion, _verdicts):
         step(view, plan, request, work)
     return plan
 
@@ -580,6 +586,27 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _W
     sliced = {n for r in plan.stream_bases if r.sliced for n in r.norms}  # re-emitted over k features
     plan.rms_swaps[:] = [n for n in as_given
                          if n in readouts or n in sliced or (plan.gammas[n].moved and plan.gammas[n].gamma)]
+
+
+def _online_rotations(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
+    """online_hadamard (passes/online.py): each stream writer's input times H before it, Hᵀ into its
+    weight's input side (after γ and a stream rotation's Project there: the ops compose in order)."""
+    if not request.online_hadamard:
+        return
+    if not request.target.readout_matmul:
+        plan.report.notes.append(f"online_hadamard: not applied ({request.target.name} cannot emit the constant "
+                                 "MatMul before each layer)")
+        return
+    plan.online[:] = online.plan_online(view, [c for c in plan.components if c.norms], request.seed,
+                                        request.trainable)
+    for o in plan.online:
+        work.use(o.weight.value, o.weight.user, o.weight.user_input)[0].append(o.edit)
+    widths = sorted({o.basis.dim for o in plan.online})
+    plan.report.notes.append(
+        f"online_hadamard: the input of {len(plan.online)} linear layer(s) that write a stream times a constant "
+        f"{' / '.join(f'{n}×{n}' for n in widths) or 'n×n'} {plan.online[0].basis.kind if plan.online else ''} "
+        "MatMul before it, its transpose folded into the layer's weight (exact; kept float by the quantizers)"
+        if plan.online else "online_hadamard: no linear layer with a constant weight writes a stream")
 
 
 def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams, said) -> None:

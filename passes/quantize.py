@@ -140,9 +140,10 @@ class Folded:
 
 def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rotate: Optional[str] = None,
                        gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
-                       spare_channels: Optional[tuple] = None) -> Folded:
+                       spare_channels: Optional[tuple] = None, online_hadamard: bool = False) -> Folded:
     """The exact step in front of a quantizer, for both adapters: `run(**fold options)` (the
-    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float, spare_channels) is the frontend's fold. γ moves
+    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float, spare_channels, online_hadamard)
+    is the frontend's fold. γ moves
     with a rotation by default; a rotation that rotates no stream is folded again with γ left in the
     norms unless `gamma_into_readers=True` asks for it (γ moved alone made weight quantization worse,
     issue 33). A model with nothing to fold goes to the
@@ -150,22 +151,23 @@ def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rot
     gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
     if rotate and not gamma:
         raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
-    if not fold and (rotate or gamma):
-        raise LnfoldError("rotation and γ into the readers are part of the fold: they need fold=True")
+    if not fold and (rotate or gamma or online_hadamard):
+        raise LnfoldError("rotation, γ into the readers and the online Hadamard are part of the fold: they need "
+                          "fold=True")
     if not fold:
         return Folded(None, False, [])
     try:
         result = run(gamma_into_readers=gamma, rotate=rotate, gamma_in_float=gamma_in_float,
-                     spare_channels=spare_channels)
+                     spare_channels=spare_channels, online_hadamard=online_hadamard)
     except NothingToFold as e:
-        if rotate or gamma:
-            raise LnfoldError(f"cannot rotate: {e}") from None
+        if rotate or gamma or online_hadamard:
+            raise LnfoldError(f"cannot {'rotate' if rotate or gamma else 'apply the online Hadamard'}: {e}") from None
         return Folded(None, False, [f"nothing folded ({e}); quantized as given"])
     if rotate and gamma_into_readers is None and not rotated_streams(result):
         note = (f"--rotate {rotate} rotated no stream ({rotation_summary(result)}): γ left in the norms (moved alone "
                 "it makes weight quantization worse)")
-        return Folded(run(gamma_into_readers=False, rotate=None, gamma_in_float=False, spare_channels=None), False,
-                      [note])
+        return Folded(run(gamma_into_readers=False, rotate=None, gamma_in_float=False, spare_channels=None,
+                          online_hadamard=online_hadamard), False, [note])
     return Folded(result, gamma and not gamma_in_float, [])
 
 
@@ -454,7 +456,8 @@ class QuantizeReport:
 
     def basis_change_line(self) -> str:
         n = sum(self.basis_changes.values())
-        return (f"kept float: {len(self.basis_changes)} MatMul(s) the fold inserted to change the stream's basis "
+        return (f"kept float: {len(self.basis_changes)} MatMul(s) the fold inserted to change a basis (a stream's, "
+                "or a layer's input: online_hadamard) "
                 f"({', '.join(self.basis_changes)}; {n} parameters, {n / max(self.parameters, 1):.2%} of the "
                 "model's): no layer of the model, and a readout's error would land on the output")
 

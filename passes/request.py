@@ -61,6 +61,7 @@ class PlanRequest:
     seed: int = 0
     gamma_in_float: bool = False  # with `rotate`: γ as a float Qᵀ·diag γ·Q after each rotated norm
     spare_channels: Optional[tuple] = None  # with `rotate`: channels each rotated stream leaves as they are
+    online_hadamard: bool = False  # an online H on each stream writer's input, Hᵀ in its weight (passes/online.py)
     # mode "rms-approx" (passes/approx.py): kept norms to swap for RMSNorm although they cannot be
     # folded exactly (NOT exact; chosen under a measured error budget). Empty: exact folds only.
     approx: frozenset = frozenset()
@@ -73,7 +74,8 @@ class PlanRequest:
         check_choice("mode", self.mode, PLAN_MODES)  # (rms-approx asks for `approx` norms in mode rms)
         # the options' checks: FoldOptions' own (one declaration, passes/options.OPTIONS)
         FoldOptions(mode=self.mode, defer=self.defer, gamma_into_readers=self.gamma_into_readers, rotate=self.rotate,
-                    seed=self.seed, gamma_in_float=self.gamma_in_float, spare_channels=self.spare_channels)
+                    seed=self.seed, gamma_in_float=self.gamma_in_float, spare_channels=self.spare_channels,
+                    online_hadamard=self.online_hadamard)
         if self.bases is not None and self.rotate is not None:
             raise LnfoldError("a stream is rotated by a seeded Q or projected on a given basis, not both")
         if self.rotate is not None or self.bases is not None:
@@ -90,5 +92,6 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
     mode = "rms" if options.mode == APPROX_MODE else options.mode  # (its swaps come as `approx`)
     return PlanRequest(mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
-                       gamma_in_float=options.gamma_in_float, spare_channels=options.spare_channels, approx=approx,
+                       gamma_in_float=options.gamma_in_float, spare_channels=options.spare_channels,
+                       online_hadamard=options.online_hadamard, approx=approx,
                        bases=bases)

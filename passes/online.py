@@ -1,0 +1,73 @@
+"""An online Hadamard on the inputs of the linear layers that write a stream (QuaRot's R4, issue 47):
+a layer `u·W` becomes `(u·H)·(Hᵀ·W)` — a constant MatMul by an orthogonal H before it (online: u is
+an activation, the MLP's hidden state or the attention's output) and Hᵀ folded into its weight (a
+`Project` of the weight's input side). Exact for any u, in any stream, rotated or not.
+
+What it is for: a quantizer of activations (W8A8, W4A8) sees u·H instead of u. The MLP's down
+projection reads u = act(gate)·up, whose few outlier channels reach 100× the rest; H spreads them
+over all n features, and the weights' rows alike. NOT a gain in float: one n×n MatMul more per
+layer (kept float by the quantizers: it is named as a basis change). DESIGN §6b.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from . import orthogonal
+from .analysis import Component
+from .compress import size_along
+from .edits import Project, Seeded
+from .rules import writes_product
+from .view import ConstRef, View
+
+
+@dataclass(frozen=True)
+class OnlineRotation:
+    """Input `value` of the linear layer `node` times H = `basis` (n × n) before the layer, and the
+    layer's `weight` (its input-feature axis) times Hᵀ: `(u·H)(Hᵀ·W) = u·W`."""
+
+    node: str
+    value: str
+    basis: Seeded
+    weight: ConstRef
+
+    @property
+    def edit(self) -> Project:
+        """The weight's side: Hᵀ·W along its input-feature axis."""
+        return Project(self.weight.axis, self.basis, self.basis.dim)
+
+
+def plan_online(view: View, comps: list[Component], seed: int,
+                trainable=None) -> list[OnlineRotation]:
+    """An online rotation of every linear layer that writes one of `comps` (a constant weight whose
+    output features are the stream's) on its activation input, each layer once. One H per input
+    width (a Hadamard where n allows one, else a random orthogonal matrix from `seed`): every layer
+    of a width shares one constant."""
+    out: dict[tuple[str, str], OnlineRotation] = {}
+    for comp in comps:
+        for src in comp.sources:
+            for ref in src.refs:
+                if ref.axis is None or (trainable is not None and trainable(ref.value)):
+                    continue
+                got = _activation_input(view, ref, seed)
+                if got is not None:
+                    out.setdefault((got.node, got.value), got)
+    return list(out.values())
+
+
+def _activation_input(view: View, ref: ConstRef, seed: int) -> Optional[OnlineRotation]:
+    """The online rotation of `ref`'s user where it is a linear layer whose weight is `ref` and whose
+    other input is an activation with its features last (known width); else None."""
+    node = view.nodes.get(ref.user)
+    if node is None or not writes_product(node):
+        return None
+    for i, x in enumerate(node.inputs):
+        v = view.values.get(x)
+        if x == ref.value or v is None or v.is_const or not v.rank:
+            continue
+        lin = node.linear(i, v.rank - 1)
+        n = size_along(view, x, v.rank - 1)
+        if lin is None or lin.weight.value != ref.value or lin.weight.axis is None or not isinstance(n, int) or n < 2:
+            continue
+        return OnlineRotation(node.name, x, Seeded(orthogonal.resolved_kind("hadamard", n), n, seed), lin.weight)
+    return None

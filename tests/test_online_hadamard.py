@@ -1,0 +1,92 @@
+"""online_hadamard (QuaRot's R4, passes/online.py): each linear layer that writes a stream reads its
+input times H (a constant MatMul before it) with Hᵀ folded into its weight — exact for any input,
+verified against float64 like every fold; a planted bug (the weight not taking Hᵀ) fails. Quantizers
+keep the online MatMuls float."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import lnfold
+from lnfold.onnx_rewrite import calibration as calibration_io
+from lnfold.onnx_rewrite import cli
+from lnfold.passes import LnfoldError, VerificationError
+from lnfold.passes import online
+from lnfold.passes.approx import relative_error
+from tests.test_rms_streams import B, T, V, llama_like, llama_span, _span_rows
+from tests.test_rms_torch import Tiny, _ids
+from tests.test_slice import stream_model, calibration
+
+
+def _online_matmuls(model: onnx.ModelProto) -> list:
+    return [n for n in model.graph.node if n.op_type == "MatMul" and any(i.startswith("lnfold_online_") for i in n.input)]
+
+
+def _error(a: onnx.ModelProto, b: onnx.ModelProto, feeds: dict) -> float:
+    return relative_error(calibration_io.run(a, [feeds]), calibration_io.run(b, [feeds]))
+
+
+@pytest.mark.parametrize("rotate", [None, "hadamard"])
+@pytest.mark.parametrize("form", ["decomposed", "simplified"])
+def test_an_rmsnorm_model_takes_it_exactly_with_or_without_a_rotation(form, rotate):
+    """Its two down projections (input 32 wide) read u·H; one 32×32 constant for both; the float64
+    model's outputs are unchanged to rounding, γ in the norms where nothing asked to move it."""
+    m = llama_span(form)
+    r = lnfold.fold_onnx(m, online_hadamard=True, rotate=rotate)
+    layers = _online_matmuls(r.model)
+    assert len(layers) == 2 and len({n.input[1] for n in layers}) == 1
+    assert any("online_hadamard: the input of 2 linear layer(s)" in n for n in r.report.notes)
+    assert _error(m, r.model, {k: v[:4] for k, v in _span_rows().items()}) < 1e-12
+
+
+def test_a_layernorm_model_folds_and_takes_it_exactly():
+    m = stream_model()
+    r = lnfold.fold_onnx(m, online_hadamard=True)
+    assert len(_online_matmuls(r.model)) == 2 and r.report.folded == 3
+    assert _error(m, r.model, calibration(4, seed=5)) < 1e-12
+
+
+def test_planted_bug_the_weight_takes_another_matrix(monkeypatch):
+    """H before the layer, but the weight takes another orthogonal matrix's transpose: the fold's
+    float64 verification refuses it (the test can fail)."""
+    def wrong_edit(self):
+        return online.Project(self.weight.axis, dataclasses.replace(self.basis, kind="orthogonal", seed=9),
+                              self.basis.dim)
+
+    monkeypatch.setattr(online.OnlineRotation, "edit", property(wrong_edit))
+    with pytest.raises(VerificationError):
+        lnfold.fold_onnx(llama_span("simplified"), online_hadamard=True)
+
+
+def test_torch_takes_it_exactly():
+    m, ids = Tiny("llama").eval(), _ids()
+    r = lnfold.fold_module(m, (ids,), online_hadamard=True)
+    buffers = [n for n in r.module.graph.nodes if n.op == "get_attr" and "lnfold_online" in n.target]
+    assert len(buffers) == 2 and r.criterion == "float64"
+    torch.testing.assert_close(r.module(_ids(seed=2)), m(_ids(seed=2)), rtol=1e-5, atol=1e-5)
+
+
+def test_quantizers_keep_the_online_matmuls_float(tmp_path):
+    """W8A8 through the CLI: every linear layer quantized, the online MatMuls not (QDQ on neither
+    of their inputs), the report's fold line says so."""
+    src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "q.onnx"
+    onnx.save(llama_like("simplified"), src)  # (float32, batch fixed at B)
+    np.savez(cal, input_ids=np.random.default_rng(3).integers(0, V, (4 * B, T)))
+    assert cli.main(["quantize", str(src), "-o", str(out), "--weights", "int8", "--activations", "int8",
+                     "--rotate", "hadamard", "--online-hadamard", "--calibrate", str(cal)]) == 0
+    q = onnx.load(str(out))
+    produced = {o: n for n in q.graph.node for o in n.output}
+    matmuls = [n for n in q.graph.node if n.op_type == "MatMul" and n.name.startswith("lnfold/basis_change")]
+    assert len(matmuls) == 2
+    for n in matmuls:
+        assert all(produced.get(i) is None or produced[i].op_type != "DequantizeLinear" for i in n.input), n
+    assert sum(n.op_type == "QuantizeLinear" for n in q.graph.node) >= 5
+
+
+def test_it_needs_the_fold():
+    with pytest.raises(LnfoldError, match="need fold=True"):
+        lnfold.quantize_onnx(llama_span("simplified"), weights="int8", fold=False, online_hadamard=True)
