@@ -88,8 +88,11 @@ SCHEME_FLAGS = {"int8": "--weights int8", "w8a8": "--weights int8 --activations 
 # with SPARE before it: --spare-channels (the benchmark's own --spare-channels)
 FLOAT_GAMMA = "+gamma-in-float"
 SPARE = "+spare"
+# ending in ONLINE: with --online-hadamard (QuaRot's R4); "none+online": the online Hadamard alone
+ONLINE = "+online"
 ROTATIONS = ["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto", "auto" + SPARE,
-             *(r + s + FLOAT_GAMMA for r in ("hadamard", "orthogonal") for s in ("", SPARE)), "orthogonal" + SPARE]
+             *(r + s + FLOAT_GAMMA for r in ("hadamard", "orthogonal") for s in ("", SPARE)), "orthogonal" + SPARE,
+             "none" + ONLINE, "hadamard" + ONLINE, "hadamard" + FLOAT_GAMMA + ONLINE]
 PARTS = ("fp32", "quantize", "accuracy4", "metric", "slice", "latency", "memory")
 
 
@@ -260,14 +263,18 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
             t.add(scheme, "onnxruntime alone", "—", "—", f"{time.time() - t0:.0f}", failure(e))
         for rotate in ["as given"] + rotations:
             t0 = time.time()
-            rotation, in_float = rotate.removesuffix(FLOAT_GAMMA), rotate.endswith(FLOAT_GAMMA)
+            rotation, online = rotate.removesuffix(ONLINE), rotate.endswith(ONLINE)
+            rotation, in_float = rotation.removesuffix(FLOAT_GAMMA), rotation.endswith(FLOAT_GAMMA)
             rotation, spare = rotation.removesuffix(SPARE), spare_channels if rotation.endswith(SPARE) else None
-            variant = (f"lnfold {SCHEME_FLAGS[scheme]} --rotate {rotation}{' --gamma-in-float' if in_float else ''}"
-                       f"{f' --spare-channels {spare}' if spare else ''}" if rotate != "as given" else
+            variant = (f"lnfold {SCHEME_FLAGS[scheme]}{f' --rotate {rotation}' if rotation != 'none' else ''}"
+                       f"{' --gamma-in-float' if in_float else ''}"
+                       f"{f' --spare-channels {spare}' if spare else ''}{' --online-hadamard' if online else ''}"
+                       if rotate != "as given" else
                        "quantize_onnx(fold=False): onnxruntime on lnfold's linear layers, the file as given")
             try:
                 how = (dict(fold=False, verify=False) if rotate == "as given" else
-                       dict(rotate=rotation, gamma_in_float=in_float, spare_channels=spare, verify=True))
+                       dict(rotate=None if rotation == "none" else rotation, gamma_in_float=in_float,
+                            spare_channels=spare, online_hadamard=online, verify=True))
                 res = q.quantize_model(model, calibrate=feeds, **how, **opts)
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())

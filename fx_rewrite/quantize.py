@@ -257,7 +257,7 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     """
     t0 = time.perf_counter()
     backend = check_options(weights, rotate, seed, block_size, backend)
-    check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels)
+    check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels, online_hadamard)
     args, kwargs = tuple(args), dict(kwargs or {})
     batches, synthetic = calibration_io.batches_of(inputs, args)
     if spare_channels == MASSIVE:  # found once, on the rows the error is measured on

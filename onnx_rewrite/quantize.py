@@ -363,7 +363,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     """
     t0 = time.perf_counter()
     check_options(weights, activations, calibrate, rotate, block_size, seed)
-    check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels)
+    check_rotation_options(rotate, fold, gamma_into_readers, gamma_in_float, spare_channels, online_hadamard)
     given = model if isinstance(model, (str, os.PathLike)) else None  # (its sessions read the file)
     model = as_model(model)
     check_branches(model, weights, activations)

@@ -48,7 +48,11 @@ def auto_candidates(quantizer: str, spare_channels: Optional[tuple] = None) -> t
             *((r, dict(rotate=r)) for r in ROTATIONS),
             # γ left out of the quantized weights (a float Qᵀ·diag γ·Q per norm): where trained γ
             # suppresses massive-activation channels, moved into weights it drowns in their rounding
-            ("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)), *spared)
+            ("hadamard, γ in float", dict(rotate="hadamard", gamma_in_float=True)), *spared,
+            # QuaRot's R4: the writers' inputs (the MLP's down projection's outlier channels) spread
+            # before an activation quantizer sees them; alone, and with the stream rotated
+            ("online Hadamard", dict(online_hadamard=True)),
+            ("hadamard, online Hadamard", dict(rotate="hadamard", online_hadamard=True)))
 
 
 def spared_text(spare_channels) -> str:
@@ -93,13 +97,13 @@ def check_scheme(weights: str, activations: Optional[str], rotate: Optional[str]
 
 
 def check_rotation_options(rotate: Optional[str], fold: bool, gamma_into_readers: Optional[bool],
-                           gamma_in_float: bool, spare_channels) -> None:
+                           gamma_in_float: bool, spare_channels, online_hadamard: bool = False) -> None:
     """The fold options of a quantize that go only with others, checked before any work (one-line
     LnfoldErrors). rotate="auto" chooses γ's place itself; the channels it is given to spare, each
     rotation candidate spares (passes/orthogonal.matrix)."""
-    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or not fold):
-        raise LnfoldError("--rotate auto chooses the fold, γ's place and the rotation itself: "
-                          "drop fold=False / gamma_into_readers / gamma_in_float")
+    if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or online_hadamard or not fold):
+        raise LnfoldError("--rotate auto chooses the fold, γ's place, the rotation and the online Hadamard itself: "
+                          "drop fold=False / gamma_into_readers / gamma_in_float / online_hadamard")
     if rotate is None and (gamma_in_float or spare_channels):
         flag = "--gamma-in-float keeps γ beside" if gamma_in_float else "--spare-channels leaves channels out of"
         raise LnfoldError(f"{flag} a rotation: give --rotate too")
@@ -115,6 +119,11 @@ def rotated_streams(fold: Optional[FoldResult]) -> int:
 def float_gammas(fold: Optional[FoldResult]) -> int:
     """The rotated norms whose γ the fold's plan kept in float (their StreamBasis records)."""
     return sum(len(r.float_gammas) for r in fold.plan.stream_bases if r.rotated) if fold else 0
+
+
+def online_layers(fold: Optional[FoldResult]) -> int:
+    """The linear layers whose input the fold's plan rotates online (its OnlineRotation records)."""
+    return len(fold.plan.online) if fold else 0
 
 
 def moved_gamma(fold: Optional[FoldResult]) -> bool:
@@ -288,7 +297,10 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
             skipped[k] = str(e)[:160]
             continue
         if opts.get("rotate") and not rotated_streams(prepared.fold):
-            skipped[k] = "rotates no stream (the same as the fold)"
+            same = "the online Hadamard alone" if opts.get("online_hadamard") else "the fold"
+            skipped[k] = f"rotates no stream (the same as {same})"
+        elif opts.get("online_hadamard") and not online_layers(prepared.fold):
+            skipped[k] = "no linear layer writes a stream (the same as the fold)"
         elif opts.get("gamma_into_readers") and not moved_gamma(prepared.fold):
             skipped[k] = "no γ can move (the same as the fold)"
         elif opts.get("gamma_in_float") and not float_gammas(prepared.fold):

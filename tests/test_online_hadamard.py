@@ -90,3 +90,14 @@ def test_quantizers_keep_the_online_matmuls_float(tmp_path):
 def test_it_needs_the_fold():
     with pytest.raises(LnfoldError, match="need fold=True"):
         lnfold.quantize_onnx(llama_span("simplified"), weights="int8", fold=False, online_hadamard=True)
+
+
+def test_auto_chooses_it_itself():
+    """--rotate auto tries the online Hadamard alone and with a rotation (passes/quantize's candidates):
+    asked beside auto, a one-line refusal before any work."""
+    from lnfold.passes.quantize import AUTO_CANDIDATES
+
+    assert [opts for _, opts in AUTO_CANDIDATES if opts.get("online_hadamard")] == [
+        dict(online_hadamard=True), dict(rotate="hadamard", online_hadamard=True)]
+    with pytest.raises(LnfoldError, match="drop .*online_hadamard"):
+        lnfold.quantize_onnx(llama_span("simplified"), weights="int8", rotate="auto", online_hadamard=True)

@@ -11,11 +11,12 @@ import pytest
 from lnfold.passes import quantize as pq
 
 
-def fold(rotated: int = 0, moved: bool = False, in_float: int = 0):
+def fold(rotated: int = 0, moved: bool = False, in_float: int = 0, online: int = 0):
     """A FoldResult's plan records, as choose reads them."""
     plan = SimpleNamespace(stream_bases=[SimpleNamespace(rotated=bool(rotated), float_gammas=["ln"] * in_float)]
                            * max(rotated, 1),
-                           gammas={"ln": SimpleNamespace(moved=moved, gamma=[1.0] if moved else None)})
+                           gammas={"ln": SimpleNamespace(moved=moved, gamma=[1.0] if moved else None)},
+                           online=["layer"] * online)
     return SimpleNamespace(plan=plan)
 
 
@@ -43,31 +44,33 @@ LABELS = [label for label, _ in pq.AUTO_CANDIDATES]
 def typical() -> tuple[dict, dict]:
     """(errors, folds) of a run where every candidate folds and rotates as asked: hadamard (0.03) the
     lowest but for orthogonal (0.029), within the margin of it."""
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6, 0.5, 0.5]))
     folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
              LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=1), LABELS[6]: fold(rotated=1),
-             LABELS[7]: fold(rotated=1, in_float=2)}
+             LABELS[7]: fold(rotated=1, in_float=2), LABELS[8]: fold(online=2), LABELS[9]: fold(rotated=1, online=2)}
     return errors, folds
 
 
 def test_auto_keeps_the_lowest_error_unless_within_the_margin_and_skips_the_folds_repeats():
-    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6]))
+    errors = dict(zip(LABELS, [0.10, 0.099, 0.08, 0.03, 0.029, 0.5, 0.5, 0.6, 0.5, 0.5]))
     folds = {LABELS[1]: fold(), LABELS[2]: fold(moved=True), LABELS[3]: fold(rotated=1),
              LABELS[4]: fold(rotated=1), LABELS[5]: fold(rotated=0), LABELS[6]: fold(rotated=1),
-             LABELS[7]: fold(rotated=1, in_float=0)}
+             LABELS[7]: fold(rotated=1, in_float=0), LABELS[8]: fold(online=0), LABELS[9]: fold(rotated=0, online=2)}
     q, trials = pq.choose(*adapter(errors, folds), plain=lambda: {"candidate": "plain", "score": 0.2, "plain": True})
     by = {t["candidate"]: t for t in trials}
     # hadamard (0.03) beats γ moved (0.08); orthogonal (0.029) is within 5 % of it: the simpler kept
     assert q.quantized == f"quantized {LABELS[3]}" and by[LABELS[3]]["chosen"]
     assert by[LABELS[5]]["skipped"] == "rotates no stream (the same as the fold)"
     assert by[LABELS[7]]["skipped"] == "no rotated norm has a γ to keep (the same as the rotation)"
+    assert by[LABELS[8]]["skipped"] == "no linear layer writes a stream (the same as the fold)"
+    assert by[LABELS[9]]["skipped"] == "rotates no stream (the same as the online Hadamard alone)"
     assert [t["candidate"] for t in trials] == LABELS + ["plain"]
     assert "for reference: 0.2" in by[LABELS[3]]["why"] and "(not folded: 0.1)" in by[LABELS[3]]["why"]
     assert sum(bool(t.get("chosen")) for t in trials) == 1
 
 
 def test_gamma_that_cannot_move_is_skipped_and_a_nan_is_never_chosen():
-    errors = dict(zip(LABELS, [0.1, float("nan"), 0.01, 0.5, 0.5, 0.5, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.1, float("nan"), 0.01, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]))
     folds = {label: fold() for label in LABELS[1:]}  # nothing rotates, no γ moves
     q, trials = pq.choose(*adapter(errors, folds))
     assert q.prepared.label == LABELS[0]  # the fold's NaN loses to the not-folded 0.1
@@ -116,7 +119,7 @@ def test_auto_never_pays_for_a_lower_error_with_a_bigger_file():
     assert q.prepared.label == LABELS[3]
     # a bigger file that cuts the error by more than it grows is worth it: γ moved out of outlier
     # activations (0.33 -> 0.015) for 1.26x the bytes of a tiny model
-    errors = dict(zip(LABELS, [0.33, 0.33, 0.015, 0.5, 0.5, 0.5, 0.5, 0.5]))
+    errors = dict(zip(LABELS, [0.33, 0.33, 0.015, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]))
     q, trials = pq.choose(*adapter(errors, folds, {LABELS[2]: 12.6}))
     assert q.prepared.label == LABELS[2]
 
