@@ -422,6 +422,7 @@ class QuantizeReport:
     seed: Optional[int]
     rotation: Optional[str]  # the fold report's word on each stream's rotation
     rotated_streams: int  # streams the rotation applied to (0 where every one was blocked)
+    online_layers: int  # linear layers whose input the fold rotates online (online_hadamard)
     linear_layers: int  # linear layers (constant 2-D weight) handed to the quantizer
     basis_changes: dict  # the fold's basis-change products, kept float: node -> parameters
     parameters: int  # the float model handed to the quantizer: its weights' elements
@@ -462,6 +463,8 @@ class QuantizeReport:
         if self.rotate:
             extra += (f", {self.rotated_streams} stream(s) rotated ({self.rotate}, seed {self.seed})"
                       if self.rotated_streams else f", rotation {self.rotate} asked, no stream rotated")
+        if self.online_layers:
+            extra += f", an online Hadamard before {self.online_layers} layer(s) that write a stream"
         err = f", max rel. diff {self.fold_max_rel_err:.1e}" if self.fold_max_rel_err is not None else ""
         return (f"fold: {self.folded} LayerNorm(s) folded, {self.kept} kept{extra}: exact, verified "
                 f"({self.fold_verified}{err})")
@@ -515,6 +518,7 @@ class QuantizeReport:
     def metadata(self) -> str:
         """One line for the model's metadata."""
         rot = f", {self.rotated_streams} stream(s) rotated {self.rotate} (seed {self.seed})" if self.rotated_streams else ""
+        rot += f", an online Hadamard before {self.online_layers} layer(s)" if self.online_layers else ""
         fold = f"{self.folded} LayerNorm(s) folded exactly{rot}; " if self.fold_verified else ""
         return (f"{fold}then quantized: {self.scheme}. NOT exact: rel. RMS error {self.rel_rms:.2e}, max rel. error "
                 f"{self.max_rel_err:.2e} against the float model on {self.error_inputs}")
@@ -543,7 +547,8 @@ def report_of(scheme: str, q: Quantized, *, weights: str, activations: Optional[
         folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
         fold_verified=f.criterion if f else None, fold_max_rel_err=f.max_rel_err if f else None,
         gamma_into_readers=gamma_into_readers, rotate=rotated, seed=seed if rotated else None,
-        rotation=rotation_summary(f), rotated_streams=rotated_streams(f), linear_layers=linear_layers,
+        rotation=rotation_summary(f), rotated_streams=rotated_streams(f), online_layers=online_layers(f),
+        linear_layers=linear_layers,
         basis_changes=basis_changes, parameters=parameters, ops_before=ops_before, ops_after=dict(q.ops),
         bytes_before=bytes_before, bytes_after=q.bytes or 0, errors=q.errors, error_inputs=error_inputs,
         notes=notes, timings={"total": seconds}, candidates=trials, chosen=chosen["why"] if chosen else None)

@@ -70,7 +70,7 @@ def test_torch_takes_it_exactly():
     torch.testing.assert_close(r.module(_ids(seed=2)), m(_ids(seed=2)), rtol=1e-5, atol=1e-5)
 
 
-def test_quantizers_keep_the_online_matmuls_float(tmp_path):
+def test_quantizers_keep_the_online_matmuls_float(tmp_path, capsys):
     """W8A8 through the CLI: every linear layer quantized, the online MatMuls not (QDQ on neither
     of their inputs), the report's fold line says so."""
     src, cal, out = tmp_path / "m.onnx", tmp_path / "cal.npz", tmp_path / "q.onnx"
@@ -85,6 +85,7 @@ def test_quantizers_keep_the_online_matmuls_float(tmp_path):
     for n in matmuls:
         assert all(produced.get(i) is None or produced[i].op_type != "DequantizeLinear" for i in n.input), n
     assert sum(n.op_type == "QuantizeLinear" for n in q.graph.node) >= 5
+    assert "an online Hadamard before 2 layer(s) that write a stream" in capsys.readouterr().out
 
 
 def test_it_needs_the_fold():
