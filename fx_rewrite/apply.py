@@ -263,12 +263,24 @@ class Applier:
         node.replace_input_with(x, mm)
 
     def _online(self, o) -> None:
-        """online_hadamard (passes/online.py): the linear layer's activation input times H, by a
-        constant matmul before it (its weight took Hᵀ among the constant edits)."""
+        """online_hadamard (passes/online.py): the linear layer's activation input times H before it
+        (its weight took Hᵀ among the constant edits): a constant matmul, or where H = A ⊗ B,
+        `Aᵀ · unflatten(u, [p, m]) · B` flattened back (n·(p+m) multiply-adds instead of n²)."""
         node, x = self.nodes[o.node], self.nodes[o.value]
-        m = self._buffer(f"lnfold_online_{o.node}", o.basis.matrix(), meta_val(x), node)
-        with self.graph.inserting_before(node):
-            mm = self.graph.call_function(aten.matmul.default, (x, m))
+        factors = o.factors()
+        if factors is None:
+            m = self._buffer(f"lnfold_online_{o.node}", o.basis.matrix(), meta_val(x), node)
+            with self.graph.inserting_before(node):
+                mm = self.graph.call_function(aten.matmul.default, (x, m))
+        else:
+            a_t = self._buffer(f"lnfold_online_a_{o.node}", factors[0].T, meta_val(x), node)
+            b = self._buffer(f"lnfold_online_b_{o.node}", factors[1], meta_val(x), node)
+            p, m = factors[0].shape[0], factors[1].shape[0]
+            with self.graph.inserting_before(node):
+                grouped = self.graph.call_function(aten.unflatten.int, (x, -1, [p, m]))
+                right = self.graph.call_function(aten.matmul.default, (grouped, b))
+                left = self.graph.call_function(aten.matmul.default, (a_t, right))
+                mm = self.graph.call_function(aten.flatten.using_ints, (left, -2, -1))
         node.replace_input_with(x, mm)
 
     # --- norms -------------------------------------------------------------------------------

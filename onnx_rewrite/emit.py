@@ -216,15 +216,32 @@ class Emitter:
         add.inputs[i] = out
 
     def _online(self, layer: gs.Node, o, shared: dict) -> None:
-        """online_hadamard (passes/online.py): the layer's activation input `o.value` times H, by a
-        constant MatMul before it (its weight took Hᵀ among the constant edits)."""
+        """online_hadamard (passes/online.py): the layer's activation input `o.value` times H before
+        it (its weight took Hᵀ among the constant edits): a constant MatMul, or where H = A ⊗ B,
+        `Aᵀ · reshape(u, [-1, p, m]) · B` reshaped back (n·(p+m) multiply-adds instead of n²)."""
         (j, x), = [(j, t) for j, t in enumerate(layer.inputs) if t.name == o.value]
         dtype = np_dtype(float_dtype(x))
         key = (o.basis, np.dtype(dtype).str)
         if key not in shared:
-            shared[key] = self.const(f"lnfold_online_{o.basis.kind}{o.basis.dim}", o.basis.matrix().astype(dtype))
+            name = f"lnfold_online_{o.basis.kind}{o.basis.dim}"
+            factors = o.factors()
+            shared[key] = ((self.const(name, o.basis.matrix().astype(dtype)),) if factors is None else
+                           (self.const(f"{name}_a", np.ascontiguousarray(factors[0].T).astype(dtype)),
+                            self.const(f"{name}_b", factors[1].astype(dtype))))
         out = self.var(f"{x.name}/lnfold_online", x.dtype)
-        self.basis_change([x, shared[key]], out)
+        if len(shared[key]) == 1:
+            self.basis_change([x, shared[key][0]], out)
+        else:
+            a_t, b = shared[key]
+            grouped, right, left = (self.var(f"{x.name}/lnfold_online_{s}", x.dtype) for s in ("pm", "b", "a"))
+            self.node("Reshape", [x, self.const(f"{x.name}/lnfold_online_pm_shape",
+                                                np.array([-1, a_t.values.shape[0], b.values.shape[0]], np.int64))],
+                      [grouped])
+            self.basis_change([grouped, b], right)
+            self.basis_change([a_t, right], left)
+            shape = self.var(f"{x.name}/lnfold_online_shape")
+            self.node("Shape", [x], [shape])
+            self.node("Reshape", [left, shape], [out])
         layer.inputs[j] = out
 
     # --- norms -------------------------------------------------------------------------------

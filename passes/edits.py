@@ -103,6 +103,21 @@ class Seeded:
 
 
 @dataclass(frozen=True)
+class KroneckerHadamard:
+    """H = A ⊗ B = hadamard(dim)/√dim, no random signs (orthogonal.hadamard_kronecker): a basis that
+    can be applied to a tensor as two small products (`factors`), the online Hadamard's."""
+
+    dim: int
+    kind: str = "hadamard"
+
+    def factors(self) -> tuple[np.ndarray, np.ndarray]:
+        return orthogonal.hadamard_kronecker(self.dim)
+
+    def matrix(self) -> np.ndarray:
+        return np.kron(*self.factors())
+
+
+@dataclass(frozen=True)
 class Identity:
     """The stream's own basis: projecting onto it keeps the first entries (CRMSNorm's d−1)."""
 
@@ -127,7 +142,7 @@ class DataBasis:
         return self.array
 
 
-Basis = Union[Seeded, Identity, DataBasis]
+Basis = Union[Seeded, KroneckerHadamard, Identity, DataBasis]
 
 
 def dense(basis: Basis) -> np.ndarray:

@@ -11,12 +11,14 @@ layer (kept float by the quantizers: it is named as a basis change). DESIGN §6b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
+
+import numpy as np
 
 from . import orthogonal
 from .analysis import Component
 from .compress import size_along
-from .edits import Project, Seeded
+from .edits import KroneckerHadamard, Project, Seeded
 from .rules import writes_product
 from .view import ConstRef, View
 
@@ -28,7 +30,7 @@ class OnlineRotation:
 
     node: str
     value: str
-    basis: Seeded
+    basis: Union[KroneckerHadamard, Seeded]
     weight: ConstRef
 
     @property
@@ -36,13 +38,19 @@ class OnlineRotation:
         """The weight's side: Hᵀ·W along its input-feature axis."""
         return Project(self.weight.axis, self.basis, self.basis.dim)
 
+    def factors(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """(A, B) with H = A ⊗ B, float64, where H is a Hadamard matrix: the emitters apply it as
+        `Aᵀ · reshape(u, [..., p, m]) · B` (n·(p+m) multiply-adds); None: a dense n×n H."""
+        return self.basis.factors() if isinstance(self.basis, KroneckerHadamard) else None
+
 
 def plan_online(view: View, comps: list[Component], seed: int,
                 trainable=None) -> list[OnlineRotation]:
     """An online rotation of every linear layer that writes one of `comps` (a constant weight whose
     output features are the stream's) on its activation input, each layer once. One H per input
-    width (a Hadamard where n allows one, else a random orthogonal matrix from `seed`): every layer
-    of a width shares one constant."""
+    width: a Hadamard matrix where n allows one (no random signs: its Kronecker factors are applied
+    online, passes/edits.KroneckerHadamard), else a random orthogonal matrix from `seed`; every layer
+    of a width shares one."""
     out: dict[tuple[str, str], OnlineRotation] = {}
     for comp in comps:
         for src in comp.sources:
@@ -69,5 +77,6 @@ def _activation_input(view: View, ref: ConstRef, seed: int) -> Optional[OnlineRo
         n = size_along(view, x, v.rank - 1)
         if lin is None or lin.weight.value != ref.value or lin.weight.axis is None or not isinstance(n, int) or n < 2:
             continue
-        return OnlineRotation(node.name, x, Seeded(orthogonal.resolved_kind("hadamard", n), n, seed), lin.weight)
+        basis = KroneckerHadamard(n) if orthogonal.hadamard(n) is not None else Seeded("orthogonal", n, seed)
+        return OnlineRotation(node.name, x, basis, lin.weight)
     return None

@@ -80,6 +80,20 @@ def hadamard(n: int) -> Optional[np.ndarray]:
     return np.kron(syl, h)
 
 
+def hadamard_kronecker(n: int) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """(A, B), orthogonal (p × p and m × m, n = p·m) with A ⊗ B = hadamard(n)/√n: the Sylvester
+    part and the Paley base `hadamard` builds it from. u·H applied as two small products costs
+    n·(p + m) multiply-adds instead of n². None where no Hadamard of order n is known here."""
+    f = hadamard_factors(n)
+    if f is None:
+        return None
+    p, m = f
+    if m == 1:  # a Sylvester matrix: S_p = S_q ⊗ S_(p/q) for any power of two q, here q ≈ √p
+        p, m = 2 ** (p.bit_length() // 2), p // 2 ** (p.bit_length() // 2)
+        return hadamard(p) / np.sqrt(p), hadamard(m) / np.sqrt(m)
+    return hadamard(p) / np.sqrt(p), _base(m).astype(np.float64) / np.sqrt(m)
+
+
 def resolved_kind(kind: str, d: int) -> str:
     """The kind a rotation of width d gets: "hadamard" where no Hadamard order fits d is "orthogonal"."""
     if kind.startswith("hadamard") and hadamard(d) is None:

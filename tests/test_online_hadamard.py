@@ -4,8 +4,6 @@ verified against float64 like every fold; a planted bug (the weight not taking H
 keep the online MatMuls float."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx
 import pytest
@@ -19,6 +17,7 @@ from lnfold.passes import online
 from lnfold.passes.approx import relative_error
 from tests.test_rms_streams import B, T, V, llama_like, llama_span, _span_rows
 from tests.test_rms_torch import Tiny, _ids
+from tests.onnx_graphs import Builder
 from tests.test_slice import stream_model, calibration
 
 
@@ -33,20 +32,39 @@ def _error(a: onnx.ModelProto, b: onnx.ModelProto, feeds: dict) -> float:
 @pytest.mark.parametrize("rotate", [None, "hadamard"])
 @pytest.mark.parametrize("form", ["decomposed", "simplified"])
 def test_an_rmsnorm_model_takes_it_exactly_with_or_without_a_rotation(form, rotate):
-    """Its two down projections (input 32 wide) read u·H; one 32×32 constant for both; the float64
-    model's outputs are unchanged to rounding, γ in the norms where nothing asked to move it."""
+    """Its two down projections (input 32 wide) read u·H, H = A ⊗ B (8 × 8 and 4 × 4: two small
+    MatMuls each, the two constants shared by both layers); the float64 model's outputs are
+    unchanged to rounding, γ in the norms where nothing asked to move it."""
     m = llama_span(form)
     r = lnfold.fold_onnx(m, online_hadamard=True, rotate=rotate)
     layers = _online_matmuls(r.model)
-    assert len(layers) == 2 and len({n.input[1] for n in layers}) == 1
+    assert len(layers) == 4 and {i for n in layers for i in n.input if i.startswith("lnfold_online_")} == {
+        "lnfold_online_hadamard32_a", "lnfold_online_hadamard32_b"}
     assert any("online_hadamard: the input of 2 linear layer(s)" in n for n in r.report.notes)
     assert _error(m, r.model, {k: v[:4] for k, v in _span_rows().items()}) < 1e-12
+
+
+def _odd_width_model() -> onnx.ModelProto:
+    """x [batch, 5, 16] -> h = x + W2·relu(W1·x) (hidden 10: no Hadamard of order 10) -> LN -> head."""
+    b = Builder(4, np.float64)
+    x = b.input("x", onnx.TensorProto.DOUBLE, ["batch", 5, 16])
+    h = b.op("Add", [x, b.linear(b.op("Relu", [b.linear(x, 16, 10)]), 10, 16)])
+    b.output(b.op("MatMul", [b.layernorm(h, 16), b.weight("head", (16, 7))]), shape=["batch", 5, 7])
+    return b.model(17)
+
+
+def test_a_width_without_a_hadamard_takes_a_dense_orthogonal_matrix():
+    m = _odd_width_model()
+    r = lnfold.fold_onnx(m, online_hadamard=True)
+    (layer,) = _online_matmuls(r.model)
+    assert [i for i in layer.input if i.startswith("lnfold_online_")] == ["lnfold_online_orthogonal10"]
+    assert _error(m, r.model, {"x": np.random.default_rng(2).standard_normal((3, 5, 16)) + 4.0}) < 1e-12
 
 
 def test_a_layernorm_model_folds_and_takes_it_exactly():
     m = stream_model()
     r = lnfold.fold_onnx(m, online_hadamard=True)
-    assert len(_online_matmuls(r.model)) == 2 and r.report.folded == 3
+    assert len(_online_matmuls(r.model)) == 4 and r.report.folded == 3
     assert _error(m, r.model, calibration(4, seed=5)) < 1e-12
 
 
@@ -54,8 +72,7 @@ def test_planted_bug_the_weight_takes_another_matrix(monkeypatch):
     """H before the layer, but the weight takes another orthogonal matrix's transpose: the fold's
     float64 verification refuses it (the test can fail)."""
     def wrong_edit(self):
-        return online.Project(self.weight.axis, dataclasses.replace(self.basis, kind="orthogonal", seed=9),
-                              self.basis.dim)
+        return online.Project(self.weight.axis, online.Seeded("hadamard", self.basis.dim, 9), self.basis.dim)
 
     monkeypatch.setattr(online.OnlineRotation, "edit", property(wrong_edit))
     with pytest.raises(VerificationError):
@@ -66,7 +83,7 @@ def test_torch_takes_it_exactly():
     m, ids = Tiny("llama").eval(), _ids()
     r = lnfold.fold_module(m, (ids,), online_hadamard=True)
     buffers = [n for n in r.module.graph.nodes if n.op == "get_attr" and "lnfold_online" in n.target]
-    assert len(buffers) == 2 and r.criterion == "float64"
+    assert len(buffers) == 4 and r.criterion == "float64"  # (A and B of each layer's H = A ⊗ B)
     torch.testing.assert_close(r.module(_ids(seed=2)), m(_ids(seed=2)), rtol=1e-5, atol=1e-5)
 
 
@@ -81,7 +98,7 @@ def test_quantizers_keep_the_online_matmuls_float(tmp_path, capsys):
     q = onnx.load(str(out))
     produced = {o: n for n in q.graph.node for o in n.output}
     matmuls = [n for n in q.graph.node if n.op_type == "MatMul" and n.name.startswith("lnfold/basis_change")]
-    assert len(matmuls) == 2
+    assert len(matmuls) == 4  # (H = A ⊗ B: two per layer)
     for n in matmuls:
         assert all(produced.get(i) is None or produced[i].op_type != "DequantizeLinear" for i in n.input), n
     assert sum(n.op_type == "QuantizeLinear" for n in q.graph.node) >= 5
