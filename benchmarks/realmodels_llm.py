@@ -41,6 +41,9 @@ Parts (`--parts`):
   (interleaved medians, A/A; `--rounds 0`: none). Each sliced model is saved in the cache as
   `smollm2/sliced-F-one|per-block.onnx`.
 - `latency`: the saved sliced files timed against the original (1 thread, `--rounds` interleaved).
+- `quantized-latency`: per scheme, lnfold's quantized model with each of `--rotations` (e.g.
+  `none+online`: the online Hadamard's MatMuls in float) timed against the model as given quantized
+  the same way (1 thread, `--rounds` interleaved, its A/A pair).
 - `memory`: the peak resident memory (VmHWM) of `lnfold quantize … --weights int4 --rotate auto
   --calibrate` on 8 GPL-3 windows, a child process, killed past `--memory-limit-gib`.
 
@@ -93,7 +96,7 @@ ONLINE = "+online"
 ROTATIONS = ["hadamard", "orthogonal", "hadamard-keep-ln", "orthogonal-keep-ln", "auto", "auto" + SPARE,
              *(r + s + FLOAT_GAMMA for r in ("hadamard", "orthogonal") for s in ("", SPARE)), "orthogonal" + SPARE,
              "none" + ONLINE, "hadamard" + ONLINE, "hadamard" + FLOAT_GAMMA + ONLINE]
-PARTS = ("fp32", "quantize", "accuracy4", "metric", "slice", "latency", "memory")
+PARTS = ("fp32", "quantize", "accuracy4", "metric", "slice", "latency", "quantized-latency", "memory")
 
 
 # --- text ------------------------------------------------------------------------------------------
@@ -406,6 +409,26 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
         latency_part(timed, held, rounds)
 
 
+def quantized_latency_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, schemes: list[str],
+                           rotations: list[str], rounds: int) -> None:
+    """Per scheme: the model as given quantized ("original", with its A/A) against lnfold's quantized
+    model with each rotation (unverified: the quantize part verifies the same folds), one thread."""
+    from lnfold.onnx_rewrite import quantize as q
+
+    for scheme in schemes:
+        opts = SCHEMES[scheme]
+        given = q.quantize_model(model, calibrate={"input_ids": cal}, fold=False, verify=False, **opts).model
+        timed = {"original": given, "original (A/A)": given}
+        for rotate in rotations:
+            rotation, online = rotate.removesuffix(ONLINE), rotate.endswith(ONLINE)
+            timed[f"{scheme} {rotate}"] = q.quantize_model(
+                model, calibrate={"input_ids": cal}, rotate=None if rotation == "none" else rotation,
+                online_hadamard=online, verify=False, **opts).model
+        print(f"{scheme}: each file against the model as given, quantized the same way ({SCHEME_FLAGS[scheme]})")
+        latency_part(timed, held, rounds)
+        del timed, given
+
+
 def latency_part(timed: dict, held: np.ndarray, rounds: int) -> None:
     """`timed`: name -> model (proto or path), with "original" and "original (A/A)"; one thread."""
     from lnfold.onnx_rewrite import timing
@@ -518,7 +541,8 @@ def main(argv=None) -> int:
     if "fp32" in args.parts:
         fp32_part(lm, onnx_path, held, args.threads)
     del lm
-    model = onnx.load(str(onnx_path)) if {"quantize", "accuracy4", "slice"} & set(args.parts) else None
+    model = (onnx.load(str(onnx_path)) if {"quantize", "accuracy4", "slice", "quantized-latency"} & set(args.parts)
+             else None)
     if "quantize" in args.parts:
         quantize_part(model, cal, held, args.schemes, args.rotations, args.threads, log, args.spare_channels)
     if "accuracy4" in args.parts:
@@ -532,6 +556,8 @@ def main(argv=None) -> int:
         timed = {"original": onnx_path, "original (A/A)": onnx_path}
         timed.update({f.stem: f for f in sorted((cache / "smollm2").glob("sliced-*.onnx"))})
         latency_part(timed, held, args.rounds)
+    if "quantized-latency" in args.parts:
+        quantized_latency_part(model, cal, held, args.schemes, args.rotations, args.rounds)
     if "memory" in args.parts:
         del model
         memory_part(onnx_path, cal[:args.memory_rows], args.memory_limit_gib)
