@@ -119,3 +119,22 @@ def test_auto_chooses_it_itself():
         dict(online_hadamard=True), dict(rotate="hadamard", online_hadamard=True)]
     with pytest.raises(LnfoldError, match="drop .*online_hadamard"):
         lnfold.quantize_onnx(llama_span("simplified"), weights="int8", rotate="auto", online_hadamard=True)
+
+
+def test_torch_quantize_keeps_the_online_matmuls_float():
+    """quantize_module (torch.ao int8 dynamic) on a real transformers GPT-2: its 2 stream writers (the
+    attention's and the MLP's output projections, Conv1D: addmm) read u·H; the same 5 linear layers are
+    quantized, the H factors stay float buffers; the fold under it is verified; the error is small."""
+    from lnfold import zoo
+
+    model, args = zoo.gpt2(n_layer=1, n_embd=32, n_head=2)
+    r = lnfold.quantize_module(model, args, backend="torch.ao", rotate="hadamard", online_hadamard=True,
+                               dynamic=False)
+    assert r.report.online_layers == 2 and r.report.linear_layers == 5
+    assert r.report.ops_after == {"DynamicQuantizedLinear": 5}
+    assert r.fold.criterion == "float64" and r.fold.max_rel_err < 1e-5
+    floats = [n for n, t in r.module.named_buffers() if n.startswith("lnfold_online_")]
+    assert len(floats) == 4, floats  # (A and B per layer: 32 = 8 ⊗ 4, 128 = 16 ⊗ 8)
+    with torch.no_grad():
+        want, got = model(*args).double(), r.module(*args).double()
+    assert 0 < float((got - want).norm() / want.norm()) < 0.05
