@@ -5,8 +5,10 @@ an activation, the MLP's hidden state or the attention's output) and Hᵀ folded
 
 What it is for: a quantizer of activations (W8A8, W4A8) sees u·H instead of u. The MLP's down
 projection reads u = act(gate)·up, whose few outlier channels reach 100× the rest; H spreads them
-over all n features, and the weights' rows alike. NOT a gain in float: one n×n MatMul more per
-layer (kept float by the quantizers: it is named as a basis change). DESIGN §6b.
+over all n features, and the weights' rows alike. NOT a gain in float: more float work per layer
+(H = A ⊗ B applied as two small products, n·(p+m) multiply-adds per row; kept float by the
+quantizers: named as basis changes). Layers inside If branches (a merged decoder) are not taken.
+DESIGN §6b.
 """
 from __future__ import annotations
 

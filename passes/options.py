@@ -154,10 +154,10 @@ OPTIONS = {o.name: o for o in (
            "massive-activation channels, which its norms' γ suppresses and a full rotation spreads into every "
            "channel's quantization blocks. Exact like any rotation", check=check_channels),
     Option("online_hadamard", bool, False, "a Hadamard on the input of each linear layer that writes a stream, "
-           "online (a constant n x n MatMul before the layer, kept float by the quantizers) and folded into its "
-           "weight (QuaRot's R4; exact, with or without --rotate): spreads the outlier channels of the MLP's down "
-           "projection input before a quantizer of activations (W8A8, W4A8) sees them; one n x n MatMul more per "
-           "layer in float"),
+           "online (constant MatMuls before the layer, kept float by the quantizers: H = A (x) B as two small "
+           "products) and folded into its weight (QuaRot's R4; exact, with or without --rotate): spreads the "
+           "outlier channels of the MLP's down projection input before a quantizer of activations (int8 dynamic, "
+           "W8A8) sees them"),
     Option("seed", int, 0, "the rotation's random seed (default 0)", check=check_seed),
 )}
 
@@ -196,7 +196,6 @@ class FoldOptions:
             if self.mode != "rms":
                 raise LnfoldError(f"rotate={self.rotate!r} needs mode 'rms' (a CRMS stream has d-1 features)")
             object.__setattr__(self, "gamma_into_readers", True)
-
 
     @property
     def reads_rms_norms(self) -> bool:

@@ -143,8 +143,9 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        """Nothing to apply: no norm swapped (folded, approximated, or an RMSNorm as given re-emitted)
-        and no stream rotated (a stream of γ-less RMSNorms rotates with no norm to swap)."""
+        """Nothing to apply: no norm swapped (folded, approximated, or an RMSNorm as given re-emitted),
+        no stream rotated (a stream of γ-less RMSNorms rotates with no norm to swap) and no layer's
+        input rotated online."""
         return not self.swaps and not self.approx and not self.rms_swaps and \
             not any(r.rotated for r in self.stream_bases) and not self.online
 
