@@ -7,8 +7,8 @@ What it is for: a quantizer of activations (W8A8, W4A8) sees u·H instead of u. 
 projection reads u = act(gate)·up, whose few outlier channels reach 100× the rest; H spreads them
 over all n features, and the weights' rows alike. NOT a gain in float: more float work per layer
 (H = A ⊗ B applied as two small products, n·(p+m) multiply-adds per row; kept float by the
-quantizers: named as basis changes). Layers inside If branches (a merged decoder) are not taken.
-DESIGN §6b.
+quantizers: named as basis changes). Layers inside If branches (a merged decoder) are taken in each
+branch. DESIGN §6b.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from . import orthogonal
 from .analysis import Component
 from .compress import size_along
 from .edits import KroneckerHadamard, Project, Seeded
+from .readers import linear_in_branch
 from .rules import writes_product
 from .view import ConstRef, View
 
@@ -75,7 +76,8 @@ def _activation_input(view: View, ref: ConstRef, seed: int) -> Optional[OnlineRo
         v = view.values.get(x)
         if x == ref.value or v is None or v.is_const or not v.rank:
             continue
-        lin = node.linear(i, v.rank - 1)
+        # (an inlined If branch's layer answers only through its branch rule: a merged decoder's)
+        lin = node.linear(i, v.rank - 1) or linear_in_branch(view, node, i, v.rank - 1)
         n = size_along(view, x, v.rank - 1)
         if lin is None or lin.weight.value != ref.value or lin.weight.axis is None or not isinstance(n, int) or n < 2:
             continue

@@ -35,7 +35,7 @@ def _copies_rows_of(view: View, node, i: int) -> bool:
     return True
 
 
-def _linear_in_branch(view: View, node, i: int, axis: int):
+def linear_in_branch(view: View, node, i: int, axis: int):
     """The linear read of an op of an inlined If branch (its `in_branch` rule answers none, so that
     deferral and CRMSNorm, which the branch emitter does not apply, leave it alone): for a per-feature
     constant edit (γ, β, a rotation), written once for all scopes like a source's centering."""
@@ -63,7 +63,7 @@ def linear_readers(view: View, value: str, axis: int, products_only: bool = Fals
             continue
         lin = node.linear(i, axis) if writes_product(node) or not products_only else None
         if lin is None and through_layout:
-            lin = _linear_in_branch(view, node, i, axis)
+            lin = linear_in_branch(view, node, i, axis)
         if lin is not None:
             if lin.weight.axis is None:
                 return [], f"{node.describe()} has no input-feature axis on its weight"

@@ -138,3 +138,21 @@ def test_torch_quantize_keeps_the_online_matmuls_float():
     with torch.no_grad():
         want, got = model(*args).double(), r.module(*args).double()
     assert 0 < float((got - want).norm() / want.norm()) < 0.05
+
+
+def _online_in_all_graphs(graph: onnx.GraphProto) -> int:
+    count = len([n for n in graph.node if n.op_type == "MatMul" and any(i.startswith("lnfold_online_") for i in n.input)])
+    return count + sum(_online_in_all_graphs(a.g) for n in graph.node for a in n.attribute if a.g and a.g.node)
+
+
+def test_a_merged_decoders_branch_layers_take_it_verified_on_both_branches(monkeypatch):
+    """Optimum's merged Llama decoder: the 2 writers of each of 2 blocks in each If branch (8 layers,
+    2 MatMuls each), verified on both branches; the planted wrong weight fails there too."""
+    m = onnx.load("tests/corpus/optimum_llama_decoder_model_merged.onnx")
+    r = lnfold.fold_onnx(m, online_hadamard=True, rotate="hadamard")
+    assert "both branches" in r.criterion and _online_in_all_graphs(r.model.graph) == 16
+    assert any("online_hadamard: the input of 8 linear layer(s)" in n for n in r.report.notes)
+    monkeypatch.setattr(online.OnlineRotation, "edit", property(
+        lambda self: online.Project(self.weight.axis, online.Seeded("hadamard", self.basis.dim, 9), self.basis.dim)))
+    with pytest.raises(VerificationError):
+        lnfold.fold_onnx(m, online_hadamard=True)
