@@ -247,7 +247,8 @@ def test_saving_into_a_missing_folder_is_refused(tmp_path):
     (dict(seed=-1), "seed -1: a non-negative integer"),
     (dict(rotate="hadamard", gamma_into_readers=False),
      "a rotation needs the norms' weights in their readers (gamma_into_readers=True)"),
-    (dict(fold=False, rotate="hadamard"), "rotation and γ into the readers are part of the fold: they need fold=True"),
+    (dict(fold=False, rotate="hadamard"), "rotation, γ into the readers and the online Hadamard are part of the fold: "
+                                          "they need fold=True"),
 ], ids=["activations", "seed", "rotate-without-gamma", "rotate-without-fold"])
 def test_quantize_refuses_contradictory_options(options, message):
     with pytest.raises(lnfold.LnfoldError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -440,8 +441,10 @@ def test_quantize_auto_on_a_model_with_nothing_to_fold_says_why_each_fold_candid
     assert auto[0].startswith("auto: not folded (onnxruntime's quantizer on lnfold's linear layers): rel. RMS error") and auto[0].endswith("<- chosen")
     skipped = [line for line in auto if ": skipped: " in line]
     assert len(skipped) == len(auto) - 3  # all but the model not folded, the plain fold (quantized as given) and plain onnxruntime
-    assert all(line.endswith("skipped: cannot rotate: no LayerNorm found in the model: nothing to fold")
+    assert all(line.endswith(("skipped: cannot rotate: no LayerNorm found in the model: nothing to fold",
+                              "skipped: cannot apply the online Hadamard: no LayerNorm found in the model: nothing to fold"))
                for line in skipped), skipped
+    assert sum("skipped: cannot apply the online Hadamard" in line for line in skipped) == 1  # (with hadamard: rotate)
 
 
 def test_a_quantized_model_says_what_was_done_once_replacing_a_stale_entry():
