@@ -96,6 +96,9 @@ def check_scheme(weights: str, activations: Optional[str], rotate: Optional[str]
         raise LnfoldError(f"seed {seed!r}: a non-negative integer")
 
 
+FOLD_ONLY = "rotation, γ into the readers and the online Hadamard are part of the fold: they need fold=True"
+
+
 def check_rotation_options(rotate: Optional[str], fold: bool, gamma_into_readers: Optional[bool],
                            gamma_in_float: bool, spare_channels, online_hadamard: bool = False) -> None:
     """The fold options of a quantize that go only with others, checked before any work (one-line
@@ -104,6 +107,8 @@ def check_rotation_options(rotate: Optional[str], fold: bool, gamma_into_readers
     if rotate == AUTO and (gamma_into_readers is not None or gamma_in_float or online_hadamard or not fold):
         raise LnfoldError("--rotate auto chooses the fold, γ's place, the rotation and the online Hadamard itself: "
                           "drop fold=False / gamma_into_readers / gamma_in_float / online_hadamard")
+    if not fold and ((rotate is not None and rotate != AUTO) or gamma_into_readers or online_hadamard):
+        raise LnfoldError(FOLD_ONLY)
     if rotate is None and (gamma_in_float or spare_channels):
         flag = "--gamma-in-float keeps γ beside" if gamma_in_float else "--spare-channels leaves channels out of"
         raise LnfoldError(f"{flag} a rotation: give --rotate too")
@@ -161,8 +166,7 @@ def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rot
     if rotate and not gamma:
         raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
     if not fold and (rotate or gamma or online_hadamard):
-        raise LnfoldError("rotation, γ into the readers and the online Hadamard are part of the fold: they need "
-                          "fold=True")
+        raise LnfoldError(FOLD_ONLY)
     if not fold:
         return Folded(None, False, [])
     try:
