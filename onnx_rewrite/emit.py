@@ -227,16 +227,15 @@ class Emitter:
             factors = o.factors()
             shared[key] = ((self.const(name, o.basis.matrix().astype(dtype)),) if factors is None else
                            (self.const(f"{name}_a", np.ascontiguousarray(factors[0].T).astype(dtype)),
-                            self.const(f"{name}_b", factors[1].astype(dtype))))
+                            self.const(f"{name}_b", factors[1].astype(dtype)),
+                            self.const(f"{name}_pm", np.array([-1, len(factors[0]), len(factors[1])], np.int64))))
         out = self.var(f"{x.name}/lnfold_online", x.dtype)
         if len(shared[key]) == 1:
             self.basis_change([x, shared[key][0]], out)
         else:
-            a_t, b = shared[key]
+            a_t, b, pm = shared[key]
             grouped, right, left = (self.var(f"{x.name}/lnfold_online_{s}", x.dtype) for s in ("pm", "b", "a"))
-            self.node("Reshape", [x, self.const(f"{x.name}/lnfold_online_pm_shape",
-                                                np.array([-1, a_t.values.shape[0], b.values.shape[0]], np.int64))],
-                      [grouped])
+            self.node("Reshape", [x, pm], [grouped])
             self.basis_change([grouped, b], right)
             self.basis_change([a_t, right], left)
             shape = self.var(f"{x.name}/lnfold_online_shape")

@@ -600,14 +600,16 @@ def _online_rotations(view: View, plan: _Draft, request: PlanRequest, work: _Wor
         return
     plan.online[:] = online.plan_online(view, [c for c in plan.components if c.norms], request.seed,
                                         request.trainable)
+    if not plan.online:
+        plan.report.notes.append("online_hadamard: no linear layer with a constant weight writes a stream")
+        return
     for o in plan.online:
         work.use(o.weight.value, o.weight.user, o.weight.user_input)[0].append(o.edit)
-    widths = sorted({o.basis.dim for o in plan.online})
+    matrices = " / ".join(f"{n}×{n} {kind}" for n, kind in sorted({(o.basis.dim, o.basis.kind) for o in plan.online}))
     plan.report.notes.append(
         f"online_hadamard: the input of {len(plan.online)} linear layer(s) that write a stream times a constant "
-        f"{' / '.join(f'{n}×{n}' for n in widths) or 'n×n'} {plan.online[0].basis.kind if plan.online else ''} "
-        "MatMul before it, its transpose folded into the layer's weight (exact; kept float by the quantizers)"
-        if plan.online else "online_hadamard: no linear layer with a constant weight writes a stream")
+        f"{matrices} matrix before it, its transpose folded into the layer's weight (exact; kept float by the "
+        "quantizers)")
 
 
 def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams, said) -> None:
