@@ -266,18 +266,11 @@ def quantize_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, sch
             t.add(scheme, "onnxruntime alone", "—", "—", f"{time.time() - t0:.0f}", failure(e))
         for rotate in ["as given"] + rotations:
             t0 = time.time()
-            rotation, online = rotate.removesuffix(ONLINE), rotate.endswith(ONLINE)
-            rotation, in_float = rotation.removesuffix(FLOAT_GAMMA), rotation.endswith(FLOAT_GAMMA)
-            rotation, spare = rotation.removesuffix(SPARE), spare_channels if rotation.endswith(SPARE) else None
-            variant = (f"lnfold {SCHEME_FLAGS[scheme]}{f' --rotate {rotation}' if rotation != 'none' else ''}"
-                       f"{' --gamma-in-float' if in_float else ''}"
-                       f"{f' --spare-channels {spare}' if spare else ''}{' --online-hadamard' if online else ''}"
-                       if rotate != "as given" else
+            fold = fold_options(rotate, spare_channels) if rotate != "as given" else None
+            variant = (f"lnfold {SCHEME_FLAGS[scheme]}{fold_flags(fold)}" if fold is not None else
                        "quantize_onnx(fold=False): onnxruntime on lnfold's linear layers, the file as given")
             try:
-                how = (dict(fold=False, verify=False) if rotate == "as given" else
-                       dict(rotate=None if rotation == "none" else rotation, gamma_in_float=in_float,
-                            spare_channels=spare, online_hadamard=online, verify=True))
+                how = dict(fold=False, verify=False) if fold is None else dict(**fold, verify=True)
                 res = q.quantize_model(model, calibrate=feeds, **how, **opts)
             except Exception as e:  # noqa: BLE001
                 log(traceback.format_exc())
@@ -409,8 +402,26 @@ def slice_part(model: onnx.ModelProto, cal: np.ndarray, cal_heldout: np.ndarray,
         latency_part(timed, held, rounds)
 
 
+def fold_options(rotate: str, spare_channels: Optional[str]) -> dict:
+    """quantize_model's fold keywords for a --rotations entry: a rotation (or "none"), then optionally
+    SPARE, FLOAT_GAMMA and ONLINE, in that order."""
+    rotation, online = rotate.removesuffix(ONLINE), rotate.endswith(ONLINE)
+    rotation, in_float = rotation.removesuffix(FLOAT_GAMMA), rotation.endswith(FLOAT_GAMMA)
+    rotation, spare = rotation.removesuffix(SPARE), spare_channels if rotation.endswith(SPARE) else None
+    return dict(rotate=None if rotation == "none" else rotation, gamma_in_float=in_float, spare_channels=spare,
+                online_hadamard=online)
+
+
+def fold_flags(fold: dict) -> str:
+    """The `lnfold quantize` flags that ask for `fold` (fold_options)."""
+    return ((f" --rotate {fold['rotate']}" if fold["rotate"] else "")
+            + (" --gamma-in-float" if fold["gamma_in_float"] else "")
+            + (f" --spare-channels {fold['spare_channels']}" if fold["spare_channels"] else "")
+            + (" --online-hadamard" if fold["online_hadamard"] else ""))
+
+
 def quantized_latency_part(model: onnx.ModelProto, cal: np.ndarray, held: np.ndarray, schemes: list[str],
-                           rotations: list[str], rounds: int) -> None:
+                           rotations: list[str], rounds: int, spare_channels: Optional[str]) -> None:
     """Per scheme: the model as given quantized ("original", with its A/A) against lnfold's quantized
     model with each rotation (unverified: the quantize part verifies the same folds), one thread."""
     from lnfold.onnx_rewrite import quantize as q
@@ -420,10 +431,8 @@ def quantized_latency_part(model: onnx.ModelProto, cal: np.ndarray, held: np.nda
         given = q.quantize_model(model, calibrate={"input_ids": cal}, fold=False, verify=False, **opts).model
         timed = {"original": given, "original (A/A)": given}
         for rotate in rotations:
-            rotation, online = rotate.removesuffix(ONLINE), rotate.endswith(ONLINE)
-            timed[f"{scheme} {rotate}"] = q.quantize_model(
-                model, calibrate={"input_ids": cal}, rotate=None if rotation == "none" else rotation,
-                online_hadamard=online, verify=False, **opts).model
+            timed[f"{scheme} {rotate}"] = q.quantize_model(model, calibrate={"input_ids": cal}, verify=False,
+                                                           **fold_options(rotate, spare_channels), **opts).model
         print(f"{scheme}: each file against the model as given, quantized the same way ({SCHEME_FLAGS[scheme]})")
         latency_part(timed, held, rounds)
         del timed, given
@@ -557,7 +566,7 @@ def main(argv=None) -> int:
         timed.update({f.stem: f for f in sorted((cache / "smollm2").glob("sliced-*.onnx"))})
         latency_part(timed, held, args.rounds)
     if "quantized-latency" in args.parts:
-        quantized_latency_part(model, cal, held, args.schemes, args.rotations, args.rounds)
+        quantized_latency_part(model, cal, held, args.schemes, args.rotations, args.rounds, args.spare_channels)
     if "memory" in args.parts:
         del model
         memory_part(onnx_path, cal[:args.memory_rows], args.memory_limit_gib)
