@@ -103,7 +103,9 @@ def variants(seeds: int) -> list[tuple[str, dict]]:
     out = [("ORT only", dict(fold=False)), ("lnfold", dict()), ("lnfold γ→readers", dict(gamma_into_readers=True))]
     for rot in ROTATIONS:
         out += [(rot, dict(rotate=rot, seed=s)) for s in range(seeds)]
-    return out
+    # QuaRot's R4 (passes/online.py): alone, and with the Hadamard rotation (seed 0)
+    return out + [("online Hadamard", dict(online_hadamard=True)),
+                  ("hadamard + online", dict(rotate="hadamard", online_hadamard=True))]
 
 
 def evaluate(model: str, proto: onnx.ModelProto) -> float:
