@@ -40,7 +40,7 @@ from lnfold.onnx_rewrite import targets
 from lnfold.onnx_rewrite import calibration as calibration_io
 from lnfold.onnx_rewrite.sessions import session
 from lnfold.passes import LnfoldError, make_plan
-from lnfold.passes.slicer import slice_with
+from lnfold.passes.slicer import SliceScheme, slice_with
 
 from . import realmodels as rm
 from .common import run_header
@@ -73,8 +73,8 @@ class ReusedFold:
             self.captured[key] = self.frontend.capture(result, values)
         return self.captured[key]
 
-    def sliced(self, bases, planner):
-        return self.frontend.sliced(bases, planner)
+    def sliced(self, bases, planner, center_embeddings=False):
+        return self.frontend.sliced(bases, planner, center_embeddings)
 
     def outputs(self, result):
         if result is self.exact_result:
@@ -124,7 +124,7 @@ def slices(model: onnx.ModelProto, real: rm.RealModel, fractions, bases: dict, l
         for f in fractions:
             t0 = time.time()
             try:
-                _, sliced, report = slice_with(frontend, f, make_plan, None, per_block)
+                _, sliced, report = slice_with(frontend, f, make_plan, None, SliceScheme(per_block))
             except LnfoldError as e:  # e.g. every stream would grow: (label, None, the reason)
                 log(f"{basis} F={f:g}: refused in {time.time() - t0:.0f} s")
                 yield f"slice F={f:g} {basis}", None, str(e)

@@ -67,7 +67,12 @@ from .common import run_header
 from . import realmodels_llm as llm
 
 PARTS = ("slicegpt", "lnfold", "latency")
-VARIANTS = {"head": (True, False), "unit-rms": (False, True), "both": (True, True)}  # (slice_head, unit_rms)
+# lnfold's slices (`--bases`): passes/slicer.SliceScheme's (per_block, full_width_head, center_embeddings)
+SCHEMES = {"one": (False, False, False), "per-block": (True, False, False), "per-block-full-head": (True, True, False),
+           "per-block-full-head-centered": (True, True, True)}
+# SliceGPT with lnfold's choices put in: (slice_head, unit_rms, uncentered)
+VARIANTS = {"head": (True, False, False), "unit-rms": (False, True, False), "both": (True, True, False),
+            "uncentered": (False, False, True)}
 
 
 # ---------------------------------------------------------------- SliceGPT, from its source tree
@@ -105,8 +110,9 @@ def import_slicegpt(src: Path) -> types.SimpleNamespace:
     return slicegpt_modules(LlamaModelAdapter, Transformers5Layer)
 
 
-def slicegpt_prepare(sg: types.SimpleNamespace, lm):
-    """run_slicegpt.py's steps before slicing on a copy of `lm`: replace the layers, fuse the norms."""
+def slicegpt_prepare(sg: types.SimpleNamespace, lm, uncentered: bool = False):
+    """run_slicegpt.py's steps before slicing on a copy of `lm`: replace the layers, fuse the norms
+    (`uncentered`: its centering of each embedding row undone, lnfold's default on an RMSNorm model)."""
     import torch
 
     model = copy.deepcopy(lm)
@@ -115,19 +121,22 @@ def slicegpt_prepare(sg: types.SimpleNamespace, lm):
     adapter = sg.Adapter(model)
     sg.fusion.replace_layers(adapter, verbose=False)
     sg.fusion.fuse_modules(adapter)
+    if uncentered:  # (fuse_modules untied the head before it centered the embedding: the head is as given)
+        model.model.embed_tokens.weight.data = lm.model.embed_tokens.weight.data.clone()
     return model, adapter
 
 
 def slicegpt_slice(sg: types.SimpleNamespace, lm, calibration: np.ndarray, keep: int, slice_head: bool = False,
-                   unit_rms: bool = False):
+                   unit_rms: bool = False, uncentered: bool = False):
     """SliceGPT's rotate_and_slice to `keep` on the calibration rows (one batch, all-ones masks),
     its defaults: final_orientation='pca', the head not sliced. Two of lnfold's choices, to tell
     where the two differ: `slice_head` (its scheduler's do_slice_head: the last block writes, and
     the head reads, k features, as in lnfold's slice) and `unit_rms` (its `pca_calc` given each
-    row divided by its RMS, the moment lnfold's bases come from, instead of the raw rows)."""
+    row divided by its RMS, the moment lnfold's bases come from, instead of the raw rows),
+    `uncentered` (the embedding as given: lnfold centers it only with center_embeddings)."""
     import torch
 
-    model, adapter = slicegpt_prepare(sg, lm)
+    model, adapter = slicegpt_prepare(sg, lm, uncentered)
     ids = torch.from_numpy(calibration)
     loader = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     pca_calc = sg.rotate.pca_calc
@@ -147,7 +156,7 @@ def slicegpt_slice(sg: types.SimpleNamespace, lm, calibration: np.ndarray, keep:
 def slicegpt_part(sg, lm, cal, held, fractions, threads, base, out: Path, table: llm.Table, variants=(),
                   plain: bool = True) -> None:
     """SliceGPT's slices at each fraction (`plain`: as it runs, exported and scored in onnxruntime), and
-    `variants` ((slice_head, unit_rms) pairs: slicegpt_slice) scored in torch."""
+    `variants` ((slice_head, unit_rms, uncentered): slicegpt_slice) scored in torch."""
     if plain:
         t0 = time.time()
         fused, _ = slicegpt_prepare(sg, lm)
@@ -171,10 +180,11 @@ def slicegpt_part(sg, lm, cal, held, fractions, threads, base, out: Path, table:
             table.add(f"{f:g}", "SliceGPT", str(k), f"{llm.ort_perplexity(model, held, threads):.2f}",
                       f"{params:,}", f"{params / base:.3f}", f"{time.time() - t0:.0f}",
                       f"torch {torch_ppl:.2f}; head reads all {d} features (not sliced)")
-        for slice_head, unit_rms in variants:
+        for slice_head, unit_rms, uncentered in variants:
             t0 = time.time()
-            sliced = slicegpt_slice(sg, lm, cal, k, slice_head, unit_rms)
-            label = "SliceGPT" + (", head sliced" if slice_head else "") + (", unit-RMS PCA" if unit_rms else "")
+            sliced = slicegpt_slice(sg, lm, cal, k, slice_head, unit_rms, uncentered)
+            label = "SliceGPT" + (", head sliced" if slice_head else "") + (", unit-RMS PCA" if unit_rms else "") \
+                + (", embedding not centered" if uncentered else "")
             table.add(f"{f:g}", label, str(k), f"{llm.perplexity(llm.torch_logits(sliced, held), held):.2f}", "", "",
                       f"{time.time() - t0:.0f}", "torch (not exported); lnfold's choice put into SliceGPT's code")
             del sliced
@@ -194,7 +204,7 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
     from lnfold.onnx_rewrite import targets
     from lnfold.onnx_rewrite.slice import slicing_frontend
     from lnfold.passes import make_plan
-    from lnfold.passes.slicer import slice_with
+    from lnfold.passes.slicer import SliceScheme, slice_with
 
     from .realmodels_slice import ReusedFold
 
@@ -209,8 +219,7 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
         for f in fractions:
             t0 = time.time()
             try:
-                _, sliced, r = slice_with(frontend, f, make_plan, None, label.startswith("per-block"),
-                                          full_width_head=label == "per-block-full-head")
+                _, sliced, r = slice_with(frontend, f, make_plan, None, SliceScheme(*SCHEMES[label]))
             except Exception as e:  # noqa: BLE001 (the cell says what happened)
                 traceback.print_exc()
                 table.add(f"{f:g}", f"lnfold {label}", "", "—", "—", "—", f"{time.time() - t0:.0f}", llm.failure(e))
@@ -232,12 +241,13 @@ def main(argv=None) -> int:
                    help="TransformerCompression's src/ folder (holding slicegpt/)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--fractions", nargs="+", type=float, default=[0.1, 0.2, 0.25])
-    p.add_argument("--bases", nargs="+", default=["per-block", "one"], choices=["one", "per-block", "per-block-full-head"],
+    p.add_argument("--bases", nargs="+", default=["per-block", "one"], choices=list(SCHEMES),
                    help="lnfold: a basis per block (per-block-full-head: the head segment kept d wide, as "
-                        "SliceGPT's) and/or one basis per stream (default per-block and one)")
+                        "SliceGPT's; -centered: the embedding centered too, as SliceGPT's) and/or one basis per "
+                        "stream (default per-block and one)")
     p.add_argument("--slicegpt-variants", nargs="*", default=[], choices=list(VARIANTS),
                    help="SliceGPT with lnfold's choices put in, scored in torch: head (the head sliced), unit-rms "
-                        "(PCA of RMS-normalized rows), both")
+                        "(PCA of RMS-normalized rows), both, uncentered (its embedding centering undone)")
     p.add_argument("--variants-only", action="store_true", help="slicegpt part: the variants alone")
     p.add_argument("--raw-moment", action="store_true",
                    help="lnfold part: bases from the raw rows' second moment (SliceGPT's), an experiment")

@@ -176,8 +176,7 @@ class ExportFrontend:
     plan applied to `ExportedProgram.module()` with its own copy of every parameter."""
 
     def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, opts: FoldOptions, *,
-                 norm: str = "auto", dynamic: bool = True, program=None, approx: frozenset = frozenset(),
-                 bases: Optional[dict] = None) -> None:
+                 norm: str = "auto", dynamic: bool = True, program=None, **decided) -> None:
         if isinstance(module, torch.export.ExportedProgram):  # the user exported it: the program is the model
             program, module = module, module.module()
         self.module, self.args, self.kwargs, self.opts, self.dynamic = module, args, kwargs, opts, dynamic
@@ -186,7 +185,7 @@ class ExportFrontend:
         self.norm = "layer_norm" if norm == "auto" else norm
         # what a calibrated decision adds to the request (passes/calibration.Folds.fold): mode "rms-approx"'s
         # kept norms to swap (passes/approx.py), a slice's basis per stream (passes/slicer.py)
-        self.approx, self.bases = approx, bases
+        self.decided = decided
 
     def view(self) -> View:
         self.gm, self.attrs, self._view, self.info = (
@@ -203,7 +202,7 @@ class ExportFrontend:
 
     def request(self) -> PlanRequest:
         return request_from(self.opts, Capabilities(costs=EAGER, resize_refusal=self._resize_refusal), zero=self.zero,
-                            approx=self.approx, bases=self.bases)
+                            **self.decided)
 
     def _resize_refusal(self, norm: str) -> Optional[str]:
         if norm in self.info.decomposed:  # (its mean, variance and γ ops read d features by shape)
@@ -269,11 +268,10 @@ class ExportFolds:
     def plan(self, planner) -> tuple[View, Plan]:
         return pipeline.plan(self.frontend, planner)
 
-    def fold(self, planner, opts: FoldOptions, *, approx: frozenset = frozenset(), bases: Optional[dict] = None,
-             final: bool = False) -> FoldResult:
+    def fold(self, planner, opts: FoldOptions, *, final: bool = False, **decided) -> FoldResult:
         base = self.frontend
         frontend = ExportFrontend(base.module, base.args, base.kwargs, opts, norm="auto", dynamic=base.dynamic,
-                                  program=base.program, approx=approx, bases=bases)
+                                  program=base.program, **decided)
         return pipeline.fold(frontend, verify=opts.verify, planner=planner)
 
     def artifact(self, result: FoldResult) -> fx.GraphModule:

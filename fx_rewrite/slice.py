@@ -11,7 +11,7 @@ import torch
 from ..passes import make_plan, slicing
 from ..passes.calibration import check_calibration
 from ..passes.options import FoldOptions
-from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
+from ..passes.slicer import SliceResult, SliceScheme, Slicing, check_request, slice_with
 from . import calibration as calibration_io
 from .api import ExportFolds
 
@@ -32,19 +32,21 @@ def float_parameters(gm: torch.fx.GraphModule) -> int:
 
 def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=None, kwargs: Optional[dict] = None,
                  heldout=None, dynamic: bool = True, per_block: bool = False,
-                 full_width_head: bool = False) -> SliceResult:
+                 full_width_head: bool = False, center_embeddings: bool = False) -> SliceResult:
     """Slice every rotatable folded stream of `module` to k = d − round(F·d) features on the principal
     directions of `calibration` (an args tuple, or a list of them; rows along the first axis).
     NOT exact: `result.report` as `slice_onnx`'s; the error is measured on `heldout` (default:
     passes/calibration.split's rule); `budget=B` instead of `fraction`: the largest F
     (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis per block input, as
-    `slice_onnx`'s, `full_width_head` too. `result.module` runs like the module. Bad input: LnfoldError."""
-    fraction, budget = check_request(fraction, budget, per_block, full_width_head)
+    `slice_onnx`'s, `full_width_head` and `center_embeddings` too. `result.module` runs like the module.
+    Bad input: LnfoldError."""
+    scheme = SliceScheme(per_block, full_width_head, center_embeddings)
+    fraction, budget = check_request(fraction, budget)
     check_calibration(calibration, slicing.CALIBRATED)
     data = calibration_io.split(calibration_io.batches_of(calibration, ())[0], heldout)
     # the first calibration batch is the example input (export, verification)
     folds = ExportFolds(module, data.deciding[0], dict(kwargs or {}), FoldOptions(gamma_into_readers=True),
                         dynamic=dynamic)
     frontend = Slicing(folds, data, lambda result: float_parameters(result.module), module_float_parameters(module))
-    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, per_block, full_width_head)
+    exact, sliced, report = slice_with(frontend, fraction, make_plan, budget, scheme)
     return SliceResult(report, exact, module=sliced.module)

@@ -82,7 +82,7 @@ class OnnxFrontend:
 
     def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs=None, dims=None,
                  progress: Progress = None, output=None, source=None, layout=None, prepared=None,
-                 approx: frozenset = frozenset(), bases: Optional[dict] = None) -> None:
+                 **decided) -> None:
         self.model, self.opts, self.target = model, opts, target
         self.inputs, self.dims, self.progress = inputs, dims, progress
         self.output, self.source = output, source  # write to `output`, verify against the file `source`
@@ -91,7 +91,7 @@ class OnnxFrontend:
         self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
         # what a calibrated decision adds to the request (passes/calibration.Folds.fold): mode "rms-approx"'s
         # kept norms to swap (passes/approx.py), a slice's basis per stream (passes/slicer.py)
-        self.approx, self.bases = approx, bases
+        self.decided = decided
         # (model at the target's opset, opset, shapes): validated and inferred once; another frontend
         # on the same model and target may start from it (the approximate swap's tries)
         self.prepared = prepared
@@ -130,7 +130,7 @@ class OnnxFrontend:
 
     def request(self) -> PlanRequest:
         return request_from(self.opts, self.target.capabilities(), zero=lambda name: _all_zero(self.info, name),
-                            approx=self.approx, bases=self.bases)
+                            **self.decided)
 
     def check(self, plan: Plan) -> None:
         if not plan.report.norms and plan.empty:
@@ -354,11 +354,10 @@ class OnnxFolds:
         with _graphsurgeon_errors_only():
             return pipeline.plan(self.frontend, planner)
 
-    def fold(self, planner, opts: FoldOptions, *, approx: frozenset = frozenset(), bases: Optional[dict] = None,
-             final: bool = False) -> FoldResult:
+    def fold(self, planner, opts: FoldOptions, *, final: bool = False, **decided) -> FoldResult:
         progress = self.progress if final or opts.verify else None
         frontend = OnnxFrontend(self.model, opts, self.target, inputs=self.inputs, progress=progress,
-                                prepared=self.frontend.prepared, approx=approx, bases=bases,
+                                prepared=self.frontend.prepared, **decided,
                                 **(self.written if final else {}))
         result = run_frontend(frontend, progress, planner)
         self.frontend.prepared = frontend.prepared  # (the first fold may be the first to prepare)

@@ -28,7 +28,7 @@ from olive.passes.onnx.common import get_external_data_config, model_proto_to_ol
 from olive.passes.pass_config import BasePassConfig, PassConfigParam
 from olive.search.search_parameter import Categorical
 
-from ..passes.options import OPTIONS, Option
+from ..passes.options import OPTIONS, SLICE_OPTIONS, Option
 from .targets import TARGET
 
 logger = logging.getLogger(__name__)
@@ -75,11 +75,7 @@ class LnfoldPass(Pass):
                                               description="delete this share of each stream's width, its least-"
                                               "used principal directions on `calibration` (NOT exact; "
                                               "needs `calibration`)"),
-            "per_block": PassConfigParam(type_=bool, default_value=False,
-                                         description="slice with a basis per block (SliceGPT's own scheme)"),
-            "full_width_head": PassConfigParam(type_=bool, default_value=False,
-                                               description="with per_block: the last segment (what the head reads) "
-                                               "keeps all d features, as SliceGPT's head (more parameters)"),
+            **{name: _param(option) for name, option in SLICE_OPTIONS.items()},
             "quantize": PassConfigParam(type_=str, default_value=None,
                                         description='"int8" (quantize_dynamic), "int4" (MatMulNBits, weight-only) '
                                         'or "w8a8" (quantize_static, needs `calibration`) after the fold (NOT exact)'),
@@ -103,8 +99,8 @@ class LnfoldPass(Pass):
             if config.calibration is None:
                 raise ValueError("LnfoldPass: slice_fraction needs calibration (an .npz of input rows)")
             sliced = lnfold.slice_onnx(source, config.calibration, fraction=config.slice_fraction,
-                                       target=config.target, per_block=config.per_block,
-                                       full_width_head=config.full_width_head)
+                                       target=config.target,
+                                       **{name: getattr(config, name) for name in SLICE_OPTIONS})
             logger.info("lnfold slice: %s", sliced.report.table())
             result = sliced.model
             if config.quantize:  # slice first, then quantize the sliced model (guide: slicing)

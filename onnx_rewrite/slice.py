@@ -7,7 +7,7 @@ import onnx
 
 from ..passes import make_plan
 from ..passes import slicing
-from ..passes.slicer import SliceResult, Slicing, check_request, slice_with
+from ..passes.slicer import SliceResult, SliceScheme, Slicing, check_request, slice_with
 from ..passes.calibration import Data, check_calibration
 from ..passes.options import FoldOptions
 from . import calibration as calibration_io
@@ -25,7 +25,7 @@ def slicing_frontend(model: onnx.ModelProto, target, data: Data, progress: Progr
 
 def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None, target: str = "ort",
                 device: str = "cpu", per_block: bool = False, full_width_head: bool = False,
-                progress: Progress = None) -> SliceResult:
+                center_embeddings: bool = False, progress: Progress = None) -> SliceResult:
     """Slice every rotatable folded stream of `model` to k = d − round(F·d) features on the principal
     directions of `calibration` (a dict of input arrays or an .npz path; rows along the first axis).
     NOT exact: `result.report` has per stream the widths and the variance kept, the parameters
@@ -34,12 +34,15 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     `fraction`: the largest F (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis
     per block input, the residual shortcuts re-expressed by a k×k MatMul (SliceGPT's scheme;
     passes/slicing.py); with `full_width_head`, the last segment (what the head reads) keeps all d
-    features, as SliceGPT's (better where the head is sensitive; more parameters). Bad input: LnfoldError."""
-    fraction, budget = check_request(fraction, budget, per_block, full_width_head)
+    features, as SliceGPT's (better where the head is sensitive; more parameters); with
+    `center_embeddings`, the embedding tables of RMSNorm streams are centered first, as SliceGPT's
+    (passes/options.SLICE_OPTIONS says when it pays). Bad input: LnfoldError."""
+    scheme = SliceScheme(per_block, full_width_head, center_embeddings)
+    fraction, budget = check_request(fraction, budget)
     check_calibration(calibration, slicing.CALIBRATED)
     model = as_model(model)
     data = calibration_io.calibration_data(model, calibration, heldout)
     exact, sliced, report = slice_with(slicing_frontend(model, targets.resolve(target, device), data, progress),
-                                       fraction, make_plan, budget, per_block, full_width_head)
+                                       fraction, make_plan, budget, scheme)
     stamp(sliced.model, slicing.METADATA_KEY, report.metadata())
     return SliceResult(report, exact, model=sliced.model)

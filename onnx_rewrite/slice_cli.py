@@ -1,4 +1,4 @@
-"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block [--full-width-head]] [--target T]
+"""`lnfold slice MODEL -o OUT (--fraction F | --budget B) --calibrate CAL.npz [--per-block [--full-width-head] [--center-embeddings]] [--target T]
 [--device D] [--json]`:
 the command line of onnx_rewrite/slice.py (NOT exact), built and run as quantize_cli.py's.
 """
@@ -10,6 +10,7 @@ import time
 from .quantize_cli import file_command, file_paths, write_and_report
 from .targets import DEVICE, TARGET
 from ..passes import LnfoldError
+from ..passes.options import SLICE_OPTIONS
 from ..passes.plots import budget_curve, check_path
 
 _DESCRIPTION = ("Fold the LayerNorms exactly with their weights in the readers (verified), then carry each "
@@ -31,13 +32,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="your representative inputs: one array per model input, rows along the first axis (fed in "
                         "the model's batch size), or a folder of such .npz files (rows of different lengths: each "
                         "file fed on its own); the first half (rounded up) calibrates, the rest measures the error")
-    s.add_argument("--per-block", action="store_true",
-                   help="a basis per block input (SliceGPT's scheme): each residual shortcut gets a k x k MatMul "
-                        "between consecutive bases; a stream whose residual Adds do not allow it keeps one basis")
-    s.add_argument("--full-width-head", action="store_true",
-                   help="with --per-block: the last segment (what the model's head reads) keeps all d features, as "
-                        "SliceGPT's head does: a k x d shortcut into it; better perplexity where the head is "
-                        "sensitive, more parameters")
+    for option in SLICE_OPTIONS.values():
+        option.add_to(s)
     s.add_argument("--plot", metavar="FILE.svg|png",
                    help="with --budget: draw the search (the error at each fraction tried, the budget, the one "
                         "chosen, the parameters kept); needs matplotlib (lnfold[plot])")
@@ -59,7 +55,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with reporting(src, json=args.json) as progress:  # each fold's stages: many with --per-block or --budget
         result = slice_model(src, args.calibrate, fraction=args.fraction, budget=args.budget,
-                             per_block=args.per_block, full_width_head=args.full_width_head, target=args.target,
+                             **{name: o.value_in(args) for name, o in SLICE_OPTIONS.items()}, target=args.target,
                              device=args.device, progress=progress)
     code = write_and_report(result, dst, t0, args.json, "sliced")
     if args.plot is not None and code == 0:

@@ -181,10 +181,11 @@ class Folds(Protocol):
     def plan(self, planner: Planner) -> tuple[View, Plan]:
         """The view and the plan of `opts` (viewed once; nothing applied)."""
 
-    def fold(self, planner: Planner, opts: FoldOptions, *, approx: frozenset = frozenset(),
-             bases: Optional[dict] = None, final: bool = False) -> FoldResult:
-        """`pipeline.fold` of a fresh frontend over the analysed IR, `approx` and `bases` in its
-        request (`final`: the result the user gets, written where they asked; unverified tries are silent)."""
+    def fold(self, planner: Planner, opts: FoldOptions, *, final: bool = False, **decided) -> FoldResult:
+        """`pipeline.fold` of a fresh frontend over the analysed IR, `decided` (what a calibrated
+        decision adds to the request: passes/request.request_from's `approx`, `bases`,
+        `center_embeddings`) in its request (`final`: the result the user gets, written where they
+        asked; unverified tries are silent)."""
 
     def artifact(self, result: FoldResult) -> Any:
         """What `frontend.run` / `frontend.capture` take for a fold (ONNX: the model as written)."""

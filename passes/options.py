@@ -162,6 +162,21 @@ OPTIONS = {o.name: o for o in (
 )}
 
 
+# how a slice is shaped (passes/slicer.SliceScheme; NOT exact): the slice commands' and keywords' own
+SLICE_OPTIONS = {o.name: o for o in (
+    Option("per_block", bool, False, "a basis per block input (SliceGPT's scheme): each residual shortcut gets a "
+           "k x k MatMul between consecutive bases; a stream whose residual Adds do not allow it keeps one basis"),
+    Option("full_width_head", bool, False, "with per_block: the last segment (what the model's head reads) keeps all "
+           "d features, as SliceGPT's head does: a k x d shortcut into it; better perplexity where the head is "
+           "sensitive, more parameters"),
+    Option("center_embeddings", bool, False, "with per_block: subtract each embedding row's mean before slicing an "
+           "RMSNorm stream, as SliceGPT's fuse_modules does on every model; NOT exact even unsliced (an RMSNorm "
+           "reads the mean). It is the one difference left between SliceGPT's code and per_block + "
+           "full_width_head, and it helps or hurts by fraction (SmolLM2: better at F = 0.2 and 0.25, worse at "
+           "0.1; benchmarks/RESULTS.md)"),
+)}
+
+
 @dataclass(frozen=True)
 class FoldOptions:
     """What any fold was asked to do (the frontend-neutral options; OPTIONS declares each field)."""

@@ -648,6 +648,8 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
             rot = slicing.resize(view, comp, rot)
         plan.stream_bases.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
+        if rot.sliced and request.center_embeddings and comp.norms[0] in rms_streams:
+            _center_embeddings(view, comp, use, plan.report.streams[rot.stream])
         for n in rot.readouts:
             said(n).gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for n in rot.float_gammas:
@@ -659,6 +661,17 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
             use(ref.value, ref.user, ref.user_input)[1].append(op)
     projected = {value: op for r in plan.stream_bases for value, op in r.starts}
     plan.recenters[:] = [replace(rc, project=projected.get(rc.value)) for rc in plan.recenters]
+
+
+def _center_embeddings(view: View, comp: Component, use: Callable, edits: StreamEdits) -> None:
+    """SliceGPT's centering of the embedding tables (PlanRequest.center_embeddings), before the
+    slice's Project on their feature axis: NOT exact on a stream of RMSNorms."""
+    for src in comp.sources:
+        if src.node is None or view.nodes[src.node].rule is None or view.nodes[src.node].rule.kind != "embedding":
+            continue
+        for ref in src.refs:
+            use(ref.value, ref.user, ref.user_input)[1].append(_center(ref))
+            edits.centered.append(f"`{ref.value}` ({view.nodes[src.node].describe()})")
 
 
 def _crms_beta(view: View, c) -> str:

@@ -69,6 +69,9 @@ class PlanRequest:
     # slice (passes/slicing.py; NOT exact where fewer than all are kept). Streams not named stay as
     # they are; implies gamma_into_readers, excludes `rotate`.
     bases: Optional[Mapping[str, tuple]] = None
+    # with `bases`: each sliced stream of RMSNorms as given has its embedding tables centered first
+    # (SliceGPT's choice, passes/options.SLICE_OPTIONS; NOT exact: an RMSNorm reads the mean)
+    center_embeddings: bool = False
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, PLAN_MODES)  # (rms-approx asks for `approx` norms in mode rms)
@@ -86,7 +89,8 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                  zero: Optional[Callable[[str], bool]] = None,
                  refuse: Optional[Callable[[Component], Optional[str]]] = None,
                  trainable: Optional[Callable[[str], bool]] = None,
-                 approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None) -> PlanRequest:
+                 approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None,
+                 center_embeddings: bool = False) -> PlanRequest:
     """The one way a frontend asks (the user's options were checked once, in FoldOptions): every entry
     point builds its request here, so a new option reaches all of them."""
     mode = "rms" if options.mode == APPROX_MODE else options.mode  # (its swaps come as `approx`)
@@ -94,4 +98,4 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
                        gamma_in_float=options.gamma_in_float, spare_channels=options.spare_channels,
                        online_hadamard=options.online_hadamard, approx=approx,
-                       bases=bases)
+                       bases=bases, center_embeddings=center_embeddings)

@@ -14,6 +14,7 @@ from .approx import check_budget
 from .metric import relative_error
 from .calibration import Data, Folds
 from .errors import LnfoldError
+from .options import SLICE_OPTIONS
 from .result import FoldResult
 from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, norm_input, plan_slices,
                       window_basis, windows)
@@ -21,13 +22,25 @@ from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_
 GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
 
 
-def check_request(fraction, budget, per_block: bool = False,
-                  full_width_head: bool = False) -> tuple[Optional[float], Optional[float]]:
-    """(F, None) or (None, B): exactly one of a fraction in (0, 1) and a budget >= 0, and
-    full_width_head only with per_block; else a one-line error."""
-    if full_width_head and not per_block:
-        raise LnfoldError("full_width_head (--full-width-head) keeps the last segment of a per-block slice d wide: "
-                          "give per_block (--per-block) too")
+@dataclass(frozen=True)
+class SliceScheme:
+    """How a slice is shaped (passes/options.SLICE_OPTIONS declares each field and says what it does)."""
+
+    per_block: bool = False
+    full_width_head: bool = False
+    center_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("per_block", "full_width_head", "center_embeddings"):
+            object.__setattr__(self, name, SLICE_OPTIONS[name].checked(getattr(self, name)))
+        for name, what in (("full_width_head", "keeps the last segment of a per-block slice d wide"),
+                           ("center_embeddings", "centers the embeddings before SliceGPT's per-block bases")):
+            if getattr(self, name) and not self.per_block:
+                raise LnfoldError(f"{name} ({SLICE_OPTIONS[name].flag}) {what}: give per_block (--per-block) too")
+
+
+def check_request(fraction, budget) -> tuple[Optional[float], Optional[float]]:
+    """(F, None) or (None, B): exactly one of a fraction in (0, 1) and a budget >= 0; else a one-line error."""
     if (fraction is None) == (budget is None):
         raise LnfoldError("slicing needs exactly one of a fraction (--fraction F, API fraction=: the share of each "
                           "stream's width deleted) and an error budget (--budget B, API budget=: the largest "
@@ -71,9 +84,10 @@ class Slicing:
         the deciding rows."""
         return calibration.capture(self.folds, result, values, self.data.deciding)
 
-    def sliced(self, bases: dict, planner: Callable) -> FoldResult:
-        """The fold with PlanRequest.bases = `bases`, unverified."""
-        return self.folds.fold(planner, replace(self.folds.opts, verify=False), bases=bases)
+    def sliced(self, bases: dict, planner: Callable, center_embeddings: bool = False) -> FoldResult:
+        """The fold with PlanRequest.bases = `bases` (and `center_embeddings`), unverified."""
+        return self.folds.fold(planner, replace(self.folds.opts, verify=False), bases=bases,
+                               center_embeddings=center_embeddings)
 
     def outputs(self, result: FoldResult) -> list:
         """The outputs on the held-out rows (the calibration rows where none are held out: `rows` says)."""
@@ -81,12 +95,11 @@ class Slicing:
 
 
 def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
-               budget: Optional[float] = None, per_block: bool = False,
-               full_width_head: bool = False) -> tuple[FoldResult, FoldResult, SliceReport]:
+               budget: Optional[float] = None,
+               scheme: SliceScheme = SliceScheme()) -> tuple[FoldResult, FoldResult, SliceReport]:
     """(the exact fold, the sliced fold, the report) at `fraction`, or at the largest fraction of GRID
     whose error is <= `budget`; LnfoldError where no stream can be sliced or no fraction is within it.
-    `per_block`: a basis per segment of each stream, `full_width_head`: its last segment kept d wide
-    (slicing.plan_slices)."""
+    `scheme`: per block, the head kept d wide, the embeddings centered (SLICE_OPTIONS)."""
     exact = frontend.exact(planner)
     view, plan = exact.view, exact.plan
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
@@ -98,16 +111,17 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     reference = frontend.outputs(exact)
 
     def decide(f: float, captures: dict) -> SlicePlan:
-        return plan_slices(view, list(plan.components), plan.gammas, stream_of, captures, f, per_block,
-                           full_width_head)
+        return plan_slices(view, list(plan.components), plan.gammas, stream_of, captures, f, scheme.per_block,
+                           scheme.full_width_head)
 
     def attempt(f: float) -> tuple[FoldResult, SliceReport]:
-        decided, steps = sequential(frontend, planner, lambda captures: decide(f, captures), captured)
+        decided, steps = sequential(frontend, planner, lambda captures: decide(f, captures), captured,
+                                    scheme.center_embeddings)
         if not decided.bases:
             why = next((s.line() for s in decided.streams), "no LayerNorm folds and no stream is of RMSNorms only")
             raise LnfoldError(f"no stream can be sliced (each needs its norms' γ in the readers and only "
                               f"transparent readers): {why}")
-        sliced = frontend.sliced(decided.bases, planner)
+        sliced = frontend.sliced(decided.bases, planner, scheme.center_embeddings)
         for rot in sliced.plan.stream_bases:
             for s in decided.streams:
                 if s.stream == rot.stream and not rot.rotated:
@@ -117,6 +131,12 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
         report = SliceReport(f, decided.streams, params_before, frontend.parameters(sliced),
                              error=relative_error(reference, frontend.outputs(sliced)), error_rows=frontend.rows,
                              in_sample=frontend.in_sample, params_original=frontend.original)
+        if scheme.center_embeddings:
+            tables = [c for s in sliced.plan.report.streams if s.rms for c in s.centered]
+            report.notes.append(f"center_embeddings (SliceGPT's choice; NOT exact even unsliced: an RMSNorm reads "
+                                f"the mean): centered {', '.join(tables)}" if tables else
+                                "center_embeddings: no sliced stream of RMSNorms as given is written by an embedding "
+                                "table (a LayerNorm stream's are centered by the exact fold already)")
         if steps:
             report.notes.append(f"per-block bases computed sequentially (each segment's on the model sliced "
                                 f"before it): {steps} sliced fold(s) and capture(s) more")
@@ -135,21 +155,22 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
 
 
 def sequential(frontend: Slicing, planner: Callable, decide: Callable[[dict], SlicePlan],
-               captured: dict) -> tuple[SlicePlan, int]:
+               captured: dict, center_embeddings: bool = False) -> tuple[SlicePlan, int]:
     """(the slice plan, the sliced folds it took): `decide(captured)`, its per-block bases made
     sequential as SliceGPT's are: step i captures every stream's segment i's norm inputs at full width
-    in the model sliced at segments < i (`full_width_inputs`), and decides again from them."""
+    in the model sliced at segments < i (`full_width_inputs`), and decides again from them. With
+    `center_embeddings` step 0 too: the first segment's inputs with the embeddings centered."""
     decided, folds = decide(captured), 0
-    for i in range(1, max((len(heads) for _, heads in decided.order), default=0)):
+    for i in range(0 if center_embeddings else 1, max((len(heads) for _, heads in decided.order), default=0)):
         at = [(s, heads[i]) for s, heads in decided.order if len(heads) > i]
-        got, n = full_width_inputs(frontend, planner, decided, at)
+        got, n = full_width_inputs(frontend, planner, decided, at, center_embeddings)
         captured, folds = {**captured, **got}, folds + n
         decided = decide(captured)
     return decided, folds
 
 
 def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
-                      at: list[tuple[StreamSlice, str]]) -> tuple[dict, int]:
+                      at: list[tuple[StreamSlice, str]], center_embeddings: bool = False) -> tuple[dict, int]:
     """(norm input -> its full-width batches, the sliced folds it took): the inputs of the norms of
     segments `at` (each a stream's and its segment's first norm) in the model sliced by `decided`'s
     bases, seen through `windows(d, k)` sliced folds, each carrying the segment in a `window_basis`
@@ -163,7 +184,7 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
         for s, head in at:
             starts[head], p = window_basis(s.dim, keep[head], min(j, windows(s.dim, keep[head]) - 1))
             bases[head] = (edits.DataBasis(f"window{starts[head]}:{head}", p), keep[head])
-        sliced = frontend.sliced(bases, planner)
+        sliced = frontend.sliced(bases, planner, center_embeddings)
         rotated = {r.stream for r in sliced.plan.stream_bases if r.rotated}
         wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}
         for value, batches in frontend.capture(sliced, list(wanted)).items():

@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import lnfold
-from lnfold.passes import NothingToFold, VerificationError
+from lnfold.passes import LnfoldError, NothingToFold, VerificationError
 from tests.onnx_graphs import Builder
 
 D, F, V, B, T = 32, 64, 50, 2, 5
@@ -529,3 +529,60 @@ def test_a_skip_simplified_stream_slices(last_sum):
     assert r.report.streams[0].keep == 24 and r.report.params_after < r.report.params_before
     assert 1e-4 < r.report.error < 1
     assert [n.op_type for n in r.model.graph.node].count("SkipSimplifiedLayerNormalization") == 2
+
+
+# --- center_embeddings: SliceGPT's centering of the embedding rows before its per-block bases (NOT exact)
+
+def _embedding_centered_by_hand(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with each row of its Gather's table made zero-mean (what SliceGPT's fuse_modules does)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    (gather,) = [n for n in out.graph.node if n.op_type == "Gather"]
+    (table,) = [t for t in out.graph.initializer if t.name == gather.input[0]]
+    rows = numpy_helper.to_array(table)
+    table.CopyFrom(numpy_helper.from_array(rows - rows.mean(axis=-1, keepdims=True), table.name))
+    return out
+
+
+def _centered_slice(model: onnx.ModelProto, **kw):
+    return lnfold.slice_onnx(model, _span_rows(), fraction=0.25, per_block=True, full_width_head=True, **kw)
+
+
+def _outputs_apart(a, b) -> float:
+    from lnfold.onnx_rewrite import calibration as calibration_io
+    from lnfold.passes.approx import relative_error
+
+    rows = [_span_rows(8, seed=99)]
+    return relative_error(calibration_io.run(a.model, rows), calibration_io.run(b.model, rows))
+
+
+def test_center_embeddings_slices_as_the_model_whose_embedding_was_centered_by_hand():
+    """Every basis (step 0's too) is SliceGPT's: computed on the centered embedding; the large-mean
+    embedding (mean 3) makes the uncentered slice another model."""
+    m = llama_span("simplified")
+    centered = _centered_slice(m, center_embeddings=True)
+    assert _outputs_apart(centered, _centered_slice(_embedding_centered_by_hand(m))) < 1e-9
+    assert _outputs_apart(centered, _centered_slice(m)) > 1e-3
+    assert any(n.startswith("center_embeddings (SliceGPT's choice; NOT exact") and "`emb" in n
+               for n in centered.report.notes), centered.report.notes
+
+
+def test_center_embeddings_planted_bug_first_segment_from_the_uncentered_embedding(monkeypatch):
+    """Planted bug: the first segment's basis from the exact fold's (uncentered) capture: another slice."""
+    from lnfold.passes import slicer
+
+    sequential = slicer.sequential
+    monkeypatch.setattr(slicer, "sequential", lambda *a: sequential(*a[:4], False))
+    m = llama_span("simplified")
+    wrong = _centered_slice(m, center_embeddings=True)
+    monkeypatch.undo()
+    assert _outputs_apart(wrong, _centered_slice(_embedding_centered_by_hand(m))) > 1e-6
+
+
+def test_center_embeddings_needs_per_block_and_says_when_it_centers_nothing():
+    with pytest.raises(LnfoldError, match=r"center_embeddings \(--center-embeddings\) .* give per_block"):
+        lnfold.slice_onnx(llama_span(), _span_rows(), fraction=0.25, center_embeddings=True)
+    from tests.test_slice import calibration, stream_model  # a LayerNorm stream: the exact fold centers it
+
+    r = lnfold.slice_onnx(stream_model(), calibration(), fraction=0.25, per_block=True, center_embeddings=True)
+    assert any("center_embeddings: no sliced stream of RMSNorms as given" in n for n in r.report.notes)

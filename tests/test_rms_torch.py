@@ -430,3 +430,22 @@ def test_a_t5_encoder_rotates_exactly_in_both_irs(tmp_path):
         assert res.criterion == "float64" and res.exact_err <= max(2 * res.original_exact_err, 1e-6)
         (s,) = res.report.streams
         assert s.rotation.startswith("rotated (hadamard, d=64") and len(s.rms) == 5, res.report.table()
+
+
+def test_center_embeddings_slices_as_the_module_whose_embedding_was_centered_by_hand():
+    """slice_module's center_embeddings (SliceGPT's centering, NOT exact) is the slice of the module
+    with each embedding row made zero-mean by hand; without it, another slice (the mean is 3)."""
+    import copy
+
+    m = Tiny("llama").double().eval()
+    by_hand = copy.deepcopy(m)
+    with torch.no_grad():
+        by_hand.emb.weight.sub_(by_hand.emb.weight.mean(dim=-1, keepdim=True))
+    cal, ids = (_ids(16, seed=3),), _ids(4, seed=9)
+    kw = dict(fraction=0.25, per_block=True, full_width_head=True)
+    centered = lnfold.slice_module(m, cal, center_embeddings=True, **kw)
+    want = lnfold.slice_module(by_hand, cal, **kw).module(ids)
+    assert float((centered.module(ids) - want).norm() / want.norm()) < 1e-9
+    other = lnfold.slice_module(m, cal, **kw).module(ids)
+    assert float((other - want).norm() / want.norm()) > 1e-3
+    assert any("centered `" in n for n in centered.report.notes), centered.report.notes
