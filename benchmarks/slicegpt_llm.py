@@ -196,7 +196,9 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
     its capture made once for every slice (realmodels_slice.ReusedFold), per block and/or one basis.
     lnfold refuses a slice with more parameters than the model's own (SliceGPT's at these fractions
     have 1.1-1.2x); to score it beside SliceGPT's all the same, that guard is lifted here (the
-    frontend's `original` count set past any slice) and the note says where `lnfold slice` refuses.
+    frontend's `original` count set past any slice), and so is the plan's per-stream one (a per-block
+    stream whose shortcut MatMuls hold more than its slice deletes: passes/rotate._costs_more, F = 0.1
+    here); the note says where `lnfold slice` refuses.
     `raw_moment`: one basis too from the raw rows' second moment (per block it is lnfold's already,
     SliceGPT's choice; one basis pools unit-RMS rows): passes/slicing.second_moment forced in this
     process, an experiment, files `…-raw.onnx`."""
@@ -205,6 +207,8 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
     from lnfold.onnx_rewrite.slice import slicing_frontend
     from lnfold.passes import make_plan
     from lnfold.passes.slicer import SliceScheme, slice_with
+
+    from lnfold.passes import rotate
 
     from .realmodels_slice import ReusedFold
 
@@ -215,6 +219,8 @@ def lnfold_part(model, cal, cal_heldout, held, fractions, bases, threads, base, 
     data = calibration_io.calibration_data(model, {"input_ids": cal}, {"input_ids": cal_heldout})
     frontend = ReusedFold(slicing_frontend(model, targets.resolve("ort", "cpu"), data, None))
     frontend.original = 10 ** 15  # the guard lifted (see above); `base` is the model's own count
+    costs_more = rotate._costs_more  # (and the per-stream one, for slices: a rotation keeps it)
+    rotate._costs_more = lambda view, rot: None if rot.width < rot.dim else costs_more(view, rot)
     for label in bases:
         for f in fractions:
             t0 = time.time()
