@@ -87,8 +87,8 @@ def test_options_are_declared_as_olive_config_params_with_search_spaces():
     from lnfold.onnx_rewrite.olive_pass import ROTATIONS, SLICE_FRACTIONS, LnfoldPass, package_config
 
     params = LnfoldPass.default_config(DEFAULT_CPU_ACCELERATOR)
-    for name in ("mode", "target", "rotate", "seed", "gamma_into_readers", "slice_fraction", "per_block", "full_width_head", "quantize",
-                 "calibration", "verify"):
+    for name in ("mode", "target", "rotate", "seed", "gamma_into_readers", "slice_fraction", "per_block",
+                 "full_width_head", "center_embeddings", "quantize", "calibration", "verify"):
         assert params[name].description, name
     assert params["rotate"].default_value == "none" and params["slice_fraction"].default_value is None
     searched = {k: p.search_defaults for k, p in params.items() if p.search_defaults is not None}
