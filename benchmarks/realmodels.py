@@ -285,7 +285,9 @@ def variants(seeds: int) -> list[tuple[str, dict]]:
            ("hadamard", dict(rotate="hadamard"))]
     out += [("orthogonal", dict(rotate="orthogonal", seed=s)) for s in range(seeds)]
     return out + [("hadamard-keep-ln", dict(rotate="hadamard-keep-ln")),
-                  ("orthogonal-keep-ln", dict(rotate="orthogonal-keep-ln"))]
+                  ("orthogonal-keep-ln", dict(rotate="orthogonal-keep-ln")),
+                  ("online Hadamard", dict(online_hadamard=True)),
+                  ("hadamard + online", dict(rotate="hadamard", online_hadamard=True))]
 
 
 @dataclass
@@ -299,13 +301,15 @@ def run(session, feeds: dict) -> list:
     return session.run(None, feeds)
 
 
-def measure(rm: RealModel, seeds: int, schemes: list[str], keep: dict, log) -> dict:
+def measure(rm: RealModel, seeds: int, schemes: list[str], keep: dict, log, only=None, auto: bool = True) -> dict:
     from lnfold.onnx_rewrite import verify
 
     ref = run(verify.session(rm.model), rm.heldout)
     cells: dict = {}
     exact_steps: dict = {}
     for label, opts in variants(seeds):
+        if only is not None and label not in only:
+            continue
         t0 = time.time()
         prep = q.prepare(rm.model, verify=False, **opts)  # exactness: the fp32 metric below, and the suite
         exact_steps.setdefault(label, []).append(rm.metric(ref, run(verify.session(prep.model), rm.heldout)))
@@ -323,7 +327,7 @@ def measure(rm: RealModel, seeds: int, schemes: list[str], keep: dict, log) -> d
             if opts.get("seed", 0) == 0:
                 keep[(scheme, label)] = quantized
         log(f"{rm.name}: {label} (seed {opts.get('seed', 0)}) in {time.time() - t0:.0f} s")
-    for scheme in schemes:  # lnfold's own choice: scored on held-out calibration rows, not on rm.heldout
+    for scheme in schemes if auto else ():  # lnfold's own choice: scored on held-out calibration rows
         t0 = time.time()
         sopts = SCHEMES[scheme]
         res = q.quantize_model(rm.model, rotate="auto", calibrate=rm.calibration, verify=False, **sopts)
@@ -402,6 +406,9 @@ def main(argv=None) -> int:
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--cache", help=f"download folder (default ${CACHE_ENV}, else ~/.cache/lnfold)")
     p.add_argument("--seeds", type=int, default=3, help="random orthogonal seeds (default 3)")
+    p.add_argument("--variants", nargs="+", choices=[label for label, _ in variants(1)],
+                   help="only these variants (default every one)")
+    p.add_argument("--no-auto", action="store_true", help="skip --rotate auto's runs")
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--rounds", type=int, default=12, help="timing rounds (default 12)")
     args = p.parse_args(argv)
@@ -420,7 +427,7 @@ def main(argv=None) -> int:
     lat = []
     for rm in loaded:  # each model's table as soon as it is measured
         keep: dict = {}
-        m = measure(rm, args.seeds, args.schemes, keep, log)
+        m = measure(rm, args.seeds, args.schemes, keep, log, args.variants, not args.no_auto)
         print("\n".join(table(rm, m, args.schemes)), flush=True)
         if not args.no_latency:
             for threads in (1, 2):
