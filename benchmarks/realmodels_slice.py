@@ -73,8 +73,8 @@ class ReusedFold:
             self.captured[key] = self.frontend.capture(result, values)
         return self.captured[key]
 
-    def sliced(self, bases, planner, center_embeddings=False):
-        return self.frontend.sliced(bases, planner, center_embeddings)
+    def sliced(self, bases, planner, center_embeddings=False, capture=False):
+        return self.frontend.sliced(bases, planner, center_embeddings, capture)
 
     def outputs(self, result):
         if result is self.exact_result:

@@ -625,7 +625,7 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         stream = rms_streams[comp.norms[0]] if comp.norms[0] in rms_streams else verdicts[comp.norms[0]].stream
         rot = plan_rotation(view, comp, stream, request.rotate, request.seed, plan.gammas,
                             given, blocks if len(blocks) > 1 else None,
-                            spared_for(request.spare_channels, comp.norms[0]))
+                            spared_for(request.spare_channels, comp.norms[0]), guarded=not request.capture)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot = rot.unrotated("its writers are trained (the training fold computes no rotation)")
         if rot.rotated and rot.readouts and not caps.readout_matmul:

@@ -72,6 +72,9 @@ class PlanRequest:
     # with `bases`: each sliced stream of RMSNorms as given has its embedding tables centered first
     # (SliceGPT's choice, passes/options.SLICE_OPTIONS; NOT exact: an RMSNorm reads the mean)
     center_embeddings: bool = False
+    # with `bases`: a fold made only to capture tensors (passes/slicer.full_width_inputs keeps a
+    # segment d wide there): no model of it is kept, so a slice may add parameters
+    capture: bool = False
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, PLAN_MODES)  # (rms-approx asks for `approx` norms in mode rms)
@@ -90,7 +93,7 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                  refuse: Optional[Callable[[Component], Optional[str]]] = None,
                  trainable: Optional[Callable[[str], bool]] = None,
                  approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None,
-                 center_embeddings: bool = False) -> PlanRequest:
+                 center_embeddings: bool = False, capture: bool = False) -> PlanRequest:
     """The one way a frontend asks (the user's options were checked once, in FoldOptions): every entry
     point builds its request here, so a new option reaches all of them."""
     mode = "rms" if options.mode == APPROX_MODE else options.mode  # (its swaps come as `approx`)
@@ -98,4 +101,4 @@ def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
                        gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
                        gamma_in_float=options.gamma_in_float, spare_channels=options.spare_channels,
                        online_hadamard=options.online_hadamard, approx=approx,
-                       bases=bases, center_embeddings=center_embeddings)
+                       bases=bases, center_embeddings=center_embeddings, capture=capture)

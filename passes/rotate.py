@@ -180,11 +180,13 @@ def spared_for(spare_channels, first_norm: str) -> tuple:
 
 def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str], seed: int,
                   gammas: dict[str, GammaFold], given: Optional[tuple[Basis, int]] = None,
-                  blocks: Optional[Mapping[str, tuple[Basis, int]]] = None, spared: Sequence[int] = ()) -> StreamBasis:
+                  blocks: Optional[Mapping[str, tuple[Basis, int]]] = None, spared: Sequence[int] = (),
+                  guarded: bool = True) -> StreamBasis:
     """The rotation of one folded component, or why it stays as it is (pure, on the view):
     by the Seeded Q of `kind` (the identity on the channels `spared`), or by `given` = (basis,
     entries kept) (a calibrated slice); with `blocks` (the first norm of each segment -> its basis
-    and entries kept, passes/segments.py), each segment in its own basis and width."""
+    and entries kept, passes/segments.py), each segment in its own basis and width. `guarded`:
+    refused where it costs more parameters than it saves (`_costs_more`; not for a capture's fold)."""
     out = StreamBasis(stream, FrozenList(comp.norms), seed=seed)
     d, why = rotatable(view, comp, gammas)
     if why is None and given is not None and given[0].dim != d:
@@ -199,6 +201,8 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
     else:
         out = replace(out, dim=d, kind=orthogonal.resolved_kind(kind, d - len(spared)),
                       spared=FrozenList(sorted(spared)))
+    if blocks:  # (the stream's width is its narrowest segment's: a segment kept d wide is one of norm_widths)
+        out = replace(out, keep=min(w for _, w in blocks.values()))
     keep = out.width
     project_value = lambda axis, value: Project(axis, out.basis, keep)  # noqa: E731 (one basis, one width)
     if blocks:
@@ -229,7 +233,7 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
                   float_gammas=FrozenList(n for n in comp.norms if gammas[n].in_float))
     added, saved = parameter_change(view, out)
     out = replace(out, added=added, saved=saved)
-    why = _costs_more(view, out)
+    why = _costs_more(view, out) if guarded else None
     return out if why is None else out.unrotated(why)
 
 

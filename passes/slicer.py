@@ -16,8 +16,7 @@ from .calibration import Data, Folds
 from .errors import LnfoldError
 from .options import SLICE_OPTIONS
 from .result import FoldResult
-from .slicing import (SlicePlan, SliceReport, StreamSlice, check_fraction, from_windows, norm_input, plan_slices,
-                      window_basis, windows)
+from .slicing import SlicePlan, SliceReport, StreamSlice, check_fraction, norm_input, plan_slices
 
 GRID = tuple(i / 40 for i in range(1, 40))  # the fractions a budget tries: 0.025, 0.05, ..., 0.975
 
@@ -84,10 +83,11 @@ class Slicing:
         the deciding rows."""
         return calibration.capture(self.folds, result, values, self.data.deciding)
 
-    def sliced(self, bases: dict, planner: Callable, center_embeddings: bool = False) -> FoldResult:
-        """The fold with PlanRequest.bases = `bases` (and `center_embeddings`), unverified."""
+    def sliced(self, bases: dict, planner: Callable, center_embeddings: bool = False,
+               capture: bool = False) -> FoldResult:
+        """The fold with PlanRequest.bases = `bases` (and `center_embeddings`, `capture`), unverified."""
         return self.folds.fold(planner, replace(self.folds.opts, verify=False), bases=bases,
-                               center_embeddings=center_embeddings)
+                               center_embeddings=center_embeddings, capture=capture)
 
     def outputs(self, result: FoldResult) -> list:
         """The outputs on the held-out rows (the calibration rows where none are held out: `rows` says)."""
@@ -163,34 +163,23 @@ def sequential(frontend: Slicing, planner: Callable, decide: Callable[[dict], Sl
     decided, folds = decide(captured), 0
     for i in range(0 if center_embeddings else 1, max((len(heads) for _, heads in decided.order), default=0)):
         at = [(s, heads[i]) for s, heads in decided.order if len(heads) > i]
-        got, n = full_width_inputs(frontend, planner, decided, at, center_embeddings)
-        captured, folds = {**captured, **got}, folds + n
+        captured, folds = {**captured, **full_width_inputs(frontend, planner, decided, at, center_embeddings)}, folds + 1
         decided = decide(captured)
     return decided, folds
 
 
 def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
-                      at: list[tuple[StreamSlice, str]], center_embeddings: bool = False) -> tuple[dict, int]:
-    """(norm input -> its full-width batches, the sliced folds it took): the inputs of the norms of
-    segments `at` (each a stream's and its segment's first norm) in the model sliced by `decided`'s
-    bases, seen through `windows(d, k)` sliced folds, each carrying the segment in a `window_basis`
-    (the later segments' bases do not reach it), and put back together. A stream whose rotation its
-    fold withdraws is left out (its slice is withdrawn alike)."""
-    parts: dict[str, dict[int, list]] = {}  # norm input -> window start -> its batches
-    keep = {head: decided.bases[head][1] for _, head in at}  # (a full-width head segment: d, one window)
-    count = max(windows(s.dim, keep[head]) for s, head in at)
-    for j in range(count):
-        bases, starts = dict(decided.bases), {}
-        for s, head in at:
-            starts[head], p = window_basis(s.dim, keep[head], min(j, windows(s.dim, keep[head]) - 1))
-            bases[head] = (edits.DataBasis(f"window{starts[head]}:{head}", p), keep[head])
-        sliced = frontend.sliced(bases, planner, center_embeddings)
-        rotated = {r.stream for r in sliced.plan.stream_bases if r.rotated}
-        wanted = {value: head for s, head in at if s.stream in rotated for value, _ in decided.inputs[head]}
-        for value, batches in frontend.capture(sliced, list(wanted)).items():
-            parts.setdefault(value, {})[starts[wanted[value]]] = batches
-    width = {value: (s.dim, axis) for s, head in at for value, axis in decided.inputs[head]}
-    return {v: from_windows(w, width[v][1], width[v][0]) for v, w in parts.items()}, count
+                      at: list[tuple[StreamSlice, str]], center_embeddings: bool = False) -> dict:
+    """Norm input -> its full-width batches: the inputs of the norms of segments `at` (each a
+    stream's and its segment's first norm) in the model sliced by `decided`'s bases, these segments
+    kept at all d features in the stream's own basis (per-segment widths, as full_width_head's): one
+    sliced fold, whatever k. A stream whose rotation its fold withdraws is left out (its slice is
+    withdrawn alike)."""
+    bases = {**decided.bases, **{head: (edits.Identity(s.dim), s.dim) for s, head in at}}
+    sliced = frontend.sliced(bases, planner, center_embeddings, capture=True)
+    rotated = {r.stream for r in sliced.plan.stream_bases if r.rotated}
+    return frontend.capture(sliced, [value for s, head in at if s.stream in rotated
+                                     for value, _ in decided.inputs[head]])
 
 
 def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldResult, SliceReport]:

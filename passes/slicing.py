@@ -191,34 +191,6 @@ def plan_slices(view: View, components: list[Component], gammas: Mapping, stream
     return out
 
 
-def windows(d: int, k: int) -> int:
-    """How many k-wide windows `window_basis` cuts a width d into (they cover all d features)."""
-    return -(-d // k)
-
-
-def window_basis(d: int, k: int, j: int) -> tuple[int, np.ndarray]:
-    """(s, P): window j of d features sliced to k starts at feature s = min(j·k, d − k); P is the
-    permutation basis whose first k columns are the features s, ..., s + k − 1, so that a slice to
-    k in P carries exactly those features of the full-width tensor, unchanged."""
-    s = min(j * k, d - k)
-    order = list(range(s, s + k)) + [c for c in range(d) if not s <= c < s + k]
-    return s, np.eye(d)[:, order]
-
-
-def from_windows(parts: Mapping[int, list[np.ndarray]], axis: int, d: int) -> list[np.ndarray]:
-    """The full-width batches put back together from their windows (window start -> the batches as
-    sliced in its `window_basis`, the k kept features on `axis`)."""
-    out = []
-    for i in range(len(next(iter(parts.values())))):
-        pieces = {s: np.moveaxis(np.asarray(batches[i], dtype=np.float64), axis, -1) for s, batches in parts.items()}
-        some = next(iter(pieces.values()))
-        full = np.zeros(some.shape[:-1] + (d,))
-        for s, x in pieces.items():
-            full[..., s:s + x.shape[-1]] = x
-        out.append(np.moveaxis(full, -1, axis))
-    return out
-
-
 def norm_input(view: View, norm: str) -> tuple[str, int]:
     """The value `norm` normalizes and its feature axis (non-negative where the rank is known)."""
     node = view.nodes[norm]
