@@ -11,7 +11,7 @@ import onnx
 from ..passes import LnfoldError
 from ..passes.calibration import Data, Rows
 from .inputs import load_rows
-from .sessions import ModelLike, with_outputs
+from .sessions import ModelLike, pruned
 from .verify import original_run, session
 
 
@@ -85,7 +85,7 @@ def capture(model: onnx.ModelProto, names: list[str], batches: list[dict]) -> di
     names = [n for n in dict.fromkeys(names) if n in computed]
     if not names:
         return {}
-    sess = session(with_outputs(model, names))
+    sess = session(pruned(model, names))
     out: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for feeds in batches:
         for n, v in zip(names, sess.run(names, feeds)):

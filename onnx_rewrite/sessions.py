@@ -127,6 +127,31 @@ def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
     return m
 
 
+def pruned(model: onnx.ModelProto, names) -> onnx.ModelProto:
+    """A model that computes the tensors `names` (its only outputs) and nothing else: the nodes they
+    need and the constants those read. onnxruntime runs every node of a graph, wanted or not, so
+    capturing an LM's stream tensors need not run its head (nor, for an early block's, the blocks
+    after it). `with_outputs` where a node holds a subgraph (what it reads from outside is not its
+    inputs)."""
+    graph = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        return with_outputs(model, names)
+    need, keep = set(names), []
+    for node in reversed(graph.node):
+        if any(o in need for o in node.output):
+            keep.append(node)
+            need.update(i for i in node.input if i)
+    out = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    out.graph.name = graph.name
+    out.graph.input.extend(graph.input)  # (every input: the feeds are the model's)
+    out.graph.node.extend(reversed(keep))
+    out.graph.initializer.extend(t for t in graph.initializer if t.name in need)
+    out.graph.sparse_initializer.extend(t for t in graph.sparse_initializer if t.values.name in need)
+    out.graph.value_info.extend(v for v in graph.value_info if v.name in need)
+    out.graph.output.extend(onnx.ValueInfoProto(name=n) for n in dict.fromkeys(names))
+    return out
+
+
 def proto_of(model: Union[ModelLike, Source]) -> onnx.ModelProto:
     return Source.of(model).proto
 
