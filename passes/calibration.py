@@ -184,7 +184,7 @@ class Folds(Protocol):
     def fold(self, planner: Planner, opts: FoldOptions, *, final: bool = False, **decided) -> FoldResult:
         """`pipeline.fold` of a fresh frontend over the analysed IR, `decided` (what a calibrated
         decision adds to the request: passes/request.request_from's `approx`, `bases`,
-        `center_embeddings`) in its request (`final`: the result the user gets, written where they
+        `center_embeddings`, `capture`) in its request (`final`: the result the user gets, written where they
         asked; unverified tries are silent)."""
 
     def artifact(self, result: FoldResult) -> Any:
