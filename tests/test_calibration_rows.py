@@ -170,3 +170,25 @@ def test_a_folder_without_rows_or_with_a_link_out_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lnfold takes a folder's own files only" in err and err.count("\n") == 1
     assert not out.exists()
+
+
+def test_a_capture_runs_only_what_the_captured_tensors_need():
+    """onnxruntime runs every node of a graph: a capture runs the model pruned to the captured
+    tensors. Here the node after `y` fails at run time (a Reshape that cannot fit 6 values into
+    rows of 4); capturing `y` never runs it, and gives the values the full model computes."""
+    from onnx import TensorProto, helper
+
+    from lnfold.onnx_rewrite import calibration as calibration_io
+
+    nodes = [helper.make_node("Relu", ["x"], ["y"]),
+             helper.make_node("Reshape", ["y", "shape"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("shape", TensorProto.INT64, [2], [-1, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.array([[-1.0, 2.0, -3.0], [4.0, -5.0, 6.0]], np.float32)
+    got = calibration_io.capture(model, ["y"], [{"x": x}])
+    assert np.array_equal(got["y"][0], np.maximum(x, 0))
+    with pytest.raises(Exception):  # (the whole model cannot run)
+        calibration_io.capture(model, ["y", "z"], [{"x": x}])
+    assert [n.op_type for n in model.graph.node] == ["Relu", "Reshape"]  # (the model as given, untouched)
