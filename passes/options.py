@@ -171,9 +171,9 @@ SLICE_OPTIONS = {o.name: o for o in (
            "sensitive, more parameters"),
     Option("center_embeddings", bool, False, "with per_block: subtract each embedding row's mean before slicing an "
            "RMSNorm stream, as SliceGPT's fuse_modules does on every model; NOT exact even unsliced (an RMSNorm "
-           "reads the mean). It is the one difference left between SliceGPT's code and per_block + "
-           "full_width_head, and it helps or hurts by fraction (SmolLM2: better at F = 0.2 and 0.25, worse at "
-           "0.1; benchmarks/RESULTS.md)"),
+           "reads the mean). With it, per_block + full_width_head is SliceGPT's slice (SmolLM2: the same "
+           "perplexity within 0.03 at F = 0.1, 0.2, 0.25); it helps or hurts by fraction (SmolLM2: better at F = "
+           "0.2 and 0.25, worse at 0.1; benchmarks/RESULTS.md)"),
 )}
 
 
