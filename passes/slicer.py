@@ -6,7 +6,7 @@ against the exact fold on the held-out rows. A budget instead of a fraction: `_l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Optional
 
 from . import calibration, edits, search
@@ -30,8 +30,8 @@ class SliceScheme:
     center_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("per_block", "full_width_head", "center_embeddings"):
-            object.__setattr__(self, name, SLICE_OPTIONS[name].checked(getattr(self, name)))
+        for f in fields(self):
+            object.__setattr__(self, f.name, SLICE_OPTIONS[f.name].checked(getattr(self, f.name)))
         for name, what in (("full_width_head", "keeps the last segment of a per-block slice d wide"),
                            ("center_embeddings", "centers the embeddings before SliceGPT's per-block bases")):
             if getattr(self, name) and not self.per_block:
@@ -163,8 +163,8 @@ def sequential(frontend: Slicing, planner: Callable, decide: Callable[[dict], Sl
     decided, folds = decide(captured), 0
     for i in range(0 if center_embeddings else 1, max((len(heads) for _, heads in decided.order), default=0)):
         at = [(s, heads[i]) for s, heads in decided.order if len(heads) > i]
-        captured, folds = {**captured, **full_width_inputs(frontend, planner, decided, at, center_embeddings)}, folds + 1
-        decided = decide(captured)
+        captured = {**captured, **full_width_inputs(frontend, planner, decided, at, center_embeddings)}
+        decided, folds = decide(captured), folds + 1
     return decided, folds
 
 
