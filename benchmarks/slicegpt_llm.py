@@ -33,11 +33,11 @@ RMSNorm ones too — each embedding row's mean subtracted), scored in torch: wha
 
 lnfold refuses a slice with more parameters than the model's own; SliceGPT's slices here have 1.05–1.23×, so
 the lnfold part lifts that guard to score lnfold's beside them (its note says where `lnfold slice` refuses).
-A per-block lnfold slice of this model is slow (59 sequential steps of 2 sliced folds and captures: 85 min at
-F = 0.25 on a shared 2-core machine): `--bases one` for a quick run.
+A per-block lnfold slice of this model takes ~10 min (60 sequential steps, one sliced fold and capture each, on a
+2-core machine): `--bases one` for a quick run.
 
-Investigation options: `--slicegpt-variants head unit-rms both` (SliceGPT's code with lnfold's choices put in —
-the head sliced, the PCA of unit-RMS rows — scored in torch; `--variants-only` skips the plain runs) and
+Investigation options: `--slicegpt-variants head unit-rms both uncentered` (SliceGPT's code with lnfold's choices
+put in — the head sliced, the PCA of unit-RMS rows, the embedding left uncentered — scored in torch; `--variants-only` skips the plain runs) and
 `--raw-moment` (lnfold's one basis too from SliceGPT's raw second moment, as its per-block bases are; files
 `…-raw.onnx`).
 
@@ -129,7 +129,7 @@ def slicegpt_prepare(sg: types.SimpleNamespace, lm, uncentered: bool = False):
 def slicegpt_slice(sg: types.SimpleNamespace, lm, calibration: np.ndarray, keep: int, slice_head: bool = False,
                    unit_rms: bool = False, uncentered: bool = False):
     """SliceGPT's rotate_and_slice to `keep` on the calibration rows (one batch, all-ones masks),
-    its defaults: final_orientation='pca', the head not sliced. Two of lnfold's choices, to tell
+    its defaults: final_orientation='pca', the head not sliced. Three of lnfold's choices, to tell
     where the two differ: `slice_head` (its scheduler's do_slice_head: the last block writes, and
     the head reads, k features, as in lnfold's slice) and `unit_rms` (its `pca_calc` given each
     row divided by its RMS, the moment lnfold's bases come from, instead of the raw rows),
