@@ -37,6 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .emit import BASIS_CHANGE
+from .sessions import graph_reads, subgraphs
 
 _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
 
@@ -164,8 +165,7 @@ def constant_weights(model: onnx.ModelProto) -> tuple[int, list[str]]:
     for n in g.node:
         for k, i in enumerate(n.input):
             readers.setdefault(i, []).append((n, k))
-    outer = {i for n in g.node for a in n.attribute if a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-             for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)) for i in _reads(sub)}
+    outer = {i for n in g.node for sub in subgraphs(n) for i in graph_reads(sub)}
     outputs = {o.name for o in g.output}
     memo: dict[str, Optional[np.ndarray]] = {}
     arrays: dict[str, np.ndarray] = {}
@@ -255,31 +255,19 @@ def _unique(name: str, taken) -> str:
     return out
 
 
-def _reads(graph: onnx.GraphProto) -> set[str]:
-    """Every name a (sub)graph's nodes read, its own subgraphs' included."""
-    out = set()
-    for n in graph.node:
-        out.update(n.input)
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-                        if a.type == onnx.AttributeProto.GRAPHS else []):
-                out |= _reads(sub)
-    return out
-
-
 def _drop_dead(model: onnx.ModelProto, values: set[str], roots: set[str]) -> None:
     """Remove the WEIGHT_VIEWS nodes producing `values` that nothing reads any more, then those of
     the initializers `roots` that nothing reads any more (and no graph input names)."""
     g = model.graph
     outputs = {o.name for o in g.output}
     while True:
-        read = _reads(g) | outputs
+        read = graph_reads(g) | outputs
         dead = [n for n in g.node if n.op_type in WEIGHT_VIEWS and all(o in values and o not in read for o in n.output)]
         if not dead:
             break
         for n in dead:
             g.node.remove(n)
-    read = _reads(g) | outputs | {i.name for i in g.input}
+    read = graph_reads(g) | outputs | {i.name for i in g.input}
     for t in [t for t in g.initializer if t.name in roots and t.name not in read]:
         g.initializer.remove(t)
 

@@ -127,20 +127,37 @@ def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
     return m
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs a node holds (If's branches, Loop's and Scan's bodies)."""
+    return [g for a in node.attribute
+            for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                      list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else [])]
+
+
+def graph_reads(graph: onnx.GraphProto) -> set[str]:
+    """Every name a (sub)graph's nodes read, its own subgraphs' included (what a subgraph reads from
+    outside is not its node's inputs)."""
+    out = set()
+    for n in graph.node:
+        out.update(n.input)
+        for sub in subgraphs(n):
+            out |= graph_reads(sub)
+    return out
+
+
 def pruned(model: onnx.ModelProto, names) -> onnx.ModelProto:
     """A model that computes the tensors `names` (its only outputs) and nothing else: the nodes they
-    need and the constants those read. onnxruntime runs every node of a graph, wanted or not, so
-    capturing an LM's stream tensors need not run its head (nor, for an early block's, the blocks
-    after it). `with_outputs` where a node holds a subgraph (what it reads from outside is not its
-    inputs)."""
+    need and the constants those read (a node's subgraphs' outer reads too). onnxruntime runs every
+    node of a graph, wanted or not, so capturing an LM's stream tensors need not run its head (nor,
+    for an early block's, the blocks after it)."""
     graph = model.graph
-    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
-        return with_outputs(model, names)
     need, keep = set(names), []
     for node in reversed(graph.node):
         if any(o in need for o in node.output):
             keep.append(node)
             need.update(i for i in node.input if i)
+            for sub in subgraphs(node):
+                need |= graph_reads(sub)
     out = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
     out.graph.name = graph.name
     out.graph.input.extend(graph.input)  # (every input: the feeds are the model's)

@@ -192,3 +192,34 @@ def test_a_capture_runs_only_what_the_captured_tensors_need():
     with pytest.raises(Exception):  # (the whole model cannot run)
         calibration_io.capture(model, ["y", "z"], [{"x": x}])
     assert [n.op_type for n in model.graph.node] == ["Relu", "Reshape"]  # (the model as given, untouched)
+
+
+def test_a_pruned_capture_keeps_what_an_if_branch_reads_from_outside():
+    """A node holding subgraphs (an If, as Optimum's merged decoder) reads outer values that are not
+    its inputs: the pruned capture keeps them (the weight `w` its branches multiply by) and drops
+    only what follows the captured tensor."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from lnfold.onnx_rewrite import calibration as calibration_io
+
+    w = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        node = helper.make_node(op, ["x", "w"] if op == "MatMul" else ["x"], [f"{name}_y"])
+        return helper.make_graph([node], name, [], [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, None)])
+
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", "MatMul"),
+                              else_branch=branch("else", "MatMul")),
+             helper.make_node("Reshape", ["y", "shape"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                           helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w"),
+                               helper.make_tensor("shape", TensorProto.INT64, [2], [-1, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = calibration_io.capture(model, ["y"], [{"x": x, "cond": np.array(True)}])
+    assert np.allclose(got["y"][0], x @ w)
+    with pytest.raises(Exception):  # (the whole model cannot run: 4 values in rows of 3)
+        calibration_io.capture(model, ["y", "z"], [{"x": x, "cond": np.array(True)}])
