@@ -1,6 +1,4 @@
-"""`lnfold.slice_module`: the torch side of slicing (passes/slicing.py decides, passes/slicer.py
-runs the steps: exact fold, capture, bases, sliced fold, error). NOT exact. The result's `.module`
-is the exported graph module with the sliced weights (as `fold_module` returns)."""
+"""`lnfold.slice_module`: the torch side of slicing (passes/slicer.py runs the steps). NOT exact."""
 from __future__ import annotations
 
 import operator
@@ -33,13 +31,8 @@ def float_parameters(gm: torch.fx.GraphModule) -> int:
 def slice_module(module: torch.nn.Module, calibration, *, fraction=None, budget=None, kwargs: Optional[dict] = None,
                  heldout=None, dynamic: bool = True, per_block: bool = False,
                  full_width_head: bool = False, center_embeddings: bool = False) -> SliceResult:
-    """Slice every rotatable folded stream of `module` to k = d − round(F·d) features on the principal
-    directions of `calibration` (an args tuple, or a list of them; rows along the first axis).
-    NOT exact: `result.report` as `slice_onnx`'s; the error is measured on `heldout` (default:
-    passes/calibration.split's rule); `budget=B` instead of `fraction`: the largest F
-    (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis per block input, as
-    `slice_onnx`'s, `full_width_head` and `center_embeddings` too. `result.module` runs like the module.
-    Bad input: LnfoldError."""
+    """`slice_onnx` for a module: `calibration` is an args tuple, or a list of them (rows along the
+    first axis); `result.module` runs like the module. NOT exact. Bad input: LnfoldError."""
     scheme = SliceScheme(per_block, full_width_head, center_embeddings)
     fraction, budget = check_request(fraction, budget)
     check_calibration(calibration, slicing.CALIBRATED)

@@ -1,11 +1,6 @@
-"""What a command shows while it works: the one place that decides (issue 46).
-
-The pipeline reports its stages through a `Progress` callable (passes/pipeline.stage: "analyzing",
-"editing ...", "verifying ..."; a slice or an approximate swap runs many folds, so many stages). On a
-terminal, and without `--json`, they show as one status line on stderr (tqdm: the stage, how many so
-far, the time taken) that is erased when the work is done, before the command prints its report.
-Elsewhere (a pipe, a log file, `--json`) only a model above PROGRESS_BYTES reports its stages, one
-line each, as before; a small one says nothing.
+"""What a command shows while it works: the one place that decides. On a terminal without `--json`,
+the pipeline's stages show as one status line on stderr, erased before the report; elsewhere only a
+model above PROGRESS_BYTES prints its stages, one line each.
 """
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""`lnfold slice` / `lnfold.slice_onnx`: the ONNX side of slicing (passes/slicing.py decides,
-passes/slicer.py runs the steps: exact fold, capture, bases, sliced fold, error). NOT exact.
-"""
+"""`lnfold slice` / `lnfold.slice_onnx`: the ONNX side of slicing (passes/slicer.py runs the steps). NOT exact."""
 from __future__ import annotations
 
 import onnx
@@ -30,13 +28,9 @@ def slice_model(model, calibration, *, fraction=None, budget=None, heldout=None,
     directions of `calibration` (a dict of input arrays or an .npz path; rows along the first axis).
     NOT exact: `result.report` has per stream the widths and the variance kept, the parameters
     before and after and the relative error against the exact fold on `heldout` (default: the
-    calibration batch's second half, which then does not calibrate). `budget=B` instead of
-    `fraction`: the largest F (passes/slicer.GRID) whose error there is <= B. `per_block`: a basis
-    per block input, the residual shortcuts re-expressed by a k×k MatMul (SliceGPT's scheme;
-    passes/slicing.py); with `full_width_head`, the last segment (what the head reads) keeps all d
-    features, as SliceGPT's (better where the head is sensitive; more parameters); with
-    `center_embeddings`, the embedding tables of RMSNorm streams are centered first, as SliceGPT's
-    (passes/options.SLICE_OPTIONS says when it pays). Bad input: LnfoldError."""
+    calibration rows' second half, which then does not calibrate). `budget=B` instead of
+    `fraction`: the largest F (passes/slicer.GRID) whose error there is <= B. `per_block`,
+    `full_width_head`, `center_embeddings`: passes/options.SLICE_OPTIONS. Bad input: LnfoldError."""
     scheme = SliceScheme(per_block, full_width_head, center_embeddings)
     fraction, budget = check_request(fraction, budget)
     check_calibration(calibration, slicing.CALIBRATED)

@@ -1,11 +1,7 @@
-"""`spare_channels="massive"` (issue 47): each rotatable stream's massive-activation channels, found
-on rows. Trained LMs carry a few channels whose values reach hundreds of times the others' (SmolLM2:
-channel 507 at 300x the median channel's largest value, 247 at 24x); their norms' γ suppresses them,
-and a full rotation spreads their large reader weights into every channel's quantization blocks.
-Spared (passes/orthogonal.matrix: the identity on them), they keep their own blocks. Measured on
-SmolLM2, int4 b32 with γ in float: four random rotations sparing 247 and 507 gave perplexity
-29.9–38.8, two full ones 32.7–44.2, the model as given 31.0 (benchmarks/RESULTS.md): the spread over
-seeds is wider than the gain, so `--rotate auto` measures it as one candidate among the others.
+"""`spare_channels="massive"`: each rotatable stream's massive-activation channels, found on rows.
+A full rotation spreads their large reader weights into every channel's quantization blocks;
+spared (the identity on them), they keep their own. Whether that pays varies with the seed more
+than it gains (SmolLM2 int4, benchmarks/RESULTS.md), so `--rotate auto` measures it as a candidate.
 """
 from __future__ import annotations
 

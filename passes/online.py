@@ -1,14 +1,6 @@
-"""An online Hadamard on the inputs of the linear layers that write a stream (QuaRot's R4, issue 47):
-a layer `u·W` becomes `(u·H)·(Hᵀ·W)` — a constant MatMul by an orthogonal H before it (online: u is
-an activation, the MLP's hidden state or the attention's output) and Hᵀ folded into its weight (a
-`Project` of the weight's input side). Exact for any u, in any stream, rotated or not.
-
-What it is for: a quantizer of activations (W8A8, W4A8) sees u·H instead of u. The MLP's down
-projection reads u = act(gate)·up, whose few outlier channels reach 100× the rest; H spreads them
-over all n features, and the weights' rows alike. NOT a gain in float: more float work per layer
-(H = A ⊗ B applied as two small products, n·(p+m) multiply-adds per row; kept float by the
-quantizers: named as basis changes). Layers inside If branches (a merged decoder) are taken in each
-branch. DESIGN §6b.
+"""An online Hadamard on the inputs of the linear layers that write a stream (QuaRot's R4): a layer
+`u·W` becomes `(u·H)·(Hᵀ·W)`, exact for any u. For quantizers of activations: H spreads the few
+outlier channels of u (the MLP's down projection's input) over all n features. DESIGN §6b.
 """
 from __future__ import annotations
 

@@ -48,8 +48,7 @@ PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 def pickled_checkpoint(folder) -> str:
     """"" for any folder but a `transformers` checkpoint whose weights are pickled (`pytorch_model.bin`,
-    sharded or not); for one, what lnfold does not read and how to make what it does (issue 45 item 11:
-    `lnfold fold` said "a directory with no ONNX file in it")."""
+    sharded or not); for one, what lnfold does not read and how to make what it does."""
     folder = Path(folder)
     if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in PICKLED_WEIGHTS):
         return ""
@@ -72,7 +71,7 @@ def inside(folder, relative, what: str) -> Path:
     path) whose resolved path, symlinks followed, stays inside `folder` (a subfolder is fine; one
     still to be written is checked through its existing parents). Checked before any byte is read
     or written through it: an index is input, and `out / name` for `name = /etc/x` or `../x` would
-    write where it says (issue 43)."""
+    write where it says."""
     if not isinstance(relative, str):
         raise LnfoldError(f"{what}: names {relative!r} as a file; a file's path is a string")
     parts = relative.split("/")
@@ -210,7 +209,7 @@ class Staging:
     holding `lock` (a file this writer flocks, with its pid), `new/` (what is being written: the
     output folder itself, for a folder) and `old/` (what publishing moves out of the way). A second
     writer of the same output is refused in one line; what a killed writer left is removed by the
-    next (issue 43, items 3 and 9).
+    next.
 
     The folder is made under a unique name, its lock file created and flocked there, and only then
     renamed to its public name (a rename onto a folder that is not empty fails): a writer holds the
@@ -220,7 +219,7 @@ class Staging:
     folder has no lock file (not made by a live writer: removed the same way). Leftover `.stale-`
     folders are always garbage; `.new-` ones when their lock is free.
 
-    Without fcntl (Windows), a plain mkdtemp folder, unlocked, as before.
+    Without fcntl (Windows), a plain mkdtemp folder, unlocked.
     """
 
     def __init__(self, root: Path, fd: "int | None"):

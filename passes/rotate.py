@@ -1,4 +1,4 @@
-"""Stream rotation (issue 22): which folded streams can carry x·Q instead of x, and the edits that
+"""Stream rotation: which folded streams can carry x·Q instead of x, and the edits that
 make them — a `Project` of each writer's output side and each norm reader's input side. Why that is
 exact (computational invariance), the recentered starts' MatMul and what keeps a stream unrotated:
 DESIGN §6b.
@@ -238,10 +238,9 @@ def plan_rotation(view: View, comp: Component, stream: int, kind: Optional[str],
 
 
 def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
-    """(parameters `rot` adds, parameters it deletes): the constant MatMuls it emits (a d×k one per
-    readout and recentered start, a k×k one per residual shortcut) against the share (d − k)/d of
-    each writer and reader constant a slice to k cuts off (each constant once; 0 unsliced), and
-    a k×k one per norm whose γ stays in float."""
+    """(parameters `rot` adds, parameters it deletes): its constant MatMuls (readouts, recentered
+    starts, residual shortcuts, float γ products) against the share (d − k)/d of each writer and
+    reader constant a slice to k cuts off (each constant once)."""
     d, k = rot.dim, rot.width
     added = (sum(d * rot.width_of(n) for n in rot.readouts) + sum(d * p.keep for _, p in rot.starts)
              + sum(s.source_keep * s.target_keep for s in rot.shortcuts) + len(rot.float_gammas) * k * k)
@@ -250,7 +249,7 @@ def parameter_change(view: View, rot: StreamBasis) -> tuple[int, int]:
 
 
 def _costs_more(view: View, rot: StreamBasis) -> Optional[str]:
-    """Why the stream keeps its basis where changing it costs more than it gives (issue 45): a slice
+    """Why the stream keeps its basis where changing it costs more than it gives: a slice
     must never add parameters, so its un-projections may not outweigh what it deletes; a rotation is
     absorbed by its readers' weights, so its un-rotations may not outweigh those (a stream read by
     nothing but non-linear ops would only gain d×d MatMuls). None where it pays."""
@@ -336,7 +335,7 @@ def _blocker(view: View, comp: Component, gammas: dict[str, GammaFold]) -> Optio
 
 
 def _as_given(view: View, comp: Component) -> Optional[str]:
-    """Why a stream of RMSNorms as given (issue 47) cannot be rotated by its writers' constants alone:
+    """Why a stream of RMSNorms as given cannot be rotated by its writers' constants alone:
     nothing centers or recenters it, so every term it is the sum of must be a constant's, able to
     take Q, and nothing else may see it (RMSNorm₁(xQ) = RMSNorm₁(x)·Q holds for any x)."""
     if len(comp.rms) != len(comp.norms):

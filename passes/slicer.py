@@ -1,8 +1,7 @@
-"""A slice's steps over any frontend (passes/slicing.py decides; this runs the decisions), so that
-`slice_onnx` and `slice_module` are one procedure: the verified exact fold with γ in the readers, its
-norm inputs captured on the calibration rows, `slicing.plan_slices` (per-block: `sequential`), and
-the fold again with those bases (PlanRequest.bases), unverified (it is not exact) but measured
-against the exact fold on the held-out rows. A budget instead of a fraction: `_largest_within`.
+"""A slice's steps over any frontend, one procedure for `slice_onnx` and `slice_module`: the verified
+exact fold with γ in the readers, its norm inputs captured on the calibration rows, the bases
+(passes/slicing.py decides them), and the fold again with those bases, unverified (it is not exact)
+but measured against the exact fold on the held-out rows.
 """
 from __future__ import annotations
 
@@ -60,9 +59,7 @@ class SliceResult:
 
 class Slicing:
     """The steps' frontend, over any IR's `calibration.Folds` (its options: γ into the readers), the
-    calibration data split by the one held-out rule, and the IR's count of a fold's parameters
-    (benchmarks/realmodels_slice.py wraps one to keep the exact fold, its capture and its outputs
-    across fractions: `slice_with` needs only its four methods, `parameters`, `rows` and `in_sample`)."""
+    calibration data split by the one held-out rule, and the IR's count of a fold's parameters."""
 
     def __init__(self, folds: Folds, data: Data, parameters: Callable[[FoldResult], int], original: int) -> None:
         self.folds, self.data = folds, data
@@ -103,7 +100,7 @@ def slice_with(frontend: Slicing, fraction: Optional[float], planner: Callable,
     exact = frontend.exact(planner)
     view, plan = exact.view, exact.plan
     stream_of = {v.name: v.stream for v in plan.report.norms if v.verdict == "fold"}
-    # streams of RMSNorms as given (issue 47): their norms' inputs are the stream itself (not centered)
+    # streams of RMSNorms as given: their norms' inputs are the stream itself (not centered)
     stream_of.update({r.name: r.stream for r in plan.report.rms_norms if r.stream is not None})
     rms_inputs = [norm_input(view, r.name)[0] for r in plan.report.rms_norms if r.stream is not None]
     captured = frontend.capture(exact, list(dict.fromkeys(list(plan.needs) + rms_inputs)))
@@ -183,10 +180,8 @@ def full_width_inputs(frontend: Slicing, planner: Callable, decided: SlicePlan,
 
 
 def _largest_within(attempt: Callable, budget: float, rows: str) -> tuple[FoldResult, SliceReport]:
-    """The attempt at the largest fraction of GRID whose error is <= budget (the exact fold and its
-    capture made once), by `search.largest_within`: the smallest first (over: refused), then the
-    largest (within: done), then bisection between, which assumes the error grows with F (as the
-    deleted directions' energy does)."""
+    """The attempt at the largest fraction of GRID whose error is <= budget, by bisection
+    (`search.largest_within`): it assumes the error grows with F, as the deleted directions' energy does."""
     tried: dict[int, tuple[FoldResult, SliceReport]] = {}
 
     def within(i: int) -> bool:

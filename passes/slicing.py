@@ -1,7 +1,5 @@
-"""Slicing (issue 32; SliceGPT, Ashkboos et al., ICLR 2024): a folded stream carried in its first k
-principal directions instead of its d features. NOT exact: what lies outside those k directions is
-deleted. The bases, the norms over k features and the per-block scheme: DESIGN §6b, "Slicing";
-this module decides, the frontends capture and measure (passes/slicer.py runs the steps).
+"""Slicing (SliceGPT, Ashkboos et al., ICLR 2024): a folded stream carried in its first k principal
+directions instead of its d features. NOT exact: what lies outside them is deleted. DESIGN §6b.
 """
 from __future__ import annotations
 
@@ -133,16 +131,12 @@ class SlicePlan:
 def plan_slices(view: View, components: list[Component], gammas: Mapping, stream_of: Mapping[str, int],
                 captured: Mapping[str, list[np.ndarray]], fraction: float, per_block: bool = False,
                 full_width_head: bool = False) -> SlicePlan:
-    """The basis of every rotatable folded stream of the exact fold, and of every stream of RMSNorms as
-    given (issue 47: their inputs are the stream itself, uncentered; the same PCA of unit-RMS rows)
-    (its `components`, `gammas`, and `stream_of`: norm -> its stream's index in the report), from
-    `captured` (norm input value -> the
-    batches of it in the exact fold's model on the calibration rows). `per_block`: a basis per
-    segment of the stream (passes/segments.py), each from its own norms' inputs (their raw second
-    moment), where the stream's residual Adds allow; else one basis from all of its norms' inputs
-    pooled (the second moment of their rows scaled to unit RMS). `full_width_head` (per block): the
-    last segments — those no residual shortcut leaves, i.e. what the model's head reads — keep all d
-    features, as SliceGPT's head does (its default), the shortcut into them d wide on its output side."""
+    """The basis of every rotatable folded stream of the exact fold and of every stream of RMSNorms as
+    given (`stream_of`: norm -> its stream's index in the report), from `captured` (norm input value ->
+    its batches in the exact fold's model on the calibration rows). `per_block`: a basis per segment
+    (passes/segments.py) from its own norms' inputs, where the residual Adds allow; else one basis from
+    all the stream's norm inputs pooled. `full_width_head`: the last segments, which the head reads,
+    keep all d features, as SliceGPT's head does."""
     out = SlicePlan(fraction)
     for comp in components:
         if not comp.norms or comp.norms[0] not in stream_of:
@@ -252,7 +246,7 @@ class SliceReport:
     error: Optional[float] = None  # relative error against the exact fold (passes/metric.relative_error)
     error_rows: str = ""  # which rows it was measured on
     # the error was measured on the rows that chose the bases (none held out): it understates the
-    # error on other inputs (issue 45: 9.0e-4 in-sample, 9.9e-2 held out) and is never the result
+    # error on other inputs, and the report says so
     in_sample: bool = False
     notes: list[str] = field(default_factory=list)
     params_original: Optional[int] = None  # the model's own, as given
