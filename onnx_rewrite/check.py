@@ -1,30 +1,20 @@
-"""`lnfold check ORIGINAL OTHER` (issue 46): does anyone's transformed ONNX model still compute
-what the original does? Nothing here is a second verifier: it is verify.py's gate, metric.py's
-error and one run of each model with their shared intermediate tensors as extra outputs.
+"""`lnfold check ORIGINAL OTHER`: does anyone's transformed ONNX model still compute what the
+original does? Not a second verifier: verify.py's gate, metric.py's error per output, and one run
+of each model with the float tensors both compute under one name (at most MAX_SHARED) as extra
+outputs, to name the first tensor where they part.
 
-- The verdict: OTHER judged by the gate of `lnfold fold` (verify.reference + verify.check_against:
-  against a float64 run of ORIGINAL where one can be made), on made-up inputs or the user's.
-- The error per output: relative RMS and max relative error of OTHER against ORIGINAL
-  (passes/metric.compare_outputs) on the gate's inputs, ORIGINAL's outputs the gate's, OTHER run once
-  more as it is: the report of a transform that is not exact (quantized, sliced).
-- The first tensor where they part: ORIGINAL and OTHER run once more each, on the same inputs, with
-  the float tensors both graphs compute under the same name (at most MAX_SHARED, evenly spaced in
-  ORIGINAL's node order) as extra outputs. A tensor *differs* where its max relative error (the
-  gate's measure, metric.compare's `max_rel`) is above the gate's allowance: the largest over
-  ORIGINAL's outputs of FACTOR x the original's own error against float64 + FLOOR of the dtype
-  (gate._judge_exact's bound), or TOLERANCE of the dtype where there is no float64 run. An exact
-  transform may change intermediate values on purpose (a fold centers the stream and moves β into
-  the next bias; a rotation rotates it), and they agree again further down. So the tensor reported
-  is the first, in ORIGINAL's order, that differs and from which they never agree again: no shared
-  tensor computed from it (in ORIGINAL's graph) is within the allowance. Where the outputs agree
-  there is none; where a weight was edited wrongly it is at or after that weight's reader; in an
-  fp16 conversion it is the first tensor whose fp16 rounding is above fp32's allowance. Tensors of
-  different shapes (a sliced or CRMS stream) are skipped.
+A tensor differs where its max relative error is above the gate's allowance (_allowance). An exact
+transform may change intermediate values on purpose (a fold centers the stream and moves β into the
+next bias; a rotation rotates it) that agree again further down, so the tensor named is the first, in
+ORIGINAL's order, that differs and after which no shared tensor computed from it agrees again.
+Tensors of different shapes (a sliced or CRMS stream) are skipped.
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
 import numpy as np
@@ -40,7 +30,7 @@ MAX_SHARED = 300  # shared intermediate tensors checked at most (evenly spaced i
 
 @dataclass
 class Divergence:
-    """The first shared tensor where the two models part for good (module docstring)."""
+    """The first shared tensor where the two models part for good."""
     tensor: str
     op: str  # ORIGINAL's node that computes it
     node: str
@@ -49,8 +39,7 @@ class Divergence:
     allowed: float
 
     def to_dict(self) -> dict:
-        return {"tensor": self.tensor, "op": self.op, "node": self.node, "max_rel": self.max_rel,
-                "rel_rms": self.rel_rms, "allowed": self.allowed}
+        return asdict(self)
 
 
 @dataclass
@@ -139,21 +128,18 @@ def _in_order(other: Source, names: list[str]) -> Source:
         return other
     m = onnx.ModelProto()
     m.CopyFrom(other.proto)
-    by = {o.name: o for o in m.graph.output}
-    kept = [by[n] for n in names]
-    copies = [onnx.ValueInfoProto() for _ in kept]
-    for c, o in zip(copies, kept):
-        c.CopyFrom(o)
+    by = {o.name: copy.deepcopy(o) for o in m.graph.output}
     del m.graph.output[:]
-    m.graph.output.extend(copies)
+    m.graph.output.extend(by[n] for n in names)
     return Source(m)
 
 
 def _allowance(ref: verify.Reference) -> float:
-    """The gate's allowance for an output, the largest over ORIGINAL's float outputs (module docstring)."""
+    """The gate's allowance (gate.allowance: from ORIGINAL's own error against float64 where there is
+    a float64 run, else the dtype's tolerance), the largest over ORIGINAL's float outputs."""
     compute = verify._compute_dtype(ref.original.skeleton)
     bounds = []
-    for k, a in enumerate(ref.outputs or []):
+    for k, a in enumerate(ref.outputs):
         if a.dtype.kind != "f":
             continue
         dtype = verify._narrower(a.dtype.name, compute)
@@ -222,7 +208,7 @@ def _first_divergence(skel: onnx.ModelProto, errors: dict[str, metric.OutputErro
                                   for c in consumers.get(t, ()) for o in c.output)
     for n in skel.graph.node:
         for t in n.output:
-            if t in agree and not agree[t] and not agrees_later.get(t, False):
+            if not agree.get(t, True) and not agrees_later.get(t, False):
                 return t
     return None
 
@@ -235,20 +221,20 @@ def check_onnx(original: Union[ModelLike, Source], other: Union[ModelLike, Sourc
     original, other = verify._pinned(original), verify._pinned(other)
     skel_a, skel_b = original.skeleton, other.skeleton
     _same_names(skel_a, skel_b)
-    other = _in_order(other, [o.name for o in skel_a.graph.output])
-    if isinstance(inputs, (str,)) or hasattr(inputs, "__fspath__"):
+    names = [o.name for o in skel_a.graph.output]
+    other = _in_order(other, names)
+    if isinstance(inputs, (str, os.PathLike)):
         inputs = synth.load_npz(inputs, skel_a)
     ref = verify.reference(original, inputs=inputs, dims=dims)
     try:
         verdict = verify.check_against(ref, other)
     except VerificationError as e:  # OTHER does not run on inputs ORIGINAL takes
         raise LnfoldError(f"OTHER: {e}".replace("the folded model", "OTHER")) from None
-    if ref.refused is not None or ref.outputs is None:  # neither runtime runs ORIGINAL in its own dtype
-        return CheckResult(verdict, [(o.name, None) for o in skel_a.graph.output], math.nan,
+    if ref.refused is not None:  # neither runtime runs ORIGINAL in its own dtype
+        return CheckResult(verdict, [(name, None) for name in names], math.nan,
                            divergence_note="not searched: ORIGINAL runs only as a float64 copy",
                            notes=["error per output: not measured (ORIGINAL runs only as a float64 copy)"])
     allowed = _allowance(ref)
-    names = [o.name for o in skel_a.graph.output]
     shared = _shared_tensors(skel_a, skel_b)
     picked = _sample(shared, MAX_SHARED)
     sess_ref = ref.runner.sess is None
@@ -279,7 +265,7 @@ def check_onnx(original: Union[ModelLike, Source], other: Union[ModelLike, Sourc
     for name, a, b in zip(names, ra, rb):  # the outputs end every path: they count as agreeing or not
         if np.asarray(a).dtype.kind == "f":
             compared[name] = metric.compare(a, b)
-    result.checked = len([t for t in compared if t not in names])
+    result.checked = sum(t not in names for t in compared)
     first = _first_divergence(skel_a, compared, allowed, set(offsets))
     if note:
         result.divergence_note = note

@@ -1,18 +1,10 @@
 """Numerical verification (DESIGN §4): run the original, the folded model and a float64 copy of
 the original on the same inputs (the user's, or made up by inputs.py until the original runs), and
-let passes/gate.py judge the fold. sessions.py runs a model, exact.py makes and runs the float64
-copy. A model onnxruntime refuses to load runs in onnx's reference evaluator throughout; where that
-cannot run it in its own dtype either (onnxconverter-common's fp16 files), float64 copies of both
-models are compared (gate.judge_float64_copies), and onnxruntime must refuse the folded model for the
-input's reason, not a new one. Cost (issue 24): each model is read once and each session built once;
-the folded norms' inputs become outputs (for the gate's fallback) only where no float64 run was possible.
-Memory (issue 47): the original's session is released once its outputs are made, onnxruntime reads
-every model from a file (sessions.session: no serialized copy kept), and the gate measures the
-outputs piece by piece (weights.max_rel_err).
-Branches: an If that a bool graph input decides (Optimum's merged decoders' `use_cache_branch`) is
-verified on both its branches, one run per value of that input, in the same sessions one after the
-other (branch_inputs); the criterion says which values were verified. Given inputs are used as
-given (they take one value); `other_branches` (quantize's rows) adds a made-up run for each other value.
+let passes/gate.py judge the fold. A model onnxruntime refuses to load runs in onnx's reference
+evaluator throughout; where that cannot run it in its own dtype either (onnxconverter-common's fp16
+files), float64 copies of both models are compared, and onnxruntime must refuse the folded model for
+the input's reason, not a new one. An If that a bool graph input decides (Optimum's merged decoders'
+`use_cache_branch`) is verified on each of its branches, one run per value of that input.
 """
 from __future__ import annotations
 
@@ -34,8 +26,7 @@ from . import masks
 from .already_rms import RMS_OPS
 # (session, exact_run, float64_copy: what the rest of the frontend runs models with)
 from .exact import Float64Run, exact_run, float64_copy, float_elems, prepare  # noqa: F401
-from .sessions import (ModelLike, Runner, Source, first_line, in_background, refusal_kind, session,  # noqa: F401
-                       skeleton_of, with_outputs)
+from .sessions import ModelLike, Runner, Source, first_line, in_background, refusal_kind, session, skeleton_of
 
 _HINT = "give real inputs with --inputs FILE.npz or sizes with --dim NAME=SIZE (API: inputs=, dims=)"
 
@@ -125,14 +116,9 @@ def _where(model: onnx.ModelProto, e: Exception) -> str:
 
 
 # --- every branch of an If that a graph input decides ------------------------------------------------
-# Optimum's merged decoders hold two decoders in the branches of one If on the bool input
-# `use_cache_branch`: made-up inputs take one of them (a random bool), so a fold wrong in the
-# other passed its own verification. Covered: an If of the main graph whose condition is a bool
-# graph input of shape [] or [1], directly or through Identity, Cast, Not or Equal with a
-# constant; verification then runs once for each value of those inputs (made-up inputs), or says
-# which values the user's inputs take. Not covered: an If whose condition is computed from other
-# inputs or values (a sequence length), an If nested in a branch, and the float64-copies path of
-# models neither runtime runs in their own dtype (_check_float64_copies: one run, as before).
+# Made-up inputs take one branch (a random bool), so a fold wrong in the other would pass. Not
+# covered: an If whose condition is computed from other values (a sequence length), an If nested in
+# a branch, and the float64-copies path (_check_float64_copies: one run).
 
 _CONDITION_PASSTHROUGH = {"Identity", "Cast", "Not"}
 
@@ -163,11 +149,6 @@ def branch_inputs(model: onnx.ModelProto) -> dict[str, list[str]]:
     return out
 
 
-def _branch_values(covered: dict[str, list[str]]) -> list[dict[str, bool]]:
-    """Each assignment of False and True to the inputs that decide Ifs (one input: two runs)."""
-    return [dict(zip(covered, values)) for values in itertools.product((False, True), repeat=len(covered))]
-
-
 def _takes(values: dict[str, bool]) -> str:
     """'use_cache_branch False': the branch values one run's inputs take."""
     return ", ".join(f"{name} {value}" for name, value in values.items())
@@ -188,13 +169,6 @@ def _branches_note(covered: dict[str, list[str]], ran: list[dict[str, bool]],
                         for v, e in missing)
     return (f"verified on some branches only of {_ifs(covered)} ({'; '.join(map(_takes, ran))}): {not_run}; "
             "give inputs for the others with --inputs FILE.npz (API: inputs=)")
-
-
-def _given_note(covered: dict[str, list[str]], feeds: dict) -> str:
-    """What the user's inputs say of the branches: they take one value of each deciding input."""
-    if not covered:
-        return ""
-    return f"the given inputs take one branch only of {_ifs(covered)} ({_takes(_taken(covered, feeds))})"
 
 
 def _taken(covered: dict[str, list[str]], feeds: dict) -> dict[str, bool]:
@@ -259,9 +233,11 @@ def reference(original: Union[ModelLike, Source], *, inputs: Optional[dict] = No
         ref.runner = _runner(original)
         if inputs is not None or not covered:
             ref.runs = [Run(*_run_on(ref.runner, skel, inputs=inputs, dims=dims, seed=seed))]
-            ref.branches = _given_note(covered, ref.runs[0].feeds) if inputs is not None else ""
             if inputs is not None and covered and other_branches:
                 _run_other_branches(ref, covered)
+            elif inputs is not None and covered:
+                taken = _takes(_taken(covered, ref.feeds))
+                ref.branches = f"the given inputs take one branch only of {_ifs(covered)} ({taken})"
         else:  # one run per branch value, one after the other in the same session
             missing = _made_up_branch_runs(ref, covered)
             if not ref.runs:
@@ -295,7 +271,8 @@ def _made_up_branch_runs(ref: Reference, covered: dict[str, list[str]],
     the other in its one session; returns the values no made-up input runs, with why (said in the
     note where another branch runs)."""
     missing = []
-    for values in _branch_values(covered):
+    for assignment in itertools.product((False, True), repeat=len(covered)):
+        values = dict(zip(covered, assignment))
         if values == skip:
             continue
         try:
@@ -491,13 +468,10 @@ def _new_rms_inputs(original: onnx.ModelProto, folded: onnx.ModelProto) -> list[
     for n in folded.graph.node:
         if n.op_type not in RMS_OPS or n.name in before:
             continue
-        axis = next((a.i for a in n.attribute if a.name == "axis"), -1)
-        if n.op_type == "SkipSimplifiedLayerNormalization":
-            if len(n.output) < 4 or not n.output[3]:
-                continue  # the sum is not exposed; this norm is judged by the outputs alone
+        if n.op_type != "SkipSimplifiedLayerNormalization":
+            out.append((n.input[0], next((a.i for a in n.attribute if a.name == "axis"), -1)))
+        elif len(n.output) >= 4 and n.output[3]:  # (else the sum is not exposed: the outputs alone judge it)
             out.append((n.output[3], -1))
-        else:
-            out.append((n.input[0], axis))
     return out
 
 
