@@ -1,33 +1,13 @@
 """`quantize_model` (lnfold.quantize_onnx, `lnfold quantize`): the exact fold in front of
-onnxruntime's own quantizers.
+onnxruntime's own quantizers, on the linear layers only (linear_layers.py says which, and why the
+fold's basis changes stay float). lnfold quantizes nothing itself; every decision made from measured
+numbers (candidates, choice, error, report) is passes/quantize.py's. This adapter prepares the float
+model, runs onnxruntime's quantizer and runs the result.
 
-    fold (exact, verified)  →  γ into the readers  →  rotate the stream  →  onnxruntime quantizer
-
-The first three steps are the one pipeline's (fold_model); quantization is a stage after it that
-reads the fold's plan records (`FoldResult.plan`), never its report's sentences. The gate verifies
-the fold and the Gemm → MatMul rewrite together (`check_exact_steps`). The last step is
-onnxruntime's, as users already run it (`quantize_model` says which quantizer for which scheme) —
-lnfold quantizes nothing itself — on the linear layers only (linear_layers.py: which ones, and why
-the fold's basis changes stay float; the report names those and their share of the parameters).
-
-Quantization is NOT exact. The result's report (passes/quantize.QuantizeReport) says so, and says by how much
-(relative RMS and max relative error per output): the quantized model against the float original
-on the user's rows — `inputs`, else the `calibrate` rows (the second half held out of static
-calibration: passes/calibration's one held-out rule) — or, only without either, on made-up inputs, which the report says are not the
-user's data. Rows are fed in the model's own batch size (`Rows`). So do the model's metadata and
-the command's output. `rotate="auto"` quantizes each of AUTO_CANDIDATES and keeps the lowest error
-on those rows (issue 33: on DINOv2 rotation pays for int8 and hurts weight-only int4).
-
-Linear layers inside If branches (Optimum's merged decoder: the decoder with and without its past,
-one per branch, sharing the main graph's weights) are quantized where onnxruntime does it: int8
-dynamic (quantize_dynamic with EnableSubgraph) and int4 (MatMulNBitsQuantizer recurses); its static
-QDQ quantizer does not, so W8A8 on such a model is refused before any work (`check_branches`). The
-error is measured on the branch the rows take, and the report says which (`branches_taken`); the
-exact steps are verified on every branch: the rows' and made-up inputs for the others (`check_exact_steps`).
-
-What is decided from measured numbers — the candidates, the choice, the error, the report — is
-passes/quantize.py's, shared with the torch entry (fx_rewrite/quantize.py); this module is the
-adapter to onnxruntime: prepare the float model, run its quantizer, run the result.
+Linear layers inside If branches (Optimum's merged decoder) are quantized where onnxruntime does it
+(int8 dynamic with EnableSubgraph, int4); its static QDQ quantizer sees no branch, so W8A8 on such a
+model is refused before any work (`check_branches`). The error is measured on the branch the rows
+take (`branches_taken`); the exact steps are verified on every branch (`check_exact_steps`).
 """
 from __future__ import annotations
 
@@ -46,17 +26,14 @@ import numpy as np
 import onnx
 
 from ..passes import FoldResult, LnfoldError
-from ..passes.errors import first_line
 from ..passes.calibration import Rows
+from ..passes.errors import first_line
 from ..passes.options import MASSIVE, FoldOptions
-from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, auto_candidates, bounded,
-                               calibrates, check_rotation_options, check_scheme, choose, fold_for_quantizer,
-                               measurement, report_of, streamed_errors, trial)
-from . import calibration as calibration_io
-from . import targets
-from . import inputs as synth
-from . import verify
 from ..passes.pipeline import Progress, record, stage
+from ..passes.quantize import (AUTO, Measured, QuantizeResult, Quantized, auto_candidates, bounded,
+                               calibrates, changed_ops, check_rotation_options, check_scheme, choose,
+                               fold_for_quantizer, measurement, report_of, streamed_errors, trial)
+from . import calibration as calibration_io, inputs as synth, targets, verify
 from .api import as_model, check_verify_args, fold_model, stamp, with_massive_channels
 from .linear_layers import (WEIGHT_VIEWS, basis_changes, constant_weights, float_parameters, gemm_to_matmul,
                             graphs, layers_by_graph, linear_layers, name_nodes)
@@ -93,11 +70,9 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
 
 
 def check_branches(model: onnx.ModelProto, weights: str, activations: Optional[str]) -> None:
-    """Linear layers inside If/Loop branches (Optimum's merged decoder: the decoder with and without
-    its past, one per branch of an If) are quantized by onnxruntime's int8 dynamic quantizer
-    (EnableSubgraph) and its int4 one, not by its static QDQ quantizer (onnxruntime 1.32: it
-    recurses into no subgraph, EnableSubgraph or not, and its calibrator sees no branch's tensors):
-    W8A8 on such a model is refused before any work, not written with its layers left float."""
+    """W8A8 refused on linear layers inside If/Loop branches: onnxruntime's static QDQ quantizer (1.32)
+    recurses into no subgraph and its calibrator sees no branch's tensors, so its layers would be
+    written float."""
     branches = [where for where in layers_by_graph(model) if where != "main graph"]
     if branches and calibrates(weights, activations):
         raise LnfoldError(
@@ -111,8 +86,8 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
             gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
             spare_channels: Optional[tuple] = None, online_hadamard: bool = False, inputs=None, dims=None,
             verify: bool = True) -> Prepared:
-    """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer),
-    Gemm → MatMul; verified together unless verify=False."""
+    """The exact steps: the fold (passes/quantize.fold_for_quantizer), constant weights and Gemm →
+    MatMul; verified together unless verify=False."""
     def run(**options):  # (verified below, with the Gemm rewrite: what the quantizer gets)
         return fold_model(model, target="ort", inputs=inputs, dims=dims, seed=seed, verify=False, **options)
 
@@ -146,14 +121,10 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
 
 
 def check_exact_steps(model: onnx.ModelProto, prepared: Prepared, inputs, dims) -> None:
-    """The fold's gate (passes/gate.py) on the model handed to the quantizer: fold, γ, rotation,
-    constant weights and Gemm rewrite in one run; its verdict is the fold result's. Where nothing
-    folded, the rewrites alone (if any) are checked the same way. None over protobuf's 2 GB in
-    memory (as fold_model). On every branch of an If that a bool input decides (a merged decoder):
-    the rows (`inputs`) take one, made-up inputs the others (verify.reference's other_branches)."""
-    if is_large(prepared.model):
-        return
-    if prepared.fold is None and not prepared.rewritten:
+    """The fold's gate on the model handed to the quantizer: fold and rewrites in one run, its verdict
+    the fold result's. None over protobuf's 2 GB in memory (as fold_model). Every branch of an If a
+    bool input decides is run: the rows take one, made-up inputs the others."""
+    if is_large(prepared.model) or (prepared.fold is None and not prepared.rewritten):
         return
     verdict = verify.check(model, prepared.model, inputs=inputs, dims=dims, other_branches=True)
     if not verdict.ok:
@@ -166,11 +137,9 @@ def _calibration_reader(rows: Rows):
     """onnxruntime's CalibrationDataReader over the user's rows, in the model's batch size."""
     from onnxruntime.quantization import CalibrationDataReader
 
-    batches = rows.runs()
-
     class NpzReader(CalibrationDataReader):
         def __init__(self) -> None:
-            self.left = iter(batches)
+            self.left = iter(rows.runs())
 
         def get_next(self):
             return next(self.left, None)
@@ -182,17 +151,16 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
                   calibration: Optional[Rows] = None, block_size: int = 128,
                   per_channel: bool = False, quantize_basis_changes: bool = False) -> onnx.ModelProto:
     """onnxruntime's quantizer for the scheme, on the linear layers of `prepared` (not edited).
-    `calibration`: Rows (or a dict of arrays, fed as `Rows.runs` feeds them). The fold's
-    basis changes stay float (`quantize_basis_changes`: quantized too, only to measure what that
-    costs)."""
+    `calibration`: Rows, or a dict of arrays. The fold's basis changes stay float
+    (`quantize_basis_changes`: quantized too, only to measure what that costs)."""
     if calibration is not None and not isinstance(calibration, Rows):
         calibration = Rows(dict(calibration))
     check_branches(prepared, weights, activations)
     nodes = linear_layers(prepared, with_basis_changes=quantize_basis_changes)
     if not nodes:
-        raise LnfoldError("no linear layer to quantize in the main graph" + (" or its branches" if len(graphs(prepared))
-                                                                              > 1 else "") +
-                          " (no MatMul or Gemm with a constant 2-D weight)")
+        branches = " or its branches" if len(graphs(prepared)) > 1 else ""
+        raise LnfoldError(f"no linear layer to quantize in the main graph{branches} (no MatMul or Gemm with a "
+                          "constant 2-D weight)")
     keep_float = [] if quantize_basis_changes else list(basis_changes(prepared))
     # (node names are unique across the main graph and its branches: name_nodes; the quantizers
     # select by name in a branch too)
@@ -205,18 +173,16 @@ def run_quantizer(prepared: onnx.ModelProto, weights: str, activations: Optional
                             dict(nodes_to_include=nodes, nodes_to_exclude=others))
     # onnx's type inference stops at contrib ops (onnxruntime's optimizer fuses them in): the
     # quantizer's own remedy, the type of untyped tensors, is the linear layers' weights' type
-    where, g, inits = next(x for x in graphs(prepared) if any(n.name == nodes[0] for n in x[1].node))
-    first = next(n for n in g.node if n.name == nodes[0])
-    extra = {"DefaultTensorType": inits[first.input[1]].data_type}
+    dtype = next(inits[n.input[1]].data_type for _, g, inits in graphs(prepared) for n in g.node if n.name == nodes[0])
     return _onnxruntime(prepared, weights, activations, calibration, block_size, per_channel,
-                        dict(nodes_to_quantize=nodes, nodes_to_exclude=keep_float, extra_options=extra))
+                        dict(nodes_to_quantize=nodes, nodes_to_exclude=keep_float,
+                             extra_options={"DefaultTensorType": dtype}))
 
 
 def run_plain(model: onnx.ModelProto, weights: str, activations: Optional[str], *,
               calibration: Optional[Rows] = None, block_size: int = 128, per_channel: bool = False) -> onnx.ModelProto:
-    """Plain onnxruntime: its quantizer for the scheme on the model as given, with no node
-    selection and nothing prepared (`scheme_name(..., plain=True)` says the call): the reference --rotate auto
-    reports beside its candidates."""
+    """Plain onnxruntime: its quantizer for the scheme on the model as given, no node selection (the
+    call `scheme_name(..., plain=True)` says): the reference --rotate auto reports."""
     return _onnxruntime(model, weights, activations, calibration, block_size, per_channel, {})
 
 
@@ -279,13 +245,8 @@ def _root_logger_kept():
 
 
 def op_counts(model: onnx.ModelProto) -> Counter:
-    """Op kind -> count over the main graph and its branches (`branch_op_counts`: by graph)."""
-    return sum(branch_op_counts(model).values(), Counter())
-
-
-def branch_op_counts(model: onnx.ModelProto) -> dict[str, Counter]:
-    """Op kind -> count in each graph (linear_layers.graphs' where: "main graph", then each branch)."""
-    return {where: Counter(n.op_type for n in g.node) for where, g, _ in graphs(model)}
+    """Op kind -> count over the main graph and its branches."""
+    return Counter(n.op_type for _, g, _ in graphs(model) for n in g.node)
 
 
 def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows, original_file=None) -> dict:
@@ -295,12 +256,6 @@ def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows, o
     session then reads (no serialized copy of the model in memory)."""
     names = [o.name for o in original.graph.output]
     return streamed_errors(names, calibration_io.paired_runs(original_file or original, quantized, rows.runs()))
-
-
-def made_up_rows(original: onnx.ModelProto, dims=None) -> Rows:
-    """Inputs the verification makes up (verify.original_run), as Rows."""
-    _, feeds, _ = verify.original_run(original, dims=dims)
-    return Rows(feeds)
 
 
 def branches_taken(model: onnx.ModelProto, rows: Rows) -> Optional[str]:
@@ -324,14 +279,6 @@ def branches_taken(model: onnx.ModelProto, rows: Rows) -> Optional[str]:
     return "; ".join(said) or None
 
 
-def measurement_rows(model: onnx.ModelProto, inputs, calibrate, weights: str, activations: Optional[str],
-                     dims) -> Measured:
-    """passes/quantize.measurement over the user's .npz files (or made-up inputs)."""
-    load = lambda f, what: synth.load_rows(f, model, what) if f is not None else None  # noqa: E731
-    return measurement(load(inputs, "inputs"), load(calibrate, "calibration inputs"), calibrates(weights, activations),
-                       lambda: made_up_rows(model, dims))
-
-
 def quantize_model(model, *, weights: str = "int8", activations: Optional[str] = None, calibrate=None,
                    rotate: Optional[str] = None, seed: int = 0, block_size: int = 128, per_channel: bool = False,
                    fold: bool = True, gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
@@ -339,25 +286,18 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
                    verify: bool = True, progress: Progress = None) -> QuantizeResult:
     """Fold `model` exactly, then quantize it with onnxruntime's quantizer; NOT exact.
 
-    `weights` "int8" (with `activations=None`: onnxruntime's quantize_dynamic) or "int4"
-    (MatMulNBitsQuantizer, weight-only, `block_size` along K); `activations="int8"` with
-    int8 weights: quantize_static, QDQ, calibrated on `calibrate` (an .npz path or a dict
-    name -> array; rows along the first axis, fed in the model's batch size; the second half is
-    held out to measure the error unless `inputs` are given: passes/calibration's one rule); with int4
-    weights, W4A8: MatMulNBits accuracy_level=4, whose CPU kernel quantizes the activations to int8 at
-    run time (nothing calibrates). `per_channel`: onnxruntime's
-    per-channel int8 weights. `rotate` ("hadamard", "orthogonal", their "-keep-ln" variants,
-    seeded by `seed`) rotates each folded stream after moving the norms' γ into their readers
-    (`gamma_into_readers`, default: with a rotation that rotates a stream), or keeps γ in float
-    beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized), leaving the
-    channels `spare_channels` unrotated (a trained LM's massive-activation channels);
-    `online_hadamard`: a Hadamard on the input of each layer that writes a stream, online and in
-    its weight (QuaRot's R4, exact; its MatMuls stay float); `rotate="auto"`
-    tries AUTO_CANDIDATES (the model as given, the fold, γ moved, each rotation, γ in float) and keeps the one with
-    the lowest relative RMS error on the measurement rows (passes/quantize.choose). `fold=False` hands the model to the
-    quantizer as given (plain onnxruntime, with the same Gemm rewrite and settings: the baseline).
-    `inputs` / `dims`: the measurement inputs (as for fold_onnx; `--calibrate` rows or made-up
-    ones otherwise). `verify=False` skips the fold's float64 verification.
+    `weights` "int8" (with `activations=None`: quantize_dynamic) or "int4" (MatMulNBitsQuantizer,
+    weight-only, `block_size` along K); `activations="int8"` with int8 weights: quantize_static, QDQ,
+    calibrated on `calibrate` (an .npz path or a dict name -> array, rows along the first axis; the
+    second half held out to measure the error unless `inputs` are given); with int4 weights, W4A8:
+    MatMulNBits accuracy_level=4, whose CPU kernel quantizes the activations at run time.
+    `per_channel`: onnxruntime's per-channel int8 weights. `rotate`, `seed`, `gamma_into_readers`
+    (default: with a rotation that rotates a stream), `gamma_in_float`, `spare_channels` and
+    `online_hadamard` are the fold's options (passes/options.OPTIONS); `rotate="auto"` quantizes each
+    candidate (passes/quantize.auto_candidates) and keeps the lowest error on the measurement rows.
+    `fold=False` hands the model to the quantizer as given (the baseline). `inputs` / `dims`: the
+    measurement inputs (as for fold_onnx; else `calibrate` rows or made-up ones). `verify=False`
+    skips the fold's float64 verification.
 
     Returns QuantizeResult(model, report, fold); report.exact is False.
     """
@@ -368,7 +308,9 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     model = as_model(model)
     check_branches(model, weights, activations)
     dims = check_verify_args(model, None, dims)[1]
-    m = measurement_rows(model, inputs, calibrate, weights, activations, dims)
+    load = lambda f, what: synth.load_rows(f, model, what) if f is not None else None  # noqa: E731
+    m = measurement(load(inputs, "inputs"), load(calibrate, "calibration inputs"), calibrates(weights, activations),
+                    lambda: calibration_io.rows_for(model, None, dims)[0])
     if (taken := branches_taken(model, m.rows)) is not None:
         m = replace(m, described=f"{m.described}; {taken}")
     m = bounded(m, calibration_io.row_output_bytes(given or model, m.rows))  # (an LM's logits: a row per run)
@@ -383,24 +325,19 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         return prepare(model, seed=seed, dims=dims, inputs=m.verification if verified else None,
                        verify=verified, **opts)
 
-    def quantize_prepared(prepared: Prepared, measured: bool = True) -> Quantized:
+    def quantize_prepared(prepared: Prepared, measured: bool = True, kept: bool = True) -> Quantized:
         quantized = run_quantizer(prepared.model, **scheme)
+        if not kept:  # a --rotate auto trial: its float model (the fold result's) dropped before its runs
+            prepared.model = None
+            if prepared.fold is not None:
+                prepared.fold.model = None
         return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, given) if measured
                          else {}, dict(op_counts(quantized)), quantized.ByteSize())
 
-    def tried(prepared: Prepared) -> Quantized:
-        """A --rotate auto candidate, quantized and measured, never kept: its float model (the fold
-        result's, the same one) dropped once quantized, before its runs."""
-        quantized = run_quantizer(prepared.model, **scheme)
-        prepared.model = None
-        if prepared.fold is not None:
-            prepared.fold.model = None
-        return Quantized(None, None, None, measure(model, quantized, m.rows, given), dict(op_counts(quantized)),
-                         quantized.ByteSize())
-
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(prepare_with, tried, lambda: _plain_trial(model, scheme, m, given), progress=progress,
+        q, trials = choose(prepare_with, lambda prepared: quantize_prepared(prepared, kept=False),
+                           lambda: _plain_trial(model, scheme, m, given), progress=progress,
                            candidates=auto_candidates("onnxruntime", spare_channels),
                            unmeasured=lambda prepared: quantize_prepared(prepared, measured=False))
         if verify:  # the chosen fold, verified like any fold
@@ -447,8 +384,7 @@ def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, given=None) 
     before, after = op_counts(model), op_counts(quantized)
     return {**trial(label, Quantized(None, quantized, None, errors, dict(after), quantized.ByteSize()),
                     rotate=None, plain=True),
-            "changed_ops": {k: [before.get(k, 0), after.get(k, 0)] for k in sorted(set(before) | set(after))
-                            if before.get(k, 0) != after.get(k, 0)}}
+            "changed_ops": {k: list(v) for k, v in changed_ops(before, after).items()}}
 
 
 def scheme_name(weights: str, activations: Optional[str], block_size: int, per_channel: bool,

@@ -1,15 +1,9 @@
 """Quantization as a stage after the exact fold, IR-neutral: its schemes, the `rotate="auto"`
 candidates and the choice over them, the error it reports and the report itself.
 
-    fold (exact, verified)  →  γ into the readers  →  rotate the stream  →  a quantizer (NOT exact)
-
-A frontend adapter (onnx_rewrite/quantize.py: onnxruntime's quantizers; fx_rewrite/quantize.py:
-torchao's or torch.ao's) prepares a candidate (folds with the options of AUTO_CANDIDATES), hands it
-to its quantizer, runs it on the measurement rows and gives `streamed_errors` the outputs, run by run. What is
-decided from those numbers is here: `choose` (passes/search.best_of: the lowest `score`, simpler
-candidates kept unless beaten by AUTO_MARGIN), the candidates' records and why one was kept, and
-`QuantizeReport`, which says the result is NOT exact and by how much. Nothing here imports onnx
-or torch.
+A frontend adapter (onnx_rewrite/quantize.py: onnxruntime; fx_rewrite/quantize.py: torchao or
+torch.ao) folds a candidate, runs its quantizer and feeds `streamed_errors` the outputs, run by
+run; every decision made from those numbers is here. Nothing here imports onnx or torch.
 """
 from __future__ import annotations
 
@@ -29,12 +23,9 @@ WEIGHTS = ("int8", "int4")
 ACTIVATIONS = ("int8",)
 AUTO = "auto"  # rotate="auto": the best of AUTO_CANDIDATES on the user's rows
 
-# rotate="auto"'s candidates, simplest first (a tie keeps the earlier): the adapters' fold options.
-# The model not folded is one of them (the quantizer on lnfold's selection: the linear layers,
-# seen as the constants they are), so that the choice is never worse than the same quantization
-# without the fold on the rows it is judged on. Plain onnxruntime (its quantizer on the model as
-# given, every op it takes) is measured beside them as a reference, never chosen: it quantizes
-# other ops than lnfold says it quantizes (issue 45 item 9).
+# rotate="auto"'s candidates, simplest first (a tie keeps the earlier). The model not folded is one
+# of them, so the choice is never worse than the same quantization without the fold on its rows.
+# Plain onnxruntime is measured beside them, never chosen: it quantizes other ops than lnfold's.
 def auto_candidates(quantizer: str, spare_channels: Optional[tuple] = None) -> tuple:
     """(label, fold options) of each rotate="auto" candidate, for `quantizer` ("onnxruntime"); with
     `spare_channels` (the user's), one more: the rotation that spares them, γ in float."""
@@ -69,11 +60,9 @@ NOT_FOLDED = AUTO_CANDIDATES[0][0]
 # few held-out rows rank near-equal candidates by chance (measured on MiniLM: 2% apart, reversed
 # on other rows)
 AUTO_MARGIN = 0.05
-# ... and a candidate whose file is over this multiple of the smallest candidate's only where its
-# error falls by at least the factor its file grows (error x growth <= the lowest error within the
-# slack): a rotation whose stream no weight absorbs keeps d×d MatMuls in float (issue 45: 3.6x the
-# int8 size for a 9 % error gain), while γ moved out of outlier activations can cut the error 20x
-# for a few bias vectors. The model as given is always eligible.
+# ... and a candidate whose file is over this multiple of the smallest one's only where its error
+# falls by at least the factor its file grows: a rotation no weight absorbs keeps d×d MatMuls in
+# float (3.6x the int8 size for a 9 % error gain). The model as given is always eligible.
 AUTO_SIZE_SLACK = 1.10
 
 
@@ -155,13 +144,11 @@ class Folded:
 def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rotate: Optional[str] = None,
                        gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
                        spare_channels: Optional[tuple] = None, online_hadamard: bool = False) -> Folded:
-    """The exact step in front of a quantizer, for both adapters: `run(**fold options)` (the
-    FoldOptions keywords gamma_into_readers, rotate, gamma_in_float, spare_channels, online_hadamard)
-    is the frontend's fold. γ moves
-    with a rotation by default; a rotation that rotates no stream is folded again with γ left in the
-    norms unless `gamma_into_readers=True` asks for it (γ moved alone made weight quantization worse,
-    issue 33). A model with nothing to fold goes to the
-    quantizer as given (said in a note) unless a rotation or γ's move was asked for."""
+    """The exact step in front of a quantizer, for both adapters: `run(**fold options)` is the
+    frontend's fold. γ moves with a rotation by default; a rotation that rotates no stream is folded
+    again with γ left in the norms unless asked for (γ moved alone makes weight quantization worse).
+    A model with nothing to fold goes to the quantizer as given (said in a note) unless a rotation or
+    γ's move was asked for."""
     gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
     if rotate and not gamma:
         raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
@@ -192,25 +179,16 @@ def _is_scores(output: str) -> bool:
     return "logit" in low or "prob" in low or "score" in low or low == "output"
 
 
-def _is_logits(output: str) -> bool:
-    """An output of logits (its softmax the predicted distribution): its error is the KL divergence."""
-    return "logit" in output.lower()
-
-
 def output_errors(names, reference, got) -> dict:
     """Per float output: passes/metric's relative RMS and max relative error of `got` against
-    `reference` (positions where the reference is not finite left out and counted), and, for
-    outputs that score classes (logits), the share of rows whose argmax agrees, and, for logits, the
-    mean KL divergence of the candidate's softmax from the reference's (nats per row). One batch:
-    `streamed_errors` over one (reference, got) pair."""
+    `reference`, for outputs that score classes the share of rows whose argmax agrees, and for
+    logits the mean KL divergence of the candidate's softmax from the reference's (nats per row)."""
     return streamed_errors(names, [(reference, got)])
 
 
 def streamed_errors(names, batches: Iterable[tuple]) -> dict:
-    """`output_errors` accumulated over `batches`, each (reference outputs, candidate outputs) of
-    one run of the rows (passes/metric.RunningErrors): the same numbers, to the bit, as on the
-    batches joined, with one batch's outputs alive at a time (a generator's: each pair is dropped
-    before the next is made)."""
+    """`output_errors` accumulated over `batches` of (reference outputs, candidate outputs): the same
+    numbers, to the bit, as on the batches joined, with one batch's outputs alive at a time."""
     names = list(names)
     running = metric.RunningErrors(lambda k: k < len(names) and _is_scores(names[k]))
     for pair in batches:
@@ -225,7 +203,7 @@ def streamed_errors(names, batches: Iterable[tuple]) -> dict:
             entry["nonfinite_ref"] = e.nonfinite_ref
         if top1 is not None:
             entry["top1_agreement"] = top1
-        if kl is not None and _is_logits(name):
+        if kl is not None and "logit" in name.lower():  # (a softmax over logits is a distribution)
             entry["kl"] = kl if e.finite else math.inf
         errors[name] = entry
     return errors
@@ -259,8 +237,7 @@ def worst_max(errors: dict) -> float:
 
 @dataclass
 class Quantized:
-    """One candidate, prepared by an adapter, quantized and measured: `prepared` the adapter's
-    float artifact (with its fold), `quantized` the quantizer's, `ops` / `bytes` the quantized one's."""
+    """One candidate, prepared by an adapter (`prepared`, with its fold), quantized and measured."""
 
     prepared: Any
     quantized: Any
@@ -270,6 +247,12 @@ class Quantized:
     bytes: Optional[int]
 
 
+def changed_ops(before: dict, after: dict) -> dict:
+    """op kind -> (before, after) for the kinds whose count the quantizer changed."""
+    return {k: (before.get(k, 0), after.get(k, 0)) for k in sorted(set(before) | set(after))
+            if before.get(k, 0) != after.get(k, 0)}
+
+
 def trial(candidate: str, q: Quantized, **extra) -> dict:
     """A measured candidate's record in the report (QuantizeReport.candidates); `extra` after its name."""
     return {"candidate": candidate, **extra, "score": score(q.errors), "rel_rms": worst_rel_rms(q.errors),
@@ -277,20 +260,16 @@ def trial(candidate: str, q: Quantized, **extra) -> dict:
 
 
 def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
-           plain: Optional[Callable[[], dict]] = None, candidates=AUTO_CANDIDATES, margin: float = AUTO_MARGIN,
+           plain: Optional[Callable[[], dict]] = None, candidates=AUTO_CANDIDATES,
            plain_name: str = "plain onnxruntime", progress: Progress = None,
            unmeasured: Optional[Callable[[Any], Quantized]] = None) -> tuple[Quantized, list[dict]]:
-    """rotate="auto": each candidate's fold options given to `prepare` (an adapter's float artifact
-    with its `.fold`, unverified; an LnfoldError skips the candidate), `quantize` (quantize and
-    measure it), then search.best_of (lowest `score`, simpler ones kept unless beaten by `margin`; a
-    NaN never chosen) over the candidates whose file is at most AUTO_SIZE_SLACK x the smallest one's
-    (the first, the model as given, always eligible). A rotation that rotates no stream, or γ moved
-    where none can move, is the fold again: skipped unquantized. `plain()`: a reference trial record,
-    measured after and never chosen. The chosen candidate is made again (prepare and quantize are
-    deterministic): by `unmeasured` where given (the adapter's quantize without measuring: it takes
-    the errors measured when it was tried; `quantize` then only ever sees candidates that are not
-    kept, and may drop their float artifact once quantized), else by `quantize`. Returns (the chosen
-    Quantized, every trial record; the chosen one has "chosen": True and "why")."""
+    """rotate="auto": each candidate's fold options given to `prepare` (unverified; an LnfoldError
+    skips it), then `quantize` (quantize and measure), then search.best_of over the candidates within
+    the size rule. A candidate that folds the same as a simpler one is skipped unquantized. `plain()`:
+    a reference trial record, never chosen. Only one candidate is alive at a time, so the chosen one
+    is made again: by `unmeasured` where given (taking the errors of its trial: `quantize` may then
+    drop its float artifact), else by `quantize`. Returns (the chosen Quantized, every trial record;
+    the chosen one has "chosen": True and "why")."""
     made: dict[int, Quantized] = {}  # each candidate's measurements, its artifacts dropped
     skipped: dict[int, str] = {}
     for k, (label, opts) in enumerate(candidates):  # one candidate's artifacts in memory at a time
@@ -333,7 +312,7 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
                               "a lower error does not pay for a bigger model")
         return error
 
-    best = search.best_of(range(len(candidates)), scored, margin)
+    best = search.best_of(range(len(candidates)), scored, AUTO_MARGIN)
     trials = []
     for t in best.trials:
         label, opts = candidates[t.index]
@@ -349,7 +328,7 @@ def choose(prepare: Callable[[dict], Any], quantize: Callable[[Any], Quantized],
         plain_score = trials[-1].get("score")
     chosen["why"] = (f"{chosen['candidate']}: the lowest {score_name(made[best.index].errors)} ({chosen['score']:.3g}) of "
                      f"{counted} candidates on the measurement rows, simpler ones kept "
-                     f"unless beaten by over {margin:.0%}, a bigger file only for a lower error in proportion"
+                     f"unless beaten by over {AUTO_MARGIN:.0%}, a bigger file only for a lower error in proportion"
                      + (f" (not folded: {base:.3g})" if base is not None and chosen is not trials[0] else "")
                      + (f"; {plain_name}, for reference: {plain_score:.3g}" if plain_score is not None else ""))
     # the chosen one made again (prepare and quantize are deterministic): the others were never all kept
@@ -397,9 +376,8 @@ def measurement(inputs: Optional[Rows], calibration: Optional[Rows], calibrating
 
 def bounded(m: Measured, row_bytes: Optional[int]) -> Measured:
     """`m` with its measurement rows run so that a run's outputs stay about RUN_OUTPUT_BYTES
-    (`Rows.bounded`; `row_bytes`: one row's outputs, as the frontend ran it) and the fold verified on
-    the first such run: the memory of measuring (and verifying) a candidate no longer grows with the
-    rows. The rows that calibrate are not touched."""
+    (`Rows.bounded`; `row_bytes`: one row's outputs) and the fold verified on the first such run: the
+    memory of measuring a candidate no longer grows with the rows. The calibration rows are kept."""
     rows = m.rows.bounded(row_bytes)
     if rows is m.rows:
         return m
@@ -438,10 +416,8 @@ class QuantizeReport:
     error_inputs: str  # what they were measured on
     notes: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
-    # rotate="auto": every candidate tried ({"candidate", "score" (what auto minimizes: the worst
-    # output's KL of logits, else relative RMS error: `score`), "rel_rms", "max_rel_err", "ops" (the quantized model's op counts), "bytes"} or {"candidate",
-    # "skipped"}) and the one kept, with why; last, plain onnxruntime's quantizer on the model as
-    # given ("plain": True), a reference never chosen
+    # rotate="auto": every candidate's `trial` record (or {"candidate", "skipped"}), the one kept with
+    # why; last, the plain quantizer on the model as given ("plain": True), a reference never chosen
     candidates: list = field(default_factory=list)
     chosen: Optional[str] = None
     exact: bool = False  # quantization is not exact: see `errors`
@@ -455,10 +431,7 @@ class QuantizeReport:
         return worst_rel_rms(self.errors)
 
     def changed_ops(self) -> dict:
-        """op kind -> (before, after) for the kinds whose count the quantizer changed."""
-        kinds = sorted(set(self.ops_before) | set(self.ops_after))
-        return {k: (self.ops_before.get(k, 0), self.ops_after.get(k, 0)) for k in kinds
-                if self.ops_before.get(k, 0) != self.ops_after.get(k, 0)}
+        return changed_ops(self.ops_before, self.ops_after)
 
     def fold_line(self) -> str:
         if self.fold_verified is None:

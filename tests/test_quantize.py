@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 import lnfold
 from lnfold.onnx_rewrite import cli, quantize as q
-from lnfold.onnx_rewrite import verify
+from lnfold.onnx_rewrite import calibration as calibration_io, verify
 from lnfold.onnx_rewrite.linear_layers import gemm_to_matmul
 from lnfold.passes import LnfoldError
 
@@ -143,7 +143,7 @@ def test_the_error_measure_sees_a_broken_quantization():
     w = next(t for t in broken.graph.initializer if t.name == mmi.input[1])
     w.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(w)), w.name))
     original = onnx.load(str(OPTIMUM))
-    errs = q.measure(original, broken, q.made_up_rows(original))
+    errs = q.measure(original, broken, calibration_io.rows_for(original, None)[0])
     assert errs["logits"]["max_rel_err"] > 10 * result.report.max_rel_err
 
 
