@@ -24,8 +24,7 @@ QUIET.log_severity_level = 4
 class Source:
     """A model as given, a ModelProto or a path, read at most once: its graph without external
     weights (`skeleton`) first, the weights (`proto`) only if something needs them. `parsed`: the
-    caller's copy of the file, never written here (the skeleton, and the proto where it holds every
-    weight)."""
+    caller's copy of the file, never written here."""
 
     def __init__(self, model: ModelLike, parsed: Optional[onnx.ModelProto] = None) -> None:
         self.path = None if isinstance(model, onnx.ModelProto) else str(model)
@@ -57,22 +56,23 @@ class Source:
 
 
 def in_background(name: str, fn: Callable, *args, **kwargs) -> Future:
-    """`fn(*args, **kwargs)`'s Future, run in a thread of its own (onnxruntime and numpy release
-    the GIL: verification's runs overlap the fold's other work)."""
+    """`fn(*args, **kwargs)` in a thread of its own (onnxruntime and numpy release the GIL)."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lnfold-{name}")
     future = pool.submit(fn, *args, **kwargs)
     pool.shutdown(wait=False)
     return future
 
 
+_PROVIDERS = ["CPUExecutionProvider"]
+
+
 def session(model: Union[ModelLike, Source], outputs=()) -> ort.InferenceSession:
     """An onnxruntime session of `model`; `outputs`: tensors it also outputs (those it does not
-    output already). onnxruntime reads a file itself; a ModelProto (or a model given extra outputs)
-    is written to a temporary file for it to read (`_from_file`)."""
+    output already)."""
     so = ort.SessionOptions()
     so.log_severity_level = 4  # failures raise; ERROR logs would only repeat them on stderr
     # a run or two per session: threads spinning between ops would only take the CPU from the
-    # fold's other work (the original's runs overlap the fold's editing: OnnxFrontend.apply)
+    # fold's other work, which the original's runs overlap
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     model = Source.of(model)
     if model.path is not None and not outputs:
@@ -80,15 +80,10 @@ def session(model: Union[ModelLike, Source], outputs=()) -> ort.InferenceSession
     return _from_file(model.proto, outputs, so)
 
 
-_PROVIDERS = ["CPUExecutionProvider"]
-
-
 def _from_file(model: onnx.ModelProto, outputs, so: ort.SessionOptions) -> ort.InferenceSession:
-    """`model`'s session (with `outputs`), onnxruntime reading it from a temporary file, in memory
-    once (issue 47): its bytes handed to onnxruntime would be copied into a C++ string beside them,
-    parsed beside both, and kept by its Python session for its whole life; from a file it parses
-    as it reads. Errors say what they would of the bytes (not the file's name); where no temporary
-    file can be written, the bytes all the same."""
+    """`model`'s session (with `outputs`), read from a temporary file: bytes handed to onnxruntime
+    would be copied into a C++ string, parsed beside it and kept for the session's life. Errors say
+    what they would of the bytes; where no temporary file can be written, the bytes all the same."""
     try:
         with tempfile.TemporaryDirectory(prefix="lnfold-") as folder:
             path = os.path.join(folder, "model.onnx")
@@ -111,8 +106,7 @@ def _from_file(model: onnx.ModelProto, outputs, so: ort.SessionOptions) -> ort.I
 
 def _more_outputs(model: onnx.ModelProto, names) -> bytes:
     """A serialized ModelProto holding only `names` as graph outputs (those `model` lacks): appended
-    to `model`'s bytes, protobuf's parser merges it in (repeated fields are concatenated), so that
-    the model with these outputs is never a second copy of its weights (`with_outputs`)."""
+    to `model`'s bytes, protobuf's parser merges it in, with no second copy of the weights."""
     have = {o.name for o in model.graph.output}
     extra = [onnx.ValueInfoProto(name=n) for n in dict.fromkeys(names) if n not in have]
     return onnx.ModelProto(graph=onnx.GraphProto(output=extra)).SerializeToString() if extra else b""
@@ -122,8 +116,7 @@ def with_outputs(model: onnx.ModelProto, names) -> onnx.ModelProto:
     """A copy of `model` that also outputs the tensors `names` (those it does not output already)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
-    have = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have)
+    m.MergeFromString(_more_outputs(model, names))
     return m
 
 
@@ -148,8 +141,7 @@ def graph_reads(graph: onnx.GraphProto) -> set[str]:
 def pruned(model: onnx.ModelProto, names) -> onnx.ModelProto:
     """A model that computes the tensors `names` (its only outputs) and nothing else: the nodes they
     need and the constants those read (a node's subgraphs' outer reads too). onnxruntime runs every
-    node of a graph, wanted or not, so capturing an LM's stream tensors need not run its head (nor,
-    for an early block's, the blocks after it)."""
+    node of a graph, wanted or not: capturing an LM's stream tensors need not run its head."""
     graph = model.graph
     need, keep = set(names), []
     for node in reversed(graph.node):
@@ -181,11 +173,10 @@ def skeleton_of(model: Union[ModelLike, Source]) -> onnx.ModelProto:
 
 class Runner:
     """Runs one model: in onnxruntime, or with onnx's reference evaluator where onnxruntime
-    refuses to load it. `outputs`: tensors it also outputs (`session`). `release()` drops the
-    session once the runs are done: `sess` then holds RELEASED (it ran in onnxruntime)."""
+    refuses to load it. `outputs`: tensors it also outputs (`session`)."""
 
     def __init__(self, model: ModelLike, *, allow_reference: bool = False, outputs=()) -> None:
-        self.model, self.load_error, self.refusal = model, None, None
+        self.load_error, self.refusal = None, None
         try:
             self.sess = session(model, outputs)
             self.names = [o.name for o in self.sess.get_outputs()]
@@ -203,14 +194,12 @@ class Runner:
         return [np.asarray(x) for x in self.ref.run(None, feeds)]
 
     def release(self) -> None:
-        """Drop the onnxruntime session, and its copy of the model's weights, where one was made."""
+        """Drop the onnxruntime session and its copy of the weights; `sess` then tells it ran there."""
         if self.sess is not None:
             self.sess = RELEASED
 
 
 class _Released:
-    """`Runner.sess` once released: the model ran in onnxruntime; it runs no more."""
-
     def run(self, *args, **kwargs):
         raise RuntimeError("this model's onnxruntime session was released after its runs")
 
@@ -226,9 +215,8 @@ def reference(model: onnx.ModelProto):
 
 def _named_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model`, or a copy whose unnamed outputs before a named one get names: onnx's evaluator stores
-    every output a node returns under its name, so a SkipSimplifiedLayerNormalization's unnamed mean
-    and 1/rms (outputs 1, 2 before the sum) became the value of '', which every absent optional input
-    of a later node then read (a GroupQueryAttention got them as its position_ids)."""
+    every output under its name, so an unnamed one (SkipSimplifiedLayerNormalization's mean) became
+    the value of '', which every absent optional input of a later node then read."""
     def gapped(n: onnx.NodeProto) -> bool:
         return any(not o for o in n.output[:-1])
 
@@ -245,8 +233,7 @@ def _named_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def contrib_ops() -> list:
     """Ops onnx's reference evaluator lacks (onnxruntime's RMSNorm ops and GroupQueryAttention,
-    tf2onnx's Erfc), or rounds to float32 (Erf, Gelu: `np.vectorize(erf, otypes=["f"])`, a float32 error in every GELU of a
-    float64 copy)."""
+    tf2onnx's Erfc), or rounds to float32 (Erf, Gelu: a float32 error in every GELU of a float64 copy)."""
     from onnx.reference.op_run import OpRun
 
     def root_mean_square(x, axis, eps):
@@ -254,30 +241,27 @@ def contrib_ops() -> list:
         axes = tuple(range(axis % x.ndim, x.ndim))
         return np.sqrt(np.mean(np.square(x.astype(np.float64)), axis=axes, keepdims=True) + eps)
 
-    def rms(x, gamma, axis, eps, root=None):
-        root = root_mean_square(x, axis, eps) if root is None else root
+    def rms(x, gamma, root):
         return (x / root * gamma).astype(x.dtype)
 
     class SimplifiedLayerNormalization(OpRun):
         op_domain = ""
 
         def _run(self, x, gamma, axis=-1, epsilon=1e-5, stash_type=1):
-            return (rms(x, gamma, axis, epsilon),)
+            return (rms(x, gamma, root_mean_square(x, axis, epsilon)),)
 
     class SkipSimplifiedLayerNormalization(OpRun):
         op_domain = "com.microsoft"
 
         def _run(self, x, skip, gamma, bias=None, epsilon=1e-5):
             s = x + skip + (bias if bias is not None else 0)
-            # every output as onnxruntime writes it (onnx's evaluator refuses a None, even for an output
-            # no node names): the mean, 0 (an RMSNorm subtracts none), and 1/rms, both float (its type U)
+            # every output (onnx's evaluator refuses a None, even for an unnamed output): mean 0, 1/rms
             root = root_mean_square(s, -1, epsilon)
             zero_mean, inv_rms = np.zeros(root.shape, np.float32), (1 / root).astype(np.float32)
-            return (rms(s, gamma, -1, epsilon, root), zero_mean, inv_rms, s)
+            return (rms(s, gamma, root), zero_mean, inv_rms, s)
 
     class Erfc(OpRun):
-        """tf2onnx's GELU, 0.5 x erfc(-x/√2), writes Erfc, no ONNX op: computed as erfc, exact where
-        1 - erf(x) would cancel."""
+        """tf2onnx's GELU, 0.5 x erfc(-x/√2): computed as erfc, exact where 1 - erf(x) would cancel."""
         op_domain = ""
 
         def _run(self, x):
@@ -290,8 +274,7 @@ def contrib_ops() -> list:
             return (_ERF(x).astype(x.dtype),)
 
     class Gelu(OpRun):
-        """Opset 20's Gelu: onnx runs its function body, whose Erf is its own float32 one (the
-        override above does not reach into function bodies), element by element."""
+        """Opset 20's Gelu: onnx would run its function body, whose Erf is onnx's float32 one."""
         op_domain = ""
 
         def _run(self, x, approximate="none"):
@@ -339,9 +322,8 @@ def first_line(e: BaseException) -> str:
 
 
 def refusal_kind(e: BaseException) -> str:
-    """The kind of onnxruntime's reason for refusing to load a model: without the file it was loaded
-    from and without the names of the node and tensor it stopped at (the first in its order: a
-    fold that moves nodes makes it stop at another Cast with the same wrong declared type)."""
+    """The kind of onnxruntime's reason for refusing to load a model, without the file and the node
+    and tensor names it stopped at (a fold that moves nodes makes it stop at another of the same)."""
     text = re.sub(r"^(\[ONNXRuntimeError\] : \d+ : \w+ : )?Load model (from .*? )?failed:\s*", "",
                   " ".join(str(e).split()))
     return re.sub(r"\b(arg|node|Node) \([^()]*\)", r"\1 (…)", text)

@@ -1,20 +1,14 @@
 """The branches of an If, folded with the main graph as one (Optimum's merged decoders).
 
-Optimum's `decoder_model_merged.onnx` is one `If(use_cache_branch)` whose two branches hold the
-whole decoder twice and share the outer graph's initializers: folding one branch alone would edit
-weights the other reads. So the branches of every top-level If join the one stream view, each under
-its own scope (`<If name>/then_branch::<name>`). Outer names stay unscoped: a shared weight is one
-value read in both branches (edited once where every reader is centered alike, cloned where one
-needs the original: THEORY §1). A branch's outputs leave through the If, so stream tensors among
-them block as graph outputs do. Shapes are inferred per branch (outer names as its inputs).
-
-Emission: the constant edits and new biases once for all scopes, then one `Emitter` per scope for
-its swaps and recenters; on export, the initializers graphsurgeon copies into each branch go back
-to the main graph, once.
+Optimum's merged decoder is one `If(use_cache_branch)` whose two branches share the outer graph's
+initializers: folding one branch alone would edit weights the other reads. So the branches of every
+top-level If join the one stream view, each under its own scope (`<If name>/then_branch::<name>`);
+outer names stay unscoped, so a shared weight is one value read in both. A branch's outputs leave
+through the If: stream tensors among them block as graph outputs do.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -25,6 +19,7 @@ from ..passes import Node, Plan, View
 from ..passes.rules import rule
 
 from . import crms
+from .sessions import graph_reads
 from .shapes import infer_shapes, infer_types
 
 SEP = "::"
@@ -37,8 +32,8 @@ class Scope:
     prefix: str
     graph: gs.Graph
     info: object  # classify.GraphInfo of the branch
-    matches: dict = field(default_factory=dict)  # unscoped name -> NormMatch
-    outer: set = field(default_factory=set)
+    matches: dict  # unscoped name -> NormMatch
+    outer: set
 
     def scoped(self, name: str) -> str:
         return name if not name or name in self.outer else f"{self.prefix}{SEP}{name}"
@@ -54,7 +49,8 @@ def _branch_model(model: onnx.ModelProto, branch: onnx.GraphProto, outer: set, t
     """A branch as a standalone model for shape inference: the outer names it reads become typed
     inputs (small initializers stay, their values matter: Reshape shapes, axes)."""
     g = model.graph
-    used = {i for n in branch.node for i in n.input} | _nested_reads(branch)
+    used = graph_reads(branch)
+
     def small(t: onnx.TensorProto) -> bool:
         return int(np.prod(t.dims)) <= 4096 and t.data_location != onnx.TensorProto.EXTERNAL
 
@@ -70,15 +66,6 @@ def _branch_model(model: onnx.ModelProto, branch: onnx.GraphProto, outer: set, t
     return m
 
 
-def _nested_reads(graph: onnx.GraphProto) -> set:
-    out: set = set()
-    for n in graph.node:
-        for a in n.attribute:
-            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                out |= {i for m in sub.node for i in m.input} | _nested_reads(sub)
-    return out
-
-
 def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: int, rms: bool = False
                     ) -> list[Scope]:
     """Add the nodes of every top-level If's branches to `view`, scoped; returns the scopes. `rms`:
@@ -91,10 +78,10 @@ def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: 
     g = model.graph
     outer = ({t.name for t in g.initializer} | {t.name for t in g.input} | {o for n in g.node for o in n.output}
              | {t.name for t in g.sparse_initializer})
-    types = {vi.name: vi for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output)}
-    if any(o not in types for n in model.graph.node if n.op_type != "If" for o in n.output):
+    types = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    if any(o not in types for n in g.node if n.op_type != "If" for o in n.output):
         types = {**infer_types(model), **types}  # main-graph tensors the branches read need types
-    protos = list(model.graph.node)
+    protos = list(g.node)
     scopes: list[Scope] = []
     seen = {n.name for n in graph.nodes}  # node names unique across the main graph and all branches
     for k, node in ifs:
