@@ -1,77 +1,69 @@
 """What an op means for the stream, written once for every IR.
 
-A frontend names each of its ops in this vocabulary (one table row per op: ATen
-`aten.permute.default` -> `Rule("permute", perm=...)`, ONNX `Transpose` -> the same) with the
-attributes decoded and the input positions given as indices into the view node's inputs. It
-decides nothing: `Rule.answers(view, node)` derives every node's transfer / backward / centering /
-channel_scale / invariant answers, and what deferred normalization and CRMSNorm ask (`linear`
-readers, `layout` and `regroups` ops, `width_refs`), from its rule and the shapes in the view
-(passes/view.py says what each answer means).
+A frontend names each op in this vocabulary (ATen `aten.permute.default` and ONNX `Transpose`
+both become `Rule("permute", perm=...)`), attributes decoded, inputs given as indices into the
+view node's inputs. It decides nothing: `Rule.answers(view, node)` derives every answer the
+analysis, deferral and CRMSNorm ask (passes/view.py says what each means) from the rule and the
+shapes in the view.
 
 Vocabulary (params; `data` and friends are view input indices, axes are non-negative):
 
 - `elementwise(data, op)`      same shape, value-wise (identity, float cast, neg, eval dropout)
 - `broadcast(data, minus, sizes, slot, fixed)` numpy-broadcast sum of the `data` inputs (add,
-                               sub, expand); `minus` lists the subtracted ones; an expand spells
-                               its output sizes (see `reshape`)
+                               sub, expand), `minus` the subtracted ones; an expand spells its
+                               output sizes (see `reshape`)
 - `scale(operands, divide)`    operands[0] * or / operands[1] (None: a Python number)
 - `pow(data, exponent)`, `sqrt(data)`, `rsqrt(data)`, `reciprocal(data)`: opaque, named for
                                passes/patterns.py
-- `reshape(data, axis_map, sizes, slot, fixed)` view/reshape/flatten/squeeze/unsqueeze (read
-                               from the shapes; `axis_map` {input axis: output axis}: what the
+- `reshape(data, axis_map, sizes, slot, fixed)` view/reshape/flatten/squeeze/unsqueeze, read
+                               from the shapes (`axis_map` {input axis: output axis}: what the
                                frontend proved from a target shape computed at run time).
-                               `sizes`: the target sizes as spelled (int, -1, a `SizeOf`: read
-                               at run time from a tensor's shape, None: not known), at the
-                               frontend's key `slot`; no sizes: the op spells none (flatten,
-                               squeeze), unless `fixed` (taken from another tensor)
+                               `sizes`: the target as spelled (int, -1, a `SizeOf` read at run
+                               time from a tensor's shape, None: unknown) at the frontend's key
+                               `slot`; without, the op spells none (flatten), unless `fixed`
+                               (taken from another tensor)
 - `permute(data, perm)`        output axis k is input axis perm[k]
-- `along(data, outs, axes, starts, partition)` every axis in place; acts only along `axes`
-                               (slice, concat, split, roll, flip, index_select); axes None:
-                               unknown; `starts`: a step-1 slice's start along its one axis, as
-                               spelled; `partition`: the outputs tile the input (split)
+- `along(data, outs, axes, starts, partition)` every axis in place, acting only along `axes`
+                               (None: unknown): slice, concat, split, roll, flip, index_select;
+                               `starts`: a step-1 slice's start along its one axis, as spelled;
+                               `partition`: the outputs tile the input in order (split)
 - `pad(data, axes, zero)`      pad along `axes` with zeros or copied rows (`zero` False: another
                                constant)
-- `take(data, start, stop, q, outs)` input axes [start, stop) become q index axes (gather,
-                               index, select/unbind with q = 0)
+- `take(data, start, stop, q, outs, index)` input axes [start, stop) become q index axes
+                               (gather, index; select/unbind: q = 0, `index` each output's)
 - `gather_rows(data, index, axis)` out[.., t, .., f] = x[.., index[.., t, .., f], .., f]
                                (GatherElements, torch.gather)
-- `tile(data, axes)`            repeat/Tile: copies along the output `axes` (new leading axes too),
+- `tile(data, axes)`           repeat/Tile: copies along the output `axes` (new leading axes too),
                                the input right-aligned (None: not known)
-- `resample(data, axes, sizes, slot, fixed)` interpolation (nearest, linear, cubic) along `axes`,
-                               every axis in place; `sizes`: its output sizes where it spells
-                               them (see `reshape`; by scales: none)
-- `zero_rows(data, mask)`       masked_fill(x, mask, 0): where `mask` is one value along an axis,
-                               whole rows along it are x's or zeros
+- `resample(data, axes, sizes, slot, fixed)` interpolation along `axes`, every axis in place;
+                               `sizes` where it spells them (see `reshape`; by scales: none)
+- `zero_rows(data, mask)`      masked_fill(x, mask, 0)
 - `reduce(data, axes, keepdims, op)` mean/sum over `axes` (None: not known)
 - `invariant_along(data, axis)` softmax / argmax over `axis`
 - `metadata(sized, reads, sizes_of)` reads shapes or dtypes only (`sized`: its result depends on
-                               the sizes: Shape, a size assert; `reads`: the input axes whose
-                               sizes the graph uses other than as an op's output size, None: any;
-                               `sizes_of`: those whose sizes it uses as an op's output size)
-- `clamp(data, lo, hi, dtype)`  transparent only as an overflow guard (passes/guards.py)
+                               the sizes; `reads`: the input axes whose sizes the graph uses other
+                               than as an op's output size, None: any; `sizes_of`: those it uses
+                               as an op's output size)
+- `clamp(data, lo, hi, dtype)` transparent only as an overflow guard (passes/guards.py)
 - `nonfinite_test(data)`       isinf / isnan of the stream: invariant under the guard's assumption
-- `linear(weight, w_axis, bias, out_axis, data, in_axis, alpha, beta)` output axis `out_axis`
-                               (negative: from the end) holds the rows of `weight`'s axis `w_axis`
-                               (+ bias); input `data` is read along `in_axis`; alpha·x·W + beta·b
+- `linear(weight, w_axis, bias, out_axis, data, in_axis, alpha, beta, source)` output axis
+                               `out_axis` (negative: from the end) holds the rows of `weight`'s
+                               axis `w_axis` (+ bias); `data` is read along `in_axis`;
+                               alpha·x·W + beta·b; `source` False: a fused op that computes more
+                               from the product
 - `matmul(a, b, bias_after)`   a @ b, either side possibly a constant; `bias_after`: the frontend
                                emits a lone constant Add after it as the product's bias (ONNX)
-- `einsum(equation, operands)` a two-operand einsum (ONNX Einsum, torch.einsum); where one operand
-                               is a constant, each output axis whose letter only it carries holds
-                               its rows along that axis (Keras' and flax's attention projections)
+- `einsum(equation, operands)` a two-operand einsum (Keras' and flax's attention projections)
 - `embedding(table, q)`        rows of a constant table (or the sum of several: a list) looked up
                                by a rank-q index
 - `conv(weight, w_axis, bias, groups)` output channels are `weight`'s axis `w_axis`
 - `layer_norm(data, axes, gamma, beta, eps, stats_used, rejection, rms)` a LayerNorm op
-                               (`rejection`: a reason only its IR can see; `rms`: an RMSNorm
-                               as given, whose input need not be zero-mean)
-- `dequantized(stored)`         a float weight computed from integers of type `stored` ("int8":
-                               Cast -> Mul(scale), DequantizeLinear, MatMulInteger): opaque, no
-                               constant edit centers it; the report names the storage
-- `in_branch(op)`               the rule `op`, for an op of an inlined If branch
+                               (`rejection`: a reason only its IR can see; `rms`: an RMSNorm as
+                               given, whose input need not be zero-mean)
+- `dequantized(stored)`        a float weight computed from integers of type `stored` ("int8"):
+                               opaque, as no constant edit centers it
+- `in_branch(op)`              the rule `op`, for an op of an inlined If branch
                                (onnx_rewrite/subgraphs.py): only the answers its emitter applies
-
-Derived for deferral and CRMS: `layout` (moves or copies elements only: identity/cast/dropout,
-expand, reshape, permute, along, pad, take), `regroups` (reshape), `linear` (linear, matmul).
 """
 from __future__ import annotations
 
@@ -91,20 +83,16 @@ class Rule:
     params: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return " ".join([self.kind] + [f"{k}={_text(v)}" for k, v in self.params.items()])
+        return " ".join([self.kind] + [f"{k}=({v})" if isinstance(v, Rule) else f"{k}={v!r}"
+                                       for k, v in self.params.items()])
 
     def answers(self, view: View, node: Node) -> Answers:
-        """What `node` (whose rule this is) answers the analysis, derived from the shapes in `view`
-        (`View.answers` caches it; passes/view.py says what each answer means)."""
+        """What `node` (whose rule this is) answers the analysis (`View.answers` caches it)."""
         got = RULES[self.kind](view, node, **self.params)
         if self.kind in _BLOCK_AGNOSTIC and "transfer_block" not in got:
             got.update(transfer_block=_carry_block(got.get("transfer", no_answer)),
                        backward_block=_carry_block(got.get("backward", no_answer)))
         return Answers(**got, block_centering=self.kind in _CENTER_IN_ORDER)
-
-
-def _text(v) -> str:
-    return f"({v})" if isinstance(v, Rule) else repr(v)
 
 
 def rule(kind: str, **params) -> Rule:
@@ -120,9 +108,8 @@ def kind_of(rule: Optional[Rule]) -> tuple[Optional[str], dict]:
     return kind_of(rule.params["op"]) if rule.kind == "in_branch" else (rule.kind, rule.params)
 
 
-# --- what other passes ask of a rule: only this module reads its params (issue 44) ---------------
+# --- what other passes ask of a rule: only this module reads its params ---------------------------
 # Each answers for an inlined branch's op as for the op itself (`kind_of`), `spelled_sizes` aside.
-# (passes/patterns.py runs on each graph's own view, before If branches are merged into it.)
 
 def is_sum_of_two(rule: Optional[Rule]) -> bool:
     """The rule adds two tensors (a `broadcast` of two data operands, none subtracted): a residual Add."""
@@ -131,28 +118,25 @@ def is_sum_of_two(rule: Optional[Rule]) -> bool:
 
 
 def is_product(rule: Optional[Rule]) -> bool:
-    """The rule multiplies its operands (a `scale` that divides by none of them)."""
     kind, p = kind_of(rule)
     return kind == "scale" and not p.get("divide")
 
 
 def is_quotient(rule: Optional[Rule]) -> bool:
-    """The rule divides its first operand by its second (a `scale` that divides)."""
     kind, p = kind_of(rule)
     return kind == "scale" and bool(p.get("divide"))
 
 
 def operands(rule: Optional[Rule]) -> Optional[tuple]:
-    """The input indices of a two-operand rule's operands, in order: a `scale`'s (None: a Python
-    number), a `broadcast`'s data inputs (an Add's, a Sub's); None for any other rule."""
+    """The input indices of a two-operand `scale`'s operands (None: a Python number) or a
+    `broadcast`'s data inputs, in order; None for any other rule."""
     kind, p = kind_of(rule)
     ops = p["operands"] if kind == "scale" else p["data"] if kind == "broadcast" else None
     return tuple(ops) if ops is not None and len(ops) == 2 else None
 
 
 def difference(rule: Optional[Rule]) -> Optional[tuple[int, int]]:
-    """(the input kept, the input subtracted) of a `broadcast` that subtracts one of its two data
-    inputs from the other (x - u); None for any other rule."""
+    """(the input kept, the input subtracted) of a two-input `broadcast` x - u; None for any other rule."""
     kind, p = kind_of(rule)
     if kind != "broadcast" or len(p.get("data", ())) != 2 or len(p.get("minus", ())) != 1:
         return None
@@ -166,8 +150,7 @@ def data_input(rule: Optional[Rule]) -> int:
 
 
 def mean_axes(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
-    """The axes, sorted, that a mean keeping its dims averages over (a `reduce` mean, keepdims);
-    None for any other rule, or where its axes are not known."""
+    """The sorted axes of a `reduce` mean that keeps its dims; None for any other rule or unknown axes."""
     kind, p = kind_of(rule)
     if kind != "reduce" or p.get("op") != "mean" or not p.get("keepdims") or p.get("axes") is None:
         return None
@@ -176,7 +159,7 @@ def mean_axes(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
 
 def squared_inputs(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
     """The inputs a rule multiplies together as a square: a `pow` by 2's data input, a product's two
-    tensor operands (a square where both are one value); None for any other rule."""
+    tensor operands (a square where both are one value); None otherwise."""
     kind, p = kind_of(rule)
     if kind == "pow":
         return (p.get("data", 0),) if p.get("exponent") == 2 else None
@@ -184,19 +167,19 @@ def squared_inputs(rule: Optional[Rule]) -> Optional[tuple[int, ...]]:
 
 
 def is_cast_or_identity(rule: Optional[Rule]) -> bool:
-    """The rule is a float cast or an identity (the casts around a norm's statistics)."""
+    """A float cast or an identity (the casts around a norm's statistics)."""
     kind, p = kind_of(rule)
     return kind == "elementwise" and p.get("op") in ("cast", "identity")
 
 
 def branch_op(rule: Optional[Rule]) -> Optional[Rule]:
-    """The op an inlined If branch's `in_branch` rule stands for; None for any other rule."""
+    """The op an `in_branch` rule stands for; None for any other rule."""
     return rule.params["op"] if rule is not None and rule.kind == "in_branch" else None
 
 
 def spelled_sizes(rule: Optional[Rule]) -> Optional[list]:
-    """The output sizes an op spells (`reshape`, an expand, `resample`: int, -1, a `SizeOf`, None:
-    see the vocabulary); None where it spells none. The rule's own: an `in_branch` rule spells none."""
+    """The output sizes a `reshape`, an expand or a `resample` spells (see the vocabulary); None
+    where it spells none, as an `in_branch` rule does."""
     return rule.params.get("sizes") if rule is not None else None
 
 
@@ -209,9 +192,9 @@ _CENTER_IN_ORDER = frozenset(("linear", "matmul", "embedding", "conv"))
 
 
 def _carry_block(answer, row_axis=None):
-    """A per-block shift carried as it is along the feature axis that `answer` maps; a block
-    restricted to one row of another axis only where `row_axis(k, r)` says where that axis goes
-    (None: it is not followed: the op could mix or move that axis' rows)."""
+    """A per-block shift carried as it is along the feature axis that `answer` maps; a block at
+    one row of another axis only where `row_axis(k, r)` says where that axis goes (None: the op
+    could mix or move that axis' rows)."""
     def blocked(k, axis, block):
         got = answer(k, axis)
         if got is not None and block is not None and block.spacing is not None and row_axis is None:
@@ -267,15 +250,11 @@ def const_ref(view: View, node: Node, i: int, axis: Optional[int]) -> Optional[C
 
 # --- transparent ops ---------------------------------------------------------------------------
 
-# Elementwise ops that only copy values (a negation changes them).
-_COPIES = ("identity", "cast", "dropout")
-
-
 def _elementwise(view, node, data=0, op="identity"):
     transfer = lambda i, b: [(0, b)] if i == data else None  # noqa: E731
     backward = lambda o, a: [(data, a)] if o == 0 else None  # noqa: E731
     same = lambda k, r: r  # noqa: E731  (every axis stays where it is)
-    return dict(transfer=transfer, backward=backward, layout=op in _COPIES,
+    return dict(transfer=transfer, backward=backward, layout=op in ("identity", "cast", "dropout"),  # copies values
                 transfer_block=_carry_block(transfer, same), backward_block=_carry_block(backward, same))
 
 
@@ -444,8 +423,6 @@ def _permute(view, node, perm, data=0):
 
 
 def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False):
-    """`starts`: where each output begins along the one axis in `axes` (a step-1 slice);
-    `partition`: the outputs tile the input in order along it (split), starts from their sizes."""
     out = dict(same_axes_rules(list(data), list(outs), None if axes is None else set(axes)), layout=True)
     if axes is None or len(axes) != 1 or len(data) != 1 or (starts is None and not partition):
         return out
@@ -501,9 +478,6 @@ def _pad(view, node, data=0, axes=None, zero=True):
 
 
 def _take(view, node, data, start, stop, q, outs=(0,), index=None):
-    """gather / index / select / unbind along input axes [start, stop). `index`: for a select
-    (q = 0, one axis), the index each output takes along `start` (None: not known)."""
-
     def transfer(i, b):
         if i != data or start <= b < stop:
             return None
@@ -600,9 +574,8 @@ def _gather_rows(view, node, data=0, index=1, axis=0):
 
 
 def _tile(view, node, data=0, axes=None):
-    """repeat / Tile (ViT-MAE repeats its mask token over the batch and the masked positions):
-    the output is copies of the input along `axes` and along new leading axes; an axis not
-    tiled keeps its place (counted from the end), and its rows are the input's, shift included."""
+    """ViT-MAE repeats its mask token over the batch and the masked positions: an axis not tiled
+    keeps its place (counted from the end), and its rows are the input's, shift included."""
     xs, R = _shape(view, node, data), _out_rank(view, node)
     if xs is None or R is None or axes is None or R < len(xs):
         return {}
@@ -618,17 +591,15 @@ def _tile(view, node, data=0, axes=None):
 
 
 def _resample(view, node, data=0, axes=None, sizes=None, slot=None, fixed=False):
-    """Interpolation along `axes` (YOLOS resizes its patch position table to the image): a per-row
-    map of the shift off those axes (THEORY §1), computing new values, so no layout op. Its output
-    sizes, where it spells them (ONNX Resize's `sizes`), spell the width too."""
+    """YOLOS resizes its patch position table to the image: a per-row map of the shift off `axes`
+    (THEORY §1) that computes new values, so no layout op."""
     return dict(same_axes_rules([data], [0], None if axes is None else set(axes)),
                 width_refs=_width_refs(view, node, sizes, slot, fixed))
 
 
 def _zero_rows(view, node, data=0, mask=1):
-    """masked_fill(x, mask, 0) (ESM's token dropout): where the mask is one value along a row's
-    features, the row is x's or zeros, a per-row map of the shift (THEORY §1). Another fill value
-    writes rows of its mean: opaque."""
+    """ESM's token dropout: where the mask is one value along a row's features, the row is x's or
+    zeros, a per-row map of the shift (THEORY §1). Another fill value writes rows of its mean: opaque."""
     R = _out_rank(view, node)
 
     def along_rows(a):  # the mask is one value along output axis a
@@ -692,8 +663,8 @@ def _metadata(view, node, sized=False, reads=None, sizes_of=()):
 
 
 def _clamp(view, node, data=0, lo=None, hi=None, dtype=None):
-    """A clamp is transparent only as an overflow guard (passes/guards.py says why that is sound);
-    it stays in the folded graph, guarding the centered stream."""
+    """Transparent only as an overflow guard (passes/guards.py says why that is sound); it stays
+    in the folded graph, guarding the centered stream."""
     if dtype is None or not is_overflow_guard(lo, hi, dtype):
         return {}
     return _elementwise(view, node, data, "clamp")
@@ -710,11 +681,6 @@ def _refs(view, node, wanted) -> Optional[list[ConstRef]]:
     return None if any(r is None for r in refs) else refs
 
 
-def _bias_axis(view, node, bias):
-    rb = _rank(view, node, bias)
-    return None if not rb else rb - 1  # a scalar bias is a per-row shift: centered to zero
-
-
 def _row_bias(view, node, i) -> Optional[ConstRef]:
     """Input `i` as a bias added to every row: a constant varying along its last axis only."""
     s = _shape(view, node, i)
@@ -728,12 +694,11 @@ def _linear(view, node, weight, w_axis, bias=None, out_axis=-1, data=None, in_ax
     # source=False: the op reads its input linearly but computes more from the product (a fused
     # attention op): its output is no linear image that editing W could center
     def centering(o, a):
-        R = _out_rank(view, node)
-        if not source or R is None or a != (out_axis if out_axis >= 0 else R + out_axis):
+        R, rb = _out_rank(view, node), _rank(view, node, bias)
+        if not source or R is None or rb is None or a != (out_axis if out_axis >= 0 else R + out_axis):
             return None
-        if bias is not None and _rank(view, node, bias) is None:
-            return None
-        return _refs(view, node, [(weight, w_axis)] + ([(bias, _bias_axis(view, node, bias))] if bias is not None else []))
+        # a scalar bias is a per-row shift: centered to zero
+        return _refs(view, node, [(weight, w_axis)] + ([(bias, rb - 1 if rb else None)] if bias is not None else []))
 
     def linear(i, a):
         """x·W (+ b) over x's last axis, W 2-D: what deferral and CRMS fold into (passes/view.py)."""
@@ -763,8 +728,7 @@ def _bias_after(view, node, w: int) -> Optional[ConstRef]:
     if out.is_graph_output or len(out.consumers) != 1:
         return None
     add = view.nodes[out.consumers[0][0]]
-    kind, p = kind_of(add.rule)
-    if kind != "broadcast" or p.get("minus") or len(add.inputs) != 2 or sorted(p["data"]) != [0, 1]:
+    if len(add.inputs) != 2 or not is_sum_of_two(add.rule):
         return None
     slot = 1 - out.consumers[0][1]
     b, ws = _shape(view, add, slot), _shape(view, node, w)
@@ -856,7 +820,6 @@ def norm_axis(axes, rank: Optional[int]) -> tuple[Optional[int], Optional[str]]:
 
 def _layer_norm(view, node, data=0, axes=(-1,), gamma=None, beta=None, eps=1e-5, stats_used=False, rejection=None,
                 rms=False):
-    """`rms`: an RMSNorm as given (NormSpec.rms), not a LayerNorm."""
     if rejection is not None:
         return dict(norm_rejection=rejection)
     axis, why = norm_axis(axes, _rank(view, node, data))
