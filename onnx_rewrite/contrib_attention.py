@@ -1,14 +1,10 @@
 """onnxruntime's attention contrib ops in float64, for the float64 copy (DESIGN §4): onnxruntime has
-float32/float16 kernels only, so a model holding them (onnxruntime-genai's model builder writes
-GroupQueryAttention, its transformers optimizer RotaryEmbedding) ran no float64 reference and a fold
-of it could be judged only against the original at float32's tolerance.
+float32/float16 kernels only (onnxruntime-genai's model builder writes GroupQueryAttention).
 
-Written from the ops' contract in onnxruntime's CPU kernels (contrib_ops/cpu/bert: group_query_attention,
-gqa_attention_base, rotary_embedding), not from lnfold: tests/test_llm_files.py checks each against
-onnxruntime's own kernel on random inputs, with and without a past. Cases those kernels treat in ways
-this code does not follow (right-padded prompts, position_ids or attention_bias inputs, head sinks,
-smooth softmax) raise NotImplementedError, so the float64 run says it could not run them rather than
-computing something else.
+Written from the ops' contract in onnxruntime's CPU kernels (contrib_ops/cpu/bert), checked against
+them by tests/test_llm_files.py. Cases this code does not follow (right-padded prompts, position_ids
+or attention_bias inputs, head sinks, smooth softmax) raise NotImplementedError, so the float64 run
+says it could not run them rather than computing something else.
 """
 from __future__ import annotations
 
@@ -24,12 +20,10 @@ def rotate(x: np.ndarray, pos: np.ndarray, cos_cache: np.ndarray, sin_cache: np.
     cos = cos_cache.astype(np.float64)[pos][:, None]  # [B, 1, S, half]
     sin = sin_cache.astype(np.float64)[pos][:, None]
     out = x.astype(np.float64).copy()
-    if interleaved:
-        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
-        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * cos - b * sin, b * cos + a * sin
-    else:
-        a, b = x[..., :half], x[..., half:2 * half]
-        out[..., :half], out[..., half:2 * half] = a * cos - b * sin, b * cos + a * sin
+    first, second = (slice(0, 2 * half, 2), slice(1, 2 * half, 2)) if interleaved else \
+        (slice(0, half), slice(half, 2 * half))
+    a, b = x[..., first], x[..., second]
+    out[..., first], out[..., second] = a * cos - b * sin, b * cos + a * sin
     return out
 
 

@@ -41,11 +41,8 @@ _SEQ, _PAST = 5, 3  # default sequence and past lengths; past + seq fits a posit
 _BAKED_SIZES = [(7, 7), (1, 1), (16, 16), (8, 8), (16, 1), (7, 1)]  # (sequence, past) tried next
 
 # Made-up inputs of one run (all inputs together) above this are refused before anything is
-# allocated, with the way to smaller ones (--dim, --inputs, --no-verify): a fixed shape of a
-# billion rows, or `--dim batch=100000000`, was allocated as asked and ended in a MemoryError
-# (issue 43 item 4). Verification's activations grow with its inputs (times the model's width), so
-# bounding the inputs bounds them for a given model; the user's own --inputs are not bounded.
-# The default sizes (batch 2, sequence 5, an image side the model's tables fix) take kilobytes.
+# allocated (a fixed shape of a billion rows, `--dim batch=100000000`): verification's activations
+# grow with its inputs, so this bounds them for a given model. The user's own --inputs are not bounded.
 MAX_INPUT_BYTES = 256 << 20
 
 _NP = {
@@ -267,11 +264,12 @@ def input_bytes(f: GraphFacts, sizes: dict) -> int:
 
 
 def _human(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" or n == int(n) else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""  # pragma: no cover
+    unit = "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            break
+        n, unit = n / 1024, bigger
+    return f"{n:.0f} {unit}" if unit == "bytes" or n == int(n) else f"{n:.1f} {unit}"
 
 
 def _too_big(f: GraphFacts, sizes: dict, total: int) -> str:
@@ -287,7 +285,7 @@ def _too_big(f: GraphFacts, sizes: dict, total: int) -> str:
 
 
 def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Optional[int],
-            batch: int = _BATCH) -> dict[tuple[str, int], int]:
+            batch: int) -> dict[tuple[str, int], int]:
     named: dict[str, int] = dict(user)
     # sizes the weights fix win over the name heuristics, and are shared by name
     for s in f.specs:
@@ -407,10 +405,13 @@ def unbatched_inputs(model: onnx.ModelProto, feeds: dict) -> set[str]:
 
 
 def _rows_of(feeds: dict, model: onnx.ModelProto, batch: Optional[int], what: str) -> Rows:
-    """Rows.of over the batched inputs, the `unbatched_inputs` fed whole with every run."""
+    """Rows.of over the batched inputs, the `unbatched_inputs` fed whole with every run; checked
+    against the model's inputs (names, types and shapes) on one run."""
     whole = unbatched_inputs(model, feeds)
     rows = Rows.of({k: v for k, v in feeds.items() if k not in whole}, batch, what)
-    return replace(rows, unbatched={k: feeds[k] for k in whole}) if whole else rows
+    rows = replace(rows, unbatched={k: feeds[k] for k in whole}) if whole else rows
+    check_feeds(rows.runs()[0], model, what)
+    return rows
 
 
 def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
@@ -420,25 +421,15 @@ def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
     A folder's files are rows that need not share a shape (sequences of different lengths, which
     padding would change): each file is fed on its own, in name order. An input with no batch axis
     (`unbatched_inputs`) is given once and fed with every run."""
-    if isinstance(src, (str, os.PathLike)) and Path(src).is_dir():
-        batch = model_batch(model)
-        names = [n for n in folder_files(src) if n.endswith(".npz")]  # (links out of the folder refused)
-        pieces = []
-        for name in names:
-            piece = _rows_of(read_npz(Path(src) / name), model, batch, f"{src}/{name}")
-            check_feeds(piece.runs()[0], model, f"{src}/{name}")
-            pieces.append(piece)
-        if not pieces:
-            raise LnfoldError(f"{src}: a folder with no .npz file in it (give one .npz per row or per group of rows)")
-        return Rows.of_pieces(pieces)
-    if isinstance(src, (str, os.PathLike)):
-        feeds, what = read_npz(src), str(src)
-    else:
-        feeds = {k: np.asarray(v) for k, v in dict(src).items()}
     batch = model_batch(model)
-    rows = _rows_of(feeds, model, batch, what)
-    check_feeds(rows.runs()[0], model, what)  # names, types and shapes, on one run
-    return rows
+    if isinstance(src, (str, os.PathLike)) and Path(src).is_dir():
+        names = [n for n in folder_files(src) if n.endswith(".npz")]  # (links out of the folder refused)
+        if not names:
+            raise LnfoldError(f"{src}: a folder with no .npz file in it (give one .npz per row or per group of rows)")
+        return Rows.of_pieces([_rows_of(read_npz(Path(src) / name), model, batch, f"{src}/{name}") for name in names])
+    if isinstance(src, (str, os.PathLike)):
+        return _rows_of(read_npz(src), model, batch, str(src))
+    return _rows_of({k: np.asarray(v) for k, v in dict(src).items()}, model, batch, what)
 
 
 def parse_dims(items) -> dict[str, int]:

@@ -1,14 +1,11 @@
-"""Padding masks in verification (issue 45 item 2): positions an attention mask zeroes are not
-outputs a user reads. A BERT's or ALBERT's hidden state at a padded position is computed from
-nothing meaningful (a pad token attending real ones), and its rounding says nothing of the fold:
-an ALBERT sliced on real padded rows was refused for error that sat there alone. So the gate
-judges each output whose leading axes are the mask's on the positions the mask keeps, and the
-verdict says so.
+"""Padding masks in verification: positions an attention mask zeroes are not outputs a user reads.
+A hidden state at a padded position is computed from nothing meaningful (a pad token attending real
+ones), and its rounding says nothing of the fold (an ALBERT sliced on real padded rows was refused
+for error that sat there alone). So the gate judges each output whose leading axes are the mask's
+on the positions the mask keeps, and the verdict says so.
 
 A mask is recognized by what it does, not by its name: a graph input of shape [batch, positions]
-holding only 0 and 1 (at least one 0), whose values reach a Softmax's input through ops that
-neither look up a table with it (a Gather's indices: token ids, token type ids) nor multiply it
-with weights (MatMul, Gemm, Conv), nor read only its shape: it moves attention scores.
+holding only 0 and 1 (at least one 0) whose values reach a Softmax's input as data (_moves_scores).
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Random ops in verification: the same draws in the original, the folded model and the float64 copy.
 
-A RandomNormal(Like), RandomUniform(Like), Multinomial, Bernoulli or training-mode Dropout without
-a seed draws new numbers on every run (a VITS voice's noise): a correct fold would differ from its
-original by the noise. So verification runs copies with a seed pinned on every random node, derived
-from its name, which the fold keeps: the folded model draws what the original draws (the written
-model keeps its nodes as they were). The float64 copy runs each random node in its original type
-between Casts: onnxruntime's double draws are other numbers than its float draws with the same seed.
+A random node without a seed (a VITS voice's noise) draws new numbers on every run, so a correct
+fold would differ from its original by the noise. Verification runs copies with a seed, derived
+from the node's name, pinned on every random node (the written model keeps them as they were). The
+float64 copy runs each random node in its original type between Casts: onnxruntime's double draws
+are other numbers than its float draws with the same seed.
 """
 from __future__ import annotations
 
