@@ -1,22 +1,11 @@
-"""`quantize_module` (lnfold.quantize_module): the exact fold in front of torch's own quantizers.
+"""`quantize_module` (lnfold.quantize_module): the exact fold in front of torch's own quantizers,
+torchao's `quantize_` where installed (`pip install 'lnfold[quantize]'`), else torch.ao's
+`quantize_dynamic` (int8 only). lnfold quantizes nothing itself; the candidates of `rotate="auto"`,
+the choice and the report are passes/quantize.py's, shared with `quantize_onnx`.
 
-    fold_module (exact)  →  γ into the readers  →  rotate the stream  →  linear layers as nn.Linear
-                         →  torchao quantize_ (int8 dynamic, int4 weight-only) or torch.ao quantize_dynamic
-
-The fold is the one pipeline's (fold_module). `fold_module` returns the graph of
-`ExportedProgram.module()`, whose linear layers are `aten.linear` / `aten.addmm` calls on constant
-weights, not nn.Linear modules, and the quantizers swap nn.Linear modules: `as_linear_modules`
-turns each such call into an nn.Linear holding the same weight (transposed for addmm), an exact
-rewrite that the gate verifies together with the fold (float64). The fold's un-rotation products
-stay float, as in ONNX. Quantization is torchao's (`Int8DynamicActivationInt8WeightConfig`,
-`IntxWeightOnlyConfig(int4, PerGroup(block_size))`) where it is installed
-(`pip install 'lnfold[quantize]'`), else torch.ao's `quantize_dynamic` (nn.Linear, qint8; int8
-only). lnfold quantizes nothing itself.
-
-Quantization is NOT exact: the result's report (passes/quantize.QuantizeReport) gives the error of
-the quantized module against the float one on `inputs` (or on `args`, said to be no data of the
-user's). The candidates of `rotate="auto"`, the choice and the report are passes/quantize.py's,
-shared with `quantize_onnx`.
+The quantizers swap nn.Linear modules, while the graph of `ExportedProgram.module()` calls
+`aten.linear` / `aten.addmm` on constant weights: `as_linear_modules` makes each an nn.Linear holding
+the same weight, an exact rewrite verified together with the fold (float64).
 """
 from __future__ import annotations
 
@@ -80,9 +69,10 @@ def check_options(weights: str, rotate: Optional[str], seed, block_size: int, ba
         raise LnfoldError(f"block size {block_size!r}: one of {', '.join(map(str, GROUP_SIZES))} (int4 groups along K)")
     if weights != "int4" and block_size != 32:
         raise LnfoldError("block_size is for int4 weights")
+    installed = torchao_quantization() is not None
     if backend == "auto":
-        backend = "torchao" if torchao_quantization() is not None else "torch.ao"
-    if backend == "torchao" and torchao_quantization() is None:
+        backend = "torchao" if installed else "torch.ao"
+    if backend == "torchao" and not installed:
         raise LnfoldError("backend='torchao': torchao is not installed (pip install 'lnfold[quantize]')")
     if weights == "int4" and backend != "torchao":
         raise LnfoldError("int4 weight-only needs torchao (pip install 'lnfold[quantize]'); torch.ao quantizes "
@@ -237,23 +227,18 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
     NOT exact: the report says by how much.
 
     `weights`: "int8" (int8 weights, dynamic int8 activations: torchao
-    Int8DynamicActivationInt8WeightConfig, or torch.ao quantize_dynamic without torchao) or "int4"
-    (weight-only, groups of `block_size` along K: torchao IntxWeightOnlyConfig). `backend`: "auto"
-    (torchao where installed), "torchao" or "torch.ao". `rotate` ("hadamard", "orthogonal", their
-    "-keep-ln" variants, seeded by `seed`) rotates each folded stream after moving the norms' γ
-    into their readers (`gamma_into_readers`, default: with a rotation that rotates a stream), or
-    keeps γ in float beside it (`gamma_in_float`: a Qᵀ·diag γ·Q after each rotated norm, not quantized),
-    leaving the channels `spare_channels` unrotated; `online_hadamard`: a Hadamard on the input of each
-    layer that writes a stream, online (a float matmul) and in its weight (QuaRot's R4, exact);
-    "auto" quantizes each of passes/quantize's candidates and keeps the lowest error on the
-    measurement rows. `fold=False`: the same export and quantizer, nothing folded (the baseline).
-    `inputs`: an args tuple, or a list of them, the error is measured (and "auto" chooses) on;
-    default `args`, which the report says are not the user's data. `verify=False` skips the
-    float64 verification of the fold and the nn.Linear rewrite.
+    Int8DynamicActivationInt8WeightConfig, or torch.ao quantize_dynamic) or "int4" (weight-only,
+    groups of `block_size` along K: torchao IntxWeightOnlyConfig). `backend`: "auto" (torchao where
+    installed), "torchao" or "torch.ao". `rotate`, `seed`, `gamma_into_readers` (default: with a
+    rotation that rotates a stream), `gamma_in_float`, `spare_channels` and `online_hadamard` are the
+    fold's options (passes/options.OPTIONS); `rotate="auto"` quantizes each candidate
+    (passes/quantize.auto_candidates) and keeps the lowest error on the measurement rows.
+    `fold=False`: the same export and quantizer, nothing folded (the baseline). `inputs`: an args
+    tuple, or a list of them, the error is measured on; default `args`, which the report says are not
+    the user's data. `verify=False` skips the float64 verification of the fold and the rewrite.
 
     Returns passes/quantize.QuantizeResult: `.module` the quantized module (same inputs and
-    outputs), `.report` its QuantizeReport (`exact` False, `errors` per output), `.fold` the
-    exact part's FoldResult (None where nothing folded).
+    outputs), `.report` its QuantizeReport, `.fold` the exact part's FoldResult (None: nothing folded).
     """
     t0 = time.perf_counter()
     backend = check_options(weights, rotate, seed, block_size, backend)
@@ -279,15 +264,15 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
                          saved_bytes(target))
 
     def chosen(prepared: Prepared) -> Quantized:
-        """The candidate auto keeps, made again: verified like any fold (before quantizing it in
-        place), quantized, not measured again (choose keeps its trial's errors)."""
+        """The candidate auto keeps, made again: verified (before it is quantized in place), not
+        measured again (choose keeps its trial's errors)."""
         if verify:
             _verify(module, args, kwargs, prepared)
         return quantize(prepared, measured=False)
 
     trials: list[dict] = []
     if rotate == AUTO:
-        q, trials = choose(lambda opts: prepare(opts), quantize, candidates=auto_candidates(backend, spare_channels),
+        q, trials = choose(prepare, quantize, candidates=auto_candidates(backend, spare_channels),
                            plain=lambda: _plain_trial(module, names, batches),
                            plain_name="plain torch.ao", unmeasured=chosen)
     else:
@@ -311,10 +296,9 @@ def quantize_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict]
 def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Optional[str] = None, seed: int = 0,
              gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False, spare_channels=None,
              online_hadamard: bool = False, dynamic: bool = True, verify: bool = True) -> Prepared:
-    """The exact steps: fold, γ into readers and rotation where asked (passes/quantize.fold_for_quantizer,
-    as quantize_onnx), linear layers as nn.Linear. `verify`: the fold through fold_module's gate
-    (float64, with its probe of the kept LayerNorms), then the module handed to the quantizer
-    against the original in float64 (the rewrite, and the fold again)."""
+    """The exact steps: the fold (passes/quantize.fold_for_quantizer), linear layers as nn.Linear.
+    `verify`: the fold through fold_module's gate, then the module handed to the quantizer against
+    the original in float64 (the rewrite, and the fold again)."""
     def run(**fold_options):
         return fold_module(module, args, kwargs, seed=seed, verify=verify, dynamic=dynamic, **fold_options)
 
