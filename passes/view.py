@@ -1,56 +1,48 @@
 """The stream view: an IR-neutral picture of a graph, as the foldability analysis sees it.
 
-A frontend (ONNX, torch.fx) builds one `View` from its IR: values (shape, constant or not) and
-nodes, each named in the vocabulary of passes/rules.py (`Node.rule`: a kind and its parameters).
-That is all a view stores. The analysis asks each node these questions (`node.transfer(i, axis)`,
-...), answered from its rule and the view's shapes (`View.answers`, derived once per node):
+A frontend builds one `View` from its IR: values (shape, constant or not) and nodes, each named
+in the vocabulary of passes/rules.py (`Node.rule`). That is all a view stores. The analysis asks
+each node these questions, answered from its rule and the view's shapes (`View.answers`):
 
-- `transfer(i, axis)`: is the node shift-transparent through input `i` when that input's
-  feature axis is `axis`? If so, which outputs carry the shift and on which axis.
-- `backward(o, axis)`: the same question asked from output `o`: which inputs carry the stream
-  into it, on which axes. Inputs it leaves out are parameters (a scalar factor, a shape); an
-  input whose share of the output cannot be placed must make it answer None.
-- `centering(o, axis)`: can output `o` be made zero-mean along `axis` by editing constants?
-  If so, which constants along which of their axes (Lemma 3.1 of the paper).
-- `channel_scale(o, axis)`: is output `o` a per-channel constant scale of input `i` (LayerScale),
-  which can be folded into the source(s) upstream before centering?
-- `invariant(i, axis)`: is the node's output unchanged by a per-row shift of input `i` along 1?
-- `linear(i, axis)`: does the node read input `i` (feature axis `axis`) as the input features of
-  a linear map with a constant weight? If so, the weight and bias (CRMSNorm folds γ, β and the
-  decompression into them).
+- `transfer(i, axis)`: is the node shift-transparent through input `i` with feature axis `axis`?
+  If so, which outputs carry the shift, on which axes.
+- `backward(o, axis)`: the same asked from output `o`: which inputs carry the stream into it.
+  Inputs left out are parameters (a scalar factor, a shape); an input whose share of the output
+  cannot be placed must make it answer None.
+- `centering(o, axis)`: which constants, along which of their axes, an edit makes output `o`
+  zero-mean along `axis` (Lemma 3.1 of the paper); None where none does.
+- `channel_scale(o, axis)`: output `o` is a per-channel constant scale of an input (LayerScale),
+  which folds into the sources upstream before centering.
+- `invariant(i, axis)`: the output is unchanged by a per-row shift of input `i` along 1.
+- `linear(i, axis)`: the weight and bias of a linear map with a constant weight that reads input
+  `i` as its input features (CRMSNorm folds γ, β and the decompression into them).
 - `width_refs(o, axis)`: the places in the node's parameters that spell the size of output `o`
-  along `axis` (a Reshape's target shape, an Expand's); [] where none does, None where the size
-  is set in a way no edit can change (CRMSNorm shrinks the stream from d to d-1). A `SizeOf`
-  among them: the size is read at run time from another tensor's shape, and follows the width
-  only where that tensor's axis is on the same stream (`compress.follows_stream` judges it). On a
-  `shape_only` node: [] when its result does not depend on the width (a dtype assert).
-- `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same questions for a
-  tensor centered per block (`FeatureRuns`; None: the whole axis), answered with (index, axis,
-  blocks) triples (an empty list: a slice that reads none of the edited runs, its output
-  unchanged): a reshape that splits the feature axis into (heads, head_dim) maps "feature axis
-  head_dim" to "blocks of head_dim" on the merged axis.
-- `block_centering`: the refs `centering` returns hold the output's features in order along
-  their axis, so a per-block centering of the output is the same per-block centering of them.
-- `layout`: the node only moves or copies elements (a reshape, transpose, slice, gather on other
-  axes): it commutes with any map applied along the feature axis.
-- `norm`: on LayerNorms (over one axis) — the nodes this whole tool is about; `norm_rejection`
-  on the LayerNorms that are not foldable, saying why.
-- `regroups`: the node only regroups its input's values in order (a reshape/view), so a per-row
-  scale can follow it: deferred normalization looks through it to the linear layers behind.
+  along `axis` (a Reshape's target); [] where none does, None where no edit can change it
+  (CRMSNorm shrinks the stream from d to d-1). A `SizeOf` among them follows the width only where
+  its tensor is on the same stream (`compress.follows_stream`). On a `shape_only` node: [] when
+  its result does not depend on the width.
+- `transfer_block(i, axis, block)` / `backward_block(o, axis, block)`: the same for a tensor
+  centered per block (`FeatureRuns`; None: the whole axis), as (index, axis, blocks) triples (an
+  empty list: a slice that reads none of the edited runs): a reshape that splits the feature
+  axis into (heads, head_dim) maps "feature axis head_dim" to "blocks of head_dim" on the merged axis.
+- `block_centering`: `centering`'s refs hold the output features in order along their axis, so
+  a per-block centering of the output is the same per-block centering of them.
+- `layout`: the node only moves or copies elements: it commutes with any map along the features.
+- `norm` on LayerNorms over one axis; `norm_rejection` on the others, saying why.
+- `regroups`: the node only regroups its input's values in order (a reshape), so deferred
+  normalization looks through it to the linear layers behind.
 
-A frontend does not answer these itself: one rule set answers for both IRs (passes/patterns.py
-finds the multi-op LayerNorms). Tests build views by hand (`View.input`, `const`, `add`).
-
-Axes are non-negative ints; every value carries its rank. Nothing here imports a framework.
+Tests build views by hand (`View.input`, `const`, `add`). Axes are non-negative ints; nothing
+here imports a framework.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Protocol
 
 class Rule(Protocol):
-    """What a node's rule is to the view (passes/rules.Rule): it answers the analysis' questions.
-    The view only calls it, so rules.py (which reads views) is above this module, not beside it."""
+    """passes/rules.Rule as the view calls it: rules.py reads views, so it sits above this module."""
 
     kind: str
 
@@ -67,12 +59,9 @@ BlockMap = tuple[int, int, Optional["FeatureRuns"]]
 class FeatureRuns:
     """Runs of `size` entries along a feature axis, each centered on its own; only the runs in
     entries [lo, hi) (hi None: to the end) are edited (the q rows of a fused q/k/v projection).
-
-    THEORY §1 says where the other fields arise: `stride`, the runs start every `stride` entries
-    from `lo` (None: back to back; Persimmon's q, every 3·head_dim); `row` (axis, index), only
-    that index of another axis is in the stream; `spacing`, one run is `size` entries `spacing`
-    apart (None: adjacent) on an axis merging the features with others (MobileViT's unfolding),
-    followed only by layout ops and a reshape that splits the features back out."""
+    THEORY §1 says where the others arise: runs every `stride` entries (None: back to back;
+    Persimmon's q); only index `row` = (axis, index) of another axis in the stream; one run's
+    entries `spacing` apart on an axis merging the features with others (MobileViT's unfolding)."""
 
     size: int
     lo: int = 0
@@ -94,26 +83,20 @@ class FeatureRuns:
 
 @dataclass(frozen=True)
 class ConstRef:
-    """A constant tensor to edit along `axis`, reached by `user` through its input `user_input`.
-
-    The edit rewires `user.inputs[user_input]` when the constant must be cloned (because other
-    nodes read it too), so shared and tied weights are never changed for their other readers.
-    """
+    """A constant tensor to edit along `axis`, reached by `user` through its input `user_input`,
+    which the edit rewires to a clone where other nodes read the constant too (tied weights)."""
 
     value: str
     axis: int
     user: str
     user_input: int
-    # Center each run of `block.size` entries along `axis` on its own (a per-head q/k norm reads
-    # the source's output features in blocks of head_dim); None: the whole axis.
-    block: Optional[FeatureRuns] = None
+    block: Optional[FeatureRuns] = None  # runs centered each on its own (a per-head q/k norm's); None: whole axis
 
 
 @dataclass
 class NormSpec:
     """A LayerNorm over exactly one axis of its input; or, with `rms`, an RMSNorm as the model
-    gives it (issue 47): its input need not be zero-mean, so the analysis never centers its stream,
-    and a stream whose norms are all such RMSNorms can be rotated once γ is in the readers."""
+    gives it: its input need not be zero-mean, so the analysis never centers its stream."""
 
     input: int  # index of the normalized input among the node's inputs
     axis: int  # the normalized (feature) axis of that input
@@ -134,12 +117,8 @@ class ChannelScale:
 
 @dataclass(frozen=True)
 class LinearRead:
-    """`out = x · W (+ b)` over the feature axis of one data input.
-
-    `weight.axis` is the weight's input-feature axis in the constant's own layout (through a
-    Transpose the frontend looked behind); `bias`, if any, is added after the product, and
-    `bias.axis` is its output-feature axis (None for a scalar).
-    """
+    """`out = x · W (+ b)` over the feature axis of one data input: `weight.axis` is W's
+    input-feature axis in the constant's own layout, `bias.axis` b's output-feature axis (None: a scalar)."""
 
     weight: ConstRef
     bias: Optional[ConstRef] = None
@@ -156,8 +135,7 @@ class DimRef:
 
 @dataclass(frozen=True)
 class SizeOf:
-    """A size computed at run time: the size of tensor `value` along its `axis` (a shape entry
-    read from `Shape(value)`); `known`: that size where the shapes say it is static."""
+    """A size read at run time from `Shape(value)[axis]`; `known`: that size where it is static."""
 
     value: str
     axis: int
@@ -171,8 +149,8 @@ def no_answer(*_) -> None:
 
 @dataclass
 class Answers:
-    """A node's answers to the analysis (the module docstring says what each means), derived by
-    passes/rules.py from the node's rule and the view; the defaults: a node nothing passes."""
+    """A node's answers to the analysis (the module docstring says what each means); the
+    defaults: a node nothing passes."""
 
     transfer: Callable[[int, int], Optional[AxisMap]] = no_answer
     backward: Callable[[int, int], Optional[list[tuple[int, int]]]] = no_answer
@@ -187,27 +165,23 @@ class Answers:
     layout: bool = False
     regroups: bool = False
     norm: Optional[NormSpec] = None
-    norm_rejection: Optional[str] = None  # e.g. it normalizes two axes
-    # Reads only the shapes of its inputs (ONNX Shape/Size): no weight edit can reach its output.
-    shape_only: bool = False
-    # Computes a float weight from one stored as this integer type ("int8"): no constant edit
-    # can center it (the integers cannot hold a centered value), so the node is opaque.
+    norm_rejection: Optional[str] = None
+    shape_only: bool = False  # reads only its inputs' shapes: no weight edit can reach its output
+    # computes a float weight from integers of this type ("int8"), which cannot hold a centered value
     stored_as: Optional[str] = None
 
 
 @dataclass
 class Node:
-    """One op: what it reads and writes, and what it is (`rule`, in the vocabulary of
-    passes/rules.py). Nothing else is stored: its answers (`transfer`, `norm`, ...) are derived
-    from the rule and the view it belongs to, on first use."""
+    """One op: what it reads and writes, and what it is (`rule`); its answers (`transfer`,
+    `norm`, ...) are derived from the rule and its view on first use."""
 
     name: str
     op: str
     inputs: list[str]
     outputs: list[str]
     rule: Optional[Rule] = None
-    # The IR node this view node stands for (several view nodes can stand for one fused op, or
-    # a view node for one Python-number argument); "" means the node's own name.
+    # the IR node this one stands for (several can stand for one fused op); "": its own name
     origin: str = ""
 
     def __post_init__(self) -> None:
@@ -221,17 +195,14 @@ class Node:
         """A norm's normalized input (the value its NormSpec names); only for a node whose `norm` is set."""
         return self.inputs[self.norm.input]
 
-    def _answers(self) -> Answers:
-        view = self.__dict__.get("_view")
-        if view is None:
-            raise ValueError(f"{self.describe()} is in no view: add it to one (View.add_node) to ask it")
-        return view.answers(self)
-
     def __getattr__(self, name: str):
         """The analysis' questions, `Answers`' fields: `node.transfer(i, axis)`, `node.norm`, ..."""
         if name not in _QUESTIONS:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self._answers(), name)
+        view = self.__dict__.get("_view")
+        if view is None:
+            raise ValueError(f"{self.describe()} is in no view: add it to one (View.add_node) to ask it")
+        return getattr(view.answers(self), name)
 
 
 _QUESTIONS = frozenset(f.name for f in fields(Answers))
@@ -257,20 +228,15 @@ class Value:
 
 
 class View:
-    """Nodes and values of one graph, linked both ways.
-
-    Data only: two views are equal when their nodes and values are, and `str(view)` prints one
-    line per node, so a test or a bug report can compare or diff them. A node's answers are
-    derived from its rule on first use and cached; adding or removing a node drops the cache, and
-    code that edits a node's inputs or a value's shape in place after that calls `changed()`.
-    """
+    """Nodes and values of one graph, linked both ways; equal when their nodes and values are,
+    and `str(view)` prints one line per node, so a test can compare or diff views. Code that edits
+    a node's inputs or a value's shape in place calls `changed()` to drop the cached answers."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, Node] = {}
         self.values: dict[str, Value] = {}
         self._answers: dict[str, Answers] = {}
-        # Op chains that almost are a LayerNorm, by the name of their first op: why each is not
-        # one (a passes.match.NoMatch); the report lists them.
+        # op chains that almost are a LayerNorm, by their first op's name: why not (a NoMatch)
         self.near_misses: dict = {}
 
     def __eq__(self, other: object) -> bool:
@@ -298,7 +264,6 @@ class View:
         return node
 
     def remove_node(self, name: str) -> None:
-        """Unlink a node: its inputs lose a consumer, its outputs their producer."""
         node = self.nodes.pop(name)
         node.__dict__.pop("_view", None)
         for i, v in enumerate(node.inputs):
@@ -310,11 +275,9 @@ class View:
         self.changed()
 
     def changed(self) -> None:
-        """Forget the derived answers (the graph or a shape changed)."""
         self._answers.clear()
 
     def answers(self, node: Node) -> Answers:
-        """What `node` answers the analysis, from its rule (passes/rules.py) and this view."""
         got = self._answers.get(node.name)
         if got is None:
             got = self._answers[node.name] = node.rule.answers(self, node) if node.rule is not None else Answers()
@@ -385,8 +348,6 @@ class View:
 
     def diff(self, other: "View") -> list[str]:
         """The lines of `dump()` that differ between this view and `other` (unified diff)."""
-        import difflib
-
         return list(difflib.unified_diff(self.dump().splitlines(), other.dump().splitlines(),
                                          "this", "other", lineterm=""))
 
