@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+from onnx import TensorProto
 
 from ..passes import LnfoldError
 from ..passes.pipeline import stage
 from ..passes.options import check_seconds, check_threads
-import numpy as np
-
+from .inputs import graph_inputs
 from .timing import MARGIN, compare_repeats, describe_ratio, interleaved, ratio, summary
 
 # Ops whose kernels compute a norm, before (LayerNormalization) and after (the RMS forms) the fold.
@@ -52,14 +53,14 @@ def timing_session(path: Path, threads: int, profile_prefix: Optional[str] = Non
         raise LnfoldError(f"{path}: onnxruntime cannot load it ({' '.join(str(e).split())[:200]})") from None
 
 
-def norm_kernel_time(path: Path, feeds: dict, runs: int = PROFILED_RUNS, until: float = float("inf")) -> dict:
+def norm_kernel_time(path: Path, feeds: dict, until: float) -> dict:
     """Median per run (seconds) of the norm kernels' time and of all kernels' time (the profiler's
     own overhead between kernels left out), from onnxruntime's profiler with one thread, and the
     norm ops that ran ({op: nodes}). Two runs are not counted (warm-up); the counted ones stop at
-    `runs`, or at time.perf_counter() `until` after the first (`"runs"`: how many were counted)."""
+    PROFILED_RUNS, or at time.perf_counter() `until` after the first (`"runs"`: how many were counted)."""
     with tempfile.TemporaryDirectory(prefix="lnfold-profile-") as tmp:
         sess = timing_session(path, 1, profile_prefix=str(Path(tmp) / "profile"))
-        for k in range(runs + 2):
+        for k in range(PROFILED_RUNS + 2):
             sess.run(None, feeds)
             if k >= 2 and time.perf_counter() >= until:
                 break
@@ -132,14 +133,14 @@ def measure(original: Path, folded: Path, feeds: dict, *, threads: int = 1, seco
             "cpu": compare_repeats(blocks, "folded", "original", "original again", key="cpu_samples")}
 
 
-def analysis_per_round(repeats: int, n: int = 64) -> float:
+def analysis_per_round(repeats: int) -> float:
     """Seconds timing.compare_repeats takes per round of each of `repeats` blocks (wall and CPU),
-    timed here on `n` made-up rounds: it is linear in the rounds."""
+    timed here on 64 made-up rounds: it is linear in the rounds."""
     rng = np.random.default_rng(0)
-    stats = {k: {"samples": list(1 + 0.01 * rng.standard_normal(n))} for k in ("a", "b")}
+    stats = {k: {"samples": list(1 + 0.01 * rng.standard_normal(64))} for k in ("a", "b")}
     t = time.perf_counter()
     ratio(stats, "a", "b")
-    one = (time.perf_counter() - t) / n  # one ratio() per round
+    one = (time.perf_counter() - t) / 64  # one ratio() per round
     return one * 2 * 2 * (repeats + repeats)  # 2 keys x (num, A/A) x (pooled over the blocks + each block)
 
 
@@ -157,7 +158,7 @@ def describe(m: dict) -> list[str]:
         f"{m['threads']} intra-op thread{'s' if m['threads'] != 1 else ''}"
     out.append(f"end to end, {m['rounds']} interleaved rounds in {m['repeats']} repeats with fresh sessions, {threads} "
                "(median [IQR]; \"original again\" is a second session of the original: the A/A spread):")
-    if "budget" in m and m["rounds"] < _MIN_ROUNDS * 3:
+    if m["rounds"] < _MIN_ROUNDS * 3:
         runs = min(k["runs"] for k in m["kernels"].values())
         out.insert(0, f"budget: --seconds {m['budget']:g} allowed {m['rounds']} interleaved round(s) in {m['repeats']} "
                       f"repeat(s) and {runs} profiled run(s) per model (took {m['took']:.1f} s; a steady figure "
@@ -174,8 +175,6 @@ def describe(m: dict) -> list[str]:
 
 
 def _signature(model) -> list[tuple]:
-    from .inputs import graph_inputs
-
     return [(s.name, s.elem, tuple(s.dims)) for s in graph_inputs(model)]
 
 
@@ -213,7 +212,5 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
 
 
 def _describe_inputs(model) -> str:
-    from onnx import TensorProto
-
     return ", ".join(f"{name} {TensorProto.DataType.Name(elem).lower()} {[d if d else '?' for d in dims]}"
                      for name, elem, dims in _signature(model)) or "none"
