@@ -1,20 +1,12 @@
-"""The searches of every calibrated decision, over plain callables: the measuring (folding, running,
-`passes/metric`) is the caller's, the order of the measurements and the choice are here, each with
-records that say why a candidate was taken or not.
-
-- `greedy(candidates, error_of_set, budget) -> Greedy`: a set within an error budget (the
-  approximate swap). Each candidate measured alone, then, smallest first, added while the error of
-  the whole set (measured, not added up) stays <= budget. Budget 0: nothing measured, nothing chosen.
-- `largest_within(n, within) -> Boundary`: the largest index of a grid 0..n-1 whose `within(i)` holds,
-  assuming it holds up to a point and not after (slicing's fraction under `--budget`): index 0,
-  then n-1, then bisection; at most ceil(log2 n) + 2 calls.
-- `best_of(candidates, score, margin) -> Best`: the lowest score, candidates in order of simplicity,
-  a later one taken only where it beats the best so far by more than `margin` (a share);
-  `score` raises `Skip(reason)` for a candidate that is not measured (quantize's --rotate auto).
+"""The searches of every calibrated decision, over plain callables: the caller measures (folds,
+runs, passes/metric); the order of the measurements and the choice are here, each with records that
+say why a candidate was taken or not: `greedy` (a set within an error budget: the approximate
+swap), `largest_within` (the largest grid index within a bound: slicing's fraction under
+`--budget`) and `best_of` (the lowest score, simpler candidates kept unless beaten by a margin:
+quantize's --rotate auto).
 
 An error or score that is NaN or ±inf is never chosen over a finite one and never compared as a
 number (a NaN compares False both ways: a search that lets it in keeps or drops it by accident).
-IR-neutral: no imports beyond the standard library.
 """
 from __future__ import annotations
 
@@ -49,7 +41,6 @@ class Step:
     total: float = 0.0  # the set's error right after it joined, or when it was tried
     outcome: str = KEPT
     reason: str = ""  # refused: why, in words
-    before: int = 0  # how many were kept before it was tried
 
     @property
     def kept(self) -> bool:
@@ -61,7 +52,6 @@ class Greedy:
     """What `greedy` chose, in the order they joined, and every candidate's Step in the order tried
     (those not finite alone last)."""
 
-    budget: float
     chosen: tuple
     steps: tuple[Step, ...]
     total: float = 0.0  # the chosen set's measured error (<= budget)
@@ -77,13 +67,13 @@ class Greedy:
 
 def greedy(candidates: Iterable[Hashable], error_of_set: Callable[[frozenset], float], budget: float,
            chosen_word: str = "chosen") -> Greedy:
-    """Greedy by measured effect (module docstring). `error_of_set(frozenset of candidates)` is
-    the error with those taken (it need not be additive); `chosen_word` names the kept ones in the
-    reasons ("swapped"). Duplicates are tried once; candidates whose error alone is not finite are
-    refused without being compared."""
+    """Each candidate measured alone, then, smallest first, added while the error of the whole set
+    (`error_of_set(frozenset of candidates)`, measured, not added up) stays <= budget. Budget 0:
+    nothing measured. `chosen_word` names the kept ones in the reasons ("swapped"). Duplicates are
+    tried once; candidates whose error alone is not finite are refused without being compared."""
     names = list(dict.fromkeys(candidates))
     if not budget > 0:  # 0 (or less): exact only, nothing measured
-        return Greedy(budget, (), tuple(Step(n, math.nan, outcome=ZERO_BUDGET, reason="budget 0: nothing measured")
+        return Greedy((), tuple(Step(n, math.nan, outcome=ZERO_BUDGET, reason="budget 0: nothing measured")
                                        for n in names))
     alone = {n: error_of_set(frozenset([n])) for n in names}
     steps: list[Step] = []  # in the order tried
@@ -91,22 +81,22 @@ def greedy(candidates: Iterable[Hashable], error_of_set: Callable[[frozenset], f
     total = 0.0
     for n in sorted((n for n in names if _finite(alone[n])), key=alone.__getitem__):  # stable: ties keep order
         if not alone[n] <= budget:
-            steps.append(Step(n, alone[n], outcome=OVER_ALONE, before=len(chosen),
+            steps.append(Step(n, alone[n], outcome=OVER_ALONE,
                               reason=f"alone it costs {alone[n]:.3g} > budget {budget:g}"))
             continue
         now = alone[n] if not chosen else error_of_set(frozenset(chosen + [n]))
         if _finite(now) and now <= budget:
-            steps.append(Step(n, alone[n], now - total, now, before=len(chosen)))
+            steps.append(Step(n, alone[n], now - total, now))
             total = now
             chosen.append(n)
         else:
             said = f"{now:.3g} > budget {budget:g}" if _finite(now) else f"{now}, not a finite number"
-            steps.append(Step(n, alone[n], total=now, outcome=OVER_TOGETHER, before=len(chosen),
+            steps.append(Step(n, alone[n], total=now, outcome=OVER_TOGETHER,
                               reason=f"with the {len(chosen)} {chosen_word} before it the error would be {said}"))
-    steps += [Step(n, alone[n], outcome=NOT_FINITE, before=len(chosen),  # last, never compared
+    steps += [Step(n, alone[n], outcome=NOT_FINITE,  # last, never compared
                    reason=f"alone its error is {alone[n]}, not a finite number")
               for n in names if not _finite(alone[n])]
-    return Greedy(budget, tuple(chosen), tuple(steps), total)
+    return Greedy(tuple(chosen), tuple(steps), total)
 
 
 # -- largest within ---------------------------------------------------------------------------------
@@ -116,7 +106,6 @@ class Boundary:
     """What `largest_within` found: `fits` the largest index found within (-1: none), `fails` the
     index after it, found over (n: none); `tried` every (index, within) in the order measured."""
 
-    n: int
     fits: int
     fails: int
     tried: tuple[tuple[int, bool], ...]
@@ -145,7 +134,7 @@ def largest_within(n: int, within: Callable[[int], bool]) -> Boundary:
     while fails - fits > 1:
         mid = (fits + fails) // 2
         fits, fails = (mid, fails) if measure(mid) else (fits, mid)
-    return Boundary(n, fits, fails, tuple(tried))
+    return Boundary(fits, fails, tuple(tried))
 
 
 # -- best of, with a margin -------------------------------------------------------------------------
@@ -159,7 +148,6 @@ class Trial:
     """One candidate of `best_of`: its score, or why it was skipped, and what it did to the choice."""
 
     index: int
-    candidate: object
     score: Optional[float] = None  # None: skipped
     skipped: Optional[str] = None
     why: str = ""  # took the lead, or did not, and why
@@ -171,7 +159,6 @@ class Best:
 
     index: Optional[int]
     trials: tuple[Trial, ...]
-    margin: float
     why: str
 
     @property
@@ -198,26 +185,26 @@ def best_of(candidates: Iterable, score: Callable[[object], float], margin: floa
         try:
             s = float(score(c))
         except Skip as e:
-            trials.append(Trial(i, c, skipped=str(e) or "skipped"))
+            trials.append(Trial(i, skipped=str(e) or "skipped"))
             continue
+        leads = best is None or (_finite(s) and (not _finite(best.score) or s < (1 - margin) * best.score))
         if best is None:
             why = "the first scored" + ("" if _finite(s) else f": {s}, not a finite number")
         elif not _finite(s):
             why = f"{s} is not a finite number: never chosen over a scored one"
         elif not _finite(best.score):
             why = f"the first finite score (the best so far, {best.score}, is not a number)"
-        elif s < (1 - margin) * best.score:
+        elif leads:
             why = f"beats the best so far ({best.score:.3g}) by more than {margin:.0%}"
         else:
             why = f"not below the best so far ({best.score:.3g}) by more than {margin:.0%}: the simpler kept"
-        trial = Trial(i, c, s, why=why)
-        trials.append(trial)
-        if best is None or (_finite(s) and (not _finite(best.score) or s < (1 - margin) * best.score)):
-            best = trial
+        trials.append(Trial(i, s, why=why))
+        if leads:
+            best = trials[-1]
     scored = sum(t.skipped is None for t in trials)
     if best is None:
-        return Best(None, tuple(trials), margin, f"all {len(trials)} candidate(s) skipped")
+        return Best(None, tuple(trials), f"all {len(trials)} candidate(s) skipped")
     why = (f"candidate {best.index + 1}: the lowest score ({best.score:.3g}) of {scored} scored, simpler ones kept "
            f"unless beaten by over {margin:.0%}" if _finite(best.score) else
            f"candidate {best.index + 1}: no score is a finite number; the first scored kept")
-    return Best(best.index, tuple(trials), margin, why)
+    return Best(best.index, tuple(trials), why)
