@@ -1,38 +1,13 @@
 """The one error metric of every calibrated decision: a candidate's outputs against the reference's.
 
-Per output, `compare(reference, candidate) -> OutputError`, a frozen record of
+Per output, an `OutputError`: ``rel_rms`` = ‖got − ref‖ / ‖ref‖ in float64 (the error of a typical
+entry), ``max_rel`` = max |got − ref| / max |ref| (the verification's measure). Reference positions
+that are NaN or ±inf are left out and counted; where only the candidate is not finite, or its shape
+differs, the errors are inf, never NaN (which ``max`` would silently drop). Non-float references
+(token ids, masks) are not compared: None, so that a list lines up with the outputs' names.
 
-- ``rel_rms``: ‖got − ref‖ / ‖ref‖ in float64 (‖got − ref‖ where ‖ref‖ = 0): the error of a typical
-  entry (one entry does not set it);
-- ``max_rel``: max |got − ref| / max |ref| (`weights.max_rel_err` on finite values, the measure of every
-  verification);
-- ``nonfinite_ref``: positions where the reference is NaN or ±inf: left OUT of both errors, counted;
-- ``nonfinite_got``: positions where the reference is finite and the candidate is not: both errors
-  are then inf (never NaN, and never silently dropped as a NaN is by ``max``), counted;
-- ``compared``: the positions compared (those where the reference is finite).
-
-A candidate of another shape, or a missing one, is inf. Non-float references (token ids, masks)
-are not compared: `compare_outputs` gives None for them, so that its list lines up with the
-outputs' names. `worst(errors)` is the score a search ranks by: the largest ``rel_rms`` (or
-``max_rel``) over the compared outputs, 0.0 for none, never NaN. Usage::
-
-    errors = metric.compare_outputs(reference_outputs, candidate_outputs)  # [OutputError | None]
-    score = metric.worst(errors)                                           # rel. RMS of the worst output
-    print([e.line() for e in errors if e is not None])
-
-`relative_error(reference, candidate)` is that score in one call (passes/approx.relative_error).
-
-Rows that do not fit in memory at once are compared batch by batch: `RunningErrors` (every output)
-or `RunningError` (one) accumulate the same record, IDENTICAL to `compare_outputs` on the batches
-joined along the first axis (`compare` is the accumulator over one batch), holding a few MiB of
-float64 whatever the outputs' size::
-
-    running = metric.RunningErrors()
-    for reference_outputs, candidate_outputs in batches:   # one batch's outputs alive at a time
-        running.add(reference_outputs, candidate_outputs)
-    errors = running.errors()
-
-IR-neutral: numpy only.
+`RunningErrors` / `RunningError` accumulate the same record batch by batch, IDENTICAL to
+`compare_outputs` on the batches joined, in a few MiB whatever the outputs' size. numpy only.
 """
 from __future__ import annotations
 
@@ -75,24 +50,18 @@ class OutputError:
         return "; ".join(said)
 
 
-def _unmeasurable(why: str) -> OutputError:
-    return OutputError(INF, INF, why=why)
-
-
 # values per segment of the accumulated sums: a first-axis row's flattened values are cut into
 # segments of at most this many (float64 temporaries of a few MiB, whatever the output's size)
 SEGMENT = 1 << 20
 
 
 class RunningError:
-    """One output's error accumulated batch by batch (`add`), in bounded memory: `error()` is
-    IDENTICAL to `compare` on the batches joined along the first axis (`compare` is this over one
-    batch). The sums of squares are kept per first-axis row (per segment of at most SEGMENT values:
-    the same cuts in every batching), scaled by a power of two from the row's largest magnitude (no
-    overflow; exact), and added at the end, in row order, by math.fsum (correctly rounded): how the
-    rows come in batches changes no bit. `scores`:
-    the last axis scores classes; `top1()` is then the share of rows whose argmax agrees (rows where
-    the reference is not finite left out)."""
+    """One output's error accumulated batch by batch (`add`): `error()` is IDENTICAL to `compare` on
+    the batches joined. The sums of squares are kept per first-axis row (per segment of at most
+    SEGMENT values: the same cuts in every batching), scaled by a power of two from the row's largest
+    magnitude (no overflow; exact), and added at the end, in row order, by math.fsum (correctly
+    rounded): how the rows come in batches changes no bit. `scores`: the last axis scores classes
+    (`top1`, `kl`)."""
 
     def __init__(self, scores: bool = False) -> None:
         self.scores = scores
@@ -167,7 +136,7 @@ class RunningError:
 
     def error(self) -> OutputError:
         if self.why:
-            return _unmeasurable(self.why)
+            return OutputError(INF, INF, why=self.why)
         counts = dict(nonfinite_ref=self.nonfinite_ref, nonfinite_got=self.nonfinite_got, compared=self.compared)
         if self.nonfinite_got:
             return OutputError(INF, INF, **counts)
