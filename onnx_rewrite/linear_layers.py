@@ -1,31 +1,15 @@
 """The linear layers of an ONNX graph as onnxruntime's quantizers want to see them.
 
-onnxruntime's weight-only int4 quantizer (MatMulNBitsQuantizer) and its dynamic quantizer
-(quantize_dynamic: MatMulInteger) take only MatMul nodes with a constant B: a Gemm (what torch's
-exporter makes of GPT-2's Conv1D, `addmm`) stays float. `gemm_to_matmul` rewrites each Gemm whose
-weight is an initializer, with alpha = beta = 1 and no transposed A, into MatMul (+ Add of C):
-the same products and the same bias, so the same function (a transposed B is stored transposed;
-the rounding is at most the summation order's), checked with the fold by its float64 gate
-(quantize.check_exact_steps). Other Gemms are left as they are and counted. Gemms, MatMuls and basis
-changes are found in the main graph and in its If/Loop branches (`graphs`: Optimum's merged decoders);
-`constant_weights` reads the main graph only.
+onnxruntime's int4 (MatMulNBits) and dynamic int8 (MatMulInteger) quantizers take only MatMul nodes
+with a constant B: `gemm_to_matmul` makes a Gemm with an initializer weight, alpha = beta = 1 and no
+transposed A, a MatMul (+ Add of C), the same function; `constant_weights` makes a weight read through
+ops that only alias, lay out or widen an initializer (WEIGHT_VIEWS: ALBERT's Transpose, TorchScript's
+Identity) an initializer, unless another node reads that initializer as given: a quantized copy would
+be stored beside the float one, a file bigger than the float model.
 
-`constant_weights` hands the quantizers, as an initializer, each linear layer's weight that the
-graph reaches from an initializer through ops that only alias, lay out or widen it (WEIGHT_VIEWS:
-Identity, Transpose, Reshape, Cast between float types): ALBERT's MatMuls read
-`Transpose(initializer)`, TorchScript's shared weights `Identity(initializer)` (issue 45 items 6
-and 7). The value is computed as the ops compute it (exact), an alias points at its initializer
-itself (one copy: the quantizer then drops the float one), and the chain goes. A weight whose
-initializer some other node reads as given (a tied embedding's Gather) stays float and is said:
-a quantized copy would be stored beside the float one, a file bigger than the float model.
-
-`linear_layers` names the MatMul nodes with a constant 2-D float weight: what lnfold asks the
-quantizers to quantize (attention's activation x activation MatMuls and embedding tables stay
-float; see onnx_rewrite/quantize.py). Not among them: `basis_changes`, the MatMuls the fold itself
-inserted to take a rotated stream out of (a readout's `· Qᵀ·diag γ`) or into (the projection after
-a recentered start) its rotated basis. They are no layer of the model, and a readout's error lands
-on the output unfiltered: quantized with the layers, they doubled the rotated error of the zoo's
-Whisper encoder (benchmarks/RESULTS.md). The emitter names them (emit.BASIS_CHANGE).
+`linear_layers` leaves out the fold's `basis_changes` (emit.BASIS_CHANGE), the MatMuls it inserted to
+take a rotated stream into or out of its basis: no layer of the model, and a readout's error lands on
+the output unfiltered (quantized, they doubled the rotated error of the zoo's Whisper encoder).
 """
 from __future__ import annotations
 
@@ -45,8 +29,7 @@ _FLOAT = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFL
 def graphs(model: onnx.ModelProto) -> list[tuple[str, onnx.GraphProto, dict]]:
     """The main graph, then every subgraph in it (If/Loop/Scan bodies, nested), each as (where,
     graph, the initializers it can read by name: its own and its outer graphs'). onnxruntime's
-    int8 dynamic (EnableSubgraph) and int4 quantizers quantize inside them, reading a weight from
-    the outer graph as Optimum's merged decoder's two branches share theirs."""
+    quantizers quantize inside them too, reading a weight from the outer graph."""
     out = []
 
     def visit(g: onnx.GraphProto, where: str, outer: dict) -> None:
@@ -75,9 +58,8 @@ def name_nodes(model: onnx.ModelProto) -> None:
 
 
 def gemm_to_matmul(model: onnx.ModelProto) -> tuple[int, list[str]]:
-    """Rewrite, in place, the Gemms with an initializer weight into MatMul (+ Add), in the main graph
-    and its branches (`graphs`: a branch's Gemm reads the outer graph's weight, as GPT-2's merged
-    decoder's do). Returns (how many were rewritten, [why each other Gemm was kept])."""
+    """Rewrite, in place, the Gemms with an initializer weight into MatMul (+ Add), in every graph
+    (`graphs`). Returns (how many were rewritten, [why each other Gemm was kept])."""
     everything = graphs(model)
     owner = {name: g for _, g, _ in everything for name in (t.name for t in g.initializer)}
     uses = Counter(i for _, g, _ in everything for n in g.node for i in n.input)
@@ -154,10 +136,9 @@ def _view_value(node: onnx.NodeProto, value, consts: dict) -> Optional[np.ndarra
 
 def constant_weights(model: onnx.ModelProto) -> tuple[int, list[str]]:
     """In place: each MatMul's (Gemm's) weight that is an initializer seen through WEIGHT_VIEWS made
-    an initializer read directly (the alias's own initializer where the chain changes nothing: one
-    copy), the chain removed. Only where every node reading the initializer, through such chains,
-    reads it as a linear layer's weight: else the layer stays float (a quantized copy would be
-    stored beside the float one). Returns (weights rewritten, [why each other one stayed float])."""
+    an initializer read directly (the initializer itself where the chain changes nothing), the chain
+    removed; only where every reader of the initializer, through such chains, reads it as a linear
+    layer's weight. Returns (weights rewritten, [why each other one stayed float])."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output}
@@ -195,6 +176,9 @@ def constant_weights(model: onnx.ModelProto) -> tuple[int, list[str]]:
     def is_weight(node: onnx.NodeProto, k: int) -> bool:
         return k == 1 and node.domain in ("", "ai.onnx") and node.op_type in ("MatMul", "Gemm")
 
+    def is_matrix(v: Optional[np.ndarray]) -> bool:
+        return v is not None and v.ndim == 2 and v.dtype.kind == "f"
+
     def others(name: str, seen: set) -> list[str]:
         """The readers of `name`, through WEIGHT_VIEWS chains, that are no linear layer's weight."""
         out = ["a subgraph" if name in outer else None, "the graph's outputs" if name in outputs else None]
@@ -203,14 +187,12 @@ def constant_weights(model: onnx.ModelProto) -> tuple[int, list[str]]:
                 if n.output[0] not in seen:
                     seen.add(n.output[0])
                     out += others(n.output[0], seen)
-            elif not (is_weight(n, k) and const(name) is not None and const(name).ndim == 2
-                      and const(name).dtype.kind == "f"):
+            elif not (is_weight(n, k) and is_matrix(const(name))):
                 out.append(f"{n.op_type} `{n.name or n.output[0]}`")
         return [o for o in out if o]
 
     targets = [(n, k) for n in g.node for k, i in enumerate(n.input)
-               if is_weight(n, k) and i not in inits and (v := value(i)) is not None
-               and v.ndim == 2 and v.dtype.kind == "f"]
+               if is_weight(n, k) and i not in inits and is_matrix(value(i))]
     blocked: dict[str, list[str]] = {}
     made: dict[str, str] = {}  # chain output -> the initializer its readers now read
     kept = []
@@ -311,7 +293,6 @@ def basis_changes(model: onnx.ModelProto) -> dict[str, int]:
 def float_parameters(model: onnx.ModelProto) -> int:
     """The floating-point constants' element count (initializers and Constant nodes' values): a model's
     parameters, as slicing and quantization report them."""
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
     tensors = list(model.graph.initializer) + [a.t for n in model.graph.node if n.op_type == "Constant"
                                                for a in n.attribute if a.name == "value"]
-    return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in floats)
+    return sum(int(np.prod(t.dims)) for t in tensors if t.data_type in _FLOAT)
