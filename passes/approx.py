@@ -105,10 +105,6 @@ def choose(candidates: Iterable[str], error: Callable[[frozenset], float], budge
     return Selection(budget, metric, [swap(s) for s in found.kept], [swap(s) for s in found.refused], found.total)
 
 
-def metric_name(metric: Optional[Metric]) -> str:
-    return "relative output error" if metric is None else getattr(metric, "__name__", "metric")
-
-
 def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, metric: Optional[Metric] = None,
                        progress: Progress = None) -> FoldResult:
     """Mode "rms-approx" for any frontend: the exact fold verified as always (when `folds.opts.verify`),
@@ -135,7 +131,8 @@ def swap_within_budget(folds: Folds, data: Data, budget, planner: Planner, *, me
         return measure(reference, calibration.run(folds, folds.fold(planner, tries, approx=names), data.deciding))
 
     stage(progress, f"measuring {len(candidates)} candidate norm(s) on the calibration inputs")
-    selection = choose(candidates, error, budget, metric_name(metric))
+    selection = choose(candidates, error, budget,
+                       "relative output error" if metric is None else getattr(metric, "__name__", "metric"))
     selection.calibration_rows = folds.rows(data.deciding)
     if not plan.swaps and not selection.names:
         raise NothingToFold(f"no LayerNorm can be folded, and none swapped within budget {budget:g}")

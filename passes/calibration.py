@@ -165,11 +165,12 @@ class Rows:
 
     def describe(self) -> str:
         if self.pieces:
-            return "; ".join([f"{len(self.pieces)} files of {self.count} row(s), fed one file at a time (first: "
-                              f"{self.pieces[0].describe()})"] + ([self.dropped_note()] if self.dropped else []))
-        return "; ".join([", ".join([f"{k} {list(np.shape(v))}" for k, v in self.feeds.items()] +
-                                    [f"{k} {np.asarray(v).tolist()} (every row)" for k, v in self.unbatched.items()])] +
-                         ([self.dropped_note()] if self.dropped else []))
+            said = (f"{len(self.pieces)} files of {self.count} row(s), fed one file at a time (first: "
+                    f"{self.pieces[0].describe()})")
+        else:
+            said = ", ".join([f"{k} {list(np.shape(v))}" for k, v in self.feeds.items()] +
+                             [f"{k} {np.asarray(v).tolist()} (every row)" for k, v in self.unbatched.items()])
+        return "; ".join(filter(None, [said, self.dropped_note()]))
 
 
 class Folds(Protocol):

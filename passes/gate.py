@@ -44,7 +44,6 @@ MEAN_TOL = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 5e-2}
 FLOAT64, FLOAT64_FIXED, COPIES = "float64", "float64, fixed tolerance", "float64 copies"
 TOLERANCE_ONLY, ZERO_MEAN, NOT_JUDGED = "tolerance", "zero-mean norm inputs", "not judged"
 OUTPUTS = "outputs"  # the folded model's outputs differ in number or kind from the original's (torch)
-METHODS = (FLOAT64, FLOAT64_FIXED, COPIES, TOLERANCE_ONLY, ZERO_MEAN, NOT_JUDGED, OUTPUTS)
 
 
 @dataclass
@@ -61,7 +60,7 @@ class Output:
 @dataclass
 class Verdict:
     ok: bool
-    method: str  # one of METHODS: how the gate judged
+    method: str  # one of the methods above: how the gate judged
     diff: float  # worst relative difference folded vs original, over all outputs
     folded_err: Optional[float] = None  # worst relative error of the folded model vs float64
     original_err: Optional[float] = None  # the same for the original model

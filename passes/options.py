@@ -30,14 +30,6 @@ def check_choice(what: str, value, allowed: tuple) -> str:
     return value
 
 
-def _check_bool(name: str) -> Callable[[Any], bool]:
-    def check(value) -> bool:
-        if value not in (True, False):
-            raise LnfoldError(f"{name} must be True or False, got {value!r}")
-        return bool(value)
-    return check
-
-
 def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise LnfoldError(f"seed must be a non-negative integer, got {seed!r}")
@@ -100,7 +92,9 @@ class Option:
         if self.choices and not (value is None and self.default is None):
             check_choice(self.what or self.name.replace("_", " "), value, self.choices)
         if self.type is bool:
-            return _check_bool(self.name)(value)
+            if value not in (True, False):
+                raise LnfoldError(f"{self.name} must be True or False, got {value!r}")
+            return bool(value)
         return self.check(value) if self.check is not None else value
 
     def add_to(self, parser, *, help: Optional[str] = None, choices: Optional[tuple] = None) -> None:
