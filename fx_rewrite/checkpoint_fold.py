@@ -1,14 +1,14 @@
-"""`lnfold.fold_checkpoint`: stream a checkpoint's shards through the plan, verify, publish (issue 25).
+"""`lnfold.fold_checkpoint`: stream a checkpoint's shards through the plan, verify, publish.
 
 How each shard is edited: DESIGN §2 "Checkpoints", *Editing*. The new folder is built under a
-temporary name beside the output, verified (fx_rewrite/checkpoint_verify.py), and renamed into
-place: a failure leaves nothing behind.
+temporary name beside the output and renamed into place once verified: a failure leaves nothing behind.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import json
 import os
@@ -33,7 +33,7 @@ from .checkpoint import INDEX, SINGLE, Checkpoint, CheckpointPlan, is_checkpoint
     skeleton, stored_names
 from .checkpoint_verify import verify_checkpoint
 from .edits import rounded
-from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, nbytes, row_blocks, tensor_bytes
+from .safetensors_io import DTYPES, Rows, ShardWriter, edited_pieces, nbytes, row_blocks
 
 SLICE_BYTES = 64 << 20  # float64 working set of an edited tensor streamed by rows
 HEAP_MMAP_BYTES = SLICE_BYTES // 64  # glibc: every allocation from this size up is a mapping of its own
@@ -51,17 +51,11 @@ def _glibc():
 
 
 def heap_returns_memory() -> None:
-    """glibc (once per process, process-wide): every allocation of HEAP_MMAP_BYTES or more is a
-    mapping of its own, given back to the system when freed. By default glibc raises that
-    threshold up to 32 MB as mappings are freed (and its trim threshold to twice that), so the
-    fold's 1-32 MB arrays (a layer's matrices and their float64 copies, one set per editing
-    thread) stay in the heap after they are freed, fragment it, and the threads' heaps keep up to
-    64 MB each for good: a 0.37 B GPT-NeoX (24 layers of 16 MB matrices) peaked 525 MiB over the
-    import baseline, its editing's leftovers under verification's float64 run, against a budget
-    of 3x its 141 MiB shards; 355 MiB with this (benchmarks/RESULTS.md, "Checkpoints (issue 25)",
-    issue 43). Nothing else changes: smaller allocations, other C libraries, a mapping per
-    verification parameter (its _Pool reuses them). glibc cannot restore its moving threshold,
-    so the process keeps this one."""
+    """glibc, process-wide and for good (glibc cannot restore its moving threshold): every
+    allocation of HEAP_MMAP_BYTES or more is a mapping of its own, given back when freed. By
+    default glibc raises that threshold up to 32 MB as mappings are freed, so the fold's 1-32 MB
+    arrays stay in the threads' heaps, fragmented, under verification's float64 run (a 0.37 B
+    GPT-NeoX: 525 MiB over the import baseline, 355 MiB with this; benchmarks/RESULTS.md)."""
     libc = _glibc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, HEAP_MMAP_BYTES)  # M_MMAP_THRESHOLD (which also fixes M_TRIM_THRESHOLD at 128 KB)
@@ -108,9 +102,7 @@ def fold_shard(ck: Checkpoint, out: Path, job: ShardJob) -> dict:
                 own = header.entries[t.source]
                 writer.copy(t.name, raw, header.data_start + own.begin, own.end - own.begin)
             elif not t.ops:  # (a tensor of another shard: a tied table's copy)
-                x = rows(t.source)
-                writer.put(t.name, (tensor_bytes(x[lo:hi]) for lo, hi in row_blocks(x.shape, SLICE_BYTES)),
-                           sizes[t.name])
+                writer.put(t.name, edited_pieces(rows(t.source), 0, lambda b: b, SLICE_BYTES), sizes[t.name])
             else:
                 writer.put(t.name, _edited(rows(t.source), DTYPES[e.dtype], t.ops, source), sizes[t.name])
         writer.close()
@@ -157,9 +149,7 @@ def write_shards(ck: Checkpoint, jobs_list: list[ShardJob], out: Path, jobs: int
     """Every output shard, `jobs` at a time; tensor name -> its size. Threads, not processes: the
     work is numpy arithmetic and file copies, which run outside the GIL, and a worker process
     would first pay its own torch import (~2 s and ~300 MB each)."""
-    def fold(job: ShardJob) -> dict[str, int]:
-        return fold_shard(ck, out, job)
-
+    fold = functools.partial(fold_shard, ck, out)
     if jobs > 1 and len(jobs_list) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -216,14 +206,6 @@ def check_complete(ck: Checkpoint, out: Checkpoint, plan: CheckpointPlan) -> Non
                               "at random; nothing written")
 
 
-@contextlib.contextmanager
-def _one_line_os_errors(dst: Path):
-    try:
-        yield
-    except OSError as e:
-        raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
-
-
 def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jobs: Optional[int] = None,
                     progress: Optional[Callable[[str], None]] = None) -> FoldResult:
     """Fold the `transformers` checkpoint folder `src` into `dst` (default `src.folded`).
@@ -236,18 +218,12 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     Raises LnfoldError (one line) for a bad folder, NothingToFold, VerificationError.
 
     Memory: the peak stays within the RSS after importing torch, transformers and lnfold plus 3x
-    the largest shard where that shard is ~125 MB or more (tests/test_checkpoint_memory.py; RESULTS,
-    "Checkpoints (issue 25)"). What it is made of, whatever the architecture: ~90 MB that the
-    analysis's torch.export imports keep; editing, per thread, a few SLICE_BYTES-sized float64
-    blocks of rows (a tensor edited whole, `chunk_axis` None, in float64 whole); verification, one
-    module's parameters in float64 (a linear layer over SLICE_BYTES a block of rows at a time, an
-    embedding only the rows it looks up) in a pool of at most 4 x SLICE_BYTES, and one buffer of
-    SLICE_BYTES / 2 for conversions. The stages do not stack: on glibc the process's large
-    allocations are mappings of their own (`heap_returns_memory`, process-wide) and the heap is
-    trimmed between editing and verification. So the bound is not a multiple of the shard for
-    every checkpoint: shards much smaller than 100 MB stay within ~90 MB + that working set, and a
-    module that is neither a linear layer nor an embedding is loaded whole in float64 (4x its
-    size as fp16)."""
+    the largest shard where that shard is ~125 MB or more (tests/test_checkpoint_memory.py). It is
+    ~90 MB that torch.export's imports keep, plus the larger of editing (per thread, a few
+    SLICE_BYTES float64 blocks of rows, or a tensor `chunk_axis` cannot split whole) and verification
+    (one module's parameters in float64, in a pool of at most 4 x SLICE_BYTES, a linear layer by
+    blocks of rows and an embedding by the rows it looks up; any other module whole): the stages do
+    not stack, as `heap_returns_memory` and the trim between them keep the heap from holding on."""
     opts = FoldOptions(mode=mode, verify=verify)
     if jobs is None:  # (two: one edits while the other waits for the disk)
         jobs = min(2, os.cpu_count() or 1)
@@ -270,27 +246,30 @@ def fold_checkpoint(src, dst=None, *, mode: str = "rms", verify: bool = True, jo
     work = shard_work(files, plan.in_place, plan.new)
     result = FoldResult(report=plan.report, model=dst)
     heap_returns_memory()
-    with Staging.folder(dst) as tmp, _one_line_os_errors(dst):
-        t1 = time.perf_counter()
-        pipeline.stage(progress, f"editing {sum(j.edited for j in work)} tensors in {len(work)} shard(s)")
-        sizes = write_shards(ck, work, tmp, jobs)
-        _write_index(ck, work, sizes, tmp)
-        _copy_others(ck, others, tmp, bool(plan.untied))
-        written = read_checkpoint(tmp)
-        check_complete(ck, written, plan)
-        timings["editing"] = time.perf_counter() - t1
-        if opts.verify:
-            t2 = time.perf_counter()
-            release_heap()  # (what editing freed, before verification's float64 run)
-            pipeline.stage(progress, "verifying block by block in float64")
-            verdict = verify_checkpoint(ck, written, plan)
-            pipeline.record(result, verdict)
-            timings["verification"] = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        flush_tree(tmp)
-        os.replace(tmp, dst)
-        fsync_folder(dst.parent)
-        timings["flush"] = time.perf_counter() - t3
+    with Staging.folder(dst) as tmp:
+        try:
+            t1 = time.perf_counter()
+            pipeline.stage(progress, f"editing {sum(j.edited for j in work)} tensors in {len(work)} shard(s)")
+            sizes = write_shards(ck, work, tmp, jobs)
+            _write_index(ck, work, sizes, tmp)
+            _copy_others(ck, others, tmp, bool(plan.untied))
+            written = read_checkpoint(tmp)
+            check_complete(ck, written, plan)
+            timings["editing"] = time.perf_counter() - t1
+            if opts.verify:
+                t2 = time.perf_counter()
+                release_heap()  # (what editing freed, before verification's float64 run)
+                pipeline.stage(progress, "verifying block by block in float64")
+                verdict = verify_checkpoint(ck, written, plan)
+                pipeline.record(result, verdict)
+                timings["verification"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            flush_tree(tmp)
+            os.replace(tmp, dst)
+            fsync_folder(dst.parent)
+            timings["flush"] = time.perf_counter() - t3
+        except OSError as e:
+            raise LnfoldError(f"{dst}: cannot write: {first_line(e)}") from None
     if plan.traced != "every block":
         result.report.notes.append(f"analysis: exported {plan.traced}; the plan extended by name (passes/depth.py)")
     if plan.untied:

@@ -76,12 +76,7 @@ def read_header(path: Path) -> Header:
     meta = raw.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise bad("__metadata__ is not an object of strings")
-    entries = {}
-    for name, v in raw.items():
-        entries[name] = e = _entry(v, lambda why: bad(f"tensor {name}: {why}"))
-        if e.end - e.begin != nbytes(e.dtype, e.shape):
-            raise bad(f"tensor {name}: its offsets hold {e.end - e.begin} bytes, its dtype and shape "
-                      f"{nbytes(e.dtype, e.shape)}")
+    entries = {name: _entry(v, lambda why: bad(f"tensor {name}: {why}")) for name, v in raw.items()}
     entries = dict(sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)))
     end = 0
     for name, e in entries.items():
@@ -108,6 +103,8 @@ def _entry(v, bad: Callable[[str], LnfoldError]) -> Entry:
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(natural(o) for o in offsets) \
             or offsets[0] > offsets[1]:
         raise bad(f"data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    if offsets[1] - offsets[0] != nbytes(dtype, shape):
+        raise bad(f"its offsets hold {offsets[1] - offsets[0]} bytes, its dtype and shape {nbytes(dtype, shape)}")
     return Entry(dtype, tuple(shape), *offsets)
 
 
@@ -182,14 +179,10 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def edited_pieces(t, axis, edit: Callable[[torch.Tensor], torch.Tensor], budget: int):
-    """`edit` applied to slices of `t` along `axis` (a few of `budget` bytes in float64 each; the
-    whole tensor where axis is None), each slice's bytes as soon as it is done. `axis` is 0 or None
-    (passes/edits.chunk_axis): the file holds row-major bytes, contiguous only along the first axis.
-    `t`: a tensor, or `Rows` of one still in its file."""
-    if axis is None:
-        yield tensor_bytes(edit(t[:]))
-        return
-    for lo, hi in row_blocks(tuple(t.shape), budget):
+    """`edit` applied to blocks of rows of `t` (`Rows` of a tensor in its file) of about `budget`
+    float64 bytes each, or to all of it where axis is None, each block's bytes as soon as it is done.
+    `axis` is 0 or None (passes/edits.chunk_axis): the file's bytes are contiguous only along the first axis."""
+    for lo, hi in row_blocks(tuple(t.shape), budget) if axis is not None else [(None, None)]:
         yield tensor_bytes(edit(t[lo:hi]))
 
 
