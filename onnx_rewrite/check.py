@@ -238,44 +238,42 @@ def check_onnx(original: Union[ModelLike, Source], other: Union[ModelLike, Sourc
     shared = _shared_tensors(skel_a, skel_b)
     picked = _sample(shared, MAX_SHARED)
     sess_ref = ref.runner.sess is None
+    # the error per output as the gate measured it: ORIGINAL's run of the gate against a plain run of
+    # OTHER (extra outputs can change what onnxruntime fuses, and so the last digits of the outputs)
+    plain = Runner(other.proto, allow_reference=sess_ref).run(ref.feeds)
     try:
         ra = Runner(with_outputs(original.proto, picked), allow_reference=sess_ref).run(ref.feeds)
         rb = Runner(with_outputs(other.proto, picked), allow_reference=sess_ref).run(ref.feeds)
-    except Exception as e:  # (an extra output a runtime will not give: the outputs alone, once more)
+        note = ""
+    except Exception as e:  # (an extra output a runtime will not give: the outputs alone)
         note = f"not searched: the models do not run with their shared tensors as outputs ({first_line(e)})"
         picked, shared = [], []
-        ra, rb = ref.outputs, Runner(other.proto, allow_reference=sess_ref).run(ref.feeds)
-    else:
-        note = ""
-    # the error per output as the gate measured it: ORIGINAL's run of the gate against a plain run of
-    # OTHER (extra outputs can change what onnxruntime fuses, and so the last digits of the outputs)
-    plain = Runner(other.proto, allow_reference=sess_ref).run(ref.feeds) if not note else rb
+        ra, rb = ref.outputs, plain
     errs = metric.compare_outputs(ref.outputs, plain[:len(names)])
     result = CheckResult(verdict, list(zip(names, errs)), allowed)
     result.shared = sum(1 for t, a in zip(picked, ra[len(names):]) if np.asarray(a).dtype.kind == "f") \
         + len(shared) - len(picked)
     compared: dict[str, metric.OutputError] = {}
-    offsets: dict[str, metric.OutputError] = {}  # equal up to constant offsets: they agree
+    offsets: set[str] = set()  # equal up to constant offsets: they agree
     for t, a, b in zip(picked, ra[len(names):], rb[len(names):]):
         a, b = np.asarray(a), np.asarray(b)
         if a.dtype.kind == "f" and a.shape == b.shape:
             compared[t] = metric.compare(a, b)
             if compared[t].max_rel > allowed and _offsets_agree(a, b, allowed):
-                offsets[t] = compared[t]
+                offsets.add(t)
     for name, a, b in zip(names, ra, rb):  # the outputs end every path: they count as agreeing or not
         if np.asarray(a).dtype.kind == "f":
             compared[name] = metric.compare(a, b)
     result.checked = sum(t not in names for t in compared)
-    first = _first_divergence(skel_a, compared, allowed, set(offsets))
+    first = _first_divergence(skel_a, compared, allowed, offsets)
     if note:
         result.divergence_note = note
     elif not shared:
         result.divergence_note = "no shared intermediate names"
     elif first is not None:
-        node = next((n for n in skel_a.graph.node if first in n.output), None)
+        node = next(n for n in skel_a.graph.node if first in n.output)  # (_first_divergence found it there)
         e = compared[first]
-        result.divergence = Divergence(first, node.op_type if node is not None else "-",
-                                       node.name if node is not None else "-", e.max_rel, e.rel_rms, allowed)
+        result.divergence = Divergence(first, node.op_type, node.name, e.max_rel, e.rel_rms, allowed)
     else:
         result.divergence_note = (f"none: every shared tensor that differs by more than {allowed:.3g} (beyond a fold's constant "
                                   f"offsets) agrees again downstream "

@@ -69,8 +69,7 @@ def _run_on(runner: Runner, skel: onnx.ModelProto, *, inputs: Optional[dict], di
             return feeds, runner.run(feeds)
         except Exception as e:
             error = LnfoldError if runner.sess is not None else lambda m: _RefusedAndUnrunnable(m, runner)
-            raise error(f"cannot verify: {_where(skel, e)} on the given inputs: "
-                        f"{first_line(e)}") from None
+            raise error(f"cannot verify: {_where(skel, e)} on the given inputs: {first_line(e)}") from None
     if dims:
         synth.check_dims(dims, skel)
     first: Optional[Exception] = None
@@ -85,12 +84,11 @@ def _run_on(runner: Runner, skel: onnx.ModelProto, *, inputs: Optional[dict], di
             return feeds, runner.run(feeds)
         except Exception as e:
             first = first or e
-    assert first is not None
     if runner.sess is None:
-        raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), and "
-                          f"onnx's reference evaluator cannot run it either ({_where(skel, first)}: "
-                          f"{first_line(first)}); use --no-verify (API: verify=False) to skip it",
-                                     runner) from None
+        raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), "
+                                    f"and onnx's reference evaluator cannot run it either ({_where(skel, first)}: "
+                                    f"{first_line(first)}); use --no-verify (API: verify=False) to skip it",
+                                    runner) from None
     raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs: "
                       f"{_where(skel, first)}: {first_line(first)}; {_HINT}; or skip it with --no-verify "
                       "(API: verify=False)") from None
