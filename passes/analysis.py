@@ -26,7 +26,7 @@ class CenteredSource:
 
 @dataclass
 class OpaqueStart:
-    """A stream tensor nothing can center but an explicit Recenter."""
+    """A stream tensor only an explicit Recenter can center."""
 
     value: str
     axis: int
@@ -36,9 +36,8 @@ class OpaqueStart:
 
 @dataclass
 class Blocker:
-    """One reason a component cannot fold, in plain words: `subject` (a stream tensor, "`h`")
-    and what is wrong with it (`what`, e.g. "is also read by MatMul `fc` (a linear layer, which
-    sees the mean)")."""
+    """One reason a component cannot fold: `subject` (a stream tensor, "`h`") and what is wrong
+    with it (`what`, "is also read by MatMul `fc` (a linear layer, which sees the mean)")."""
 
     value: Optional[str]
     subject: str
@@ -58,16 +57,15 @@ class Component:
     """One connected set of stream tensors, with the feature axis of each."""
 
     axes: dict[str, int] = field(default_factory=dict)
-    # Stream tensors centered per block of this many entries along their feature axis (the
-    # input of per-head q/k norms, seen before the split into heads); absent: the whole axis.
+    # stream tensors centered per block (per-head q/k norms' input before the split into heads)
     blocks: dict[str, FeatureRuns] = field(default_factory=dict)
     norms: list[str] = field(default_factory=list)
     sources: list[CenteredSource] = field(default_factory=list)
     opaque: list[OpaqueStart] = field(default_factory=list)
     blockers: list[Blocker] = field(default_factory=list)
     inputs: dict[str, str] = field(default_factory=dict)  # norm -> the stream tensor it normalizes
-    # its norms that are RMSNorms as given (NormSpec.rms): nothing centers this stream (its
-    # LayerNorms, if any, are kept); all of them RMSNorms, it can still be rotated (passes/rotate.py)
+    # its RMSNorms as given: nothing centers this stream (its LayerNorms are kept), but all of
+    # them RMSNorms, it can still be rotated (passes/rotate.py)
     rms: list[str] = field(default_factory=list)
 
     @property
@@ -83,7 +81,6 @@ class Component:
             self.blockers.append(b)
 
     def blocker_texts(self) -> list[str]:
-        """Every blocker, in full (the JSON report lists them all)."""
         return [b.text for b in self.blockers]
 
     def reason(self, norm: Optional[str] = None) -> str:
@@ -141,8 +138,7 @@ class _ComponentBuilder:
 
     def _norm_behind(self, value: str) -> Optional[Node]:
         """The norm whose output `value` is, directly or through ops that only copy, cast,
-        reshape it or apply constants (a dropout in eval mode, which the torch graph has and the
-        ONNX export not; a γ and β written out after a hand-written norm)."""
+        reshape it or apply constants (an eval dropout; a γ and β written out after the norm)."""
         for _ in range(8):
             p = self.view.values[value].producer
             node = self.view.nodes.get(p) if p is not None else None
@@ -278,8 +274,7 @@ class _ComponentBuilder:
     def _splits_back_out(self, value: str, axis: int, block: Optional[FeatureRuns], depth: int = 32) -> bool:
         """Does a feature axis merged with other axes (`block.spacing`) come out whole again
         upstream, through layout ops and reshapes only (MobileViT's unfolding of conv_1x1's
-        output)? Where it does not, the merged tensor is no stream to follow: the value stays an
-        opaque start that a recenter can center, as it was before (an interleaved head_dim)."""
+        output)? Where it does not, the value stays an opaque start that a recenter can center."""
         if block is None or block.spacing is None:
             return True
         v = self.view.values[value]
@@ -361,11 +356,8 @@ class _ComponentBuilder:
                               f"it otherwise than per block ({why})")
 
     def _scaled_source(self, node: Node, scale: ChannelScale) -> Optional[CenteredSource]:
-        """LayerScale: fold a per-channel constant into the centerable sources feeding it.
-
-        Every tensor between the scale and those sources must feed only this path, since the
-        scaled weights are seen by all of their readers.
-        """
+        """LayerScale: fold a per-channel constant into the centerable sources feeding it, where
+        every tensor between them feeds only this path (the scaled weights' readers all see it)."""
         refs: list[ConstRef] = []
         stack = [(node.inputs[scale.input], scale.input_axis)]
         while stack:
@@ -455,12 +447,7 @@ def analyze(view: View) -> list[Component]:
     for node in view.nodes.values():
         if node.norm is None or node.name in placed:
             continue
-        comp = _ComponentBuilder(view).run(node.norm_input, node.norm.axis)
-        if node.name not in comp.norms:  # defensive: the start must reach its own norm
-            comp.norms.insert(0, node.name)
-            if node.norm.rms:
-                comp.rms.insert(0, node.name)
-        comp.inputs.setdefault(node.name, node.norm_input)
+        comp = _ComponentBuilder(view).run(node.norm_input, node.norm.axis)  # it reaches its own norm
         placed.update(comp.norms)
         components.append(comp)
     _block_shared(components)
