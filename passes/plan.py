@@ -26,7 +26,7 @@ from .errors import LnfoldError
 from .report import CompressionVerdict, NearMiss, NormVerdict, Report, RmsNorm, StreamEdits
 from .request import Capabilities, PlanRequest
 from .rules import is_product, is_sum_of_two, kind_of
-from .view import DimRef, View
+from .view import ConstRef, DimRef, View
 
 
 def _frozen_dict() -> Mapping:
@@ -383,8 +383,12 @@ class _Work:
     owner: dict[tuple, int] = field(default_factory=dict)  # (value, user, input) -> the stream that centers it first
     scaled_by: dict[str, int] = field(default_factory=dict)  # LayerScale Mul -> its stream
 
-    def use(self, ref_value: str, user: str, idx: int) -> tuple[list, list]:
-        return self.uses.setdefault((ref_value, user, idx), ([], []))
+    def use(self, ref: ConstRef) -> tuple[list, list]:
+        return self.uses.setdefault(_key(ref), ([], []))
+
+
+def _key(ref: ConstRef) -> tuple:
+    return ref.value, ref.user, ref.user_input
 
 
 def _draft(view: View, mode: str, request: PlanRequest) -> _Draft:
@@ -405,7 +409,7 @@ def _fold_streams(view: View, plan: _Draft, request: PlanRequest, work: _Work) -
     refuse, zero, caps, use = request.refuse, request.zero, request.target, work.use
     for comp in plan.components:
         if comp.rms:
-            _as_given(view, plan, comp, work.verdicts, work.stream_readers, work.rms_streams)
+            _as_given(view, plan, comp, work)
             continue
         reason = comp.reason() if not comp.foldable else (refuse(comp) if refuse else None)
         if reason:
@@ -431,19 +435,18 @@ def _fold_streams(view: View, plan: _Draft, request: PlanRequest, work: _Work) -
                 bf = plan.betas[n] = betas.decide(view, n, zero,
                                                   into_readers=request.gamma_into_readers or caps.new_biases)
                 for b, add in bf.edits:
-                    use(b.value, b.user, b.user_input)[0].append(add)
+                    use(b)[0].append(add)
                 plan.new_biases.extend(NewBias(node, add, w.value, w) for node, add, w in bf.new)
         for src in comp.sources:
             for s in src.scales:
                 work.scaled_by.setdefault(s.user, k)
-                ops = use(s.value, s.user, s.user_input)[1]
+                ops = use(s)[1]
                 narrows = shrink and size_along(view, s.value, s.axis) != 1
                 ops[:] = [Ones()] + ([_drop_last(s.axis, cc.width)] if narrows else [])
             for ref in src.refs:
-                key = (ref.value, ref.user, ref.user_input)
-                ops = use(*key)[1]
+                ops = use(ref)[1]
                 center = _center(ref)
-                if work.owner.setdefault(key, k) != k:  # disjoint runs of one constant, another stream's
+                if work.owner.setdefault(_key(ref), k) != k:  # disjoint runs of one constant, another stream's
                     ops.append(center)
                     continue
                 ops[:] = [Scale(s.value, s.axis, ref.axis) for s in src.scales] + [center]
@@ -451,15 +454,16 @@ def _fold_streams(view: View, plan: _Draft, request: PlanRequest, work: _Work) -
                     ops.append(_drop_last(ref.axis, cc.width))
         if shrink:
             _absorb_compression(plan, cc, use)
-    plan.report.rms_norms = [RmsNorm(n.name, n.op, stream=work.rms_streams.get(_first_norm(plan.components, n.name)))
-                             for n in view.rms_norms()]
+    for n in view.rms_norms():
+        first = next((c.norms[0] for c in plan.components if n.name in c.norms), None)
+        plan.report.rms_norms.append(RmsNorm(n.name, n.op, stream=work.rms_streams.get(first)))
 
 
 def _absorb_compression(plan: _Draft, cc: ComponentCompression, use: Callable) -> None:
     """CRMS: each compressed reader's weight takes γ and the decompression, its bias W β."""
     for a in cc.absorbs:
         w = a.read.weight
-        ops = use(w.value, w.user, w.user_input)[0]
+        ops = use(w)[0]
         if a.gamma is not None:
             ops.append(Scale(a.gamma, 0, w.axis))
         ops.append(FoldDecompression(w.axis))
@@ -468,15 +472,15 @@ def _absorb_compression(plan: _Draft, cc: ComponentCompression, use: Callable) -
         add = AddWeightTimes(w.value, w.axis, a.beta)
         if a.read.bias is not None:
             b = a.read.bias
-            use(b.value, b.user, b.user_input)[0].append(add)
+            use(b)[0].append(add)
         else:
             plan.new_biases.append(NewBias(a.node, add, w.value, w))
 
 
 def _bias_sources(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
     """W β joins the reader's output: a new bias takes its weight's source edits too."""
-    plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis) for op in work.uses.get(
-                              (nb.weight.value, nb.weight.user, nb.weight.user_input), ([], []))[1]))
+    plan.new_biases[:] = [replace(nb, then=tuple(op.without_axis(nb.weight.axis)
+                                                 for op in work.uses.get(_key(nb.weight), ([], []))[1]))
                           for nb in plan.new_biases]
 
 
@@ -535,8 +539,8 @@ def _verdicts(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> No
             cc.decompressions))
 
 
-def _as_given(view: View, plan: _Draft, comp: Component, verdicts, stream_readers, rms_streams) -> None:
-    """A component some of whose norms are RMSNorms as given (issue 47): nothing centers it, since
+def _as_given(view: View, plan: _Draft, comp: Component, work: _Work) -> None:
+    """A component some of whose norms are RMSNorms as given: nothing centers it, since
     an RMSNorm's output depends on its input's mean; its LayerNorms are kept, naming the RMSNorm.
     All of them RMSNorms, it is a stream of the report, for γ into the readers and rotation."""
     layer_norms = [n for n in comp.norms if n not in comp.rms]
@@ -544,15 +548,11 @@ def _as_given(view: View, plan: _Draft, comp: Component, verdicts, stream_reader
         why = (f"its stream is also normalized by {view.nodes[comp.rms[0]].describe()}, an RMSNorm as given, whose "
                "output depends on the stream's mean: centering the stream would change it")
         for n in layer_norms:
-            verdicts[n] = NormVerdict(n, "keep", why, blockers=[why] + comp.blocker_texts())
+            work.verdicts[n] = NormVerdict(n, "keep", why, blockers=[why] + comp.blocker_texts())
         return
-    rms_streams[comp.norms[0]] = len(plan.report.streams)
+    work.rms_streams[comp.norms[0]] = len(plan.report.streams)
     plan.report.streams.append(StreamEdits(rms=list(comp.norms)))
-    stream_readers.append(set())
-
-
-def _first_norm(components: list[Component], norm: str) -> Optional[str]:
-    return next((c.norms[0] for c in components if norm in c.norms), None)
+    work.stream_readers.append(set())
 
 
 def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
@@ -563,26 +563,25 @@ def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _W
     with gamma_into_readers (a rotation and a slice imply it)."""
     if not request.gamma_into_readers:
         return
-    use, verdicts, rms_streams = work.use, work.verdicts, work.rms_streams
     caps = request.target
     swaps = frozenset(plan.swaps)
     refusal = (lambda n: caps.swap_refusal(n, swaps)) if caps.swap_refusal is not None else (lambda n: None)
     crms = {n for cc in plan.compressions if cc.compressed for n in cc.norms}
     plan.gammas.update({n: gammas.decide(view, n, plan.betas.get(n), refusal(n), n in crms) for n in plan.swaps})
-    as_given = [n for c in plan.components if c.norms and c.norms[0] in rms_streams for n in c.norms]
+    as_given = [n for c in plan.components if c.norms and c.norms[0] in work.rms_streams for n in c.norms]
     plan.gammas.update({n: gammas.decide(view, n, None, refusal(n)) for n in as_given})
     if request.gamma_in_float:  # (where γ could move: it stays beside the rotation instead)
         plan.gammas.update({n: replace(g, in_float=True) for n, g in plan.gammas.items() if g.moved and g.gamma})
-    records = {r.name: r for r in plan.report.rms_norms}
-    said = lambda n: verdicts[n] if n in verdicts else records[n]  # noqa: E731
+    said = {**{r.name: r for r in plan.report.rms_norms}, **work.verdicts}  # each norm's record in the report
     for n, g in list(plan.gammas.items()):
         if g.moved and request.trainable is not None and any(request.trainable(r.weight.value) for r in g.readers):
-            g = plan.gammas[n] = replace(g, why="its readers' weights are trained (the training fold computes no γ edit)")
-        said(n).gamma = g.describe(view)
+            g = plan.gammas[n] = replace(g, why="its readers' weights are trained "
+                                         "(the training fold computes no γ edit)")
+        said[n].gamma = g.describe(view)
         for ref, op in g.edits(view):
-            use(ref.value, ref.user, ref.user_input)[0].append(op)
+            work.use(ref)[0].append(op)
     if request.rotate is not None or request.bases is not None:
-        _rotations(view, plan, request, use, verdicts, rms_streams, said)
+        _rotations(view, plan, request, work, said)
     readouts = {n for r in plan.stream_bases if r.rotated for n in (*r.readouts, *r.float_gammas)}
     sliced = {n for r in plan.stream_bases if r.sliced for n in r.norms}  # re-emitted over k features
     plan.rms_swaps[:] = [n for n in as_given
@@ -604,7 +603,7 @@ def _online_rotations(view: View, plan: _Draft, request: PlanRequest, work: _Wor
         plan.report.notes.append("online_hadamard: no linear layer with a constant weight writes a stream")
         return
     for o in plan.online:
-        work.use(o.weight.value, o.weight.user, o.weight.user_input)[0].append(o.edit)
+        work.use(o.weight)[0].append(o.edit)
     matrices = " / ".join(f"{n}×{n} {kind}" for n, kind in sorted({(o.basis.dim, o.basis.kind) for o in plan.online}))
     plan.report.notes.append(
         f"online_hadamard: the input of {len(plan.online)} linear layer(s) that write a stream times a constant "
@@ -612,8 +611,8 @@ def _online_rotations(view: View, plan: _Draft, request: PlanRequest, work: _Wor
         "quantizers)")
 
 
-def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rms_streams, said) -> None:
-    caps = request.target
+def _rotations(view: View, plan: _Draft, request: PlanRequest, work: _Work, said: dict) -> None:
+    caps, rms_streams = request.target, work.rms_streams
     swaps = frozenset(plan.swaps)
     for comp in (c for c in plan.components
                  if c.norms and (all(n in swaps for n in c.norms) or c.norms[0] in rms_streams)):
@@ -622,24 +621,14 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
             continue  # a slice that leaves this stream as it is
         # per-block bases (passes/segments.py): the request names each segment's first norm
         blocks = {n: request.bases[n] for n in comp.norms if n in request.bases} if given is not None else {}
-        stream = rms_streams[comp.norms[0]] if comp.norms[0] in rms_streams else verdicts[comp.norms[0]].stream
+        stream = rms_streams[comp.norms[0]] if comp.norms[0] in rms_streams else work.verdicts[comp.norms[0]].stream
         rot = plan_rotation(view, comp, stream, request.rotate, request.seed, plan.gammas,
                             given, blocks if len(blocks) > 1 else None,
                             spared_for(request.spare_channels, comp.norms[0]), guarded=not request.capture)
         if rot.rotated and request.trainable is not None and any(request.trainable(r.value) for r, _ in rot.writers):
             rot = rot.unrotated("its writers are trained (the training fold computes no rotation)")
-        if rot.rotated and rot.readouts and not caps.readout_matmul:
-            rot = rot.unrotated(f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a "
-                                f"constant MatMul, which {caps.name} cannot emit")
-        if rot.rotated and rot.float_gammas and not caps.readout_matmul:
-            rot = rot.unrotated(f"γ kept in float after `{rot.float_gammas[0]}` would need a constant MatMul, which "
-                                f"{caps.name} cannot emit")
-        if rot.rotated and rot.shortcuts and not caps.readout_matmul:
-            rot = rot.unrotated(f"its residual shortcut into `{rot.shortcuts[0].node}` would need a constant MatMul "
-                                f"(per-block bases), which {caps.name} cannot emit")
-        if rot.rotated and rot.starts and not caps.readout_matmul:
-            rot = rot.unrotated(f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the "
-                                f"recenter, which {caps.name} cannot emit")
+        if rot.rotated and not caps.readout_matmul and (needs := _needs_matmul(rot)):
+            rot = rot.unrotated(f"{needs}, which {caps.name} cannot emit")
         refused = next((w for n in comp.norms if (w := caps.resize_refusal(n))), None) \
             if rot.sliced and caps.resize_refusal is not None else None
         if refused is not None:
@@ -649,18 +638,31 @@ def _rotations(view: View, plan: _Draft, request: PlanRequest, use, verdicts, rm
         plan.stream_bases.append(rot)
         plan.report.streams[rot.stream].rotation = rot.describe()
         if rot.sliced and request.center_embeddings and comp.norms[0] in rms_streams:
-            _center_embeddings(view, comp, use, plan.report.streams[rot.stream])
+            _center_embeddings(view, comp, work.use, plan.report.streams[rot.stream])
         for n in rot.readouts:
-            said(n).gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
+            said[n].gamma += "; its output is un-rotated by a constant MatMul (Qᵀ·diag γ)"
         for n in rot.float_gammas:
-            said(n).gamma = ("kept in float after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers "
+            said[n].gamma = ("kept in float after the norm, by a constant MatMul (Qᵀ·diag γ·Q); its readers "
                              "take Q alone")
         for ref, op in rot.readers:
-            use(ref.value, ref.user, ref.user_input)[0].append(op)
+            work.use(ref)[0].append(op)
         for ref, op in rot.writers:
-            use(ref.value, ref.user, ref.user_input)[1].append(op)
+            work.use(ref)[1].append(op)
     projected = {value: op for r in plan.stream_bases for value, op in r.starts}
     plan.recenters[:] = [replace(rc, project=projected.get(rc.value)) for rc in plan.recenters]
+
+
+def _needs_matmul(rot: StreamBasis) -> Optional[str]:
+    """What of a rotated stream needs a constant MatMul emitted (None: nothing)."""
+    if rot.readouts:
+        return f"{', '.join(f'`{n}`' for n in rot.readouts)} would need its output un-rotated by a constant MatMul"
+    if rot.float_gammas:
+        return f"γ kept in float after `{rot.float_gammas[0]}` would need a constant MatMul"
+    if rot.shortcuts:
+        return f"its residual shortcut into `{rot.shortcuts[0].node}` would need a constant MatMul (per-block bases)"
+    if rot.starts:
+        return f"its recentered start `{rot.starts[0][0]}` would need a constant MatMul after the recenter"
+    return None
 
 
 def _center_embeddings(view: View, comp: Component, use: Callable, edits: StreamEdits) -> None:
@@ -670,7 +672,7 @@ def _center_embeddings(view: View, comp: Component, use: Callable, edits: Stream
         if src.node is None or view.nodes[src.node].rule is None or view.nodes[src.node].rule.kind != "embedding":
             continue
         for ref in src.refs:
-            use(ref.value, ref.user, ref.user_input)[1].append(_center(ref))
+            use(ref)[1].append(_center(ref))
             edits.centered.append(f"`{ref.value}` ({view.nodes[src.node].describe()})")
 
 

@@ -78,7 +78,7 @@ class NearMiss(Names):
 @dataclass
 class RmsNorm(Names):
     """A norm that is an RMSNorm already (a folded model's, or a Llama's): nothing to fold; with γ
-    into the readers or a rotation asked (issue 47), its stream and where its γ went."""
+    into the readers or a rotation asked, its stream and where its γ went."""
 
     NAMES, SENTENCES = ("name",), ("gamma",)
     name: str
@@ -95,7 +95,7 @@ class StreamEdits(Names):
     SENTENCES = ("centered", "cloned", "scaled", "recentered", "dropped", "rotation")
 
     norms: list[str] = field(default_factory=list)
-    rms: list[str] = field(default_factory=list)  # a stream of RMSNorms as given (issue 47): nothing centered
+    rms: list[str] = field(default_factory=list)  # a stream of RMSNorms as given: nothing centered
     centered: list[str] = field(default_factory=list)  # "`wte.weight` (Gather `/wte/Gather`)"
     cloned: list[str] = field(default_factory=list)  # constants copied before centering, and why
     scaled: list[str] = field(default_factory=list)  # LayerScale vectors folded into their sources
@@ -174,10 +174,9 @@ class Report:
 
     def renamed(self, names: Mapping[str, str]) -> "Report":
         """A copy that says `names[x]` wherever this report names `x` (a norm, or a name quoted in a
-        sentence): the user's names (`transformer.h.0.attn.c_proj.weight`) for the torch graph's
-        (`transformer_h_0_attn_c_proj_weight`). A copy: the plan's own report stays as planned.
-        Norms that `names` gives one name (a shared module applied many times: ALBERT's one layer,
-        12 times) are numbered in the report's order, `name (application k of n)` (issue 45 item 14)."""
+        sentence): the user's names for the torch graph's. A copy: the plan's own report stays as
+        planned. Norms that `names` gives one name (a shared module applied many times: ALBERT's one
+        layer, 12 times) are numbered in the report's order, `name (application k of n)`."""
         names = {**names, **applications([n.name for n in self.norms] + [r.name for r in self.rms_norms], names)}
         fn = lambda x: names.get(x, x)  # noqa: E731
         r = copy.deepcopy(self)
@@ -209,12 +208,11 @@ class Report:
         lines = [f"{'norm':<{w}}  verdict  reason / how", f"{'-' * w}  -------  {'-' * 12}"]
         shown = clip_apart([name for name, _, _ in rows], w)
         for (name, verdict, how), short in zip(rows, shown):  # a long reason wraps under its column
-            how = re.sub(r"`([^`]*)`", lambda m: f"`{clip_middle(m[1], NAME_WIDTH)}`", how)  # pairs, left to right
+            how = requoted(how, lambda name: clip_middle(name, NAME_WIDTH))
             how_lines = textwrap.wrap(how, max(width - w - 11, 60), break_on_hyphens=False) or [""]
             lines.append(f"{short:<{w}}  {verdict:<7}  {how_lines[0]}")
             lines.extend(" " * (w + 11) + more for more in how_lines[1:])
-        lines.append("")
-        lines.append(self.summary())
+        lines += ["", self.summary()]
         for k, s in enumerate(self.streams):
             lines.append(f"stream {k + 1}: {len(s.rms)} RMSNorm(s) as given, nothing to center" if s.rms and not s.norms
                          else f"stream {k + 1}: {len(s.norms)} norm(s) folded")
@@ -315,7 +313,8 @@ def _clip_apart(name: str, others: list[str], width: int) -> str:
         return clip_middle(name, width)
     # each other name: the lengths of the prefix and the suffix it shares with `name`; the cut
     # `head…tail` tells them apart when the head or the tail reaches past the shared part
-    shared = [(_common(name, o), _common(name[::-1], o[::-1])) for o in others if o != name]
+    shared = [(len(os.path.commonprefix([name, o])), len(os.path.commonprefix([name[::-1], o[::-1]])))
+              for o in others if o != name]
     middle = width // 2
 
     def score(h: int) -> tuple:
@@ -329,8 +328,3 @@ def _clip_apart(name: str, others: list[str], width: int) -> str:
 
 
 _SEPARATORS = "/._:"
-
-
-def _common(a: str, b: str) -> int:
-    """The length of the prefix `a` and `b` share."""
-    return len(os.path.commonprefix([a, b]))

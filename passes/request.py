@@ -12,6 +12,9 @@ from .defer import EAGER, Costs
 from .errors import LnfoldError
 from .options import APPROX_MODE, PLAN_MODES, FoldOptions, check_choice
 
+# the user's options (FoldOptions' fields) that a request carries as they are
+_OPTIONS = ("defer", "gamma_into_readers", "rotate", "seed", "gamma_in_float", "spare_channels", "online_hadamard")
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -78,27 +81,16 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, PLAN_MODES)  # (rms-approx asks for `approx` norms in mode rms)
-        # the options' checks: FoldOptions' own (one declaration, passes/options.OPTIONS)
-        FoldOptions(mode=self.mode, defer=self.defer, gamma_into_readers=self.gamma_into_readers, rotate=self.rotate,
-                    seed=self.seed, gamma_in_float=self.gamma_in_float, spare_channels=self.spare_channels,
-                    online_hadamard=self.online_hadamard)
+        FoldOptions(mode=self.mode, **{f: getattr(self, f) for f in _OPTIONS})  # the options' own checks
         if self.bases is not None and self.rotate is not None:
             raise LnfoldError("a stream is rotated by a seeded Q or projected on a given basis, not both")
         if self.rotate is not None or self.bases is not None:
             object.__setattr__(self, "gamma_into_readers", True)
 
 
-def request_from(options: FoldOptions, target: Capabilities = Capabilities(), *,
-                 zero: Optional[Callable[[str], bool]] = None,
-                 refuse: Optional[Callable[[Component], Optional[str]]] = None,
-                 trainable: Optional[Callable[[str], bool]] = None,
-                 approx: frozenset = frozenset(), bases: Optional[Mapping[str, tuple]] = None,
-                 center_embeddings: bool = False, capture: bool = False) -> PlanRequest:
-    """The one way a frontend asks (the user's options were checked once, in FoldOptions): every entry
-    point builds its request here, so a new option reaches all of them."""
+def request_from(options: FoldOptions, target: Capabilities = Capabilities(), **fields) -> PlanRequest:
+    """The one way a frontend asks (the user's options were checked once, in FoldOptions), the
+    frontend's own fields of PlanRequest as keywords: every entry point builds its request here, so
+    a new option reaches all of them."""
     mode = "rms" if options.mode == APPROX_MODE else options.mode  # (its swaps come as `approx`)
-    return PlanRequest(mode, options.defer, target, zero=zero, refuse=refuse, trainable=trainable,
-                       gamma_into_readers=options.gamma_into_readers, rotate=options.rotate, seed=options.seed,
-                       gamma_in_float=options.gamma_in_float, spare_channels=options.spare_channels,
-                       online_hadamard=options.online_hadamard, approx=approx,
-                       bases=bases, center_embeddings=center_embeddings, capture=capture)
+    return PlanRequest(mode, target=target, **{f: getattr(options, f) for f in _OPTIONS}, **fields)
