@@ -30,13 +30,16 @@ _COPY_CHUNK = 16 * 2**20
 _STREAM_BYTES = 2**16
 
 
+def _external_bytes(t: onnx.TensorProto) -> int:
+    return int(external_info(t).get("length", 0) or 0)
+
+
 def tensor_bytes(model: onnx.ModelProto) -> int:
     """Bytes of tensor data in `model`: inline (raw or typed fields) and in external files."""
     total = 0
     for t in all_tensors(model):
         if t.data_location == onnx.TensorProto.EXTERNAL:
-            info = external_info(t)
-            total += int(info.get("length", 0) or 0)
+            total += _external_bytes(t)
         elif t.HasField("raw_data"):
             total += raw_bytes(t)
         else:
@@ -60,32 +63,26 @@ def data_layout(model: onnx.ModelProto, src: Path, dst: Path) -> "DataLayout | N
     Optimum writes it), or, for an output named otherwise, takes the output's name in place of
     the input's (`model.onnx.data` -> `model.folded.onnx.data`); a model whose weights were spread
     over several files gets one, named after the first."""
-    infos = [external_info(t) for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
-    locations = [i["location"] for i in infos if i.get("location")]
+    external = [t for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+    locations = [loc for t in external if (loc := external_info(t).get("location"))]
     if not locations:
         return None
     location = Path(locations[0]).name  # (a data file in a subfolder comes back beside the model)
     if dst.name != src.name:
         location = dst.name + location[len(src.name):] if location.startswith(src.name) \
             else f"{Path(dst.name).stem}.{location}"
-    threshold = min([_EXTERNAL_THRESHOLD] + [int(i.get("length", 0) or 0) for i in infos])
-    return DataLayout(location, threshold)
+    return DataLayout(location, min([_EXTERNAL_THRESHOLD] + [_external_bytes(t) for t in external]))
 
 
 def is_large(model: onnx.ModelProto) -> bool:
-    """Would `model`, with every tensor inline, pass protobuf's 2 GiB limit?
-
-    Decided from the tensors' byte counts alone; only in the band where the rest of the proto
-    (nodes, names) could matter is the serialized size computed, once (protobuf's ByteSize
-    serializes the whole message, weights included).
-    """
+    """Would `model`, with every tensor inline, pass protobuf's 2 GiB limit? Decided from the tensors'
+    byte counts but in the band where the rest could matter: ByteSize serializes the whole message."""
     data = tensor_bytes(model)
     if data >= _PROTO_LIMIT:
         return True
     if data < _PROTO_LIMIT // 2:
         return False
-    external = sum(int(external_info(t).get("length", 0) or 0) for t in all_tensors(model)
-                   if t.data_location == onnx.TensorProto.EXTERNAL)
+    external = sum(_external_bytes(t) for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL)
     return model.ByteSize() + external > _PROTO_LIMIT
 
 
@@ -100,18 +97,13 @@ def save(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | No
 def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None,
            layout: "DataLayout | None" = None) -> Iterator[Path]:
     """Write `model` for `path` atomically; weights go to `<name>.data` beside it when large, or
-    as `layout` says (the input's: its data file's name and which tensors it held).
+    as `layout` says (the input's data file's name and threshold).
 
-    Everything is written into a staging folder beside the target, `.lnfold-<name>.writing`,
-    whose model file the block receives (to verify it from files: the pipeline's check of a model
-    over 2 GB), and only published (`_publish`) when the block exits without an error, so an
-    error, a failed check or an interrupt never leaves a half-written model. Saving with external
-    data empties `model`'s in-memory weights (they move to the data file, one tensor at a time).
-
-    One writer per target: the staging folder is locked (`_Staging`) from before it takes its
-    name until it is gone; a second lnfold writing the same path is refused (one-line
-    LnfoldError) rather than mixing its files with the first's, and a folder a killed run left
-    there is removed.
+    Everything is written into a locked staging folder beside the target, whose model file the
+    block receives (to check it from files), and published (`_publish`) only when the block exits
+    without an error: an error, a failed check or an interrupt never leaves a half-written model,
+    and a second lnfold writing the same path is refused. Saving with external data empties
+    `model`'s in-memory weights (they move to the data file, one tensor at a time).
     """
     p = Path(path)
     out_dir = p.parent
@@ -121,24 +113,22 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
         external = True
     elif external is None:
         external = is_large(model)
+    layout = layout or DataLayout(p.name + ".data", _EXTERNAL_THRESHOLD)
     try:
         staging = Staging.acquire(p)
     except OSError as e:
         raise LnfoldError(f"{p}: cannot write into {out_dir}: {first_line(e)}") from None
     try:
-        new = staging.new
-        target = new / p.name
-        location = layout.location if layout is not None else p.name + ".data"
-        threshold = layout.threshold if layout is not None else _EXTERNAL_THRESHOLD
+        target = staging.new / p.name
         wrote_data = False
         if external:
-            wrote_data = _write_external(model, new / location, location, threshold)
+            wrote_data = _write_external(model, staging.new / layout.location, layout.location, layout.threshold)
             onnx.save_model(model, str(target))
         else:
             _write_inline(model, target)
         yield target
-        # (below onnx's size threshold every tensor stays inside the model: no weights file)
-        _publish(staging.old, target, p, out_dir / location if wrote_data else None)
+        # (every tensor below the threshold stays inside the model: no weights file)
+        _publish(staging.old, target, p, out_dir / layout.location if wrote_data else None)
     except OSError as e:
         raise LnfoldError(f"{p}: cannot write: {first_line(e)}") from None
     finally:
@@ -146,10 +136,9 @@ def staged(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | 
 
 
 def _write_inline(model: onnx.ModelProto, target: Path) -> None:
-    """Write `model` as one file without building its serialized bytes (or loading the weights
-    a lazy load left on disk) in memory: everything but the big initializers is serialized,
-    then each big initializer is appended as a field `graph { initializer { ... } }` of its own,
-    its raw data streamed (onnx_rewrite/wire.py); the big initializers come last in the list."""
+    """Write `model` as one file without its serialized bytes (or the weights a lazy load left on
+    disk) in memory: everything but the big initializers is serialized, then each big initializer
+    is appended as a `graph { initializer { ... } }` field of its own (wire.py), its data streamed."""
     g = model.graph
     streamed = {i for i, t in enumerate(g.initializer)
                 if is_lazy(t) or (t.HasField("raw_data") and raw_bytes(t) >= _STREAM_BYTES)}
@@ -167,27 +156,21 @@ def _write_inline(model: onnx.ModelProto, target: Path) -> None:
         for t in big:
             meta = onnx.TensorProto()
             copy_fields(t, meta, {"raw_data", "external_data", "data_location"})
-            meta_bytes = meta.SerializeToString()
             if is_lazy(t):
                 source = external_source(t)
-                data, length = None, source[2]
+                f.write(initializer_head(meta.SerializeToString(), source[2]))
+                _append_lazy(f, source, t.name)
             else:
-                data = t.raw_data
-                length = len(data)
-            f.write(initializer_head(meta_bytes, length))
-            if data is not None:
+                data = t.raw_data  # (each read of the field copies the bytes)
+                f.write(initializer_head(meta.SerializeToString(), len(data)))
                 f.write(data)
                 del data
-            else:
-                _append_lazy(f, source, t.name)
 
 
-def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
-                    threshold: int = _EXTERNAL_THRESHOLD) -> bool:
+def _write_external(model: onnx.ModelProto, data_path: Path, location: str, threshold: int) -> bool:
     """Stream every tensor of `model` worth it into `data_path`, one at a time: inline ones (≥ `threshold`
-    bytes of raw data, 1 KiB unless the input's layout says less) are written and dropped from the proto,
-    lazily loaded ones copied from the input's data file; each gets external_data pointing at its new
-    place. Returns whether a data file was written (not when every tensor is small)."""
+    bytes of raw data) are written and dropped from the proto, lazily loaded ones copied from the input's
+    data file; each gets external_data pointing at its new place. Returns whether a data file was written."""
     f = None
     offset = 0
     try:
@@ -204,10 +187,7 @@ def _write_external(model: onnx.ModelProto, data_path: Path, location: str,
             if lazy:
                 length = _append_lazy(f, external_source(t), t.name)
             else:
-                data = t.raw_data
-                length = len(data)
-                f.write(data)
-                del data
+                length = f.write(t.raw_data)
                 t.ClearField("raw_data")
             t.data_location = onnx.TensorProto.EXTERNAL
             del t.external_data[:]
