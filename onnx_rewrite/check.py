@@ -79,15 +79,12 @@ class CheckResult:
                 f"({self.checked} of {self.shared} shared tensors compared)")
 
     def lines(self) -> list[str]:
-        out = [f"lnfold: verification: {self.verdict_line()}"]
-        out.append("error per output (OTHER against ORIGINAL):")
-        for name, e in self.outputs:
-            out.append(f"  {name}: " + (e.line() if e is not None else "not a float output: not compared"))
-        out.append(f"first tensor where they part: {self.divergence_line()}")
-        out.extend(self.notes)
-        out.append("lnfold: check: " + ("EQUIVALENT (the gate of `lnfold fold` passes)" if self.equivalent
-                                        else "NOT equivalent (the gate of `lnfold fold` refuses OTHER)"))
-        return out
+        return [f"lnfold: verification: {self.verdict_line()}", "error per output (OTHER against ORIGINAL):",
+                *(f"  {name}: " + (e.line() if e is not None else "not a float output: not compared")
+                  for name, e in self.outputs),
+                f"first tensor where they part: {self.divergence_line()}", *self.notes,
+                "lnfold: check: " + ("EQUIVALENT (the gate of `lnfold fold` passes)" if self.equivalent
+                                     else "NOT equivalent (the gate of `lnfold fold` refuses OTHER)")]
 
     def to_dict(self) -> dict:
         v = self.verdict
@@ -105,9 +102,7 @@ class CheckResult:
 
 def _num(x: Optional[float]):
     """JSON has no NaN or infinity: those as strings."""
-    if x is None:
-        return None
-    return x if math.isfinite(x) else str(x)
+    return x if x is None or math.isfinite(x) else str(x)
 
 
 def _names(skel: onnx.ModelProto) -> tuple[list[str], list[str]]:
@@ -162,9 +157,8 @@ def _shared_tensors(a: onnx.ModelProto, b: onnx.ModelProto) -> list[str]:
         types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
     except Exception:  # a model shape inference refuses: every shared tensor is tried
         pass
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
     return [o for n in a.graph.node for o in n.output
-            if o and o in made_b and o not in outputs and types.get(o, onnx.TensorProto.FLOAT) in floats]
+            if o and o in made_b and o not in outputs and types.get(o, onnx.TensorProto.FLOAT) in verify._FLOAT_NAMES]
 
 
 def _sample(names: list[str], k: int) -> list[str]:

@@ -85,10 +85,10 @@ def _run_on(runner: Runner, skel: onnx.ModelProto, *, inputs: Optional[dict], di
         except Exception as e:
             first = first or e
     if runner.sess is None:
-        raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model ({runner.load_error}), "
-                                    f"and onnx's reference evaluator cannot run it either ({_where(skel, first)}: "
-                                    f"{first_line(first)}); use --no-verify (API: verify=False) to skip it",
-                                    runner) from None
+        raise _RefusedAndUnrunnable(f"cannot verify: onnxruntime refuses to load the input model "
+                                    f"({runner.load_error}), and onnx's reference evaluator cannot run it either "
+                                    f"({_where(skel, first)}: {first_line(first)}); use --no-verify (API: "
+                                    "verify=False) to skip it", runner) from None
     raise LnfoldError(f"cannot verify: onnxruntime cannot run the input model on made-up inputs: "
                       f"{_where(skel, first)}: {first_line(first)}; {_HINT}; or skip it with --no-verify "
                       "(API: verify=False)") from None
@@ -300,8 +300,7 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
     turn (its outputs dropped once judged), and the verdict is the first that fails, else the worst."""
     original, folded = ref.original, _pinned(folded)
     if ref.refused is not None:
-        verdict = _check_float64_copies(original, folded, ref.refused, inputs=ref.inputs, dims=ref.dims, seed=ref.seed)
-        return verdict.noted(ref.seeds)
+        return _check_float64_copies(ref, folded).noted(ref.seeds)
     runner = ref.runner
     # the folded norms' inputs are read only by the gate's fallback without float64
     no_exact = any(run.exact is None for run in ref.runs)
@@ -361,16 +360,15 @@ def _pinned(model: Union[ModelLike, Source]) -> Source:
     return Source(random_ops.pinned(src.proto)) if random_ops.random_nodes(src.skeleton) else src
 
 
-def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _RefusedAndUnrunnable, *,
-                          inputs: Optional[dict], dims: Optional[dict], seed: int) -> gate.Verdict:
+def _check_float64_copies(ref: Reference, folded: Source) -> gate.Verdict:
     """The verdict on a fold of a model that neither onnxruntime nor onnx's reference evaluator
     runs in its own dtype (onnxconverter-common's fp16 files): float64 copies of both, where the
     fold is exact algebra but for the rounding of the weights it edits (gate.judge_float64_copies).
     The folded model must be refused by onnxruntime for the input's reason, not a new one."""
-    skel, why = original.skeleton, str(refused)
+    original, skel, why = ref.original, ref.original.skeleton, str(ref.refused)
     if float_elems(skel) > exact.EXACT_MAX_ELEMS:
         raise LnfoldError(f"{why}; a float64 copy of it is too big (more than {exact.EXACT_MAX_ELEMS} float weights)")
-    load_error, refusal = refused.runner.load_error, refused.runner.refusal
+    load_error, refusal = ref.refused.runner.load_error, ref.refused.runner.refusal
     try:
         session(folded)
         same = "onnxruntime loads the folded model"
@@ -380,8 +378,8 @@ def _check_float64_copies(original: ModelLike, folded: ModelLike, refused: _Refu
                                     f"the input does not have ({first_line(e)}; the input's: {load_error})") from None
         same = "it refuses the folded model for the same reason"
     orig64, fold64 = Float64Run(original), Float64Run(folded)
-    tries = [synth.check_feeds(inputs, skel)] if inputs is not None else \
-        [feeds for _, feeds in synth.candidates(skel, dims, seed)]
+    tries = [synth.check_feeds(ref.inputs, skel)] if ref.inputs is not None else \
+        (feeds for _, feeds in synth.candidates(skel, ref.dims, ref.seed))
     ra, first = None, None
     for feeds in tries:
         try:
