@@ -1,4 +1,4 @@
-"""Training with the approximate swap in place (issue 26, item 3): LayerNorm modules replaced by
+"""Training with the approximate swap in place: LayerNorm modules replaced by
 RMSNorm with the same γ, β and eps — NOT the same function (passes/approx.py) — so that a few
 fine-tuning steps can adapt the model to it (Post-LN, where no fold is exact). The replacement holds
 the LayerNorm's own Parameters under the same names: state_dict keys, optimizers and checkpoints stay

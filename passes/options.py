@@ -103,11 +103,9 @@ class Option:
         if self.type is bool:  # a switch: --name sets True, --no-name (default True) sets False
             parser.add_argument(self.flag, dest=self.flag[2:].replace("-", "_"), action="store_true", help=text)
             return
-        kw = dict(type=as_argument(self.check, self.type) if self.check else self.type, default=self.default,
-                  help=text)
-        if self.choices:
-            kw = dict(choices=choices or self.choices, default=self.default, help=text)
-        parser.add_argument(self.flag, **kw)
+        kind = (dict(choices=choices or self.choices) if self.choices else
+                dict(type=as_argument(self.check, self.type) if self.check else self.type))
+        parser.add_argument(self.flag, default=self.default, help=text, **kind)
 
     def value_in(self, args) -> Any:
         """The option's value in an argparse Namespace this option's `add_to` declared."""

@@ -446,13 +446,6 @@ class QuantizeReport:
         return (f"fold: {self.folded} LayerNorm(s) folded, {self.kept} kept{extra}: exact, verified "
                 f"({self.fold_verified}{err})")
 
-    def basis_change_line(self) -> str:
-        n = sum(self.basis_changes.values())
-        return (f"kept float: {len(self.basis_changes)} MatMul(s) the fold inserted to change a basis (a stream's, "
-                "or a layer's input: online_hadamard) "
-                f"({', '.join(self.basis_changes)}; {n} parameters, {n / max(self.parameters, 1):.2%} of the "
-                "model's): no layer of the model, and a readout's error would land on the output")
-
     def error_line(self) -> str:
         parts = []
         for name, e in self.errors.items():
@@ -471,7 +464,11 @@ class QuantizeReport:
                  f"size: {self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
                  f"({self.bytes_after / max(self.bytes_before, 1):.2f}x)"]
         if self.basis_changes:
-            lines.append(self.basis_change_line())
+            n = sum(self.basis_changes.values())
+            lines.append(f"kept float: {len(self.basis_changes)} MatMul(s) the fold inserted to change a basis (a "
+                         f"stream's, or a layer's input: online_hadamard) ({', '.join(self.basis_changes)}; {n} "
+                         f"parameters, {n / max(self.parameters, 1):.2%} of the model's): no layer of the model, and a "
+                         "readout's error would land on the output")
         if self.rotation:
             lines.append(f"rotation: {self.rotation}")
         lines += [f"note: {n}" for n in self.notes]
@@ -501,34 +498,27 @@ class QuantizeReport:
                 f"{self.max_rel_err:.2e} against the float model on {self.error_inputs}")
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        d["max_rel_err"] = self.max_rel_err
-        d["rel_rms"] = self.rel_rms
-        d["changed_ops"] = {k: list(v) for k, v in self.changed_ops().items()}
-        return d
+        return {**asdict(self), "max_rel_err": self.max_rel_err, "rel_rms": self.rel_rms,
+                "changed_ops": {k: list(v) for k, v in self.changed_ops().items()}}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.as_dict(), **kw)
 
 
-def report_of(scheme: str, q: Quantized, *, weights: str, activations: Optional[str], block_size: Optional[int],
-              per_channel: bool, rotate: Optional[str], seed: int, gamma_into_readers: bool, linear_layers: int,
-              basis_changes: dict, parameters: int, ops_before: dict, bytes_before: int, error_inputs: str,
-              notes: list, seconds: float, trials: list) -> QuantizeReport:
-    """The report of the quantized candidate `q` (chosen from `trials` where rotate="auto")."""
+def report_of(scheme: str, q: Quantized, *, rotate: Optional[str], seed: int, seconds: float, trials: list,
+              **fields) -> QuantizeReport:
+    """The report of the quantized candidate `q` (chosen from `trials` where rotate="auto"); `fields`:
+    the QuantizeReport fields the adapter knows (the scheme's, the float model's)."""
     f = q.fold
     chosen = next((t for t in trials if t.get("chosen")), None)
     rotated = chosen["rotate"] if chosen else rotate
     return QuantizeReport(
-        scheme=scheme, weights=weights, activations=activations, block_size=block_size, per_channel=per_channel,
-        folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
+        scheme=scheme, **fields, folded=f.report.folded if f else 0, kept=f.report.kept if f else 0,
         fold_verified=f.criterion if f else None, fold_max_rel_err=f.max_rel_err if f else None,
-        gamma_into_readers=gamma_into_readers, rotate=rotated, seed=seed if rotated else None,
-        rotation=rotation_summary(f), rotated_streams=rotated_streams(f), online_layers=online_layers(f),
-        linear_layers=linear_layers,
-        basis_changes=basis_changes, parameters=parameters, ops_before=ops_before, ops_after=dict(q.ops),
-        bytes_before=bytes_before, bytes_after=q.bytes or 0, errors=q.errors, error_inputs=error_inputs,
-        notes=notes, timings={"total": seconds}, candidates=trials, chosen=chosen["why"] if chosen else None)
+        rotate=rotated, seed=seed if rotated else None, rotation=rotation_summary(f),
+        rotated_streams=rotated_streams(f), online_layers=online_layers(f), ops_after=dict(q.ops),
+        bytes_after=q.bytes or 0, errors=q.errors, timings={"total": seconds}, candidates=trials,
+        chosen=chosen["why"] if chosen else None)
 
 
 @dataclass
