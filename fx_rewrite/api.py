@@ -1,13 +1,8 @@
-"""The torch frontend's public API: `analyze_module` and `fold_module` (torch.export graphs).
-
-`fold_module` exports the module with torch.export (non-strict; sizes dynamic where export allows
-it), classifies the ATen graph, asks passes/ for a plan and applies it to `ExportedProgram.module()`
-with its own copy of every parameter: the user's module and its state_dict are never touched.
-
-What the returned module runs (DESIGN "Speed honesty"): in eager mode on CPU `F.rms_norm` is slower
-than the fused `F.layer_norm` (benchmarks/RESULTS.md), and a LayerNorm on a zero-mean stream is an
-RMSNorm; so `norm="auto"` keeps `aten.layer_norm` on the centered stream, `norm="rms_norm"` emits
-`aten.rms_norm` (+ an Add for β). Under torch.compile the `lnfold` backend emits RMSNorm for Inductor.
+"""`analyze_module` and `fold_module`: the module exported with torch.export (non-strict, sizes dynamic
+where export allows it), its ATen graph classified, the plan applied to `ExportedProgram.module()` with
+its own copy of every parameter (the user's module is never touched). `norm="auto"` keeps
+`aten.layer_norm` on the centered stream, where it is exact and, in eager mode on CPU, faster than
+`F.rms_norm` (DESIGN "Speed honesty").
 """
 from __future__ import annotations
 
@@ -77,7 +72,7 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
 def _quiet_specialization():
     """torch.export warns "dimension ... 0/1 specialized; Dim.AUTO was specified along with a sample
     input with hint = 1" on its logger for every size-1 dimension of the example inputs (a batch of 1):
-    an export detail lnfold asked for (Dim.AUTO), not the user's problem (issue 45 item 13)."""
+    an export detail lnfold asked for (Dim.AUTO), not the user's problem."""
     logger = logging.getLogger("torch._export.non_strict_utils")
     level = logger.level
     logger.setLevel(logging.ERROR)
@@ -132,9 +127,6 @@ def program_view(ep, rms: bool = False) -> tuple:
     return gm, attrs, view, info
 
 
-_ARITHMETIC = ("add", "sub", "rsub", "mul", "div", "neg")
-
-
 def computed_gains(gm: fx.GraphModule) -> None:
     """Constants the graph computes from one parameter with Python numbers (GemmaRMSNorm's
     `1 + weight.float()`), computed once into a buffer read in their place: the view sees a constant
@@ -147,7 +139,7 @@ def computed_gains(gm: fx.GraphModule) -> None:
         call = canonical(node)
         ins = node.all_input_nodes
         v = node.meta.get("val")
-        if (call is None or call.kind not in ("identity",) + _ARITHMETIC or len(ins) != 1
+        if (call is None or call.kind not in ("identity", "add", "sub", "rsub", "mul", "div", "neg") or len(ins) != 1
                 or not (ins[0].op == "get_attr" or ins[0] in computed)
                 or not isinstance(v, torch.Tensor) or not v.is_floating_point()):
             continue
@@ -221,8 +213,7 @@ class ExportFrontend:
     def apply(self, plan: Plan) -> fx.GraphModule:
         gm = self.gm
         own_tensors(gm)
-        constants = AttrConstants(gm, self.tensor)  # (the originals: edits are new attributes)
-        constants.prepare(plan, self.info)
+        constants = AttrConstants(gm, self.tensor, plan, self.info)  # (the originals: edits are new attributes)
         Applier(gm, self._view, self.info, ATEN, constants, norm=self.norm).apply(plan)
         if plan.deferral.deferred:
             deferred_norm.emit_all(gm, plan.deferral, _buffer_biases(gm, plan, self.tensor))
@@ -313,18 +304,17 @@ def fold_approx(module: torch.nn.Module, args: tuple, kwargs: Optional[dict], op
 @takes_options
 def fold_module(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, *, options: FoldOptions,
                 norm: str = "auto", dynamic: bool = True, calibration=None, budget: Optional[float] = None,
-                heldout=None,
-                metric: Optional[Callable] = None) -> FoldResult:
+                heldout=None, metric: Optional[Callable] = None) -> FoldResult:
     """Fold every foldable LayerNorm of `module` (or of an ExportedProgram already made, read as it
     is: `dynamic` then means nothing); the module and its parameters are not modified. Returns a
     FoldResult whose `.module` takes the same inputs and returns the same outputs.
 
     The options (listed at the end) mean what they mean for `fold_onnx` (`defer="auto"` defers
-    nothing in eager mode). `norm`: "auto"
-    (the fused LayerNorm kernel on the centered stream), "rms_norm" or "layer_norm"; the norms of a
-    stream rotated by a Q with Q·1 ≠ 1 are `aten.rms_norm` whatever it says (a LayerNorm is exact
-    only on a zero-mean input), "-keep-ln" rotations keep its choice. Raises NothingToFold when no
-    LayerNorm can be folded, VerificationError when the folded module's outputs on `args` differ.
+    nothing in eager mode). `norm`: "auto" (the fused LayerNorm kernel on the centered stream),
+    "rms_norm" or "layer_norm"; the norms of a stream rotated by a Q with Q·1 ≠ 1 are `aten.rms_norm`
+    whatever it says (a LayerNorm is exact only on a zero-mean input), "-keep-ln" rotations keep its
+    choice. Raises NothingToFold when no LayerNorm can be folded, VerificationError when the folded
+    module's outputs on `args` differ.
     """
     if options.mode == APPROX_MODE:  # NOT exact: see fold_approx
         return fold_approx(module, args, kwargs, options, calibration=calibration, budget=budget, heldout=heldout,

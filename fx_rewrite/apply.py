@@ -1,12 +1,8 @@
-"""Apply a fold plan to an FX graph: new constants, recenters, and the norms each target runs best.
-Every decision (where β goes, which Muls by ones go) is the plan's; the Applier only executes it.
-
-Where an edited constant comes from depends on who calls (`Constants`): a new attribute computed
-once in float64 (fold_module), or `W - mean(W)` in the graph from the parameter itself at every call
-(the backend: in float64 at inference, so that a weight changed in place in any way is seen at once;
-in the parameter's dtype under autograd, so gradients reach the optimizer's own parameters
-unchanged: THEORY §1). A folded LayerNorm reads a zero-mean stream, where
-`layer_norm` and `rms_norm` are both exact: `norm` says which one runs.
+"""Apply a fold plan to an FX graph: new constants, recenters, and the norms each target runs best;
+every decision is the plan's. An edited constant is a new attribute computed once in float64
+(fold_module: `AttrConstants`) or computed in the graph from the parameter at every call (the
+backend: `GraphConstants`). A folded LayerNorm reads a zero-mean stream, where `layer_norm` and
+`rms_norm` are both exact: `norm` says which one runs.
 """
 from __future__ import annotations
 
@@ -74,23 +70,14 @@ TORCH = Dialect(
 
 # --- where centered constants come from ------------------------------------------------------------
 
-class Constants:
-    """Make the graph read the edited version of a constant; returns the node to read."""
+class AttrConstants:
+    """fold_module: every edited tensor computed once (float64) and stored as a new attribute (Python
+    numbers in the stream are the Applier's)."""
 
-    def node_for(self, applier: "Applier", edit: ConstEdit, k: int) -> fx.Node:  # pragma: no cover
-        raise NotImplementedError
-
-
-class AttrConstants(Constants):
-    """fold_module: centered tensors computed once (float64) and stored as new attributes."""
-
-    def __init__(self, gm: fx.GraphModule, tensor_of: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, gm: fx.GraphModule, tensor_of: Callable[[str], torch.Tensor], plan: Plan,
+                 info: GraphInfo) -> None:
         self.gm = gm
         self.tensor_of = tensor_of  # view value name -> its tensor
-        self.arrays: dict[int, np.ndarray] = {}
-
-    def prepare(self, plan: Plan, info: GraphInfo) -> None:
-        """Compute every edited tensor (Python numbers in the stream are the Applier's)."""
         ks = [k for k, e in enumerate(plan.const_edits) if e.value not in info.scalars]
         computed = compute_constants([plan.const_edits[k] for k in ks], lambda n: to_numpy(self.tensor_of(n)))
         self.arrays = {k: arr for k, (_, arr) in zip(ks, computed)}
@@ -101,13 +88,13 @@ class AttrConstants(Constants):
                         like)
 
 
-class GraphConstants(Constants):
+class GraphConstants:
     """The backend: the edited weight computed in the graph from the parameter itself, at every call,
-    so no copy can go stale (issue 43: a write through `p.data`, or to an inference-mode tensor,
-    bumps no version counter a cache could key on). `exact` (inference): in float64 from every
-    source, rounded once to the parameter's dtype (fp32: as fold_module's float64 edit; fp16/bf16
-    round through float32, torch's conversion); otherwise (training) in the parameter's dtype, the
-    gradient's own path. A table only looked up is centered after each lookup (`lookup_centered`)."""
+    so no copy can go stale (a write through `p.data`, or to an inference-mode tensor, bumps no
+    version counter a cache could key on). `exact` (inference): in float64 from every source,
+    rounded once to the parameter's dtype (fp16/bf16 round through float32, torch's conversion);
+    otherwise (training) in the parameter's dtype, the gradient's own path. A table only looked up
+    is centered after each lookup (`lookup_centered`)."""
 
     def __init__(self, exact: bool = False) -> None:
         self.exact = exact
@@ -117,9 +104,9 @@ class GraphConstants(Constants):
         val = meta_val(src)
         if self.exact and _looked_up_rows(applier, edit, val):
             # Each row's centering reads that row alone: the table stays, and each lookup becomes "look
-            # up, then center the rows" (tokens × d per call, not one pass over a 50k-row vocabulary,
-            # which was most of the per-call cost). The node keeps its name: the plan's later steps (a
-            # deferred norm reading the lookup) read the centered rows.
+            # up, then center the rows" (tokens × d per call, not one pass over a 50k-row vocabulary).
+            # The node keeps its name: the plan's later steps (a deferred norm reading the lookup)
+            # read the centered rows.
             for user, _ in edit.users:
                 applier.nodes[user].target = lookup_centered
             return src
@@ -160,7 +147,7 @@ def _looked_up_rows(applier, edit: ConstEdit, val) -> bool:
 
 class Applier:
     def __init__(self, gm: fx.GraphModule, view: View, info: GraphInfo, dialect: Dialect,
-                 constants: Constants, norm: str = "rms_norm") -> None:
+                 constants: AttrConstants | GraphConstants, norm: str = "rms_norm") -> None:
         check_choice("norm", norm, NORMS)  # resolved: FoldOptions turned "auto" into one of these
         self.gm, self.graph, self.view, self.info = gm, gm.graph, view, info
         self.dialect, self.constants, self.norm = dialect, constants, norm
@@ -205,8 +192,7 @@ class Applier:
             else:
                 self._swap(node, how.beta_add, how.unit_gamma, how.rms_only, self._readout(how), self._resized(how))
         crms.resize_dims(self, plan)
-        if plan.new_biases:
-            crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
+        crms.add_new_biases(self, plan, getattr(self.constants, "tensor_of", None))
         self.graph.lint()
         self.gm.recompile()
 
@@ -357,7 +343,6 @@ class Applier:
         swap_norm(self.graph, node, self.dialect, beta_add, readout,
                   None if resized is None else (resized[0], resized[2]))
 
-
     def _swap_rms(self, name: str, how: NormEmission) -> None:
         """An RMSNorm as given (aten.rms_norm, or written out: `info.decomposed_rms`) as
         aten.rms_norm of its input with unit weight (γ went into the readers, or into the readout
@@ -395,9 +380,8 @@ class Applier:
         # the original's ops, and torch.export's dtype asserts on their values, in reverse order
         gone = set(covered)
         for n in reversed(list(self.graph.nodes)):
-            if n in gone or (n.op == "call_function" and not n.users and any(a in gone for a in n.all_input_nodes)):
-                if not n.users:
-                    self.graph.erase_node(n)
+            if not n.users and (n in gone or (n.op == "call_function" and any(a in gone for a in n.all_input_nodes))):
+                self.graph.erase_node(n)
 
 
 def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> None:
@@ -412,7 +396,7 @@ def drop_mean(graph: fx.Graph, mean: fx.Node, subs: list[str], nodes: dict) -> N
 
 
 def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool = True,
-              readout: Optional[fx.Node] = None, resized: Optional[tuple[int, float]] = None) -> fx.Node:
+              readout: Optional[fx.Node] = None, resized: Optional[tuple[int, float]] = None) -> None:
     """Replace a LayerNorm node by rms_norm(x, γ) (+ β unless it went into the readers' biases):
     exact once its input is zero-mean. `readout`: a rotated stream's un-rotation, `· Qᵀ·diag γ`
     between the unit-weight norm and β. `resized`: (k, ε factor) of a sliced stream's norm, which
@@ -440,7 +424,6 @@ def swap_norm(graph: fx.Graph, node: fx.Node, dialect: Dialect, beta_add: bool =
             graph.erase_node(u)
     if not node.users:
         graph.erase_node(node)
-    return y
 
 
 def rms_probe(gm: fx.GraphModule, norms: list[str], dialect: Dialect, decomposed: Optional[dict] = None) -> fx.GraphModule:

@@ -4,11 +4,9 @@
     model = torch.compile(model, backend="lnfold", options={"lnfold.mode": "crms"})
     model = torch.compile(model, backend=fx_rewrite.lnfold_backend_with(mode="rms"))
 
-Dynamo hands over a torch-level graph (`F.layer_norm`, `F.linear`, `operator.add`, `x.view`)
-whose parameters are graph inputs, their real tensors among the example inputs. The backend
-classifies it into the same stream view as the other frontends, applies the plan, swaps every
-folded LayerNorm for `F.rms_norm` (+ β) — the faster of the two exact norms under Inductor — and
-delegates to Inductor (`compile_fx`), or to any `inner` backend.
+Dynamo hands over a torch-level graph whose parameters are graph inputs, their real tensors among
+the example inputs. Every folded LayerNorm becomes `F.rms_norm` (+ β), the faster of the two exact
+norms under Inductor; then Inductor (`compile_fx`), or any `inner` backend, compiles it.
 
 Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and `options=` to
 a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
@@ -20,19 +18,14 @@ folded norms read only by linear layers as deferred normalization, passes/defer.
 "off", as measured; "auto" asks the cost model; inference only); every other key is an
 Inductor config patch, as with the default backend.
 
-Edited weights. The graph computes `W - mean(W)` (and a deferred reader's `W β + b`) from the
-parameters Dynamo passes, at every call: the user's parameters are never written, and no copy can
-go stale however a weight changes (an optimizer step, `load_state_dict`, `p.data.mul_()`, an EMA
-update, inference-mode tensors: issue 43 found a cache keyed on tensor versions missing the last
-two). Inference (grad mode off, or parameters that do not require grad): in float64, rounded once to
-the parameter's dtype, as `fold_module` computes it, for one pass over each edited weight per call
-(a table only looked up: the rows looked up, after the lookup; benchmarks/RESULTS.md, "The
-backend's weight edits per call": no measurable cost against the old cached copies). Training
-(grad on, the edited parameters require grad): in the parameter's dtype, so loss and gradients
-are the original model's (THEORY §1). A bf16/fp16 graph gets a LowPrecisionWarning.
+Edited weights are computed in the graph from the parameters Dynamo passes, at every call, so no
+copy can go stale however a weight changes (fx_rewrite/apply.GraphConstants): in float64 at
+inference, rounded once; in the parameter's dtype in training, so loss and gradients are the
+original model's (THEORY §1).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -50,7 +43,6 @@ from ..passes.request import Capabilities, PlanRequest, request_from
 
 from . import deferred_norm
 from .apply import TORCH, Applier, GraphConstants
-from .backend_log import KEPT, reports, timings  # noqa: F401  (the backend's log, read as backend.reports)
 from .classify import build_view
 from .dynamo import constant_inputs, specialize_scalars, working_copy
 from .edits import LOW_PRECISION, attr_of, tensor_attrs
@@ -58,6 +50,11 @@ from .verify import verify_graph
 
 log = logging.getLogger("lnfold")
 OPTION_PREFIX = "lnfold."
+# The reports of the last KEPT graphs compiled in this process and the seconds each of the last KEPT
+# folded graphs spent in each stage, newest last (bounded: a long-lived process keeps compiling).
+KEPT = 64
+reports: collections.deque[Report] = collections.deque(maxlen=KEPT)
+timings: collections.deque[dict[str, float]] = collections.deque(maxlen=KEPT)
 
 
 def lnfold_backend(gm: fx.GraphModule, example_inputs: list, *, mode: Optional[str] = None,
@@ -238,10 +235,9 @@ _low_precision_warned = False
 
 def _say_if_low_precision(edited_dtypes: set[torch.dtype]) -> None:
     """Say, once per process, that folding a bf16/fp16 model rounds each edited weight twice (once at
-    the cast, once after the float64 centering; the fp32 weights are not in Dynamo's graph). Issue 33
-    measured up to 2x the original's logits error on a bf16 GPT-2-small (GPU), 4x on a d=4096 OPT
-    stack (CPU: benchmarks/lowprecision.py). Inference only: training centers the optimizer's own
-    parameters each step, and there is no fp32 copy to fold."""
+    the cast, once after the float64 centering; the fp32 weights are not in Dynamo's graph): up to 4x
+    the original's logits error (benchmarks/lowprecision.py). Inference only: training centers the
+    optimizer's own parameters each step, and there is no fp32 copy to fold."""
     low = sorted(str(t).removeprefix("torch.") for t in edited_dtypes & set(LOW_PRECISION))
     if not low:
         return

@@ -1,11 +1,8 @@
-"""FX nodes -> the stream view of passes/. One builder per op kind (`ops.canonical`'s) names the op
-in the vocabulary of passes/rules.py, its arguments decoded to view input indices and non-negative
-axes; nothing here decides a fold (passes/rules.py, passes/patterns.py). Shapes come from what torch
-recorded on each node (`meta["val"]` from torch.export, `meta["example_value"]` from Dynamo).
-
-View names are FX node names. A node with a tuple result (split, native_layer_norm) has one view
-output per element, named after the `getitem` node that reads it. A Python number added to the
-stream becomes a synthetic constant (`<node>#<arg>`), so the plan can zero it like any constant.
+"""FX nodes -> the stream view of passes/: one builder per op kind (`ops.canonical`'s) names the op in
+the vocabulary of passes/rules.py, with view input indices and non-negative axes; nothing here decides
+a fold. View names are FX node names; a tuple result (split, native_layer_norm) has one view output
+per element, named after its `getitem`. A Python number added to the stream becomes a synthetic
+constant (`<node>#<arg>`), so the plan can zero it like any constant.
 """
 from __future__ import annotations
 
@@ -69,7 +66,7 @@ class GraphInfo:
 
     def __init__(self, graph: fx.Graph, rms: bool = False) -> None:
         self.nodes = {n.name: n for n in graph.nodes}
-        self.rms = rms  # RMSNorms as given are norms of the view (issue 47; γ into readers or a rotation asked)
+        self.rms = rms  # RMSNorms as given are norms of the view (γ into readers or a rotation asked)
         self.inputs: dict[str, list[str]] = {}  # view node name -> its input value names
         self.scalars: dict[str, tuple[fx.Node, str]] = {}  # synthetic constant -> (node, argument)
         self.decomposed: dict[str, DecomposedNorm] = {}  # multi-op LayerNorms, by view name
@@ -420,7 +417,7 @@ def _reduce(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     dims = call.get("dim")
     if i is None or rank is None:
         return None
-    if dims is None or dims == [] or dims == ():
+    if dims in (None, [], ()):
         axes = set(range(rank))  # over every axis, the feature axis included
     else:
         axes = {_norm_axis(d, rank) for d in ([dims] if isinstance(dims, int) else dims)}
@@ -511,10 +508,9 @@ def _layer_norm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i, rank = g.index(node, x), g.rank(x)
     shape = call.get("normalized_shape")
     n = len(shape) if isinstance(shape, (list, tuple)) else 1
-    w, b = call.node("weight"), call.node("bias")
     eps = call.get("eps", 1e-5)
     return rule("layer_norm", data=0 if i is None else i, axes=list(range(-n, 0)) if rank is not None else [-1],
-                gamma=g.index(node, w) if w is not None else None, beta=g.index(node, b) if b is not None else None,
+                gamma=g.index(node, call.get("weight")), beta=g.index(node, call.get("bias")),
                 eps=eps if isinstance(eps, numbers.Number) else None,
                 # native_layer_norm also returns mean and rstd; a fold changes both
                 stats_used=any(is_tuple_getitem(u) and u.args[1] != 0 and u.users for u in node.users))
@@ -527,9 +523,9 @@ def _rms_norm(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i, shape, v = g.index(node, x), call.get("normalized_shape"), meta_val(x)
     if not g.rms or i is None or not isinstance(shape, (list, tuple)) or len(shape) != 1 or not isinstance(v, torch.Tensor):
         return None
-    w, eps = call.node("weight"), call.get("eps")
+    eps = call.get("eps")
     eps = torch.finfo(v.dtype).eps if eps is None else eps
-    return rule("layer_norm", data=i, axes=[-1], gamma=g.index(node, w) if w is not None else None,
+    return rule("layer_norm", data=i, axes=[-1], gamma=g.index(node, call.get("weight")),
                 eps=eps if isinstance(eps, numbers.Number) else None, rms=True)
 
 
@@ -595,7 +591,7 @@ def _outputs(node: fx.Node) -> tuple[list[str], list[fx.Node]]:
 def build_view(graph: fx.Graph, consts: set[str], rms: bool = False) -> tuple[View, GraphInfo]:
     """The stream view of `graph`; `consts` names the nodes that hold constant tensors. `rms`: the
     RMSNorms as given too (aten.rms_norm, and written out: passes/patterns.match_rms), as norms with
-    `NormSpec.rms` (issue 47)."""
+    `NormSpec.rms`."""
     g = GraphInfo(graph, rms)
     view = View()
     for node in graph.nodes:

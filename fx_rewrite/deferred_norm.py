@@ -11,7 +11,6 @@ multiply-add it may fuse into the GEMM's epilogue (benchmarks/RESULTS.md says wh
 """
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Callable, Optional
 
@@ -59,22 +58,20 @@ def emit_all(gm: fx.GraphModule, decision: DeferDecision, bias_node: BiasNode) -
     backend: computed in the graph, `graph_biases`), None where it keeps its own (no β)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for d in decision.deferred:
-        emit(gm.graph, nodes, d, functools.partial(bias_node, d))
+        emit(gm.graph, nodes, d, bias_node)
     gm.graph.lint()
 
 
-def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
-         bias_node: Callable[[LinearReader], Optional[fx.Node]]) -> None:
-    """One deferred norm; `bias_node(reader)`: as for `emit_all`."""
+def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral, bias_node: BiasNode) -> None:
+    """One deferred norm (`bias_node`: as for `emit_all`)."""
     norm = nodes[d.norm]
     call = canonical(norm)
     if call is None or call.kind != "layer_norm":  # a norm written out: its first mean, its last op
         x, outs = nodes[d.x], [nodes[d.output]]
     else:
         x = call.args["input"]
-        val = meta_val(norm)
-        outs = [u for u in norm.users if is_tuple_getitem(u) and u.args[1] == 0] if isinstance(val, (tuple, list)) \
-            else [norm]
+        outs = [u for u in norm.users if is_tuple_getitem(u) and u.args[1] == 0] \
+            if isinstance(meta_val(norm), (tuple, list)) else [norm]
     # x may be a recenter the Applier inserted (no meta): the norm's output has x's shape and dtype
     like = meta_val(x) if meta_val(x) is not None else meta_val(outs[0])
     dtype = getattr(like, "dtype", torch.float32)
@@ -93,7 +90,7 @@ def emit(graph: fx.Graph, nodes: dict[str, fx.Node], d: Deferral,
     erase_unread(graph, outs + [norm])
     rank = d.axis + 1  # passes/defer.py defers only a norm over its input's last axis
     for rd in d.readers:  # a reader behind a row-flattening reshape gets r as [rows, 1]
-        _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(rd))
+        _scale_product(graph, nodes[rd.node], r if rd.rank == rank else r2, bias_node(d, rd))
     if not r2.users:
         graph.erase_node(r2)
 

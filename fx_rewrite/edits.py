@@ -29,11 +29,8 @@ def center(x: torch.Tensor, axis, block=None, lo: int = 0, hi=None, stride=None)
     if axis is None:
         return x * 0
     if block is not None and stride not in (None, block) and x.shape[axis] != 1:
-        periods = x.unflatten(axis, (-1, stride))  # [.., periods, stride, ..]: a run is [lo, lo + block)
-        n = stride
-        head, part, tail = periods.narrow(axis + 1, 0, lo), periods.narrow(axis + 1, lo, block), \
-            periods.narrow(axis + 1, lo + block, n - lo - block)
-        return torch.cat([head, center(part, axis + 1), tail], axis + 1).flatten(axis, axis + 1)
+        # [.., periods, stride, ..]: the run of each period is [lo, lo + block)
+        return center(x.unflatten(axis, (-1, stride)), axis + 1, block, lo, lo + block).flatten(axis, axis + 1)
     if block is not None and x.shape[axis] != 1:
         n = x.shape[axis]
         hi = n if hi is None else hi
@@ -65,6 +62,7 @@ def weight_times(w: torch.Tensor, v: torch.Tensor, axis: int) -> torch.Tensor:
 
 def add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tensor) -> torch.Tensor:
     return weights.add_weight_times(a, w, axis, v, torch.tensordot)
+
 
 TENSOR = Algebra(
     center=center,

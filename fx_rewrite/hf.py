@@ -12,10 +12,9 @@ import sys
 from typing import Optional
 
 import torch
-# torch's pytree utilities are a private module: reached here only (api.py, backend.py import them from here)
+# torch's private names are imported here only (tests/test_structure.py): the rest of lnfold imports them from here
 from torch.utils import _pytree as pytree
-# (and the context that suspends dispatch modes: fx_rewrite/float64.py `suspended`)
-from torch.utils._python_dispatch import _disable_current_modes as disable_dispatch_modes  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes as disable_dispatch_modes
 
 from ..passes import LnfoldError
 

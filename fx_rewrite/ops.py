@@ -1,11 +1,7 @@
-"""Recognize an FX node's operation, whichever tracer wrote it, as one canonical `Call`.
-
-torch.export writes ATen overloads (`aten.linear.default`, `aten.view.default`); Dynamo hands
-backends torch-level calls (`F.linear`, `operator.add`, `x.view(...)` as a `call_method`). The
-classifier (classify.py) should not care: `canonical(node)` names the operation's *kind* and binds
-its arguments by name, so one builder serves every spelling. Adding a spelling is one name in a
-registration below. ATen arguments are bound through the op's schema, torch-level functions and
-methods through the parameter names of torch's Python API (`self` read as `input`).
+"""Recognize an FX node's operation, whichever tracer wrote it (torch.export's ATen overloads,
+Dynamo's torch-level calls and `call_method`s), as one canonical `Call`: its kind, and its arguments
+bound by name (an ATen op's through its schema, `self` read as `input`), so that one builder of
+classify.py serves every spelling. Adding a spelling is one name in a registration below.
 """
 from __future__ import annotations
 

@@ -1,29 +1,21 @@
 """Module-level fold for training: `fold_for_training(module, args)` edits the eager module in place.
 
-A torch.compile backend sees one Dynamo graph at a time. Under FSDP2 (`fully_shard` per block),
-per-block compile or any graph break, each graph starts its residual stream at a graph input, and
-nothing can be proven zero-mean inside one fragment. So the whole model is analyzed once (the
-torch.export analysis of `fold_module`), and the plan is applied to the user's `nn.Module` itself:
+A compile backend sees one Dynamo graph at a time: under FSDP2, per-block compile or a graph break
+each starts its stream at a graph input, where nothing can be proven zero-mean. So the whole model
+is analyzed once (fold_module's torch.export analysis) and the plan applied to the module itself:
 
-- each centered weight is computed in the forward from the original parameter (`W - mean(W)`,
-  THEORY §1 "Equivalence in training"): the module that holds it gets a property of the same
-  name (the mechanism of `torch.nn.utils.parametrize`) that centers it while one of the plan's
-  readers runs its forward (hooks count them in and out) and is the Parameter itself otherwise.
-  The Parameter stays in `_parameters` under its own name: the optimizer, `named_parameters()`
-  and the `state_dict` see the original ones (a checkpoint of the folded model loads into the
-  unfolded one), and FSDP2, which swaps `_parameters` and reads them back with `getattr` outside
-  forward, sees its own tensors;
-- a tied weight is centered only where the plan's readers read it (GPT-2's wte: for the
-  embedding, not for lm_head);
+- a centered weight is computed in the forward from the original Parameter (THEORY §1): its holder
+  gets a property of the same name (parametrize's mechanism) that centers it while one of the plan's
+  readers runs (hooks count them in and out) and is the Parameter otherwise. The Parameter stays in
+  `_parameters`: the optimizer and the state_dict see the originals, and FSDP2, which swaps
+  `_parameters` and reads them back with `getattr` outside forward, sees its own tensors;
+- a tied weight is centered only where the plan's readers read it (GPT-2's wte, not lm_head);
 - a LayerScale vector is folded into its sources' centered weights and reads as ones;
-- each folded `nn.LayerNorm` becomes an RMSNorm (`F.rms_norm` + β), same object and Parameters
-  (its class is swapped, as `fully_shard` does).
+- each folded `nn.LayerNorm` becomes an RMSNorm, same object and Parameters (its class swapped).
 
-The analysis runs in the module's current mode: a train-mode Dropout with p > 0 on the residual
-stream is not shift-transparent, so its norms are kept, correctly. A component is also kept
-where this fold cannot apply an edit (a Python number or a tensor created in `forward` writes
-into the stream, a stream that needs a recenter, a weight read through an attribute that is also
-read uncentered); the report says which.
+A component is kept where train-mode Dropout (p > 0) writes into the stream, or where this fold
+cannot apply an edit (a Python number or a tensor created in `forward` writes into the stream, a
+stream that needs a recenter, a weight read through an attribute also read uncentered).
 """
 from __future__ import annotations
 
