@@ -44,12 +44,26 @@ def _readers(view: View, value: str) -> list[Node]:
     return [view.nodes[c] for c in dict.fromkeys(c for c, _ in view.values[value].consumers)]
 
 
-def _only_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
+def _only_reader(view: View, value: str, *kinds: str, ignored: Callable[[str], bool] = lambda name: False
+                 ) -> Optional[Node]:
+    """The one node, of one of `kinds`, that reads `value` (`ignored` readers aside)."""
     v = view.values[value]
-    if v.is_graph_output or len({c for c, _ in v.consumers}) != 1:
+    readers = {c for c, _ in v.consumers if not ignored(c)}
+    if v.is_graph_output or len(readers) != 1:
         return None
-    n = view.nodes[v.consumers[0][0]]
+    n = view.nodes[readers.pop()]
     return n if n.rule is not None and n.rule.kind in kinds else None
+
+
+def _sole_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
+    """`_only_reader`, reads of `value`'s metadata aside (torch.export asserts dtypes in between)."""
+    return _only_reader(view, value, *kinds, ignored=lambda c: _reads_metadata(view, c))
+
+
+def _eps(view: View, add: Node, t: str) -> Optional[float]:
+    """The constant scalar that `add` adds to `t`; None where it adds no such eps."""
+    o = _other(add, t)
+    return view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] and is_sum_of_two(add.rule) else None
 
 
 def _other(node: Node, value: str) -> Optional[int]:
@@ -148,12 +162,11 @@ def match(view: View, mean1: Node) -> MatchResult[DecomposedNorm]:
     eps = 0.0
     add = _only_reader(view, t, "broadcast")
     if add is not None:
-        o = _other(add, t)
-        e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
-        if e is None or not is_sum_of_two(add.rule):
+        eps, o = _eps(view, add, t), _other(add, t)
+        if eps is None:
             what = f"`{add.inputs[o]}`" if o is not None and add.inputs[o] else "something"
             return NoMatch(f"{add.describe()} adds {what} to the variance: not a constant scalar eps", 3)
-        eps, t = e, add.outputs[0]
+        t = add.outputs[0]
         covered.append(add)
     root = _only_reader(view, t, "sqrt", "rsqrt")
     if root is None:
@@ -214,10 +227,9 @@ def _divides(final: Node, t: str, centered: set[str], divide: bool) -> bool:
 
 
 def collapse_norms(view: View, rms: bool = False) -> dict[str, DecomposedNorm]:
-    """Find every multi-op LayerNorm and put one LayerNorm node in its place (the near misses go
-    to `view.near_misses`, with their reasons). `rms`: then every RMSNorm written out (`match_rms`)
-    too, one RMSNorm-as-given node each (issue 47: only where γ into the readers or a rotation is
-    asked; without, a model of RMSNorms has nothing to fold)."""
+    """Put one LayerNorm node in place of every multi-op LayerNorm (the near misses go to
+    `view.near_misses`, with their reasons); `rms` (γ into the readers, or a rotation): then one
+    RMSNorm-as-given node in place of every RMSNorm written out (`match_rms`) too."""
     found: dict[str, DecomposedNorm] = {}
     taken: set[str] = set()
     for matcher in (match, match_rms) if rms else (match,):
@@ -268,11 +280,10 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
     t, eps = mean.outputs[0], 0.0
     add = _sole_reader(view, t, "broadcast")
     if add is not None:
-        o = _other(add, t)
-        e = view.values[add.inputs[o]].scalar if o is not None and add.inputs[o] else None
-        if e is None or not is_sum_of_two(add.rule):
+        eps = _eps(view, add, t)
+        if eps is None:
             return NoMatch(f"{add.describe()} adds something other than a constant eps to the mean square")
-        eps, t = e, add.outputs[0]
+        t = add.outputs[0]
         covered.append(add)
     root = _sole_reader(view, t, "sqrt", "rsqrt")
     if root is None:
@@ -338,16 +349,6 @@ def _escapes(view: View, covered: list, out: str, what: str, priority: int,
                 return NoMatch(f"`{v}`, inside the {what}, is also read by {view.nodes[outside[0]].describe()} "
                                "(the swap would remove it)", priority)
     return None
-
-
-def _sole_reader(view: View, value: str, *kinds: str) -> Optional[Node]:
-    """`_only_reader`, reads of `value`'s metadata aside (torch.export asserts dtypes in between)."""
-    v = view.values[value]
-    readers = {c for c, _ in v.consumers if not _reads_metadata(view, c)}
-    if v.is_graph_output or len(readers) != 1:
-        return None
-    n = view.nodes[readers.pop()]
-    return n if n.rule is not None and n.rule.kind in kinds else None
 
 
 def _reads_metadata(view: View, name: str) -> bool:
