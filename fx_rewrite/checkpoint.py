@@ -1,15 +1,10 @@
-"""A `transformers` checkpoint folder, and the plan of its fold from its structure alone (issue 25).
+"""A `transformers` checkpoint folder, and the plan of its fold from its structure alone.
 
-    lnfold fold CHECKPOINT_DIR -o OUT_DIR        lnfold.fold_checkpoint(src, dst)
-
-The model is built from config.json on the meta device, exported and planned as `fold_module`
-does, and the plan's constant edits become edits of the checkpoint's tensors by name (DESIGN §2
-"Checkpoints"); fx_rewrite/checkpoint_fold.py streams the shards through them.
-
-The output loads with `from_pretrained` in its stock class: its LayerNorms stay LayerNorms, but
-every folded one reads a zero-mean stream, where it computes what an RMSNorm does (THEORY §1,
-Lemma 2). Hence the target's capabilities (`STOCK`): β stays the norm's own, no CRMS compression,
-and a stream that would need a `Recenter` op (BLOOM's embedding LayerNorm) is kept, with its reason.
+The model is built from config.json on the meta device and planned as `fold_module` does; the
+plan's constant edits become edits of the checkpoint's tensors by name (DESIGN §2 "Checkpoints").
+The output loads in its stock class, whose LayerNorms compute an RMSNorm on their zero-mean streams
+(THEORY §1, Lemma 2). Hence `STOCK`: β stays the norm's own, no CRMS compression, and a stream
+that would need a `Recenter` op (BLOOM's embedding LayerNorm) is kept, with its reason.
 """
 from __future__ import annotations
 
@@ -77,21 +72,20 @@ def read_checkpoint(folder: Path) -> Checkpoint:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise LnfoldError(f"{folder / INDEX}: not a shard index ({first_line(e)})") from None
         # every path the index names, checked before any file is opened: each is read here and
-        # written as `out / name` by the fold (issue 43: `/x`, `../x`, a link out wrote where they said)
+        # written as `out / name` by the fold (`/x`, `../x` or a link out would write where they say)
         paths = {f: inside(folder, f, str(folder / INDEX)) for f in weight_map.values()}
-        files = sorted(paths)
     else:
-        weight_map, files, meta = None, [SINGLE], {}
+        weight_map, meta = {}, {}
         paths = {SINGLE: inside(folder, SINGLE, str(folder))}
+    files = sorted(paths)
     for f in files:
         if not paths[f].is_file():
             raise LnfoldError(f"{folder / f}: missing: the shard index names it and the folder does not have it")
     shards = {f: read_header(paths[f]) for f in files}
     where = {n: f for f, h in shards.items() for n in h.entries}
-    if weight_map is not None:
-        for name, f in weight_map.items():
-            if where.get(name) != f:
-                raise LnfoldError(f"{folder / INDEX}: names tensor {name} in {f}, which has no such tensor")
+    for name, f in weight_map.items():
+        if where.get(name) != f:
+            raise LnfoldError(f"{folder / INDEX}: names tensor {name} in {f}, which has no such tensor")
     return Checkpoint(folder, config, config_dict, shards, where, meta)
 
 
@@ -173,12 +167,11 @@ def _finder(model: torch.nn.Module, ck: Checkpoint):
 
 
 def check_depth(ck: Checkpoint) -> None:
-    """The files hold every block config.json claims, checked on copies of the model with SHALLOW
-    and SHALLOW + 1 blocks (cheap whatever the claim) before the model is built at its depth: a
-    config claiming 10,000 layers over files of 3 built and planned all of them (~20 ms and 50 KB
-    a layer, minutes) before the fold found it could not edit them (issue 43 item 4). The stack is
-    the ModuleList whose length follows the depth; its last block's tensors, by their names in
-    block 0, must be stored. Else a one-line LnfoldError."""
+    """The files hold every block config.json claims, else a one-line LnfoldError. Checked on
+    copies with SHALLOW and SHALLOW + 1 blocks before the model is built at its depth, which a
+    config claiming 10,000 layers over files of 3 would take minutes to build and plan: the stack
+    is the ModuleList whose length follows the depth, and its last block's tensors, by their names
+    in block 0, must be stored."""
     depth = getattr(ck.config, "num_hidden_layers", None)
     if not isinstance(depth, int) or isinstance(depth, bool) or depth <= SHALLOW:
         return
