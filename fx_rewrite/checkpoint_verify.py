@@ -1,9 +1,8 @@
-"""Verify a folded checkpoint against its original without ever loading either whole (issue 25).
+"""Verify a folded checkpoint against its original without ever loading either whole.
 
-Each model runs as its stock class built on the meta device (fx_rewrite/checkpoint.py
-`skeleton`), whose modules load their own parameters from the shards just before they run and drop
-them right after: one module's tensors in memory, whatever the model's size. What the three runs
-are and how the gate judges them: DESIGN §2 "Checkpoints", *Verification*.
+Each model runs as its stock class built on the meta device, whose modules load their own
+parameters from the shards just before they run and drop them right after: one module's tensors in
+memory, whatever the model's size. The three runs and the gate: DESIGN §2 "Checkpoints", *Verification*.
 """
 from __future__ import annotations
 
@@ -180,15 +179,13 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)  # (None: no pool, ea
 
 
 class _Pool:
-    """Memory for the parameters that modules load before they run and drop after: a buffer, once
-    nothing refers to its memory any more (the use count of its storage, as torch's own CUDA-graph
-    pools check it), is reused for the next tensor of the same size: the next layer's same weight.
-    Buffers are anonymous mappings of their own, at most 4 x SLICE_BYTES in all, the least recently
-    used free ones unmapped first to make room; tensors below SLICE_BYTES / 64 or beyond the room
-    get plain memory. Without it the C heap keeps much of what the modules drop, grown and
-    fragmented (verifying OPT-1.3B fp16, plain torch.empty for each tensor peaked at 1.0 GB over
-    the process's start, the pool at 0.35 GB), and memory given back to the system costs its page
-    faults each time it is taken again (a mapping of its own per tensor: verification 2.5x slower)."""
+    """Memory for the parameters that modules load before they run and drop after: a buffer that
+    nothing refers to any more (its storage's use count, as torch's CUDA-graph pools check it) is
+    reused for the next tensor of its size, the next layer's same weight. Buffers are anonymous
+    mappings, at most 4 x SLICE_BYTES in all, the least recently used free ones unmapped to make
+    room; tensors below SLICE_BYTES / 64 or beyond the room get plain memory. Plain torch.empty
+    left the C heap grown and fragmented (OPT-1.3B fp16: 1.0 GB over the start, the pool 0.35 GB),
+    and a mapping per tensor pays its page faults every time (verification 2.5x slower)."""
 
     def __init__(self) -> None:
         self.bufs: list = []  # [nbytes, uint8 tensor, its storage's use count when nothing else holds it]

@@ -1,24 +1,15 @@
 """The eager RMSNorm hand-off: the user's own module, folded, for the tools that expect RMSNorm.
 
 Rotation-based quantizers and their exporters (QuaRot, SpinQuant, ModelOpt, llm-compressor,
-Brevitas) find a model's norms by class name ("RMSNorm") and read `config.rms_norm_eps`; they do
-not take a graph. `fold_to_rmsnorm(module, args)` runs the one pipeline (torch.export, make_plan,
-β into the readers) and applies its plan to the module itself, in place (big models: no second
-copy; the original is kept only for verification's float64 run):
-
-- every edited constant (centered tables and writers, biases with `W β`) is computed once in
-  float64 (passes/edits.compute_constants) and baked into the Parameter or buffer the reader
-  reads, by attribute (fx_rewrite/holders.py). A tensor held by several attributes (a tied
-  embedding / lm_head) stays tied where every holder gets the same values; where the fold makes
-  them differ (GPT-2's wte is centered, lm_head is not) the tie is broken, the report says so,
-  and `config.tie_word_embeddings` becomes False, so that `from_pretrained` does not tie them again;
-- a reader Linear without a bias gets one (`W β`: `Capabilities.new_biases`);
-- each folded `nn.LayerNorm` becomes a plain `torch.nn.RMSNorm` (its weight is γ), exact because
-  its input is zero-mean now (THEORY §1). A folded norm whose β cannot move into its readers (its
-  output is a graph output, a reader is not linear) stays an `nn.LayerNorm` on its centered stream
-  (exact as well) and is reported kept;
-- transformers models: `config.rms_norm_eps` is set where every swapped norm has one ε, and
-  `config.lnfold` lists the swapped norms and the new biases, for `restore_rmsnorm`.
+Brevitas) find norms by class name ("RMSNorm") and read `config.rms_norm_eps`; they take no graph.
+So fold_module's plan is applied to the module itself, in place (no second copy of a big model):
+each edited constant is computed once in float64 and baked into the attribute its reader reads
+(holders.py), a bias-free reader Linear gets `W β` as a new bias, and each folded `nn.LayerNorm`
+becomes a `torch.nn.RMSNorm`, exact on its now zero-mean input (THEORY §1); one whose β cannot move
+(its output is a graph output, a reader is not linear) stays an `nn.LayerNorm`, reported kept. A tie
+whose holders the fold makes differ (GPT-2's centered wte, uncentered lm_head) is broken and
+`config.tie_word_embeddings` set False, or `from_pretrained` would tie them again; `config.lnfold`
+records the swaps and new biases for `restore_rmsnorm`.
 """
 from __future__ import annotations
 
@@ -35,6 +26,7 @@ from ..passes import FoldResult, LnfoldError, NothingToFold, VerificationError, 
 from ..passes.edits import compute_constants, compute_new_bias
 from ..passes.errors import first_line
 from ..passes.options import FoldOptions
+from ..passes.outputs import inside
 from ..passes.plan import Plan
 from ..passes.defer import EAGER
 from ..passes.request import Capabilities, PlanRequest, request_from
@@ -334,10 +326,8 @@ def restore_rmsnorm(model: nn.Module, folder: Optional[str] = None) -> nn.Module
             if not isinstance(ln, (nn.RMSNorm, nn.LayerNorm)):
                 raise LnfoldError(f"`{name}` is a {type(ln).__name__}, not the LayerNorm config.{CONFIG_KEY} names")
         path = folder if folder is not None else getattr(hf.config, "_name_or_path", None)
-        if record["new_biases"] and path and os.path.isdir(path):
-            biases.append(_read_tensors(path, [f"{n}.bias" for n in record["new_biases"]]))
-        else:
-            biases.append({})
+        wanted = record["new_biases"] and path and os.path.isdir(path)
+        biases.append(_read_tensors(path, [f"{n}.bias" for n in record["new_biases"]]) if wanted else {})
     for (hf, record), loaded in zip(records, biases):
         for name in record["rmsnorm"]:
             ln = hf.get_submodule(name)
@@ -361,8 +351,6 @@ def _read_tensors(folder: str, keys: list[str]) -> dict[str, torch.Tensor]:
     """Tensors `keys` of a save_pretrained folder (safetensors, sharded or not)."""
     from safetensors import safe_open
 
-    from ..passes.outputs import inside
-
     where = {}
     if os.path.exists(os.path.join(folder, INDEX)):
         try:
@@ -370,7 +358,7 @@ def _read_tensors(folder: str, keys: list[str]) -> dict[str, torch.Tensor]:
                 where = dict(json.load(f)["weight_map"])
         except (ValueError, KeyError, TypeError) as e:
             raise LnfoldError(f"{os.path.join(folder, INDEX)}: not a shard index ({first_line(e)})") from None
-    # every file the index names for `keys`, checked before any is opened (issue 43: `../x` was read)
+    # every file the index names for `keys`, checked before any is opened (a `../x` would be read)
     files = {key: inside(folder, where.get(key, SINGLE), os.path.join(folder, INDEX) if where else folder)
              for key in keys}
     out = {}

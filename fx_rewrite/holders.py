@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx, nn
 
-from ..passes import LnfoldError, View, make_plan
+from ..passes import LnfoldError, View
 from ..passes.analysis import Component
 from ..passes.plan import Plan
 from ..passes.request import PlanRequest
@@ -101,7 +101,7 @@ class ModuleMap:
         uncentered = {self.holder(value, r) for r in self.readers(value) if r not in users_}
         return None in centered | uncentered or bool(centered & uncentered)
 
-    def plan(self, view: View, request_for: Callable[[frozenset], PlanRequest], planner: Callable = make_plan) -> Plan:
+    def plan(self, view: View, request_for: Callable[[frozenset], PlanRequest], planner: Callable) -> Plan:
         """`planner`'s plan, asked again with more refusals (`request_for(conflicts)`) while a tied
         tensor is read centered and uncentered through one attribute."""
         conflicts: frozenset = frozenset()
