@@ -207,14 +207,12 @@ def candidates(model: onnx.ModelProto, dims: Optional[dict[str, int]] = None, se
     is skipped. `empty_past`: every past length 0 (verify.py's run of an Optimum merged decoder's
     cached branch whose mask's length is named as the sequence's: it runs only without a past)."""
     f = known or facts(model)
-    made = False
-    for what, sizes, past in _plans(f, dict(dims or {}), empty_past):
+    for k, (what, sizes, past) in enumerate(_plans(f, dict(dims or {}), empty_past)):
         total = input_bytes(f, sizes)
         if total > MAX_INPUT_BYTES:
-            if not made:
+            if k == 0:
                 raise LnfoldError(_too_big(f, sizes, total))
             continue
-        made = True
         yield what, _values(f, sizes, past, seed)
 
 
@@ -297,7 +295,7 @@ def _assign(f: GraphFacts, user: dict[str, int], seq: int, past: int, side: Opti
         if isinstance(d, int) and d > 0:
             return d
         if (spec.name, k) in f.fixed:
-            return f.fixed[(spec.name, k)] if not (isinstance(d, str) and d in user) else user[d]
+            return user[d] if isinstance(d, str) and d in user else f.fixed[(spec.name, k)]
         if isinstance(d, str):
             if d in named:
                 return named[d]
