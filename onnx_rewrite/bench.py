@@ -1,12 +1,7 @@
-"""`lnfold bench ORIGINAL FOLDED`: what the fold buys on this machine, measured as `lnfold demo`
-measures (the demo calls `measure` and `describe` too).
-
-Two figures, each from onnxruntime on CPU:
-- the norm kernels' own time and their share of a run, from onnxruntime's profiler (one thread,
-  so that kernel times are not split across a pool): the part of the run the fold changes;
-- end-to-end time over interleaved rounds (onnx_rewrite/timing.py): original, folded, and the original
-  again in a second session (an A/A pair), wall and CPU time, in three repeats with fresh sessions;
-  a difference is claimed only as timing.compare_repeats allows, so that a rerun does not contradict it.
+"""`lnfold bench ORIGINAL FOLDED` (and `lnfold demo`'s figures): what the fold buys on this machine,
+from onnxruntime on CPU. The norm kernels' time and share of a run come from the profiler with one
+thread (kernel times not split across a pool); end-to-end time from interleaved rounds of original,
+folded and the original again (an A/A pair), claimed only as timing.compare_repeats allows.
 """
 from __future__ import annotations
 
@@ -86,14 +81,11 @@ def norm_kernel_time(path: Path, feeds: dict, until: float) -> dict:
 
 def measure(original: Path, folded: Path, feeds: dict, *, threads: int = 1, seconds: float = 8.0,
             repeats: int = 3, started: Optional[float] = None, progress=None) -> dict:
-    """The profiler's norm-kernel figures for both models, and end-to-end timings of original,
-    folded and original again (A/A), interleaved, in up to `repeats` blocks with sessions of their
-    own (timing.compare_repeats: a claim must hold in each). `seconds` bounds the whole measurement
-    from `started` (time.perf_counter(); default: now), the caller's loading included: the profiler
-    gets PROFILE_SHARE of it, each block an equal share of what is left, and a block stops at its
-    share (one round at least, one block at least: a model slower than the budget overruns it by
-    that much, no more). `"rounds"`: the rounds run in all; `"budget"`: the seconds asked. `progress`
-    (onnx_rewrite/progress.py) hears of each phase, between timed runs, never inside them."""
+    """The profiler's norm-kernel figures for both models, and interleaved end-to-end timings in up
+    to `repeats` blocks with sessions of their own. `seconds` bounds the whole measurement from
+    `started` (time.perf_counter(); default: now): the profiler gets PROFILE_SHARE of it, each block
+    an equal share of the rest (one round and one block at least: a model slower than the budget
+    overruns it by that much). `progress` hears of each phase between timed runs, never inside them."""
     t0 = time.perf_counter() if started is None else started
     deadline = t0 + seconds
     share = (deadline - time.perf_counter()) * PROFILE_SHARE / 2

@@ -414,11 +414,9 @@ def _rows_of(feeds: dict, model: onnx.ModelProto, batch: Optional[int], what: st
 
 def load_rows(src, model: onnx.ModelProto, what: str) -> Rows:
     """The user's rows (an .npz path, a folder of .npz files, or a dict of arrays) for `model`,
-    checked against its inputs. A model with a fixed batch b is fed b rows per run: any count of at
-    least b is taken, the rows after the last whole batch dropped (and said: passes/calibration.Rows).
-    A folder's files are rows that need not share a shape (sequences of different lengths, which
-    padding would change): each file is fed on its own, in name order. An input with no batch axis
-    (`unbatched_inputs`) is given once and fed with every run."""
+    checked against its inputs; a fixed batch b is fed b rows per run (passes/calibration.Rows).
+    A folder's files need not share a shape (sequences of different lengths, which padding would
+    change): each is fed on its own, in name order."""
     batch = model_batch(model)
     if isinstance(src, (str, os.PathLike)) and Path(src).is_dir():
         names = [n for n in folder_files(src) if n.endswith(".npz")]  # (links out of the folder refused)

@@ -1,15 +1,10 @@
 """Interleaved A/B timing, and what a measurement can honestly claim.
 
-Variants run A B, B A, ... (the order rotates every round), so drift of a shared machine hits each
-alike. Each call records wall time and the process's CPU time (other processes' load inflates
-the first much more than the second).
-
-One ratio everywhere: `ratio` is the ratio of the two variants' medians (the figures a report
-prints next to it), with a bootstrap interval from resampling whole rounds. `compare` decides
-whether a difference may be claimed: the interval must lie outside the run-to-run spread that an
-A/A comparison (the baseline measured against a second copy of itself, in the same rounds)
-shows — an interval that merely excludes 1 was contradicted by the next run often enough —
-and, in `compare_repeats`, every repeat of the measurement (fresh sessions) must agree.
+The order of the variants rotates every round, so drift of a shared machine hits each alike; wall
+and process CPU time are both recorded (other processes' load inflates the first much more).
+A difference is claimed only where the bootstrap interval of the ratio of medians lies outside the
+spread of an A/A comparison in the same rounds (an interval that merely excludes 1 was contradicted
+by the next run often enough) and, in `compare_repeats`, every repeat with fresh sessions agrees.
 """
 from __future__ import annotations
 
