@@ -65,7 +65,7 @@ def check_options(weights: str, rotate: Optional[str], seed, block_size: int, ba
     """Every option, checked before any work (one-line LnfoldErrors); returns the backend to use."""
     check_scheme(weights, None, rotate, seed)
     check_choice("backend", backend, BACKENDS)
-    if weights == "int4" and (isinstance(block_size, bool) or block_size not in GROUP_SIZES):
+    if weights == "int4" and block_size not in GROUP_SIZES:
         raise LnfoldError(f"block size {block_size!r}: one of {', '.join(map(str, GROUP_SIZES))} (int4 groups along K)")
     if weights != "int4" and block_size != 32:
         raise LnfoldError("block_size is for int4 weights")

@@ -61,7 +61,7 @@ def check_options(weights: str, activations: Optional[str], calibrate, rotate: O
     if calibrates(weights, activations) and calibrate is None:
         raise LnfoldError("int8 activations (static, W8A8) need calibration inputs: --calibrate FILE.npz "
                           "(API: calibrate=), representative inputs, one array per model input")
-    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:  # MLAS refuses others (an internal error)
+    if block_size not in BLOCK_SIZES:  # MLAS refuses others (an internal error)
         sizes = ", ".join(map(str, BLOCK_SIZES))
         raise LnfoldError(f"block size {block_size}: a power of two from 16 to 256 ({sizes}: what onnxruntime's "
                           "MatMulNBits quantizer takes)")
@@ -391,12 +391,12 @@ def scheme_name(weights: str, activations: Optional[str], block_size: int, per_c
                 plain: bool = False) -> str:
     """The scheme in words; `plain`: the call plain onnxruntime makes for it, as a user writes it."""
     channel = (", per_channel=True" if plain else ", per channel") if per_channel else ""
+    if weights == "int4" and plain:
+        level = ", accuracy_level=4" if activations == "int8" else ""
+        return f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True{level})"
     if weights == "int4":
-        if activations == "int8":
-            return (f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True, accuracy_level=4)"
-                    if plain else f"W4A8: int4 weights, blocks of {block_size}, int8 activations quantized at run "
-                    "time by the CPU kernel (onnxruntime MatMulNBitsQuantizer, symmetric, accuracy_level=4)")
-        return (f"MatMulNBitsQuantizer(model, bits=4, block_size={block_size}, is_symmetric=True)" if plain else
+        return (f"W4A8: int4 weights, blocks of {block_size}, int8 activations quantized at run time by the CPU "
+                "kernel (onnxruntime MatMulNBitsQuantizer, symmetric, accuracy_level=4)" if activations == "int8" else
                 f"int4 weight-only, blocks of {block_size} (onnxruntime MatMulNBitsQuantizer, symmetric)")
     if activations == "int8":
         return (f"quantize_static(model, rows, quant_format=QDQ, activation_type=QInt8, weight_type=QInt8{channel})"
