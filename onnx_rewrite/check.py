@@ -132,18 +132,15 @@ def _in_order(other: Source, names: list[str]) -> Source:
 def _allowance(ref: verify.Reference) -> float:
     """The gate's allowance (gate.allowance: from ORIGINAL's own error against float64 where there is
     a float64 run, else the dtype's tolerance), the largest over ORIGINAL's float outputs."""
-    compute = verify._compute_dtype(ref.original.skeleton)
+    compute, fp32 = verify._compute_dtype(ref.original.skeleton), gate.TOLERANCE["float32"]
+    exact = ref.exact if ref.runner.sess is not None else None
     bounds = []
     for k, a in enumerate(ref.outputs):
-        if a.dtype.kind != "f":
-            continue
         dtype = verify._narrower(a.dtype.name, compute)
-        if ref.exact is not None and ref.runner.sess is not None:
-            bounds.append(gate.allowance(metric.compare(ref.exact[k], a).max_rel, dtype, True))
-        else:
-            bounds.append(gate.allowance(0.0, dtype, False) or gate.TOLERANCE["float32"])
-    bounds = [b for b in bounds if math.isfinite(b)]
-    return max(bounds, default=gate.TOLERANCE["float32"])
+        if a.dtype.kind == "f":
+            bounds.append(gate.allowance(metric.compare(exact[k], a).max_rel, dtype, True) if exact is not None
+                          else gate.allowance(0.0, dtype, False) or fp32)
+    return max((b for b in bounds if math.isfinite(b)), default=fp32)
 
 
 def _shared_tensors(a: onnx.ModelProto, b: onnx.ModelProto) -> list[str]:
