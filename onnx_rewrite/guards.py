@@ -1,6 +1,5 @@
 """ONNX's side of the overflow-guard rule (passes/guards.py decides and says why it is sound):
-read a Clip's bounds — constants, or T5's Where between two constants — and its stream's dtype,
-as a `clamp` rule (passes/rules.py). IsInf/IsNaN are `nonfinite_test` rows in classify.py.
+a Clip's bounds (constants, or T5's Where between two constants) and stream dtype as a `clamp` rule.
 """
 from __future__ import annotations
 
@@ -46,14 +45,13 @@ def _possible_values(t) -> Optional[np.ndarray]:
 
 
 def clip_rule(info, node, opset: int) -> Rule:
-    """Clip with its bounds and stream dtype decoded: passes/rules.py's `clamp` makes it
-    transparent when it is an overflow guard (passes/guards.py)."""
-    dtype = _stream_dtype(info, node)
+    """Clip as a `clamp` rule: transparent when it is an overflow guard (passes/guards.py)."""
+    dtype = _stream_dtype(node)
     return rule("clamp", lo=_bound(node, 1, "min", opset), hi=_bound(node, 2, "max", opset),
                 dtype=None if dtype is None else dtype.name)
 
 
-def _stream_dtype(info, node):
+def _stream_dtype(node):
     x = node.inputs[0]
     if x.dtype is not None:
         return np.dtype(x.dtype)

@@ -1,8 +1,7 @@
 """Reading ONNX models: clear errors for bad files, external data, and lazy loading.
 
-A lazy load leaves a big model's large external weights in the input's data file: the analysis
-reads only the small tensors (γ/β, shape constants, axes), the fold reads each weight it edits
-(`read_external`), and saving copies the others from the input (onnx_rewrite/write.py).
+A lazy load leaves a big model's large external weights in the input's data file: the fold reads
+each weight it edits (`read_external`), and saving copies the others from the input (write.py).
 """
 from __future__ import annotations
 
@@ -39,10 +38,8 @@ def load(path: str | os.PathLike, *, data_files: set | None = None, lazy: bool =
     """Read an ONNX model (and its external data), or raise LnfoldError saying what is wrong.
 
     `data_files`, when given, receives the resolved paths of the external-data files read.
-    `lazy` leaves the main graph's big external weights (over `_EAGER_BYTES`) in their file:
-    the model then refers to the input's folder, is read through `read_external` and is meant
-    for `save` (which copies those weights from the input); onnx and onnxruntime cannot use it
-    as it is.
+    `lazy` leaves the main graph's big external weights (over `_EAGER_BYTES`) in their file: the
+    model is then for `read_external` and `save`, not for onnx or onnxruntime as it is.
     """
     p = Path(path)
     if not p.exists():
@@ -100,9 +97,9 @@ def _drop_basepaths(model: onnx.ModelProto) -> None:
 def _keep_big_on_disk(model: onnx.ModelProto, folder: Path) -> None:
     """Mark the main graph's big external initializers to stay on disk: their location, offset
     and length are checked now (as a full load would), their bytes are read only when used."""
-    base = str(folder.resolve())
     if sys.byteorder != "little":
         return
+    base = str(folder.resolve())
     for t in model.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type not in PLAIN_TYPES:
             continue
@@ -138,11 +135,8 @@ def external_source(t: onnx.TensorProto) -> tuple[int, int, int]:
 
 
 def read_external(t: onnx.TensorProto) -> np.ndarray:
-    """The array of a tensor a lazy load left on disk (the tensor is not changed).
-
-    A read-only map of the input's data file: its pages are read by whatever uses the array
-    (the fold converts weights to float64 anyway), with no anonymous copy, and released with it.
-    """
+    """The array of a tensor a lazy load left on disk: a read-only map of the input's data file,
+    read by whatever uses the array, with no anonymous copy."""
     fd, offset, length = external_source(t)
     dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
     try:

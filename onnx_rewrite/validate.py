@@ -82,7 +82,8 @@ def check_graph(model: onnx.ModelProto) -> None:
             if not o:
                 continue
             if o in producer or o in provided:
-                raise LnfoldError(f"tensor `{o}` is produced twice (node `{n.name or n.op_type}`): not a valid ONNX graph")
+                raise LnfoldError(f"tensor `{o}` is produced twice (node `{n.name or n.op_type}`): "
+                                  "not a valid ONNX graph")
             producer[o] = k
     for n in g.node:
         for i in n.input:
@@ -92,7 +93,7 @@ def check_graph(model: onnx.ModelProto) -> None:
     for o in g.output:
         if o.name not in provided and o.name not in producer:
             raise LnfoldError(f"graph output `{o.name}` is produced by no node")
-    # Kahn's algorithm: whatever is left unplaced lies on (or after) a cycle.
+    # Kahn's algorithm: whatever is left waiting lies on (or after) a cycle.
     waiting = [sum(1 for i in n.input if i in producer) for n in g.node]
     readers: dict[str, list[int]] = {}
     for k, n in enumerate(g.node):
@@ -100,18 +101,16 @@ def check_graph(model: onnx.ModelProto) -> None:
             if i in producer:
                 readers.setdefault(i, []).append(k)
     ready = [k for k, w in enumerate(waiting) if w == 0]
-    placed = 0
     while ready:
-        k = ready.pop()
-        placed += 1
-        for o in g.node[k].output:
+        for o in g.node[ready.pop()].output:
             for r in readers.get(o, ()):
                 waiting[r] -= 1
                 if waiting[r] == 0:
                     ready.append(r)
-    if placed != len(g.node):
-        stuck = next(n for k, n in enumerate(g.node) if waiting[k] > 0)
-        raise LnfoldError(f"the graph has a cycle (through node `{stuck.name or stuck.op_type}`): not a valid ONNX graph")
+    stuck = next((n for k, n in enumerate(g.node) if waiting[k] > 0), None)
+    if stuck is not None:
+        raise LnfoldError(f"the graph has a cycle (through node `{stuck.name or stuck.op_type}`): "
+                          "not a valid ONNX graph")
 
 
 def check_initializer_names(graph: onnx.GraphProto) -> None:
@@ -127,8 +126,12 @@ def check_initializer_names(graph: onnx.GraphProto) -> None:
                 raise LnfoldError(f"initializer `{name}` is defined twice{where}: not a valid ONNX graph "
                                   "(onnx.checker refuses it)")
             seen.add(name)
-        todo.extend(sub for n in g.node for a in n.attribute
-                    for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs))
+        todo.extend(sub for n in g.node for sub in _subgraphs(n))
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """Every graph a node's attributes hold, whatever type they declare (a hostile model may lie)."""
+    return [sub for a in node.attribute for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs)]
 
 
 def no_norm_message(model: onnx.ModelProto, rms: Sequence = ()) -> str:
@@ -146,14 +149,8 @@ def no_norm_message(model: onnx.ModelProto, rms: Sequence = ()) -> str:
 
 def subgraph_norms(model: onnx.ModelProto) -> int:
     """LayerNorms inside If/Loop/Scan bodies, which lnfold leaves alone."""
-    def count(graph, top: bool) -> int:
-        k = 0
-        for n in graph.node:
-            if not top and n.op_type in ("LayerNormalization", "SkipLayerNormalization"):
-                k += 1
-            for a in n.attribute:
-                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    k += count(sub, False)
-        return k
+    def norms(graph: onnx.GraphProto) -> int:  # nested ones included
+        return sum(n.op_type in ("LayerNormalization", "SkipLayerNormalization") for n in graph.node) \
+            + sum(norms(sub) for n in graph.node for sub in _subgraphs(n))
 
-    return count(model.graph, True)
+    return sum(norms(sub) for n in model.graph.node for sub in _subgraphs(n))
