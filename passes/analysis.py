@@ -128,13 +128,10 @@ class _ComponentBuilder:
         self._seen_sources: set[tuple] = set()
 
     def block(self, value: Optional[str], what: str, post_ln: bool = False) -> None:
-        subject = self._subject(value) if value is not None else "the stream"
-        self.comp.add_blocker(Blocker(value, subject, what, post_ln))
-
-    def _subject(self, value: str) -> str:
-        """A stream tensor, and the norm that makes it where one does (a Post-LN stream)."""
-        norm = self._norm_behind(value)
-        return f"`{value}`" if norm is None else f"`{value}` (from {norm.describe()})"
+        """A blocker on `value` (None: the stream), named with the norm that makes it where one does."""
+        norm = self._norm_behind(value) if value is not None else None
+        named = f"`{value}`" if norm is None else f"`{value}` (from {norm.describe()})"
+        self.comp.add_blocker(Blocker(value, "the stream" if value is None else named, what, post_ln))
 
     def _norm_behind(self, value: str) -> Optional[Node]:
         """The norm whose output `value` is, directly or through ops that only copy, cast,

@@ -1,5 +1,5 @@
-"""A residual stream cut into segments, one per block input (SliceGPT's per-block bases, issue 32;
-DESIGN §6b, "Slicing"): x_{l+1} = x_l + f(x_l) is computed as `x_l·Q_l · (Q_lᵀQ_{l+1}) + f(x_l)·Q_{l+1}`.
+"""A residual stream cut into segments, one per block input (SliceGPT's per-block bases, DESIGN §6b):
+x_{l+1} = x_l + f(x_l) is computed as `x_l·Q_l · (Q_lᵀQ_{l+1}) + f(x_l)·Q_{l+1}`.
 
 A tensor's *segment* is the group of norms (those reading one tensor share a basis) it reaches
 first, i.e. the one whose input reaches every other norm the tensor reaches. Segments may meet
@@ -49,17 +49,15 @@ def segments(view: View, comp: Component) -> Segments:
     out = Segments()
     head_of_input: dict[str, str] = {}  # norm input tensor -> the first norm reading it
     for n in comp.norms:
-        node = view.nodes[n]
-        x = node.norm_input
-        out.of_norm[n] = head_of_input.setdefault(x, n)
+        out.of_norm[n] = head_of_input.setdefault(view.nodes[n].norm_input, n)
     order = _topological(view, comp)
     if order is None:
         out.why = "its tensors do not form an acyclic graph"
         return out
     reach: dict[str, frozenset] = {}  # stream tensor -> the segments (heads) whose norms it reaches
     for value in reversed(order):
-        got = set(w for node, _ in _stream_edges(view, comp, value) for o in node.outputs if o in comp.axes
-                  for w in reach[o])
+        got = {w for node, _ in _stream_edges(view, comp, value) for o in node.outputs if o in comp.axes
+               for w in reach[o]}
         if value in head_of_input:
             got.add(head_of_input[value])
         reach[value] = frozenset(got)
