@@ -244,9 +244,9 @@ def _root_logger_kept():
         root.setLevel(level)
 
 
-def op_counts(model: onnx.ModelProto) -> Counter:
+def op_counts(model: onnx.ModelProto) -> dict:
     """Op kind -> count over the main graph and its branches."""
-    return Counter(n.op_type for _, g, _ in graphs(model) for n in g.node)
+    return dict(Counter(n.op_type for _, g, _ in graphs(model) for n in g.node))
 
 
 def measure(original: onnx.ModelProto, quantized: onnx.ModelProto, rows: Rows, original_file=None) -> dict:
@@ -332,7 +332,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
             if prepared.fold is not None:
                 prepared.fold.model = None
         return Quantized(prepared, quantized, prepared.fold, measure(model, quantized, m.rows, given) if measured
-                         else {}, dict(op_counts(quantized)), quantized.ByteSize())
+                         else {}, op_counts(quantized), quantized.ByteSize())
 
     trials: list[dict] = []
     if rotate == AUTO:
@@ -354,7 +354,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
     if m.all_calibration is not None:  # measured held out; the model written: calibrated on every row
         stage(progress, f"calibrating the model written on all {m.all_calibration.count} row(s)")
         q.quantized = run_quantizer(prepared.model, **{**scheme, "calibration": m.all_calibration})
-        q.ops, q.bytes = dict(op_counts(q.quantized)), q.quantized.ByteSize()
+        q.ops, q.bytes = op_counts(q.quantized), q.quantized.ByteSize()
         prepared.notes.append(f"the error was measured calibrated on {m.calibration.count} rows; the model written is "
                               f"calibrated on all {m.all_calibration.count}")
     report = report_of(
@@ -362,7 +362,7 @@ def quantize_model(model, *, weights: str = "int8", activations: Optional[str] =
         block_size=block_size if weights == "int4" else None, per_channel=per_channel, rotate=rotate, seed=seed,
         gamma_into_readers=prepared.gamma_into_readers, linear_layers=len(linear_layers(prepared.model)),
         basis_changes=basis_changes(prepared.model), parameters=float_parameters(prepared.model),
-        ops_before=dict(op_counts(prepared.model)), bytes_before=model.ByteSize(), error_inputs=m.described,
+        ops_before=op_counts(prepared.model), bytes_before=model.ByteSize(), error_inputs=m.described,
         notes=prepared.notes, seconds=time.perf_counter() - t0, trials=trials)
     stamp(q.quantized, METADATA_KEY, report.metadata())  # the model says what was done to it: not exact
     return QuantizeResult(report, model=q.quantized, fold=q.fold)
@@ -382,7 +382,7 @@ def _plain_trial(model: onnx.ModelProto, scheme: dict, m: Measured, given=None) 
         return {"candidate": label, "rotate": None, "plain": True,
                 "skipped": f"onnxruntime failed: {first_line(e)[:160]}"}
     before, after = op_counts(model), op_counts(quantized)
-    return {**trial(label, Quantized(None, quantized, None, errors, dict(after), quantized.ByteSize()),
+    return {**trial(label, Quantized(None, quantized, None, errors, after, quantized.ByteSize()),
                     rotate=None, plain=True),
             "changed_ops": {k: list(v) for k, v in changed_ops(before, after).items()}}
 

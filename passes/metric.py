@@ -90,15 +90,11 @@ class RunningError:
         n = ref.shape[0] if ref.ndim else 1
         flat_ref, flat_got = ref.reshape(n, -1), got.reshape(n, -1)
         k = flat_ref.shape[1]
+        step = max(1, SEGMENT // k)  # whole rows per segment, or one row cut in SEGMENT-value pieces
         try:
-            if k <= SEGMENT:
-                step = max(1, SEGMENT // k)
-                for i in range(0, n, step):
-                    self._segment(flat_ref[i:i + step], flat_got[i:i + step])
-            else:
-                for i in range(n):
-                    for j in range(0, k, SEGMENT):
-                        self._segment(flat_ref[i:i + 1, j:j + SEGMENT], flat_got[i:i + 1, j:j + SEGMENT])
+            for i in range(0, n, step):
+                for j in range(0, k, SEGMENT):
+                    self._segment(flat_ref[i:i + step, j:j + SEGMENT], flat_got[i:i + step, j:j + SEGMENT])
         except (TypeError, ValueError):
             self.why = f"a {got.dtype} candidate is no number"
             return
