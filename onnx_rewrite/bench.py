@@ -13,12 +13,17 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+import onnxruntime as ort
 from onnx import TensorProto
 
 from ..passes import LnfoldError
 from ..passes.pipeline import stage
 from ..passes.options import check_seconds, check_threads
+from .api import check_verify_args
 from .inputs import graph_inputs
+from .progress import reporting
+from .read import load
+from .verify import original_run
 from .timing import MARGIN, compare_repeats, describe_ratio, interleaved, ratio, summary
 
 # Ops whose kernels compute a norm, before (LayerNormalization) and after (the RMS forms) the fold.
@@ -32,8 +37,6 @@ PROFILE_SHARE = 0.25  # of the --seconds budget, for the two models' profiled ru
 def timing_session(path: Path, threads: int, profile_prefix: Optional[str] = None):
     """A CPU session with `threads` intra-op threads (0: onnxruntime's default) that do not spin
     between runs (a spinning pool of an idle session would steal the timed one's cores)."""
-    import onnxruntime as ort
-
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.log_severity_level = 3  # failures raise; its warnings are about its own graph optimizations
@@ -174,13 +177,6 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
               dims: Optional[dict] = None) -> int:
     """`lnfold bench`: both models must take the same inputs; they run on the user's (`inputs`,
     an .npz path) or on made-up ones (`dims` fixes symbolic sizes), as verification makes them."""
-    import onnxruntime as ort
-
-    from .api import check_verify_args
-    from .progress import reporting
-    from .read import load
-    from .verify import original_run
-
     started = time.perf_counter()  # (--seconds bounds the whole command from here)
     check_threads(threads)  # (the command line checked them as it read them: passes/options.py)
     check_seconds(seconds)
@@ -198,8 +194,7 @@ def run_bench(original: str, folded: str, *, threads: int = 1, seconds: float = 
     with reporting(Path(original)) as progress:  # a status line on a terminal, erased before the figures
         measured = measure(Path(original), Path(folded), feeds, threads=threads, seconds=seconds, started=started,
                            progress=progress)
-    for line in describe(measured):
-        print(line)
+    print("\n".join(describe(measured)))
     return 0
 
 
