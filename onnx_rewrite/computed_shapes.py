@@ -1,19 +1,11 @@
 """Shape vectors computed at run time, read as far as they can be read.
 
 Exporters compute a Reshape's or Expand's target (and Resize's sizes) from other tensors' shapes
-when a size is dynamic. TorchScript: `x.flatten(2)` is `Reshape(x, Concat(Slice(Shape(x), 0, 2),
-[-1]))`; `t.expand(B, -1, -1)` is `Expand(t, Where(Equal(s, -1), ones, s))` (-1 is no valid Expand
-entry); `F.interpolate(size=...)` is `Resize` with sizes `Concat(Slice(Shape(x), 0, 2), [h, w])`.
-
-`shape_entries` reads such a vector entry by entry: a known int, `SizeOf(t, a)` (entry a of
-`Shape(t)`, with its value where static), or None (unknown); through constants, Shape,
-Gather/Slice/Concat, Unsqueeze/Squeeze/Reshape/Cast/Identity, ConstantOfShape, integer arithmetic,
-Equal and Where. Whether a `SizeOf` follows a narrowed stream is passes/compress.follows_stream's call.
-
-`computed_axis_map` places a Reshape's axes where shape inference leaves the target symbolic: the
-axes of a prefix (or suffix) of the target that provably repeats the input's first (last) dims keep
-their place, row-major. "Provably dim k": `SizeOf(input, k)`, a 0 at position k (allowzero 0), or
-a number equal to the input's static dim k.
+when a size is dynamic: TorchScript's `x.flatten(2)` is `Reshape(x, Concat(Slice(Shape(x), 0, 2),
+[-1]))`. `shape_entries` reads such a vector entry by entry: a known int, `SizeOf(t, a)` (entry a of
+`Shape(t)`; whether it follows a narrowed stream is passes/compress.py's call), or None.
+`computed_axis_map` places a Reshape's axes where shape inference leaves the target symbolic: a
+prefix (or suffix) of the target that provably repeats the input's first (last) dims keeps its place.
 """
 from __future__ import annotations
 
@@ -34,7 +26,6 @@ _VECTOR_OPS = ("Cast", "Identity", "Unsqueeze", "Squeeze", "Reshape")  # a vecto
 
 
 def _known(e: Entry) -> Optional[int]:
-    """An entry's value where it is known."""
     return e.known if isinstance(e, SizeOf) else e
 
 
@@ -103,13 +94,13 @@ def _read(t, shape_of: ShapeOf, depth: int) -> Optional[list[Entry]]:
 
 
 def _slice(p: gs.Node, data: list[Entry]) -> Optional[list[Entry]]:
-    vals = [const_values(i) for i in (list(p.inputs) + [None] * 4)[1:5]]  # starts, ends, axes, steps
-    if vals[0] is None or vals[1] is None:
+    starts, ends, axes, steps = (const_values(i) for i in (list(p.inputs) + [None] * 4)[1:5])
+    if starts is None or ends is None:
         return None
-    if vals[2] is not None and [int(a) for a in np.asarray(vals[2]).reshape(-1)] not in ([0], [-1]):
+    if axes is not None and [int(a) for a in np.asarray(axes).reshape(-1)] not in ([0], [-1]):
         return None
-    step = 1 if vals[3] is None else int(np.asarray(vals[3]).reshape(-1)[0])
-    start, end = int(np.asarray(vals[0]).reshape(-1)[0]), int(np.asarray(vals[1]).reshape(-1)[0])
+    step = 1 if steps is None else int(np.asarray(steps).reshape(-1)[0])
+    start, end = int(np.asarray(starts).reshape(-1)[0]), int(np.asarray(ends).reshape(-1)[0])
     return data[slice(start, end, step)]
 
 
@@ -126,8 +117,7 @@ def _constant_of_shape(p: gs.Node, shape: list[Entry]) -> Optional[list[Entry]]:
 def _broadcast(f, a: list[Entry], b: list[Entry]) -> Optional[list[Entry]]:
     if len(a) != len(b) and 1 not in (len(a), len(b)):
         return None
-    n = max(len(a), len(b))
-    return [f(a[k % len(a)], b[k % len(b)]) for k in range(n)]
+    return [f(a[k % len(a)], b[k % len(b)]) for k in range(max(len(a), len(b)))]
 
 
 def _plain(e: Entry) -> bool:
@@ -175,9 +165,8 @@ _CARRIERS = ("Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "Cast", "Ident
 def read_axes(shape: gs.Node, shape_of: ShapeOf, outputs: frozenset) -> tuple[Optional[set[int]], set[int]]:
     """(the axes of `Shape(x)`'s input whose sizes the graph uses other than as an op's output size
     or in a sign test (torch's Equal(s, -1)), None where not known; the axes whose sizes it uses as
-    an op's output size: a Reshape's or Expand's target, Resize's sizes, where `shape_entries` makes
-    them a `SizeOf` the analysis judges). Followed forward through the ops that carry entries
-    unchanged (`outputs`: the graph's output names)."""
+    an op's output size, which the analysis judges as `SizeOf`s), followed forward through the ops
+    that carry entries unchanged. `outputs`: the graph's output names."""
     x = shape.inputs[0].name
     held = shape_entries(shape.outputs[0], shape_of)
     if held is None:
