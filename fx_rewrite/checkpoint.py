@@ -153,15 +153,11 @@ def stored_names(model: torch.nn.Module, ck: Checkpoint) -> dict[str, str]:
 def _finder(model: torch.nn.Module, ck: Checkpoint):
     """name -> the checkpoint's name of the model's tensor `name`, or None (stored_names)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
-    renamed = {loaded_name(model, k): k for k in ck.where}  # (GPT-NeoX's file says embed_out, the model lm_head)
+    # a stored name first, then one transformers renames on loading (GPT-NeoX's embed_out is lm_head)
+    known = {**{loaded_name(model, k): k for k in ck.where}, **{k: k for k in ck.where}}
 
     def find(name: str) -> Optional[str]:
-        for cand in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
-            if cand in ck.where:
-                return cand
-            if cand in renamed:
-                return renamed[cand]
-        return None
+        return next((known[c] for c in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}") if c in known), None)
 
     return find
 

@@ -37,15 +37,15 @@ class Streamed:
         self.pool = _Pool()  # (the memory of the parameters each module loads and drops)
         self.model = skeleton(ck.config)
         self.stored = stored_names(self.model, ck)
-        self.stored_dtype = self._stored_dtype()
+        counts = Counter(e.dtype for h in ck.shards.values() for e in h.entries.values()
+                         if e.dtype in ("F16", "BF16", "F32", "F64"))
+        self.stored_dtype = DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
         run = dtype or self.stored_dtype
         holder = torch.empty(0, dtype=run)  # what a parameter is between its module's runs: cpu, the run's dtype
         for name, b in list(self.model.named_buffers()):
             owner, _, attr = name.rpartition(".")
-            mod = self.model.get_submodule(owner)
-            value = self._load(name, pooled=False) if name in self.stored else \
-                (b.to(run) if b.is_floating_point() else b)
-            mod._buffers[attr] = value
+            value = self._load(name, pooled=False) if name in self.stored else b.to(run) if b.is_floating_point() else b
+            self.model.get_submodule(owner)._buffers[attr] = value
         self.hooks = []
         for path, mod in self.model.named_modules():
             own = [k for k, p in mod._parameters.items() if p is not None]
@@ -61,11 +61,6 @@ class Streamed:
                 mod.forward = self._row_lookup(path)
             else:
                 self._load_around(path, mod, own, holder)
-
-    def _stored_dtype(self) -> torch.dtype:
-        counts = Counter(e.dtype for h in self.ck.shards.values() for e in h.entries.values()
-                         if e.dtype in ("F16", "BF16", "F32", "F64"))
-        return DTYPES[counts.most_common(1)[0][0]] if counts else torch.float32
 
     def _entry(self, name: str):
         key = self.stored.get(name)

@@ -292,12 +292,9 @@ def _hf_models(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost transformers models in `root` (name prefix with its dot, model)."""
     out: list[tuple[str, nn.Module]] = []
     for name, m in root.named_modules():
-        cfg = getattr(m, "config", None)
-        if cfg is None or not hasattr(cfg, "to_dict") or not hasattr(m, "save_pretrained"):
-            continue
-        if any(name.startswith(p) or p == "" for p, _ in out):
-            continue
-        out.append((f"{name}." if name else "", m))
+        hf = hasattr(getattr(m, "config", None), "to_dict") and hasattr(m, "save_pretrained")
+        if hf and not any(name.startswith(p) for p, _ in out):  # (the root's prefix "" starts every name)
+            out.append((f"{name}." if name else "", m))
     return out
 
 
