@@ -1,11 +1,9 @@
 """Weights stored as integers (weight-only int8/uint8/int4 files, onnxruntime's quantizers).
 
-Such a file computes each float weight at run time from an integer constant: `Cast -> Mul(scale)`,
-`DequantizeLinear`, `MatMulInteger -> Cast`, or one of onnxruntime's fused ops. No constant edit
-can center that weight: centering the integers themselves leaves most rows non-zero-mean after
-rounding and wraps values past the type's range (a centered 128.9 stored as -128). The view names
-the node that turns the integers into floats `dequantized(stored)` (passes/rules.py): opaque, the
-storage named, so the analysis recenters the stream there or keeps its norms saying why.
+Such a file computes each float weight at run time from an integer constant (`Cast -> Mul(scale)`,
+`DequantizeLinear`, onnxruntime's fused ops). No constant edit can center that weight: centered
+integers are non-zero-mean again after rounding and wrap past the type's range. The node that turns
+them into floats is `dequantized(stored)` (passes/rules.py), opaque, the storage named.
 """
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Protobuf wire format by hand, for the one message too big to serialize in memory.
 
-`onnx_rewrite/write.py` writes a model with big initializers as its serialized head followed by
-one `graph { initializer { ... } }` field per big initializer, whose raw data it streams: parsers
-merge repeated occurrences of an embedded message (protobuf's rule; onnx and onnxruntime read
-the same model).
+write.py writes a model with big initializers as its serialized head followed by one
+`graph { initializer { ... } }` field per big initializer, whose raw data it streams: protobuf's
+parsers merge repeated occurrences of an embedded message.
 """
 from __future__ import annotations
 
@@ -42,12 +41,11 @@ def copy_fields(src, dst, skip: set[str]) -> None:
         if fd.name in skip:
             continue
         repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED  # (protobuf < 6)
-        if not (len(getattr(src, fd.name)) if repeated else src.HasField(fd.name)):
-            continue
-        value = getattr(src, fd.name)
         if repeated:
-            getattr(dst, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
+            getattr(dst, fd.name).extend(getattr(src, fd.name))
+        elif src.HasField(fd.name):
+            value = getattr(src, fd.name)
+            if fd.message_type is not None:
+                getattr(dst, fd.name).CopyFrom(value)
+            else:
+                setattr(dst, fd.name, value)
