@@ -30,10 +30,7 @@ def padding_mask(model: onnx.ModelProto, feeds: dict) -> Optional[tuple[str, np.
             if name:
                 consumers.setdefault(name, []).append((n, i))
     for inp in model.graph.input:
-        value = feeds.get(inp.name)
-        if value is None:
-            continue
-        value = np.asarray(value)
+        value = np.asarray(feeds.get(inp.name))  # (an input not fed: 0-D, skipped)
         if value.ndim != 2 or value.size == 0 or not np.isin(value, (0, 1)).all() or value.all():
             continue
         if _moves_scores(inp.name, consumers):
