@@ -69,14 +69,12 @@ RUN_OUTPUT_BYTES = 64 * 2**20
 
 @dataclass(frozen=True)
 class Rows:
-    """Calibration rows: the user's arrays by input name, rows along the first axis, and the batch
-    the model takes. A model whose export fixed its batch at b (Whisper's encoder as Optimum exports
-    it: [1, 80, 3000]) is fed b rows per run; where the batch is free, at most RUN_ROWS per run.
-    `dropped`: rows after the last whole batch, left out (and said: `describe`). `pieces`: rows
-    that share no shape (a folder of .npz files: sequences of different lengths, which padding
-    would change), each its own feeds, fed one piece at a time; `feeds` is then empty. `unbatched`:
-    inputs with no batch axis (Optimum's merged decoder's `use_cache_branch`, a bool of shape [1]),
-    fed whole with every run."""
+    """Calibration rows: the user's arrays by input name, rows along the first axis, fed in the
+    model's batch: b rows per run where its export fixed b (Whisper's encoder: [1, 80, 3000]), else
+    at most RUN_ROWS. `dropped`: rows after the last whole batch, left out (and said). `pieces`: rows
+    that share no shape (sequences of different lengths, which padding would change), fed one piece
+    at a time; `feeds` is then empty. `unbatched`: inputs with no batch axis (a merged decoder's
+    `use_cache_branch`), fed whole with every run."""
 
     feeds: dict
     batch: Optional[int] = None
@@ -183,10 +181,9 @@ class Folds(Protocol):
         """The view and the plan of `opts` (viewed once; nothing applied)."""
 
     def fold(self, planner: Planner, opts: FoldOptions, *, final: bool = False, **decided) -> FoldResult:
-        """`pipeline.fold` of a fresh frontend over the analysed IR, `decided` (what a calibrated
-        decision adds to the request: passes/request.request_from's `approx`, `bases`,
-        `center_embeddings`, `capture`) in its request (`final`: the result the user gets, written where they
-        asked; unverified tries are silent)."""
+        """`pipeline.fold` of a fresh frontend over the analysed IR, with `decided` (what a calibrated
+        decision adds: passes/request.request_from's keywords) in its request. `final`: the result the
+        user gets, written where they asked (unverified tries are silent)."""
 
     def artifact(self, result: FoldResult) -> Any:
         """What `frontend.run` / `frontend.capture` take for a fold (ONNX: the model as written)."""

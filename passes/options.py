@@ -71,7 +71,7 @@ class Option:
     boolean whose default is True is the flag --no-name), `type`, `default`, `help`, the `choices`
     it takes (None allowed where the default is None), a `check` (value -> value, or a one-line
     LnfoldError) and the values a search may try (`search`: Olive's search space, where one makes
-    sense). `cli_default`: the flag's default where the command line's differs."""
+    sense)."""
 
     name: str
     type: type
