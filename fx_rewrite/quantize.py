@@ -107,14 +107,13 @@ def as_linear_modules(gm: fx.GraphModule) -> dict[str, str]:
             continue
         if node.target == _ATEN.linear.default:
             x, w, b = (tuple(node.args) + (None,))[:3]
-            weight = _constant(gm, w)
         elif node.target == _ATEN.addmm.default and len(node.args) == 3:
             b, x, w = node.args
-            weight = _constant(gm, w)
-            weight = weight.t() if weight is not None and weight.ndim == 2 else None
         else:
             continue
-        bias = _constant(gm, b) if b is not None else None
+        weight, bias = _constant(gm, w), _constant(gm, b)
+        if node.target == _ATEN.addmm.default and weight is not None and weight.ndim == 2:
+            weight = weight.t()
         if weight is None or weight.ndim != 2 or (b is not None and (bias is None or bias.ndim != 1)):
             continue
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
