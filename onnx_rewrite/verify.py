@@ -324,8 +324,8 @@ def check_against(ref: Reference, folded: Union[ModelLike, Source]) -> gate.Verd
             judged = [(replace(verdict, failure=f"{verdict.failure}{on}"), mask_note)]
             break
         judged.append((verdict, mask_note))
-    verdict, mask_note = max(judged, key=lambda vm: (not vm[0].ok, vm[0].folded_err if vm[0].folded_err is not None
-                                                     else vm[0].diff))
+    # (a failed run ends the loop alone: the worst of the rest is by error)
+    verdict, mask_note = max(judged, key=lambda vm: vm[0].diff if vm[0].folded_err is None else vm[0].folded_err)
     if runner.sess is None:
         erfc = "; tf2onnx writes Erfc, which is not an ONNX op: computed as math.erfc" \
             if any(n.op_type == "Erfc" and n.domain in ("", "ai.onnx") for n in original.skeleton.graph.node) else ""
