@@ -1,7 +1,6 @@
-"""Feature-axis maps that both frontends need: where an axis lands after a reshape.
+"""Where a feature axis lands after a reshape, for both frontends.
 
-Shapes are tuples with, per dim, an int, a string (a symbolic size) or None (unknown); a shape
-of None means the rank is unknown too.
+Shapes are tuples of ints, strings (symbolic sizes) or None (unknown); a shape of None: rank unknown too.
 """
 from __future__ import annotations
 
@@ -26,65 +25,26 @@ def _axes_before(dst: tuple, tail_size: int):
 
 
 def reshape_axis(src: Shape, dst: Shape, axis: int) -> Optional[int]:
-    """The axis of `dst` that holds `src`'s axis whole after a reshape, or None.
-
-    The feature axis survives a reshape when the dims after it keep their product and it keeps
-    its size (GPT-2's [B,T,D] -> [B*T,D]; ViT's [B,D,h,w] -> [B,D,h*w]).
-    """
+    """The axis of `dst` that holds `src`'s axis whole after a reshape, or None: one that keeps
+    its size and the product of the dims after it (GPT-2's [B,T,D] -> [B*T,D])."""
     if src is None or dst is None or not 0 <= axis < len(src):
         return None
     size = src[axis]
     tail = src[axis + 1:]
     if not isinstance(size, int):
         return None
-    # The same dims up to and including the axis (symbols too: a ViT's [B,D,h,w] -> [B,D,h*w]
-    # with h, w dynamic): the dims after it hold the rest of the same elements.
+    # the same dims up to and including the axis, symbols too (ViT's [B,D,h,w] -> [B,D,h*w], h, w dynamic)
     head = src[:axis + 1]
     if len(dst) > axis and all(d is not None for d in head) and tuple(dst[:axis + 1]) == tuple(head):
         return axis
     if not _static(tail):
         return None
     tail_prod = prod(tail)
-    # Same size and same product of the dims after it: in row-major order the axis holds the
-    # same elements, whatever happens to the dims before it.
+    # row-major, the dims before it may change as they like
     for j in range(len(dst) - 1, -1, -1):
         if dst[j] == size and _static(dst[j + 1:]) and prod(dst[j + 1:]) == tail_prod:
             return j
     return None
-
-
-def broadcast_rules(ranks: list, out_rank: Optional[int], const: list[bool], data: list[int]) -> dict:
-    """`transfer`/`backward` for an elementwise op with numpy broadcasting (Add, Sub, Expand)
-    where every input listed in `data` carries the stream (`ranks[i]` None: rank unknown)."""
-
-    def transfer(i, b):
-        if out_rank is None or i not in data or ranks[i] is None:
-            return None
-        return [(0, b + out_rank - ranks[i])]
-
-    def backward(o, a):
-        if o != 0 or out_rank is None:
-            return None
-        got = []
-        for i in data:
-            if ranks[i] is None:
-                return None
-            b = a - (out_rank - ranks[i])
-            if b < 0:  # broadcast along the feature axis: a per-row shift, zero once centered
-                if not const[i]:
-                    return None
-                b = None
-            got.append((i, b))
-        return got
-
-    return dict(transfer=transfer, backward=backward)
-
-
-def permute_rules(perm: list[int], data: int = 0) -> dict:
-    """`transfer`/`backward` for a transpose/permute of input `data` by `perm` (a None entry: an
-    output axis that holds no input axis whole)."""
-    return dict(transfer=lambda i, b: [(0, perm.index(b))] if i == data and b in perm else None,
-                backward=lambda o, a: [(data, perm[a])] if o == 0 and a < len(perm) and perm[a] is not None else None)
 
 
 def same_axes_rules(data: list[int], outs: list[int], excluded: Optional[set]) -> dict:
@@ -104,13 +64,10 @@ def same_axes_rules(data: list[int], outs: list[int], excluded: Optional[set]) -
 
 def reshape_block_axis(src: Shape, dst: Shape, axis: int, block: Optional[int]) -> Optional[tuple[int, int]]:
     """(axis of `dst`, block) that holds `src`'s runs of `block` entries along `axis` (None: the
-    whole axis) after a reshape that splits or merges that axis, or None.
-
-    Row-major, with static dims after the axis of product t, a run is the entries
-    p*block*t + e*t + r for e < block; in `dst` those are the runs of `block` along the axis j
-    whose later dims also multiply to t, provided block divides dst[j] (a split (H*hd) -> (H, hd)
-    gives j = the hd axis, block hd: the whole axis; a merge (H, hd) -> (H*hd) gives blocks of hd).
-    """
+    whole axis) after a reshape that splits or merges that axis, or None. Row-major, with static
+    dims after the axis of product t, a run is the entries p*block*t + e*t + r for e < block: the
+    runs of `block` along the axis j of `dst` whose later dims also multiply to t, where block
+    divides dst[j] ((H*hd) -> (H, hd): the whole hd axis; (H, hd) -> (H*hd): blocks of hd)."""
     if src is None or dst is None or not 0 <= axis < len(src):
         return None
     size, tail = src[axis], src[axis + 1:]
@@ -124,14 +81,11 @@ def reshape_block_axis(src: Shape, dst: Shape, axis: int, block: Optional[int]) 
 def split_periodic_runs(src: Shape, dst: Shape, axis: int, size: int, lo: int, stride: int) -> Optional[tuple[int, int, int]]:
     """(feature axis j of `dst`, row axis j - 1, row index) after a reshape that splits `src`'s
     `axis` so that its runs of `size` entries every `stride` from `lo` fill axis j whole, at one
-    index of axis j - 1, or None. Persimmon: (B, T, H·3·hd) -> (B, T, H, 3, hd) holds q's runs
-    (hd entries every 3·hd, from 0) as axis 4 whole at index 0 of axis 3.
-
-    Row-major, with static dims after `axis` of product t, entry e of the axis sits at
-    (e // size) % (stride // size) along j - 1 and e % size along j when dst[j] = size,
-    dst[j - 1] = stride // size and the dims after j multiply to t (the axis' size a multiple
-    of `stride`, so that the entries before it do not shift that phase).
-    """
+    index of axis j - 1, or None (Persimmon: (B, T, H·3·hd) -> (B, T, H, 3, hd), q at index 0).
+    Row-major, with static dims after `axis` of product t, entry e sits at (e // size) %
+    (stride // size) along j - 1 and e % size along j when dst[j] = size, dst[j - 1] = stride //
+    size and the dims after j multiply to t (the axis' size a multiple of `stride`, so that the
+    entries before it do not shift that phase)."""
     if src is None or dst is None or not 0 <= axis < len(src) or stride % size or lo % size or lo + size > stride:
         return None
     n, tail = src[axis], src[axis + 1:]
@@ -142,10 +96,8 @@ def split_periodic_runs(src: Shape, dst: Shape, axis: int, size: int, lo: int, s
 
 
 def merge_row_runs(src: Shape, dst: Shape, axis: int, row: int, index: int) -> Optional[tuple[int, int, int]]:
-    """(axis j of `dst`, lo, stride): where `src`'s `axis` (whole, only at `index` of the axis
-    `row` just before it) lands after a reshape that merges those two axes into a wider one:
-    runs of src[axis] entries every src[row]·src[axis] from index·src[axis]; or None (the
-    inverse of `split_periodic_runs`)."""
+    """(axis j of `dst`, lo, stride): where `src`'s `axis`, at `index` of the axis `row` just
+    before it, lands after a reshape that merges the two (the inverse of `split_periodic_runs`)."""
     if src is None or dst is None or row != axis - 1 or not 0 < axis < len(src):
         return None
     size, k, tail = src[axis], src[row], src[axis + 1:]
@@ -211,18 +163,15 @@ def _quotient(num, den) -> Optional[tuple[int, tuple]]:
 
 def regroup_factor(src: Shape, dst: Shape, axis: int, size: int, spacing) -> Optional[tuple[int, Optional[tuple]]]:
     """(axis k of `dst`, spacing) that holds `src`'s feature entries after a reshape, where along
-    `src`'s `axis` the feature index is (e // spacing) % size (spacing 1 and size src[axis]: the
-    axis itself); spacing None in the answer: dst[k] is the feature axis, whole again. A spacing
-    is a product (`_product`'s (coefficient, symbolic factors); an int for a plain one): with
-    dynamic image sizes MobileViT's nph is `s53//2`.
+    `src`'s `axis` the feature index is (e // spacing) % size (spacing 1, size src[axis]: the axis
+    itself); spacing None in the answer: dst[k] is the feature axis, whole again. A spacing is a
+    `_product` (an int for a plain one: with dynamic image sizes MobileViT's nph is `s53//2`).
 
-    Row-major order keeps the number of entries before a feature group: O = the product of the
-    dims before `axis` times src[axis] / (size·spacing). The features are then at dst axis k where
-    the dims before k multiply to O and dst[k] = size, or inside dst axis k where those multiply
-    to a divisor of O and dst[k] = (O / them)·size·s' for a whole s' (MobileViT: (B, C, H, W) ->
-    (B·C·nph, ph, npw, pw) has O = B and s' = nph). Equal element counts on both sides (a reshape
-    that runs) put each feature group at the same flat stride numel / (O·size) in both.
-    """
+    Row-major order keeps the number of entries before a feature group, O = the product of the
+    dims before `axis` times src[axis] / (size·spacing): the features are at dst axis k where the
+    dims before k multiply to O and dst[k] = size, or inside it where those multiply to a divisor
+    of O and dst[k] = (O / them)·size·s' for a whole s' (MobileViT: (B, C, H, W) -> (B·C·nph, ph,
+    npw, pw) has O = B and s' = nph); equal element counts put each group at the same flat stride."""
     spacing = (spacing, ()) if isinstance(spacing, int) else spacing
     if src is None or dst is None or not 0 <= axis < len(src) or size < 2 or spacing[0] < 1:
         return None

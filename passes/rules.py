@@ -70,8 +70,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from .axes import (broadcast_rules, merge_row_runs, permute_rules, regroup_factor, reshape_axis, reshape_block_axis,
-                   same_axes_rules, split_periodic_runs)
+from .axes import (merge_row_runs, regroup_factor, reshape_axis, reshape_block_axis, same_axes_rules,
+                   split_periodic_runs)
 from .guards import is_overflow_guard
 from .view import (Answers, ChannelScale, ConstRef, DimRef, FeatureRuns, LinearRead, Node, NormSpec, SizeOf, View,
                    no_answer)
@@ -259,9 +259,22 @@ def _elementwise(view, node, data=0, op="identity"):
 
 
 def _broadcast(view, node, data, minus=(), sizes=None, slot=None, fixed=False):
-    n = len(node.inputs)
-    out = broadcast_rules([_rank(view, node, i) for i in range(n)], _out_rank(view, node),
-                          [_is_const(view, node, i) for i in range(n)], list(data))
+    R, n = _out_rank(view, node), len(node.inputs)
+    ranks, const = [_rank(view, node, i) for i in range(n)], [_is_const(view, node, i) for i in range(n)]
+
+    def transfer(i, b):
+        return None if R is None or i not in data or ranks[i] is None else [(0, b + R - ranks[i])]
+
+    def backward(o, a):
+        if o != 0 or R is None or any(ranks[i] is None for i in data):
+            return None
+        got = [(i, a - (R - ranks[i])) for i in data]
+        if any(b < 0 and not const[i] for i, b in got):
+            return None
+        # broadcast along the feature axis: a constant's per-row shift, zero once centered
+        return [(i, None if b < 0 else b) for i, b in got]
+
+    out = dict(transfer=transfer, backward=backward)
     if len(data) == 1 and not minus:  # expand: copies rows
         out.update(layout=True, width_refs=_width_refs(view, node, sizes, slot, fixed, expand_of=data[0]))
     return out
@@ -414,12 +427,14 @@ def _reshape(view, node, data=0, axis_map=None, sizes=None, slot=None, fixed=Fal
 
 
 def _permute(view, node, perm, data=0):
+    """A None entry of `perm`: an output axis that holds no input axis whole."""
     perm = list(perm)
-    got = permute_rules(perm, data)
     to_out = lambda k, r: perm.index(r) if r in perm else None  # noqa: E731
     to_in = lambda k, r: perm[r] if r < len(perm) else None  # noqa: E731
-    return dict(got, layout=True, transfer_block=_carry_block(got["transfer"], to_out),
-                backward_block=_carry_block(got["backward"], to_in))
+    transfer = lambda i, b: [(0, to_out(i, b))] if i == data and b in perm else None  # noqa: E731
+    backward = lambda o, a: [(data, perm[a])] if o == 0 and to_in(o, a) is not None else None  # noqa: E731
+    return dict(transfer=transfer, backward=backward, layout=True, transfer_block=_carry_block(transfer, to_out),
+                backward_block=_carry_block(backward, to_in))
 
 
 def _along(view, node, data, outs=(0,), axes=None, starts=None, partition=False):
