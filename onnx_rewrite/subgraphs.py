@@ -81,11 +81,10 @@ def inline_branches(model: onnx.ModelProto, graph: gs.Graph, view: View, opset: 
     types = {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
     if any(o not in types for n in g.node if n.op_type != "If" for o in n.output):
         types = {**infer_types(model), **types}  # main-graph tensors the branches read need types
-    protos = list(g.node)
     scopes: list[Scope] = []
     seen = {n.name for n in graph.nodes}  # node names unique across the main graph and all branches
     for k, node in ifs:
-        proto = protos[k]  # graphsurgeon keeps the node order of the proto
+        proto = g.node[k]  # graphsurgeon keeps the node order of the proto
         _drop_captured(view, node)
         for attr in ("then_branch", "else_branch"):
             branch = node.attrs.get(attr)
@@ -152,10 +151,7 @@ def apply(plan: Plan, main_emitter, matches: dict, scopes: list[Scope], make_emi
         em._names = names  # one namespace: new tensors are hoisted to the main graph on export
 
     def where(scoped_name: str):
-        for sc, em in emitters[1:]:
-            if sc.owns(scoped_name):
-                return sc, em
-        return None, main_emitter
+        return next(((sc, em) for sc, em in emitters[1:] if sc.owns(scoped_name)), (None, main_emitter))
 
     tensors = dict(main_emitter.info.tensors)
     for sc, _ in emitters[1:]:

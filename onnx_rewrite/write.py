@@ -34,20 +34,6 @@ def _external_bytes(t: onnx.TensorProto) -> int:
     return int(external_info(t).get("length", 0) or 0)
 
 
-def tensor_bytes(model: onnx.ModelProto) -> int:
-    """Bytes of tensor data in `model`: inline (raw or typed fields) and in external files."""
-    total = 0
-    for t in all_tensors(model):
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            total += _external_bytes(t)
-        elif t.HasField("raw_data"):
-            total += raw_bytes(t)
-        else:
-            total += 8 * (len(t.float_data) + len(t.int32_data) + len(t.int64_data) + len(t.double_data)
-                          + len(t.uint64_data)) + sum(len(b) for b in t.string_data)
-    return total
-
-
 @dataclass(frozen=True)
 class DataLayout:
     """Where a model keeps its weights beside it: the data file's name (relative to the model's
@@ -77,12 +63,19 @@ def data_layout(model: onnx.ModelProto, src: Path, dst: Path) -> "DataLayout | N
 def is_large(model: onnx.ModelProto) -> bool:
     """Would `model`, with every tensor inline, pass protobuf's 2 GiB limit? Decided from the tensors'
     byte counts but in the band where the rest could matter: ByteSize serializes the whole message."""
-    data = tensor_bytes(model)
-    if data >= _PROTO_LIMIT:
+    inline = external = 0
+    for t in all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            external += _external_bytes(t)
+        elif t.HasField("raw_data"):
+            inline += raw_bytes(t)
+        else:
+            inline += 8 * (len(t.float_data) + len(t.int32_data) + len(t.int64_data) + len(t.double_data)
+                           + len(t.uint64_data)) + sum(len(b) for b in t.string_data)
+    if inline + external >= _PROTO_LIMIT:
         return True
-    if data < _PROTO_LIMIT // 2:
+    if inline + external < _PROTO_LIMIT // 2:
         return False
-    external = sum(_external_bytes(t) for t in all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL)
     return model.ByteSize() + external > _PROTO_LIMIT
 
 
@@ -235,19 +228,11 @@ def _copy_range(src: int, dst: int, src_off: int, dst_off: int, length: int, nam
 
 def _publish(old: Path, model_file: Path, dst: Path, data_dst: Path | None) -> None:
     """Move the checked files (`model_file` and, unless `data_dst` is None, the data file beside it)
-    into place as one unit, crash-consistently.
-
-    1. Both files are fsynced where they are (a rename must not publish a name without its bytes).
-    2. A model already at `dst` is moved into `old` (the staging folder) first, and the output
-       folder fsynced: from here until step 4 there is no model at `dst`.
-    3. A data file at `data_dst` is moved into `old`, the new one renamed into place.
-    4. The new model is renamed into place; the output folder is fsynced.
-
-    A kill at any point leaves the old pair, no model (beside the old or the new weights, which
-    nothing reads), or the new pair: never a model beside another fold's weights. An error or an
-    interrupt before step 4 puts back the old data file and the old model. Without a data file
-    the model's rename alone replaces the old one (an earlier output's data file stays; the new
-    model does not read it).
+    into place as one unit, crash-consistently: both fsynced first; a model at `dst` moved into `old`
+    (the staging folder) and the folder fsynced, so there is no model at `dst` until the new data
+    file and then the new model are renamed into place. A kill at any point leaves the old pair, no
+    model, or the new pair, never a model beside another fold's weights; an error or an interrupt
+    puts the old pair back. Without a data file the model's rename alone replaces the old one.
     """
     fsync_file(model_file)
     if data_dst is None:
