@@ -41,13 +41,16 @@ HEAP_MMAP_BYTES = SLICE_BYTES // 64  # glibc: every allocation from this size up
 
 # --- the C heap ----------------------------------------------------------------------------------------------
 
-def _glibc():
+def _glibc(function: str, *args) -> None:
+    """glibc's `function(*args)`; nothing on another C library."""
     if platform.libc_ver()[0] != "glibc":
-        return None
+        return
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:  # pragma: no cover
-        return None
+        return
+    if hasattr(libc, function):
+        getattr(libc, function)(*args)
 
 
 def heap_returns_memory() -> None:
@@ -56,18 +59,14 @@ def heap_returns_memory() -> None:
     default glibc raises that threshold up to 32 MB as mappings are freed, so the fold's 1-32 MB
     arrays stay in the threads' heaps, fragmented, under verification's float64 run (a 0.37 B
     GPT-NeoX: 525 MiB over the import baseline, 355 MiB with this; benchmarks/RESULTS.md)."""
-    libc = _glibc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, HEAP_MMAP_BYTES)  # M_MMAP_THRESHOLD (which also fixes M_TRIM_THRESHOLD at 128 KB)
+    _glibc("mallopt", -3, HEAP_MMAP_BYTES)  # M_MMAP_THRESHOLD (which also fixes M_TRIM_THRESHOLD at 128 KB)
 
 
 def release_heap() -> None:
     """Give back the memory one stage freed before the next one runs: Python's cycles, then the
     free pages of glibc's heaps (malloc_trim)."""
     gc.collect()
-    libc = _glibc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    _glibc("malloc_trim", 0)
 
 
 # --- streaming the edits -------------------------------------------------------------------------------------
