@@ -301,10 +301,9 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
     def run(**fold_options):
         return fold_module(module, args, kwargs, seed=seed, verify=verify, dynamic=dynamic, **fold_options)
 
-    folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                gamma_in_float=gamma_in_float, spare_channels=spare_channels,
-                                online_hadamard=online_hadamard)
-    result, notes = folded.result, folded.notes
+    result, moved, notes = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
+                                              gamma_in_float=gamma_in_float, spare_channels=spare_channels,
+                                              online_hadamard=online_hadamard)
     gm = result.module if result is not None else None
     if gm is None:
         gm = program_view(export(module, args, kwargs, dynamic=dynamic))[0]
@@ -312,7 +311,7 @@ def _prepare(module, args: tuple, kwargs: dict, *, fold: bool = True, rotate: Op
     layers = as_linear_modules(gm)
     if not layers:
         raise LnfoldError("no linear layer to quantize (no aten.linear or aten.addmm with a constant 2-D weight)")
-    prepared = Prepared(gm, result, notes, folded.gamma_into_readers, layers)
+    prepared = Prepared(gm, result, notes, moved, layers)
     if verify:
         _verify(module, args, kwargs, prepared)
     return prepared

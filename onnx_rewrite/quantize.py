@@ -91,10 +91,9 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     def run(**options):  # (verified below, with the Gemm rewrite: what the quantizer gets)
         return fold_model(model, target="ort", inputs=inputs, dims=dims, seed=seed, verify=False, **options)
 
-    folded = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
-                                gamma_in_float=gamma_in_float, spare_channels=spare_channels,
-                                online_hadamard=online_hadamard)
-    result, notes = folded.result, folded.notes
+    result, moved, notes = fold_for_quantizer(run, fold=fold, rotate=rotate, gamma_into_readers=gamma_into_readers,
+                                              gamma_in_float=gamma_in_float, spare_channels=spare_channels,
+                                              online_hadamard=online_hadamard)
     # the fold's own model (made for this call) is edited in place: the fold result then holds the
     # model handed to the quantizer, which its verdict is about, and no second copy of a big model
     # is alive beside it; the model as given is never edited (it is the error's reference)
@@ -114,7 +113,7 @@ def prepare(model: onnx.ModelProto, *, fold: bool = True, rotate: Optional[str] 
     if inside:
         notes.append("linear layers inside branches, each quantized there: " + ", ".join(
             f"{n} in {where}" for where, n in inside.items()) + " (a weight the branches share stays one initializer)")
-    prepared = Prepared(work, result, notes, folded.gamma_into_readers, resolved + rewritten)
+    prepared = Prepared(work, result, notes, moved, resolved + rewritten)
     if verify:
         check_exact_steps(model, prepared, inputs, dims)
     return prepared

@@ -131,44 +131,36 @@ def rotation_summary(fold: Optional[FoldResult]) -> Optional[str]:
     return "; ".join(said) or None
 
 
-@dataclass
-class Folded:
-    """What `fold_for_quantizer` made: the fold (None: nothing folded), whether γ moved into the
-    readers' weights, notes."""
-
-    result: Optional[FoldResult]
-    gamma_into_readers: bool
-    notes: list
-
-
 def fold_for_quantizer(run: Callable[..., FoldResult], *, fold: bool = True, rotate: Optional[str] = None,
                        gamma_into_readers: Optional[bool] = None, gamma_in_float: bool = False,
-                       spare_channels: Optional[tuple] = None, online_hadamard: bool = False) -> Folded:
+                       spare_channels: Optional[tuple] = None,
+                       online_hadamard: bool = False) -> tuple[Optional[FoldResult], bool, list]:
     """The exact step in front of a quantizer, for both adapters: `run(**fold options)` is the
-    frontend's fold. γ moves with a rotation by default; a rotation that rotates no stream is folded
-    again with γ left in the norms unless asked for (γ moved alone makes weight quantization worse).
-    A model with nothing to fold goes to the quantizer as given (said in a note) unless a rotation or
-    γ's move was asked for."""
+    frontend's fold. Returns (the fold or None, whether γ moved into the readers' weights, notes).
+    γ moves with a rotation by default; a rotation that rotates no stream is folded again with γ left
+    in the norms unless asked for (γ moved alone makes weight quantization worse). A model with
+    nothing to fold goes to the quantizer as given (said in a note) unless a rotation or γ's move
+    was asked for."""
     gamma = bool(rotate) if gamma_into_readers is None else gamma_into_readers
     if rotate and not gamma:
         raise LnfoldError("a rotation needs the norms' weights in their readers (gamma_into_readers=True)")
     if not fold and (rotate or gamma or online_hadamard):
         raise LnfoldError(FOLD_ONLY)
     if not fold:
-        return Folded(None, False, [])
+        return None, False, []
     try:
         result = run(gamma_into_readers=gamma, rotate=rotate, gamma_in_float=gamma_in_float,
                      spare_channels=spare_channels, online_hadamard=online_hadamard)
     except NothingToFold as e:
         if rotate or gamma or online_hadamard:
             raise LnfoldError(f"cannot {'rotate' if rotate or gamma else 'apply the online Hadamard'}: {e}") from None
-        return Folded(None, False, [f"nothing folded ({e}); quantized as given"])
+        return None, False, [f"nothing folded ({e}); quantized as given"]
     if rotate and gamma_into_readers is None and not rotated_streams(result):
         note = (f"--rotate {rotate} rotated no stream ({rotation_summary(result)}): γ left in the norms (moved alone "
                 "it makes weight quantization worse)")
-        return Folded(run(gamma_into_readers=False, rotate=None, gamma_in_float=False, spare_channels=None,
-                          online_hadamard=online_hadamard), False, [note])
-    return Folded(result, gamma and not gamma_in_float, [])
+        return run(gamma_into_readers=False, rotate=None, gamma_in_float=False, spare_channels=None,
+                   online_hadamard=online_hadamard), False, [note]
+    return result, gamma and not gamma_in_float, []
 
 
 # -- the error --------------------------------------------------------------------------------------
