@@ -17,9 +17,8 @@ RMS_OPS = RMS_KINDS  # the single ops that are an RMSNorm (verify.py: the ones a
 
 def rms_norms(info: GraphInfo, view: View) -> list[RmsNorm]:
     """The RMSNorms of the main graph `info` describes, in graph order, found as the fold finds them
-    where γ into the readers is asked: the single ops by norm_patterns.RMS_PATTERNS (find_norms), the
-    ones written out by passes/patterns.match_rms (collapse_norms) over `view`, the fold's own view of
-    the graph, done with: collapse_norms edits it (one built with RMSNorms as given has them already)."""
+    where γ into the readers is asked. `view`, the fold's own view of the graph, must be done with:
+    collapse_norms edits it."""
     single = [RmsNorm(m.name, m.kind) for m in find_norms(info.graph, info.shapes, rms=True) if m.kind in RMS_KINDS]
     collapse_norms(view, rms=True)
     written = [RmsNorm(n.name, "decomposed RMSNorm") for n in view.nodes.values()
@@ -32,11 +31,9 @@ _ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.
 
 
 def computed_gains(graph: gs.Graph) -> None:
-    """Constants the graph computes from one initializer with a scalar (GemmaRMSNorm's `1 + weight`,
-    which an exporter without constant folding writes as Add(1, weight), maybe of a Cast), computed
-    once and read in their place: the view sees a constant γ, which can move into the readers like any
-    (fx_rewrite/api.computed_gains is the torch twin). Default-domain Add/Sub/Mul/Div of a constant
-    (or a Cast of one) and a scalar, whose result is one vector; nothing else changes."""
+    """Constants the graph computes from one initializer (or a Cast of one) and a scalar by Add/Sub/Mul/Div,
+    whose result is one vector (GemmaRMSNorm's `1 + weight`, unfolded by the exporter), computed once and
+    read in their place: the view sees a constant γ, which can move into the readers like any."""
     outputs = {t.name for t in graph.outputs}
 
     def value(t):  # a constant, or a Cast of one: (values, the Cast node or None)

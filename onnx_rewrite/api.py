@@ -15,10 +15,10 @@ import onnx_graphsurgeon as gs
 from onnx import version_converter
 
 from ..passes import FoldResult, LnfoldError, NothingToFold, Report, View, make_plan, pipeline
-from ..passes.calibration import Rows
+from ..passes.calibration import Rows, check_calibration
 from ..passes.massive import massive_channels
 from ..passes.options import APPROX_MODE, MASSIVE, FoldOptions, takes_options
-from ..passes.calibration import check_calibration
+from ..passes.pipeline import Progress
 from ..passes.plan import Plan, first_kept_reason
 from ..passes.request import PlanRequest, request_from
 from ..passes import approx, geometry
@@ -39,13 +39,11 @@ from .write import is_large
 # New constants at least this big are exported without a second copy (see _export).
 _HOLD_BYTES = 2**16
 _PLAIN_DTYPES = {onnx.helper.tensor_dtype_to_np_dtype(t): t for t in read.PLAIN_TYPES}
-Progress = Optional[Callable[[str], None]]
 
 
 @contextlib.contextmanager
 def _graphsurgeon_errors_only():
-    """graphsurgeon's warnings (about graphs it is handed mid-edit) are not our users' business:
-    only its errors while lnfold runs; the process-wide setting is put back after."""
+    """graphsurgeon's warnings (about graphs it is handed mid-edit) are not our users' business."""
     logger = gs.logger.G_LOGGER
     before = logger.severity
     logger.severity = logger.ERROR
@@ -86,16 +84,14 @@ class OnnxFrontend:
         self.model, self.opts, self.target = model, opts, target
         self.inputs, self.dims, self.progress = inputs, dims, progress
         self.output, self.source = output, source  # write to `output`, verify against the file `source`
-        self.layout = layout  # where `output` keeps its weights (write.data_layout: the input's layout)
+        self.layout = layout  # where `output` keeps its weights (write.data_layout)
         self.work = model  # read, never written: graphsurgeon builds a new proto on export
-        self.notes: list[str] = []  # what the emission adds to the plan's report (Emitter.notes)
-        # what a calibrated decision adds to the request (passes/calibration.Folds.fold): mode "rms-approx"'s
-        # kept norms to swap (passes/approx.py), a slice's basis per stream (passes/slicer.py)
-        self.decided = decided
-        # (model at the target's opset, opset, shapes): validated and inferred once; another frontend
-        # on the same model and target may start from it (the approximate swap's tries)
+        self.notes: list[str] = []  # what the emission adds to the plan's report
+        self.decided = decided  # what a calibrated decision adds to the request (Folds.fold)
+        # (model at the target's opset, opset, shapes): another frontend on the same model and target
+        # may start from it (the approximate swap's tries)
         self.prepared = prepared
-        self._reference: Optional[Future] = None  # the original's side of verification (_start_reference)
+        self._reference: Optional[Future] = None
         self.folded: Optional[onnx.ModelProto] = None
 
     def view(self) -> View:
@@ -110,7 +106,7 @@ class OnnxFrontend:
         # If branches: one view with the main graph
         self.scopes = subgraphs.inline_branches(self.work, self.graph, view, self.opset,
                                                 rms=self.opts.reads_rms_norms)
-        self.built_view = view  # (the RMSNorms "nothing to fold" names are found over it: already_rms.rms_norms)
+        self.built_view = view  # (where "nothing to fold" finds the RMSNorms it names)
         return view
 
     def _prepare(self) -> tuple:
@@ -178,8 +174,7 @@ class OnnxFrontend:
     def verify(self, plan: Plan, artifact):
         reference = self._reference
         if reference is None or (self.output is None and is_large(artifact)):
-            return None  # not exact by design (its error was measured against the budget: passes/approx.py); or over
-            # protobuf's 2 GB in memory: onnxruntime needs files (fold_model(output=...))
+            return None  # over protobuf's 2 GB in memory: onnxruntime needs files
         pipeline.stage(self.progress, "verifying in onnxruntime" if self.output is not None else "verifying")
         folded = verification.Source(artifact, parsed=self.folded) if self.output is not None else artifact
         verdict = verification.check_against(reference.result(), folded)
@@ -260,30 +255,24 @@ def fold_model(
 ) -> FoldResult:
     """Fold every foldable LayerNorm of `model` into an RMSNorm; the input is not modified.
 
-    The options (`mode`, `defer`, `gamma_into_readers`, `rotate`, ...: listed at the end) are
-    checked by passes/options.py. `target` picks the emission ("ort", "onnx", "portable";
-    onnx_rewrite/targets.py); `device` picks
-    onnxruntime's fastest exact emission for the `ort` target: on "cpu" an Add and
-    SimplifiedLayerNormalization, on "cuda" the fused SkipSimplifiedLayerNormalization.
+    `target` picks the emission ("ort", "onnx", "portable": targets.py); `device` picks onnxruntime's
+    fastest exact emission for "ort": on "cpu" an Add and SimplifiedLayerNormalization, on "cuda" the
+    fused SkipSimplifiedLayerNormalization. The options are listed at the end.
 
-    Verification runs the original, the folded model and a float64 copy of the original on the
-    same inputs (passes/gate.py judges; its figures are the result's: passes/result.FoldResult):
-    `inputs` (a dict name -> array, or a path to an .npz file) are used as given; otherwise inputs
-    are made up from the graph, with `dims` (symbolic dim name -> size) fixing sizes.
-
-    Where γ went or why it stayed is `report.norms[i].gamma`; which streams were rotated and why
-    not, `report.streams[k].rotation`. Every option but mode="rms-approx" is exact and verified.
+    Verification runs the original, the folded model and a float64 copy of the original (passes/gate.py
+    judges) on `inputs` (a dict name -> array, or an .npz path), else on inputs made up from the graph
+    with `dims` (symbolic dim name -> size) fixing sizes. `report.norms[i].gamma` says where γ went,
+    `report.streams[k].rotation` which streams were rotated and why not.
 
     `mode="rms-approx"` (NOT exact; passes/approx.py): after the exact fold, norms that cannot be
-    folded are swapped for RMSNorm (β kept) while the outputs' relative error on `calibration`
-    (a dict or an .npz path) stays <= `budget`, greedily by measured effect; `metric(reference
-    outputs, outputs) -> error` replaces the relative error; the error on `heldout` (default: the
-    calibration batch's second half, which then does not decide) is in `report.approx`.
+    folded are swapped for RMSNorm (β kept) while the outputs' relative error (or `metric(reference
+    outputs, outputs)`) on `calibration` (a dict or an .npz path) stays <= `budget`, greedily by
+    measured effect; the error on `heldout` (default: the calibration batch's second half, which
+    then does not decide) is in `report.approx`. Every other option is exact and verified.
 
     Raises NothingToFold when no LayerNorm can be folded and VerificationError when the folded
-    model is less exact than the original allows. Models over 2 GB are verified by `fold_file`
-    from the files it writes (`verify` is ignored for them here). `verify_outputs` is the old
-    name of `verify`.
+    model is less exact than the original allows. Models over 2 GB are verified only by `fold_file`,
+    from the files it writes. `verify_outputs` is the old name of `verify`.
     """
     if verify_outputs is not None:
         warnings.warn("fold_onnx(verify_outputs=...) is now verify=...", DeprecationWarning, stacklevel=2)
@@ -403,13 +392,12 @@ def check_equivalent(original, folded, *, inputs=None, dims=None):
 
 def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     uses_ms = any(n.domain == "com.microsoft" for n in graph.nodes)
-    # The fold's new weights (centered matrices, biases) would be copied twice on export (into
-    # a TensorProto, then into the graph's): export them as empty placeholders and fill each in
-    # after, dropping its array, so a big model's edited weights are held once.
-    # The untouched ones would be copied twice too (into the graph's list, then the graph into
-    # the model): they are exported as placeholders as well and copied in once after.
+    # Export copies every big constant twice (new arrays into a TensorProto, then the graph's; untouched
+    # ones into the graph's list, then the model): they are exported as empty placeholders and filled
+    # in once after, so a big model's weights are held once.
+    lazy = gs.ir.tensor.LazyValues
     held: dict[str, np.ndarray] = {}
-    kept: dict[str, tuple[gs.ir.tensor.LazyValues, onnx.TensorProto]] = {}  # name -> (its values, its original)
+    kept: dict[str, gs.ir.tensor.LazyValues] = {}  # name -> its values (the original TensorProto)
     arr = None
     for t in graph.tensors().values():
         if not isinstance(t, gs.Constant) or t._export_dtype is not None:
@@ -419,12 +407,11 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
             dtype = _PLAIN_DTYPES.get(arr.dtype)
             if arr.nbytes >= _HOLD_BYTES and dtype is not None:
                 held[t.name] = arr
-                t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=dtype, dims=arr.shape))
-        elif type(t._values) is gs.ir.tensor.LazyValues and t._values.tensor.HasField("raw_data") and \
+                t._values = lazy(onnx.TensorProto(name=t.name, data_type=dtype, dims=arr.shape))
+        elif type(t._values) is lazy and t._values.tensor.HasField("raw_data") and \
                 validate.raw_bytes(t._values.tensor) >= _HOLD_BYTES:
-            src = t._values.tensor
-            kept[t.name] = (t._values, src)
-            t._values = gs.ir.tensor.LazyValues(onnx.TensorProto(name=t.name, data_type=src.data_type, dims=src.dims))
+            kept[t.name], src = t._values, t._values.tensor
+            t._values = lazy(onnx.TensorProto(name=t.name, data_type=src.data_type, dims=src.dims))
     del arr
     shared = subgraphs.hoistable(graph)
     try:
@@ -432,7 +419,7 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
     finally:
         for t in graph.tensors().values():  # the graph keeps its constants (another export may follow)
             if t.name in kept:
-                t._values = kept[t.name][0]
+                t._values = kept[t.name]
     if held or kept:
         copied: set[str] = set()
         for tp in read.all_tensors(out):
@@ -442,7 +429,7 @@ def _export(graph: gs.Graph, like: onnx.ModelProto) -> onnx.ModelProto:
                 del arr
             elif tp.name in kept and not tp.HasField("raw_data"):
                 name = tp.name
-                tp.CopyFrom(kept[name][1])
+                tp.CopyFrom(kept[name].tensor)
                 tp.name = name  # (graphsurgeon's name for it, as its export would write)
                 copied.add(name)
         lost = sorted(held) + sorted(set(kept) - copied)

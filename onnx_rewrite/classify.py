@@ -388,7 +388,7 @@ def _captured(node: gs.Node) -> list[str]:
 
 def build_view(info: GraphInfo, opset: int, rms: bool = False) -> tuple[View, dict[str, NormMatch]]:
     """The stream view of `info.graph`, and the LayerNorm matches by view-node name; with `rms`,
-    the RMSNorms as given too (issue 47: norms whose NormSpec says `rms`)."""
+    the RMSNorms as given too."""
     graph, shapes = info.graph, info.shapes
     view = View()
     variant_misses: dict = {}
@@ -405,28 +405,20 @@ def build_view(info: GraphInfo, opset: int, rms: bool = False) -> tuple[View, di
             continue
         if id(node) in covered or node.op == "Constant":
             continue
-        r = None
-        if (node.domain or "") in ("", "ai.onnx") and node.op in OPS:
-            r = OPS[node.op](info, node, opset)
-        elif node.domain == fused.MS and node.op in fused.MS_OPS:
-            r = fused.MS_OPS[node.op](info, node, opset)
+        table = OPS if (node.domain or "") in ("", "ai.onnx") else fused.MS_OPS if node.domain == fused.MS else {}
+        r = table[node.op](info, node, opset) if node.op in table else None
         inputs = [t.name if t is not None else "" for t in node.inputs] + _captured(node)
         view.add_node(Node(node.name, _op_name(node), inputs, [t.name for t in node.outputs], rule=r))
 
+    graph_inputs, graph_outputs = {t.name for t in graph.inputs}, {t.name for t in graph.outputs}
     for name, v in view.values.items():
         t = info.tensors.get(name)
-        s = info.shape(t) if t is not None else shapes.get(name)
-        v.shape = s
+        v.shape = s = info.shape(t) if t is not None else shapes.get(name)
         v.rank = None if s is None else len(s)
         v.is_const = is_constant(t)
+        v.is_graph_input, v.is_graph_output = name in graph_inputs, name in graph_outputs
         if v.is_const and s is not None and all(d == 1 for d in s):
             v.scalar = float(np.asarray(const_values(t)).reshape(-1)[0])
-    for t in graph.inputs:
-        if t.name in view.values:
-            view.values[t.name].is_graph_input = True
-    for t in graph.outputs:
-        if t.name in view.values:
-            view.values[t.name].is_graph_output = True
 
     nodes, tensors = {n.name: n for n in graph.nodes}, info.tensors
     for name, d in collapse_norms(view, rms=rms).items():  # torch's forms, in the vocabulary of passes/

@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object (verdict, per-output errors, "
                                                        "first divergence) instead of the lines")
 
-    from . import quantize_cli, slice_cli  # issues 22 and 32
+    from . import quantize_cli, slice_cli
 
     quantize_cli.add_parser(sub)
     slice_cli.add_parser(sub)
@@ -135,10 +135,10 @@ def cmd_fold(args) -> int:
     if src.is_dir():  # an exporter's folder: every ONNX file in it, one report (folders.py)
         from .folders import fold_checkpoint_folder, fold_folder, is_transformers_checkpoint
 
-        if is_transformers_checkpoint(src):  # a transformers checkpoint: shard by shard (issue 25)
-            return fold_checkpoint_folder(src, Path(args.output) if args.output else None, args)
-
-        return fold_folder(src, Path(args.output) if args.output else None, args, fold_file)
+        out = Path(args.output) if args.output else None
+        if is_transformers_checkpoint(src):  # shard by shard
+            return fold_checkpoint_folder(src, out, args)
+        return fold_folder(src, out, args, fold_file)
     from .folders import default_output, fold_summary, verification_line
 
     dst = Path(args.output) if args.output else default_output(src)

@@ -43,8 +43,7 @@ class Emitter:
 
     def unique(self, base: str) -> str:
         """`base`, else `base_1`, `base_2`, …: the first not taken. Names are only ever added, so
-        the search for a base resumes where its last one stopped (from 0 each time, the names of
-        a fold's thousands of `lnfold/Mul`s took time quadratic in their count)."""
+        the search resumes where the base's last one stopped (thousands of `lnfold/Mul`s)."""
         k = self._next.get(base, 0)
         name = base if k == 0 else f"{base}_{k}"
         while name in self._names:
@@ -179,14 +178,13 @@ class Emitter:
 
     def _recenter(self, value: str, axis: int, project=None) -> None:
         """x - mean(x) along the feature axis, for a stream start no constant edit can center;
-        `project` (d × k, float64): then times it along that axis (a rotated stream, passes/rotate.py:
-        `c·M` on the last axis, `Mᵀ·c` on the second-to-last).
+        `project` (d × k, float64): then times it along that axis (a rotated stream: `c·M` on the
+        last axis, `Mᵀ·c` on the second-to-last).
 
-        Two passes (c = x - mean(x), then c - mean(c)): one leaves the rounding of mean(x) in every
-        row, up to an ulp of |mean(x)| along 1, which every RMSNorm downstream keeps (a LayerNorm
-        removed it) and which is far above the row's own spread where a nonlinearity saturates
-        (DESIGN §4: tanh(Linear), 6x the original's error). The second mean is of values the size
-        of that residual, so what it leaves is an ulp of the residual."""
+        Two passes (c = x - mean(x), then c - mean(c)): one leaves the rounding of mean(x), up to an
+        ulp of |mean(x)|, along 1 in every row, which every RMSNorm downstream keeps and which is far
+        above the row's own spread where a nonlinearity saturates (DESIGN §4). The second pass leaves
+        an ulp of that residual."""
         x = self.info.tensors[value]
         readers = list(x.outputs)
         mean, rough = self.var(f"{value}/lnfold_mean", x.dtype), self.var(f"{value}/lnfold_rough", x.dtype)
@@ -276,11 +274,9 @@ class Emitter:
                 # (classify._add_norm), so that a slice can capture its stream (passes/slicer.py)
                 summed = self.var(f"{m.name}/input_skip_bias_sum", x.dtype)
             self._skip_rms(x, skip, gamma, bias, summed, normed, eps, m.name, rank, how.fuse_residual)
-        elif gamma is None:
-            self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)
-        elif how.fuse_residual:
+        elif gamma is not None and how.fuse_residual:
             self._fuse_residual(x, gamma, normed, eps)
-        elif self.target.norm_op and m.axis == rank - 1:
+        elif gamma is not None and self.target.norm_op and m.axis == rank - 1:
             self._norm_op(x, gamma, normed, eps)
         else:
             self._portable_rms(x, gamma, normed, m.axis, eps, m.name, rank)

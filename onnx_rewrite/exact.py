@@ -125,7 +125,7 @@ class Float64Run:
                 why = first_line(e)
         if self.segments is not None:
             try:
-                return self.segments.run(f64), self.segments.describe()
+                return self.segments.run(f64), self.segments.how
             except Exception as e:
                 why = first_line(e)
         try:
@@ -160,7 +160,7 @@ def _without_double_kernel(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     try:
         from onnxruntime.capi.onnxruntime_pybind11_state import get_all_opkernel_def
         defs = get_all_opkernel_def()
-    except Exception:  # an onnxruntime without the registry: try the whole copy, as before
+    except Exception:  # an onnxruntime without the registry: try the whole copy
         return []
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     floats, double = set(), set()  # ops with a kernel for some float type; for double
@@ -192,15 +192,13 @@ class _Segments:
     call, from the dtypes of the values then."""
 
     def __init__(self, model: onnx.ModelProto, lacking: list[onnx.NodeProto]) -> None:
-        self.model, self.ref_ops = model, sorted({n.op_type for n in lacking})
+        self.model = model
+        self.how = (f"onnxruntime, with {', '.join(sorted({n.op_type for n in lacking}))} in onnx's reference "
+                    "evaluator (onnxruntime has no double kernel for them)")
         ids = {id(n) for n in lacking}
         self.runs: list[tuple[bool, list[onnx.NodeProto]]] = [  # (in the reference evaluator, nodes)
             (ref, list(nodes)) for ref, nodes in itertools.groupby(model.graph.node, key=lambda n: id(n) in ids)]
         self.runners: list = [None] * len(self.runs)
-
-    def describe(self) -> str:
-        return (f"onnxruntime, with {', '.join(self.ref_ops)} in onnx's reference evaluator "
-                "(onnxruntime has no double kernel for them)")
 
     def run(self, feeds: dict) -> list[np.ndarray]:
         g = self.model.graph
@@ -211,12 +209,11 @@ class _Segments:
             later[k] = later[k + 1] | {i for n in self.runs[k][1] for i in n.input if i}
         values = dict(feeds)
         for k, (ref, nodes) in enumerate(self.runs):
-            made = {o for n in nodes for o in n.output if o}
             wanted = [o for o in dict.fromkeys(o for n in nodes for o in n.output if o) if o in later[k + 1]]
             if not wanted:
                 continue  # nothing reads what this run computes
             if self.runners[k] is None:
-                self.runners[k] = self._build(k, values, inits, made, wanted)
+                self.runners[k] = self._build(k, values, inits, wanted)
             runner, reads = self.runners[k]
             got = runner.run(None, {i: values[i] for i in reads}, *(() if ref else (QUIET,)))
             values.update(zip(wanted, (np.asarray(x) for x in got)))
@@ -224,10 +221,11 @@ class _Segments:
                 del values[name]  # nothing after this run reads it
         return [values[o] for o in outputs]
 
-    def _build(self, k: int, values: dict, inits: dict, made: set, wanted: list) -> tuple:
+    def _build(self, k: int, values: dict, inits: dict, wanted: list) -> tuple:
         """(runner, the names it is fed) for run k: what it reads from earlier runs or the
         inputs becomes its inputs (typed by their values now), the weights it reads its own."""
         ref, nodes = self.runs[k]
+        made = {o for n in nodes for o in n.output if o}
         reads = [i for i in dict.fromkeys(i for n in nodes for i in n.input if i) if i not in made]
         fed = [i for i in reads if i in values]
         typed = [helper.make_tensor_value_info(i, helper.np_dtype_to_tensor_dtype(np.asarray(values[i]).dtype), None)

@@ -1,10 +1,8 @@
 """`lnfold fold` on a folder, and where an output goes when `-o` is not given.
 
-An exporter's folder (Optimum's `encoder_model.onnx`, `decoder_model.onnx`, ... with
-`config.json` and the tokenizer's files beside them) is folded file by file into a new folder,
-built beside the output under a temporary name and renamed into place once every file is
-written, so a failure leaves nothing behind. A `transformers` checkpoint folder, told apart by
-its contents, is folded shard by shard by the torch frontend (fx_rewrite/checkpoint_fold.py).
+An exporter's folder (Optimum's `encoder_model.onnx`, ... with `config.json` and the tokenizer's files)
+is folded file by file into a temporary folder renamed into place once every file is written, so a
+failure leaves nothing behind. A `transformers` checkpoint folder is folded by the torch frontend.
 """
 from __future__ import annotations
 
@@ -17,9 +15,8 @@ from typing import Callable
 
 from ..passes import LnfoldError, NothingToFold
 from ..passes.errors import first_line
-from ..passes.outputs import (FOLDED_SUFFIX, check_output_folder, default_output_folder, flush_tree, folder_files,
-                              fsync_folder, inside, pickled_checkpoint)
-from ..passes.outputs import Staging
+from ..passes.outputs import (FOLDED_SUFFIX, Staging, check_output_folder, default_output_folder, flush_tree,
+                              folder_files, fsync_folder, inside, pickled_checkpoint)
 
 
 def default_output(src: Path) -> Path:
@@ -53,7 +50,7 @@ def is_transformers_checkpoint(folder: Path) -> bool:
 
 
 def fold_checkpoint_folder(src: Path, dst: Path | None, args) -> int:
-    """`lnfold fold CHECKPOINT_DIR`: the torch frontend folds it shard by shard (issue 25)."""
+    """`lnfold fold CHECKPOINT_DIR`: the torch frontend folds it shard by shard."""
     try:
         from ..fx_rewrite.checkpoint_fold import fold_checkpoint
     except ImportError as e:

@@ -2,15 +2,11 @@
 
 - `EmbedLayerNormalization(input_ids, segment_ids, word, position, segment, γ, β, mask, position_ids)`
   is `LN(word[ids] + position[pos] + segment[seg])` and a per-batch `mask_index` (on CPU, the count
-  of ones per row of `mask`). The view sees a source node (`#sum`, the lookups' sum: its tables are
-  centered row by row) feeding a LayerNorm. Emitted as its parts on the centered tables (onnxruntime
-  has no fused embed + RMSNorm op): a Gather per table (position rows 0..S-1 by a Slice without
-  position_ids), the Adds, the target's RMSNorm; a read `mask_index` becomes the CPU kernel's
-  `ReduceSum(Cast(Equal(mask, 1)))` (zeros without a mask), a read `embedding_sum` the centered sum.
-- `SkipLayerNormalization` is in norm_patterns.py and classify.py (an Add feeding a LayerNorm).
-- `Attention(input, weights, bias, ...)` projects its input by a constant weight first, so it is a
-  linear reader of input 0 (a norm's β folds into its bias), but no source. The other attention ops
-  take projected Q/K/V: plain readers, with β an Add before them.
+  of ones per row of `mask`). The view sees a source node (the lookups' sum: its tables are centered
+  row by row) feeding a LayerNorm. Emitted as its parts (onnxruntime has no fused embed + RMSNorm op):
+  a Gather per table, the Adds, the target's RMSNorm, and the CPU kernel's mask_index where it is read.
+- `Attention(input, weights, bias, ...)` projects its input by a constant weight first: a linear
+  reader of input 0 (a norm's β folds into its bias), but no source.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""How a LayerNorm is spelled in an ONNX graph: one list of rules, `PATTERNS`, in the style of
-onnxscript's rewriter (DESIGN §7, "Adding a norm pattern"). A `NormPattern` names the op types a
-match starts at; its `match(node, shapes, graph outputs)` returns a `NormMatch` (the nodes it covers,
-x, output, γ, β, eps, axes) or a `passes.match.NoMatch` saying why not (a near miss, depth >= 1, is
-reported). The rewrite is the emitter's (emit.py): it removes the covered nodes and writes the
-RMSNorm from `x` to `output`. Only spellings that exist as ONNX ops are here: the decomposed form
-both frontends see (torch's ReduceMean, Sub, Pow, ... chain), and an RMSNorm written out, are
-matched over the view by passes/patterns.py, and classify.py makes their matches NormMatches.
+"""How a LayerNorm is spelled in an ONNX graph: one list of rules, `PATTERNS` (DESIGN §7, "Adding a
+norm pattern"). A `NormPattern`'s `match(node, shapes, graph outputs)` returns a `NormMatch` or a
+`passes.match.NoMatch` saying why not (a near miss, depth >= 1, is reported); the emitter removes the
+covered nodes. torch's decomposed form, which both frontends see, and an RMSNorm written out are
+matched over the view instead (passes/patterns.py).
 """
 from __future__ import annotations
 
@@ -39,10 +36,10 @@ def match_layernormalization(node: gs.Node, shapes: dict[str, Shape], outputs: s
     rank = rank_of(x, shapes)
     axis = int(node.attrs.get("axis", -1))
     m = NormMatch(node.name, "LayerNormalization", [node], x, node.outputs[0], gamma=given(node.inputs, 1),
-                  beta=given(node.inputs, 2), epsilon=float(node.attrs.get("epsilon", 1e-5)))
+                  beta=given(node.inputs, 2), epsilon=float(node.attrs.get("epsilon", 1e-5)),
+                  stats_used=uses_stats(node.outputs[1:], outputs))
     if rank is not None:
         m.axes = list(range(axis + rank if axis < 0 else axis, rank))
-    m.stats_used = uses_stats(node.outputs[1:], outputs)
     return m
 
 
@@ -99,9 +96,8 @@ PATTERNS = (
 )
 
 
-# RMSNorms as given (issue 47; NormMatch.kind one of RMS_KINDS): looked for only where γ into the
-# readers or a rotation is asked (`find_norms(rms=True)`); without, a model of RMSNorms folds nothing
-# exactly as before (already_rms.rms_norms lists them, with these and match_rms).
+# RMSNorms as given: looked for only where γ into the readers or a rotation is asked
+# (`find_norms(rms=True)`); without, a model of RMSNorms folds nothing.
 RMS_PATTERNS = (
     NormPattern("SimplifiedLayerNormalization", ("SimplifiedLayerNormalization",), ONNX_DOMAINS + (fused.MS,),
                 match_rms_op),

@@ -85,10 +85,9 @@ def const_values(t) -> Optional[np.ndarray]:
 
 
 def dense(sp: onnx.SparseTensorProto) -> np.ndarray:
-    """The dense array a sparse initializer stands for, in its values' dtype. (graphsurgeon's own
-    reading ignores raw_data and makes float64 zeros: β folded into a sparse bias became a float64
-    bias without its values, a model onnxruntime cannot load.) Indices that do not fit the shape
-    are the input's fault: a one-line LnfoldError."""
+    """The dense array a sparse initializer stands for, in its values' dtype (graphsurgeon's own
+    reading ignores raw_data and makes float64 zeros). Indices that do not fit the shape are the
+    input's fault: a one-line LnfoldError."""
     values = read_external(sp.values) if is_lazy(sp.values) else numpy_helper.to_array(sp.values)
     indices = read_external(sp.indices) if is_lazy(sp.indices) else numpy_helper.to_array(sp.indices)
     shape = tuple(int(d) for d in sp.dims)
@@ -158,14 +157,12 @@ _WALKING = object()  # float_dtype's mark of a tensor whose inputs are being wal
 
 def float_dtype(t, memo: Optional[dict] = None):
     """The float dtype of tensor `t`: declared, or (where the exporter wrote no value_info) the
-    first float one among its producer's inputs, walking back depth first (each tensor once, with a
-    stack, not recursion: an 80-layer export without value_info is ~1,000 ops deep); a Cast says its
-    own. None where the walk finds none. γ is no witness: an fp16 stream can carry an fp32 γ.
+    first float one among its producer's inputs, walking back depth first (with a stack, not
+    recursion: an 80-layer export is ~1,000 ops deep); a Cast says its own. None where the walk
+    finds none. γ is no witness: an fp16 stream can carry an fp32 γ.
 
-    What a tensor's walk finds depends on the tensors above it alone: `memo` (name -> dtype or
-    None), given by a caller that asks for many tensors of one graph (the emission, for every
-    norm), keeps each answer, and a later walk stops where an earlier one went (each norm of a
-    stream without value_info walked back to the stream's start: time quadratic in its depth)."""
+    `memo` (name -> dtype or None), shared by a caller asking for many tensors of one graph, stops
+    each walk where an earlier one went (else every norm walks back to the stream's start)."""
     memo = {} if memo is None else memo
     frames: list = []  # [name, inputs to walk, the next one]: the walk's path, deepest last
     found = _enter(t, memo, frames)
