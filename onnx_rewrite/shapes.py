@@ -1,4 +1,4 @@
-"""Shape inference that stays cheap on big models, and the feature-axis maps that need shapes."""
+"""Shape inference that stays cheap on big models (weights as typed inputs, not data)."""
 from __future__ import annotations
 
 import functools
@@ -45,10 +45,9 @@ def _shaped_like_onnx(node: onnx.NodeProto) -> onnx.NodeProto:
 def infer_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """name -> typed value info of every value onnx's inference can type (best effort)."""
     try:
-        m = _onnx_inference(_skeleton(model))
+        g = _onnx_inference(_skeleton(model)).graph
     except Exception:
         return {}
-    g = m.graph
     return {vi.name: vi for vi in list(g.input) + list(g.value_info) + list(g.output)}
 
 
