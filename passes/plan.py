@@ -168,25 +168,24 @@ class Plan:
         def names(ns) -> FrozenList:
             return FrozenList(local(n) for n in ns if mine(n))
 
+        def keyed(by_name: Mapping) -> dict:
+            return {local(n): v for n, v in by_name.items() if mine(n)}
+
         stream_bases = FrozenList(replace(r, norms=list(names(r.norms)), readouts=list(names(r.readouts)),
-                                          dims=[(replace(d, node=local(d.node)), w) for d, w in r.dims
-                                                if mine(d.node)],
-                                          norm_bases={local(n): b for n, b in r.norm_bases.items() if mine(n)},
-                                          norm_widths={local(n): w for n, w in r.norm_widths.items() if mine(n)},
+                                          dims=[(replace(d, node=local(d.node)), w) for d, w in r.dims if mine(d.node)],
+                                          norm_bases=keyed(r.norm_bases), norm_widths=keyed(r.norm_widths),
                                           shortcuts=[replace(s, node=local(s.node)) for s in r.shortcuts
                                                      if mine(s.node)])
                                   for r in self.stream_bases)
         main_only = dict(deferral=self.deferral, compressions=self.compressions, origins=self.origins) if main else {}
         return Plan(mode=self.mode, swaps=names(self.swaps), rms_swaps=names(self.rms_swaps),
                     recenters=FrozenList(replace(r, value=local(r.value)) for r in self.recenters if mine(r.value)),
-                    betas=MappingProxyType({local(n): b for n, b in self.betas.items() if mine(n)}),
-                    fuse_residual=names(self.fuse_residual),
-                    gammas=MappingProxyType({local(n): g for n, g in self.gammas.items() if mine(n)}),
-                    stream_bases=stream_bases, approx=names(self.approx),
+                    betas=MappingProxyType(keyed(self.betas)), fuse_residual=names(self.fuse_residual),
+                    gammas=MappingProxyType(keyed(self.gammas)), stream_bases=stream_bases, approx=names(self.approx),
                     online=FrozenList(replace(o, node=local(o.node), value=local(o.value))
                                       for o in self.online if mine(o.node)),
-                    emissions=MappingProxyType({local(n): replace(e, norm=local(n))
-                                                for n, e in self.emissions.items() if mine(n)}), **main_only)
+                    emissions=MappingProxyType({n: replace(e, norm=n) for n, e in keyed(self.emissions).items()}),
+                    **main_only)
 
 
 @dataclass
@@ -241,10 +240,8 @@ class _Draft:
 def make_plan(view: View, request: Union[PlanRequest, str, None] = None, **fields) -> Plan:
     """The complete plan that folds every foldable component of `view`, as `request` asks
     (passes/request.py; a mode name, or PlanRequest's fields as keywords, stand for a request)."""
-    if isinstance(request, str):
-        request = PlanRequest(mode=request, **fields)
-    elif request is None:
-        request = PlanRequest(**fields)
+    if not isinstance(request, PlanRequest):
+        request = PlanRequest(**({} if request is None else {"mode": request}), **fields)
     elif fields:
         request = replace(request, **fields)
     caps = request.target
@@ -311,8 +308,6 @@ def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
     """Mode "rms-approx": the kept norms of `names` become RMSNorms with their β (not exact; the
     choice and its measured error are passes/approx.py's). A folded norm is exact already; a norm
     that is no single-axis LayerNorm cannot be swapped."""
-    if not names:
-        return FrozenList()
     verdicts = {v.name: v for v in report.norms}
     unknown = sorted(n for n in names if n not in verdicts)
     if unknown:
@@ -330,8 +325,6 @@ def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
 
 def _kept_by_target(plan: _Draft, caps: Capabilities) -> list[str]:
     """The folded norms the target keeps (its stream stays centered), each reported with why."""
-    if caps.swap_refusal is None and caps.norm_beta:
-        return FrozenList()
     swaps = frozenset(plan.swaps)
     verdicts = {v.name: v for v in plan.report.norms}
     out = []
@@ -558,9 +551,8 @@ def _as_given(view: View, plan: _Draft, comp: Component, work: _Work) -> None:
 def _gamma_and_rotation(view: View, plan: _Draft, request: PlanRequest, work: _Work) -> None:
     """γ into the readers' weights (passes/gamma.py), then each folded stream's rotation
     (passes/rotate.py): reader ops (Scale by γ, then Project of the input side) and source ops
-    (after the centering: Project of the output side), all float64 with the other edits. The
-    streams of RMSNorms as given (`rms_streams`) alike, with nothing centered. Asked for only
-    with gamma_into_readers (a rotation and a slice imply it)."""
+    (after the centering: Project of the output side). The streams of RMSNorms as given alike,
+    with nothing centered."""
     if not request.gamma_into_readers:
         return
     caps = request.target
