@@ -51,26 +51,19 @@ def decide(view: View, norm: str, zero: Optional[Callable[[str], bool]] = None,
     `into_readers` (γ goes into the readers too, passes/gamma.py): readers reached through any
     layout op that keeps the features last, and a reader without a bias gets one (W β)."""
     node = view.nodes[norm]
-    spec = node.norm
-    beta = spec.beta
-    out = BetaFold(norm, beta)
+    beta = node.norm.beta
     if beta is None:
-        return out
-    if zero is not None and view.values[beta].is_const and zero(beta):
-        out.zero = True
-        return out
+        return BetaFold(norm, None)
     if not view.values[beta].is_const:
-        out.why = f"β `{beta}` is not a constant"
-        return out
-    found, why = linear_readers(view, node.outputs[0], spec.axis, through_layout=into_readers)
+        return BetaFold(norm, beta, why=f"β `{beta}` is not a constant")
+    if zero is not None and zero(beta):
+        return BetaFold(norm, beta, zero=True)
+    found, why = linear_readers(view, node.outputs[0], node.norm.axis, through_layout=into_readers)
     if why is None:
         edits, new, why = _bias_edits(view, beta, found, into_readers)
     if why is not None:
-        out.why = why
-        return out
-    out.readers = [view.nodes[r.node].describe() for r in found]
-    out.edits, out.new = edits, new
-    return out
+        return BetaFold(norm, beta, why=why)
+    return BetaFold(norm, beta, [view.nodes[r.node].describe() for r in found], edits, new)
 
 
 def _bias_edits(view: View, beta: str, found: list[LinearReader], new_biases: bool):

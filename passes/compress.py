@@ -1,11 +1,8 @@
-"""CRMSNorm compression plan (seed 001 §3.2; THEORY §1, "CRMSNorm"): a foldable component carried in
-d-1 features, decided from the view alone — which layout ops spell d, which readers absorb γ, β and
-the decompression, which norms still emit the decompressed vector — or a fallback to RMSNorm with
-a reason naming the node.
-
-The cost rule: a decompression costs about `DECOMPRESS_COST·d` per token; compression saves one
-multiply-add per output row of every absorbing reader's weight and one element per stream tensor.
-Decompress only where the total saved exceeds the total cost.
+"""CRMSNorm compression plan (THEORY §1, "CRMSNorm"): a foldable component carried in d-1 features
+(which layout ops spell d, which readers absorb γ, β and the decompression, which norms still emit
+the decompressed vector), or a fallback to RMSNorm with a reason naming the node. Compressed only where
+it saves more (a multiply-add per output row of each absorbing reader's weight, an element per stream
+tensor) than its decompressions cost (~`DECOMPRESS_COST·d` per token each).
 """
 from __future__ import annotations
 
@@ -52,7 +49,6 @@ class ComponentCompression:
     crms: list[CrmsNorm] = field(default_factory=list)
     absorbs: list[Absorb] = field(default_factory=list)
     decompressions: int = 0
-    saved_per_token: int = 0  # multiply-adds and element operations, the cost rule's units
 
 
 class _Fallback(Exception):
@@ -81,13 +77,11 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
     why = sized_off_stream(view, comp)
     if why is not None:
         raise _Fallback(why)
-    stream_elems = 0
     for value, axis in comp.axes.items():
         v = view.values[value]
         size = size_along(view, value, axis)
         if size != d:
             raise _Fallback(f"stream tensor `{value}` has {'unknown' if size is None else size} features, not {d}")
-        stream_elems += 1
         refs, why = follows_stream(producer_width_refs(view, value, axis), comp)
         if refs is None:
             raise _Fallback(f"{view.nodes[v.producer].describe()} sets the stream's width {d} in a shape no edit "
@@ -105,18 +99,19 @@ def _plan(view: View, comp: Component, out: ComponentCompression) -> None:
         for ref in list(src.refs) + list(src.scales):
             size = _size_along(view, ref)
             if size not in (1, d):
-                raise _Fallback(f"constant `{ref.value}` of {_src_name(view, src.node)} has {size} features along "
-                                f"its axis {ref.axis}, not {d}")
+                where = "a constant added to the stream" if src.node is None else view.nodes[src.node].describe()
+                raise _Fallback(f"constant `{ref.value}` of {where} has {size} features along its axis {ref.axis}, "
+                                f"not {d}")
     for name in comp.norms:
         out.crms.append(_norm(view, comp, name, d, out))
     out.decompressions = sum(c.decompress for c in out.crms)
-    out.saved_per_token = stream_elems + len(comp.norms) + sum(
-        _reader_saving(view, a.read) for a in out.absorbs)
+    # (multiply-adds and element operations per token, the cost rule's units)
+    saved = len(comp.axes) + len(comp.norms) + sum(_reader_saving(view, a.read) for a in out.absorbs)
     cost = DECOMPRESS_COST * d * out.decompressions
-    if cost >= out.saved_per_token:
+    if cost >= saved:
         where = ", ".join(f"`{c.name}`" for c in out.crms if c.decompress)
         raise _Fallback(f"decompressing the output of {where} (~{cost} operations per token) would cost more "
-                        f"than compression saves (~{out.saved_per_token})")
+                        f"than compression saves (~{saved})")
 
 
 def producer_width_refs(view: View, value: str, axis: int) -> Optional[list[DimRef]]:
@@ -180,10 +175,6 @@ def _size_along(view: View, ref: ConstRef):
     return 1 if ref.axis is None else size_along(view, ref.value, ref.axis)
 
 
-def _src_name(view: View, node: Optional[str]) -> str:
-    return "a constant added to the stream" if node is None else view.nodes[node].describe()
-
-
 def _reader_saving(view: View, read: LinearRead) -> int:
     s = view.values[read.weight.value].shape
     if s is None or not all(isinstance(x, int) for x in s):
@@ -203,9 +194,8 @@ def _norm(view: View, comp: Component, name: str, d: int, out: ComponentCompress
         if dims is None:
             crms.decompress = True
             continue
-        reads = got[0]
         crms.compressed_readers.append((c, i))
-        out.absorbs.extend(Absorb(r, read, spec.gamma, spec.beta) for r, read in reads)
+        out.absorbs.extend(Absorb(r, read, spec.gamma, spec.beta) for r, read in got[0])
         out.dims.extend(r for r in dims if r not in out.dims)
     return crms
 

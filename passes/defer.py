@@ -1,4 +1,4 @@
-"""Deferred normalization (issue 14): which folded norms may skip writing their normalized tensor,
+"""Deferred normalization: which folded norms may skip writing their normalized tensor,
 and whether it pays. With `r(x) = rsqrt(mean(x²) + eps)` per row and only linear readers,
 `W (γ ⊙ x · r(x) + β) + b = r(x) · ((W·diag γ) x) + (W β + b)`: the row scale is applied to each
 reader's product — cheaper only where that multiply rides in the GEMM's epilogue.
@@ -79,15 +79,13 @@ def plan_deferral(view: View, plan, policy: str = "auto", costs: Costs = ORT_CPU
         node = view.nodes[name]
         spec = node.norm
         x, y = node.inputs[spec.input], node.outputs[0]
-        for what, val in (("γ", spec.gamma), ("β", spec.beta)):
-            if val is not None and not view.values[val].is_const:
-                reasons[name] = f"its {what} `{val}` is not a constant"
-                break
-        if name in reasons:
-            continue
         rank = view.values[y].rank
         readers, why = linear_readers(view, y, spec.axis, products_only=True)
-        if rank is None or spec.axis != rank - 1:
+        variable = [f"its {what} `{val}` is not a constant" for what, val in (("γ", spec.gamma), ("β", spec.beta))
+                    if val is not None and not view.values[val].is_const]
+        if variable:
+            why = variable[0]
+        elif rank is None or spec.axis != rank - 1:
             why = f"its feature axis is not the last axis of `{y}`"
         elif why is None and rank != view.values[x].rank:
             why = "its output and input ranks differ"

@@ -1,8 +1,7 @@
-"""A plan made on a shallow copy of a deep model, extended by name to its full depth (issue 25;
-DESIGN §2, "Checkpoints", *Depth*): block 0's items stay, block 1's stand for blocks 1 … L-2, the
-last for L-1, each item renamed through its own `renamed(fn)`; from the names alone (IR-neutral).
-Where the shallow plan cannot stand for the deep one: `NotExtensible`, and the caller plans the
-whole model.
+"""A plan made on a shallow copy of a deep model, extended by name to its full depth (DESIGN §2,
+"Checkpoints", *Depth*): block 0's items stay, block 1's stand for blocks 1 … L-2, the last for L-1,
+each item renamed through its own `renamed(fn)`. Where the shallow plan cannot stand for the deep
+one: `NotExtensible`, and the caller plans the whole model.
 """
 from __future__ import annotations
 
@@ -31,12 +30,10 @@ class LayerStack:
     them in the full model; names of its members, with or without leading components of `path`
     (a checkpoint may store `decoder.layers.3.…` for the model's `model.decoder.layers.3.…`)."""
 
-    def __init__(self, path: str, depth: int, shallow: int = SHALLOW) -> None:
-        self.path, self.depth, self.shallow = path, depth, shallow
+    def __init__(self, path: str, depth: int) -> None:
+        self.depth = depth
         parts = path.split(".")
         self._spellings = [parts[j:] for j in range(len(parts))]  # longest first
-
-    # --- names -------------------------------------------------------------------------------------------------
 
     def _index(self, name: str) -> Optional[tuple[list[str], int]]:
         """(the name's components, where its block index is), or None for a name outside the stack."""
@@ -53,7 +50,7 @@ class LayerStack:
         parts, k = self._index(name) or (None, None)
         return name if parts is None else ".".join(parts[:k] + [str(block)] + parts[k + 1:])
 
-    def block_of(self, item: Any, renamed: Renamer = rename_record) -> Optional[int]:
+    def block_of(self, item: Any, renamed: Renamer) -> Optional[int]:
         """The one block `item` names (None: none); NotExtensible where it names several."""
         found: set[int] = set()
         renamed(item, lambda n: found.add(self.block(n)) or n)
@@ -62,12 +59,10 @@ class LayerStack:
             raise NotExtensible(f"an item names blocks {sorted(found)}")
         return found.pop() if found else None
 
-    # --- sequences -----------------------------------------------------------------------------------------------
-
     def extend(self, items: list, renamed: Renamer = rename_record) -> list:
         """The full model's items from the shallow plan's, in order: block 1's run once per middle
         block, block S-1's as block L-1's. Raises NotExtensible where blocks 1 and 2 differ."""
-        last = self.shallow - 1
+        last = SHALLOW - 1
         to = lambda it, block: renamed(it, lambda n: self.moved(n, block))  # noqa: E731
         blocks = [self.block_of(it, renamed) for it in items]
         first_middle = [it for it, k in zip(items, blocks) if k == 1]

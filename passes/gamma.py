@@ -1,4 +1,4 @@
-"""γ into the readers (issue 22; DESIGN §6b, "γ into readers"): which folded norms leave a unit-weight
+"""γ into the readers (DESIGN §6b, "γ into readers"): which folded norms leave a unit-weight
 RMSNorm, `W(γ⊙n + β) + b = (W·diag γ) n + (W β + b)`, γ a `Scale` of each reader's weight. A stream
 rotation needs it of every norm of the stream (a unit-γ RMSNorm commutes with Q, one with γ does not).
 """
@@ -53,35 +53,35 @@ class GammaFold:
 def decide(view: View, norm: str, beta: Optional[BetaFold], kept_by_target: Optional[str] = None,
            compressed: bool = False) -> GammaFold:
     """Whether the folded norm `norm` can leave its γ to its readers, and why not."""
-    spec = view.nodes[norm].norm
+    node = view.nodes[norm]
+    spec = node.norm
     out = GammaFold(norm, spec.gamma)
+    x = view.values[node.inputs[spec.input]].shape
     if compressed:
         out.why = "it is emitted as CRMSNorm, whose readers absorb γ already"
     elif kept_by_target is not None:
         out.why = f"the target keeps this norm ({kept_by_target})"
     elif spec.gamma is not None and not view.values[spec.gamma].is_const:
         out.why = f"γ `{spec.gamma}` is not a constant"
+    elif x is None or spec.axis >= len(x) or not isinstance(x[spec.axis], int):
+        out.why = "its feature size is not known (a unit weight needs it)"
     if out.why:
         return out
-    x = view.values[view.nodes[norm].inputs[spec.input]].shape
-    if x is None or spec.axis >= len(x) or not isinstance(x[spec.axis], int):
-        out.why = "its feature size is not known (a unit weight needs it)"
-        return out
-    y = view.nodes[norm].outputs[0]
+    y = node.outputs[0]
     readers, why = linear_readers(view, y, spec.axis, through_layout=True)
     out.by_readers, out.read_as_output = why is not None, view.values[y].is_graph_output
     if why is None and spec.beta is not None and (beta is None or beta.emits_add):
         why = ("β stays with the norm (" + (beta.why if beta is not None else "the target folds no β")
                + "), and a β Add after a unit-γ norm would be scaled by γ in the readers")
-    if why is not None:
-        out.why = why
-        return out
-    if spec.gamma is not None:
+    if why is None and spec.gamma is not None:
         d = view.values[spec.gamma].shape
         for r in readers:
             ws = view.values[r.weight.value].shape
             if ws is None or d is None or ws[r.weight.axis] != d[-1]:
-                out.why = f"the sizes of {view.nodes[r.node].describe()}'s weight and γ are not known to fit"
-                return out
-    out.readers = readers
+                why = f"the sizes of {view.nodes[r.node].describe()}'s weight and γ are not known to fit"
+                break
+    if why is None:
+        out.readers = readers
+    else:
+        out.why = why
     return out

@@ -1,6 +1,6 @@
 """Which tensor of a sharded checkpoint (fx_rewrite/checkpoint.py) gets which edit, without any
-framework type: the output shard of each edited, kept or new tensor (`shard_work`), the ties an
-edit breaks (`untie`), and which edits can be streamed a block of rows at a time (edits.centers_first_axis).
+framework type: the output shard of each edited, kept or new tensor (`shard_work`), and the ties an
+edit breaks (`untie`).
 """
 from __future__ import annotations
 
