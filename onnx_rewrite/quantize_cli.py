@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 from ..passes import LnfoldError
-from ..passes.options import as_argument, check_output
-from ..passes.options import OPTIONS
+from ..passes.options import OPTIONS, as_argument, check_output
 from ..passes.plots import candidates_chart, check_path
 from ..passes.quantize import ACTIVATIONS, AUTO, WEIGHTS
 
@@ -81,9 +80,8 @@ def file_paths(args) -> tuple[Path, Path]:
 
 def run(args) -> int:
     from .inputs import parse_dims
-    from .quantize import quantize_model
-
     from .progress import reporting
+    from .quantize import quantize_model
 
     src, dst = file_paths(args)
     if args.plot is not None:  # (the user's mistakes before any work)
@@ -95,9 +93,8 @@ def run(args) -> int:
         result = quantize_model(src, weights=args.weights, activations=args.activations, calibrate=args.calibrate,
                                 rotate=args.rotate, seed=args.seed, gamma_in_float=args.gamma_in_float,
                                 spare_channels=args.spare_channels, online_hadamard=args.online_hadamard,
-                                block_size=args.block_size,
-                                per_channel=args.per_channel, inputs=args.inputs, dims=parse_dims(args.dim),
-                                progress=progress)
+                                block_size=args.block_size, per_channel=args.per_channel, inputs=args.inputs,
+                                dims=parse_dims(args.dim), progress=progress)
     code = write_and_report(result, dst, t0, args.json, "quantized")
     if args.plot is not None and code == 0:
         candidates_chart(result.report, args.plot, f"lnfold quantize --rotate auto: {src.name} (NOT exact)")
