@@ -5,13 +5,12 @@
     [v = v + eps]             n = d / sqrt(v)  or  d * rsqrt(v)  or  d * reciprocal(sqrt(v))
     [n = cast(n)]             [n = n * γ]          [n = n + β]  (γ, β constants along A)
 
-as exporters and hand-written modules spell it (BERT-family and DeBERTa with fp32 casts,
-ConvNeXt / ViTDet's channels-first LayerNorm over dim 1, Cohere's rsqrt form, torch's ONNX
-exporter dropping an eps it rounds to zero). `collapse_norms` replaces each match in the view by
-one LayerNorm node named after its first op; the frontend keeps the match to apply the swap,
-which for this form is: drop the mean subtraction (each `x - u` reads x), leaving an RMSNorm.
-A chain that starts like one and stops short (the variance of x rather than of x - u, an eps that
-is no constant, ...) is a near miss: `match` says why (passes/match.py) and the report lists it.
+as exporters and hand-written modules spell it (BERT and DeBERTa with fp32 casts, ConvNeXt's
+channels-first LayerNorm, Cohere's rsqrt, torch's ONNX exporter dropping an eps it rounds to zero).
+`collapse_norms` replaces each match in the view by one LayerNorm node named after its first op;
+the frontend keeps the match to apply the swap: drop the mean subtraction (each `x - u` reads x),
+leaving an RMSNorm. A chain that stops short of one is a near miss, which the report lists with
+`match`'s reason.
 """
 from __future__ import annotations
 
@@ -335,8 +334,8 @@ def match_rms(view: View, mean: Node) -> MatchResult[DecomposedNorm]:
 
 def _escapes(view: View, covered: list, out: str, what: str, priority: int,
              ignored: Callable[[str], bool] = lambda name: False) -> Optional[NoMatch]:
-    """Why a value computed inside a matched norm (`covered`, whose output is `out`) is read outside
-    it, which the swap would remove; None where none is (`ignored` readers: ones that read no values)."""
+    """Why a value inside a matched norm (`covered`, output `out`), which the swap would remove, is
+    read outside it (`ignored` readers aside); None where none is."""
     names = {n.name for n in covered}
     for n in covered:
         for v in n.outputs:

@@ -665,9 +665,8 @@ def _invariant_along(view, node, data=0, axis=None):
 
 
 def _metadata(view, node, sized=False, reads=None, sizes_of=()):
-    """`width_refs(0, axis)`: [] where the result does not depend on the size along `axis`; where
-    that size is used only as ops' output sizes, [SizeOf(input, axis)]: it follows the width where
-    the input is a tensor of the stream (compress.follows_stream), and each of those ops is judged
+    """`width_refs(0, axis)`: [] where the result does not depend on the size along `axis`;
+    [SizeOf(input, axis)] where that size is used only as ops' output sizes, each such op judged
     by its own sizes (compress.sized_off_stream)."""
     def width_refs(o, axis):
         if not sized or (reads is not None and axis not in reads and axis not in sizes_of):
