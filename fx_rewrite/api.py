@@ -6,7 +6,6 @@ its own copy of every parameter (the user's module is never touched). `norm="aut
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import logging
@@ -54,11 +53,17 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         ds_args, ds_kwargs = _dynamic_shapes(args, kwargs)
         named = dict(zip(inspect.signature(module.forward).parameters, ds_args))
         shapes = {**named, **ds_kwargs} if kwargs else ds_args
+        # torch.export warns that Dim.AUTO was specialized for every size-1 dimension of the example
+        # inputs (a batch of 1): an export detail lnfold asked for, not the user's problem
+        logger = logging.getLogger("torch._export.non_strict_utils")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
         try:
-            with _quiet_specialization():
-                return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
         except Exception:  # some models cannot be exported with dynamic sizes: fall back to static
             pass
+        finally:
+            logger.setLevel(level)
     try:
         return torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:
@@ -66,20 +71,6 @@ def export(module: torch.nn.Module, args: tuple, kwargs: Optional[dict] = None, 
         if short is None:
             raise
         raise short from e
-
-
-@contextlib.contextmanager
-def _quiet_specialization():
-    """torch.export warns "dimension ... 0/1 specialized; Dim.AUTO was specified along with a sample
-    input with hint = 1" on its logger for every size-1 dimension of the example inputs (a batch of 1):
-    an export detail lnfold asked for (Dim.AUTO), not the user's problem."""
-    logger = logging.getLogger("torch._export.non_strict_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def own_tensors(gm: fx.GraphModule) -> None:
@@ -217,7 +208,10 @@ class ExportFrontend:
         Applier(gm, self._view, self.info, ATEN, constants, norm=self.norm).apply(plan)
         if plan.deferral.deferred:
             deferred_norm.emit_all(gm, plan.deferral, _buffer_biases(gm, plan, self.tensor))
-        _drop_unused_attrs(gm)
+        for node in list(gm.graph.nodes):  # free the originals the fold replaced (an uncentered embedding)
+            if node.op == "get_attr" and not node.users:
+                gm.graph.erase_node(node)
+        gm.recompile()
         return gm
 
     emit = staticmethod(pipeline.in_memory)
@@ -361,16 +355,6 @@ def check_plan(plan: Plan) -> None:
         raise NothingToFold(f"no LayerNorm can be folded; first kept: {first_kept_reason(plan.report)}")
 
 
-def _drop_unused_attrs(gm: fx.GraphModule) -> None:
-    """Free the originals the fold replaced (e.g. an uncentered embedding no node reads now)."""
-    for node in list(gm.graph.nodes):
-        if node.op == "get_attr" and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
-
-
 def check_equivalent(original: torch.nn.Module, folded: torch.nn.Module, args: tuple, kwargs: dict) -> float:
     """Worst relative output difference on `args`; raises VerificationError when the gate fails."""
     return Verifier(original, args, kwargs).check(folded).diff
-
-

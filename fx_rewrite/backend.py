@@ -1,27 +1,20 @@
 """The torch.compile backend `lnfold`: fold the LayerNorms of Dynamo's graph, then run Inductor.
 
-    model = torch.compile(model, backend="lnfold")                      # registered entry point
     model = torch.compile(model, backend="lnfold", options={"lnfold.mode": "crms"})
     model = torch.compile(model, backend=fx_rewrite.lnfold_backend_with(mode="rms"))
 
-Dynamo hands over a torch-level graph whose parameters are graph inputs, their real tensors among
-the example inputs. Every folded LayerNorm becomes `F.rms_norm` (+ β), the faster of the two exact
-norms under Inductor; then Inductor (`compile_fx`), or any `inner` backend, compiles it.
+torch.compile passes `mode=` (Inductor's) and `options=` to a backend named by string. Keys starting
+with "lnfold." are ours: "lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each
+graph's Report), "lnfold.verify" (run both graphs eagerly on the example inputs at compile time, at the
+sizes of the tensors at hand, and raise VerificationError if passes/gate.py refuses the fold),
+"lnfold.defer" ("auto", "on", "off": folded norms read only by linear layers as deferred
+normalization, passes/defer.py; default "off", as measured; inference only); every other key is an
+Inductor config patch.
 
-Options. torch.compile passes `mode=` (Inductor's mode: "max-autotune", ...) and `options=` to
-a backend named by string as keyword arguments. Keys starting with "lnfold." are ours:
-"lnfold.mode" ("rms" or "crms"), "lnfold.on_report" (a callable receiving each graph's Report),
-"lnfold.verify" (run the original and the folded graph eagerly on the example inputs at compile
-time — under dynamic shapes at the sizes of the tensors at hand — and raise VerificationError if
-the gate of passes/gate.py refuses the fold), "lnfold.defer" ("auto", "on", "off": emit
-folded norms read only by linear layers as deferred normalization, passes/defer.py; default
-"off", as measured; "auto" asks the cost model; inference only); every other key is an
-Inductor config patch, as with the default backend.
-
-Edited weights are computed in the graph from the parameters Dynamo passes, at every call, so no
-copy can go stale however a weight changes (fx_rewrite/apply.GraphConstants): in float64 at
-inference, rounded once; in the parameter's dtype in training, so loss and gradients are the
-original model's (THEORY §1).
+Every folded LayerNorm becomes `F.rms_norm` (+ β), the faster exact norm under Inductor. Edited
+weights are computed in the graph from the parameters Dynamo passes, at every call, so no copy can go
+stale (apply.GraphConstants): in float64 at inference, rounded once; in the parameter's dtype in
+training, so loss and gradients are the original model's (THEORY §1).
 """
 from __future__ import annotations
 

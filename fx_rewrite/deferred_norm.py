@@ -3,11 +3,9 @@
     r = rsqrt(mean(x², -1, keepdim) + eps)                          per row
     reader: linear(x, W·diag γ) * r + (W β + b)                     the row scale before the bias
 
-The readers' γ-scaled weights are constant edits of the plan (already applied by the Applier);
-here the norm is removed, its readers read the stream itself, each product is scaled, and the
-bias `W β + b` (or the reader's own bias when β is absent) is added after. Inductor sees a
-reduction it can fuse with the residual Add that produces x, and a GEMM followed by a pointwise
-multiply-add it may fuse into the GEMM's epilogue (benchmarks/RESULTS.md says what it did).
+The readers' γ-scaled weights are the Applier's constant edits; here the norm goes and each reader
+scales its product. Inductor can fuse the reduction with the residual Add that produces x, and the
+multiply-add into the GEMM's epilogue (benchmarks/RESULTS.md says what it did).
 """
 from __future__ import annotations
 

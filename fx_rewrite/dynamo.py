@@ -20,10 +20,7 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _is_module_state(node: fx.Node) -> bool:
-    arg = node.meta.get("grapharg")
-    src = getattr(arg, "source", None)
-    if src is None:
-        return False
+    src = getattr(node.meta.get("grapharg"), "source", None)
     name = src.name() if callable(getattr(src, "name", None)) else getattr(src, "name", "")
     return "._parameters[" in str(name) or "._buffers[" in str(name)
 

@@ -1,9 +1,7 @@
-"""The constant edits of passes/edits.py over torch: the algebras its one interpreter (`apply_ops`)
-walks: `TENSOR` on eager tensors in their own dtype (the training fold centers a weight in each
-forward from the Parameter itself), `graph_algebra` as nodes of an FX graph (the backend under
-autograd); `to_numpy` / `from_numpy` to and from the float64 numpy of passes/ for what is computed
-once; a graph module's constants as attributes. Only centering and the LayerScale profile are spelled
-here (torch's dtype handling: fp16/bf16 means in float32); the CRMS weight math is passes/weights.py's.
+"""The constant edits of passes/edits.py over torch: `TENSOR` on eager tensors in their own dtype
+(the training fold), `graph_algebra` as nodes of an FX graph (the backend); `to_numpy` / `from_numpy`
+to and from the float64 numpy of passes/ for what is computed once; a graph module's constants as
+attributes. Only centering and the LayerScale profile are spelled here (fp16/bf16 means in float32).
 """
 from __future__ import annotations
 
@@ -52,10 +50,6 @@ def profile(by: torch.Tensor, by_axis: int, rank: int, axis: int) -> torch.Tenso
     return vec.reshape(shape)
 
 
-def scale(x: torch.Tensor, by: torch.Tensor, by_axis: int, axis: int) -> torch.Tensor:
-    return x * profile(by, by_axis, x.ndim, axis)
-
-
 def weight_times(w: torch.Tensor, v: torch.Tensor, axis: int) -> torch.Tensor:
     return weights.weight_times(w, v, axis, torch.tensordot)
 
@@ -67,7 +61,7 @@ def add_weight_times(a: torch.Tensor, w: torch.Tensor, axis: int, v: torch.Tenso
 TENSOR = Algebra(
     center=center,
     center_blocks=center,
-    scale=scale,
+    scale=lambda x, by, by_axis, axis: x * profile(by, by_axis, x.ndim, axis),
     ones=lambda x: x * 0 + 1,  # not ones_like: the parameter keeps a gradient path
     fold_decompression=weights.fold_decompression,
     add_weight_times=add_weight_times,
