@@ -123,20 +123,19 @@ def judge(outputs: Sequence[Output], norm_inputs: Optional[dict[str, np.ndarray]
     if all(e <= TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
         return Verdict(True, TOLERANCE_ONLY, diff, no_float64=no_float64)
     worst_err, worst = max(zip(errs, outputs), key=lambda eo: eo[0] / TOLERANCE.get(eo[1].dtype, 1.0))
-    too_far = f"output {worst.name} differs from the original's by {worst_err:.3g} " \
-              f"(relative), above {TOLERANCE.get(worst.dtype, 0.0):g}, and no float64 run of the model was possible" + \
-              (f" ({no_float64})" if no_float64 else "")
+    too_far = (f"output {worst.name} differs from the original's by {worst_err:.3g} (relative), above "
+               f"{TOLERANCE.get(worst.dtype, 0.0):g}, and no float64 run of the model was possible"
+               + (f" ({no_float64})" if no_float64 else ""))
     if not norm_inputs:
         return Verdict(False, TOLERANCE_ONLY, diff, failure=too_far, no_float64=no_float64)
     bad = off_center(norm_inputs, norm_dtype)
+    failure = ""
     if bad:
-        return Verdict(False, ZERO_MEAN, diff, no_float64=no_float64,
-                       failure=f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS "
-                               f"(above {MEAN_TOL.get(norm_dtype, 1e-4):g})")
-    if any(e > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
-        return Verdict(False, ZERO_MEAN, diff, failure=f"{too_far}, even {LOOSE:g}x that",
-                       no_float64=no_float64)
-    return Verdict(True, ZERO_MEAN, diff, no_float64=no_float64)
+        failure = (f"{too_far}; the input of folded norm {bad[0]} has mean {bad[1]:.3g} of its RMS (above "
+                   f"{MEAN_TOL.get(norm_dtype, 1e-4):g})")
+    elif any(e > LOOSE * TOLERANCE.get(o.dtype, 0.0) for o, e in zip(outputs, errs)):
+        failure = f"{too_far}, even {LOOSE:g}x that"
+    return Verdict(not failure, ZERO_MEAN, diff, failure=failure, no_float64=no_float64)
 
 
 def allowance(own: float, dtype: str, faithful: bool) -> float:
