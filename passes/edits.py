@@ -28,14 +28,13 @@ class Op:
         return self
 
     def without_axis(self, gone: int) -> "Op":
-        return replace(self, axis=_shifted(self.axis, gone)) if hasattr(self, "axis") else self
+        """This op on the tensor with axis `gone` removed (its own axis shifted down past it)."""
+        if getattr(self, "axis", None) is None:
+            return self
+        return replace(self, axis=self.axis if self.axis < gone else self.axis - 1)
 
     def mixes(self, ndim: int) -> Optional[frozenset]:
         return None
-
-
-def _shifted(axis: Optional[int], gone: int) -> Optional[int]:
-    return axis if axis is None or axis < gone else axis - 1
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class Plan:
     const_edits: Sequence[ConstEdit] = FrozenList()
     recenters: Sequence[Recenter] = FrozenList()
     swaps: Sequence[str] = FrozenList()  # LayerNorm nodes to replace by RMSNorm
-    # RMSNorms as given (NormSpec.rms; issue 47) emitted anew with unit weight: γ went into their
+    # RMSNorms as given (NormSpec.rms) emitted anew with unit weight: γ went into their
     # readers, or into a readout's matrix (a rotated stream's norm whose readers cannot take γ)
     rms_swaps: Sequence[str] = FrozenList()
     components: Sequence[Component] = FrozenList()
