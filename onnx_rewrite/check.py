@@ -105,12 +105,9 @@ def _num(x: Optional[float]):
     return x if x is None or math.isfinite(x) else str(x)
 
 
-def _names(skel: onnx.ModelProto) -> tuple[list[str], list[str]]:
-    return [s.name for s in synth.graph_inputs(skel)], [o.name for o in skel.graph.output]
-
-
 def _same_names(a: onnx.ModelProto, b: onnx.ModelProto) -> None:
-    for what, x, y in zip(("inputs", "outputs"), _names(a), _names(b)):
+    names = [([s.name for s in synth.graph_inputs(m)], [o.name for o in m.graph.output]) for m in (a, b)]
+    for what, x, y in zip(("inputs", "outputs"), *names):
         if set(x) != set(y):
             only_a, only_b = [n for n in x if n not in y], [n for n in y if n not in x]
             raise LnfoldError(f"ORIGINAL and OTHER differ in their {what}: only in ORIGINAL: "
