@@ -137,10 +137,9 @@ def _looked_up_rows(applier, edit: ConstEdit, val) -> bool:
     reads it as the table of `F.embedding` (no max_norm: the classifier never centers those)."""
     if val is None or val.ndim != 2 or not centers_rows(edit.ops, 1):
         return False
-    nodes = [applier.nodes[user] for user, _ in edit.users]
-    calls = [canonical(n) for n in nodes]
-    return all(n.target is F.embedding and c.args.get("weight") is applier.node_named(edit.value)
-               and c.args.get("max_norm") is None for n, c in zip(nodes, calls))
+    calls = [(n, canonical(n)) for n in (applier.nodes[user] for user, _ in edit.users)]
+    return all(n.target is F.embedding and c.get("weight") is applier.node_named(edit.value)
+               and c.get("max_norm") is None for n, c in calls)
 
 
 # --- the edits -----------------------------------------------------------------------------------

@@ -44,7 +44,6 @@ class Float64Everywhere(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-# `with suspended():` a block in which no dispatch mode runs (Float64Everywhere included): a checkpoint's
-# tensors are read from their files there, in their stored dtype, while a float64 run is under way
-# (fx_rewrite/checkpoint_verify.py loads each module's weights as the module is reached).
+# `with suspended():` no dispatch mode runs (Float64Everywhere included): checkpoint_verify.py reads a
+# checkpoint's tensors there, in their stored dtype, while a float64 run is under way.
 suspended = disable_dispatch_modes

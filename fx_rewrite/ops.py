@@ -41,10 +41,8 @@ def _aten(kind: str, *names: str) -> None:
 
 _aten("identity", "clone", "alias", "detach", "contiguous", "lift_fresh_copy", "_to_copy", "to", "type_as")
 _aten("dropout", "dropout", "feature_dropout")
-_aten("add", "add", "add_")
-_aten("sub", "sub", "sub_")
-_aten("mul", "mul", "mul_")
-_aten("div", "div", "div_")
+for _kind in ("add", "sub", "mul", "div"):
+    _aten(_kind, _kind, _kind + "_")  # and its in-place spelling
 _aten("reshape", "view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze",
       "view_as", "reshape_as")
 _aten("expand", "expand", "expand_as", "broadcast_to")
@@ -96,26 +94,19 @@ _X, _XY, _XDIM = ("input",), ("input", "other"), ("input", "dim")
 _DIM_INDEX, _REDUCE = ("input", "dim", "index"), ("input", "dim", "keepdim")
 _CONV = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
 _CONV_T = ("input", "weight", "bias", "stride", "padding", "output_padding", "groups")
-_both("add", _XY, "add")
-_both("sub", _XY, "sub")
-_both("mul", _XY, "mul")
-_both("div", _XY, "div")
-_both("neg", _X, "neg")
 _both("identity", _X, "clone", "detach")
 _both("reshape", _X, "reshape", "flatten", "squeeze", "unsqueeze", "unflatten")
 _both("transpose", ("input", "dim0", "dim1"), "transpose", "swapaxes")
-_both("permute", ("input", "*dims"), "permute")
 _both("slice", ("input", "dim", "start", "length"), "narrow")
 _both("split", ("input", "split_size", "dim"), "split")
 _both("split", ("input", "chunks", "dim"), "chunk")
-_both("pow", ("input", "exponent"), "pow")
-_both("masked_fill", ("input", "mask", "value"), "masked_fill")
 _both("softmax", _XDIM, "softmax", "log_softmax", "argmax", "argmin")
 _both("reorder", ("input", "shifts", "dims"), "roll")
-for _kind, _params in {"t": _X, "sqrt": _X, "rsqrt": _X, "reciprocal": _X, "select": _DIM_INDEX,
-                       "index_select": _DIM_INDEX, "gather": _DIM_INDEX, "unbind": _XDIM, "mean": _REDUCE,
-                       "sum": _REDUCE}.items():
-    _both(_kind, _params, _kind)
+for _kind, _params in {"add": _XY, "sub": _XY, "mul": _XY, "div": _XY, "neg": _X, "t": _X, "sqrt": _X,
+                       "rsqrt": _X, "reciprocal": _X, "pow": ("input", "exponent"), "permute": ("input", "*dims"),
+                       "select": _DIM_INDEX, "index_select": _DIM_INDEX, "gather": _DIM_INDEX, "unbind": _XDIM,
+                       "mean": _REDUCE, "sum": _REDUCE, "masked_fill": ("input", "mask", "value")}.items():
+    _both(_kind, _params, _kind)  # torch.<kind> and the tensor method of that name
 
 _torch("add", _XY, operator.add, operator.iadd)
 _torch("sub", _XY, operator.sub, operator.isub, torch.subtract)
