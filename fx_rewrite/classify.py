@@ -104,7 +104,7 @@ def _norm_axis(axis: Any, rank: Optional[int]) -> Optional[int]:
     return axis + rank if axis < 0 else axis
 
 
-def _perm_of(g: GraphInfo, node: fx.Node, call: Call) -> Optional[list[int]]:
+def _perm_of(g: GraphInfo, call: Call) -> Optional[list[int]]:
     """Output axis k of a transpose/permute/t reads input axis perm[k]."""
     rank = g.rank(call.node("input"))
     if rank is None:
@@ -245,7 +245,7 @@ def varargs_sizes(node: fx.Node) -> list:
 
 def _permute(g: GraphInfo, node: fx.Node, call: Call) -> Built:
     i = g.index(node, call.node("input"))
-    perm = _perm_of(g, node, call)
+    perm = _perm_of(g, call)
     return None if i is None or perm is None else rule("permute", data=i, perm=perm)
 
 
