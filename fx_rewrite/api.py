@@ -221,9 +221,8 @@ class ExportFrontend:
             return None
         verifier = Verifier(self.module, self.args, self.kwargs)
         verdict = verifier.check(gm)
-        # A kept LayerNorm hides a missed centering: check the RMSNorm twin as well (it must pass
-        # too; the result reports the module returned).
-        # (the norms of a rotated stream are RMSNorms already: their input is not zero-mean)
+        # A kept LayerNorm hides a missed centering: its RMSNorm twin must pass too (the norms of a
+        # rotated stream are RMSNorms already); the result reports the module returned.
         probed = [n for n in plan.plain_rms if n not in plan.rotated_norms]
         if self.norm != "rms_norm" and probed:
             verifier.check(rms_probe(gm, probed, ATEN, self.info.decomposed))
