@@ -206,12 +206,6 @@ def stamp(model: onnx.ModelProto, key: str, value: str) -> None:
     model.metadata_props.append(onnx.StringStringEntryProto(key=key, value=value))
 
 
-def _analyze(model: onnx.ModelProto, mode: str):
-    frontend = OnnxFrontend(model, FoldOptions(mode=mode), targets.resolve("ort", "cpu"))
-    _, plan = pipeline.plan(frontend, make_plan)
-    return frontend.graph, frontend.info, frontend.opset, frontend.matches, plan, frontend.scopes
-
-
 def _all_zero(info: GraphInfo, name: str) -> bool:
     v = const_values(info.tensors[name]) if name in info.tensors else None
     return v is not None and not np.any(np.asarray(v))
@@ -286,10 +280,9 @@ def fold_model(
 
 def fold_file(src, model: onnx.ModelProto, dst, opts: FoldOptions, *, target: str = "ort", device: str = "cpu",
               inputs=None, dims: Optional[dict] = None, progress: Progress = None, layout=None) -> FoldResult:
-    """`fold_model` of `model` (loaded from the file `src`) with the options `opts`, written to
-    `dst` atomically (its weights as `layout` says: write.data_layout): the written files are
-    verified against `src` (any size: onnxruntime reads them) and published only when verification
-    passes (the `lnfold fold` command). With `dst` None: fold_model, in memory."""
+    """`fold_model` of `model` (loaded from the file `src`), written to `dst` (its weights as `layout`
+    says: write.data_layout) and published only when the written files pass verification against
+    `src` (any size: onnxruntime reads them). With `dst` None: fold_model, in memory."""
     tgt = targets.resolve(target, device)
     model = as_model(model)
     if opts.verify:  # bad inputs or dims are the user's error: say so before any work
@@ -327,10 +320,9 @@ def fold_approx(model: onnx.ModelProto, opts: FoldOptions, *, calibration, budge
 
 
 class OnnxFolds:
-    """passes/calibration.Folds over ONNX: the model validated and its shapes inferred once (the first
-    frontend's `prepared`), each fold a fresh import of it, verified on `inputs` (the deciding
-    calibration feeds); the final fold written to `written["output"]` where given, and measured
-    as read back from there, as a user would load it."""
+    """passes/calibration.Folds over ONNX: the model validated and its shapes inferred once, each fold
+    a fresh import of it, verified on `inputs`; the final fold written to `written["output"]` where
+    given, and measured as read back from there, as a user would load it."""
 
     def __init__(self, model: onnx.ModelProto, opts: FoldOptions, target: Target, *, inputs: Optional[dict] = None,
                  progress: Progress = None, written: Optional[dict] = None) -> None:

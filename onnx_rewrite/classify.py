@@ -351,9 +351,8 @@ OPS: dict[str, Callable[[GraphInfo, gs.Node, int], Optional[Rule]]] = {
     "LogSoftmax": _softmax,
     "ArgMax": _softmax,
     "ArgMin": _softmax,
-    # Shape/Size read no values: nothing about the stream's mean can reach their outputs (their
-    # results hold the width, which CRMSNorm and slicing change; Shape: which axes' sizes the graph
-    # reads other than as an output size, computed_shapes.read_axes).
+    # Shape/Size read no values, but their results hold the width, which CRMSNorm and slicing change
+    # (Shape: which axes' sizes the graph reads other than as an output size, computed_shapes.read_axes).
     "Shape": lambda info, n, _: _shape(info, n),
     # Draws as many numbers as its input has, of its type: reads no values (random_ops.py says how
     # verification draws the same numbers in each model).

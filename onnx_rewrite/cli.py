@@ -163,9 +163,8 @@ def cmd_fold(args) -> int:
 
 
 def fold_file(src: Path, dst: Path, args):
-    """Fold the ONNX file `src` into `dst` (checked, then renamed into place), its weights in the
-    input's layout (one file, or a data file beside it: onnx_rewrite/write.py `data_layout`).
-    The one pipeline (passes/pipeline.py) verifies the written files before they are published."""
+    """Fold the ONNX file `src` into `dst`, its weights in the input's layout (write.data_layout);
+    the written files are verified before they are renamed into place."""
     from .progress import reporting
 
     with reporting(src, json=args.json) as progress:  # a status line on a terminal, erased before the report
@@ -185,8 +184,7 @@ def _fold_file(src: Path, dst: Path, args, progress):
     t0 = time.perf_counter()
     # big weights stay in the input's data file: read where the fold edits them, copied on save
     model = load(src, data_files=inputs, lazy=True)
-    # (the layout is read from the file's own external-data records; a file with none has its
-    # weights inside, and is not parsed a second time: a 500 MB GPT-2, a second of the fold)
+    # (a file without external data is not parsed a second time: a second of a 500 MB GPT-2's fold)
     layout = data_layout(onnx.load(str(src), load_external_data=False), src, dst) if inputs != {src.resolve()} \
         else None
     loading = time.perf_counter() - t0
@@ -274,14 +272,6 @@ def cmd_check(args) -> int:
     return result.exit_code
 
 
-def nothing_to_fold(e: NothingToFold) -> dict:
-    """`--json` on exit 2, nothing to fold: the JSON object with the reason (the one line stderr
-    says) and the analysis's report where it made one (every norm, its verdict and why)."""
-    report = getattr(e, "report", None)
-    return {"output": None, "written": False, "exit_code": e.exit_code, "reason": str(e),
-            "report": report.to_dict() if report is not None else None}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -312,8 +302,10 @@ def main(argv=None) -> int:
 
         return run_demo(layers=args.layers, hidden=args.hidden, keep=args.keep, seconds=args.seconds)
     except LnfoldError as e:
-        if isinstance(e, NothingToFold) and getattr(args, "json", False):
-            print(json.dumps(nothing_to_fold(e), indent=2))
+        if isinstance(e, NothingToFold) and getattr(args, "json", False):  # the reason, and the report if made
+            report = getattr(e, "report", None)
+            print(json.dumps({"output": None, "written": False, "exit_code": e.exit_code, "reason": str(e),
+                              "report": report.to_dict() if report is not None else None}, indent=2))
         print(f"lnfold: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -47,10 +47,8 @@ def forget_shapes(em, plan: Plan) -> None:
 
 
 def add_new_biases(plan: Plan, tensor, place) -> None:
-    """`+ W β` after each linear reader that had no bias (with its weight's source edits). As the
-    constant edits: `tensor(name)` is the original constant a plan name stands for, and
-    `place(view node)` the emitter of the graph that holds that node, and the node (an If branch's
-    readers are its own graph's: subgraphs.apply)."""
+    """`+ W β` after each linear reader that had no bias. `tensor(name)`: the original constant a plan
+    name stands for; `place(view node)`: (the emitter of the graph that holds the node, the node)."""
     original = lambda name: const_values(tensor(name))  # noqa: E731
     for nb in plan.new_biases:
         em, node = place(plan.origin(nb.node))

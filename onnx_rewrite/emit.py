@@ -39,7 +39,7 @@ class Emitter:
         self._next: dict[str, int] = {}  # base -> the suffix `unique` tries first (those below are taken)
         self.dtypes: dict = {}  # norms.float_dtype's walks, shared by every norm of this emission
         self.retyped: dict[str, tuple] = {}  # norm -> (its input's dtype, its γ/β's other dtype)
-        self.notes: list[str] = []  # what the emission tells the report (the plan's own report stays as planned)
+        self.notes: list[str] = []  # what the emission adds to the report
 
     def unique(self, base: str) -> str:
         """`base`, else `base_1`, `base_2`, …: the first not taken. Names are only ever added, so
@@ -364,9 +364,8 @@ class Emitter:
         self.node("SkipSimplifiedLayerNormalization", [a, b, gamma], outs, domain="com.microsoft", epsilon=float(eps))
 
 
-# onnxruntime's RMS ops, which onnx's shape inference does not know (onnx.shape_inference leaves
-# their outputs untyped, and so every tensor after them): onnxruntime's quantizer then stops
-# with "Unable to find data type for weight_name=...". Their outputs get a type (value_info).
+# onnxruntime's RMS ops, whose outputs (and every tensor after them) onnx's shape inference leaves
+# untyped, which stops onnxruntime's quantizer ("Unable to find data type for weight_name=...").
 _ORT_ONLY_NORMS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 

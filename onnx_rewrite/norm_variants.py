@@ -30,19 +30,17 @@ from typing import Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..passes.axes import Shape
 from ..passes.match import MatchResult, NoMatch
 from ..passes.rules import norm_axis as _norm_axis
 from .norms import NormMatch, const_values, rank_of, reduce_axes
-from ..passes.axes import Shape
 
 MEANS = ("ReduceMean", "GlobalAveragePool")  # the ops both patterns start at: the mean of x
 
 
 def _scalar(t) -> Optional[float]:
     v = const_values(t) if t is not None else None
-    if v is None or np.asarray(v).size != 1:
-        return None
-    return float(np.asarray(v).reshape(-1)[0])
+    return float(np.asarray(v).reshape(-1)[0]) if v is not None and np.size(v) == 1 else None
 
 
 def _readers(t: gs.Tensor) -> list:
@@ -74,7 +72,7 @@ def _mean_axes(node: gs.Node, rank: Optional[int]) -> Optional[tuple]:
     if node.op != "ReduceMean" or int(node.attrs.get("keepdims", 1)) != 1:
         return None
     axes = reduce_axes(node)
-    if axes is None or not axes or rank is None:
+    if not axes or rank is None:
         return None
     return tuple(sorted({a + rank if a < 0 else a for a in axes}))
 
@@ -89,9 +87,7 @@ def _desc(node: gs.Node) -> str:
 
 def _what_reads(t: gs.Tensor) -> str:
     r = _readers(t)
-    if not r:
-        return "nothing"
-    return ", ".join(_desc(n) for n in r[:3]) + (f" and {len(r) - 3} more" if len(r) > 3 else "")
+    return ", ".join(_desc(n) for n in r[:3]) + (f" and {len(r) - 3} more" if len(r) > 3 else "") if r else "nothing"
 
 
 def _sqrt(v: gs.Tensor, nodes: list) -> MatchResult[tuple[gs.Tensor, float]]:

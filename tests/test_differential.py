@@ -195,16 +195,19 @@ def test_frontends_find_the_same_linear_readers_for_deferral_and_crms():
     same number of linear readers (behind row-flattening reshapes), each with an input-feature
     axis on its weight and a bias; the final norm, whose output is the graph's, is refused by both."""
     from lnfold.fx_rewrite.api import exported_view
-    from lnfold.onnx_rewrite.api import _analyze
+    from lnfold.onnx_rewrite import targets
+    from lnfold.onnx_rewrite.api import OnnxFrontend
     from lnfold.onnx_rewrite.classify import build_view
+    from lnfold.passes.options import FoldOptions
     from lnfold.passes.readers import linear_readers
 
     module, args = zoo.MODELS["vit"]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fx_view = exported_view(module, args, None, False)[2]
-        _, info, opset, *_ = _analyze(zoo.export_onnx(module, args, ["x"]), "rms")
-        onnx_view = build_view(info, opset)[0]
+        frontend = OnnxFrontend(zoo.export_onnx(module, args, ["x"]), FoldOptions(), targets.resolve("ort", "cpu"))
+        frontend.view()
+        onnx_view = build_view(frontend.info, frontend.opset)[0]
 
     def readers(view):
         out = []
