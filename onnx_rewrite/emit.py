@@ -30,10 +30,7 @@ BASIS_CHANGE = "lnfold/basis_change"
 
 class Emitter:
     def __init__(self, graph: gs.Graph, info: GraphInfo, opset: int, target: Target) -> None:
-        self.graph = graph
-        self.info = info
-        self.opset = opset
-        self.target = target
+        self.graph, self.info, self.opset, self.target = graph, info, opset, target
         self.nodes = {n.name: n for n in graph.nodes}
         self._names = {t for t in graph.tensors()} | set(self.nodes)
         self._next: dict[str, int] = {}  # base -> the suffix `unique` tries first (those below are taken)
@@ -147,9 +144,7 @@ class Emitter:
         (written out here), skip and bias a SkipLayerNormalization's (else None)."""
         ins = list(m.nodes[0].inputs)
         x = ins[0] if m.kind != "EmbedLayerNormalization" else fused.embed_sum(self, m)
-        skip = bias = None
-        if m.kind in SKIP_BIAS:
-            skip, bias = ins[1], given(ins, SKIP_BIAS[m.kind])
+        skip, bias = (ins[1], given(ins, SKIP_BIAS[m.kind])) if m.kind in SKIP_BIAS else (None, None)
         for n in m.nodes:  # its output tensors get new producers
             n.outputs.clear()
             n.inputs.clear()
@@ -159,12 +154,10 @@ class Emitter:
         """The residual Add a SkipLayerNormalization fused (x + skip (+ bias)), as plain Adds into
         `summed` (its sum output) or a new tensor: the stream an unfused norm reads."""
         s = summed if summed is not None else self.var(f"{name}/lnfold_sum", x.dtype)
+        xs = s if bias is None else self.var(f"{name}/lnfold_xs", x.dtype)
+        self.node("Add", [x, skip], [xs])
         if bias is not None:
-            xs = self.var(f"{name}/lnfold_xs", x.dtype)
-            self.node("Add", [x, skip], [xs])
             self.node("Add", [xs, bias], [s])
-        else:
-            self.node("Add", [x, skip], [s])
         return s
 
     def bypass_mul(self, mul: gs.Node) -> None:
