@@ -314,8 +314,8 @@ def approximate(view: View, report: Report, names: frozenset) -> FrozenList:
         raise LnfoldError(f"approximate swap: `{unknown[0]}` is not a LayerNorm of the model")
     out = []
     for node in view.norms():
-        v = verdicts[node.name]
-        if node.name in names and v.verdict == "keep" and not node.norm_rejection:
+        v = verdicts.get(node.name) if node.name in names else None
+        if v is not None and v.verdict == "keep" and not node.norm_rejection:
             v.verdict = "approx"
             v.reason = "swapped to RMSNorm although its input keeps its mean: NOT exact (" + v.reason + ")"
             v.beta = "kept as an Add"
