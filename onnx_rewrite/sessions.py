@@ -3,6 +3,7 @@
 lacks (onnxruntime's RMSNorm ops, tf2onnx's Erfc) where onnxruntime refuses a model."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -265,13 +266,13 @@ def contrib_ops() -> list:
         op_domain = ""
 
         def _run(self, x):
-            return (_ERFC(x).astype(x.dtype),)
+            return (_erf_pair()[1](x).astype(x.dtype),)
 
     class Erf(OpRun):
         op_domain = ""
 
         def _run(self, x):
-            return (_ERF(x).astype(x.dtype),)
+            return (_erf_pair()[0](x).astype(x.dtype),)
 
     class Gelu(OpRun):
         """Opset 20's Gelu: onnx would run its function body, whose Erf is onnx's float32 one."""
@@ -280,7 +281,7 @@ def contrib_ops() -> list:
         def _run(self, x, approximate="none"):
             if approximate == "tanh":
                 return ((0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))).astype(x.dtype),)
-            return ((0.5 * x * (1 + _ERF(x / np.sqrt(2)))).astype(x.dtype),)
+            return ((0.5 * x * (1 + _erf_pair()[0](x / np.sqrt(2)))).astype(x.dtype),)
 
     from .contrib_attention import ops as attention_ops  # GroupQueryAttention (onnxruntime-genai's builder)
 
@@ -292,11 +293,16 @@ def _elementwise(f):
                                  np.size(x)).reshape(np.shape(x))
 
 
-try:  # scipy's Cephes erf where scipy is installed (not a dependency): within 3 ulp of libm's, and a
-    # ViT-B's float64 copy spent 1.3 s in 12 GELUs' Erf element by element
-    from scipy.special import erf as _ERF, erfc as _ERFC
-except ImportError:  # libm's, element by element
-    _ERF, _ERFC = _elementwise(math.erf), _elementwise(math.erfc)
+@functools.cache
+def _erf_pair():
+    """(erf, erfc) over arrays: scipy's Cephes where scipy is installed (not a dependency), within 3
+    ulp of libm's (a ViT-B's float64 copy spent 1.3 s in 12 GELUs' Erf element by element), else
+    libm's element by element. Imported at the first Erf: scipy.special costs every command 0.3 s."""
+    try:
+        from scipy.special import erf, erfc
+    except ImportError:
+        return _elementwise(math.erf), _elementwise(math.erfc)
+    return erf, erfc
 
 
 def first_line(e: BaseException) -> str:
