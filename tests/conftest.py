@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import sys
 
 import pytest
 
-from lnfold import zoo
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE=1 on the CI
+# machine): otherwise each worker rewrites and compiles every test module again (~6 s), and each of
+# the suite's command-line runs compiles lnfold again (~0.25 s of its ~1 s start).
+sys.dont_write_bytecode = False
+
+from lnfold import zoo  # noqa: E402  (after the line above, so that lnfold's bytecode is written)
 
 
 def _one_core_per_worker() -> None:
@@ -37,6 +43,22 @@ def _fewer_collections() -> None:
 
 
 _fewer_collections()
+
+
+def _one_torchlib_table() -> None:
+    """torch.onnx.export (dynamo) builds its table of torchlib translations again for every export
+    (0.8 s on the CI machine, 2026-12-03), and the suite exports a few hundred models with no custom
+    table: one table per opset serves them all (an export only reads it). Where torch moved the
+    table, every export builds its own as before."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        build = _registration.ONNXRegistry.from_torchlib.__func__
+    except (ImportError, AttributeError):
+        return
+    _registration.ONNXRegistry.from_torchlib = classmethod(functools.cache(build))
+
+
+_one_torchlib_table()
 
 
 def export_quiet(module, args, names, **kw):
