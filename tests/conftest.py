@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 sys.dont_write_bytecode = False
 
 from lnfold import zoo  # noqa: E402  (after the line above, so that lnfold's bytecode is written)
+from tests.fuzz.export import cache_torchlib_registry  # noqa: E402
 
 
 def _one_core_per_worker() -> None:
@@ -45,20 +45,9 @@ def _fewer_collections() -> None:
 _fewer_collections()
 
 
-def _one_torchlib_table() -> None:
-    """torch.onnx.export (dynamo) builds its table of torchlib translations again for every export
-    (0.8 s on the CI machine, 2026-12-03), and the suite exports a few hundred models with no custom
-    table: one table per opset serves them all (an export only reads it). Where torch moved the
-    table, every export builds its own as before."""
-    try:
-        from torch.onnx._internal.exporter import _registration
-        build = _registration.ONNXRegistry.from_torchlib.__func__
-    except (ImportError, AttributeError):
-        return
-    _registration.ONNXRegistry.from_torchlib = classmethod(functools.cache(build))
-
-
-_one_torchlib_table()
+# torch.onnx.export (dynamo) builds its torchlib table again for every export (0.8 s each on the CI
+# machine, 2026-12-03); the suite's few hundred exports, not only the fuzzer's, share one per opset
+cache_torchlib_registry()
 
 
 def export_quiet(module, args, names, **kw):

@@ -37,9 +37,10 @@ def _silenced():
 _REGISTRY_CACHED = False
 
 
-def _cache_torchlib_registry() -> None:
+def cache_torchlib_registry() -> None:
     """The dynamo exporter rebuilds its torchlib registry (over a second) on every export; the
-    fuzzer exports thousands of models with no custom ops, so build it once."""
+    suite exports thousands of models with no custom ops, so build it once per opset (an export only
+    reads it: the same bytes). Where torch moved it, every export builds its own as before."""
     global _REGISTRY_CACHED
     if _REGISTRY_CACHED:
         return
@@ -70,7 +71,7 @@ def export(case: Case):
     import onnx
 
     if case.exporter == "dynamo":
-        _cache_torchlib_registry()
+        cache_torchlib_registry()
 
     for name in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript"):
         logging.getLogger(name).setLevel(logging.ERROR)
