@@ -46,7 +46,7 @@ _fewer_collections()
 
 
 # torch.onnx.export (dynamo) builds its torchlib table again for every export (0.8 s each on the CI
-# machine, 2026-12-03); the suite's few hundred exports, not only the fuzzer's, share one per opset
+# machine, 2026-12-03): one per opset from each worker's start, not only after its first fuzz export
 cache_torchlib_registry()
 
 
