@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import sys
 
@@ -45,9 +46,24 @@ def _fewer_collections() -> None:
 _fewer_collections()
 
 
-# torch.onnx.export (dynamo) builds its torchlib table again for every export (0.8 s each on the CI
-# machine, 2026-12-03): one per opset from each worker's start, not only after its first fuzz export
-cache_torchlib_registry()
+def _one_torchlib_table_per_opset() -> None:
+    """torch.onnx.export (dynamo) builds its torchlib table again for every export (0.8 s each on the
+    CI machine, 2026-12-03): from a process's first export on, not only after its first fuzz export,
+    every export shares one per opset. Patched at that first export: importing the table's module
+    costs 1.8 s, which a run that exports nothing need not pay."""
+    import torch.onnx
+
+    export = torch.onnx.export
+
+    @functools.wraps(export)
+    def export_sharing_the_table(*args, **kwargs):
+        cache_torchlib_registry()
+        return export(*args, **kwargs)
+
+    torch.onnx.export = export_sharing_the_table
+
+
+_one_torchlib_table_per_opset()
 
 
 def export_quiet(module, args, names, **kw):
