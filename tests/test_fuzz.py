@@ -26,10 +26,12 @@ from tests.fuzz import choices, export, gen, properties, shrink
 from tests.fuzz_regressions import *  # noqa: F401,F403  (the named regression tests run here too)
 
 # Seeds in the default (fast) run, and the rest in the slow set that CI runs: 300 ONNX models and
-# 60 through FX in all. The fast set is the smallest that still makes every op family, start,
-# trap and blocking reason (test_generator_covers_the_op_families).
-ONNX_FAST = range(0, 50)
-ONNX_SLOW = range(50, 300)
+# 60 through FX in all. The fast set: 20 of the first 50 seeds that together make every op family,
+# start, trap and blocking reason (test_generator_covers_the_op_families) and every exporter, dtype,
+# opset and target the 50 make, the cheapest such set by the fast run's times (6.6 s against 22 s for
+# all 50, 2026-12-03); the other 30 run in the slow set.
+ONNX_FAST = (0, 2, 3, 9, 11, 12, 17, 18, 22, 23, 25, 26, 29, 30, 32, 34, 42, 44, 46, 47)
+ONNX_SLOW = [s for s in range(300) if s not in ONNX_FAST]
 FX_FAST = range(0, 6)
 FX_SLOW = range(6, 60)
 
@@ -110,7 +112,8 @@ def test_hypothesis_onnx(data):
 
 # --- the ground truth is not vacuous -------------------------------------------------------------
 def test_generator_covers_the_op_families():
-    """Over the fixed set, the generator makes every kind of start, block, trap and verdict."""
+    """Over the fixed set, the generator makes every kind of start, block, trap and verdict, and
+    every exporter, dtype, opset and target of the first 50 seeds."""
     src, verdicts, why = "", [], []
     for s in ONNX_FAST:
         c = gen.from_seed(s)
@@ -121,7 +124,9 @@ def test_generator_covers_the_op_families():
                    ".transpose(0, 1)", ".reshape(", "[:, ", ".mean(", "F.pad(", "torch.roll(", "torch.flip(",
                    "F.linear(", "torch.softmax(", "self.drop", ".expand("]:
         assert needle in src, needle
-    assert verdicts.count("fold") > 90 and verdicts.count("keep") > 90
+    assert verdicts.count("fold") >= 30 and verdicts.count("keep") >= 30
+    combos = {(c.exporter, c.dtype, c.opset, c.target) for c in map(gen.from_seed, range(50))}
+    assert {(c.exporter, c.dtype, c.opset, c.target) for c in map(gen.from_seed, ONNX_FAST)} == combos
     joined = " ".join(why)
     for reason in ["recenter(s) (", "opaque start(s)", "a linear reads the stream", "the stream is a graph output",
                    "two axes", "a concat along the feature axis", "a per-channel scale", "post-LN"]:
