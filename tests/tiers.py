@@ -2,7 +2,7 @@
 `@pytest.mark.slow` in their own files.
 
 The default run (`python -m pytest -q -n 2`) is what a contributor runs after each change, so it
-must stay under 3 minutes on a 2-core machine. Each test below costs more than ~2 s of CPU there
+must stay under 3 minutes on a 2-core machine. Each test below costs more than ~1.5 s of CPU there
 (a transformers architecture exported or compiled, a subprocess, a training run); every group
 names the faster test that keeps the same code under the default run. Nothing here is skipped:
 CI runs all of it.
