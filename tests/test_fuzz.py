@@ -113,20 +113,25 @@ def test_hypothesis_onnx(data):
 # --- the ground truth is not vacuous -------------------------------------------------------------
 def test_generator_covers_the_op_families():
     """Over the fixed set, the generator makes every kind of start, block, trap and verdict, and
-    every exporter, dtype, opset and target of the first 50 seeds."""
-    src, verdicts, why = "", [], []
-    for s in ONNX_FAST:
-        c = gen.from_seed(s)
-        src += c.source
-        verdicts += c.expected
-        why += c.why
+    every exporter, dtype, opset and target of the first 50 seeds; over those 50, the verdicts of
+    over 90 norms each way (as when the fast set was all 50)."""
+    first = {s: gen.from_seed(s) for s in range(50)}
+    fast = [first[s] for s in ONNX_FAST]
+    src = "".join(c.source for c in fast)
+    why = [w for c in fast for w in c.why]
     for needle in ["self.emb", "flatten(2).transpose(1, 2)", "torch.tanh(", "torch.matmul(", "torch.cat(",
                    ".transpose(0, 1)", ".reshape(", "[:, ", ".mean(", "F.pad(", "torch.roll(", "torch.flip(",
                    "F.linear(", "torch.softmax(", "self.drop", ".expand("]:
         assert needle in src, needle
-    assert verdicts.count("fold") >= 30 and verdicts.count("keep") >= 30
-    combos = {(c.exporter, c.dtype, c.opset, c.target) for c in map(gen.from_seed, range(50))}
-    assert {(c.exporter, c.dtype, c.opset, c.target) for c in map(gen.from_seed, ONNX_FAST)} == combos
+    verdicts = [v for c in first.values() for v in c.expected]
+    assert verdicts.count("fold") > 90 and verdicts.count("keep") > 90
+    fast_verdicts = [v for c in fast for v in c.expected]
+    assert fast_verdicts.count("fold") >= 30 and fast_verdicts.count("keep") >= 30
+
+    def made(cases):
+        return {(c.exporter, c.dtype, c.opset, c.target) for c in cases}
+
+    assert made(fast) == made(first.values())
     joined = " ".join(why)
     for reason in ["recenter(s) (", "opaque start(s)", "a linear reads the stream", "the stream is a graph output",
                    "two axes", "a concat along the feature axis", "a per-channel scale", "post-LN"]:
