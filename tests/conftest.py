@@ -107,15 +107,39 @@ def _shared_exports(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def zoo_onnx(tmp_path_factory):
-    """name -> (torch module, example args, ONNX ModelProto), built lazily and exported once per run
-    (the zoo's modules are seeded: every worker builds the same)."""
+def zoo_module():
+    """name -> (torch module, example args), each zoo model built once per worker (the zoo's modules
+    are seeded: every worker builds the same). The folds never modify it (test_fx.py checks)."""
+    return functools.cache(lambda name: zoo.MODELS[name]())
+
+
+@pytest.fixture(scope="session")
+def zoo_program(zoo_module):
+    """name -> (module, args, ExportedProgram): lnfold's own export of the zoo module, what
+    fold_module makes of it first (fx_rewrite.api.export, dynamic sizes), once per worker. A
+    program is read as it is and every tensor a fold edits is copied first
+    (test_fx.py::test_an_exported_program_is_folded_as_it_is), so the tests of what comes after
+    the export share one (a zoo GPT-2's export is most of a fold_module of it: ~2.5 s of ~3 s).
+    `dynamic=False`: the static export, as fold_module(..., dynamic=False) makes it."""
+    from lnfold.fx_rewrite.api import export
+
+    @functools.cache
+    def get(name: str, dynamic: bool = True):
+        module, args = zoo_module(name)
+        return module, args, export(module, args, dynamic=dynamic)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def zoo_onnx(tmp_path_factory, zoo_module):
+    """name -> (torch module, example args, ONNX ModelProto), built lazily and exported once per run."""
     exports = _shared_exports(tmp_path_factory)
     cache = {}
 
     def get(name: str, opset: int = 18):
         if (name, opset) not in cache:
-            module, args = zoo.MODELS[name]()
+            module, args = zoo_module(name)
             cache[name, opset] = (module, args, exports(
                 f"zoo-{name}-opset{opset}", lambda: export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset)))
         return cache[name, opset]

@@ -44,9 +44,9 @@ def _ort(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
     return sess.run(None, {"input_ids": ids})[0]
 
 
-def test_both_frontends_fold_beta_into_the_same_biases(gpt2):
-    module, args, model = gpt2
-    on, fx = fold_model(model), fold_module(module, args)
+def test_both_frontends_fold_beta_into_the_same_biases(gpt2, zoo_program):
+    _, args, model = gpt2
+    on, fx = fold_model(model), fold_module(zoo_program("gpt2")[2], args)  # (the worker's export of the module)
     expected = [("into the bias of", 1)] * 4 + [("kept as an Add", 0)]
     assert _kinds(on.report) == _kinds(fx.report) == expected, (on.report.table(), fx.report.table())
     assert all("not a linear layer" in r.norms[-1].beta or "no bias" in r.norms[-1].beta for r in (on.report, fx.report))
@@ -82,14 +82,14 @@ def _dropping_beta(make_plan):
     return sabotaged
 
 
-def test_dropping_beta_instead_of_folding_fails_verification(monkeypatch, gpt2):
-    module, args, model = gpt2
+def test_dropping_beta_instead_of_folding_fails_verification(monkeypatch, gpt2, zoo_program):
+    _, args, model = gpt2
     monkeypatch.setattr(onnx_rewrite.api, "make_plan", _dropping_beta(onnx_rewrite.api.make_plan))
     monkeypatch.setattr(fx_rewrite.api, "make_plan", _dropping_beta(fx_rewrite.api.make_plan))
     with pytest.raises(VerificationError):
         fold_model(model)
     with pytest.raises(VerificationError):
-        fold_module(module, args)
+        fold_module(zoo_program("gpt2")[2], args)
 
 
 def test_plan_lists_residual_fusions_it_orders(gpt2):

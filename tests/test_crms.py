@@ -3,6 +3,7 @@ and a fallback the cost rule must choose. Weights are adversarial (lnfold.zoo): 
 random γ/β, so a missed centering, drop or decompression shows in the outputs."""
 from __future__ import annotations
 
+import copy
 import subprocess
 from dataclasses import replace
 import sys
@@ -88,23 +89,23 @@ def test_onnx_bert_only_the_embedding_component_compresses(zoo_onnx):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "vit", "gpt_neox"])
-def test_fx_pre_ln_models_compress(name):
-    module, args = zoo.MODELS[name]()
-    res = fold_module(module, args, mode="crms")
+def test_fx_pre_ln_models_compress(name, zoo_program):
+    module, args, program = zoo_program(name)
+    res = fold_module(program, args, mode="crms")
     assert res.report.compressed == 5 and res.report.kept == 0
     assert D - 1 in _fx_widths(res.module, args)
     assert res.max_rel_err < 1e-5
-    ref = module.double()(*args)  # exactness against float64 directly
+    ref = copy.deepcopy(module).double()(*args)  # exactness against float64 directly
     got = res.module(*args)
     assert (got.double() - ref).abs().max() / ref.abs().max() < 1e-5
 
 
-def test_fx_bert_falls_back_by_the_cost_rule():
+def test_fx_bert_falls_back_by_the_cost_rule(zoo_program):
     """torch.export keeps BERT's eval-mode dropout: the embedding norm's output reaches q/k/v and
     the residual Add through one node, so it must be decompressed, and for one block that costs
     more than compression saves: RMSNorm, with the reason."""
-    module, args = zoo.bert()
-    res = fold_module(module, args, mode="crms")
+    _, args, program = zoo_program("bert")
+    res = fold_module(program, args, mode="crms")
     [c] = res.report.compression
     assert c.verdict == "rms" and "decompressing the output of `layer_norm`" in c.reason
     assert res.report.folded == 1 and res.max_rel_err < 1e-5
@@ -143,7 +144,7 @@ def _sabotaged(kind):
     return plan_fn
 
 
-def test_planted_bug_skipped_decompression_fails_verification(zoo_onnx, monkeypatch):
+def test_planted_bug_skipped_decompression_fails_verification(zoo_onnx, zoo_program, monkeypatch):
     import lnfold.onnx_rewrite.api as onnx_api
     import lnfold.fx_rewrite.api as fx_api
 
@@ -153,9 +154,9 @@ def test_planted_bug_skipped_decompression_fails_verification(zoo_onnx, monkeypa
     with pytest.raises(VerificationError):
         fold_model(model, mode="crms")
     monkeypatch.setattr(fx_api, "make_plan", _sabotaged("decompression"))
-    module, args = zoo.gpt2()
+    _, args, program = zoo_program("gpt2")
     with pytest.raises(VerificationError):
-        fold_module(module, args, mode="crms")
+        fold_module(program, args, mode="crms")
 
 
 def test_cli_fold_crms(zoo_onnx, tmp_path):

@@ -229,9 +229,9 @@ def _layer_norms(gm) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
-def test_fold_module_deferred_is_exact_against_float64(name):
-    module, args = zoo.MODELS[name]()
-    res = fx_api.fold_module(module, args, defer="on", dynamic=False)
+def test_fold_module_deferred_is_exact_against_float64(name, zoo_program):
+    module, args, program = zoo_program(name, dynamic=False)
+    res = fx_api.fold_module(program, args, defer="on")
     assert sum(n.deferred for n in res.report.norms) == 4 and _layer_norms(res.module) == 1
     with torch.no_grad():
         own = max_rel_err(_ref64(module, args), module(*args).numpy())
@@ -251,20 +251,20 @@ def test_a_norm_reading_an_explicit_recenter_is_deferred():
     assert got <= FACTOR * own + FLOOR, (got, own)
 
 
-def test_fold_module_auto_defers_nothing_in_eager_mode():
+def test_fold_module_auto_defers_nothing_in_eager_mode(zoo_program):
     """Eager torch fuses no multiply into a GEMM: the traffic cost model never defers there."""
-    module, args = zoo.gpt2()
-    res = fx_api.fold_module(module, args, defer="auto", dynamic=False)
+    _, args, program = zoo_program("gpt2", dynamic=False)
+    res = fx_api.fold_module(program, args, defer="auto")
     assert not any(n.deferred for n in res.report.norms) and _layer_norms(res.module) == 5
 
 
-def test_fold_module_planted_bug_beta_not_moved_fails(monkeypatch):
+def test_fold_module_planted_bug_beta_not_moved_fails(monkeypatch, zoo_program):
     """The readers keep their own bias instead of `W β + b`: verification must refuse it."""
-    module, args = zoo.gpt2()
+    _, args, program = zoo_program("gpt2", dynamic=False)
     monkeypatch.setattr(fx_api, "compute_biases", lambda decision, get: {
         (d.norm, r.node): None for d in decision.deferred for r in d.readers})
     with pytest.raises(VerificationError):
-        fx_api.fold_module(module, args, defer="on", dynamic=False)
+        fx_api.fold_module(program, args, defer="on")
 
 
 @pytest.mark.slow

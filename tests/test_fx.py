@@ -45,23 +45,11 @@ def _eager(gm, example_inputs):
     return gm.forward
 
 
-@pytest.fixture(scope="module")
-def models():
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = zoo.MODELS[name]()
-        return cache[name]
-
-    return get
-
-
 # --- fold_module on real architectures ----------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["gpt2", "vit", "bert"])
-def test_fold_module_counts_outputs_and_leaves_module_alone(models, name):
-    module, args = models(name)
+def test_fold_module_counts_outputs_and_leaves_module_alone(zoo_module, name):
+    module, args = zoo_module(name)
     before = _digest(module)
     res = fold_module(module, args)
     assert (res.report.folded, res.report.kept) == COUNTS[name]
@@ -73,11 +61,11 @@ def test_fold_module_counts_outputs_and_leaves_module_alone(models, name):
     assert not mine & {t.data_ptr() for t in res.module.state_dict().values()}  # no shared storage
 
 
-def test_an_exported_program_is_folded_as_it_is(models, monkeypatch):
+def test_an_exported_program_is_folded_as_it_is(zoo_module, monkeypatch):
     """A user's own torch.export program (here: batch dynamic, nothing else) is read as it is, not
     exported again: the same report as the module's, a verified fold that keeps its dynamic batch,
     and the program itself untouched."""
-    module, args = models("vit")
+    module, args = zoo_module("vit")
     program = torch.export.export(module, args, dynamic_shapes=({0: torch.export.Dim.DYNAMIC},), strict=False)
     before = _digest(program.module())
     expected = analyze_module(module, args, dynamic=False).to_dict()
@@ -95,38 +83,38 @@ def test_an_exported_program_is_folded_as_it_is(models, monkeypatch):
     assert _digest(program.module()) == before
 
 
-def test_folded_module_takes_other_sequence_lengths(models):
-    module, _ = models("gpt2")
+def test_folded_module_takes_other_sequence_lengths(zoo_module):
+    module, _ = zoo_module("gpt2")
     res = fold_module(module, (torch.randint(0, 101, (2, 9)),))
     x = torch.randint(0, 101, (3, 17))
     with torch.no_grad():
         assert _rel(module(x), res.module(x)) < RTOL
 
 
-def test_norm_choice_rms_norm_or_layer_norm(models):
-    module, args = models("gpt2")
+def test_norm_choice_rms_norm_or_layer_norm(zoo_program):
+    _, args, program = zoo_program("gpt2")
     targets = lambda m: [str(n.target) for n in m.graph.nodes if n.op == "call_function"]  # noqa: E731
-    rms = fold_module(module, args, norm="rms_norm")
+    rms = fold_module(program, args, norm="rms_norm")
     assert sum("rms_norm" in t for t in targets(rms.module)) == 5
     assert not any("layer_norm" in t for t in targets(rms.module))
-    kept = fold_module(module, args)  # eager default: the fused LayerNorm on the centered stream
+    kept = fold_module(program, args)  # eager default: the fused LayerNorm on the centered stream
     assert sum("layer_norm" in t for t in targets(kept.module)) == 5
     assert rms.max_rel_err < RTOL and kept.max_rel_err < RTOL
 
 
-def test_frontends_agree_on_every_verdict(zoo_onnx):
+def test_frontends_agree_on_every_verdict(zoo_program, zoo_onnx):
     """The fast tier's agreement check; the full run checks every zoo architecture (test_differential.py)."""
     name = "gpt2"
-    module, args, proto = zoo_onnx(name)
-    fx_report = analyze_module(module, args)
-    onnx_report = onnx_rewrite.analyze_model(proto)
+    _, args, program = zoo_program(name)
+    fx_report = analyze_module(program, args)
+    onnx_report = onnx_rewrite.analyze_model(zoo_onnx(name)[2])
     assert [n.verdict for n in fx_report.norms] == [n.verdict for n in onnx_report.norms]
     assert (fx_report.folded, fx_report.kept) == (onnx_report.folded, onnx_report.kept) == COUNTS[name]
 
 
-def test_bert_keeps_post_ln_norms_with_reasons(models):
-    module, args = models("bert")
-    report = analyze_module(module, args)
+def test_bert_keeps_post_ln_norms_with_reasons(zoo_program):
+    _, args, program = zoo_program("bert")
+    report = analyze_module(program, args)
     for n in report.norms[1:]:
         assert "aten.linear" in n.reason and "Post-LN block" in n.reason and "shift-invariant" not in n.reason
 
@@ -134,22 +122,22 @@ def test_bert_keeps_post_ln_norms_with_reasons(models):
 # --- the tests can fail --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm", ["auto", "rms_norm"])
-def test_planted_bug_skipped_centering_fails_verification(models, monkeypatch, norm):
+def test_planted_bug_skipped_centering_fails_verification(zoo_program, monkeypatch, norm):
     """Drop one centering from the plan: verification must catch it, even when the eager module
     keeps LayerNorm (which would hide it), because fold_module also checks the RMSNorm twin."""
-    module, args = models("gpt2")
+    _, args, program = zoo_program("gpt2")
     sabotaged = missing_one_centering(fx_rewrite.api.make_plan)
 
     monkeypatch.setattr(fx_rewrite.api, "make_plan", sabotaged)
     with pytest.raises(VerificationError):
-        fold_module(module, args, norm=norm)
+        fold_module(program, args, norm=norm)
 
 
-def test_swap_without_centering_is_not_equivalent(models):
+def test_swap_without_centering_is_not_equivalent(zoo_program):
     """The adversarial weights make a bare LayerNorm -> RMSNorm swap visibly wrong."""
-    module, args = models("gpt2")
-    res = fold_module(module, args, norm="rms_norm", verify=False)
-    bare = fx_rewrite.api.export(module, args).module()
+    module, args, program = zoo_program("gpt2")
+    res = fold_module(program, args, norm="rms_norm", verify=False)
+    bare = program.module()
     from lnfold.fx_rewrite.apply import ATEN, rms_probe
     probe = rms_probe(bare, [n.name for n in bare.graph.nodes if "layer_norm" in str(n.target)], ATEN)
     with torch.no_grad():
@@ -331,8 +319,8 @@ def test_backend_cache_notices_changed_parameters():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
-def test_compile_matches_eager_and_inductor_sees_no_layernorm(models, monkeypatch, name):
-    module, args = models(name)
+def test_compile_matches_eager_and_inductor_sees_no_layernorm(zoo_module, monkeypatch, name):
+    module, args = zoo_module(name)
     handed = []
     real = backend_mod._inductor
 
@@ -351,10 +339,10 @@ def test_compile_matches_eager_and_inductor_sees_no_layernorm(models, monkeypatc
 
 
 @pytest.mark.slow
-def test_training_step_same_loss_and_gradients(models):
+def test_training_step_same_loss_and_gradients(zoo_module):
     """Through the backend under autograd: the optimizer's parameters are centered in the graph,
     so loss and gradients are the original model's. Reference: the same step in float64."""
-    module, (ids,) = models("gpt2")
+    module, (ids,) = zoo_module("gpt2")
 
     def step(model, fn):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -439,10 +427,10 @@ def test_token_select_slice_and_mean_pool_are_transparent():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_fold_is_as_accurate_as_the_original(models, dtype):
+def test_half_precision_fold_is_as_accurate_as_the_original(zoo_module, dtype):
     """16-bit: centering runs in float64 and is cast back; the folded model's error against a
     float64 run is checked against the original model's own (DESIGN §4)."""
-    module, args = models("gpt2")
+    module, args = zoo_module("gpt2")
     half = copy.deepcopy(module).to(dtype)
     res = fold_module(half, args, norm="rms_norm")
     assert res.report.folded == 5

@@ -80,22 +80,31 @@ def test_float64_runs_in_onnxruntime_beside_ops_without_double_kernels(vit_files
     assert abs(exact[0] - whole[0]).max() <= 1e-12 * abs(whole[0]).max()
 
 
+def _refuses_a_dropped_centering(model, monkeypatch) -> None:
+    from lnfold.onnx_rewrite import api
+
+    assert fold_model(model).criterion == "float64"
+    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan))
+    with pytest.raises(VerificationError, match="away from a float64 run"):
+        fold_model(model)
+
+
+def test_a_planted_bug_is_refused_through_segments(vit_files, monkeypatch):
+    """A dropped centering, through the float64 run in onnxruntime + reference evaluator segments."""
+    _refuses_a_dropped_centering(onnx.load(str(vit_files[0])), monkeypatch)
+
+
 @pytest.mark.parametrize("name", ["vit", "gpt2"])
 def test_a_planted_bug_is_still_refused(name, monkeypatch):
     """A dropped centering on a bigger model than the zoo's default, through each float64 path
     (ViT: onnxruntime + reference evaluator segments; GPT-2: onnxruntime alone)."""
-    from lnfold.onnx_rewrite import api
-
     if name == "vit":
         module, args = zoo.vit(layers=4, hidden=128, heads=4, image=64, patch=8)
         model = export_quiet(module, args, ["pixel_values"], opset=18)
     else:
         module, args = zoo.gpt2(n_layer=4, n_embd=128, n_head=4, vocab=1000, positions=64)
         model = export_quiet(module, args, ["input_ids"], opset=18)
-    assert fold_model(model).criterion == "float64"
-    monkeypatch.setattr(api, "make_plan", missing_one_centering(api.make_plan))
-    with pytest.raises(VerificationError, match="away from a float64 run"):
-        fold_model(model)
+    _refuses_a_dropped_centering(model, monkeypatch)
 
 
 def _bias_gelu_model():

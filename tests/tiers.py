@@ -69,7 +69,7 @@ FULL_RUN_ONLY: dict[str, str] = {
     "tests/test_trained.py::test_onnx_fold_keeps_the_metric[gpt2_stdlib]": "test_fold_module_keeps_the_metric[...]",
     "tests/test_trained.py::test_planted_missed_centering_changes_perplexity_and_is_refused_by_onnx":
         "test_onnx_fold.py's and test_fx.py's planted bugs; test_fold_module_keeps_the_metric[gpt2_stdlib]",
-    "tests/test_verify_cost.py::test_a_planted_bug_is_still_refused[gpt2]": "[vit]",
+    "tests/test_verify_cost.py::test_a_planted_bug_is_still_refused": "test_a_planted_bug_is_refused_through_segments",
     "tests/test_package.py::test_report_says_what_was_edited": "test_fold_json_and_help",
     "tests/test_bench.py::test_bench_prints_kernels_and_end_to_end_ratios": "the other test_bench tests",
     "tests/test_zoo_quiet.py::test_zoo_models_build_without_warnings": "the zoo models the other tests build",
