@@ -135,14 +135,12 @@ def zoo_program(zoo_module):
 def zoo_onnx(tmp_path_factory, zoo_module):
     """name -> (torch module, example args, ONNX ModelProto), built lazily and exported once per run."""
     exports = _shared_exports(tmp_path_factory)
-    cache = {}
 
+    @functools.cache
     def get(name: str, opset: int = 18):
-        if (name, opset) not in cache:
-            module, args = zoo_module(name)
-            cache[name, opset] = (module, args, exports(
-                f"zoo-{name}-opset{opset}", lambda: export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset)))
-        return cache[name, opset]
+        module, args = zoo_module(name)
+        return module, args, exports(
+            f"zoo-{name}-opset{opset}", lambda: export_quiet(module, args, zoo.INPUT_NAMES[name], opset=opset))
 
     return get
 
