@@ -13,9 +13,6 @@ import pytest
 # the suite's command-line runs compiles lnfold again (~0.25 s of its ~1 s start).
 sys.dont_write_bytecode = False
 
-from lnfold import zoo  # noqa: E402  (after the line above, so that lnfold's bytecode is written)
-from tests.fuzz.export import cache_torchlib_registry  # noqa: E402
-
 
 def _one_core_per_worker() -> None:
     """Under pytest-xdist each worker gets its share of the cores for torch's intra-op threads:
@@ -29,9 +26,6 @@ def _one_core_per_worker() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-_one_core_per_worker()
-
-
 def _fewer_collections() -> None:
     """torch.export and the ONNX exporter allocate millions of small objects; with Python's default
     thresholds the cyclic collector took 6-10 % of a zoo architecture's export, rescanning the
@@ -43,15 +37,14 @@ def _fewer_collections() -> None:
     gc.set_threshold(100_000, 50, 50)
 
 
-_fewer_collections()
-
-
 def _one_torchlib_table_per_opset() -> None:
     """torch.onnx.export (dynamo) builds its torchlib table again for every export (0.8 s each on the
     CI machine, 2026-12-03): from a process's first export on, not only after its first fuzz export,
     every export shares one per opset. Patched at that first export: importing the table's module
     costs 1.8 s, which a run that exports nothing need not pay."""
     import torch.onnx
+
+    from tests.fuzz.export import cache_torchlib_registry
 
     export = torch.onnx.export
 
@@ -63,10 +56,22 @@ def _one_torchlib_table_per_opset() -> None:
     torch.onnx.export = export_sharing_the_table
 
 
-_one_torchlib_table_per_opset()
+def pytest_configure(config):
+    """The process's setup for running tests, and torch imported for them, except in pytest-xdist's
+    controller: it hands the tests to its workers and runs none, and the workers start only once it
+    has configured (torch's import there delayed every run by ~3 s)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    from lnfold import zoo  # noqa: F401  (torch and lnfold before the collector's freeze)
+
+    _one_core_per_worker()
+    _fewer_collections()
+    _one_torchlib_table_per_opset()
 
 
 def export_quiet(module, args, names, **kw):
+    from lnfold import zoo
+
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         return zoo.export_onnx(module, args, names, **kw)
 
@@ -110,6 +115,8 @@ def _shared_exports(tmp_path_factory):
 def zoo_module():
     """name -> (torch module, example args), each zoo model built once per worker (the zoo's modules
     are seeded: every worker builds the same). The folds never modify it (test_fx.py checks)."""
+    from lnfold import zoo
+
     return functools.cache(lambda name: zoo.MODELS[name]())
 
 
@@ -134,6 +141,8 @@ def zoo_program(zoo_module):
 @pytest.fixture(scope="session")
 def zoo_onnx(tmp_path_factory, zoo_module):
     """name -> (torch module, example args, ONNX ModelProto), built lazily and exported once per run."""
+    from lnfold import zoo
+
     exports = _shared_exports(tmp_path_factory)
 
     @functools.cache
