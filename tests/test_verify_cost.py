@@ -21,12 +21,11 @@ from tests.conftest import export_quiet, missing_one_centering
 
 
 @pytest.fixture(scope="module")
-def vit_files(tmp_path_factory):
+def vit_files(tmp_path_factory, zoo_onnx):
     """A ViT (conv stem, Erf GELU: no double kernels in onnxruntime) saved as files, as the CLI
-    verifies: the original and its fold."""
+    verifies: the original and its fold. (The zoo's, as the run's other files export it.)"""
     d = tmp_path_factory.mktemp("vit")
-    module, args = zoo.vit(layers=2, hidden=64, image=32, patch=8)
-    model = export_quiet(module, args, ["pixel_values"], opset=18)
+    _, _, model = zoo_onnx("vit")
     onnx.save(model, d / "vit.onnx")
     onnx.save(fold_model(model, verify=False).model, d / "vit.folded.onnx")
     return d / "vit.onnx", d / "vit.folded.onnx"
