@@ -19,7 +19,7 @@ import torch
 import lnfold
 from lnfold.passes import VerificationError
 from tests.conftest import missing_one_centering
-from tests.test_rotate import _toy, _toy_onnx
+from tests.test_rotate import _toy, _toy_onnx, _toy_program
 
 warnings.filterwarnings("ignore", category=UserWarning)
 
@@ -29,8 +29,7 @@ FP32_U = 2.0 ** -24
 def _fold(frontend: str, **kw):
     if frontend == "onnx":
         return lnfold.fold_onnx(_toy_onnx("opaque"), **kw)
-    m, args = _toy("opaque")
-    return lnfold.fold_module(m, args, **kw)
+    return lnfold.fold_module(*_toy_program("opaque"), **kw)
 
 
 @pytest.mark.parametrize("frontend, norm", [("onnx", None), ("fx", "auto"), ("fx", "rms_norm")])

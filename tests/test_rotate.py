@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import lnfold
-from lnfold import zoo
+from lnfold import fx_rewrite, zoo
 from lnfold.passes import LnfoldError, VerificationError
 from lnfold.passes import orthogonal, rotate
 
@@ -133,6 +133,14 @@ def _toy(block: str = "", seed: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
+def _toy_program(block: str = ""):
+    """(lnfold's own export of `_toy(block)`, its args), once per worker as `_toy_onnx` is: the torch
+    tests fold it with their options (fold_module reads a program as it is; test_fx checks)."""
+    m, args = _toy(block)
+    return fx_rewrite.api.export(m, args), args
+
+
+@functools.lru_cache(maxsize=None)
 def _toy_onnx(block: str = ""):
     m, args = _toy(block)
     return zoo.export_onnx(m, args, ["ids"])
@@ -160,8 +168,7 @@ def _rotations(report):
 
 
 def test_gamma_into_readers_is_exact_in_torch():
-    m, args = _toy()
-    res = lnfold.fold_module(m, args, gamma_into_readers=True)
+    res = lnfold.fold_module(*_toy_program(), gamma_into_readers=True)
     assert res.criterion == "float64" and res.report.folded == 3
     assert all("into the weight of" in n.gamma for n in res.report.norms), [n.gamma for n in res.report.norms]
     # every folded norm has unit weight now: no LayerNorm/RMSNorm in the graph reads a weight
@@ -187,8 +194,7 @@ def test_gamma_into_readers_is_exact_in_onnx():
 
 @pytest.mark.parametrize("kind", ["hadamard", "orthogonal-keep-ln"])
 def test_rotation_is_exact_and_reported_alike_in_both_frontends(kind):
-    m, args = _toy()
-    t = lnfold.fold_module(m, args, rotate=kind, seed=5)
+    t = lnfold.fold_module(*_toy_program(), rotate=kind, seed=5)
     o = lnfold.fold_onnx(_toy_onnx(), rotate=kind, seed=5)
     for res in (t, o):
         assert res.criterion == "float64"
@@ -199,8 +205,7 @@ def test_rotation_is_exact_and_reported_alike_in_both_frontends(kind):
 
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_each_blocking_reason_keeps_the_stream_unrotated_and_exact(block):
-    m, args = _toy(block)
-    res = lnfold.fold_module(m, args, rotate="hadamard")
+    res = lnfold.fold_module(*_toy_program(block), rotate="hadamard")
     (stream,) = res.report.streams
     assert stream.rotation.startswith("not rotated: ") and BLOCKS[block] in stream.rotation, stream.rotation
     assert res.criterion == "float64"
@@ -208,8 +213,7 @@ def test_each_blocking_reason_keeps_the_stream_unrotated_and_exact(block):
 
 @pytest.mark.parametrize("block", sorted(UNROTATED))
 def test_a_norm_that_keeps_gamma_unrotates_its_output_exactly(block):
-    m, args = _toy(block)
-    res = lnfold.fold_module(m, args, rotate="hadamard")
+    res = lnfold.fold_module(*_toy_program(block), rotate="hadamard")
     (stream,) = res.report.streams
     assert stream.rotation.startswith("rotated (hadamard") and "un-rotated after `layer_norm_2`" in stream.rotation
     assert UNROTATED[block] in res.report.norms[-1].gamma
@@ -253,9 +257,8 @@ def test_a_planted_rotation_bug_is_refused(monkeypatch, bug):
     from lnfold.passes import plan as plan_module
 
     monkeypatch.setattr(plan_module, "plan_rotation", bug(plan_module.plan_rotation))
-    m, args = _toy()
     with pytest.raises(VerificationError):
-        lnfold.fold_module(m, args, rotate="hadamard")
+        lnfold.fold_module(*_toy_program(), rotate="hadamard")
     with pytest.raises(VerificationError):
         lnfold.fold_onnx(_toy_onnx(), rotate="hadamard")
 
@@ -264,11 +267,10 @@ def test_keep_ln_rotation_keeps_stock_layernorms_exact():
     """torch's default emission keeps aten.layer_norm on the folded stream: with a keep-LN Q (Q·1 = 1)
     the rotated stream stays zero-mean and the stock LayerNorms (unit weight) stay exact; with a
     plain Q the norms must become RMSNorms (and do)."""
-    m, args = _toy()
-    keep = lnfold.fold_module(m, args, rotate="hadamard-keep-ln")
+    keep = lnfold.fold_module(*_toy_program(), rotate="hadamard-keep-ln")
     targets = [str(n.target) for n in keep.module.graph.nodes if "norm" in str(n.target)]
     assert targets and all("layer_norm" in t for t in targets)
-    plain = lnfold.fold_module(m, args, rotate="hadamard")
+    plain = lnfold.fold_module(*_toy_program(), rotate="hadamard")
     targets = [str(n.target) for n in plain.module.graph.nodes if "norm" in str(n.target)]
     assert targets and all("rms_norm" in t for t in targets)
 

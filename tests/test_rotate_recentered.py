@@ -22,7 +22,7 @@ from torch import nn
 import lnfold
 from lnfold import fx_rewrite, onnx_rewrite, zoo
 from lnfold.passes import VerificationError
-from tests.test_rotate import _toy, _toy_onnx
+from tests.test_rotate import _toy_onnx, _toy_program
 from tests.test_slice import calibration, recentered_model
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -65,7 +65,7 @@ def _stem_onnx():
 def _fold(frontend: str, model: str = "conv", **kw):
     if frontend == "onnx":
         return lnfold.fold_onnx(_stem_onnx() if model == "conv" else _toy_onnx("opaque"), **kw)
-    return lnfold.fold_module(*(_stem() if model == "conv" else _toy("opaque")), **kw)
+    return lnfold.fold_module(*(_stem() if model == "conv" else _toy_program("opaque")), **kw)
 
 
 @pytest.mark.parametrize("frontend, model, kind", [
