@@ -33,6 +33,7 @@ from lnfold.fx_rewrite import train as train_mod
 from lnfold.fx_rewrite.train import LayerNormAsRMSNorm
 
 from .conftest import missing_one_centering
+from .test_rotate import _toy
 
 RTOL = 1e-5
 IDS = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -127,14 +128,15 @@ def test_planted_bug_rmsnorm_without_centering_trains_differently(monkeypatch, s
     make_plan = train_mod.make_plan
     monkeypatch.setattr(train_mod, "make_plan", missing_one_centering(make_plan) if sabotage == "one centering"
                         else no_centering)
-    model, _ = zoo.gpt2()
+    model, (ids,) = _toy()  # (adversarial Pre-LN; the GPT-2 tests above train the real architecture)
     eager = copy.deepcopy(model)
     with pytest.raises(VerificationError):
-        lnfold.fold_for_training(model, (IDS,))
+        lnfold.fold_for_training(model, (ids,))
     assert [type(m) for m in model.modules()] == [type(m) for m in eager.modules()]  # restored
 
-    lnfold.fold_for_training(model, (IDS,), verify=False)
-    want, got = sgd_steps(eager, lm_loss), sgd_steps(model, lm_loss)
+    lnfold.fold_for_training(model, (ids,), verify=False)
+    loss = functools.partial(lm_loss, ids=ids)
+    want, got = sgd_steps(eager, loss), sgd_steps(model, loss)  # (measured: 0.023 and 0.075 apart)
     assert max(abs(a - b) / abs(a) for a, b in zip(want, got)) > 1e-3
 
 
