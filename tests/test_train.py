@@ -163,11 +163,25 @@ def test_bad_input_and_components_this_fold_cannot_edit():
     assert type(m.ln) is nn.LayerNorm
 
 
+class _DropoutOnTheStream(nn.Module):
+    """A residual block whose output passes a Dropout before it joins the stream (GPT-2's resid_dropout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln, self.fc, self.ln_f = nn.Embedding(101, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.ln_f(h + self.drop(self.fc(self.ln(h))))
+
+
 def test_train_mode_dropout_on_the_stream_keeps_the_norms():
-    """Dropout with p > 0 on the residual stream is not shift-transparent: folding would be wrong."""
-    model, _ = zoo.gpt2()
-    with pytest.raises(NothingToFold, match="dropout"):
-        lnfold.fold_for_training(model.train(), (IDS,))
+    """Dropout with p > 0 on the residual stream is not shift-transparent: folding would be wrong
+    (a default GPT-2: test_default_gpt2_says_which_dropout_to_set_and_folds_once_set)."""
+    with pytest.raises(NothingToFold, match="Train-mode Dropout writes into the residual stream"):
+        lnfold.fold_for_training(_DropoutOnTheStream().train(), (IDS,))
+    assert lnfold.fold_for_training(_DropoutOnTheStream().eval(), (IDS,)).report.folded == 2  # (a no-op in eval)
 
 
 def test_default_gpt2_says_which_dropout_to_set_and_folds_once_set():
