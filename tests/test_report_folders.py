@@ -46,7 +46,7 @@ def test_report_on_a_checkpoint_folder(tmp_path, capsys):
     before = sorted(p.name for p in src.iterdir())
     assert cli_main(["report", str(src), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["folded"], report["kept"]) == (7, 0)  # (3 blocks' two norms and the final one)
+    assert (report["folded"], report["kept"]) == (5, 0)  # (2 blocks' two norms and the final one)
     assert sorted(p.name for p in src.iterdir()) == before and sorted(p.name for p in tmp_path.iterdir()) == ["opt"]
 
 
@@ -57,5 +57,5 @@ def test_report_on_a_checkpoint_folder_matches_the_fold(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert cli_main(["fold", str(src), "-o", str(tmp_path / "out"), "--json", "--no-verify"]) == 0
     folded = json.loads(capsys.readouterr().out)["report"]
-    assert report["folded"] == folded["folded"] == 7 and report["norms"] == folded["norms"]
+    assert report["folded"] == folded["folded"] == 5 and report["norms"] == folded["norms"]
     shutil.rmtree(tmp_path / "out")
