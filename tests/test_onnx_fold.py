@@ -263,13 +263,13 @@ def test_cli_refuses_model_with_nothing_to_fold(tmp_path):
 
 
 @pytest.mark.parametrize("name,folded", [("vit", 5), ("bert", 1)])
-def test_legacy_exporter_decomposed_layernorms(name, folded):
+def test_legacy_exporter_decomposed_layernorms(name, folded, zoo_module):
     """torch's TorchScript exporter at opset 14 emits LayerNorm as ReduceMean/Sub/Pow/.../Add."""
     from lnfold import zoo
 
     from .conftest import export_quiet
 
-    module, args = zoo.MODELS[name]()
+    module, args = zoo_module(name)  # (the worker's, shared with the other files)
     model = export_quiet(module, args, zoo.INPUT_NAMES[name], opset=14, dynamo=False)
     assert "LayerNormalization" not in _ops(model)
     res = fold_model(model)
