@@ -84,7 +84,8 @@ FULL_RUN_ONLY: dict[str, str] = {
     "tests/test_differential.py::test_fold_module_finds_hand_written_layernorms_and_x_at_w_t": "the fuzzer's FX seeds",
     "tests/test_defer.py::test_cli_defer_on": "test_fold_module_deferred_is_exact_against_float64[gpt2]",
     "tests/test_defer.py::test_fold_module_deferred_is_exact_against_float64[vit]": "[gpt2]",
-    "tests/test_defer.py::test_backend_deferred_is_exact_against_float64[gpt2]": "test_backend_planted_bug...",
+    "tests/test_defer.py::test_backend_deferred_is_exact_against_float64[gpt2]":
+        "test_backend_bias_follows_a_changed_parameter (ViT, deferred); test_backend_planted_bug...",
     "tests/test_reasons.py::test_report_on_a_folded_model_lists_its_rmsnorms": "test_near_miss_is_reported...",
     "tests/test_reasons.py::test_json_lists_every_blocker_by_its_full_name": "test_near_miss_is_reported...",
     "tests/test_last_mile.py::test_torch_einsum_projection_is_a_source": "the fuzzer's torch.matmul sources",
