@@ -202,7 +202,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """The test modules and all they imported live as long as the run: frozen out of the collector
-    too (as at conftest's import above), or each full collection, a fold_checkpoint's among them,
+    too (as torch and lnfold are in pytest_configure above), or each full collection, a fold_checkpoint's among them,
     rescans them (~0.2 s each)."""
     import gc
 
